@@ -1,0 +1,41 @@
+"""Per-example losses (nats), shape ``(B,)``, for the tasks dpft trains."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+#: Keys of a batch that are model inputs (everything else, e.g. ``labels``, is a target).
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
+
+
+def classification_loss(forward: Callable[..., object], batch: Mapping[str, torch.Tensor]):
+    """Cross-entropy of a sequence-classification head, one value per example.
+
+    ``batch["labels"]``: ``(B,)`` int64 in ``[0, num_labels)``. Returns ``(B,)`` nats.
+    """
+    out = forward(**model_inputs(batch))
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+
+
+def causal_lm_loss(forward: Callable[..., object], batch: Mapping[str, torch.Tensor]):
+    """Next-token cross-entropy summed over each example's predicted tokens, ``(B,)`` nats.
+
+    Positions with ``attention_mask == 0`` (padding) do not count. Summing (not averaging)
+    keeps every token of the privacy unit in its one example's gradient.
+    """
+    out = forward(**model_inputs(batch))
+    logits = out.logits if hasattr(out, "logits") else out
+    shift_logits = logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:]
+    tok = F.cross_entropy(shift_logits.transpose(1, 2), targets, reduction="none")
+    if "attention_mask" in batch:
+        tok = tok * batch["attention_mask"][:, 1:].to(tok.dtype)
+    return tok.sum(dim=1)
