@@ -1,0 +1,206 @@
+"""The privacy ledger: the single source of truth for a run's ε.
+
+An append-only list of ``(phase, dp_accounting.DpEvent)`` entries. Consecutive identical
+events of one phase are grouped as ``SelfComposedDpEvent(event, count)`` so a 10,000-step run
+is one entry, not 10,000. ε(δ) of the whole run is the PLD accountant of ``dp-accounting``
+applied to the composition of every entry (RDP reported beside it as a cross-check). This
+module never adds ε's by hand and holds no accountant of its own.
+
+The ledger serialises to JSON (``to_json``/``from_json``) so that checkpoints carry what was
+spent, and resuming never counts budget twice nor loses it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import attr
+import dp_accounting as dpa
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+#: Neighbouring relation used by every accountant of dpft unless a phase says otherwise.
+ADD_OR_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+_EVENT_CLASSES = {
+    cls.__name__: cls
+    for cls in vars(dpa.dp_event).values()
+    if isinstance(cls, type) and issubclass(cls, dpa.DpEvent)
+}
+
+
+def event_to_dict(event: dpa.DpEvent) -> dict[str, Any]:
+    """JSON-able form of any ``dp_accounting`` event (attrs classes, nested)."""
+
+    def enc(v):
+        if isinstance(v, dpa.DpEvent):
+            return event_to_dict(v)
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        return v
+
+    return {"type": type(event).__name__, **{k: enc(v) for k, v in attr.asdict(event, recurse=False).items()}}
+
+
+def event_from_dict(d: dict[str, Any]) -> dpa.DpEvent:
+    """Inverse of :func:`event_to_dict`."""
+
+    def dec(v):
+        if isinstance(v, dict) and "type" in v:
+            return event_from_dict(v)
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        return v
+
+    d = dict(d)
+    cls = _EVENT_CLASSES[d.pop("type")]
+    return cls(**{k: dec(v) for k, v in d.items()})
+
+
+@dataclass
+class LedgerEntry:
+    """One group of identical events of one phase: ``event`` composed ``count`` times."""
+
+    phase: str
+    event: dpa.DpEvent
+    count: int = 1
+
+    def composed(self) -> dpa.DpEvent:
+        return self.event if self.count == 1 else dpa.SelfComposedDpEvent(self.event, self.count)
+
+
+@dataclass
+class PrivacyReport:
+    """ε at δ of a composition, from PLD (primary) and RDP (cross-check)."""
+
+    epsilon: float
+    delta: float
+    epsilon_rdp: float
+    accountant: str = "PLD (dp-accounting)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "epsilon_rdp": self.epsilon_rdp,
+            "accountant": self.accountant,
+        }
+
+
+def pld_accountant(discretization: float = 1e-4) -> pld_privacy_accountant.PLDAccountant:
+    """A fresh PLD accountant (add/remove-one, pessimistic discretisation of dp-accounting)."""
+    return pld_privacy_accountant.PLDAccountant(ADD_OR_REMOVE, value_discretization_interval=discretization)
+
+
+def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
+    """ε(δ) of the composition of ``events`` with PLD and RDP.
+
+    Raises:
+        ValueError: δ not in (0, 1).
+    """
+    if not 0 < delta < 1:
+        raise ValueError(f"δ must be in (0, 1), got {delta}")
+    events = list(events)
+    if not events:
+        return PrivacyReport(0.0, delta, 0.0)
+    event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
+    pld = pld_accountant()
+    pld.compose(event)
+    rdp = rdp_privacy_accountant.RdpAccountant(neighboring_relation=ADD_OR_REMOVE)
+    rdp.compose(event)
+    return PrivacyReport(float(pld.get_epsilon(delta)), delta, float(rdp.get_epsilon(delta)))
+
+
+class PrivacyLedger:
+    """Append-only record of every private release of a run.
+
+    ``record(phase, event)`` appends (grouping repeats); ``epsilon(delta)`` composes all.
+    Entries are never removed; ``from_json`` restores a saved ledger exactly.
+    """
+
+    def __init__(self, entries: list[LedgerEntry] | None = None, certified: bool = True,
+                 not_certified_reason: str | None = None):
+        self.entries: list[LedgerEntry] = list(entries or [])
+        #: False when a reproduction flag ran an uncertifiable configuration; ε is then refused.
+        self.certified = certified
+        self.not_certified_reason = not_certified_reason
+        self._cache: dict[tuple[float, int], PrivacyReport] = {}
+
+    def record(self, phase: str, event: dpa.DpEvent, count: int = 1) -> None:
+        """Append ``event`` (``count`` times) under ``phase``."""
+        if count <= 0:
+            return
+        last = self.entries[-1] if self.entries else None
+        if last is not None and last.phase == phase and last.event == event:
+            last.count += count
+        else:
+            self.entries.append(LedgerEntry(phase, event, count))
+
+    def mark_not_certified(self, reason: str) -> None:
+        """Irrevocably mark the run as not certifiable (reproduction flags only)."""
+        self.certified = False
+        self.not_certified_reason = reason
+
+    @property
+    def steps(self) -> int:
+        return sum(e.count for e in self.entries)
+
+    def events(self, phase: str | None = None) -> list[dpa.DpEvent]:
+        return [e.composed() for e in self.entries if phase is None or e.phase == phase]
+
+    def epsilon(self, delta: float) -> PrivacyReport:
+        """ε(δ) of everything recorded so far (cached per ledger length).
+
+        Raises:
+            NotCertifiedError: the run was marked not certified.
+        """
+        if not self.certified:
+            raise NotCertifiedError(self.not_certified_reason or "run marked not certified")
+        key = (delta, sum(e.count for e in self.entries) + 1000003 * len(self.entries))
+        if key not in self._cache:
+            self._cache = {key: epsilon_of(self.events(), delta)}
+        return self._cache[key]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "certified": self.certified,
+            "not_certified_reason": self.not_certified_reason,
+            "entries": [
+                {"phase": e.phase, "count": e.count, "event": event_to_dict(e.event)} for e in self.entries
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PrivacyLedger":
+        return cls(
+            [LedgerEntry(x["phase"], event_from_dict(x["event"]), int(x["count"])) for x in d["entries"]],
+            certified=d.get("certified", True),
+            not_certified_reason=d.get("not_certified_reason"),
+        )
+
+    def save(self, path) -> None:
+        from dpft.accounting.io import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path) -> "PrivacyLedger":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+class NotCertifiedError(RuntimeError):
+    """Raised when an ε is asked of a run whose guarantee cannot be certified."""
+
+
+def format_epsilon(ledger: PrivacyLedger, delta: float) -> str:
+    """Human string: ``ε = 7.98 at δ = 1e-05 (PLD; RDP 8.61)`` or ``ε: NOT CERTIFIED (...)``."""
+    if not ledger.certified:
+        return f"ε: NOT CERTIFIED ({ledger.not_certified_reason})"
+    r = ledger.epsilon(delta)
+    if math.isinf(r.epsilon):
+        return f"ε = inf at δ = {delta:g}"
+    return f"ε = {r.epsilon:.4g} at δ = {delta:g} (PLD; RDP {r.epsilon_rdp:.4g})"

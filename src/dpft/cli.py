@@ -1,0 +1,164 @@
+"""The ``dpft`` command: ``train`` · ``account`` · ``report``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Differentially private fine-tuning of language models.")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.secho(f"error: {msg}", fg="red", err=True)
+    raise typer.Exit(code)
+
+
+def _overrides(**named) -> dict:
+    from dpft.config import _parse_scalar
+
+    out = {}
+    for key, value in named.items():
+        if key == "set" or value is None:
+            continue
+        out[key] = value
+    for item in named.get("set") or []:
+        if "=" not in item:
+            _fail(f"--set expects key=value (e.g. --set optimizer.lr=1e-3), got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = _parse_scalar(v)
+    return out
+
+
+@app.command()
+def train(
+    recipe: Optional[Path] = typer.Argument(None, help="YAML recipe (see recipes/)."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its checkpoint."),
+    no_dp: bool = typer.Option(False, "--no-dp", help="Non-private reference run (no guarantee)."),
+    model: Optional[str] = typer.Option(None, help="model.name: HF folder, hub id or 'minilm'."),
+    task: Optional[str] = typer.Option(None, help="task.name (sst2, sst5, imdb, qnli, files)."),
+    train_file: Optional[str] = typer.Option(None, help="task.train_file (CSV/TSV/JSONL/Parquet)."),
+    dev_file: Optional[str] = typer.Option(None, help="task.dev_file."),
+    text_column: Optional[str] = typer.Option(None, help="task.text_column."),
+    text_pair_column: Optional[str] = typer.Option(None, help="task.text_pair_column."),
+    label_column: Optional[str] = typer.Option(None, help="task.label_column."),
+    max_train_examples: Optional[int] = typer.Option(None, help="task.max_train_examples."),
+    max_dev_examples: Optional[int] = typer.Option(None, help="task.max_dev_examples."),
+    trainable: Optional[str] = typer.Option(None, help="trainable.mode: full, head, last_k, bias, lora."),
+    epsilon: Optional[float] = typer.Option(None, help="privacy.target_epsilon."),
+    delta: Optional[float] = typer.Option(None, help="privacy.delta."),
+    noise_multiplier: Optional[float] = typer.Option(None, help="privacy.noise_multiplier (skips calibration)."),
+    clip_norm: Optional[float] = typer.Option(None, help="privacy.clipping.max_norm (C)."),
+    clipping: Optional[str] = typer.Option(None, help="privacy.clipping.style: flat, per_layer, automatic."),
+    engine: Optional[str] = typer.Option(None, help="privacy.engine: auto, bookkeeping, reference."),
+    optimizer: Optional[str] = typer.Option(None, help="optimizer.name: sgd, adam, adamw."),
+    lr: Optional[float] = typer.Option(None, help="optimizer.lr."),
+    steps: Optional[int] = typer.Option(None, help="schedule.steps."),
+    epochs: Optional[float] = typer.Option(None, help="schedule.epochs."),
+    batch_size: Optional[int] = typer.Option(None, help="batch.expected_batch_size (q·N)."),
+    max_physical_batch_size: Optional[int] = typer.Option(None, help="batch.max_physical_batch_size."),
+    max_length: Optional[int] = typer.Option(None, help="model.max_length."),
+    eval_every: Optional[int] = typer.Option(None, help="eval.every_steps."),
+    seed: Optional[int] = typer.Option(None, help="seed."),
+    name: Optional[str] = typer.Option(None, help="run name."),
+    set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set optimizer.weight_decay=0.01"),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Fine-tune a model under (ε, δ)-DP as a recipe says; flags override recipe keys."""
+    from dpft.accounting.calibrate import CalibrationError
+    from dpft.config import RecipeError, load_recipe
+    from dpft.data.tasks import DataError
+    from dpft.models.load import ModelError
+    from dpft.report.report import epsilon_line
+    from dpft.train.loop import Trainer, TrainingError
+
+    ov = _overrides(**{
+        "model.name": model, "task.name": task, "task.train_file": train_file, "task.dev_file": dev_file,
+        "task.text_column": text_column, "task.text_pair_column": text_pair_column,
+        "task.label_column": label_column, "task.max_train_examples": max_train_examples,
+        "task.max_dev_examples": max_dev_examples, "trainable.mode": trainable,
+        "privacy.target_epsilon": epsilon, "privacy.delta": delta, "privacy.noise_multiplier": noise_multiplier,
+        "privacy.clipping.max_norm": clip_norm, "privacy.clipping.style": clipping, "privacy.engine": engine,
+        "optimizer.name": optimizer, "optimizer.lr": lr, "schedule.steps": steps, "schedule.epochs": epochs,
+        "batch.expected_batch_size": batch_size, "batch.max_physical_batch_size": max_physical_batch_size,
+        "model.max_length": max_length, "eval.every_steps": eval_every, "seed": seed, "name": name,
+        "output_dir": str(output_dir) if output_dir else None, "set": set,
+    })
+    if no_dp:
+        ov["privacy.enabled"] = False
+    if train_file and not task:
+        ov["task.name"] = "files"
+    if steps is not None and epochs is None:
+        ov["schedule.epochs"] = None
+    if epochs is not None and steps is None:
+        ov["schedule.steps"] = None
+    try:
+        rec = load_recipe(recipe, ov)
+        run_dir = Path(rec.output_dir or f"runs/{rec.name}{'-nodp' if no_dp else ''}")
+        trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
+        if trainer.private:
+            typer.echo(f"σ = {trainer.sigma:.4f} for target ε = {rec.privacy.target_epsilon} at δ = "
+                       f"{rec.privacy.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps, "
+                       f"N = {trainer.n}, C = {rec.privacy.clipping.max_norm:g}", err=True)
+        else:
+            typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)
+        rep = trainer.run()
+    except (RecipeError, DataError, ModelError, CalibrationError, TrainingError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    typer.echo(f"run directory: {run_dir}")
+    typer.echo(f"dev accuracy: {rep['metrics']['dev_accuracy']:.4f}")
+    typer.echo(epsilon_line(rep))
+
+
+@app.command()
+def account(
+    sampling_rate: float = typer.Option(..., "--sampling-rate", "-q", help="Poisson sampling rate q."),
+    steps: int = typer.Option(..., "--steps", help="Number of steps."),
+    delta: float = typer.Option(1e-5, "--delta", help="Target δ."),
+    noise_multiplier: Optional[float] = typer.Option(None, "--noise-multiplier", "--sigma", help="σ → ε"),
+    epsilon: Optional[float] = typer.Option(None, "--epsilon", help="target ε → σ"),
+    n: Optional[int] = typer.Option(None, "--n", help="Dataset size N (checks δ < 1/N)."),
+):
+    """Privacy accounting both ways: σ → ε (PLD and RDP), or target ε → σ."""
+    from dpft.accounting.calibrate import CalibrationError, calibrate_sigma, check_delta, dp_sgd_event
+    from dpft.accounting.ledger import epsilon_of
+
+    if (noise_multiplier is None) == (epsilon is None):
+        _fail("give exactly one of --noise-multiplier (σ → ε) or --epsilon (ε → σ)")
+    try:
+        check_delta(delta, n)
+        if noise_multiplier is not None:
+            rep = epsilon_of([dp_sgd_event(noise_multiplier, sampling_rate, steps)], delta)
+            typer.echo(f"σ = {noise_multiplier:g}, q = {sampling_rate:g}, {steps} steps, δ = {delta:g}")
+            typer.echo(f"ε = {rep.epsilon:.6g} (PLD)")
+            typer.echo(f"ε = {rep.epsilon_rdp:.6g} (RDP)")
+        else:
+            sigma = calibrate_sigma(epsilon, delta, sampling_rate, steps)
+            rep = epsilon_of([dp_sgd_event(sigma, sampling_rate, steps)], delta)
+            typer.echo(f"target ε = {epsilon:g}, q = {sampling_rate:g}, {steps} steps, δ = {delta:g}")
+            typer.echo(f"σ = {sigma:.6g} (certified ε = {rep.epsilon:.6g} PLD, {rep.epsilon_rdp:.6g} RDP)")
+    except CalibrationError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="A finished run directory.")):
+    """Reprint a run's report (ε recomputed from its ledger)."""
+    from dpft.report.report import reprint
+
+    try:
+        typer.echo(reprint(run_dir))
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

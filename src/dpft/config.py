@@ -1,0 +1,206 @@
+"""Recipe schema: one YAML file names everything a run needs; pydantic validates it.
+
+Unknown keys are errors (``extra="forbid"``) so a typo never silently falls back to a
+default. Every key can be overridden from the command line (``--set a.b=value`` or the named
+flags of ``dpft train``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelCfg(_Strict):
+    #: Hugging Face model directory, hub id, or ``minilm`` (embedded all-MiniLM-L6-v2).
+    name: str = "minilm"
+    #: Tokens per example (longer inputs are truncated).
+    max_length: int = Field(64, ge=2, le=8192)
+
+
+class TaskCfg(_Strict):
+    #: Registered task (sst2, sst5, imdb, qnli) or ``files`` for your own CSV/TSV/JSONL/Parquet.
+    name: str = "sst2"
+    train_file: Optional[str] = None
+    dev_file: Optional[str] = None
+    text_column: Optional[str] = None
+    text_pair_column: Optional[str] = None
+    label_column: Optional[str] = None
+    #: Use only the first n training examples (after a seeded shuffle); N is then n.
+    max_train_examples: Optional[int] = Field(None, ge=1)
+    max_dev_examples: Optional[int] = Field(None, ge=1)
+    #: Fraction of train held out as dev when the task has no dev file.
+    dev_fraction: float = Field(0.1, gt=0, lt=1)
+
+
+class LoraCfg(_Strict):
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["query", "value"]
+
+
+class TrainableCfg(_Strict):
+    #: full · head · last_k · bias · lora
+    mode: Literal["full", "head", "last_k", "bias", "lora"] = "full"
+    #: Number of top transformer blocks trained with ``last_k`` (the head always trains).
+    last_k: int = Field(2, ge=1)
+    #: Freeze the token (word) embedding matrix in ``full`` mode.
+    freeze_embeddings: bool = False
+    lora: LoraCfg = LoraCfg()
+
+
+class ClippingCfg(_Strict):
+    style: Literal["flat", "per_layer", "automatic"] = "flat"
+    #: Clipping norm C (L2, per example).
+    max_norm: float = Field(1.0, gt=0)
+    #: AUTO-S stability constant (automatic style only).
+    gamma: float = Field(0.01, gt=0)
+
+
+class PrivacyCfg(_Strict):
+    #: False = non-private reference run (no clipping, no noise, no guarantee).
+    enabled: bool = True
+    target_epsilon: Optional[float] = Field(8.0, gt=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
+    #: Fix σ instead of calibrating it from target_epsilon.
+    noise_multiplier: Optional[float] = Field(None, ge=0)
+    clipping: ClippingCfg = ClippingCfg()
+    #: Per-example engine: bookkeeping (fast, one backward) or reference (torch.func).
+    engine: Literal["auto", "bookkeeping", "reference"] = "auto"
+    #: Draw the noise from the OS CSPRNG-seeded generator instead of the recorded seed.
+    secure_rng: bool = False
+
+    @model_validator(mode="after")
+    def _target_or_sigma(self):
+        if self.enabled and self.target_epsilon is None and self.noise_multiplier is None:
+            raise ValueError("privacy: set target_epsilon (σ is calibrated) or noise_multiplier")
+        return self
+
+
+class OptimizerCfg(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = "adamw"
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+
+class ScheduleCfg(_Strict):
+    #: Number of logical (noisy) steps; or give epochs (steps = epochs / q).
+    steps: Optional[int] = Field(None, ge=1)
+    epochs: Optional[float] = Field(None, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    decay: Literal["linear", "constant"] = "linear"
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.steps is None and self.epochs is None:
+            raise ValueError("schedule: set steps or epochs")
+        return self
+
+
+class BatchCfg(_Strict):
+    #: Expected logical batch size q·N (Poisson sampling rate q = this / N).
+    expected_batch_size: int = Field(256, ge=1)
+    #: Largest micro-batch run through the model at once (memory bound).
+    max_physical_batch_size: int = Field(32, ge=1)
+
+
+class EvalCfg(_Strict):
+    every_steps: int = Field(50, ge=1)
+    batch_size: int = Field(128, ge=1)
+
+
+class Recipe(_Strict):
+    """A dpft run. See ``recipes/sst2-minilm.yaml`` for an annotated example."""
+
+    name: str = "run"
+    seed: int = 0
+    model: ModelCfg = ModelCfg()
+    task: TaskCfg = TaskCfg()
+    trainable: TrainableCfg = TrainableCfg()
+    privacy: PrivacyCfg = PrivacyCfg()
+    optimizer: OptimizerCfg = OptimizerCfg()
+    schedule: ScheduleCfg = ScheduleCfg(steps=100)
+    batch: BatchCfg = BatchCfg()
+    eval: EvalCfg = EvalCfg()
+    #: Write a checkpoint every this many steps (and at the end).
+    checkpoint_every: int = Field(50, ge=1)
+    output_dir: Optional[str] = None
+
+
+class RecipeError(ValueError):
+    """A recipe that does not validate; the message lists each bad key and what to do."""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid recipe {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - {loc}: unknown key (check the spelling; see recipes/sst2-minilm.yaml)")
+        else:
+            lines.append(f"  - {loc}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _parse_scalar(text: str) -> Any:
+    """A CLI value as YAML would read it (``1e-5`` → float, ``true`` → bool, ``[a,b]`` → list)."""
+    v = yaml.safe_load(text)
+    if isinstance(v, str):
+        try:
+            return float(v) if any(c in v for c in ".eE") else v
+        except ValueError:
+            return v
+    return v
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (``privacy.target_epsilon``) in a nested dict, creating levels."""
+    for key, value in overrides.items():
+        node = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        node[parts[-1]] = value
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Read a YAML recipe, apply dotted-key overrides, validate.
+
+    Raises:
+        RecipeError: missing file, bad YAML, unknown key or bad value (all listed).
+    """
+    data: dict[str, Any] = {}
+    source = str(path) if path else "(no file)"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise RecipeError(f"recipe file not found: {p} (see recipes/ for examples)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"recipe {p} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise RecipeError(f"recipe {p} must be a mapping of keys, got {type(data).__name__}")
+    data = apply_overrides(data, dict(overrides or {}))
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_format_errors(err, source)) from None
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

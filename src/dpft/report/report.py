@@ -1,0 +1,159 @@
+"""Run reports: ``report.json`` (machine), ``report.md`` (people), ``training.png`` (plot).
+
+Every ε printed here comes from the run's ledger (``ledger.json``) through the PLD accountant
+of dp-accounting; a non-private run says plainly that it has no guarantee.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dpft.accounting.io import atomic_write_text
+from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
+
+NO_GUARANTEE = "NONE: this is a non-private reference run (--no-dp); it has no privacy guarantee"
+
+
+def privacy_section(ledger: PrivacyLedger | None, delta: float) -> dict[str, Any]:
+    if ledger is None:
+        return {"guarantee": NO_GUARANTEE}
+    if not ledger.certified:
+        return {"guarantee": "NOT CERTIFIED", "reason": ledger.not_certified_reason, "epsilon": None}
+    rep = ledger.epsilon(delta)
+    return {"guarantee": "certified", **rep.as_dict(),
+            "ledger": [{"phase": e.phase, "count": e.count, "event": repr(e.event)} for e in ledger.entries]}
+
+
+def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[str, Any]:
+    """Build and write the three report files of a finished run; returns the JSON dict."""
+    from dpft.models.load import count_parameters
+
+    r = trainer.recipe
+    n_train, n_total = count_parameters(trainer.model)
+    priv = privacy_section(trainer.ledger if trainer.private else None, r.privacy.delta)
+    rep = {
+        "name": r.name,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "task": {"name": trainer.task.name, "source": trainer.task.source, "n_train": trainer.n,
+                 "n_dev": len(trainer.task.dev), "labels": trainer.task.label_names, "notes": trainer.task.notes},
+        "model": {"name": r.model.name, "trainable": r.trainable.mode, "trainable_parameters": n_train,
+                  "total_parameters": n_total, "max_length": r.model.max_length},
+        "privacy": priv,
+        "dp": {"private": trainer.private, "noise_multiplier": trainer.sigma, "sampling_rate": trainer.q,
+               "expected_batch_size": r.batch.expected_batch_size, "steps": trainer.total_steps,
+               "clipping": r.privacy.clipping.model_dump() if trainer.private else None,
+               "engine": type(trainer.engine).__name__, "sampling": "Poisson",
+               "noise_seed_recorded": trainer.private and not r.privacy.secure_rng},
+        "optimizer": r.optimizer.model_dump(mode="json"),
+        "metrics": final_eval,
+        "time_seconds": round(elapsed, 1),
+        "history": trainer.history.rows,
+    }
+    d = trainer.run_dir
+    atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
+    atomic_write_text(d / "report.md", render_markdown(rep))
+    try:
+        plot_history(rep["history"], d / "training.png", private=trainer.private)
+    except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
+        rep["plot_error"] = str(exc)
+    return rep
+
+
+def epsilon_line(rep: dict[str, Any]) -> str:
+    p = rep["privacy"]
+    if p["guarantee"] == "certified":
+        return (f"ε = {p['epsilon']:.4g} at δ = {p['delta']:g} ({p['accountant']}; "
+                f"RDP cross-check ε = {p['epsilon_rdp']:.4g})")
+    if p["guarantee"] == "NOT CERTIFIED":
+        return f"ε: NOT CERTIFIED — {p['reason']}"
+    return f"ε: {p['guarantee']}"
+
+
+def render_markdown(rep: dict[str, Any]) -> str:
+    dp, m, mod, t = rep["dp"], rep["metrics"], rep["model"], rep["task"]
+    lines = [
+        f"# dpft run report: {rep['name']}",
+        "",
+        f"**Privacy:** {epsilon_line(rep)}",
+        "",
+        f"**Dev accuracy:** {m['dev_accuracy']:.4f} ({t['n_dev']} examples), dev loss {m['dev_loss']:.4f} nats",
+        "",
+        "| item | value |",
+        "|---|---|",
+        f"| task | {t['name']} ({t['source']}), N = {t['n_train']} training examples |",
+        f"| model | {mod['name']} — trainable: {mod['trainable']}, {mod['trainable_parameters']:,} of {mod['total_parameters']:,} parameters |",
+    ]
+    if dp["private"]:
+        c = dp["clipping"]
+        lines += [
+            f"| noise multiplier σ | {dp['noise_multiplier']:.4f} |",
+            f"| sampling | Poisson, q = {dp['sampling_rate']:.5f} (expected batch {dp['expected_batch_size']}) |",
+            f"| steps | {dp['steps']} |",
+            f"| clipping | {c['style']}, C = {c['max_norm']:g} |",
+            f"| per-example engine | {dp['engine']} |",
+        ]
+    else:
+        lines += [f"| steps | {dp['steps']} (expected batch {dp['expected_batch_size']}) |",
+                  "| privacy | none: no clipping, no noise |"]
+    o = rep["optimizer"]
+    lines += [f"| optimizer | {o['name']}, lr {o['lr']:g}, weight decay {o['weight_decay']:g} |",
+              f"| time | {rep['time_seconds']:.0f} s |", ""]
+    if t["notes"]:
+        lines += ["Notes:", *[f"- {n}" for n in t["notes"]], ""]
+    if dp["private"] and rep["privacy"].get("ledger"):
+        lines += ["## Ledger (every private release of this run)", "", "| phase | count | event |", "|---|---|---|"]
+        lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in rep["privacy"]["ledger"]]
+        lines += [""]
+    lines += [
+        "## What the ε means",
+        "",
+        "For any one training example, the probability of any outcome of this run changes by at most",
+        "a factor e^ε between the data with and without that example, except with probability δ",
+        "(add/remove-one neighbouring datasets, example-level privacy). It covers everything derived",
+        "from the released model. Dev accuracy is computed on the public dev split and is not private",
+        "with respect to it.",
+        "",
+        "![training curves](training.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_history(rows: list[dict[str, Any]], path: Path, private: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 3 if private else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
+    steps = [x["step"] for x in rows]
+    axes[0].plot(steps, [x["train_loss"] for x in rows], lw=0.8)
+    axes[0].set(title="training loss (nats)", xlabel="step")
+    ev = [x for x in rows if "dev_accuracy" in x]
+    axes[1].plot([x["step"] for x in ev], [x["dev_accuracy"] for x in ev], marker="o")
+    axes[1].set(title="dev accuracy", xlabel="step")
+    if private:
+        axes[2].plot([x["step"] for x in ev], [x["epsilon"] for x in ev], marker="o", color="C3")
+        axes[2].set(title="ε spent (PLD)", xlabel="step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def reprint(run_dir: str | Path) -> str:
+    """Recompute the privacy line from ``ledger.json`` and return the Markdown report."""
+    d = Path(run_dir)
+    if not (d / "report.json").is_file():
+        raise FileNotFoundError(f"no report.json in {d}: is this a finished dpft run directory?")
+    rep = json.loads((d / "report.json").read_text())
+    if (d / "ledger.json").is_file() and rep["dp"]["private"]:
+        ledger = PrivacyLedger.load(d / "ledger.json")
+        try:
+            rep["privacy"] = privacy_section(ledger, rep["privacy"].get("delta") or 1e-5)
+        except NotCertifiedError:
+            pass
+    return render_markdown(rep)

@@ -1,0 +1,63 @@
+"""Checkpoints: trainable weights (safetensors), optimizer, scheduler, RNG, step and ledger.
+
+A checkpoint is a folder written beside the live one and swapped in with ``os.replace``, so
+a crash mid-write leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CKPT = "checkpoint"
+
+
+def save_checkpoint(run_dir: Path, *, step: int, params: dict[str, torch.Tensor], optimizer, scheduler,
+                    ledger_json: dict, state: dict[str, Any]) -> Path:
+    """Write ``run_dir/checkpoint`` atomically. ``state`` holds JSON-able loop state."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{CKPT}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state()}, tmp / "optim.pt")
+    (tmp / "ledger.json").write_text(json.dumps(ledger_json, indent=1))
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    final = run_dir / CKPT
+    old = run_dir / f".{CKPT}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """Read ``run_dir/checkpoint``. Raises FileNotFoundError naming the folder if absent."""
+    d = Path(run_dir) / CKPT
+    if not (d / "state.json").is_file():
+        old = Path(run_dir) / f".{CKPT}.old"
+        if (old / "state.json").is_file():  # crash between the two renames
+            d = old
+        else:
+            raise FileNotFoundError(f"no checkpoint in {run_dir}; run without --resume to start fresh")
+    return {
+        "params": load_file(str(d / "trainable.safetensors")),
+        "optim": torch.load(d / "optim.pt", weights_only=False),
+        "ledger": json.loads((d / "ledger.json").read_text()),
+        "state": json.loads((d / "state.json").read_text()),
+    }

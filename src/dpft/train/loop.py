@@ -1,0 +1,323 @@
+"""The DP training loop: Poisson sampling → per-example engine → clip → noise → post-process
+→ optimizer, one ledger event per logical step, evaluation, checkpoints and resume.
+
+Methods (``methods/``) customise a run through the hooks of :class:`Trainer` (trainable
+selection, engine, transforms, extra ledger phases) — they never copy the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from dpft.accounting.calibrate import calibrate_sigma, check_delta
+from dpft.accounting.io import atomic_write_text
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.config import Recipe, dump_recipe
+from dpft.data.sampler import PoissonSampler, hash_seed
+from dpft.data.tasks import load_task
+from dpft.data.tokenize import collate, tokenize_split
+from dpft.grads.base import NonPrivateEngine, PerExampleEngine
+from dpft.models.load import count_parameters, load_classifier, select_trainable
+from dpft.models.losses import classification_loss, model_inputs
+from dpft.privacy.clipping import make_clip_policy
+from dpft.privacy.noise import GaussianMechanism
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (non-finite loss, mismatched resume…); message names the fix."""
+
+
+#: Post-processing of the privatised, averaged gradient: ``fn(grads, ctx) -> grads``.
+#: ``ctx`` holds ``noise_std`` (per-entry std of the averaged noise, σC/(qN)), ``step`` and
+#: ``trainer``. Post-processing costs no privacy.
+Transform = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
+
+
+def make_engine(kind: str, model, loss_fn, clip) -> PerExampleEngine:
+    """``bookkeeping`` (fast path, issue 3) · ``reference`` (torch.func) · ``auto``."""
+    from dpft.grads.reference import ReferenceEngine
+
+    if kind in ("auto", "bookkeeping"):
+        try:
+            from dpft.grads.bookkeeping import BookKeepingEngine
+        except ImportError:
+            if kind == "bookkeeping":
+                raise TrainingError("the book-keeping engine is not available in this install") from None
+            return ReferenceEngine(model, loss_fn, clip)
+        return BookKeepingEngine(model, loss_fn, clip)
+    return ReferenceEngine(model, loss_fn, clip)
+
+
+def _lr_lambda(warmup: int, total: int, decay: str):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if decay == "constant":
+            return 1.0
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return f
+
+
+@dataclass
+class History:
+    """Per-step and per-eval metrics (also streamed to ``metrics.jsonl``)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Trainer:
+    """One run of a recipe in ``run_dir``.
+
+    Raises (from ``__init__``/``run``): ``DataError``, ``ModelError``, ``CalibrationError``,
+    ``TrainingError`` — each with a message that names the fix.
+    """
+
+    def __init__(self, recipe: Recipe, run_dir: str | Path, resume: bool = False,
+                 transforms: Optional[list[Transform]] = None, progress: bool = True):
+        self.recipe = r = recipe
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.transforms = list(transforms or [])
+        self.progress = progress
+        self.private = r.privacy.enabled
+        t0 = time.time()
+
+        self.task = load_task(r.task, seed=r.seed)
+        self.n = len(self.task.train)
+        self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed)
+        self.model = select_trainable(model, r.trainable)
+        self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
+        self.dev_tok = tokenize_split(self.task.dev, self.tokenizer, r.model.max_length)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+
+        self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, r.seed)
+        self.q = self.sampler.q
+        s = r.schedule
+        self.total_steps = s.steps or max(1, math.ceil(s.epochs * self.n / r.batch.expected_batch_size))
+
+        self.ledger = PrivacyLedger()
+        self.sigma = 0.0
+        if self.private:
+            check_delta(r.privacy.delta, self.n)
+            if r.privacy.noise_multiplier is not None:
+                self.sigma = float(r.privacy.noise_multiplier)
+            else:
+                self.sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, self.q, self.total_steps,
+                                             prior=self.prior_events())
+            self.clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma)
+            self.engine = make_engine(r.privacy.engine, self.model, classification_loss, self.clip)
+            self.mechanism = GaussianMechanism(self.sigma, self.clip.sensitivity, hash_seed(r.seed, 0xA0),
+                                               secure=r.privacy.secure_rng)
+        else:
+            self.engine = NonPrivateEngine(self.model, classification_loss, make_clip_policy("flat", 1.0))
+            self.mechanism = None
+        self.params = self.engine.params
+        self.optimizer = self._make_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
+        self.start_step = 0
+        self.history = History()
+        self.elapsed_before = 0.0
+        self.setup_seconds = time.time() - t0
+
+    # ------------------------------------------------------------------ hooks for methods
+    def prior_events(self) -> list:
+        """Events spent before training (e.g. a private subspace); composed into calibration."""
+        return [e.composed() for e in getattr(self, "ledger", PrivacyLedger()).entries]
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        o = self.recipe.optimizer
+        params = list(self.params.values())
+        if o.name == "sgd":
+            return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        if o.name == "adam":
+            return torch.optim.Adam(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Dev accuracy and mean loss (nats); no gradients, model in eval mode."""
+        self.model.eval()
+        bs = self.recipe.eval.batch_size
+        order = sorted(range(len(self.dev_tok)), key=lambda i: len(self.dev_tok[i]["input_ids"]))
+        correct, loss, n = 0, 0.0, 0
+        for k in range(0, len(order), bs):
+            rows = self.dev_tok.select(order[k:k + bs])
+            batch = collate(list(rows), self.pad_id, self.with_token_types)
+            logits = self.model(**model_inputs(batch)).logits.float()
+            loss += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
+            correct += int((logits.argmax(-1) == batch["labels"]).sum())
+            n += len(rows)
+        self.model.train()
+        return {"dev_accuracy": correct / n, "dev_loss": loss / n}
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict[str, float]:
+        """One logical step. Returns train loss and batch size of the step."""
+        r = self.recipe
+        torch.manual_seed(hash_seed(r.seed, step, 0xD0))  # dropout masks: resumable, per step
+        idx = self.sampler.indices(step)
+        grad_sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        loss_sum, clipped, bsz = 0.0, 0, len(idx)
+        self.model.train()
+        for micro in self.sampler.micro_batches(idx, r.batch.max_physical_batch_size):
+            rows = list(self.train_tok.select(micro.tolist()))
+            res = self.engine.clipped_sum(collate(rows, self.pad_id, self.with_token_types))
+            if not math.isfinite(res.loss_sum):
+                raise TrainingError(
+                    f"non-finite training loss at step {step}; lower optimizer.lr or check the data. "
+                    f"The last checkpoint in {self.run_dir} is intact; fix the recipe and --resume"
+                )
+            for n in grad_sum:
+                grad_sum[n].add_(res.grad_sum[n])
+            loss_sum += res.loss_sum
+            if self.private:
+                clipped += int((res.scales < 1).any(dim=1).sum())
+        if self.private:
+            noisy = self.mechanism.add_noise(grad_sum, step)
+            self.ledger.record("train", self.mechanism.event(self.q))
+        else:
+            noisy = grad_sum
+        # Divide by the expected batch size q·N: the actual size is data-dependent (private).
+        denom = float(r.batch.expected_batch_size)
+        grads = {n: g / denom for n, g in noisy.items()}
+        ctx = {"noise_std": (self.sigma * self.clip.sensitivity / denom) if self.private else 0.0,
+               "step": step, "trainer": self, "clean_sum": grad_sum}
+        for tf in self.transforms:
+            grads = tf(grads, ctx)
+        for n, p in self.params.items():
+            p.grad = grads[n].to(p.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz}
+        if self.private:
+            out["clip_fraction"] = clipped / max(bsz, 1)  # non-private statistic: logs only
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict[str, Any]:
+        return {"sigma": self.sigma, "q": self.q, "n": self.n, "total_steps": self.total_steps,
+                "recipe": json.loads(json.dumps(self.recipe.model_dump(mode="json"))),
+                "elapsed": self.elapsed_before + (time.time() - self._t_run),
+                "history": self.history.rows}
+
+    def save(self, step: int) -> None:
+        from dpft.train.checkpoint import save_checkpoint
+
+        save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
+                        scheduler=self.scheduler, ledger_json=self.ledger.to_json(), state=self._state())
+
+    def _comparable(self, d: dict) -> dict:
+        d = json.loads(json.dumps(d))
+        d.pop("output_dir", None)
+        return d
+
+    def load(self) -> None:
+        from dpft.train.checkpoint import load_checkpoint
+
+        ck = load_checkpoint(self.run_dir)
+        st = ck["state"]
+        if self._comparable(st["recipe"]) != self._comparable(self.recipe.model_dump(mode="json")):
+            raise TrainingError(
+                f"--resume: the recipe differs from the one that wrote {self.run_dir}/checkpoint; "
+                "resume with the same recipe and flags, or use a new --output-dir")
+        missing = set(self.params) - set(ck["params"])
+        if missing:
+            raise TrainingError(f"--resume: checkpoint lacks parameters {sorted(missing)[:3]}…")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(ck["params"][n])
+        self.optimizer.load_state_dict(ck["optim"]["optimizer"])
+        self.scheduler.load_state_dict(ck["optim"]["scheduler"])
+        torch.set_rng_state(ck["optim"]["torch_rng"])
+        self.sigma = st["sigma"]
+        if self.mechanism is not None:
+            self.mechanism.sigma = self.sigma
+        self.ledger = PrivacyLedger.from_json(ck["ledger"])
+        live = self.run_dir / "ledger.json"
+        if self.recipe.privacy.secure_rng and live.is_file():
+            # Fresh noise on replayed steps is a new release: keep every release ever made.
+            self.ledger = PrivacyLedger.load(live)
+        self.start_step = st["step"]
+        self.history.rows = st.get("history", [])
+        self.elapsed_before = st.get("elapsed", 0.0)
+
+    # ------------------------------------------------------------------ the run
+    def _emit(self, row: dict[str, Any]) -> None:
+        self.history.rows.append(row)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def epsilon_now(self) -> Optional[float]:
+        if not self.private:
+            return None
+        return self.ledger.epsilon(self.recipe.privacy.delta).epsilon
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``total_steps`` (from the checkpoint with ``resume``); write the report."""
+        from dpft.report.report import write_report
+
+        r = self.recipe
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._t_run = time.time()
+        if self.resume:
+            self.load()
+            # metrics.jsonl may hold rows past the checkpoint: rewrite it from the checkpoint.
+            atomic_write_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in self.history.rows))
+        else:
+            if (self.run_dir / "checkpoint").exists():
+                raise TrainingError(f"{self.run_dir} already holds a run; pass --resume to continue it "
+                                    "or choose another --output-dir (nothing was overwritten)")
+            atomic_write_text(self.run_dir / "metrics.jsonl", "")
+        atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
+        bar = tqdm(total=self.total_steps, initial=self.start_step, desc=r.name, disable=not self.progress,
+                   dynamic_ncols=True, file=sys.stderr)
+        last_eval: dict[str, float] = {}
+        for step in range(self.start_step, self.total_steps):
+            out = self.step(step)
+            done = step + 1
+            row: dict[str, Any] = {"step": done, **out, "lr": self.scheduler.get_last_lr()[0]}
+            if self.private and r.privacy.secure_rng:
+                self.ledger.save(self.run_dir / "ledger.json")
+            if done % r.eval.every_steps == 0 or done == self.total_steps:
+                last_eval = self.evaluate()
+                row.update(last_eval)
+                row["epsilon"] = self.epsilon_now()
+            self._emit(row)
+            post = {"loss": f"{out['train_loss']:.3f}"}
+            if last_eval:
+                post["dev_acc"] = f"{last_eval['dev_accuracy']:.3f}"
+            if self.private and "epsilon" in row:
+                post["ε"] = f"{row['epsilon']:.3g}"
+            bar.set_postfix(post)
+            bar.update(1)
+            if done % r.checkpoint_every == 0 or done == self.total_steps:
+                self.save(done)
+        bar.close()
+        if self.private:
+            self.ledger.save(self.run_dir / "ledger.json")
+        if not last_eval:
+            last_eval = self.evaluate()
+        elapsed = self.elapsed_before + (time.time() - self._t_run)
+        self.save_model()
+        return write_report(self, last_eval, elapsed)
+
+    def save_model(self) -> None:
+        """Full fine-tuned model (safetensors via ``save_pretrained``) and tokenizer in ``model/``."""
+        out = self.run_dir / "model"
+        self.model.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
