@@ -34,7 +34,8 @@ Estimator (per selected matrix)
 
    [Gavish & Donoho 2017 Eq. (7); Shabalin & Nobel 2013; paper Eqs. (7)-(8)].
 3. Norm correction: ``Ĝ = Ĝ_raw · ‖G̃‖_F / ‖Ĝ_raw‖_F`` [paper Eq. (9)], so the per-layer norms
-   are those of the released gradient — hypothesis (ii) of the paper's Theorem 1, which turns
+   are those of the released gradient (to float rounding: ``‖Ĝ_raw‖_F`` is taken as
+   ``s √n ‖η‖_2``, exact for orthonormal singular vectors) — hypothesis (ii) of the paper's Theorem 1, which turns
    per-layer cosine gains into a whole-gradient cosine gain. ``norm_correction=False`` gives
    the plain G&D estimator (the paper's ablation, Appendix D.2).
 
@@ -537,18 +538,20 @@ class RMTDenoiser:
         )
         if not bool(touched_c.any()):
             return None, top_c, spikes_c, touched_c, sat_c
-        idx = touched.nonzero().squeeze(1)
         k = max(int(spikes_c[touched_c].max()), 1)
-        eta = optimal_shrinkage(y[idx, :k], beta)  # (Lt, k), normalised units
-        Ut, Vt = U[idx, :, :k], Vh[idx, :k, :]
+        U, y, Vh = U[..., :k], y[:, :k], Vh[..., :k, :]  # slice before gathering
+        if not bool(touched_c.all()):
+            idx = touched.nonzero().squeeze(1)
+            U, y, Vh, X = U[idx], y[idx], Vh[idx], X[idx]
+        eta = optimal_shrinkage(y, beta)  # (Lt, k), normalised units
         if self.norm_correction:
-            G = (Ut * eta[:, None, :]) @ Vt
-            target = torch.linalg.vector_norm(X[idx], dim=(-2, -1))
-            current = torch.linalg.vector_norm(G, dim=(-2, -1))
-            G = G * (target / current)[:, None, None]
+            # U, V have orthonormal columns, so ||U diag(w) V^T||_F = ||w||_2: fold the norm
+            # correction into the weights instead of a second pass over the (Lt, m, n) output.
+            target = torch.linalg.vector_norm(X, dim=(-2, -1))
+            w = eta * (target / torch.linalg.vector_norm(eta, dim=-1))[:, None]
         else:
-            G = (Ut * (eta * scale)[:, None, :]) @ Vt
-        return G, top_c, spikes_c, touched_c, sat_c
+            w = eta * scale
+        return (U * w[:, None, :]) @ Vh, top_c, spikes_c, touched_c, sat_c
 
 
 # --------------------------------------------------------------------------------------------
