@@ -1,0 +1,510 @@
+"""Shared machinery of the book-keeping engine: per-example gradient *contributions* and the
+forward/backward capture that produces them.
+
+Book-keeping (Bu, Wang, Zha, Karypis, ICML 2023, "Differentially private optimization on large
+model at small cost", Alg. 1) needs, for every trainable layer, the input activations ``A``
+kept by a forward hook and the output gradients ``B`` seen by a backward hook. Each layer file
+(``linear.py``, ``embedding.py``, ...) turns ``(A, B)`` into one :class:`Contribution` per
+parameter; this module owns the algebra every layer kind shares:
+
+* :class:`PerExample` -- an instantiated per-example gradient ``(B, *param.shape)``; used where it
+  is as small as the activations (biases, LayerNorm/RMSNorm weights, fallback modules).
+* :class:`Outer` -- a per-example gradient of a 2-D parameter ``(R, C)`` kept in factored form
+  ``g_i = sum_t u_{i,t} v_{i,t}^T`` with ``U: (B, T, R)`` and ``V: (B, T, C)``. Either side may be
+  an *index* side ``(B, T)`` int64 standing for one-hot rows (embedding tables). Its squared norm
+  is the ghost norm (Li et al. 2022, "Large language models can be strong differentially private
+  learners", Eq. 4 / Bu et al. 2023 Eq. 2.3)::
+
+      ||g_i||_F^2 = <U_i U_i^T, V_i V_i^T>_F          cost B T^2 (R + C)
+
+  or, when cheaper, the instantiated ``||U_i^T V_i||_F^2`` (cost ``B T R C``, computed in
+  example chunks so at most ~``_CHUNK_ELEMS`` floats exist at once). The clipped sum
+  ``sum_i c_i U_i^T V_i`` is ONE matrix product ``(c*U)^T V`` over the ``B*T`` rows (or one
+  ``index_add_`` for an index side), so no second backward pass is needed.
+
+Several contributions to the same parameter (tied weights such as an embedding shared with the
+LM head, or a module called twice) are summed *before* taking the norm, with exact cross terms
+``2 <g_a, g_b>`` (see :func:`cross`).
+
+The capture (:class:`Capture`) registers forward hooks on the trainable modules only for the
+duration of one forward pass. During the main pass the engine switches the trainable
+parameters to ``requires_grad=False``: autograd then never computes a weight gradient (no
+``.grad`` is ever written) and the only backward work is activation-gradient propagation. Module
+outputs that thereby lose ``requires_grad`` are re-marked as graph leaves, and the engine asks
+``torch.autograd.grad`` for those leaves only; all other output gradients arrive in tensor
+hooks, where each layer immediately reduces them to its contributions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+#: Instantiated per-example gradients are built in example chunks of at most this many floats.
+_CHUNK_ELEMS = 1 << 22
+
+#: How a dense-by-dense :class:`Outer` norm is computed: "auto" (cheaper of the two), "ghost",
+#: or "instantiate". Tests set it to exercise both routes.
+NORM_MODES = ("auto", "ghost", "instantiate")
+
+
+class BatchLayoutError(RuntimeError):
+    """A hooked module saw a tensor whose leading dimension is not the example dimension."""
+
+
+# --------------------------------------------------------------------------- contributions
+
+
+class Contribution:
+    """One module call's share of one parameter's per-example gradient (base class)."""
+
+    shape: torch.Size
+
+
+@dataclass
+class PerExample(Contribution):
+    """Instantiated per-example gradient ``g: (B, *shape)``."""
+
+    g: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return self.g.shape[1:]
+
+
+@dataclass
+class Outer(Contribution):
+    """Factored per-example gradient of a 2-D parameter of shape ``(R, C)``.
+
+    ``g_i = sum_t u_{i,t} v_{i,t}^T``. ``left`` is ``(B, T, R)`` floating or ``(B, T)`` int64
+    (one-hot rows ``e_{left[i,t]}`` of length ``R``); likewise ``right`` with ``C``. At most
+    one side is an index side.
+    """
+
+    left: torch.Tensor
+    right: torch.Tensor
+    shape: torch.Size
+
+    @property
+    def left_index(self) -> bool:
+        return not self.left.is_floating_point()
+
+    @property
+    def right_index(self) -> bool:
+        return not self.right.is_floating_point()
+
+    @property
+    def signature(self) -> tuple[bool, bool]:
+        return (self.left_index, self.right_index)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+class GramCache:
+    """Per-step cache of per-example Gram matrices ``X_i X_i^T`` keyed by tensor storage.
+
+    Query, key and value projections read the same activation, so its ``(B, T, T)`` Gram is
+    computed once per step instead of three times. Only tensors announced more than once with
+    :meth:`expect` are kept, and each entry is dropped after its last announced use.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._uses: dict[tuple, int] = {}
+
+    def expect(self, x: torch.Tensor) -> None:
+        k = _key(x)
+        self._uses[k] = self._uses.get(k, 0) + 1
+
+    def gram(self, x: torch.Tensor) -> torch.Tensor:
+        k = _key(x)
+        g = self._cache.get(k)
+        if g is None:
+            xf = x.float()
+            g = torch.bmm(xf, xf.transpose(1, 2))
+        left = self._uses.get(k, 1) - 1
+        if left > 0:
+            self._cache[k] = g
+            self._uses[k] = left
+        else:
+            self._cache.pop(k, None)
+            self._uses.pop(k, None)
+        return g
+
+
+def _index_sq_norm(idx: torch.Tensor, dense: torch.Tensor, rows: int) -> torch.Tensor:
+    """``||sum_t e_{idx_t} d_t^T||_F^2`` per example, exactly and in ``O(B T C)``.
+
+    Rows hit by the same index within one example are summed first (repeated tokens), via
+    ``unique`` over the keys ``i * rows + idx[i, t]``.
+
+    Args:
+        idx: ``(B, T)`` int64 row indices in ``[0, rows)``.
+        dense: ``(B, T, C)`` values.
+        rows: number of rows of the one-hot side.
+    Returns: ``(B,)`` float32.
+    """
+    b, t = idx.shape
+    c = dense.shape[-1]
+    keys = (idx + torch.arange(b, device=idx.device)[:, None] * rows).reshape(-1)
+    uniq, inv = torch.unique(keys, return_inverse=True)
+    sums = torch.zeros(uniq.numel(), c, device=dense.device, dtype=torch.float32)
+    sums.index_add_(0, inv, dense.reshape(-1, c).float())
+    out = torch.zeros(b, device=dense.device, dtype=torch.float32)
+    out.index_add_(0, torch.div(uniq, rows, rounding_mode="floor"), sums.pow(2).sum(1))
+    return out
+
+
+def _side_gram(a: torch.Tensor, b: torch.Tensor, cache: GramCache | None) -> torch.Tensor:
+    """``(B, Ta, Tb)`` inner products between the per-position vectors of two sides."""
+    a_idx, b_idx = not a.is_floating_point(), not b.is_floating_point()
+    if not a_idx and not b_idx:
+        return torch.bmm(a.float(), b.float().transpose(1, 2))
+    if a_idx and b_idx:
+        return (a[:, :, None] == b[:, None, :]).float()
+    if a_idx:  # <e_{a_t}, b_s> = b[s, a_t]
+        ta = a.shape[1]
+        g = torch.gather(b.float(), 2, a[:, None, :].expand(b.shape[0], b.shape[1], ta))
+        return g.transpose(1, 2)  # (B, Ta, Tb)
+    return _side_gram(b, a, cache).transpose(1, 2)
+
+
+def use_ghost(o: Outer, mode: str = "auto") -> bool:
+    """Whether a dense-by-dense factor's norm is taken as a ghost norm.
+
+    ``auto`` compares multiply-adds: ghost ``T^2 (R + C)`` against instantiation ``T R C`` per
+    example, i.e. ghost iff ``T (R + C) <= R C``. (Bu et al.'s memory rule ``2 T^2 < R C`` is
+    not needed: instantiation runs in bounded example chunks.)
+    """
+    if o.left_index or o.right_index:
+        return False
+    if mode != "auto":
+        return mode == "ghost"
+    t, r, c = o.left.shape[1], o.shape[0], o.shape[1]
+    return t * (r + c) <= r * c
+
+
+def outer_sq_norm(o: Outer, mode: str = "auto", cache: GramCache | None = None) -> torch.Tensor:
+    """``(B,)`` float32 squared Frobenius norm of each example's ``U_i^T V_i``."""
+    if o.left_index:
+        return _index_sq_norm(o.left, o.right, o.shape[0])
+    if o.right_index:
+        return _index_sq_norm(o.right, o.left, o.shape[1])
+    bsz, t, r = o.left.shape
+    c = o.right.shape[-1]
+    if use_ghost(o, mode):
+        cache = cache or GramCache()
+        return (cache.gram(o.left) * cache.gram(o.right)).sum(dim=(1, 2))
+    step = max(1, _CHUNK_ELEMS // max(1, r * c))
+    out = []
+    for s in range(0, bsz, step):
+        u = o.left[s : s + step].float()
+        v = o.right[s : s + step].float()
+        out.append(torch.bmm(u.transpose(1, 2), v).pow(2).sum(dim=(1, 2)))
+    return torch.cat(out)
+
+
+def cross(a: Contribution, b: Contribution, cache: GramCache | None = None) -> torch.Tensor:
+    """``(B,)`` float32 per-example inner product ``<g_a,i, g_b,i>`` of two contributions to one
+    parameter (the cross term of a tied parameter's norm)."""
+    if isinstance(a, PerExample) and isinstance(b, PerExample):
+        n = a.g.shape[0]
+        return (a.g.reshape(n, -1).float() * b.g.reshape(n, -1).float()).sum(1)
+    if isinstance(a, Outer) and isinstance(b, PerExample):
+        a, b = b, a
+    if isinstance(a, PerExample) and isinstance(b, Outer):
+        g = a.g.float()
+        if b.left_index:  # sum_t <g[x_t, :], v_t>
+            c = g.shape[2]
+            rows = torch.gather(g, 1, b.left[:, :, None].expand(-1, -1, c))
+            return (rows * b.right.float()).sum(dim=(1, 2))
+        if b.right_index:  # sum_t <u_t, g[:, x_t]>
+            r = g.shape[1]
+            cols = torch.gather(g.transpose(1, 2), 1, b.right[:, :, None].expand(-1, -1, r))
+            return (cols * b.left.float()).sum(dim=(1, 2))
+        gv = torch.bmm(b.right.float(), g.transpose(1, 2))  # (B, T, R)
+        return (gv * b.left.float()).sum(dim=(1, 2))
+    assert isinstance(a, Outer) and isinstance(b, Outer)
+    return (_side_gram(a.left, b.left, cache) * _side_gram(a.right, b.right, cache)).sum((1, 2))
+
+
+def merge(contribs: list[Contribution]) -> list[Contribution]:
+    """Combine contributions of one parameter: per-example ones are added, factored ones with
+    the same side kinds are concatenated along ``T`` (exact: ``sum_t`` runs over both)."""
+    out: list[Contribution] = []
+    pe = [c for c in contribs if isinstance(c, PerExample)]
+    if pe:
+        g = pe[0].g
+        for c in pe[1:]:
+            g = g + c.g
+        out.append(PerExample(g))
+    groups: dict[tuple[bool, bool], list[Outer]] = {}
+    for c in contribs:
+        if isinstance(c, Outer):
+            groups.setdefault(c.signature, []).append(c)
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+        else:
+            out.append(
+                Outer(
+                    torch.cat([g.left for g in group], 1),
+                    torch.cat([g.right for g in group], 1),
+                    group[0].shape,
+                )
+            )
+    return out
+
+
+def sq_norm(items: list[Contribution], batch: int, mode: str = "auto",
+            cache: GramCache | None = None, device=None) -> torch.Tensor:
+    """``(B,)`` float32 squared norm of the sum of merged contributions, with cross terms."""
+    total: Optional[torch.Tensor] = None
+    for k, a in enumerate(items):
+        if isinstance(a, PerExample):
+            s = a.g.reshape(a.g.shape[0], -1).float().pow(2).sum(1)
+        else:
+            s = outer_sq_norm(a, mode, cache)  # type: ignore[arg-type]
+        for b in items[k + 1 :]:
+            s = s + 2.0 * cross(a, b, cache)
+        total = s if total is None else total + s
+    if total is None:
+        return torch.zeros(batch, device=device)
+    return total
+
+
+def weighted_sum(items: list[Contribution], c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``sum_i c_i g_i`` shaped like the parameter ``like`` (zeros if no contribution).
+
+    For a factored contribution this is one ``(R, B*T) @ (B*T, C)`` product with the factor
+    scaled by ``c`` on the smaller side, or one ``index_add_`` for an embedding (index) side.
+    """
+    out: Optional[torch.Tensor] = None
+    for it in items:
+        if isinstance(it, PerExample):
+            s = torch.tensordot(c.to(it.g.dtype), it.g, dims=1)
+        else:
+            assert isinstance(it, Outer)
+            r, cc = it.shape
+            if it.left_index:
+                v = (it.right * c.to(it.right.dtype)[:, None, None]).reshape(-1, cc)
+                s = torch.zeros(r, cc, dtype=v.dtype, device=v.device)
+                s.index_add_(0, it.left.reshape(-1), v)
+            elif it.right_index:
+                u = (it.left * c.to(it.left.dtype)[:, None, None]).reshape(-1, r)
+                s = torch.zeros(cc, r, dtype=u.dtype, device=u.device)
+                s.index_add_(0, it.right.reshape(-1), u)
+                s = s.t().contiguous()
+            else:
+                u, v = it.left, it.right
+                if r <= cc:
+                    u = u * c.to(u.dtype)[:, None, None]
+                else:
+                    v = v * c.to(v.dtype)[:, None, None]
+                s = torch.mm(u.reshape(-1, r).t(), v.reshape(-1, cc))
+        out = s if out is None else out + s
+    if out is None:
+        return torch.zeros_like(like)
+    return out.to(like.dtype).reshape(like.shape)
+
+
+# --------------------------------------------------------------------------- layer kinds
+
+
+class LayerKind:
+    """A module kind the engine knows. Subclasses live in one file per kind.
+
+    ``save`` runs in the forward hook and keeps what the backward needs (detached);
+    ``contributions`` runs when the output gradients arrive and returns one
+    :class:`Contribution` per parameter role (attribute path inside the module).
+    """
+
+    name = "layer"
+
+    def matches(self, module: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def roles(self, module: nn.Module) -> tuple[str, ...]:
+        """Parameter attribute paths this kind can account for."""
+        raise NotImplementedError
+
+    def save(self, module: nn.Module, args: tuple, kwargs: dict, output: Any,
+             batch: int) -> tuple[Any, Any, list[torch.Tensor]]:
+        """Return ``(state, replacement_output_or_None, tensors_whose_version_to_check)``."""
+        raise NotImplementedError
+
+    def contributions(self, module: nn.Module, state: Any, grads: list[Optional[torch.Tensor]],
+                      roles: tuple[str, ...]) -> dict[str, Contribution]:
+        raise NotImplementedError
+
+
+def first_input(args: tuple, kwargs: dict, name: str = "input") -> torch.Tensor:
+    if args:
+        return args[0]
+    if name in kwargs:
+        return kwargs[name]
+    return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+def check_batch(t: torch.Tensor, batch: int, label: str) -> None:
+    if t.dim() == 0 or t.shape[0] != batch:
+        raise BatchLayoutError(
+            f"{label}: the book-keeping engine needs the example dimension first, but this "
+            f"module received a tensor of shape {tuple(t.shape)} for a micro-batch of {batch} "
+            "examples (flattened or broadcast batch); use ReferenceEngine for this model"
+        )
+
+
+def as_3d(t: torch.Tensor) -> torch.Tensor:
+    """``(B, ..., d) -> (B, T, d)`` with ``T`` the product of the middle dims (1 for 2-D)."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+# --------------------------------------------------------------------------- capture
+
+
+@dataclass(eq=False)
+class Unit:
+    """One module with trainable parameters and the kind that accounts for them."""
+
+    module: nn.Module
+    kind: LayerKind
+    roles: dict[str, str]  # role (attribute path in module) -> engine parameter name
+    label: str  # qualified module name
+    clone_input: bool = False
+
+
+@dataclass(eq=False)
+class _Record:
+    unit: Unit
+    state: Any
+    grads: list = field(default_factory=list)
+    pending: int = 0
+    done: bool = False
+
+
+class Capture:
+    """Hooks the units' forward calls for one pass.
+
+    ``mode="main"``: records activations, makes outputs differentiable leaves where needed,
+    and collects contributions (``self.contribs``: parameter name -> list) as gradients
+    arrive. ``mode="probe"``: only counts calls and watches in-place modifications.
+    """
+
+    def __init__(self, units: list[Unit], batch: int, mode: str = "main"):
+        self.units = units
+        self.batch = batch
+        self.mode = mode
+        self.active = False
+        self.handles: list = []
+        self.leaves: list[tuple[torch.Tensor, _Record, int]] = []
+        self.records: list[_Record] = []
+        self.contribs: dict[str, list[Contribution]] = {}
+        self.versions: list[tuple[torch.Tensor, int, Unit]] = []
+        self.calls: dict[int, int] = {}  # id(unit) -> number of calls
+        self.probe_inputs: dict[int, list] = {}  # id(unit) -> saved states (probe mode)
+
+    def __enter__(self) -> "Capture":
+        for u in self.units:
+            self.handles.append(
+                u.module.register_forward_hook(self._make_hook(u), with_kwargs=True)
+            )
+        self.active = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _make_hook(self, unit: Unit) -> Callable:
+        def hook(module, args, kwargs, output):
+            if not self.active:
+                return None
+            return self._on_forward(unit, args, kwargs, output)
+
+        return hook
+
+    def _on_forward(self, unit: Unit, args, kwargs, output):
+        self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
+        state, new_out, watched = unit.kind.save(unit.module, args, kwargs, output, self.batch)
+        if unit.clone_input:  # the model modifies this input in place after the call
+            state = torch.utils._pytree.tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state
+            )
+            watched = []
+        for t in watched:
+            self.versions.append((t, t._version, unit))
+        if self.mode == "probe":
+            self.probe_inputs.setdefault(id(unit), []).append(state)
+            return None
+        out = new_out if new_out is not None else output
+        flat, spec = torch.utils._pytree.tree_flatten(out)
+        rec = _Record(unit, state)
+        slots = [k for k, t in enumerate(flat)
+                 if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        rec.grads = [None] * len(slots)
+        rec.pending = len(slots)
+        self.records.append(rec)
+        for slot, k in enumerate(slots):
+            t = flat[k]
+            if t.requires_grad:
+                t.register_hook(self._grad_hook(rec, slot))
+            else:
+                # No trainable input upstream and the weights are switched off: make the output
+                # a graph leaf so its gradient (the layer's "B") is computed.
+                t.requires_grad_(True)
+                self.leaves.append((t, rec, slot))
+        return new_out
+
+    def _grad_hook(self, rec: _Record, slot: int) -> Callable:
+        def h(g):
+            self._deliver(rec, slot, g)
+            return None
+
+        return h
+
+    def _deliver(self, rec: _Record, slot: int, g: Optional[torch.Tensor]) -> None:
+        if rec.done:
+            return
+        rec.grads[slot] = g
+        rec.pending -= 1
+        if rec.pending == 0:
+            self._finish(rec)
+
+    def _finish(self, rec: _Record) -> None:
+        rec.done = True
+        if all(g is None for g in rec.grads):
+            rec.state = None
+            return
+        u = rec.unit
+        out = u.kind.contributions(u.module, rec.state, rec.grads, tuple(u.roles))
+        rec.state = None
+        rec.grads = []
+        for role, c in out.items():
+            if c is not None:
+                self.contribs.setdefault(u.roles[role], []).append(c)
+
+    def changed_inputs(self) -> list[Unit]:
+        """Units whose saved tensors were modified in place after the module ran."""
+        return [u for t, v, u in self.versions if t._version != v]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Propagate activation gradients only; deliver the leaves' gradients; flush."""
+        if loss.requires_grad and self.leaves:
+            tensors = [t for t, _, _ in self.leaves]
+            grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+            for (_, rec, slot), g in zip(self.leaves, grads):
+                self._deliver(rec, slot, g)
+        for rec in self.records:  # outputs that never received a gradient count as zero
+            if not rec.done:
+                self._finish(rec)
+        self.leaves.clear()
+        self.records.clear()
+        self.versions.clear()

@@ -1,0 +1,354 @@
+"""Book-keeping per-example clipping: one forward, one backward, no per-example gradient of the
+whole model (issue 3).
+
+Method: Bu, Wang, Zha, Karypis, "Differentially Private Optimization on Large Model at Small
+Cost" (ICML 2023, "fastDP"), Algorithm 1 (BK), with the ghost norm of Li et al. 2022
+("Large Language Models Can Be Strong Differentially Private Learners", Sec. 4) and the
+mixed ghost/instantiated choice per layer of Bu et al. 2022 ("Scalable and efficient training
+of large convolutional neural networks with DP", Eq. 4.1).
+
+One step on a micro-batch of ``B`` examples:
+
+1. forward with hooks on every module that owns a trainable parameter: the layer's input
+   ``A`` is kept (the trainable parameters are switched to ``requires_grad=False`` for the
+   pass, so autograd never builds or computes a weight gradient and ``p.grad`` is untouched);
+2. one backward of ``sum_i loss_i`` that propagates activation gradients only; each layer's
+   output gradient ``G`` is caught by a tensor hook and reduced by the layer's rule (one file
+   per kind: ``linear.py``, ``embedding.py``, ``layernorm.py``, ``rmsnorm.py``, ``conv1d.py``,
+   ``lora.py``) to per-parameter contributions: small per-example gradients ``(B, *shape)``
+   or factors ``(G, A)`` of a 2-D weight (``_hooks.py``);
+3. squared norms ``(B, G)`` per trainable parameter: ghost norms ``<A_i A_i^T, G_i G_i^T>`` or
+   per-layer instantiation, whichever is cheaper, with exact cross terms for tied parameters;
+4. clip factors from the policy (``privacy/clipping.py``; flat, per-layer and automatic are
+   orthogonal to all of the above);
+5. clipped sum per parameter as one matrix product ``(c * G)^T A`` (or ``index_add_`` for an
+   embedding) -- no second backward pass.
+
+A module that owns trainable parameters but has no rule falls back, for that module alone, to
+exact per-example gradients by ``torch.func`` (``vmap(grad)`` of ``<module(x_i), G_i>``), with a
+one-time warning naming its class. On the first call the engine also checks on one example
+that every use of a trainable parameter in the autograd graph is accounted for by a hooked
+module call (a weight used outside its module's forward, e.g. ``F.linear(h, emb.weight)``,
+cannot be attributed and is refused) and which modules' inputs the model later modifies in
+place (those inputs are then copied).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils import _pytree as pytree
+
+from dpft.grads._hooks import (
+    NORM_MODES,
+    Capture,
+    GramCache,
+    LayerKind,
+    Outer,
+    PerExample,
+    Unit,
+    merge,
+    sq_norm,
+    use_ghost,
+    weighted_sum,
+)
+from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
+from dpft.grads.conv1d import Conv1DKind
+from dpft.grads.embedding import EmbeddingKind
+from dpft.grads.layernorm import LayerNormKind
+from dpft.grads.linear import LinearKind
+from dpft.grads.lora import LoraEmbeddingKind
+from dpft.grads.rmsnorm import RMSNormKind
+from dpft.privacy.clipping import ClipPolicy
+
+#: Layer rules, tried in order.
+KINDS: tuple[LayerKind, ...] = (
+    LoraEmbeddingKind(),
+    LinearKind(),
+    Conv1DKind(),
+    EmbeddingKind(),
+    LayerNormKind(),
+    RMSNormKind(),
+)
+
+_warned_fallback: set[str] = set()
+
+
+class UnattributedUseError(NotImplementedError):
+    """A trainable parameter is used outside the forward of the module(s) that own it."""
+
+
+class FallbackKind(LayerKind):
+    """Exact per-example gradients of one module's own parameters with ``torch.func``.
+
+    Given the module's stored inputs ``x`` (any args/kwargs; tensors whose leading dimension is
+    ``B`` are per example, others are shared) and the output gradients ``G``, it computes
+    ``g_i = d/dtheta <module(x_i; theta), G_i>`` for every example with ``vmap(grad(...))``
+    (a Python loop if the module cannot be vmapped). Memory ``(B, *shape)`` for this module's
+    parameters only. Assumes the module is deterministic (no dropout inside it).
+    """
+
+    name = "torch.func fallback"
+
+    def matches(self, module: nn.Module) -> bool:  # assigned explicitly, never matched
+        return False
+
+    def roles(self, module: nn.Module) -> tuple[str, ...]:
+        return tuple(n for n, _ in module.named_parameters())
+
+    def save(self, module, args, kwargs, output, batch):
+        state = pytree.tree_map(
+            lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs)
+        )
+        watched = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+        outs = [t for t in pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        for t in outs:
+            if t.dim() == 0 or t.shape[0] != batch:
+                raise RuntimeError(
+                    f"{type(module).__name__}: fallback needs outputs with the example "
+                    f"dimension first; got shape {tuple(t.shape)} for {batch} examples"
+                )
+        metas = [(t.shape, t.dtype, t.device) for t in outs]
+        return (state, metas, batch), None, watched
+
+    def contributions(self, module, state, grads, roles):
+        (args, kwargs), metas, batch = state
+        cots = [g if g is not None else torch.zeros(*m) for g, m in zip(grads, metas)]
+        params = {r: module.get_parameter(r).detach() for r in roles}
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        bidx = [k for k, t in enumerate(flat)
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch]
+
+        def inner(p, batched, cot):
+            leaves = list(flat)
+            for k, v in zip(bidx, batched):
+                leaves[k] = v.unsqueeze(0)
+            a, kw = pytree.tree_unflatten(leaves, spec)
+            out = functional_call(module, p, a, kw, strict=False)
+            outs = [t for t in pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            return sum((o * c.unsqueeze(0).to(o.dtype)).sum() for o, c in zip(outs, cot))
+
+        g = grad(inner)
+        batched = [flat[k] for k in bidx]
+        try:
+            per_ex = vmap(g, in_dims=(None, 0, 0), randomness="different")(params, batched, cots)
+        except Exception:  # noqa: BLE001 - not vmappable: same math, one example at a time
+            outs = [g(params, [b[i] for b in batched], [c[i] for c in cots])
+                    for i in range(batch)]
+            per_ex = {r: torch.stack([o[r] for o in outs]) for r in params}
+        return {r: PerExample(per_ex[r].detach()) for r in roles}
+
+
+def _batch_size(batch: Mapping[str, torch.Tensor]) -> int:
+    if "input_ids" in batch:
+        return int(batch["input_ids"].shape[0])
+    for v in batch.values():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    raise ValueError("cannot infer the micro-batch size: the batch holds no tensor")
+
+
+def _count_uses(roots: list[Any], wanted: set[int]) -> Counter:
+    """Number of autograd edges into each wanted parameter's AccumulateGrad node."""
+    counts: Counter = Counter()
+    seen: set = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                if id(var) in wanted:
+                    counts[id(var)] += 1
+                continue
+            stack.append(nxt)
+    return counts
+
+
+def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
+                   kinds: tuple[LayerKind, ...] = KINDS) -> list[Unit]:
+    """Map every module that owns a trainable parameter to the rule that accounts for it.
+
+    A parameter registered on several modules (tied weights) gives one unit per module, all
+    naming the same engine parameter. Parameters held in a ``ParameterDict``/``ParameterList``
+    are attributed to the container's parent (the module whose forward uses them).
+    """
+    pid = {id(p): n for n, p in params.items()}
+    named = dict(model.named_modules())
+    owners: dict[int, tuple[str, nn.Module, dict[str, str]]] = {}
+    for mname, m in model.named_modules():
+        for pname, p in m._parameters.items():
+            if p is None or id(p) not in pid:
+                continue
+            if isinstance(m, (nn.ParameterDict, nn.ParameterList)) and mname:
+                parent, _, child = mname.rpartition(".")
+                owner, role, label = named[parent], f"{child}.{pname}", parent
+            else:
+                owner, role, label = m, pname, mname
+            owners.setdefault(id(owner), (label, owner, {}))[2][role] = pid[id(p)]
+    units = []
+    for label, owner, roles in owners.values():
+        kind = next(
+            (k for k in kinds if k.matches(owner) and set(roles) <= set(k.roles(owner))), None
+        )
+        if kind is None:
+            cls = type(owner).__name__
+            if cls not in _warned_fallback:
+                warnings.warn(
+                    f"book-keeping engine: no fast rule for module class {cls} (e.g. "
+                    f"{label or '<root>'}: {sorted(roles)}); its parameters get exact "
+                    "per-example gradients via torch.func instead (slower, B x its size in "
+                    "memory)",
+                    stacklevel=3,
+                )
+                _warned_fallback.add(cls)
+            kind = FallbackKind()
+        units.append(Unit(owner, kind, roles, label or "<root>"))
+    return units
+
+
+class BookKeepingEngine(PerExampleEngine):
+    """Per-example clipped gradient sums at (close to) non-private cost.
+
+    Args:
+        model: the network; trainable parameters are those with ``requires_grad``. The model
+            must keep the example dimension first in every hooked module's input and output,
+            must not use gradient checkpointing, and must not take inputs that require grad.
+        loss_fn: per-example loss ``(B,)`` (nats), see :data:`dpft.grads.base.PerExampleLoss`.
+        clip: clip policy; it sees only the ``(B, G)`` squared norms.
+        norm_mode: ``"auto"`` (per layer, the cheaper of ghost norm and instantiation),
+            ``"ghost"`` or ``"instantiate"`` (forced; for tests and benchmarks).
+
+    ``clipped_sum`` returns the same :class:`ClippedBatch` as ``ReferenceEngine`` (``grad_sum``
+    per trainable parameter, ``sq_norms``/``scales`` ``(B, G)``) and never touches ``p.grad``.
+
+    Raises:
+        ValueError: no trainable parameter, or unknown ``norm_mode``.
+        UnattributedUseError: (first call) a trainable parameter is used outside the forward
+            of the modules that own it.
+        dpft.grads._hooks.BatchLayoutError: a hooked module sees a flattened/broadcast batch.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: PerExampleLoss, clip: ClipPolicy,
+                 norm_mode: str = "auto"):
+        super().__init__(model, loss_fn, clip)
+        if norm_mode not in NORM_MODES:
+            raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {norm_mode!r}")
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            raise ValueError(
+                "gradient checkpointing re-runs forwards inside the backward, which the "
+                "book-keeping hooks cannot tell apart; disable it or use ReferenceEngine"
+            )
+        self.norm_mode = norm_mode
+        self.units = discover_units(model, self.params)
+        self._checked = False
+
+    # ------------------------------------------------------------------ first-call check
+    def _forward(self):
+        return lambda **kw: self.model(**kw)
+
+    def check_usage(self, batch: Mapping[str, torch.Tensor]) -> None:
+        """One-example dry run: every graph use of a trainable parameter must come from a
+        hooked module call; inputs modified in place later are marked to be copied.
+
+        Raises:
+            UnattributedUseError: with the offending parameter names.
+        """
+        b1 = {k: (v[:1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+              for k, v in batch.items()}
+        cap = Capture(self.units, 1, mode="probe")
+        with torch.enable_grad():
+            with cap:
+                losses = self.loss_fn(self._forward(), b1)
+            for u in cap.changed_inputs():
+                u.clone_input = True
+            wanted = {id(p) for p in self.params.values()}
+            seen = _count_uses([losses.sum().grad_fn], wanted)
+            expected: Counter = Counter()
+            for u in self.units:
+                n = cap.calls.get(id(u), 0)
+                if n == 0:
+                    continue
+                if isinstance(u.kind, FallbackKind):
+                    for (args, kwargs), _, _ in cap.probe_inputs[id(u)]:
+                        out = u.module(*args, **kwargs)
+                        roots = [t.grad_fn for t in pytree.tree_leaves(out)
+                                 if isinstance(t, torch.Tensor)]
+                        expected.update(_count_uses(roots, wanted))
+                else:
+                    for role in u.roles:
+                        expected[id(u.module.get_parameter(role))] += n
+        bad = [n for n, p in self.params.items() if seen[id(p)] > expected[id(p)]]
+        if bad:
+            raise UnattributedUseError(
+                "book-keeping engine: these trainable parameters are used outside the forward "
+                f"of the modules that own them, so their per-example gradients cannot be "
+                f"attributed: {bad}. Use ReferenceEngine (exact, slower) for this model."
+            )
+        self._checked = True
+
+    # ------------------------------------------------------------------ the step
+    def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
+        if not self._checked:
+            self.check_usage(batch)
+        b = _batch_size(batch)
+        params = list(self.params.values())
+        flags = [p.requires_grad for p in params]
+        cap = Capture(self.units, b, mode="main")
+        try:
+            for p in params:
+                p.requires_grad_(False)
+            with torch.enable_grad():
+                with cap:
+                    losses = self.loss_fn(self._forward(), batch)
+                if losses.shape != (b,):
+                    raise ValueError(
+                        f"loss_fn must return per-example losses of shape ({b},), "
+                        f"got {tuple(losses.shape)}"
+                    )
+                changed = cap.changed_inputs()
+                if changed:
+                    raise RuntimeError(
+                        "inputs of " + ", ".join(sorted({u.label for u in changed}))
+                        + " were modified in place after the module ran (not seen on the "
+                        "first batch); the stored activations are stale"
+                    )
+                cap.backward(losses.sum())
+        finally:
+            for p, f in zip(params, flags):
+                p.requires_grad_(f)
+        names = self.param_names
+        device = losses.device
+        merged = {n: merge(cap.contribs.pop(n, [])) for n in names}
+        cache = GramCache()
+        for items in merged.values():
+            for it in items:
+                if isinstance(it, Outer) and use_ghost(it, self.norm_mode):
+                    cache.expect(it.left)
+                    cache.expect(it.right)
+        sq = torch.stack(
+            [sq_norm(merged[n], b, self.norm_mode, cache, device) for n in names], dim=1
+        )
+        del cache
+        scales = self.clip.scales(sq)
+        grad_sum = {}
+        for j, n in enumerate(names):
+            grad_sum[n] = weighted_sum(merged.pop(n), scales[:, j], self.params[n]).detach()
+        return ClippedBatch(grad_sum, sq.detach(), scales.detach(),
+                            float(losses.detach().sum()), b)
+
+
+__all__ = ["BookKeepingEngine", "FallbackKind", "KINDS", "UnattributedUseError",
+           "discover_units", "PerExample", "Outer"]

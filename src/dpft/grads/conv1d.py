@@ -1,0 +1,54 @@
+"""Book-keeping rule for GPT-2's ``transformers.pytorch_utils.Conv1D``.
+
+Despite its name it is a linear layer with the weight stored transposed:
+``y = x W + b`` with ``x: (B, T, d_in)``, ``W: (d_in, d_out)`` (``nx, nf``), ``b: (d_out,)``.
+With ``A = x`` and ``G = dL/dy: (B, T, d_out)``::
+
+    dL_i/dW = A_i^T G_i        (d_in, d_out)      -> Outer(left=A, right=G)
+    dL_i/db = sum_t G_i,t      (d_out,)           -> PerExample
+
+Norms and clipped sums are those of ``linear.py`` with the factors swapped.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dpft.grads._hooks import LayerKind, Outer, PerExample, as_3d, check_batch, first_input
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    cls = type(module)
+    if cls.__name__ != "Conv1D" or not cls.__module__.startswith("transformers"):
+        return False
+    return hasattr(module, "nf") and hasattr(module, "nx")
+
+
+class Conv1DKind(LayerKind):
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, ...)."""
+
+    name = "conv1d"
+
+    def matches(self, module: nn.Module) -> bool:
+        return _is_conv1d(module)
+
+    def roles(self, module: nn.Module) -> tuple[str, ...]:
+        return ("weight", "bias")
+
+    def save(self, module, args, kwargs, output, batch):
+        x = first_input(args, kwargs).detach()
+        check_batch(x, batch, "Conv1D input")
+        return x, None, [x]
+
+    def contributions(self, module, state, grads, roles):
+        g = grads[0]
+        if g is None:
+            return {}
+        a = as_3d(state)
+        g = as_3d(g)
+        out = {}
+        if "weight" in roles:
+            out["weight"] = Outer(a, g, module.weight.shape)
+        if "bias" in roles:
+            out["bias"] = PerExample(g.sum(1))
+        return out

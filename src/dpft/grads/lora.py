@@ -1,0 +1,117 @@
+"""Book-keeping for peft LoRA (Hu et al. 2022) adapters.
+
+**Linear / Conv1D targets** (``lora.Linear`` wrapping ``nn.Linear`` or GPT-2 ``Conv1D``): peft
+computes ``y = base(x) + lora_B(lora_A(dropout(x))) * s`` where ``lora_A: r x d_in`` and
+``lora_B: d_out x r`` are ordinary ``nn.Linear`` submodules. They are handled by
+``linear.py`` with no extra rule, and both peft details come out right by construction:
+
+* dropout: ``lora_A``'s forward hook stores its *actual* input ``dropout(x)``, the activations
+  the weight gradient is built from (``dL_i/dA = G_A,i^T dropout(x)_i``);
+* scaling ``s = lora_alpha / r`` (or ``/ sqrt(r)`` with rsLoRA): it multiplies ``lora_B``'s output
+  after the module, so the output gradient ``G_B`` seen by ``lora_B``'s hook already carries
+  ``s`` (``dL_i/dB = s * G_i^T h_i`` with ``h = lora_A(dropout(x))``).
+
+The frozen ``base_layer`` has no trainable parameter and is not hooked.
+
+**Embedding targets** (``lora.Embedding``): the adapter weights live in ``ParameterDict``s
+(``lora_embedding_A[a]: (r, V)``, ``lora_embedding_B[a]: (d, r)``) and are used functionally::
+
+    h = E_A[x]             with E_A = lora_embedding_A.T  (V, r),   h: (B, T, r)
+    y = base(x) + s * h @ lora_embedding_B.T                          y: (B, T, d)
+
+With ``G = dL/dy: (B, T, d)`` captured on the peft module's output::
+
+    dL_i/d lora_embedding_B = s * G_i^T h_i                            (d, r)  Outer(sG, h)
+    dL_i/d lora_embedding_A = sum_t (s G_i,t B) e_{x_i,t}^T            (r, V)  Outer(sGB, x)
+
+the second with an index (one-hot) right side, so repeated tokens are counted exactly and no
+``(B, r, V)`` tensor is built. Rows at the base layer's ``padding_idx`` get no gradient. Merged,
+disabled, DoRA/variant adapters and embedding scales fall back to the exact torch.func path
+(or are refused by the engine's usage check).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpft.grads._hooks import LayerKind, Outer, check_batch, first_input
+
+
+def _active(module: nn.Module) -> list[str]:
+    act = getattr(module, "active_adapters", None)
+    if act is None:
+        act = getattr(module, "active_adapter", [])
+    if isinstance(act, str):
+        act = [act]
+    return [a for a in act if a in module.lora_embedding_A]
+
+
+class LoraEmbeddingKind(LayerKind):
+    """peft ``lora.Embedding`` (vanilla LoRA, any number of active adapters)."""
+
+    name = "lora_embedding"
+
+    def matches(self, module: nn.Module) -> bool:
+        if not (
+            type(module).__name__ == "Embedding"
+            and type(module).__module__.startswith("peft.")
+            and isinstance(getattr(module, "lora_embedding_A", None), nn.ParameterDict)
+            and isinstance(getattr(module, "lora_embedding_B", None), nn.ParameterDict)
+        ):
+            return False
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, nn.Embedding) or type(base).forward is not nn.Embedding.forward:
+            return False
+        if base.max_norm is not None or base.scale_grad_by_freq:
+            return False
+        if getattr(module, "lora_variant", {}) or getattr(module, "input_fns", {}) or getattr(
+            module, "output_fns", {}
+        ):
+            return False
+        get_scale = getattr(module, "_get_embed_scale", None)
+        if get_scale is not None and get_scale() is not None:
+            return False
+        return True
+
+    def roles(self, module: nn.Module) -> tuple[str, ...]:
+        names = list(module.lora_embedding_A.keys())
+        return tuple(f"lora_embedding_A.{a}" for a in names) + tuple(
+            f"lora_embedding_B.{a}" for a in names
+        )
+
+    def save(self, module, args, kwargs, output, batch):
+        ids = first_input(args, kwargs)
+        if module.merged or module.disable_adapters or "adapter_names" in kwargs:
+            return None, None, []
+        new_out = None
+        if ids.dim() >= 1 and ids.shape[0] == 1 and batch > 1:
+            ids = ids.expand(batch, *ids.shape[1:])
+            new_out = output.expand(batch, *output.shape[1:])
+        check_batch(ids, batch, "LoRA Embedding ids")
+        return ids, new_out, [ids]
+
+    def contributions(self, module, state, grads, roles):
+        g = grads[0]
+        if g is None or state is None:
+            return {}
+        ids = state.reshape(state.shape[0], -1)
+        g = g.reshape(g.shape[0], -1, g.shape[-1])
+        pad = module.base_layer.padding_idx
+        out = {}
+        for a in _active(module):
+            wa = module.lora_embedding_A[a].detach()  # (r, V)
+            wb = module.lora_embedding_B[a].detach()  # (d, r)
+            s = module.scaling[a]
+            sg = g * s
+            ra, rb = f"lora_embedding_A.{a}", f"lora_embedding_B.{a}"
+            if rb in roles:
+                h = F.embedding(ids, wa.t())  # (B, T, r): the forward value, padding included
+                out[rb] = Outer(sg, h.to(sg.dtype), wb.shape)
+            if ra in roles:
+                dh = torch.matmul(sg, wb.to(sg.dtype))  # (B, T, r)
+                if pad is not None:
+                    dh = dh * (ids != pad)[:, :, None].to(dh.dtype)
+                out[ra] = Outer(dh, ids, wa.shape)
+        return out
