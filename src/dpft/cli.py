@@ -107,7 +107,7 @@ def train(
         else:
             typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)
         rep = trainer.run()
-    except (RecipeError, DataError, ModelError, CalibrationError, TrainingError, FileNotFoundError) as exc:
+    except (ValueError, TrainingError, FileNotFoundError) as exc:  # RecipeError, DataError, ModelError, CalibrationError are ValueErrors
         _fail(str(exc))
     typer.echo(f"run directory: {run_dir}")
     typer.echo(f"dev accuracy: {rep['metrics']['dev_accuracy']:.4f}")

@@ -18,6 +18,8 @@ import datasets
 
 from dpft.config import TaskCfg
 
+datasets.disable_progress_bars()  # dpft's own bar is the one that matters
+
 
 class DataError(ValueError):
     """Bad or missing data; the message names the file/column and the fix."""
@@ -57,6 +59,18 @@ def _load_file(path: str | Path) -> datasets.Dataset:
     for suffix in (".gz", ".bz2", ".xz", ".zst"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
+    if p.stat().st_size == 0:
+        raise DataError(f"data file {p} is empty; give a file with a header and at least one row")
+    try:
+        return _load_by_type(p, name)
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets/pandas parse errors
+        raise DataError(f"cannot read {p} ({type(exc).__name__}: {str(exc)[:200]}); "
+                        "check that it is a well-formed file with a header row (or no rows at all)") from None
+
+
+def _load_by_type(p: Path, name: str) -> datasets.Dataset:
     files = {"train": str(p)}
     if name.endswith(".tsv"):
         # QUOTE_NONE: SST/GLUE text holds bare quote characters.
