@@ -278,36 +278,81 @@ def sq_norm(items: list[Contribution], batch: int, mode: str = "auto",
     return total
 
 
-def weighted_sum(items: list[Contribution], c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+class ScaledCache:
+    """Per-step cache of scaled factors ``c_i * X_i`` read by several layers.
+
+    Query, key and value read the same input ``A``; when their clip factors are equal (flat
+    or automatic clipping) the scaled input is built once for the three clipped sums. Only
+    tensors announced more than once with :meth:`expect` are kept, until their last use.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._uses: dict[tuple, int] = {}
+
+    def expect(self, x: torch.Tensor) -> None:
+        k = _key(x)
+        self._uses[k] = self._uses.get(k, 0) + 1
+
+    def shared(self, x: torch.Tensor) -> bool:
+        return self._uses.get(_key(x), 0) > 1
+
+    def scaled(self, x: torch.Tensor, c: torch.Tensor, ckey: object) -> torch.Tensor:
+        k = _key(x)
+        ck = (k, ckey)
+        out = self._cache.get(ck)
+        if out is None:
+            out = x * c.to(x.dtype)[:, None, None]
+        left = self._uses.get(k, 1) - 1
+        if left > 0:
+            self._cache[ck] = out
+            self._uses[k] = left
+        else:
+            self._cache.pop(ck, None)
+            self._uses.pop(k, None)
+        return out
+
+
+def weighted_sum(items: list[Contribution], c: torch.Tensor, like: torch.Tensor,
+                 cache: ScaledCache | None = None, ckey: object = None) -> torch.Tensor:
     """``sum_i c_i g_i`` shaped like the parameter ``like`` (zeros if no contribution).
 
     For a factored contribution this is one ``(R, B*T) @ (B*T, C)`` product with the factor
-    scaled by ``c`` on the smaller side, or one ``index_add_`` for an embedding (index) side.
+    scaled by ``c`` (a factor shared with other layers if ``cache`` knows one, else the
+    smaller side), or one ``index_add_`` for an embedding (index) side. ``ckey`` names the
+    clip factors for the cache: equal keys promise equal ``c``.
     """
     out: Optional[torch.Tensor] = None
-    for it in items:
+    # Dense terms first, so that index (embedding) terms are added in place into their sum.
+    order = sorted(items, key=lambda it: isinstance(it, Outer) and (it.left_index or it.right_index))
+    for it in order:
         if isinstance(it, PerExample):
             s = torch.tensordot(c.to(it.g.dtype), it.g, dims=1)
         else:
             assert isinstance(it, Outer)
             r, cc = it.shape
-            if it.left_index:
-                v = (it.right * c.to(it.right.dtype)[:, None, None]).reshape(-1, cc)
-                s = torch.zeros(r, cc, dtype=v.dtype, device=v.device)
-                s.index_add_(0, it.left.reshape(-1), v)
-            elif it.right_index:
-                u = (it.left * c.to(it.left.dtype)[:, None, None]).reshape(-1, r)
-                s = torch.zeros(cc, r, dtype=u.dtype, device=u.device)
-                s.index_add_(0, it.right.reshape(-1), u)
-                s = s.t().contiguous()
-            else:
-                u, v = it.left, it.right
-                if r <= cc:
-                    u = u * c.to(u.dtype)[:, None, None]
+            if it.left_index or it.right_index:
+                if it.left_index:
+                    idx, dense, rows, cols = it.left, it.right, r, cc
                 else:
-                    v = v * c.to(v.dtype)[:, None, None]
-                s = torch.mm(u.reshape(-1, r).t(), v.reshape(-1, cc))
-        out = s if out is None else out + s
+                    idx, dense, rows, cols = it.right, it.left, cc, r
+                v = (dense * c.to(dense.dtype)[:, None, None]).reshape(-1, cols)
+                if out is None:
+                    out = torch.zeros(r, cc, dtype=v.dtype, device=v.device)
+                target = out if it.left_index else out.t()  # (rows, cols) view of the sum
+                target.index_add_(0, idx.reshape(-1), v.to(target.dtype))
+                continue
+            u, v = it.left, it.right
+            if cache is not None and cache.shared(v):
+                v = cache.scaled(v, c, ckey)
+            elif cache is not None and cache.shared(u):
+                u = cache.scaled(u, c, ckey)
+            elif r <= cc:
+                u = u * c.to(u.dtype)[:, None, None]
+            else:
+                v = v * c.to(v.dtype)[:, None, None]
+            s = torch.mm(u.reshape(-1, r).t(), v.reshape(-1, cc))
+        out = s if out is None else out.add_(s)
     if out is None:
         return torch.zeros_like(like)
     return out.to(like.dtype).reshape(like.shape)

@@ -51,6 +51,7 @@ from dpft.grads._hooks import (
     LayerKind,
     Outer,
     PerExample,
+    ScaledCache,
     Unit,
     merge,
     sq_norm,
@@ -343,9 +344,19 @@ class BookKeepingEngine(PerExampleEngine):
         )
         del cache
         scales = self.clip.scales(sq)
+        # Equal factors in every group (flat, automatic clipping): layers reading the same
+        # input (q/k/v) share one scaled copy of it.
+        uniform = bool((scales == scales[:, :1]).all())
+        scaled = ScaledCache()
+        for items in merged.values():
+            for it in items:
+                if isinstance(it, Outer) and not (it.left_index or it.right_index):
+                    scaled.expect(it.left)
+                    scaled.expect(it.right)
         grad_sum = {}
         for j, n in enumerate(names):
-            grad_sum[n] = weighted_sum(merged.pop(n), scales[:, j], self.params[n]).detach()
+            grad_sum[n] = weighted_sum(merged.pop(n), scales[:, j], self.params[n], scaled,
+                                       0 if uniform else j).detach()
         return ClippedBatch(grad_sum, sq.detach(), scales.detach(),
                             float(losses.detach().sum()), b)
 
