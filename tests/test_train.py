@@ -165,3 +165,17 @@ def test_cli_tiny_real_run_minilm_sst2(shared_data, tmp_path, monkeypatch):
     assert rep["privacy"]["epsilon"] <= 4.0 and rep["task"]["n_train"] == 300
     r = CliRunner().invoke(app, ["report", str(out)])
     assert r.exit_code == 0 and "dpft run report" in r.output
+
+
+def test_rmt_denoise_is_post_processing_only(tiny_model_dir, sst_like_files, tmp_path):
+    """denoise: rmt changes the update, never the ledger: ε identical with and without."""
+    base = tiny_recipe(tiny_model_dir, sst_like_files, **{"schedule.steps": 2, "privacy.engine": "auto"})
+    den = tiny_recipe(tiny_model_dir, sst_like_files, **{"schedule.steps": 2, "privacy.engine": "auto",
+                                                          "denoise.method": "rmt", "denoise.kappa": 1.0})
+    a = Trainer(base, tmp_path / "plain", progress=False)
+    ra = a.run()
+    b = Trainer(den, tmp_path / "rmt", progress=False)
+    rb = b.run()
+    assert len(b.transforms) == 1 and b.transforms[0].denoiser.last_stats
+    assert ra["privacy"]["epsilon"] == rb["privacy"]["epsilon"]
+    assert a.ledger.to_json() == b.ledger.to_json()

@@ -85,6 +85,17 @@ class PrivacyCfg(_Strict):
         return self
 
 
+class DenoiseCfg(_Strict):
+    """Post-processing of the noisy gradient (free under DP): ``rmt`` = singular-value
+    shrinkage of each 2-D weight gradient (transforms/rmt.py)."""
+
+    method: Literal["none", "rmt"] = "none"
+    #: Denoise a layer only if its top normalised singular value exceeds κ·(1 + √β).
+    kappa: float = Field(1.1, ge=1.0)
+    #: Randomized top-r SVD instead of a full SVD (None = full).
+    rank: Optional[int] = Field(None, ge=1)
+
+
 class OptimizerCfg(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: float = Field(5e-4, gt=0)
@@ -133,6 +144,7 @@ class Recipe(_Strict):
     schedule: ScheduleCfg = ScheduleCfg(steps=100)
     batch: BatchCfg = BatchCfg()
     eval: EvalCfg = EvalCfg()
+    denoise: DenoiseCfg = DenoiseCfg()
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
     output_dir: Optional[str] = None

@@ -58,6 +58,21 @@ def make_engine(kind: str, model, loss_fn, clip) -> PerExampleEngine:
     return ReferenceEngine(model, loss_fn, clip)
 
 
+def rmt_transform(model, trainable_names: list[str], cfg) -> Transform:
+    """The RMT denoiser as a loop transform: shrinks each 2-D weight gradient given the
+    per-entry noise std σC/(qN) of the averaged gradient (post-processing: no ledger event)."""
+    from dpft.transforms.rmt import RMTDenoiser, matrix_param_names
+
+    den = RMTDenoiser(kappa=cfg.kappa, rank=cfg.rank)
+    names = matrix_param_names(model, trainable_names)
+
+    def apply(grads, ctx):
+        return den(grads, ctx["noise_std"], names)
+
+    apply.denoiser = den  # type: ignore[attr-defined]
+    return apply
+
+
 def _lr_lambda(warmup: int, total: int, decay: str):
     def f(step: int) -> float:
         if warmup and step < warmup:
@@ -101,6 +116,7 @@ class Trainer:
         self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
         self.dev_tok = tokenize_split(self.task.dev, self.tokenizer, r.model.max_length)
         self.pad_id = self.tokenizer.pad_token_id or 0
+        self.train_lengths = torch.tensor([len(x) for x in self.train_tok["input_ids"]])
 
         self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, r.seed)
         self.q = self.sampler.q
@@ -124,6 +140,8 @@ class Trainer:
             self.engine = NonPrivateEngine(self.model, classification_loss, make_clip_policy("flat", 1.0))
             self.mechanism = None
         self.params = self.engine.params
+        if r.denoise.method == "rmt" and self.private:
+            self.transforms.append(rmt_transform(self.model, list(self.params), r.denoise))
         self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
@@ -173,6 +191,9 @@ class Trainer:
         grad_sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
         loss_sum, clipped, bsz = 0.0, 0, len(idx)
         self.model.train()
+        # Order the logical batch by length so micro-batches carry little padding; the set of
+        # examples (all that privacy depends on) is unchanged.
+        idx = idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
         for micro in self.sampler.micro_batches(idx, r.batch.max_physical_batch_size):
             rows = list(self.train_tok.select(micro.tolist()))
             res = self.engine.clipped_sum(collate(rows, self.pad_id, self.with_token_types))
