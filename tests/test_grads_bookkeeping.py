@@ -387,3 +387,30 @@ def test_real_stories260k_tied_llama(shared_data):
     batch = {"input_ids": ids, "attention_mask": mask}
     bk, ref = run_both(model, causal_lm_loss, batch, make_clip_policy("flat", 1.0))
     assert_same(bk, ref)
+
+
+def test_fallback_module_with_tuple_output_partly_unused():
+    class Pair(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(d))
+
+        def forward(self, x):
+            return x * self.w, torch.sin(x * self.w)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, 8)
+            self.pair = Pair(8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, input_ids, **_):
+            a, _unused = self.pair(self.emb(input_ids))
+            return self.head(a.mean(1))
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bk, ref = run_both(M(), classification_loss, make_batch(), make_clip_policy("flat", 0.5))
+    assert_same(bk, ref)

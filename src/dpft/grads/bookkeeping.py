@@ -120,7 +120,8 @@ class FallbackKind(LayerKind):
 
     def contributions(self, module, state, grads, roles):
         (args, kwargs), metas, batch = state
-        cots = [g if g is not None else torch.zeros(*m) for g, m in zip(grads, metas)]
+        cots = [g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
+                for g, m in zip(grads, metas)]
         params = {r: module.get_parameter(r).detach() for r in roles}
         flat, spec = pytree.tree_flatten((args, kwargs))
         bidx = [k for k, t in enumerate(flat)
