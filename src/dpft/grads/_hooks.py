@@ -2,7 +2,7 @@
 forward/backward capture that produces them.
 
 Book-keeping (Bu, Wang, Zha, Karypis, ICML 2023, "Differentially private optimization on large
-model at small cost", Alg. 1) needs, for every trainable layer, the input activations ``A``
+model at small cost", the book-keeping algorithm) needs, for every trainable layer, the input activations ``A``
 kept by a forward hook and the output gradients ``B`` seen by a backward hook. Each layer file
 (``linear.py``, ``embedding.py``, ...) turns ``(A, B)`` into one :class:`Contribution` per
 parameter; this module owns the algebra every layer kind shares:
@@ -12,8 +12,8 @@ parameter; this module owns the algebra every layer kind shares:
 * :class:`Outer` -- a per-example gradient of a 2-D parameter ``(R, C)`` kept in factored form
   ``g_i = sum_t u_{i,t} v_{i,t}^T`` with ``U: (B, T, R)`` and ``V: (B, T, C)``. Either side may be
   an *index* side ``(B, T)`` int64 standing for one-hot rows (embedding tables). Its squared norm
-  is the ghost norm (Li et al. 2022, "Large language models can be strong differentially private
-  learners", Eq. 4 / Bu et al. 2023 Eq. 2.3)::
+  is the ghost norm (Li, Tramer, Liang, Hashimoto, ICLR 2022, "Large language models can be
+  strong differentially private learners", ghost clipping; as used by Bu et al. 2023)::
 
       ||g_i||_F^2 = <U_i U_i^T, V_i V_i^T>_F          cost B T^2 (R + C)
 

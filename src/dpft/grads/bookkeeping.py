@@ -2,10 +2,10 @@
 whole model (issue 3).
 
 Method: Bu, Wang, Zha, Karypis, "Differentially Private Optimization on Large Model at Small
-Cost" (ICML 2023, "fastDP"), Algorithm 1 (BK), with the ghost norm of Li et al. 2022
-("Large Language Models Can Be Strong Differentially Private Learners", Sec. 4) and the
+Cost" (ICML 2023, "fastDP"), the book-keeping (BK) algorithm, with the ghost norm of Li et al. 2022
+("Large Language Models Can Be Strong Differentially Private Learners", ghost clipping) and the
 mixed ghost/instantiated choice per layer of Bu et al. 2022 ("Scalable and efficient training
-of large convolutional neural networks with DP", Eq. 4.1).
+of large convolutional neural networks with differential privacy", mixed ghost clipping).
 
 One step on a micro-batch of ``B`` examples:
 

@@ -3,7 +3,7 @@
 Forward: ``y = x W^T + b`` with ``x: (B, ..., d_in)``, ``W: (d_out, d_in)``, ``b: (d_out,)``;
 2-D inputs ``(B, d_in)`` are treated as ``T = 1``, higher ones are flattened to
 ``(B, T, d_in)``. With ``A = x`` and ``G = dL/dy: (B, T, d_out)`` the per-example gradients are
-(Bu et al. 2023, Eq. 2.2)::
+(Goodfellow 2015, "Efficient per-example gradient computations"; Bu et al. 2023)::
 
     dL_i/dW = G_i^T A_i        (d_out, d_in)      -> Outer(left=G, right=A)
     dL_i/db = sum_t G_i,t      (d_out,)           -> PerExample
