@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, Outer, PerExample, as_3d, check_batch, first_input
+from dpft.grads.linear import LinearKind
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -24,31 +24,12 @@ def _is_conv1d(module: nn.Module) -> bool:
     return hasattr(module, "nf") and hasattr(module, "nx")
 
 
-class Conv1DKind(LayerKind):
-    """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, ...)."""
+class Conv1DKind(LinearKind):
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, ...): a Linear whose weight is
+    stored transposed, (d_in, d_out); the input/output-gradient rule is the Linear one."""
 
     name = "conv1d"
+    transposed = True
 
     def matches(self, module: nn.Module) -> bool:
         return _is_conv1d(module)
-
-    def roles(self, module: nn.Module) -> tuple[str, ...]:
-        return ("weight", "bias")
-
-    def save(self, module, args, kwargs, output, batch):
-        x = first_input(args, kwargs).detach()
-        check_batch(x, batch, "Conv1D input")
-        return x, None, [x]
-
-    def contributions(self, module, state, grads, roles):
-        g = grads[0]
-        if g is None:
-            return {}
-        a = as_3d(state)
-        g = as_3d(g)
-        out = {}
-        if "weight" in roles:
-            out["weight"] = Outer(a, g, module.weight.shape)
-        if "bias" in roles:
-            out["bias"] = PerExample(g.sum(1))
-        return out

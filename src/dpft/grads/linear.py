@@ -24,6 +24,8 @@ class LinearKind(LayerKind):
     """``nn.Linear`` and subclasses that keep its ``forward``."""
 
     name = "linear"
+    #: Weight stored (d_in, d_out) instead of (d_out, d_in) (GPT-2 Conv1D).
+    transposed = False
 
     def matches(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
@@ -44,7 +46,7 @@ class LinearKind(LayerKind):
         g = as_3d(g)
         out = {}
         if "weight" in roles:
-            out["weight"] = Outer(g, a, module.weight.shape)
+            out["weight"] = Outer(a, g, module.weight.shape) if self.transposed else Outer(g, a, module.weight.shape)
         if "bias" in roles:
             out["bias"] = PerExample(g.sum(1))
         return out
