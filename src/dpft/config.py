@@ -23,6 +23,12 @@ class ModelCfg(_Strict):
     name: str = "minilm"
     #: Tokens per example (longer inputs are truncated).
     max_length: int = Field(64, ge=2, le=8192)
+    #: Sentence representation fed to the classification head: ``model`` = the architecture's
+    #: own head (BERT: [CLS] → pooler), ``mean`` = masked mean of the last hidden states (how
+    #: sentence-transformers models such as all-MiniLM-L6-v2 were trained; a much better start).
+    pooling: Literal["model", "mean"] = "model"
+    #: Dropout before the head with ``pooling: mean``.
+    head_dropout: float = Field(0.1, ge=0, lt=1)
 
 
 class TaskCfg(_Strict):
@@ -99,6 +105,10 @@ class DenoiseCfg(_Strict):
 class OptimizerCfg(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: float = Field(5e-4, gt=0)
+    #: Learning rate of the task head (classifier/score/pooler) when it differs from ``lr``:
+    #: a freshly initialised head needs larger steps than pretrained weights, and under DP its
+    #: few coordinates see far less noise per coordinate than the body's millions.
+    head_lr: Optional[float] = Field(None, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     betas: tuple[float, float] = (0.9, 0.999)

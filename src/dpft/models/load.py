@@ -37,13 +37,59 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load_classifier(name: str, num_labels: int, seed: int = 0):
-    """Tokenizer and ``AutoModelForSequenceClassification`` with a fresh head of ``num_labels``.
+class MeanPoolClassifier(nn.Module):
+    """Encoder + masked mean pooling + dropout + linear head.
+
+    ``forward(input_ids (B,T), attention_mask (B,T), ...)`` → an output with ``logits`` (B, L).
+    The mean runs over positions with ``attention_mask == 1`` only, so padding never enters an
+    example's representation (and per-example gradients stay per-example). This is the pooling
+    all-MiniLM-L6-v2 was trained with (sentence-transformers); BERT's [CLS] pooler of that
+    checkpoint was not trained for it.
+    """
+
+    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1):
+        super().__init__()
+        self.encoder = encoder
+        self.config = encoder.config
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, **_ignored):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                                ("position_ids", position_ids)) if v is not None}
+        h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
+        if attention_mask is None:
+            pooled = h.mean(dim=1)
+        else:
+            m = attention_mask.unsqueeze(-1).to(h.dtype)
+            pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+        return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
+
+    def save_pretrained(self, out, **kwargs) -> None:
+        """The encoder as a Hugging Face folder, the head beside it (``dpft_head.safetensors``)."""
+        import json
+
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        self.encoder.save_pretrained(out, **kwargs)
+        save_file({k: v.detach().contiguous() for k, v in self.classifier.state_dict().items()},
+                  str(out / "dpft_head.safetensors"))
+        (out / "dpft_head.json").write_text(json.dumps({"pooling": "mean", "num_labels": self.classifier.out_features}))
+
+
+def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "model", head_dropout: float = 0.1):
+    """Tokenizer and a sequence classifier with a fresh head of ``num_labels``.
+
+    ``pooling="model"``: ``AutoModelForSequenceClassification`` (the architecture's own head).
+    ``pooling="mean"``: :class:`MeanPoolClassifier` over ``AutoModel`` (no [CLS] pooler).
 
     Raises:
         ModelError: the name is neither a folder with a config nor a reachable hub id.
     """
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     path = resolve_model_path(name)
@@ -52,7 +98,14 @@ def load_classifier(name: str, num_labels: int, seed: int = 0):
     hf_logging.set_verbosity_error()  # "classifier newly initialised" is expected here
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+        if pooling == "mean":
+            try:  # BERT-likes: skip the unused [CLS] pooler so no trainable weight is left gradient-free
+                encoder = AutoModel.from_pretrained(path, add_pooling_layer=False)
+            except TypeError:
+                encoder = AutoModel.from_pretrained(path)
+            model = MeanPoolClassifier(encoder, num_labels, head_dropout)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
     except (OSError, ValueError) as exc:
         raise ModelError(
             f"cannot load model {name!r} ({exc.__class__.__name__}: {str(exc)[:200]}). Give a folder "
@@ -69,6 +122,11 @@ def load_classifier(name: str, num_labels: int, seed: int = 0):
 
 
 HEAD_PATTERNS = ("classifier", "score", "pooler", "lm_head")
+
+
+def is_head_param(name: str) -> bool:
+    """True for parameters of the task head (classifier/score/pooler/lm_head), by name."""
+    return any(h in name.split(".") for h in HEAD_PATTERNS)
 
 
 def _block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -101,16 +159,24 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
         if missing:
             linear_names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ModelError(f"LoRA target modules {missing} not in this model; choose from {linear_names}")
+        custom = isinstance(model, MeanPoolClassifier)
         lcfg = LoraConfig(
-            task_type=TaskType.SEQ_CLS, r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+            # peft's SEQ_CLS wrapper assumes a transformers head; our mean-pool head is kept
+            # trainable by hand instead (below).
+            task_type=None if custom else TaskType.SEQ_CLS, r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout, target_modules=list(cfg.lora.target_modules),
         )
-        return get_peft_model(model, lcfg)
+        model = get_peft_model(model, lcfg)
+        if custom:
+            for n, p in model.named_parameters():
+                if ".classifier." in f".{n}":
+                    p.requires_grad_(True)
+        return model
 
     for p in model.parameters():
         p.requires_grad_(False)
     named = dict(model.named_parameters())
-    is_head = lambda n: any(h in n.split(".") for h in HEAD_PATTERNS)  # noqa: E731
+    is_head = is_head_param
     if cfg.mode == "full":
         for n, p in named.items():
             p.requires_grad_(not (cfg.freeze_embeddings and "word_embeddings" in n or

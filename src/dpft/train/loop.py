@@ -27,7 +27,7 @@ from dpft.data.sampler import PoissonSampler, hash_seed
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import collate, tokenize_split
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
-from dpft.models.load import count_parameters, load_classifier, select_trainable
+from dpft.models.load import count_parameters, is_head_param, load_classifier, select_trainable
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.privacy.clipping import make_clip_policy
 from dpft.privacy.noise import GaussianMechanism
@@ -110,7 +110,8 @@ class Trainer:
 
         self.task = load_task(r.task, seed=r.seed)
         self.n = len(self.task.train)
-        self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed)
+        self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed,
+                                                pooling=r.model.pooling, head_dropout=r.model.head_dropout)
         self.model = select_trainable(model, r.trainable)
         self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names
         self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
@@ -157,7 +158,11 @@ class Trainer:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.recipe.optimizer
-        params = list(self.params.values())
+        params: Any = list(self.params.values())
+        if o.head_lr is not None:
+            head = [p for n, p in self.params.items() if is_head_param(n)]
+            body = [p for n, p in self.params.items() if not is_head_param(n)]
+            params = [g for g in ({"params": body}, {"params": head, "lr": o.head_lr}) if g["params"]]
         if o.name == "sgd":
             return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         if o.name == "adam":

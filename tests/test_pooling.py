@@ -1,0 +1,74 @@
+"""Mean-pooling classifier head (model.pooling = mean): padding never enters an example's
+representation, the fast per-example engine stays exact through it, and LoRA / last_k / head
+selections and saving work on it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dpft.config import TrainableCfg
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.grads.reference import ReferenceEngine
+from dpft.models.load import MeanPoolClassifier, load_classifier, select_trainable
+from dpft.models.losses import classification_loss
+from dpft.privacy.clipping import make_clip_policy
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_meanpool(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37, max_position_embeddings=32, pad_token_id=0)
+    return MeanPoolClassifier(transformers.BertModel(cfg, add_pooling_layer=False), num_labels=3).eval()
+
+
+def batch(seed=0, b=4, t=8):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 50, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 5:] = 0
+    mask[3, 2:] = 0
+    ids[mask == 0] = 0
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(t).expand(b, t).contiguous(),
+            "token_type_ids": torch.zeros(b, t, dtype=torch.long), "labels": torch.tensor([0, 1, 2, 1])}
+
+
+def test_padding_does_not_change_logits():
+    m = tiny_meanpool()
+    ids = torch.tensor([[5, 6, 7]])
+    short = m(input_ids=ids, attention_mask=torch.ones(1, 3, dtype=torch.long)).logits
+    padded = m(input_ids=torch.tensor([[5, 6, 7, 0, 0]]),
+               attention_mask=torch.tensor([[1, 1, 1, 0, 0]])).logits
+    torch.testing.assert_close(short, padded, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "last_k", "head", "lora"])
+def test_bookkeeping_matches_reference_through_mean_pooling(mode):
+    m = select_trainable(tiny_meanpool(), TrainableCfg(mode=mode, last_k=1, lora={"target_modules": ["query", "value"]}))
+    m.eval()
+    trainable = [n for n, p in m.named_parameters() if p.requires_grad]
+    assert any("classifier" in n for n in trainable), trainable
+    if mode == "head":
+        assert all("classifier" in n for n in trainable)
+    clip = make_clip_policy("flat", 0.3)
+    bk = BookKeepingEngine(m, classification_loss, clip).clipped_sum(batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = ReferenceEngine(m, classification_loss, clip).clipped_sum(batch())
+    torch.testing.assert_close(bk.sq_norms, ref.sq_norms, rtol=2e-4, atol=1e-8)
+    assert set(bk.grad_sum) == set(ref.grad_sum)
+    for n, g in ref.grad_sum.items():
+        torch.testing.assert_close(bk.grad_sum[n], g, rtol=2e-4, atol=1e-6, msg=n)
+
+
+def test_load_classifier_mean_pooling_and_save(tiny_model_dir, tmp_path):
+    tok, m = load_classifier(str(tiny_model_dir), num_labels=2, pooling="mean")
+    assert isinstance(m, MeanPoolClassifier)
+    assert not any("pooler" in n for n, _ in m.named_parameters())  # the unused [CLS] pooler is not loaded
+    m.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert (tmp_path / "out" / "dpft_head.safetensors").is_file()
