@@ -72,3 +72,15 @@ def test_load_classifier_mean_pooling_and_save(tiny_model_dir, tmp_path):
     m.save_pretrained(tmp_path / "out")
     assert (tmp_path / "out" / "config.json").is_file()
     assert (tmp_path / "out" / "dpft_head.safetensors").is_file()
+
+
+def test_set_dropout_zero_makes_training_mode_deterministic():
+    from dpft.models.load import set_dropout
+
+    m = tiny_meanpool().train()
+    b = batch()
+    inputs = {k: v for k, v in b.items() if k != "labels"}
+    assert set_dropout(m, 0.0) > 0
+    torch.testing.assert_close(m(**inputs).logits, m(**inputs).logits)
+    set_dropout(m, 0.5)
+    assert not torch.allclose(m(**inputs).logits, m(**inputs).logits)

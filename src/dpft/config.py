@@ -29,6 +29,9 @@ class ModelCfg(_Strict):
     pooling: Literal["model", "mean"] = "model"
     #: Dropout before the head with ``pooling: mean``.
     head_dropout: float = Field(0.1, ge=0, lt=1)
+    #: Override every dropout probability of the model (``0`` disables dropout, which often
+    #: helps under DP: the clipped, noisy gradient is regularised enough). None = as loaded.
+    dropout: Optional[float] = Field(None, ge=0, lt=1)
 
 
 class TaskCfg(_Strict):

@@ -80,6 +80,16 @@ class MeanPoolClassifier(nn.Module):
         (out / "dpft_head.json").write_text(json.dumps({"pooling": "mean", "num_labels": self.classifier.out_features}))
 
 
+def set_dropout(model: nn.Module, p: float) -> int:
+    """Set the probability of every ``nn.Dropout`` in ``model`` to ``p``; returns how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = float(p)
+            n += 1
+    return n
+
+
 def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "model", head_dropout: float = 0.1):
     """Tokenizer and a sequence classifier with a fresh head of ``num_labels``.
 

@@ -27,7 +27,7 @@ from dpft.data.sampler import PoissonSampler, hash_seed
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import collate, tokenize_split
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
-from dpft.models.load import count_parameters, is_head_param, load_classifier, select_trainable
+from dpft.models.load import count_parameters, is_head_param, load_classifier, select_trainable, set_dropout
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.privacy.clipping import make_clip_policy
 from dpft.privacy.noise import GaussianMechanism
@@ -112,6 +112,8 @@ class Trainer:
         self.n = len(self.task.train)
         self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed,
                                                 pooling=r.model.pooling, head_dropout=r.model.head_dropout)
+        if r.model.dropout is not None:
+            set_dropout(model, r.model.dropout)
         self.model = select_trainable(model, r.trainable)
         self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names
         self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
