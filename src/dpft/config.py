@@ -100,7 +100,7 @@ class DenoiseCfg(_Strict):
 
     method: Literal["none", "rmt"] = "none"
     #: Denoise a layer only if its top normalised singular value exceeds κ·(1 + √β).
-    kappa: float = Field(1.1, ge=1.0)
+    kappa: float = Field(1.05, ge=1.0)  # from benchmarks/results/rmt_kappa_sweep.md
     #: Randomized top-r SVD instead of a full SVD (None = full).
     rank: Optional[int] = Field(None, ge=1)
 
