@@ -84,3 +84,44 @@ def test_set_dropout_zero_makes_training_mode_deterministic():
     torch.testing.assert_close(m(**inputs).logits, m(**inputs).logits)
     set_dropout(m, 0.5)
     assert not torch.allclose(m(**inputs).logits, m(**inputs).logits)
+
+
+def test_head_body_clipping_budgets_and_sensitivity():
+    from dpft.privacy.clipping import HeadBodyClip, make_clip_policy
+
+    clip = make_clip_policy("head_body", 2.0, head_fraction=0.25)
+    g = torch.Generator().manual_seed(0)
+    sq = torch.rand(16, 5, generator=g) * torch.tensor([100.0, 0.01, 5.0, 3.0, 0.5])
+    with pytest.raises(ValueError, match="set_head_mask"):
+        clip.scales(sq)
+    mask = torch.tensor([False, False, False, True, True])
+    clip.set_head_mask(mask)
+    c = clip.scales(sq)
+    contrib = sq * c.pow(2)
+    head, body = contrib[:, mask].sum(1).sqrt(), contrib[:, ~mask].sum(1).sqrt()
+    assert (head <= 2.0 * 0.5 + 1e-5).all() and (body <= 2.0 * 0.75 ** 0.5 + 1e-5).all()
+    assert ((head.pow(2) + body.pow(2)).sqrt() <= 2.0 + 1e-5).all()
+    assert clip.sensitivity == 2.0
+    # within a group the factor is shared (flat clipping of that group)
+    assert torch.equal(c[:, 3], c[:, 4]) and torch.equal(c[:, 0], c[:, 2])
+    with pytest.raises(ValueError):
+        HeadBodyClip(1.0, head_fraction=1.0)
+
+
+def test_head_body_clipping_in_the_trainer_marks_the_head(tiny_model_dir, sst_like_files, tmp_path):
+    from dpft.config import Recipe
+    from dpft.train.loop import Trainer
+
+    r = Recipe.model_validate({
+        "model": {"name": str(tiny_model_dir), "pooling": "mean", "max_length": 16},
+        "task": {"name": "files", "train_file": str(sst_like_files["csv"]), "text_column": "text",
+                 "label_column": "label"},
+        "trainable": {"mode": "last_k", "last_k": 1},
+        "privacy": {"noise_multiplier": 1.0, "delta": 1e-3, "clipping": {"style": "head_body"}},
+        "schedule": {"steps": 2}, "batch": {"expected_batch_size": 8}, "eval": {"every_steps": 2},
+    })
+    tr = Trainer(r, tmp_path / "run", progress=False)
+    flags = dict(zip(tr.engine.params, tr.clip.head_mask.tolist()))
+    assert flags == {n: n.startswith("classifier.") for n in tr.engine.params}
+    rep = tr.run()
+    assert 0 <= rep["metrics"]["dev_accuracy"] <= 1

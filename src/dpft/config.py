@@ -67,7 +67,11 @@ class TrainableCfg(_Strict):
 
 
 class ClippingCfg(_Strict):
-    style: Literal["flat", "per_layer", "automatic"] = "flat"
+    #: flat · per_layer (C/√G per parameter) · automatic (AUTO-S) · head_body (head and the
+    #: rest clipped separately to C√f and C√(1−f); f = head_fraction)
+    style: Literal["flat", "per_layer", "automatic", "head_body"] = "flat"
+    #: Share f of C² given to the task head with style head_body.
+    head_fraction: float = Field(0.5, gt=0, lt=1)
     #: Clipping norm C (L2, per example).
     max_norm: float = Field(1.0, gt=0)
     #: AUTO-S stability constant (automatic style only).

@@ -87,6 +87,48 @@ class AutoClip(ClipPolicy):
         return c[:, None].expand_as(sq_norms).contiguous()
 
 
+class HeadBodyClip(ClipPolicy):
+    """Two-group flat clipping: the task head to ``C·√f`` and the rest of the trainable
+    parameters to ``C·√(1−f)`` (``f = head_fraction``), so the whole example stays within ``C``
+    (``C²f + C²(1−f) = C²``; sensitivity ``C``, add/remove-one).
+
+    Why: with one flat clip, an example's norm is dominated by the millions of body
+    coordinates, so the freshly initialised head keeps a tiny share of ``C`` while it receives
+    the same noise σC per coordinate as everything else, and under DP-Adam it random-walks.
+    Giving the head its own budget is per-layer clipping (McMahan et al. 2018) with two groups.
+
+    ``set_head_mask(mask)`` must be called with a ``(G,)`` bool tensor (True = head group, in
+    engine parameter order) before ``scales``; the trainer does it.
+
+    Raises:
+        ValueError: C not positive, f not in (0, 1), or ``scales`` before ``set_head_mask``.
+    """
+
+    def __init__(self, max_norm: float, head_fraction: float = 0.5):
+        if not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"clipping norm C must be a positive finite number, got {max_norm}")
+        if not 0 < head_fraction < 1:
+            raise ValueError(f"clipping.head_fraction must be in (0, 1), got {head_fraction}")
+        self.max_norm = float(max_norm)
+        self.head_fraction = float(head_fraction)
+        self.head_mask: torch.Tensor | None = None
+
+    def set_head_mask(self, mask) -> None:
+        self.head_mask = torch.as_tensor(mask, dtype=torch.bool)
+
+    def scales(self, sq_norms: torch.Tensor) -> torch.Tensor:
+        if self.head_mask is None or self.head_mask.numel() != sq_norms.shape[1]:
+            raise ValueError("HeadBodyClip needs set_head_mask() with one flag per trainable parameter group")
+        mask = self.head_mask.to(sq_norms.device)
+        out = torch.empty_like(sq_norms)
+        for sel, budget in ((mask, self.head_fraction), (~mask, 1.0 - self.head_fraction)):
+            if sel.any():
+                norms = sq_norms[:, sel].sum(dim=1).clamp_min(0).sqrt()
+                c = (self.max_norm * math.sqrt(budget) / (norms + EPS)).clamp(max=1.0)
+                out[:, sel] = c[:, None]
+        return out
+
+
 class NoClip(ClipPolicy):
     """No clipping (non-private reference runs only): factors are 1, sensitivity unbounded."""
 
@@ -96,8 +138,8 @@ class NoClip(ClipPolicy):
         return torch.ones_like(sq_norms)
 
 
-def make_clip_policy(style: str, max_norm: float, gamma: float = 0.01) -> ClipPolicy:
-    """Build a policy by name: ``flat`` | ``per_layer`` | ``automatic``.
+def make_clip_policy(style: str, max_norm: float, gamma: float = 0.01, head_fraction: float = 0.5) -> ClipPolicy:
+    """Build a policy by name: ``flat`` | ``per_layer`` | ``automatic`` | ``head_body``.
 
     Raises:
         ValueError: unknown style (the message lists the known ones).
@@ -108,4 +150,6 @@ def make_clip_policy(style: str, max_norm: float, gamma: float = 0.01) -> ClipPo
         return PerLayerClip(max_norm)
     if style in ("automatic", "auto", "auto_s"):
         return AutoClip(max_norm, gamma)
-    raise ValueError(f"unknown clipping style {style!r}; use one of: flat, per_layer, automatic")
+    if style == "head_body":
+        return HeadBodyClip(max_norm, head_fraction)
+    raise ValueError(f"unknown clipping style {style!r}; use one of: flat, per_layer, automatic, head_body")

@@ -135,8 +135,11 @@ class Trainer:
             else:
                 self.sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, self.q, self.total_steps,
                                              prior=self.prior_events())
-            self.clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma)
+            self.clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma,
+                                         r.privacy.clipping.head_fraction)
             self.engine = make_engine(r.privacy.engine, self.model, classification_loss, self.clip)
+            if hasattr(self.clip, "set_head_mask"):
+                self.clip.set_head_mask([is_head_param(n) for n in self.engine.params])
             self.mechanism = GaussianMechanism(self.sigma, self.clip.sensitivity, hash_seed(r.seed, 0xA0),
                                                secure=r.privacy.secure_rng)
         else:
