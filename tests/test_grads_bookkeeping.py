@@ -414,3 +414,17 @@ def test_fallback_module_with_tuple_output_partly_unused():
         warnings.simplefilter("ignore")
         bk, ref = run_both(M(), classification_loss, make_batch(), make_clip_policy("flat", 0.5))
     assert_same(bk, ref)
+
+
+def test_first_call_check_does_not_consume_the_global_rng():
+    """Resume needs dropout masks to depend only on (seed, step): the one-time usage probe
+    must not advance the global generator."""
+    model, loss = build("bert")
+    model.train()
+    eng = BookKeepingEngine(model, loss, make_clip_policy("flat", 1.0))
+    torch.manual_seed(123)
+    eng.clipped_sum(batch_for("bert"))  # first call: probe + step
+    after_first = torch.get_rng_state()
+    torch.manual_seed(123)
+    eng.clipped_sum(batch_for("bert"))  # checked already: step only
+    assert torch.equal(after_first, torch.get_rng_state())

@@ -304,7 +304,10 @@ class BookKeepingEngine(PerExampleEngine):
     # ------------------------------------------------------------------ the step
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
         if not self._checked:
-            self.check_usage(batch)
+            # The probe runs a forward (dropout draws): fork the RNG so that a resumed run, whose
+            # first call comes at a later step, draws the same masks as an uninterrupted one.
+            with torch.random.fork_rng(devices=[]):
+                self.check_usage(batch)
         b = _batch_size(batch)
         params = list(self.params.values())
         flags = [p.requires_grad for p in params]
