@@ -11,7 +11,7 @@ gradients only) hands each trainable layer's per-example gradient in factored fo
 layer, the engine turns it into its share of the coordinates and drops it:
 
 * ``Outer(U, V)`` (Linear / Conv1D weights, ``g_i = U_iᵀ V_i``, ``(R, C)``): instantiated for a
-  chunk of examples (``(B_c, R, C)``, bounded by ``_hooks._CHUNK_ELEMS``) and multiplied by the
+  chunk of examples (``(B_c, R, C)``, at most ``_PROJ_CHUNK_ELEMS`` floats) and multiplied by the
   layer's block ``P_l: (k, R·C)`` — cost ``B R C (T + k)``, the same order as the weight
   gradient of a non-private backward;
 * an index side (embeddings): ``Σ_t P_l[:, idx_t, :] · v_t`` by a gather, ``O(B T k C)``;
@@ -33,11 +33,16 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from dpft.grads._hooks import _CHUNK_ELEMS, Capture, Contribution, Outer, PerExample, merge
+from dpft.grads._hooks import Capture, Contribution, Outer, PerExample, merge
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss, trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine, _batch_size
 from dpft.privacy.clipping import ClipPolicy
 from dpft.transforms.subspace import SubspaceBasis, SubspaceError
+
+#: Per-example gradients of one layer are instantiated for at most this many floats at once
+#: (128 MiB). Larger than the book-keeping chunk on purpose: each chunk reads the layer's whole
+#: block of P (k × the layer size), so few large chunks keep the projection compute-bound.
+_PROJ_CHUNK_ELEMS = 1 << 25
 
 #: Name under which the engine returns the clipped sum of coordinates ``Σ_i c_i s_i`` (k,).
 COORDS = "subspace.coords"
@@ -62,7 +67,7 @@ def project_contribution(c: Contribution, block: torch.Tensor, batch: int) -> to
         per = torch.einsum("knc,nc->nk", rows, dense.reshape(b * t, -1).float())
         return per.reshape(b, t, k).sum(1)
     pf = block.reshape(k, r * cc).float()
-    step = max(1, _CHUNK_ELEMS // max(1, r * cc))
+    step = max(1, _PROJ_CHUNK_ELEMS // max(1, r * cc))
     out = []
     for s in range(0, batch, step):
         u = c.left[s: s + step].float()
