@@ -15,7 +15,10 @@ RUNS = [
     ("DP-LoRA r=16 (query, value + head)", "lora_e1"), ("DP-LoRA r=16 (query, value + head)", "lora_e4"),
     ("DP-SFT, public subspace (IMDB), start Θ*", "sft_public_e1"), ("DP-SFT, public subspace (IMDB), start Θ*", "sft_public_e4"),
     ("DP-SFT, public subspace (IMDB), start Θ0", "sft_public_init_e1"), ("DP-SFT, public subspace (IMDB), start Θ0", "sft_public_init_e4"),
-    ("DP-SFT, private subspace (accounted)", "sft_private_e1"), ("DP-SFT, private subspace (accounted)", "sft_private_e4"),
+    ("DP-SFT, private subspace (accounted), B1 = 32", "sft_private_e1"),
+    ("DP-SFT, private subspace (accounted), B1 = 32", "sft_private_e4"),
+    ("DP-SFT, private subspace (accounted), B1 = 256", "sft_private_b256_e1"),
+    ("DP-SFT, private subspace (accounted), B1 = 256", "sft_private_b256_e4"),
 ]
 
 

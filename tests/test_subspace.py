@@ -228,3 +228,33 @@ def test_non_private_subspace_run_is_refused(tiny_model_dir, sst_like_files, tmp
         "subspace.public_task": {"name": "files", "train_file": str(sst_like_files["tsv"])}})
     with pytest.raises(SubspaceError, match="privacy.enabled"):
         Trainer(rec, tmp_path / "np", progress=False)
+
+
+def test_resume_reuses_the_basis_and_equals_an_uninterrupted_run(tiny_model_dir, sst_like_files, tmp_path,
+                                                                  monkeypatch):
+    """Coordinates mode (Adam on the k coordinates): crash after the step-3 checkpoint, resume."""
+    from dpft.train.loop import Trainer
+
+    rec = _recipe(tiny_model_dir, sst_like_files, **{
+        "subspace.source": "private", "subspace.optimizer_space": "coords", "schedule.steps": 4,
+        "checkpoint_every": 2, "eval.every_steps": 4, "privacy.noise_multiplier": 1.0})
+    a = Trainer(rec, tmp_path / "a", progress=False)
+    rep_a = a.run()
+    real_step = Trainer.step
+
+    def crashing(self, step):
+        if step == 3:
+            raise KeyboardInterrupt("simulated crash")
+        return real_step(self, step)
+
+    b = Trainer(rec, tmp_path / "b", progress=False)
+    monkeypatch.setattr(Trainer, "step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        b.run()
+    monkeypatch.setattr(Trainer, "step", real_step)
+    c = Trainer(rec, tmp_path / "b", resume=True, progress=False)
+    rep_c = c.run()
+    for n, p in a.model.named_parameters():
+        torch.testing.assert_close(p, dict(c.model.named_parameters())[n], rtol=0, atol=0)
+    assert [(e.phase, e.count) for e in c.ledger.entries] == [("subspace", 4), ("train", 4)]
+    assert rep_c["privacy"]["epsilon"] == rep_a["privacy"]["epsilon"]

@@ -148,7 +148,10 @@ class SubspaceEngine(PerExampleEngine):
 
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
         if not self._checked:
-            self._bk.check_usage(batch)  # every use of a spanned weight is a hooked module call
+            # Every use of a spanned weight must be a hooked module call. The probe runs a forward
+            # (dropout draws): fork the RNG so a resumed run's masks equal an uninterrupted one's.
+            with torch.random.fork_rng(devices=[]):
+                self._bk.check_usage(batch)
             self._checked = True
         coords, losses = self.coordinates(batch)
         sq = coords.pow(2).sum(1, keepdim=True)
