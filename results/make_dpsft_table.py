@@ -17,20 +17,21 @@ RUNS = [
     ("DP-SFT, public subspace (IMDB), start Θ0", "sft_public_init_e1"), ("DP-SFT, public subspace (IMDB), start Θ0", "sft_public_init_e4"),
     ("DP-SFT, private subspace (accounted), B1 = 32", "sft_private_e1"),
     ("DP-SFT, private subspace (accounted), B1 = 32", "sft_private_e4"),
-    ("DP-SFT, private subspace (accounted), B1 = 256", "sft_private_b256_e1"),
     ("DP-SFT, private subspace (accounted), B1 = 256", "sft_private_b256_e4"),
+    ("Full-DP, 60 steps", "fulldp_long_e4"),
+    ("DP-SFT, public subspace (IMDB), start Θ0, 60 steps", "sft_public_init_long_e4"),
 ]
 
 
 def main(out_dir: str) -> str:
     d = Path(out_dir)
     rows = ["| method | run | target ε | certified ε (PLD, whole ledger) | σ stage 2 | stage-1 examples (expected) "
-            "| stage-2 examples (expected) | trainable / spanned d | dev acc at start | dev acc (SST-2 dev, 872) | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| stage-2 examples (expected) | trainable / spanned d | dev acc at start | dev acc (SST-2 dev, 872) | dev loss (nats) | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, name in RUNS:
         f = d / name / "report.json"
         if not f.is_file():
-            rows.append(f"| {label} | {name} | – | not run / not finished | | | | | | | |")
+            rows.append(f"| {label} | {name} | – | not run / not finished | | | | | | | | |")
             continue
         rep = json.loads(f.read_text())
         dp, pr, sub = rep["dp"], rep["privacy"], rep.get("subspace") or {}
@@ -45,7 +46,7 @@ def main(out_dir: str) -> str:
         start = f"{sub['start_dev_accuracy']:.4f}" if "start_dev_accuracy" in sub else ""
         target = name.rsplit("_e", 1)[-1] if "_e" in name else "–"
         rows.append(f"| {label} | {name} | {target} | {eps} | {dp['noise_multiplier']:.3f} | {st1} | {ex2} | {d_txt} | "
-                    f"{start} | {rep['metrics']['dev_accuracy']:.4f} | {rep['time_seconds']:.0f} |")
+                    f"{start} | {rep['metrics']['dev_accuracy']:.4f} | {rep['metrics']['dev_loss']:.4f} | {rep['time_seconds']:.0f} |")
     return "\n".join(rows)
 
 
