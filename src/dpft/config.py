@@ -109,6 +109,49 @@ class DenoiseCfg(_Strict):
     rank: Optional[int] = Field(None, ge=1)
 
 
+class SubspaceCfg(_Strict):
+    """DP-SFT (Zheng et al., AAAI 2026): stage 1 builds a k-dimensional basis P from a
+    fine-tuning trajectory, stage 2 privatises per-example coordinates Pᵀg_i in R^k
+    (methods/dpsft.py). The basis spans exactly the trainable parameters (``trainable``)."""
+
+    #: none · public (non-private run on ``public_task``, free) · private (DP-SGD on the private
+    #: data, recorded in the ledger) · file (a saved basis, ``file``).
+    source: Literal["none", "public", "private", "file"] = "none"
+    #: Subspace dimension k.
+    k: int = Field(32, ge=1)
+    #: Snapshots m recorded in stage 1 (default k, as in Algorithm 1).
+    snapshots: Optional[int] = Field(None, ge=1)
+    #: Stage-1 length: epochs E1 (T1 = ceil(E1·N/(B1·m))·m) or steps (rounded up to a multiple of m).
+    epochs: float = Field(1.0, gt=0)
+    steps: Optional[int] = Field(None, ge=1)
+    #: Stage-1 expected batch size B1, learning rate η1, clipping norm C1 (default: stage 2's).
+    expected_batch_size: Optional[int] = Field(None, ge=1)
+    lr: Optional[float] = Field(None, gt=0)
+    max_norm: Optional[float] = Field(None, gt=0)
+    #: private: share p1 of the target ε given to stage 1 (σ1 meets p1·ε alone; σ2 is then
+    #: calibrated so that the PLD composition of both stages meets ε).
+    budget_share: float = Field(0.3, gt=0, lt=1)
+    #: public: the public task stage 1 trains on (e.g. imdb for sst2).
+    public_task: Optional[TaskCfg] = None
+    #: file: a basis written by an earlier run (<run>/subspace/basis.safetensors).
+    file: Optional[str] = None
+    #: Stage 2 starts from stage 1's final parameters Θ* (Algorithm 3) or from Θ_0.
+    start: Literal["stage1", "initial"] = "stage1"
+    #: full = unproject P·s̃ and step the optimizer on the d parameters (paper); coords = run the
+    #: optimizer on the k coordinates (the update stays in span(P)).
+    optimizer_space: Literal["full", "coords"] = "full"
+    #: Storage of P: float32 or bfloat16 (half the memory).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _source_args(self):
+        if self.source == "public" and self.public_task is None:
+            raise ValueError("subspace.source=public needs subspace.public_task (e.g. {name: imdb})")
+        if self.source == "file" and not self.file:
+            raise ValueError("subspace.source=file needs subspace.file (a basis.safetensors)")
+        return self
+
+
 class OptimizerCfg(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: float = Field(5e-4, gt=0)
@@ -162,6 +205,7 @@ class Recipe(_Strict):
     batch: BatchCfg = BatchCfg()
     eval: EvalCfg = EvalCfg()
     denoise: DenoiseCfg = DenoiseCfg()
+    subspace: SubspaceCfg = SubspaceCfg()
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
     output_dir: Optional[str] = None

@@ -52,6 +52,8 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         "time_seconds": round(elapsed, 1),
         "history": trainer.history.rows,
     }
+    if getattr(trainer, "subspace_info", None) is not None:  # DP-SFT (methods/dpsft.py)
+        rep["subspace"] = trainer.subspace_info
     d = trainer.run_dir
     atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
     atomic_write_text(d / "report.md", render_markdown(rep))
@@ -103,6 +105,11 @@ def render_markdown(rep: dict[str, Any]) -> str:
               f"| time | {rep['time_seconds']:.0f} s |", ""]
     if t["notes"]:
         lines += ["Notes:", *[f"- {n}" for n in t["notes"]], ""]
+    if rep.get("subspace"):
+        s = rep["subspace"]
+        lines += [f"**Subspace (DP-SFT):** source {s['source']}"
+                  + (f" — {s['public_source']}" if s.get("public_source") else "")
+                  + f"; k = {s['k']}, d = {s['d']:,}, P = {s['basis_memory']} ({s['dtype']})", ""]
     if dp["private"] and rep["privacy"].get("ledger"):
         lines += ["## Ledger (every private release of this run)", "", "| phase | count | event |", "|---|---|---|"]
         lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in rep["privacy"]["ledger"]]

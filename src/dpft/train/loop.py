@@ -128,6 +128,11 @@ class Trainer:
 
         self.ledger = PrivacyLedger()
         self.sigma = 0.0
+        if r.subspace.source != "none":
+            from dpft.methods.dpsft import build_subspace
+
+            # DP-SFT stage 1 (before calibration: a private stage records its events first).
+            self.basis = build_subspace(self)
         if self.private:
             check_delta(r.privacy.delta, self.n)
             if r.privacy.noise_multiplier is not None:
@@ -146,6 +151,10 @@ class Trainer:
             self.engine = NonPrivateEngine(self.model, classification_loss, make_clip_policy("flat", 1.0))
             self.mechanism = None
         self.params = self.engine.params
+        if r.subspace.source != "none":
+            from dpft.methods.dpsft import wire_stage2
+
+            wire_stage2(self)  # subspace engine, optimizer parameters, unprojection transform
         if r.denoise.method == "rmt" and self.private:
             self.transforms.append(rmt_transform(self.model, list(self.params), r.denoise))
         self.optimizer = self._make_optimizer()
@@ -198,7 +207,7 @@ class Trainer:
         r = self.recipe
         torch.manual_seed(hash_seed(r.seed, step, 0xD0))  # dropout masks: resumable, per step
         idx = self.sampler.indices(step)
-        grad_sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        grad_sum = {n: torch.zeros_like(p) for n, p in self.engine.params.items()}
         loss_sum, clipped, bsz = 0.0, 0, len(idx)
         self.model.train()
         # Order the logical batch by length so micro-batches carry little padding; the set of

@@ -1,0 +1,163 @@
+"""Per-example subspace coordinates ``s_i = Pᵀ g_i`` without a whole-model per-example gradient.
+
+Source: Zheng et al., "Differentially Private Subspace Fine-Tuning for Large Language Models"
+(AAAI 2026), Algorithm 2 lines 5-10 (project, clip in R^k, aggregate). dpft's version of
+line 10-11: the clipped coordinates are *summed* here and the Gaussian mechanism adds
+``N(0, σ²C² I_k)`` to the sum (the paper adds it after averaging, which under-noises by a
+factor B); the loop then divides by the expected batch size.
+
+How: the book-keeping capture (``_hooks.Capture``; one forward, one backward of activation
+gradients only) hands each trainable layer's per-example gradient in factored form. Layer by
+layer, the engine turns it into its share of the coordinates and drops it:
+
+* ``Outer(U, V)`` (Linear / Conv1D weights, ``g_i = U_iᵀ V_i``, ``(R, C)``): instantiated for a
+  chunk of examples (``(B_c, R, C)``, at most ``_PROJ_CHUNK_ELEMS`` floats) and multiplied by the
+  layer's block ``P_l: (k, R·C)`` — cost ``B R C (T + k)``, the same order as the weight
+  gradient of a non-private backward;
+* an index side (embeddings): ``Σ_t P_l[:, idx_t, :] · v_t`` by a gather, ``O(B T k C)``;
+* ``PerExample(g)`` (biases, LayerNorm): ``g.reshape(B, -1) @ P_lᵀ``.
+
+Contributions to one parameter (tied weights, repeated calls) are projected separately and
+added (projection is linear), so no cross terms are needed. The coordinates of the whole
+model are the sum over layers: ``s_i = Σ_l P_lᵀ g_{i,l}``. At no time does a ``(B, d)`` tensor
+exist; the largest per-example object is one layer's chunk.
+
+The engine's single clipping group is the k-vector: ``sq_norms`` is ``(B, 1)`` = ``‖s_i‖²`` and
+the flat clip factor ``min(1, C/‖s_i‖)`` bounds each example's contribution in R^k by ``C``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from dpft.grads._hooks import Capture, Contribution, Outer, PerExample, merge
+from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss, trainable_parameters
+from dpft.grads.bookkeeping import BookKeepingEngine, _batch_size
+from dpft.privacy.clipping import ClipPolicy
+from dpft.transforms.subspace import SubspaceBasis, SubspaceError
+
+#: Per-example gradients of one layer are instantiated for at most this many floats at once
+#: (128 MiB). Larger than the book-keeping chunk on purpose: each chunk reads the layer's whole
+#: block of P (k × the layer size), so few large chunks keep the projection compute-bound.
+_PROJ_CHUNK_ELEMS = 1 << 25
+
+#: Name under which the engine returns the clipped sum of coordinates ``Σ_i c_i s_i`` (k,).
+COORDS = "subspace.coords"
+
+
+def project_contribution(c: Contribution, block: torch.Tensor, batch: int) -> torch.Tensor:
+    """``(B, k)`` float32: ``P_lᵀ g_{i}`` for one contribution ``c`` to a parameter whose block
+    of P is ``block: (k, *param.shape)``."""
+    k = block.shape[0]
+    if isinstance(c, PerExample):
+        return c.g.reshape(batch, -1).float() @ block.reshape(k, -1).float().T
+    assert isinstance(c, Outer)
+    r, cc = c.shape
+    if c.left_index or c.right_index:
+        # g_i = Σ_t e_{idx_t} v_tᵀ (rows) or Σ_t u_t e_{idx_t}ᵀ (columns): <P_j, g_i> = Σ_t P_j[idx_t] · v_t
+        if c.left_index:
+            idx, dense, pb = c.left, c.right, block.reshape(k, r, cc)
+        else:
+            idx, dense, pb = c.right, c.left, block.reshape(k, r, cc).transpose(1, 2)
+        b, t = idx.shape
+        rows = pb[:, idx.reshape(-1), :].float()  # (k, B*T, C)
+        per = torch.einsum("knc,nc->nk", rows, dense.reshape(b * t, -1).float())
+        return per.reshape(b, t, k).sum(1)
+    pf = block.reshape(k, r * cc).float()
+    step = max(1, _PROJ_CHUNK_ELEMS // max(1, r * cc))
+    out = []
+    for s in range(0, batch, step):
+        u = c.left[s: s + step].float()
+        v = c.right[s: s + step].float()
+        g = torch.bmm(u.transpose(1, 2), v).reshape(u.shape[0], r * cc)  # this layer, this chunk
+        out.append(g @ pf.T)
+    return torch.cat(out)
+
+
+class SubspaceEngine(PerExampleEngine):
+    """Clipped sum of per-example subspace coordinates (DP-SFT stage 2).
+
+    Args:
+        model: the network; its trainable parameters must be exactly the parameters the basis
+            spans (the loop freezes everything else).
+        loss_fn: per-example loss ``(B,)`` (nats).
+        clip: clip policy applied to ``‖s_i‖`` in R^k (flat or automatic; per-layer has one
+            group here and equals flat).
+        basis: the basis ``P`` (``transforms/subspace.py``).
+
+    ``clipped_sum(batch)`` returns a :class:`ClippedBatch` whose ``grad_sum`` has one entry,
+    ``COORDS`` -> ``Σ_i c_i s_i`` of shape ``(k,)``; ``sq_norms``/``scales`` are ``(B, 1)``.
+    ``self.params`` is ``{COORDS: zeros(k)}`` (the shape of what the engine sums), and
+    ``self.model_params`` the model parameters spanned.
+
+    Raises:
+        SubspaceError: the trainable parameters and the basis parameters differ, or shapes do
+            not match.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: PerExampleLoss, clip: ClipPolicy, basis: SubspaceBasis):
+        super().__init__(model, loss_fn, clip)
+        train = trainable_parameters(model)
+        missing = [n for n in basis.names if n not in train]
+        extra = [n for n in train if n not in basis.blocks]
+        if missing or extra:
+            raise SubspaceError(
+                "the basis must span exactly the trainable parameters; "
+                f"basis parameters not trainable here: {missing[:3]}, trainable parameters not in "
+                f"the basis: {extra[:3]}. Use the same trainable selection as the stage that built it")
+        for n in basis.names:
+            if tuple(basis.blocks[n].shape[1:]) != tuple(train[n].shape):
+                raise SubspaceError(f"basis block of {n} has shape {tuple(basis.blocks[n].shape[1:])}, "
+                                    f"the parameter {tuple(train[n].shape)}")
+        self.basis = basis
+        self.model_params = train
+        # The book-keeping engine owns the layer rules and the first-call attribution check.
+        self._bk = BookKeepingEngine(model, loss_fn, clip)
+        self.units = self._bk.units
+        self.params = {COORDS: torch.zeros(basis.k)}  # type: ignore[dict-item]
+        self.param_names = [COORDS]
+        self._checked = False
+
+    def coordinates(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unclipped per-example coordinates ``(B, k)`` float32 and the per-example losses ``(B,)``."""
+        b = _batch_size(batch)
+        params = list(self.model_params.values())
+        flags = [p.requires_grad for p in params]
+        cap = Capture(self.units, b, mode="main")
+        coords = torch.zeros(b, self.basis.k, dtype=torch.float32)
+        try:
+            for p in params:
+                p.requires_grad_(False)  # activation gradients only; no weight gradient is built
+            with torch.enable_grad():
+                with cap:
+                    losses = self.loss_fn(lambda **kw: self.model(**kw), batch)
+                if losses.shape != (b,):
+                    raise ValueError(f"loss_fn must return per-example losses of shape ({b},), "
+                                     f"got {tuple(losses.shape)}")
+                cap.backward(losses.sum())
+        finally:
+            for p, f in zip(params, flags):
+                p.requires_grad_(f)
+        for n in self.basis.names:
+            for c in merge(cap.contribs.pop(n, [])):
+                coords += project_contribution(c, self.basis.blocks[n], b).to(coords.device)
+        return coords, losses.detach()
+
+    def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
+        if not self._checked:
+            # Every use of a spanned weight must be a hooked module call. The probe runs a forward
+            # (dropout draws): fork the RNG so a resumed run's masks equal an uninterrupted one's.
+            with torch.random.fork_rng(devices=[]):
+                self._bk.check_usage(batch)
+            self._checked = True
+        coords, losses = self.coordinates(batch)
+        sq = coords.pow(2).sum(1, keepdim=True)
+        scales = self.clip.scales(sq)
+        total = (coords * scales).sum(0)
+        return ClippedBatch({COORDS: total}, sq, scales, float(losses.sum()), coords.shape[0])
+
+
+__all__ = ["COORDS", "SubspaceEngine", "project_contribution"]

@@ -1,0 +1,243 @@
+"""DP-SFT: differentially private subspace fine-tuning (wiring only; the math lives in
+``transforms/subspace.py`` and ``grads/subspace.py``).
+
+Source: Zheng et al., "Differentially Private Subspace Fine-Tuning for Large Language Models"
+(AAAI 2026), Algorithms 1-3. Differences from the paper, on purpose (see DESIGN.md):
+
+* the noise ``N(0, σ²C² I_k)`` is added to the *sum* of clipped coordinates and the result is
+  divided by the expected batch size (the paper adds it after averaging: B times too little);
+* a subspace built on the private data is DP-SGD: its events go in the ledger (phase
+  ``subspace``) and the two stages are composed by the PLD accountant, not as ``p1ε + p2ε``.
+  σ1 is calibrated so that stage 1 alone meets ``p1·ε``; σ2 then so that the composition of
+  both stages meets ``ε`` (``calibrate_sigma(prior=...)``), so stage 2 gets what the
+  composition leaves, which is more than ``p2·ε``;
+* sampling is Poisson (the rate q = B/N is what is accounted).
+
+Stage-1 sources (``subspace.source``): ``public`` (non-private fine-tuning on another task,
+free; the report names it), ``private`` (DP-SGD on the private data, accounted), ``file`` (a
+saved basis; a privately built one brings its recorded events along).
+
+Entry points used by :class:`dpft.train.loop.Trainer`: :func:`build_subspace` (before
+calibration) and :func:`wire_stage2` (after the engine is built).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.config import Recipe
+from dpft.grads.subspace import COORDS, SubspaceEngine
+from dpft.models.losses import classification_loss
+from dpft.train.loop import Trainer, TrainingError
+from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
+                                      snapshot_schedule, unproject_transform)
+
+#: Ledger phase of a private stage 1.
+PHASE = "subspace"
+
+
+class SnapshotTrainer(Trainer):
+    """A :class:`Trainer` that records ``Θ_t − Θ_0`` of its trainable parameters after the
+    given steps (Algorithm 1 lines 12-15). ``snapshots``: name -> ``(m, *shape)``."""
+
+    def __init__(self, recipe: Recipe, run_dir, record_after: list[int], **kw):
+        super().__init__(recipe, run_dir, **kw)
+        self.record_after = {s: j for j, s in enumerate(record_after)}
+        self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
+        m = len(record_after)
+        self.snapshots = {n: torch.zeros(m, *p.shape, dtype=torch.float32) for n, p in self.params.items()}
+        self.recorded = 0
+
+    def step(self, step: int) -> dict:
+        out = super().step(step)
+        j = self.record_after.get(step + 1)
+        if j is not None:
+            for n, p in self.params.items():
+                self.snapshots[n][j] = (p.detach() - self.theta0[n]).float()
+            self.recorded += 1
+        return out
+
+
+def stage1_recipe(r: Recipe, n_train: int) -> tuple[Recipe, list[int]]:
+    """The stage-1 recipe (a plain fine-tuning run) and the steps after which to snapshot.
+
+    T1 = ceil(E1·N/(B1·m))·m (Algorithm 3 line 1, with m snapshots instead of k), or
+    ``subspace.steps`` rounded up to a multiple of m.
+    """
+    cfg = r.subspace
+    m = cfg.snapshots or cfg.k
+    b1 = cfg.expected_batch_size or r.batch.expected_batch_size
+    raw = cfg.steps or math.ceil(cfg.epochs * n_train / b1)
+    t1, after = snapshot_schedule(raw, m)
+    d = r.model_dump(mode="json")
+    d["name"] = f"{r.name}-stage1"
+    d["subspace"] = {"source": "none"}
+    d["output_dir"] = None
+    d["denoise"] = {"method": "none"}
+    d["batch"]["expected_batch_size"] = b1
+    d["schedule"] = {"steps": t1, "warmup_steps": min(r.schedule.warmup_steps, t1 - 1), "decay": "constant"}
+    d["eval"]["every_steps"] = t1
+    d["checkpoint_every"] = t1
+    if cfg.lr is not None:
+        d["optimizer"]["lr"] = cfg.lr
+    if cfg.max_norm is not None:
+        d["privacy"]["clipping"]["max_norm"] = cfg.max_norm
+    if cfg.source == "public":
+        d["task"] = cfg.public_task.model_dump(mode="json")
+        d["privacy"]["enabled"] = False
+    else:  # private: stage 1 alone meets p1·ε (or uses the fixed σ of the recipe)
+        if r.privacy.noise_multiplier is None:
+            d["privacy"]["target_epsilon"] = cfg.budget_share * r.privacy.target_epsilon
+    return Recipe.model_validate(d), after
+
+
+def _record_events(trainer: Trainer, ledger_json: dict) -> None:
+    for e in PrivacyLedger.from_json(ledger_json).entries:
+        trainer.ledger.record(PHASE, e.event, e.count)
+
+
+def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
+    """Run stage 1 in ``<run>/subspace/stage1`` and build the basis (Algorithm 1)."""
+    r = trainer.recipe
+    cfg = r.subspace
+    if cfg.source == "private" and not trainer.private:
+        raise SubspaceError("subspace.source=private is DP-SGD on the private data; it needs privacy.enabled")
+    rec, after = stage1_recipe(r, trainer.n)
+    d = trainer.run_dir / "subspace" / "stage1"
+    if (d / "checkpoint").exists():
+        raise TrainingError(f"stage 1 in {d} was interrupted before its basis was written; remove {d} "
+                            "and run again (its snapshots were in memory only)")
+    t0 = time.time()
+    st = SnapshotTrainer(rec, d, after, progress=trainer.progress)
+    rep = st.run()
+    if st.recorded != len(after):
+        raise SubspaceError(f"stage 1 recorded {st.recorded} of {len(after)} snapshots")
+    basis = basis_from_snapshots(st.snapshots, cfg.k)
+    basis.start = {n: p.detach().clone() for n, p in st.params.items()}
+    info = {"source": cfg.source, "stage1_steps": rec.schedule.steps, "snapshots": len(after),
+            "stage1_expected_batch_size": rec.batch.expected_batch_size,
+            "stage1_examples_expected": rec.schedule.steps * rec.batch.expected_batch_size,
+            "stage1_task": rec.task.name, "stage1_metrics": rep["metrics"],
+            "stage1_seconds": round(time.time() - t0, 1)}
+    if cfg.source == "private":
+        info["stage1_noise_multiplier"] = st.sigma
+        info["stage1_epsilon_alone"] = rep["privacy"]["epsilon"]
+        info["ledger"] = st.ledger.to_json()
+    basis.meta.update(info)
+    return basis, info
+
+
+def build_subspace(trainer: Trainer) -> SubspaceBasis:
+    """Stage 1 for ``trainer`` (called by the loop before σ is calibrated).
+
+    A private stage 1 (or a file built privately) records its events in ``trainer.ledger``
+    under phase ``subspace``. The basis is saved in ``<run>/subspace/basis.safetensors`` and
+    reused on ``--resume`` (the events then come from the same file, and the checkpoint's
+    ledger replaces the live one as usual).
+
+    Raises:
+        SubspaceError: bad source arguments, a file without provenance, rank(A) < k.
+    """
+    r = trainer.recipe
+    cfg = r.subspace
+    cached = trainer.run_dir / "subspace" / "basis.safetensors"
+    if trainer.resume and cached.is_file():
+        basis = SubspaceBasis.load(cached)
+    elif cfg.source == "file":
+        basis = SubspaceBasis.load(cfg.file)
+        if basis.meta.get("source") not in ("public", "private"):
+            raise SubspaceError(f"{cfg.file} does not say how it was built (meta.source public/private); "
+                                "a basis of unknown provenance cannot be certified")
+    else:
+        basis, _ = run_stage1(trainer)
+    if basis.k != cfg.k:
+        raise SubspaceError(f"the basis has k = {basis.k}, the recipe asks for subspace.k = {cfg.k}")
+    if basis.meta.get("source") == "private":
+        _record_events(trainer, basis.meta["ledger"])
+    if not (trainer.resume and cached.is_file()):
+        basis.save(cached)
+    basis = basis.to(cfg.dtype)
+    trainer.subspace_info = {
+        "source": basis.meta.get("source"), "from_file": cfg.file if cfg.source == "file" else None,
+        "k": basis.k, "d": basis.dim, "basis_bytes": basis.nbytes, "basis_memory": format_bytes(basis.nbytes),
+        "dtype": cfg.dtype, "optimizer_space": cfg.optimizer_space, "start": cfg.start,
+        **{k: v for k, v in basis.meta.items() if k not in ("ledger",)},
+    }
+    if basis.meta.get("source") == "public":
+        trainer.subspace_info["public_source"] = (
+            f"non-private fine-tuning on public task {basis.meta.get('stage1_task')!r} (costs no privacy "
+            "of the training data)")
+    return basis
+
+
+def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter], basis: SubspaceBasis):
+    """Forward pre-hook for ``optimizer_space=coords``: keeps ``Θ = Θ_start + P z`` whenever the
+    coordinates ``z`` changed (optimizer step, resume)."""
+    start = {n: p.detach().clone() for n, p in params.items()}
+    seen = {"v": z._version}
+
+    def hook(module, args, kwargs):
+        if z._version != seen["v"]:
+            with torch.no_grad():
+                delta = basis.unproject(z.detach())
+                for n, p in params.items():
+                    p.copy_(start[n] + delta[n].to(p.dtype))
+            seen["v"] = z._version
+        return None
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def wire_stage2(trainer: Trainer) -> None:
+    """Stage 2 (Algorithm 2): swap in the subspace engine, set the optimizer's parameters and
+    the unprojection transform (called by the loop after the engine is built).
+
+    Raises:
+        SubspaceError: a non-private run or a denoiser combined with DP-SFT.
+    """
+    r = trainer.recipe
+    cfg = r.subspace
+    if not trainer.private:
+        raise SubspaceError("DP-SFT stage 2 privatises subspace coordinates; set privacy.enabled: true "
+                            "(or subspace.source: none for a non-private run)")
+    if r.denoise.method != "none":
+        raise SubspaceError("denoise and subspace are not combined: the noise of DP-SFT is k-dimensional")
+    basis: SubspaceBasis = trainer.basis
+    engine = SubspaceEngine(trainer.model, classification_loss, trainer.clip, basis)
+    if cfg.start == "stage1":
+        if basis.start is None:
+            raise SubspaceError("subspace.start=stage1 but the basis holds no stage-1 parameters Θ*; "
+                                "use subspace.start: initial")
+        with torch.no_grad():
+            for n, p in engine.model_params.items():
+                if basis.start[n].shape != p.shape:
+                    raise SubspaceError(f"Θ* of {n} has shape {tuple(basis.start[n].shape)}, the model "
+                                        f"{tuple(p.shape)} (different number of labels in stage 1?)")
+                p.copy_(basis.start[n])
+    trainer.engine = engine
+    if cfg.optimizer_space == "full":
+        trainer.params = engine.model_params
+        trainer.transforms.insert(0, unproject_transform(basis, COORDS))
+    else:
+        z = nn.Parameter(torch.zeros(basis.k))
+        trainer.params = {COORDS: z}
+        trainer._subspace_hook = _sync_hook(trainer.model, z, engine.model_params, basis)
+    trainer.subspace_info["start_dev_accuracy"] = trainer.evaluate()["dev_accuracy"]
+
+
+def write_info(trainer: Trainer, path: Path | None = None) -> Path:
+    """Write ``subspace_info`` as JSON beside the run (``<run>/subspace/info.json``)."""
+    path = path or trainer.run_dir / "subspace" / "info.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(trainer.subspace_info, indent=1, default=str))
+    return path
+
+
+__all__ = ["PHASE", "SnapshotTrainer", "build_subspace", "run_stage1", "stage1_recipe", "wire_stage2", "write_info"]

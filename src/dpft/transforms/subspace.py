@@ -1,0 +1,261 @@
+"""Subspace basis of DP-SFT: top-k right singular vectors of a fine-tuning trajectory.
+
+Source: Zheng et al., "Differentially Private Subspace Fine-Tuning for Large Language Models"
+(AAAI 2026), Algorithm 1 lines 12-18 (snapshots ``Θ_t − Θ_0`` stacked into ``A``, Eq. 3) and
+Eq. 4 (``P`` = top-k right singular vectors of ``A``), Algorithm 2 lines 7 and 12 (project with
+``Pᵀ``, unproject with ``P``).
+
+Shapes: the trajectory ``A`` is ``(m, d)`` with ``m`` snapshots (m ≈ k, small) and ``d`` the
+number of parameters that span the subspace; ``P`` is ``(d, k)`` with orthonormal columns. Both
+are kept *block-wise*, one block per parameter: ``A_n: (m, d_n)`` and ``P_n: (k, *shape_n)``
+(so ``P = concat_n P_n.reshape(k, -1)ᵀ``). ``P`` is never formed as one tensor, and neither
+``AᵀA`` (d × d) nor a full SVD is ever computed: the right singular vectors come from the
+``m × m`` Gram matrix ``A Aᵀ = U Λ Uᵀ`` as ``P = Aᵀ U_k Λ_k^{-1/2}`` (exact: ``A = U Λ^{1/2} Wᵀ``
+gives ``W = Aᵀ U Λ^{-1/2}``), followed by one ``k × k`` re-orthonormalisation pass that removes
+the round-off of the Gram route.
+
+Everything here is post-processing of whatever produced the snapshots: it costs no privacy
+itself; the privacy of a basis is that of its trajectory (see ``methods/dpsft.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+class SubspaceError(ValueError):
+    """A basis that cannot be built or used; the message names the fix."""
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class SubspaceBasis:
+    """An orthonormal basis ``P`` (d × k) stored block-wise.
+
+    Attributes:
+        blocks: parameter name -> ``(k, *param.shape)`` block of ``P`` (float32 or bfloat16).
+        singular_values: ``(k,)`` singular values of the trajectory ``A`` (float64, descending).
+        start: optional parameter name -> tensor: the parameters ``Θ*`` stage 2 starts from
+            (Algorithm 3 line 4: PST(Θ*, P, ...)).
+        meta: JSON-able provenance (source, snapshots, steps, public task...).
+    """
+
+    blocks: dict[str, torch.Tensor]
+    singular_values: torch.Tensor
+    start: Optional[dict[str, torch.Tensor]] = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def k(self) -> int:
+        return int(next(iter(self.blocks.values())).shape[0])
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.blocks)
+
+    @property
+    def dim(self) -> int:
+        """d: number of parameters spanned."""
+        return sum(b[0].numel() for b in self.blocks.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of P in bytes (as stored: dtype × d × k)."""
+        return sum(b.numel() * b.element_size() for b in self.blocks.values())
+
+    def to(self, dtype: str | torch.dtype) -> "SubspaceBasis":
+        """A copy of the basis with P stored in ``dtype`` (``float32`` or ``bfloat16``)."""
+        dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        return SubspaceBasis({n: b.to(dt) for n, b in self.blocks.items()}, self.singular_values,
+                             self.start, dict(self.meta))
+
+    # ------------------------------------------------------------------ projections
+    def project(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``Pᵀ g``: ``(k,)`` coordinates of a gradient given per parameter (float32).
+
+        Raises:
+            SubspaceError: a parameter of the basis is missing from ``grads``.
+        """
+        missing = [n for n in self.blocks if n not in grads]
+        if missing:
+            raise SubspaceError(f"project: gradient lacks basis parameters {missing[:3]}")
+        out = torch.zeros(self.k, dtype=torch.float32)
+        for n, b in self.blocks.items():
+            out += b.reshape(self.k, -1).float() @ grads[n].reshape(-1).float().to(b.device)
+        return out
+
+    def unproject(self, coords: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``P s``: parameter name -> tensor shaped like the parameter (float32), for
+        ``coords`` of shape ``(k,)`` (Algorithm 2 line 12)."""
+        if coords.shape != (self.k,):
+            raise SubspaceError(f"unproject: coordinates must have shape ({self.k},), got {tuple(coords.shape)}")
+        c = coords.float()
+        return {n: torch.tensordot(c, b.float(), dims=1) for n, b in self.blocks.items()}
+
+    def gram(self) -> torch.Tensor:
+        """``PᵀP`` (k × k, float64): the identity for an orthonormal basis."""
+        g = torch.zeros(self.k, self.k, dtype=torch.float64)
+        for b in self.blocks.values():
+            f = b.reshape(self.k, -1).double()
+            g += f @ f.T
+        return g
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | Path) -> Path:
+        """Write the basis (and ``Θ*`` if present) as one safetensors file.
+
+        Keys: ``basis.<name>`` ``(k, *shape)``, ``start.<name>``, ``singular_values``; the
+        metadata header holds ``meta`` as JSON.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {f"basis.{n}": b.contiguous() for n, b in self.blocks.items()}
+        tensors["singular_values"] = self.singular_values.double().contiguous()
+        for n, t in (self.start or {}).items():
+            tensors[f"start.{n}"] = t.detach().contiguous()
+        meta = {"format": "dpft-subspace-1", "names": json.dumps(self.names), "meta": json.dumps(self.meta)}
+        save_file(tensors, str(path), metadata=meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SubspaceBasis":
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            SubspaceError: missing file or not a dpft subspace file.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise SubspaceError(f"subspace file not found: {path} (write one with a public or private "
+                                "stage-1 run; it is saved as <run>/subspace/basis.safetensors)")
+        with safe_open(str(path), framework="pt") as f:
+            md = f.metadata() or {}
+            if md.get("format") != "dpft-subspace-1":
+                raise SubspaceError(f"{path} is not a dpft subspace file (no 'dpft-subspace-1' header)")
+            names = json.loads(md["names"])
+            blocks = {n: f.get_tensor(f"basis.{n}") for n in names}
+            keys = set(f.keys())
+            start = {n: f.get_tensor(f"start.{n}") for n in names if f"start.{n}" in keys} or None
+            sv = f.get_tensor("singular_values")
+        return cls(blocks, sv, start, json.loads(md.get("meta", "{}")))
+
+
+def basis_from_snapshots(
+    snapshots: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
+    k: int,
+    dtype: str = "float32",
+    rel_tol: float = 1e-10,
+) -> SubspaceBasis:
+    """Top-k right singular vectors of the trajectory ``A`` (Eq. 3-4) via its m × m Gram matrix.
+
+    Args:
+        snapshots: either parameter name -> ``(m, *shape)`` stacked differences ``Θ_t − Θ_0``,
+            or a list of ``m`` dicts name -> ``Θ_t − Θ_0``.
+        k: subspace dimension (number of columns of P); needs ``k ≤ rank(A) ≤ m``.
+        dtype: storage dtype of P: ``float32`` or ``bfloat16`` (half the memory; P is then
+            orthonormal to ~1e-2, which the noise scale does not depend on — the clip bound
+            holds on the coordinates actually computed).
+        rel_tol: singular directions with ``λ_j ≤ rel_tol · λ_1`` count as zero.
+
+    Returns:
+        the basis with ``singular_values`` = top-k singular values of A.
+
+    Cost: ``O(m² d)`` time, ``O(k d)`` extra memory; no d × d matrix and no full SVD.
+
+    Raises:
+        SubspaceError: no snapshots, k < 1, or rank(A) < k (too few / identical snapshots:
+            record more snapshots or lower k).
+    """
+    if dtype not in _DTYPES:
+        raise SubspaceError(f"basis dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if not isinstance(snapshots, Mapping):
+        snaps = list(snapshots)
+        if not snaps:
+            raise SubspaceError("no snapshots: the trajectory matrix A is empty")
+        snapshots = {n: torch.stack([s[n] for s in snaps]) for n in snaps[0]}
+    if not snapshots:
+        raise SubspaceError("no parameters in the snapshots")
+    if k < 1:
+        raise SubspaceError(f"subspace dimension k must be ≥ 1, got {k}")
+    m = next(iter(snapshots.values())).shape[0]
+    for n, a in snapshots.items():
+        if a.shape[0] != m:
+            raise SubspaceError(f"snapshot stack of {n} has {a.shape[0]} rows, expected {m}")
+    if k > m:
+        raise SubspaceError(f"k = {k} > m = {m} snapshots: rank(A) ≤ m; record at least k snapshots or lower k")
+    # Gram matrix A Aᵀ = Σ_n A_n A_nᵀ in float64 (m × m).
+    gram = torch.zeros(m, m, dtype=torch.float64)
+    for a in snapshots.values():
+        f = a.reshape(m, -1).double()
+        gram += f @ f.T
+    evals, evecs = torch.linalg.eigh(gram)  # ascending
+    evals, evecs = evals.flip(0), evecs.flip(1)
+    top = float(evals[0])
+    if not top > 0:
+        raise SubspaceError("the trajectory is all zeros (the parameters never moved); check the learning "
+                            "rate and that the subspace parameters are trainable in stage 1")
+    rank = int((evals > rel_tol * top).sum())
+    if rank < k:
+        raise SubspaceError(f"rank(A) = {rank} < k = {k}: the snapshots span fewer than k directions; "
+                            "record more (distinct) snapshots or lower k")
+    lam = evals[:k].clamp_min(0)
+    coef = evecs[:, :k] / lam.sqrt()  # (m, k): P = Aᵀ U_k Λ_k^{-1/2}
+    blocks = {}
+    for n, a in snapshots.items():
+        p = coef.T @ a.reshape(m, -1).double()  # (k, d_n)
+        blocks[n] = p
+    # Re-orthonormalise: P ← P (PᵀP)^{-1/2} (k × k), removing the Gram route's round-off.
+    g = torch.zeros(k, k, dtype=torch.float64)
+    for p in blocks.values():
+        g += p @ p.T
+    w, v = torch.linalg.eigh(g)
+    inv_sqrt = (v / w.clamp_min(1e-300).sqrt()) @ v.T
+    out = {}
+    for n, p in blocks.items():
+        shape = snapshots[n].shape[1:]
+        out[n] = (inv_sqrt @ p).to(_DTYPES[dtype]).reshape(k, *shape)
+    return SubspaceBasis(out, lam.sqrt(), None, {"snapshots": m, "rank": rank, "dtype": dtype})
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes as a short human string (MiB / GiB)."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def snapshot_schedule(total_steps: int, m: int) -> tuple[int, list[int]]:
+    """Algorithm 3 line 1 / Algorithm 1 line 2: round T1 up to a multiple of ``m`` and record a
+    snapshot after every ``y = T1 / m`` steps. Returns ``(T1, steps after which to record)``."""
+    if m < 1:
+        raise SubspaceError(f"number of snapshots must be ≥ 1, got {m}")
+    t1 = max(1, math.ceil(total_steps / m)) * m
+    y = t1 // m
+    return t1, [y * (j + 1) for j in range(m)]
+
+
+__all__ = ["SubspaceBasis", "SubspaceError", "basis_from_snapshots", "format_bytes", "snapshot_schedule",
+           "unproject_transform"]
+
+
+def unproject_transform(basis: SubspaceBasis, key: str = "subspace.coords"):
+    """Loop transform (post-processing, no privacy cost): ``{key: s̃ (k,)}`` -> ``{name: P_n s̃}``
+    for every parameter the basis spans (Algorithm 2 lines 12-13)."""
+
+    def apply(grads, ctx):
+        if key not in grads:
+            raise SubspaceError(f"unproject: expected the noisy coordinates under {key!r}")
+        return basis.unproject(grads[key])
+
+    apply.basis = basis  # type: ignore[attr-defined]
+    return apply
