@@ -1,0 +1,36 @@
+"""Causal language models (any ``AutoModelForCausalLM``: GPT-2, Llama, Qwen2 shapes)."""
+
+from __future__ import annotations
+
+import torch
+
+from dpft.models.load import ModelError, resolve_model_path
+
+
+def load_causal_lm(name: str, seed: int = 0):
+    """Tokenizer and ``AutoModelForCausalLM`` from a folder or hub id; the tokenizer gets a pad
+    token (EOS, or id 0) if it has none (padding positions never count in the loss).
+
+    Raises:
+        ModelError: not loadable as a causal LM (the message says what to give instead).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name)
+    torch.manual_seed(seed)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelError(
+            f"cannot load {name!r} as a causal language model ({exc.__class__.__name__}: {str(exc)[:200]}); "
+            "the text task needs a decoder (GPT-2, Llama, Qwen2 …) folder with config.json and weights"
+        ) from None
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is not None:
+            tok.pad_token = tok.eos_token
+        else:
+            tok.pad_token_id = 0
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tok.pad_token_id
+    return tok, model
