@@ -83,6 +83,8 @@ def setup_optim(tr) -> None:
     tr.ema = WeightEMA(tr.params, ac.ema_decay) if ac.ema_decay else None
     tr.gamma = GammaNudger(ac.rho_low, ac.rho_high, ac.gamma_up, ac.gamma_down, ac.gamma_min,
                            ac.gamma_max) if (ac.gamma_nudge or ac.reproduce_paper) else None
+    if ac.gamma_nudge and not (ac.adaptive_clip or ac.reproduce_paper) and tr.private:
+        raise ValueError("adam_ac.gamma_nudge needs a privatised clip rate: set adam_ac.adaptive_clip: true")
     if tr.adam_ac_active and tr.resume:
         raise ValueError("--resume is not supported with adam_ac options yet (C, γ and the EMA are not "
                          "checkpointed); start a new run")

@@ -386,7 +386,7 @@ class Trainer:
             post = {"loss": f"{out['train_loss']:.3f}"}
             if last_eval and "dev_accuracy" in last_eval:
                 post["dev_acc"] = f"{last_eval['dev_accuracy']:.3f}"
-            if self.private and "epsilon" in row:
+            if self.private and row.get("epsilon") is not None:
                 post["ε"] = f"{row['epsilon']:.3g}"
             bar.set_postfix(post)
             bar.update(1)
