@@ -152,6 +152,12 @@ class AdaptiveQuantileClip(FlatClip):
     C converges to the (1 − ρ*) quantile of the per-example norms, i.e. a fraction ρ* of
     examples is clipped. The privatised clip rate is ρ̃ = 1 − b̃.
 
+    Checked against Opacus' ``AdaClipDPOptimizer`` (opacus/optimizers/adaclipoptimizer.py):
+    same σ_Δ formula and geometric update, but Opacus adds its noise to the *uncentred* count
+    Σ b_i (sensitivity 1 under add/remove-one, while its σ_Δ formula assumes ½) and divides by
+    the realised batch size (data-dependent under Poisson sampling). dpft releases the centred
+    sum, as in Andrew et al., and divides by the expected batch size qN.
+
     Args:
         initial_norm: C₀.
         target_unclipped: 1 − ρ* ∈ (0, 1).
