@@ -45,6 +45,26 @@ def corpus(data: Path, docs: int, seed: int, tmp: Path) -> Path:
     return p
 
 
+def random_qwen2(tokenizer_dir: Path, out: Path) -> Path:
+    """Save a seeded random-initialised Qwen2ForCausalLM (tied embeddings) with the given tokenizer."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=344,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out)
+    # Copy the tokenizer files byte for byte: a save_pretrained round trip of this Llama
+    # tokenizer changed its pre-tokenisation (no spaces on decode) in our transformers version.
+    import shutil
+
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--docs", type=int, default=4000)
@@ -54,16 +74,25 @@ def main() -> None:
     ap.add_argument("--out", default="results/dp_adam_ac_e2e")
     ap.add_argument("--runs", default="runs/dp_adam_ac_e2e")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--random-qwen2", action="store_true",
+                    help="a random-initialised Qwen2-shaped model (hidden 128, 4 layers, ~0.8M parameters, "
+                         "stories260K's tokenizer) instead of the pretrained stories260K")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--sigmas", default=",".join(str(s) for s in SIGMAS))
     ap.add_argument("--extra", default="", help="extra overrides k=v,k=v for every run")
+    ap.add_argument("--render-only", action="store_true", help="rewrite <out>.md/.png from <out>.json")
     args = ap.parse_args()
+    if args.render_only:
+        write_outputs(json.loads(Path(args.out + ".json").read_text()), args)
+        return
     torch.set_num_threads(1)
     data = Path(os.environ.get("DPFT_DATA_DIR", "../shared/data"))
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     train_file = corpus(data, args.docs, 0, runs)
     model = args.model or str(data / "models" / "stories260K")
+    if args.random_qwen2:
+        model = str(random_qwen2(data / "models" / "stories260K", runs / "random-qwen2"))
     base = {
         "task.name": "text", "task.train_file": str(train_file), "task.dev_file": str(data / "e2e" / "devset.csv"),
         "task.text_column": "ref", "task.max_dev_examples": args.dev_blocks, "model.name": model,
@@ -131,7 +160,13 @@ def write_outputs(results, args) -> None:
             sm = [sum(l[max(0, i - k + 1):i + 1]) / len(l[max(0, i - k + 1):i + 1]) for i in range(len(l))]
             eps = "∞" if r["epsilon"] is None or r["epsilon"] == float("inf") else f"{r['epsilon']:.2g}"
             ax.plot(s, sm, lw=1.2, label=f"σ={r['sigma']:g} (ε={eps})")
-        ax.set(title=meth, xlabel="step", ylim=(None, None))
+        top = results[0]["dev_loss_init"] + 1.0
+        off = [f"σ={r['sigma']:g}: final {r['train_loss_last10']:.0f}" for r in results
+               if r["method"] == meth and r["train_loss_last10"] > top]
+        if off:  # diverged runs leave the axis: say so on the panel
+            ax.text(0.35, 0.97, "off the chart (diverged):\n" + "\n".join(off), transform=ax.transAxes,
+                    va="top", fontsize=7, color="C3")
+        ax.set(title=meth, xlabel="step", ylim=(0.9 * min(min(l for _, l in r["curve"]) for r in results), top))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("train loss (nats/token, rolling mean 8)")
     axes[0][-1].legend(fontsize=7)
@@ -140,10 +175,14 @@ def write_outputs(results, args) -> None:
     plt.close(fig)
 
     r0 = results[0]
+    what = ("a random-initialised Qwen2-shaped model (hidden 128, 4 layers, 4 heads / 2 KV heads, 0.79M "
+            "parameters, stories260K's 512-token tokenizer)" if args.random_qwen2 else
+            "stories260K (pretrained Llama, 260K parameters)")
     lines = [
-        "# DP-Adam-AC vs DP-Adam vs DP-AdamBC: stories260K fine-tuned on E2E references (one pass)",
+        f"# DP-Adam-AC vs DP-Adam vs DP-AdamBC: {'random Qwen2' if args.random_qwen2 else 'stories260K'} "
+        "fine-tuned on E2E references (one pass)",
         "",
-        f"Model: stories260K (pretrained Llama, 260K parameters, full fine-tuning). Data: a seeded random "
+        f"Model: {what}, full fine-tuning. Data: a seeded random "
         f"subset of {args.docs} E2E NLG training references (`ref` column of e2e/trainset.csv), "
         f"BOS/EOS-separated, concatenated and cut into 64-token blocks: N = {r0['n']} blocks, "
         f"**privacy unit = one 64-token block**. Dev: {args.dev_blocks} blocks of e2e/devset.csv references. "
@@ -161,7 +200,7 @@ def write_outputs(results, args) -> None:
     ]
     for r in results:
         eps = "∞ (no DP)" if r["epsilon"] is None or r["epsilon"] == float("inf") else f"{r['epsilon']:.3g}"
-        fc = f"{r['final_C']:.3g}" if r["final_C"] else "3 (fixed)"
+        fc = f"{r['final_C']:.3g}" if r["method"] == "DP-Adam-AC" else "3 (fixed)"
         fg = f"{r['final_gamma']:.3g}" if r["final_gamma"] else "1"
         lines.append(f"| {r['method']} | {r['sigma']:g} | {eps} | {r['dev_loss_init']:.4f} | {r['dev_loss']:.4f} | "
                      f"{r['dev_loss_raw']:.4f} | {r['dev_ppl']:.2f} | {r['train_loss_last10']:.4f} | {fc} | {fg} | "
@@ -173,7 +212,7 @@ def write_outputs(results, args) -> None:
             lines.append(f"**{r['method']}, σ = {r['sigma']:g}**")
             lines.append("")
             for s in r["samples"]:
-                lines.append(f"- *{s['prompt']}*{s['completion']}")
+                lines.append(f"- *{s['prompt']}* {s['completion'].strip()}")
             lines.append("")
     Path(args.out + ".md").write_text("\n".join(lines))
 
