@@ -303,3 +303,18 @@ def test_document_unit_and_config_errors(tmp_path):
                 tmp_path / "run3", progress=False)
     with pytest.raises(ValueError, match="gamma_nudge needs"):
         Trainer(_recipe(tmp_path, d, **{"adam_ac.gamma_nudge": True}), tmp_path / "run4", progress=False)
+
+
+def test_causal_lm_keeps_the_named_tokenizer_class(tmp_path):
+    """A Qwen2 model saved with stories260K's (Llama, sentencepiece) tokenizer keeps that tokenizer:
+    transformers would otherwise pick Qwen2Tokenizer from the model type (different segmentation)."""
+    from transformers import AutoTokenizer
+
+    from dpft.models.causal import load_causal_lm
+
+    d = _tiny_lm_dir(tmp_path, "qwen2")
+    tok, _ = load_causal_lm(str(d))
+    ref = AutoTokenizer.from_pretrained(STORIES)
+    s = "The Eagle is a cheap pub near the river."
+    assert tok(s)["input_ids"] == ref(s)["input_ids"]
+    assert tok.decode(tok(s)["input_ids"], skip_special_tokens=True) == s

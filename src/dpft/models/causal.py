@@ -7,6 +7,27 @@ import torch
 from dpft.models.load import ModelError, resolve_model_path
 
 
+def _named_tokenizer(tok, path: str):
+    """The tokenizer class that ``tokenizer_config.json`` names, if AutoTokenizer chose another.
+
+    transformers 5 resolves the class from the model's ``model_type`` first: a Qwen2 model
+    saved with a Llama (sentencepiece) tokenizer got a byte-level ``Qwen2Tokenizer`` reading
+    the same vocabulary, which segments text differently and decodes without spaces.
+    """
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    cfg = Path(path) / "tokenizer_config.json"
+    if not cfg.is_file():
+        return tok
+    named = json.loads(cfg.read_text()).get("tokenizer_class")
+    if named and type(tok).__name__ not in (named, named + "Fast") and hasattr(transformers, named):
+        return getattr(transformers, named).from_pretrained(path)
+    return tok
+
+
 def load_causal_lm(name: str, seed: int = 0):
     """Tokenizer and ``AutoModelForCausalLM`` from a folder or hub id; the tokenizer gets a pad
     token (EOS, or id 0) if it has none (padding positions never count in the loss).
@@ -19,7 +40,7 @@ def load_causal_lm(name: str, seed: int = 0):
     path = resolve_model_path(name)
     torch.manual_seed(seed)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = _named_tokenizer(AutoTokenizer.from_pretrained(path), path)
         model = AutoModelForCausalLM.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelError(
