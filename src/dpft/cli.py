@@ -110,7 +110,10 @@ def train(
     except (ValueError, TrainingError, FileNotFoundError) as exc:  # RecipeError, DataError, ModelError, CalibrationError are ValueErrors
         _fail(str(exc))
     typer.echo(f"run directory: {run_dir}")
-    typer.echo(f"dev accuracy: {rep['metrics']['dev_accuracy']:.4f}")
+    if "dev_accuracy" in rep["metrics"]:
+        typer.echo(f"dev accuracy: {rep['metrics']['dev_accuracy']:.4f}")
+    else:
+        typer.echo(f"dev loss: {rep['metrics']['dev_loss']:.4f} nats/token, perplexity {rep['metrics']['dev_perplexity']:.3f}")
     typer.echo(epsilon_line(rep))
 
 

@@ -47,6 +47,11 @@ class TaskCfg(_Strict):
     max_dev_examples: Optional[int] = Field(None, ge=1)
     #: Fraction of train held out as dev when the task has no dev file.
     dev_fraction: float = Field(0.1, gt=0, lt=1)
+    #: ``text`` task (causal LM) only: the privacy unit. ``block`` = the corpus is tokenised,
+    #: concatenated and cut into blocks of model.max_length tokens, one block one example;
+    #: ``document`` = one text row is one example (its tokens never share a row with another
+    #: row's, truncated to model.max_length). See data/text.py.
+    unit: Literal["block", "document"] = "block"
 
 
 class LoraCfg(_Strict):
@@ -184,11 +189,53 @@ class BatchCfg(_Strict):
     expected_batch_size: int = Field(256, ge=1)
     #: Largest micro-batch run through the model at once (memory bound).
     max_physical_batch_size: int = Field(32, ge=1)
+    #: Variable sampling rate: ``[[from_step, expected_batch_size], ...]`` (steps 0-based,
+    #: first entry at step 0). Each step's own q goes in the ledger (data/schedule.py).
+    schedule: Optional[list[tuple[int, int]]] = None
 
 
 class EvalCfg(_Strict):
     every_steps: int = Field(50, ge=1)
     batch_size: int = Field(128, ge=1)
+    #: ``text`` task: prompts whose sampled continuations go in the report.
+    prompts: list[str] = []
+    max_new_tokens: int = Field(40, ge=1)
+
+
+class AdamACCfg(_Strict):
+    """DP-Adam-AC pieces (Yang, "DP-Adam-AC", Alg. 1), made private where the paper leaks.
+
+    Adaptive clipping is Andrew et al. 2021's private quantile estimate (privacy/clipping.py);
+    γ nudging reads the *privatised* clip rate; DP-AdamBC is Tang et al. 2023 (optim/)."""
+
+    #: Private adaptive clipping (noisy count of unclipped examples, geometric C update).
+    adaptive_clip: bool = False
+    #: Target clip rate ρ* (the paper's 0.2): C tracks the (1 − ρ*) quantile of ‖g_i‖.
+    target_clip_rate: float = Field(0.2, gt=0, lt=1)
+    #: Geometric step η_C of the C update, C ← C·exp(−η_C (b̃ − (1 − ρ*))).
+    clip_lr: float = Field(0.2, gt=0)
+    #: σ_b, the noise std of the unclipped count (default: expected batch / 20, Andrew et al.).
+    count_noise: Optional[float] = Field(None, gt=0)
+    min_clip: float = Field(1e-3, gt=0)
+    max_clip: float = Field(1e3, gt=0)
+    #: Adam-AC learning-rate multiplier γ from the privatised clip rate.
+    gamma_nudge: bool = False
+    rho_low: float = Field(0.1, ge=0, le=1)
+    rho_high: float = Field(0.3, ge=0, le=1)
+    gamma_up: float = Field(1.01, ge=1)
+    gamma_down: float = Field(0.995, gt=0, le=1)
+    gamma_min: float = Field(0.1, gt=0)
+    gamma_max: float = Field(2.0, gt=0)
+    #: EMA decay d of the weights (None = off); the EMA is evaluated and saved in model_ema/.
+    ema_decay: Optional[float] = Field(None, gt=0, lt=1)
+    #: DP-AdamBC (Tang et al. 2023): subtract the noise variance from v̂, floor at bc_floor.
+    bias_correction: bool = False
+    bc_floor: float = Field(1e-8, gt=0)
+    #: REPRODUCTION ONLY: the paper's rule (C and γ from raw, un-noised norms). The run is
+    #: marked NOT CERTIFIED and its report prints no ε.
+    reproduce_paper: bool = False
+    #: History length H of the paper's percentile rule.
+    paper_history: int = Field(100, ge=1)
 
 
 class Recipe(_Strict):
@@ -206,6 +253,7 @@ class Recipe(_Strict):
     eval: EvalCfg = EvalCfg()
     denoise: DenoiseCfg = DenoiseCfg()
     subspace: SubspaceCfg = SubspaceCfg()
+    adam_ac: AdamACCfg = AdamACCfg()
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
     output_dir: Optional[str] = None

@@ -153,3 +153,141 @@ def make_clip_policy(style: str, max_norm: float, gamma: float = 0.01, head_frac
     if style == "head_body":
         return HeadBodyClip(max_norm, head_fraction)
     raise ValueError(f"unknown clipping style {style!r}; use one of: flat, per_layer, automatic, head_body")
+
+
+# --------------------------------------------------------------------------- adaptive clipping
+
+
+def effective_noise_multiplier(sigma: float, count_noise: float) -> float:
+    """Gradient noise multiplier σ_Δ when the unclipped count is released beside the gradient.
+
+    Andrew et al. 2021 ("Differentially Private Learning with Adaptive Clipping", Thm. 1):
+    releasing the clipped sum with noise σ_Δ·C and the centred count Σ_i (b_i − ½) (L2
+    sensitivity ½ under add/remove-one) with noise σ_b is one Gaussian mechanism with
+    multiplier σ where σ⁻² = σ_Δ⁻² + (2σ_b)⁻². Hence σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) ≥ σ, and one
+    ``GaussianDpEvent(σ)`` per step accounts for both releases. Same formula as Opacus'
+    ``AdaClipDPOptimizer.add_noise``.
+
+    Args:
+        sigma: the accounted noise multiplier σ ≥ 0 (0 → 0: a non-private σ = 0 run).
+        count_noise: σ_b > 0, std of the noise on the count (in counts).
+
+    Raises:
+        ValueError: σ ≥ 2σ_b (no σ_Δ exists; the message names the fix).
+    """
+    if sigma == 0:
+        return 0.0
+    if not count_noise > 0:
+        raise ValueError(f"the count noise σ_b must be > 0, got {count_noise}")
+    if sigma >= 2 * count_noise:
+        raise ValueError(
+            f"adaptive clipping needs σ < 2σ_b (Andrew et al. 2021, Thm. 1); got σ = {sigma:g}, "
+            f"σ_b = {count_noise:g}. Raise adam_ac.count_noise above {sigma / 2:g} (or lower σ)")
+    return float((sigma ** -2 - (2 * count_noise) ** -2) ** -0.5)
+
+
+class AdaptiveQuantileClip(FlatClip):
+    """Flat clipping whose norm C follows a private quantile estimate (Andrew et al. 2021, Alg. 1).
+
+    Per step: each example of the logical batch contributes the bit b_i = [‖g_i‖ ≤ C]; the
+    centred count Σ(b_i − ½) is released with N(0, σ_b²) noise (sensitivity ½), the unclipped
+    fraction is estimated with the *expected* batch size qN (the realised size is private):
+    b̃ = (Σ(b_i − ½) + z) / (qN) + ½; then C ← clip(C·exp(−η (b̃ − (1 − ρ*))), C_min, C_max).
+    C converges to the (1 − ρ*) quantile of the per-example norms, i.e. a fraction ρ* of
+    examples is clipped. The privatised clip rate is ρ̃ = 1 − b̃.
+
+    Checked against Opacus' ``AdaClipDPOptimizer`` (opacus/optimizers/adaclipoptimizer.py):
+    same σ_Δ formula and geometric update, but Opacus adds its noise to the *uncentred* count
+    Σ b_i (sensitivity 1 under add/remove-one, while its σ_Δ formula assumes ½) and divides by
+    the realised batch size (data-dependent under Poisson sampling). dpft releases the centred
+    sum, as in Andrew et al., and divides by the expected batch size qN.
+
+    Args:
+        initial_norm: C₀.
+        target_unclipped: 1 − ρ* ∈ (0, 1).
+        lr: η > 0, geometric step.
+        count_noise: σ_b ≥ 0 (0 only for σ = 0 runs without a guarantee).
+        min_norm, max_norm: clamp of C.
+        seed: count-noise seed; step t's draw comes from (seed, t), so a resume redraws the
+            same release.
+
+    Raises:
+        ValueError: bad ranges.
+    """
+
+    def __init__(self, initial_norm: float, target_unclipped: float = 0.8, lr: float = 0.2,
+                 count_noise: float = 1.0, min_norm: float = 1e-3, max_norm: float = 1e3, seed: int = 0):
+        super().__init__(initial_norm)
+        if not 0 < target_unclipped < 1:
+            raise ValueError(f"target unclipped fraction must be in (0, 1), got {target_unclipped}")
+        if not 0 < min_norm <= initial_norm <= max_norm:
+            raise ValueError(f"need 0 < C_min ≤ C₀ ≤ C_max, got {min_norm}, {initial_norm}, {max_norm}")
+        if lr <= 0 or count_noise < 0:
+            raise ValueError("adaptive clipping needs clip_lr > 0 and count_noise ≥ 0")
+        self.target_unclipped = float(target_unclipped)
+        self.lr = float(lr)
+        self.count_noise = float(count_noise)
+        self.min_norm, self.max_norm_bound = float(min_norm), float(max_norm)
+        self.seed = seed
+
+    def noisy_unclipped_fraction(self, unclipped: int, batch_size: int, expected_batch: float, step: int) -> float:
+        """Release b̃ for this step (the private statistic; a Gaussian release of sensitivity ½).
+
+        Args:
+            unclipped: number of examples with ‖g_i‖ ≤ C in the logical batch.
+            batch_size: realised logical batch size |B| (enters only inside the private sum).
+            expected_batch: qN.
+        """
+        from dpft.data.sampler import hash_seed
+
+        g = torch.Generator().manual_seed(hash_seed(self.seed, step, 0xC7))
+        z = float(torch.randn((), generator=g, dtype=torch.float64)) * self.count_noise
+        centred = unclipped - 0.5 * batch_size
+        return (centred + z) / expected_batch + 0.5
+
+    def update(self, unclipped_fraction: float) -> float:
+        """Geometric update of C from a (privatised) unclipped fraction; returns the new C."""
+        c = self.max_norm * math.exp(-self.lr * (unclipped_fraction - self.target_unclipped))
+        self.max_norm = float(min(self.max_norm_bound, max(self.min_norm, c)))
+        return self.max_norm
+
+    def state(self) -> dict:
+        return {"C": self.max_norm}
+
+    def load_state(self, st: dict) -> None:
+        self.max_norm = float(st["C"])
+
+
+class PaperPercentileClip(FlatClip):
+    """REPRODUCTION ONLY — the DP-Adam-AC paper's rule (Yang, Alg. 1 lines 19–22), which leaks.
+
+    C ← clip(P_{100(1−ρ*)}(U), C_min, C_max) where U holds the last H *raw* per-example
+    gradient norms (micro-batch size m = 1, the per-example case of the paper's unit norm
+    n_i / m_i). The raw norms steer C and the raw clip rate steers γ with no noise, so the
+    guarantee of the noisy gradients no longer holds: a run using this is marked
+    NOT CERTIFIED. (The paper's micro-batch clipping to C·m with noise σC, whose sensitivity
+    is off by m, is not reproduced: dpft always clips per example.)
+    """
+
+    def __init__(self, initial_norm: float, target_clip_rate: float = 0.2, history: int = 100,
+                 min_norm: float = 1e-3, max_norm: float = 1e3):
+        super().__init__(initial_norm)
+        self.q = 100.0 * (1.0 - target_clip_rate)
+        self.history = int(history)
+        self.min_norm, self.max_norm_bound = float(min_norm), float(max_norm)
+        self.buffer: list[float] = []
+
+    def update_from_norms(self, norms: torch.Tensor) -> float:
+        """Append raw norms to U (keep the last H), set C to their percentile; returns C."""
+        self.buffer = (self.buffer + [float(x) for x in norms.flatten()])[-self.history:]
+        if self.buffer:
+            p = float(torch.quantile(torch.tensor(self.buffer, dtype=torch.float64), self.q / 100.0))
+            self.max_norm = float(min(self.max_norm_bound, max(self.min_norm, p)))
+        return self.max_norm
+
+    def state(self) -> dict:
+        return {"C": self.max_norm, "buffer": list(self.buffer)}
+
+    def load_state(self, st: dict) -> None:
+        self.max_norm = float(st["C"])
+        self.buffer = list(st.get("buffer", []))

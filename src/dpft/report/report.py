@@ -13,6 +13,7 @@ from typing import Any
 
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
+from dpft.report.lm import render_extra
 
 NO_GUARANTEE = "NONE: this is a non-private reference run (--no-dp); it has no privacy guarantee"
 
@@ -54,6 +55,10 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
     }
     if getattr(trainer, "subspace_info", None) is not None:  # DP-SFT (methods/dpsft.py)
         rep["subspace"] = trainer.subspace_info
+    if getattr(trainer, "causal", False) or getattr(trainer, "adam_ac_active", False):
+        from dpft.report.lm import extra_sections
+
+        rep.update(extra_sections(trainer))
     d = trainer.run_dir
     atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
     atomic_write_text(d / "report.md", render_markdown(rep))
@@ -81,7 +86,9 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "",
         f"**Privacy:** {epsilon_line(rep)}",
         "",
-        f"**Dev accuracy:** {m['dev_accuracy']:.4f} ({t['n_dev']} examples), dev loss {m['dev_loss']:.4f} nats",
+        (f"**Dev accuracy:** {m['dev_accuracy']:.4f} ({t['n_dev']} examples), dev loss {m['dev_loss']:.4f} nats"
+         if "dev_accuracy" in m else
+         f"**Dev loss:** {m['dev_loss']:.4f} nats/token, perplexity {m['dev_perplexity']:.3f} ({t['n_dev']} examples)"),
         "",
         "| item | value |",
         "|---|---|",
@@ -115,6 +122,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
         lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in rep["privacy"]["ledger"]]
         lines += [""]
     lines += [
+        *render_extra(rep),
         "## What the ε means",
         "",
         "For any one training example, the probability of any outcome of this run changes by at most",
@@ -140,9 +148,10 @@ def plot_history(rows: list[dict[str, Any]], path: Path, private: bool) -> None:
     steps = [x["step"] for x in rows]
     axes[0].plot(steps, [x["train_loss"] for x in rows], lw=0.8)
     axes[0].set(title="training loss (nats)", xlabel="step")
-    ev = [x for x in rows if "dev_accuracy" in x]
-    axes[1].plot([x["step"] for x in ev], [x["dev_accuracy"] for x in ev], marker="o")
-    axes[1].set(title="dev accuracy", xlabel="step")
+    ev = [x for x in rows if "dev_accuracy" in x or "dev_perplexity" in x]
+    key = "dev_accuracy" if ev and "dev_accuracy" in ev[0] else "dev_loss"
+    axes[1].plot([x["step"] for x in ev], [x[key] for x in ev], marker="o")
+    axes[1].set(title="dev accuracy" if key == "dev_accuracy" else "dev loss (nats/token)", xlabel="step")
     if private:
         axes[2].plot([x["step"] for x in ev], [x["epsilon"] for x in ev], marker="o", color="C3")
         axes[2].set(title="ε spent (PLD)", xlabel="step")

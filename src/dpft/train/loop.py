@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import dp_accounting as dpa
 import torch
 from tqdm.auto import tqdm
 
@@ -28,7 +29,7 @@ from dpft.data.tasks import load_task
 from dpft.data.tokenize import collate, tokenize_split
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
 from dpft.models.load import count_parameters, is_head_param, load_classifier, select_trainable, set_dropout
-from dpft.models.losses import classification_loss, model_inputs
+from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
 from dpft.privacy.clipping import make_clip_policy
 from dpft.privacy.noise import GaussianMechanism
 
@@ -108,20 +109,40 @@ class Trainer:
         self.private = r.privacy.enabled
         t0 = time.time()
 
-        self.task = load_task(r.task, seed=r.seed)
+        #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
+        self.causal = r.task.name == "text"
+        self.loss_fn = causal_lm_loss if self.causal else classification_loss
+        if self.causal:
+            from dpft.data.text import load_text_task
+            from dpft.models.causal import load_causal_lm
+
+            self.tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
+            self.task = load_text_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed)
+            self.train_tok, self.dev_tok = self.task.train, self.task.dev
+        else:
+            self.task = load_task(r.task, seed=r.seed)
+            self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed,
+                                                    pooling=r.model.pooling, head_dropout=r.model.head_dropout)
         self.n = len(self.task.train)
-        self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed,
-                                                pooling=r.model.pooling, head_dropout=r.model.head_dropout)
         if r.model.dropout is not None:
             set_dropout(model, r.model.dropout)
         self.model = select_trainable(model, r.trainable)
-        self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names
-        self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
-        self.dev_tok = tokenize_split(self.task.dev, self.tokenizer, r.model.max_length)
+        self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names and not self.causal
+        if not self.causal:
+            self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
+            self.dev_tok = tokenize_split(self.task.dev, self.tokenizer, r.model.max_length)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.train_lengths = torch.tensor([len(x) for x in self.train_tok["input_ids"]])
 
-        self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, r.seed)
+        if r.batch.schedule:
+            from dpft.data.schedule import ScheduledPoissonSampler
+
+            self.sampler = ScheduledPoissonSampler(self.n, r.batch.schedule, r.seed)
+            if self.private and r.privacy.noise_multiplier is None:
+                raise TrainingError("batch.schedule: set privacy.noise_multiplier (σ calibration for a "
+                                    "variable q is not implemented; `dpft report` gives the certified ε)")
+        else:
+            self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, r.seed)
         self.q = self.sampler.q
         s = r.schedule
         self.total_steps = s.steps or max(1, math.ceil(s.epochs * self.n / r.batch.expected_batch_size))
@@ -142,13 +163,16 @@ class Trainer:
                                              prior=self.prior_events())
             self.clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma,
                                          r.privacy.clipping.head_fraction)
-            self.engine = make_engine(r.privacy.engine, self.model, classification_loss, self.clip)
+            #: σ of the gradient noise; differs from the accounted σ with adaptive clipping.
+            self.noise_sigma = self.sigma
+            self._setup_adam_ac()
+            self.engine = make_engine(r.privacy.engine, self.model, self.loss_fn, self.clip)
             if hasattr(self.clip, "set_head_mask"):
                 self.clip.set_head_mask([is_head_param(n) for n in self.engine.params])
-            self.mechanism = GaussianMechanism(self.sigma, self.clip.sensitivity, hash_seed(r.seed, 0xA0),
+            self.mechanism = GaussianMechanism(self.noise_sigma, self.clip.sensitivity, hash_seed(r.seed, 0xA0),
                                                secure=r.privacy.secure_rng)
         else:
-            self.engine = NonPrivateEngine(self.model, classification_loss, make_clip_policy("flat", 1.0))
+            self.engine = NonPrivateEngine(self.model, self.loss_fn, make_clip_policy("flat", 1.0))
             self.mechanism = None
         self.params = self.engine.params
         if r.subspace.source != "none":
@@ -158,6 +182,7 @@ class Trainer:
         if r.denoise.method == "rmt" and self.private:
             self.transforms.append(rmt_transform(self.model, list(self.params), r.denoise))
         self.optimizer = self._make_optimizer()
+        self._setup_adam_ac_optim()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
         self.start_step = 0
@@ -170,6 +195,18 @@ class Trainer:
         """Events spent before training (e.g. a private subspace); composed into calibration."""
         return [e.composed() for e in getattr(self, "ledger", PrivacyLedger()).entries]
 
+    def _setup_adam_ac(self) -> None:
+        """DP-Adam-AC's clip policy (private adaptive quantile, or the paper's leaky rule)."""
+        from dpft.methods.dp_adam_ac import setup_clip
+
+        setup_clip(self)
+
+    def _setup_adam_ac_optim(self) -> None:
+        """DP-Adam-AC's optimizer-side pieces: γ nudging, EMA, AdamBC's noise variance."""
+        from dpft.methods.dp_adam_ac import setup_optim
+
+        setup_optim(self)
+
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.recipe.optimizer
         params: Any = list(self.params.values())
@@ -177,6 +214,11 @@ class Trainer:
             head = [p for n, p in self.params.items() if is_head_param(n)]
             body = [p for n, p in self.params.items() if not is_head_param(n)]
             params = [g for g in ({"params": body}, {"params": head, "lr": o.head_lr}) if g["params"]]
+        ac = self.recipe.adam_ac
+        if ac.bias_correction or ac.gamma_nudge or ac.reproduce_paper:
+            from dpft.methods.dp_adam_ac import make_dp_adam
+
+            return make_dp_adam(params, o, ac)
         if o.name == "sgd":
             return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         if o.name == "adam":
@@ -186,7 +228,16 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Dev accuracy and mean loss (nats); no gradients, model in eval mode."""
+        """Dev accuracy and mean loss (nats); no gradients, model in eval mode. ``text`` task:
+        dev loss (nats/token) and perplexity, of the EMA weights when an EMA is kept."""
+        if self.causal or getattr(self, "ema", None) is not None:
+            from dpft.methods.dp_adam_ac import evaluate
+
+            return evaluate(self)
+        return self._evaluate_classifier()
+
+    @torch.no_grad()
+    def _evaluate_classifier(self) -> dict[str, float]:
         self.model.eval()
         bs = self.recipe.eval.batch_size
         order = sorted(range(len(self.dev_tok)), key=lambda i: len(self.dev_tok[i]["input_ids"]))
@@ -207,6 +258,8 @@ class Trainer:
         r = self.recipe
         torch.manual_seed(hash_seed(r.seed, step, 0xD0))  # dropout masks: resumable, per step
         idx = self.sampler.indices(step)
+        q_t = self.sampler.q_at(step) if hasattr(self.sampler, "q_at") else self.q
+        raw_norms = []
         grad_sum = {n: torch.zeros_like(p) for n, p in self.engine.params.items()}
         loss_sum, clipped, bsz = 0.0, 0, len(idx)
         self.model.train()
@@ -226,15 +279,20 @@ class Trainer:
             loss_sum += res.loss_sum
             if self.private:
                 clipped += int((res.scales < 1).any(dim=1).sum())
+                if self.recipe.adam_ac.reproduce_paper:
+                    raw_norms.append(res.norms.detach())
         if self.private:
+            self.mechanism.sensitivity = self.clip.sensitivity  # C of this step (adaptive C moves)
             noisy = self.mechanism.add_noise(grad_sum, step)
-            self.ledger.record("train", self.mechanism.event(self.q))
+            # One GaussianDpEvent(σ) covers the gradient (noise σ_Δ·C) and, with adaptive
+            # clipping, the count release (privacy/clipping.py, effective_noise_multiplier).
+            self.ledger.record("train", dpa.PoissonSampledDpEvent(q_t, dpa.GaussianDpEvent(self.sigma)))
         else:
             noisy = grad_sum
         # Divide by the expected batch size q·N: the actual size is data-dependent (private).
-        denom = float(r.batch.expected_batch_size)
+        denom = float(q_t * self.n) if hasattr(self.sampler, "q_at") else float(r.batch.expected_batch_size)
         grads = {n: g / denom for n, g in noisy.items()}
-        ctx = {"noise_std": (self.sigma * self.clip.sensitivity / denom) if self.private else 0.0,
+        ctx = {"noise_std": (self.noise_sigma * self.clip.sensitivity / denom) if self.private else 0.0,
                "step": step, "trainer": self, "clean_sum": grad_sum}
         for tf in self.transforms:
             grads = tf(grads, ctx)
@@ -246,6 +304,12 @@ class Trainer:
         out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz}
         if self.private:
             out["clip_fraction"] = clipped / max(bsz, 1)  # non-private statistic: logs only
+        if self.adam_ac_active:
+            from dpft.methods.dp_adam_ac import after_step
+
+            out.update(after_step(self, step, bsz, clipped, raw_norms, denom))
+        if self.causal:
+            out["train_loss_per_token"] = loss_sum / max(1, int((self.train_lengths[idx] - 1).sum()))
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -286,7 +350,7 @@ class Trainer:
         torch.set_rng_state(ck["optim"]["torch_rng"])
         self.sigma = st["sigma"]
         if self.mechanism is not None:
-            self.mechanism.sigma = self.sigma
+            self.mechanism.sigma = self.noise_sigma
         self.ledger = PrivacyLedger.from_json(ck["ledger"])
         live = self.run_dir / "ledger.json"
         if self.recipe.privacy.secure_rng and live.is_file():
@@ -303,7 +367,7 @@ class Trainer:
             f.write(json.dumps(row) + "\n")
 
     def epsilon_now(self) -> Optional[float]:
-        if not self.private:
+        if not self.private or not self.ledger.certified:
             return None
         return self.ledger.epsilon(self.recipe.privacy.delta).epsilon
 
@@ -339,9 +403,9 @@ class Trainer:
                 row["epsilon"] = self.epsilon_now()
             self._emit(row)
             post = {"loss": f"{out['train_loss']:.3f}"}
-            if last_eval:
+            if last_eval and "dev_accuracy" in last_eval:
                 post["dev_acc"] = f"{last_eval['dev_accuracy']:.3f}"
-            if self.private and "epsilon" in row:
+            if self.private and row.get("epsilon") is not None:
                 post["ε"] = f"{row['epsilon']:.3g}"
             bar.set_postfix(post)
             bar.update(1)
@@ -352,6 +416,10 @@ class Trainer:
             self.ledger.save(self.run_dir / "ledger.json")
         if not last_eval:
             last_eval = self.evaluate()
+        if self.causal and r.eval.prompts:
+            from dpft.methods.dp_adam_ac import generate
+
+            self.samples = generate(self)
         elapsed = self.elapsed_before + (time.time() - self._t_run)
         self.save_model()
         return write_report(self, last_eval, elapsed)
@@ -361,3 +429,7 @@ class Trainer:
         out = self.run_dir / "model"
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
+        if getattr(self, "ema", None) is not None:  # the EMA weights beside the raw ones
+            with self.ema.swap():
+                self.model.save_pretrained(self.run_dir / "model_ema")
+            self.tokenizer.save_pretrained(self.run_dir / "model_ema")

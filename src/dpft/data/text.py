@@ -1,0 +1,158 @@
+"""The ``text`` task: a text corpus for causal-language-model fine-tuning.
+
+A corpus is a file with one text per row: a CSV/TSV/JSONL/Parquet column (``task.text_column``,
+default ``text``) or a ``.txt`` file with one text per line. Train and dev are split by
+*document* before tokenisation, so no text lends tokens to both.
+
+The privacy unit (what one "example" of the (ε, δ) guarantee is) is set by ``task.unit``:
+
+- ``block`` (default, the DP-Adam-AC paper's setup): every document is tokenised with BOS/EOS,
+  the token streams are concatenated in order and cut into blocks of ``block_size`` tokens
+  (the last partial block is dropped). One block is one example. A document that straddles
+  two blocks contributes to two examples, so the guarantee is per block, not per document
+  (a document of k blocks is protected at group size k).
+- ``document``: one document is one example. Its tokens fill one row on their own (never
+  packed with another document's), truncated to ``block_size`` tokens; shorter documents are
+  padded at collation. The guarantee is then per document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import datasets
+
+from dpft.config import TaskCfg
+from dpft.data.tasks import DataError, _load_file
+
+
+@dataclass
+class TextData:
+    """A tokenised corpus. ``train``/``dev`` have ``input_ids`` (and ``doc_id``) per example."""
+
+    name: str
+    train: datasets.Dataset
+    dev: datasets.Dataset
+    source: str
+    unit: str
+    block_size: int
+    notes: list[str] = field(default_factory=list)
+    #: Kept so that the report/trainer code written for classification tasks still works.
+    label_names: list[str] = field(default_factory=list)
+
+    @property
+    def num_labels(self) -> int:
+        return 0
+
+
+def read_texts(path: str | Path, column: Optional[str]) -> list[str]:
+    """Texts of a corpus file: a ``.txt`` file (one per non-empty line) or a table column.
+
+    Raises:
+        DataError: missing file or column, or no non-empty text.
+    """
+    p = Path(path)
+    if p.suffix.lower() == ".txt":
+        if not p.is_file():
+            raise DataError(f"corpus file not found: {p}")
+        texts = [line.strip() for line in p.read_text(encoding="utf-8").splitlines()]
+    else:
+        ds = _load_file(p)
+        col = column or "text"
+        if col not in ds.column_names:
+            raise DataError(f"{p}: no text column {col!r}; columns are {ds.column_names}. "
+                            "Pass --text-column with one of them")
+        texts = [("" if t is None else str(t)).strip() for t in ds[col]]
+    texts = [t for t in texts if t]
+    if not texts:
+        raise DataError(f"{p}: no non-empty text rows")
+    return texts
+
+
+def _encode(texts: Sequence[str], tokenizer) -> list[list[int]]:
+    """Token ids of each text with BOS (if the tokenizer has one) and EOS appended."""
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return [([bos] if bos is not None else []) + x + ([eos] if eos is not None else []) for x in ids]
+
+
+def chunk_blocks(docs: Sequence[Sequence[int]], block_size: int, unit: str = "block") -> dict[str, list]:
+    """Cut tokenised documents into examples.
+
+    Args:
+        docs: token ids per document.
+        block_size: tokens per block (≥ 2: a block must hold at least one next-token target).
+        unit: ``block`` (concatenate, cut, drop the remainder) or ``document`` (one document
+            per example, truncated to ``block_size``).
+
+    Returns:
+        ``{"input_ids": [...], "doc_id": [...]}``; in ``block`` mode ``doc_id`` is the
+        document of the block's first token (a block may span documents), in ``document``
+        mode it is the only document of the row.
+
+    Raises:
+        ValueError: block_size < 2 or unknown unit.
+    """
+    if block_size < 2:
+        raise ValueError(f"block size must be ≥ 2 tokens, got {block_size}")
+    if unit == "document":
+        keep = [(i, list(d[:block_size])) for i, d in enumerate(docs) if len(d) >= 2]
+        return {"input_ids": [x for _, x in keep], "doc_id": [i for i, _ in keep]}
+    if unit != "block":
+        raise ValueError(f"unknown privacy unit {unit!r}; use block or document")
+    stream: list[int] = []
+    owner: list[int] = []
+    for i, d in enumerate(docs):
+        stream.extend(d)
+        owner.extend([i] * len(d))
+    n = len(stream) // block_size
+    return {"input_ids": [stream[k * block_size:(k + 1) * block_size] for k in range(n)],
+            "doc_id": [owner[k * block_size] for k in range(n)]}
+
+
+def load_text_task(cfg: TaskCfg, tokenizer, block_size: int, seed: int = 0) -> TextData:
+    """Read, split (by document), tokenise and chunk a corpus.
+
+    ``max_train_examples``/``max_dev_examples`` cap the number of *examples* (blocks or
+    documents) after chunking, taking a seeded random subset; N is then that number.
+
+    Raises:
+        DataError: no ``train_file``, unreadable file, or too little text for one block.
+    """
+    if not cfg.train_file:
+        raise DataError("task 'text' needs --train-file (a .txt file with one text per line, "
+                        "or a CSV/TSV/JSONL/Parquet file with --text-column)")
+    notes: list[str] = []
+    train_texts = read_texts(cfg.train_file, cfg.text_column)
+    if cfg.dev_file:
+        dev_texts = read_texts(cfg.dev_file, cfg.text_column)
+    else:
+        if len(train_texts) < 2:
+            raise DataError(f"{cfg.train_file}: too few texts to hold out a dev split; give --dev-file")
+        split = datasets.Dataset.from_dict({"t": train_texts}).train_test_split(test_size=cfg.dev_fraction, seed=seed)
+        train_texts, dev_texts = split["train"]["t"], split["test"]["t"]
+        notes.append(f"dev = {cfg.dev_fraction:.0%} of the documents of {cfg.train_file} held out (seed {seed})")
+    tr = chunk_blocks(_encode(train_texts, tokenizer), block_size, cfg.unit)
+    dv = chunk_blocks(_encode(dev_texts, tokenizer), block_size, cfg.unit)
+    if not tr["input_ids"]:
+        raise DataError(f"{cfg.train_file}: fewer than {block_size} tokens in all; lower model.max_length")
+    if not dv["input_ids"]:
+        raise DataError("the dev split has fewer tokens than one block; give a larger --dev-file or dev_fraction")
+    train = datasets.Dataset.from_dict(tr)
+    dev = datasets.Dataset.from_dict(dv)
+    if cfg.unit == "block":
+        notes.append(f"privacy unit: one block of {block_size} tokens (documents concatenated with BOS/EOS "
+                     f"and cut; a document spanning k blocks is protected at group size k)")
+    else:
+        notes.append(f"privacy unit: one document (row), truncated to {block_size} tokens, never packed "
+                     "with another document")
+    if cfg.max_train_examples and cfg.max_train_examples < len(train):
+        train = train.shuffle(seed=seed).select(range(cfg.max_train_examples))
+        notes.append(f"training set: a seeded random subset of {cfg.max_train_examples} examples "
+                     f"(N = {cfg.max_train_examples})")
+    if cfg.max_dev_examples and cfg.max_dev_examples < len(dev):
+        dev = dev.shuffle(seed=seed).select(range(cfg.max_dev_examples))
+        notes.append(f"dev set: a seeded random subset of {cfg.max_dev_examples} examples")
+    return TextData("text", train, dev, f"text corpus: {cfg.train_file}", cfg.unit, block_size, notes)
