@@ -104,6 +104,10 @@ def train(
             typer.echo(f"σ = {trainer.sigma:.4f} for target ε = {rec.privacy.target_epsilon} at δ = "
                        f"{rec.privacy.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps, "
                        f"N = {trainer.n}, C = {rec.privacy.clipping.max_norm:g}", err=True)
+        elif trainer.ldp is not None:
+            typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {trainer.ldp.schedule.sigmas} "
+                       f"({trainer.ldp.schedule.method}) for ε = {trainer.ldp.schedule.epsilon:.4g} at δ = "
+                       f"{rec.ldp.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps", err=True)
         else:
             typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)
         rep = trainer.run()

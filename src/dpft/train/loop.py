@@ -125,6 +125,12 @@ class Trainer:
 
         self.ledger = PrivacyLedger()
         self.sigma = 0.0
+        #: Forward-pass LDP (EW-FT / DP-Forward, recipe section ``ldp:``); wraps self.model.
+        self.ldp = None
+        if r.ldp.enabled:
+            from dpft.methods.ewft import LDPRun
+
+            self.ldp = LDPRun(self)
         if self.private:
             check_delta(r.privacy.delta, self.n)
             if r.privacy.noise_multiplier is not None:
@@ -188,6 +194,8 @@ class Trainer:
         r = self.recipe
         torch.manual_seed(hash_seed(r.seed, step, 0xD0))  # dropout masks: resumable, per step
         idx = self.sampler.indices(step)
+        if self.ldp is not None:
+            self.ldp.before_step(step)
         grad_sum = {n: torch.zeros_like(p) for n, p in self.params.items()}
         loss_sum, clipped, bsz = 0.0, 0, len(idx)
         self.model.train()
@@ -224,6 +232,8 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.ldp is not None:
+            self.ldp.after_step(step)
         out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz}
         if self.private:
             out["clip_fraction"] = clipped / max(bsz, 1)  # non-private statistic: logs only
@@ -284,6 +294,8 @@ class Trainer:
             f.write(json.dumps(row) + "\n")
 
     def epsilon_now(self) -> Optional[float]:
+        if self.ldp is not None:
+            return self.ldp.epsilon()
         if not self.private:
             return None
         return self.ledger.epsilon(self.recipe.privacy.delta).epsilon
@@ -329,7 +341,7 @@ class Trainer:
             if done % r.checkpoint_every == 0 or done == self.total_steps:
                 self.save(done)
         bar.close()
-        if self.private:
+        if self.private or self.ldp is not None:
             self.ledger.save(self.run_dir / "ledger.json")
         if not last_eval:
             last_eval = self.evaluate()
