@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# EW-FT vs DP-Forward on an SST-2 subset (MiniLM, T = 64, B = 32, C = 1, δ = 1e-5, E = 3,
+# lr 2e-5). Usage: benchmarks/ewft_sst2.sh STREAM [N]   (STREAM = a | b, run both in parallel)
+# Then: python benchmarks/ewft_table.py runs/ewft > results/ewft_sst2.md
+set -euo pipefail
+STREAM=$1; N=${2:-2000}
+PY=${PY:-/work/main/.venv/bin/python}
+export PYTHONPATH=src OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 DPFT_DATA_DIR=${DPFT_DATA_DIR:-/work/shared/data}
+OUT=runs/ewft
+run() {  # name recipe extra-args...
+  local name=$1 recipe=$2; shift 2
+  [ -f "$OUT/$name/report.json" ] && return 0
+  rm -rf "$OUT/$name"
+  echo "== $name $(date -u +%T)"
+  $PY -m dpft.cli train "$recipe" -o "$OUT/$name" --max-train-examples "$N" --quiet \
+      --set ldp.autoencoder.public_examples=2000 "$@"
+}
+EW=recipes/sst2-minilm-ewft.yaml; DF=recipes/sst2-minilm-dpforward.yaml
+if [ "$STREAM" = a ]; then
+  run nonprivate-ae  $EW --set ldp.noise_multiplier=0 --set ldp.target_epsilon=null
+  for e in 2 4 8; do run dpforward-eps$e $DF --set ldp.target_epsilon=$e; done
+  run ewpba-only-eps8 $DF --set ldp.schedule=ewpba --set ldp.target_epsilon=8
+else
+  for e in 2 4 8; do run ewft-eps$e $EW --set ldp.target_epsilon=$e; done
+  run ae-only-eps8 $EW --set ldp.schedule=uniform --set ldp.target_epsilon=8
+fi
+echo "== done $STREAM $(date -u +%T)"
