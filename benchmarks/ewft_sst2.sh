@@ -3,7 +3,7 @@
 # lr 2e-5). Usage: benchmarks/ewft_sst2.sh STREAM [N]   (STREAM = a | b, run both in parallel)
 # Then: python benchmarks/ewft_table.py runs/ewft > results/ewft_sst2.md
 set -euo pipefail
-STREAM=$1; N=${2:-2000}
+STREAM=$1; N=${2:-1000}
 PY=${PY:-/work/main/.venv/bin/python}
 export PYTHONPATH=src OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 DPFT_DATA_DIR=${DPFT_DATA_DIR:-/work/shared/data}
 OUT=runs/ewft
@@ -13,7 +13,7 @@ run() {  # name recipe extra-args...
   rm -rf "$OUT/$name"
   echo "== $name $(date -u +%T)"
   $PY -m dpft.cli train "$recipe" -o "$OUT/$name" --max-train-examples "$N" --quiet \
-      --set ldp.autoencoder.public_examples=2000 "$@"
+      --set ldp.autoencoder.public_examples=500 "$@"
 }
 EW=recipes/sst2-minilm-ewft.yaml; DF=recipes/sst2-minilm-dpforward.yaml
 if [ "$STREAM" = a ]; then

@@ -108,3 +108,17 @@ def test_parse_position_errors():
     for bad in ("encoder:0", "encoder:7", "middle"):
         with pytest.raises(LDPError, match="ldp.position"):
             parse_position(bad, 6)
+
+
+def test_pre_cache_gives_identical_hidden_states():
+    m = tiny_classifier("bert")
+    split = SplitClassifier(m, "encoder:1", GaussianLDP(1.0, 0.0), max_length=10)
+    ids = torch.randint(3, 64, (4, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    ref = split.pre(ids, mask)
+    split.pre_cache = {}
+    part = split.pre(ids[:2], mask[:2])  # fills two rows
+    full = split.pre(ids, mask)  # two hits, two misses
+    assert torch.allclose(part, ref[:2], atol=1e-6) and torch.allclose(full, ref, atol=1e-6)
+    assert len(split.pre_cache) == 4

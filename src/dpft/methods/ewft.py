@@ -88,6 +88,7 @@ class LDPRun:
         self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
                                  eval_noise=c.eval_noise)
         self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length)
+        self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
         self.pretrain_loss: list[float] = []
         if ae is not None and c.autoencoder.pretrain_epochs > 0:
             self.pretrain_loss = self._pretrain(ae)

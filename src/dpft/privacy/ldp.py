@@ -245,6 +245,10 @@ class SplitClassifier(nn.Module):
         self.cut = parse_position(position, len(blocks))
         self.position = position
         self.pad_id = model.config.pad_token_id or 0
+        #: Per-example cache of pre(·) outputs (pre(·) is frozen and deterministic and every
+        #: example is padded to max_length on its own, so a row depends only on its tokens).
+        #: A speed-up only: the noise is drawn fresh at every release. None = off.
+        self.pre_cache: Optional[dict] = None
         for p in base.embeddings.parameters():
             p.requires_grad_(False)
         for blk in list(blocks)[: self.cut]:
@@ -273,6 +277,20 @@ class SplitClassifier(nn.Module):
     @torch.no_grad()
     def pre(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
         """pre(·): ``(B, T')`` token ids → ``(B, max_length, h)`` clean hidden states (user side)."""
+        if self.pre_cache is None:
+            return self._pre(input_ids, attention_mask, token_type_ids)
+        ids, mask, tt = self._pad(input_ids, attention_mask, token_type_ids)
+        keys = [(r.tolist(), m.tolist(), t.tolist()) for r, m, t in zip(ids, mask, tt)]
+        keys = [repr(k) for k in keys]
+        miss = [i for i, k in enumerate(keys) if k not in self.pre_cache]
+        if miss:
+            h = self._pre(ids[miss], mask[miss], tt[miss])
+            for j, i in enumerate(miss):
+                self.pre_cache[keys[i]] = h[j].clone()
+        return torch.stack([self.pre_cache[k] for k in keys])
+
+    @torch.no_grad()
+    def _pre(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
         from transformers.masking_utils import create_bidirectional_mask
 
         base = self.model.bert
