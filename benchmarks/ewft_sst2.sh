@@ -25,3 +25,10 @@ else
   run ae-only-eps8 $EW --set ldp.schedule=uniform --set ldp.target_epsilon=8
 fi
 echo "== done $STREAM $(date -u +%T)"
+# stream c: a plain non-private full fine-tune of the unsplit model (no clipping, no noise)
+if [ "$STREAM" = c ]; then
+  [ -f "$OUT/nonprivate-fullft/report.json" ] || $PY -m dpft.cli train recipes/sst2-minilm.yaml --no-dp \
+    -o "$OUT/nonprivate-fullft" --max-train-examples "$N" --trainable full --epochs 3 --batch-size 32 \
+    --max-physical-batch-size 32 --lr 2e-5 --eval-every 1000 --quiet --set schedule.steps=null \
+    --set schedule.warmup_steps=0 --set checkpoint_every=1000
+fi
