@@ -20,7 +20,7 @@ if [ "$STREAM" = a ]; then
   run nonprivate-ae  $EW --set ldp.noise_multiplier=0 --set ldp.target_epsilon=null
   for e in 2 4 8; do run dpforward-eps$e $DF --set ldp.target_epsilon=$e; done
   run ewpba-only-eps8 $DF --set ldp.schedule=ewpba --set ldp.target_epsilon=8
-else
+elif [ "$STREAM" = b ]; then
   for e in 2 4 8; do run ewft-eps$e $EW --set ldp.target_epsilon=$e; done
   run ae-only-eps8 $EW --set ldp.schedule=uniform --set ldp.target_epsilon=8
 fi
