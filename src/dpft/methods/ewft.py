@@ -90,6 +90,7 @@ class LDPRun:
         self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length)
         self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
         self.pretrain_loss: list[float] = []
+        self.pretrain_baseline: float | None = None
         if ae is not None and c.autoencoder.pretrain_epochs > 0:
             self.pretrain_loss = self._pretrain(ae)
         trainer.model = self.split
@@ -111,6 +112,8 @@ class LDPRun:
                               max_length=t.recipe.model.max_length, padding=True, return_tensors="pt")
             h = self.split.pre(enc["input_ids"], enc["attention_mask"], enc.get("token_type_ids"))
             batches.append((h, torch.ones(h.shape[:2])))  # every position is part of the release
+        # MSE of predicting 0: the scale against which the reconstruction loss is read
+        self.pretrain_baseline = float(torch.stack([(h ** 2).mean() for h, _ in batches]).mean())
         return pretrain_autoencoder(ae, batches, self.cfg.max_norm, epochs=a.pretrain_epochs,
                                     lr=a.pretrain_lr, seed=t.recipe.seed)
 
@@ -163,6 +166,7 @@ class LDPRun:
         return {"position": c.position, "max_norm": c.max_norm, "sensitivity": self.layer.sensitivity,
                 "noise_std_by_epoch": [s * self.layer.sensitivity for s in self.schedule.sigmas],
                 "autoencoder": c.autoencoder.sizes or None, "pretrain_loss": self.pretrain_loss,
+                "pretrain_mse_of_zero": self.pretrain_baseline,
                 "eval_noise": c.eval_noise, **self.schedule.as_dict(),
                 "release_shape": [self.trainer.recipe.model.max_length,
                                   (c.autoencoder.sizes[-1] if c.autoencoder.sizes
