@@ -68,3 +68,10 @@ def test_ldp_refuses_bad_configs(tiny_model_dir, sst_like_files, tmp_path):
         Trainer(ldp_recipe(tiny_model_dir, sst_like_files, **{"schedule.epochs": 1.5}), tmp_path / "b")
     with pytest.raises(LDPError, match="hidden size"):
         Trainer(ldp_recipe(tiny_model_dir, sst_like_files, **{"ldp.autoencoder.sizes": [8, 4]}), tmp_path / "c")
+
+
+def test_tiny_fixed_sigma_reports_infinity_fast(tiny_model_dir, sst_like_files, tmp_path):
+    rec = ldp_recipe(tiny_model_dir, sst_like_files, **{"ldp.noise_multiplier": 0.05, "ldp.target_epsilon": None,
+                                                          "schedule.epochs": 1})
+    rep = Trainer(rec, tmp_path / "f", progress=False).run()
+    assert rep["privacy"]["epsilon"] == float("inf") and "not computed" in rep["privacy"]["accountant"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dpft.accounting.calibrate import check_delta
-from dpft.accounting.ewpba import NoiseSchedule, make_schedule, schedule_epsilon
+from dpft.accounting.ewpba import SIGMA_FLOOR, NoiseSchedule, make_schedule, schedule_epsilon
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, local_epsilon,
                               local_epsilon_composed, pretrain_autoencoder)
 
@@ -125,7 +125,14 @@ class LDPRun:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
         self.trainer.ledger.record(PHASE, self.schedule.step_event(step))
 
+    def _below_floor(self) -> bool:
+        # σ < SIGMA_FLOOR (but > 0): the PLD of so little noise takes minutes and the ε is
+        # meaningless anyway; report ∞ (an upper bound: never in the user's favour).
+        return 0 < min(self.schedule.sigmas) < SIGMA_FLOOR
+
     def epsilon(self) -> float:
+        if self._below_floor():
+            return math.inf
         return self.trainer.ledger.epsilon(self.cfg.delta).epsilon
 
     # ------------------------------------------------------------------ report
@@ -144,7 +151,12 @@ class LDPRun:
     def privacy_section(self, steps_done: int) -> dict[str, Any]:
         """The two guarantees, each with its statement; ε's from the ledger / dp_accounting."""
         d = self.cfg.delta
-        rep = self.trainer.ledger.epsilon(d)
+        if self._below_floor():
+            from dpft.accounting.ledger import PrivacyReport
+
+            rep = PrivacyReport(math.inf, d, math.inf, accountant=f"not computed: σ < {SIGMA_FLOOR} (reported as ∞)")
+        else:
+            rep = self.trainer.ledger.epsilon(d)
         per_epoch = self.max_releases_per_epoch(steps_done)
         seq = [s for s, k in zip(self.schedule.sigmas, per_epoch) for _ in range(k)]
         return {
