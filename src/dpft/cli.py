@@ -104,6 +104,10 @@ def train(
             typer.echo(f"σ = {trainer.sigma:.4f} for target ε = {rec.privacy.target_epsilon} at δ = "
                        f"{rec.privacy.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps, "
                        f"N = {trainer.n}, C = {rec.privacy.clipping.max_norm:g}", err=True)
+        elif trainer.ldp is not None:
+            typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {trainer.ldp.schedule.sigmas} "
+                       f"({trainer.ldp.schedule.method}) for ε = {trainer.ldp.schedule.epsilon:.4g} at δ = "
+                       f"{rec.ldp.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps", err=True)
         else:
             typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)
         rep = trainer.run()
@@ -157,6 +161,47 @@ def report(run_dir: Path = typer.Argument(..., help="A finished run directory.")
         typer.echo(reprint(run_dir))
     except FileNotFoundError as exc:
         _fail(str(exc))
+
+
+@app.command("ldp-server")
+def ldp_server(
+    recipe: Path = typer.Argument(..., help="Recipe with an ldp: section (e.g. recipes/sst2-minilm-ewft.yaml)."),
+    port: int = typer.Option(8765, "--port", help="Port on 127.0.0.1 (0 = any free port)."),
+    output_dir: Path = typer.Option(Path("runs/ldp-server"), "--output-dir", "-o", help="Where post(·) and wire.jsonl go."),
+    set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set ldp.position=output"),
+):
+    """Service provider of split forward-LDP training: trains post(·) on noisy codes only."""
+    from dpft.config import load_recipe
+    from dpft.methods.ldp_split import make_server
+
+    try:
+        srv = make_server(load_recipe(recipe, _overrides(set=set)), output_dir, port=port)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(f"listening on http://127.0.0.1:{srv.server_address[1]}", err=False)
+    sys.stdout.flush()
+    srv.serve_forever()
+    typer.echo(f"finished; post(·) in {output_dir}/model, wire log {output_dir}/wire.jsonl")
+
+
+@app.command("ldp-client")
+def ldp_client(
+    recipe: Path = typer.Argument(..., help="The same recipe as the server's."),
+    server: str = typer.Option("http://127.0.0.1:8765", "--server", help="ldp-server URL (loopback)."),
+    output_dir: Path = typer.Option(Path("runs/ldp-client"), "--output-dir", "-o", help="Client ledger and report."),
+    set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key."),
+):
+    """Data holder of split forward-LDP training: pre(·) + encoder + clip + noise, sends noisy codes."""
+    from dpft.config import load_recipe
+    from dpft.methods.ldp_split import LDPClient
+
+    try:
+        rep = LDPClient(load_recipe(recipe, _overrides(set=set)), server, output_dir).run()
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(f"dev accuracy: {rep['dev_accuracy']:.4f}")
+    typer.echo(f"ε (stream, PLD) = {rep['epsilon_stream']:.4g} at δ = {rep['delta']:g}; local ε per release by "
+               f"epoch = {[round(x, 3) for x in rep['epsilon_local_per_release']]}")
 
 
 def main() -> None:

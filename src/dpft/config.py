@@ -157,6 +157,50 @@ class SubspaceCfg(_Strict):
         return self
 
 
+class LdpAutoencoderCfg(_Strict):
+    """Stacked autoencoder around the forward noise (EW-FT Section 5.3), pre-trained on public text."""
+
+    #: Widths, hidden size first: [384, 64] (MiniLM; the paper's 768×64), [384, 256, 64] …;
+    #: empty = no autoencoder (DP-Forward: the whole T × h matrix is clipped and perturbed).
+    sizes: list[int] = []
+    #: Public text for reconstruction pre-training (a registered task; its *train* texts, not
+    #: the private training set).
+    public_task: str = "imdb"
+    public_examples: int = Field(2000, ge=1)
+    pretrain_epochs: int = Field(3, ge=0)
+    pretrain_lr: float = Field(1e-3, gt=0)
+    pretrain_batch_size: int = Field(32, ge=1)
+
+
+class LdpCfg(_Strict):
+    """Forward-pass local DP (EW-FT / DP-Forward; privacy/ldp.py, accounting/ewpba.py).
+
+    The noise is on the forward pass (clip the hidden matrix to C, add N(0, σ_e²(2C)²)); the
+    optimizer step on post(·) is then non-private post-processing, so ``privacy.enabled``
+    must be false (no per-example gradient clipping)."""
+
+    enabled: bool = False
+    #: ``embeddings`` · ``encoder:l`` (after block l, 1-based) · ``output`` (before the head).
+    position: str = "encoder:5"
+    #: Frobenius clipping norm C of one example's (T × h) matrix or autoencoder code.
+    max_norm: float = Field(1.0, gt=0)
+    #: Scale every example to norm exactly C instead of clipping (Eq. 11, first option).
+    normalize: bool = False
+    #: ``ewpba`` (EW-FT Algorithm 1: decreasing σ per epoch) or ``uniform`` (DP-Forward).
+    schedule: Literal["ewpba", "uniform"] = "ewpba"
+    #: EWPBA step distance S.
+    step_distance: float = Field(2.0, gt=0)
+    #: ε of the training stream (example level, the paper's accounting) at ``delta``.
+    target_epsilon: Optional[float] = Field(8.0, gt=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
+    #: Fixed σ for every epoch instead of a schedule.
+    noise_multiplier: Optional[float] = Field(None, ge=0)
+    #: Keep the noise on at evaluation (inference-time privacy, as DP-Forward); the last
+    #: epoch's σ is used.
+    eval_noise: bool = True
+    autoencoder: LdpAutoencoderCfg = LdpAutoencoderCfg()
+
+
 class OptimizerCfg(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: float = Field(5e-4, gt=0)
@@ -254,6 +298,7 @@ class Recipe(_Strict):
     denoise: DenoiseCfg = DenoiseCfg()
     subspace: SubspaceCfg = SubspaceCfg()
     adam_ac: AdamACCfg = AdamACCfg()
+    ldp: LdpCfg = LdpCfg()
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
     output_dir: Optional[str] = None

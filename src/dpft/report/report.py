@@ -59,6 +59,9 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         from dpft.report.lm import extra_sections
 
         rep.update(extra_sections(trainer))
+    if getattr(trainer, "ldp", None) is not None:  # forward LDP (methods/ewft.py): its two guarantees
+        rep["privacy"] = trainer.ldp.privacy_section(trainer.total_steps)
+        rep["ldp"] = trainer.ldp.summary()
     d = trainer.run_dir
     atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
     atomic_write_text(d / "report.md", render_markdown(rep))
@@ -104,6 +107,9 @@ def render_markdown(rep: dict[str, Any]) -> str:
             f"| clipping | {c['style']}, C = {c['max_norm']:g} |",
             f"| per-example engine | {dp['engine']} |",
         ]
+    elif rep.get("ldp"):
+        lines += [f"| steps | {dp['steps']} (expected batch {dp['expected_batch_size']}) |",
+                  "| privacy | forward-pass LDP (below); gradients are not clipped or noised |"]
     else:
         lines += [f"| steps | {dp['steps']} (expected batch {dp['expected_batch_size']}) |",
                   "| privacy | none: no clipping, no noise |"]
@@ -117,6 +123,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
         lines += [f"**Subspace (DP-SFT):** source {s['source']}"
                   + (f" — {s['public_source']}" if s.get("public_source") else "")
                   + f"; k = {s['k']}, d = {s['d']:,}, P = {s['basis_memory']} ({s['dtype']})", ""]
+    if rep.get("ldp"):
+        lines += ldp_markdown(rep)
     if dp["private"] and rep["privacy"].get("ledger"):
         lines += ["## Ledger (every private release of this run)", "", "| phase | count | event |", "|---|---|---|"]
         lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in rep["privacy"]["ledger"]]
@@ -135,6 +143,31 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def ldp_markdown(rep: dict[str, Any]) -> list[str]:
+    """Forward-LDP block of the Markdown report: schedule and both guarantees."""
+    x, p = rep["ldp"], rep["privacy"]
+    loc = p["local"]
+    fmt = lambda v: ", ".join(f"{a:.4g}" for a in v)  # noqa: E731
+    return [
+        "## Forward-pass local DP (EW-FT / DP-Forward)", "",
+        "| item | value |", "|---|---|",
+        f"| noise position | {x['position']}; release per example: {x['release_shape'][0]} × {x['release_shape'][1]} |",
+        f"| autoencoder | {x['autoencoder'] or 'none'} |",
+        f"| clipping | Frobenius, C = {x['max_norm']:g}; replace-one sensitivity 2C = {x['sensitivity']:g} |",
+        f"| σ schedule | {x['method']}: σ_e = {fmt(x['sigmas'])} (noise std σ_e·2C = {fmt(x['noise_std_by_epoch'])}) |",
+        f"| sampling | Poisson, q = {x['q']:.5f}, {x['steps_per_epoch']} steps per epoch |",
+        f"| example-level ε (stream) | {p['epsilon']:.4g} at δ = {p['delta']:g} (PLD; RDP {p['epsilon_rdp']:.4g}) |",
+        f"| local ε per release, by epoch | {fmt(loc['epsilon_per_release_by_epoch'])} at δ = {loc['delta']:g} |",
+        f"| local ε per example, all releases | {loc['epsilon_per_example_all_releases']:.4g} "
+        f"(max releases per epoch {loc['max_releases_per_example_by_epoch']}) |",
+        "",
+        f"- {p['statement']}",
+        f"- {loc['statement']}",
+        f"- Evaluation {'with' if x['eval_noise'] else 'without'} the noise layer's noise (last epoch's σ).",
+        "",
+    ]
 
 
 def plot_history(rows: list[dict[str, Any]], path: Path, private: bool) -> None:

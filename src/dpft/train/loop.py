@@ -154,6 +154,12 @@ class Trainer:
 
             # DP-SFT stage 1 (before calibration: a private stage records its events first).
             self.basis = build_subspace(self)
+        #: Forward-pass LDP (EW-FT / DP-Forward, recipe section ``ldp:``); wraps self.model.
+        self.ldp = None
+        if r.ldp.enabled:
+            from dpft.methods.ewft import LDPRun
+
+            self.ldp = LDPRun(self)
         if self.private:
             check_delta(r.privacy.delta, self.n)
             if r.privacy.noise_multiplier is not None:
@@ -258,6 +264,8 @@ class Trainer:
         r = self.recipe
         torch.manual_seed(hash_seed(r.seed, step, 0xD0))  # dropout masks: resumable, per step
         idx = self.sampler.indices(step)
+        if self.ldp is not None:
+            self.ldp.before_step(step)
         q_t = self.sampler.q_at(step) if hasattr(self.sampler, "q_at") else self.q
         raw_norms = []
         grad_sum = {n: torch.zeros_like(p) for n, p in self.engine.params.items()}
@@ -301,6 +309,8 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.ldp is not None:
+            self.ldp.after_step(step)
         out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz}
         if self.private:
             out["clip_fraction"] = clipped / max(bsz, 1)  # non-private statistic: logs only
@@ -367,6 +377,8 @@ class Trainer:
             f.write(json.dumps(row) + "\n")
 
     def epsilon_now(self) -> Optional[float]:
+        if self.ldp is not None:
+            return self.ldp.epsilon()
         if not self.private or not self.ledger.certified:
             return None
         return self.ledger.epsilon(self.recipe.privacy.delta).epsilon
@@ -412,7 +424,7 @@ class Trainer:
             if done % r.checkpoint_every == 0 or done == self.total_steps:
                 self.save(done)
         bar.close()
-        if self.private:
+        if self.private or self.ldp is not None:
             self.ledger.save(self.run_dir / "ledger.json")
         if not last_eval:
             last_eval = self.evaluate()

@@ -1,0 +1,357 @@
+"""Forward-pass local DP: clip a hidden matrix to Frobenius norm C and add Gaussian noise.
+
+Sources: EW-FT (Zhang et al., Sci. China Inf. Sci. 2026, Section 5.3, Eq. (11)) and
+DP-Forward (Du et al., CCS 2023). The user runs pre(·) locally; per example the (T × h)
+hidden matrix — or the (T × k) code of a stacked autoencoder's encoder — is clipped to
+Frobenius norm C (Eq. 11) and perturbed with N(0, σ_e² (2C)² I); only that noisy matrix leaves
+the device. post(·) (autoencoder decoder, remaining blocks, head) is trained on it.
+
+Sensitivity. Any two clipped matrices differ by at most 2C in Frobenius norm (replace one
+user's input by any other), so the noise std σ_e·2C makes one release the Gaussian mechanism
+with noise multiplier σ_e relative to its sensitivity. (DP-Forward's code hard-codes the
+sensitivity to 1 whatever C is; not copied.)
+
+Two guarantees, stated separately (see :func:`local_epsilon` and the training stream's ledger):
+
+* local (per release): for *any* two inputs x, x′, one noisy matrix is (ε_loc, δ)-DP with
+  ε_loc from the analytic Gaussian mechanism (Balle & Wang 2018), computed by
+  ``dp_accounting.gaussian_mechanism.get_epsilon_gaussian``; k releases of the same example
+  compose (PLD, replace-one, :func:`local_epsilon_composed`).
+* example-level (training stream): the Poisson-sampled stream of releases, accounted as the
+  paper does (``accounting/ewpba.py``, recorded per step in the run's ledger).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import dp_accounting as dpa
+import torch
+from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
+from dp_accounting.pld import pld_privacy_accountant
+from torch import nn
+
+
+class LDPError(ValueError):
+    """A forward-LDP configuration that cannot work; the message names the fix."""
+
+
+def clip_frobenius(x: torch.Tensor, max_norm: float, normalize: bool = False) -> torch.Tensor:
+    """Per-example Frobenius clipping (EW-FT Eq. 11).
+
+    Args:
+        x: ``(B, T, d)`` (or ``(B, d)``) hidden matrices; example i is ``x[i]``.
+        max_norm: C > 0.
+        normalize: scale every example to norm exactly C instead of clipping (Eq. 11's
+            "‖pre(·)‖_F = C" option).
+
+    Returns:
+        Same shape; each ``x[i]`` has Frobenius norm ≤ C (= C with ``normalize``).
+    """
+    if not max_norm > 0:
+        raise LDPError(f"clipping norm C must be > 0, got {max_norm}")
+    flat = x.reshape(x.shape[0], -1)
+    norms = flat.norm(dim=1).clamp_min(1e-12)
+    scale = max_norm / norms if normalize else torch.clamp(max_norm / norms, max=1.0)
+    return x * scale.view(-1, *([1] * (x.dim() - 1))).to(x.dtype)
+
+
+def local_epsilon(sigma: float, delta: float) -> float:
+    """ε of one release at noise multiplier σ (std σ·2C, sensitivity 2C), any two inputs.
+
+    Analytic Gaussian mechanism (Balle & Wang 2018, via dp_accounting).
+    """
+    if sigma <= 0:
+        return math.inf
+    return float(get_epsilon_gaussian(sigma, delta))
+
+
+def local_epsilon_composed(sigmas: Sequence[float], delta: float) -> float:
+    """ε of several releases of the same example at σ's ``sigmas`` (any two inputs).
+
+    PLD accountant of dp_accounting under replace-one. In dp_accounting's replace-one
+    convention the two inputs sit at ±1 (distance 2) for ``GaussianDpEvent(m)`` with std m;
+    our release has distance 2C and std 2Cσ, i.e. ``GaussianDpEvent(2σ)`` after dividing by C.
+    """
+    sigmas = [float(s) for s in sigmas if s is not None]
+    if not sigmas:
+        return 0.0
+    if min(sigmas) <= 0:
+        return math.inf
+    acc = pld_privacy_accountant.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE,
+                                               value_discretization_interval=1e-4)
+    acc.compose(dpa.ComposedDpEvent([dpa.GaussianDpEvent(2.0 * s) for s in sigmas]))
+    return float(acc.get_epsilon(delta))
+
+
+class StackedAutoencoder(nn.Module):
+    """Token-wise stacked autoencoder ``sizes[0] → … → sizes[-1] → … → sizes[0]``.
+
+    ``sizes = [384, 64]`` is one linear layer each way (the paper's 768×64 for BERT-base);
+    ``[384, 256, 64]`` stacks two with GELU between. Input/output ``(B, T, sizes[0])``; code
+    ``(B, T, sizes[-1])``.
+    """
+
+    def __init__(self, sizes: Sequence[int]):
+        super().__init__()
+        sizes = [int(s) for s in sizes]
+        if len(sizes) < 2 or min(sizes) < 1:
+            raise LDPError(f"autoencoder sizes need ≥ 2 positive widths (e.g. [384, 64]), got {sizes}")
+        self.sizes = sizes
+
+        def stack(dims):
+            layers: list[nn.Module] = []
+            for i in range(len(dims) - 1):
+                layers.append(nn.Linear(dims[i], dims[i + 1]))
+                if i < len(dims) - 2:
+                    layers.append(nn.GELU())
+            return nn.Sequential(*layers)
+
+        self.encoder = stack(sizes)
+        self.decoder = stack(sizes[::-1])
+
+    def encode(self, h: torch.Tensor) -> torch.Tensor:
+        return self.encoder(h)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(z)
+
+
+class GaussianLDP(nn.Module):
+    """The noise perturbation layer: [encoder] → clip to C → + N(0, σ²(2C)²) → [decoder].
+
+    ``release(h)`` is the user's side (what crosses the wire); ``reconstruct(z)`` the
+    server's. ``forward = reconstruct ∘ release``. σ is set per epoch by the schedule
+    (``set_sigma``); in eval mode noise is added only if ``eval_noise``.
+
+    Args:
+        max_norm: C (Frobenius, per example).
+        sigma: noise multiplier relative to the sensitivity 2C.
+        autoencoder: optional :class:`StackedAutoencoder` (its encoder runs on the user side).
+        normalize: scale to ‖·‖_F = C instead of clipping.
+        generator: torch.Generator for the noise (seeded by the caller).
+    """
+
+    def __init__(self, max_norm: float = 1.0, sigma: float = 0.0, autoencoder: Optional[StackedAutoencoder] = None,
+                 normalize: bool = False, eval_noise: bool = True, generator: Optional[torch.Generator] = None):
+        super().__init__()
+        if not max_norm > 0:
+            raise LDPError(f"ldp.max_norm (C) must be > 0, got {max_norm}")
+        self.max_norm = float(max_norm)
+        self.sigma = float(sigma)
+        self.autoencoder = autoencoder
+        self.normalize = normalize
+        self.eval_noise = eval_noise
+        self.generator = generator
+
+    @property
+    def sensitivity(self) -> float:
+        """Replace-one L2 (Frobenius) sensitivity of the clipped matrix: 2C."""
+        return 2.0 * self.max_norm
+
+    def set_sigma(self, sigma: float) -> None:
+        if sigma < 0:
+            raise LDPError(f"σ must be ≥ 0, got {sigma}")
+        self.sigma = float(sigma)
+
+    @torch.no_grad()
+    def noise_like(self, z: torch.Tensor) -> torch.Tensor:
+        std = self.sigma * self.sensitivity  # σ_e · 2C: replace-one sensitivity, see module doc
+        n = torch.randn(z.shape, generator=self.generator, dtype=torch.float32, device=z.device)
+        return (n * std).to(z.dtype)
+
+    def release(self, h: torch.Tensor) -> torch.Tensor:
+        """User side: ``(B, T, d)`` hidden matrices → ``(B, T, k)`` noisy (clipped) codes.
+
+        The output is detached: nothing computed from the clean input flows back.
+        """
+        with torch.no_grad():
+            z = self.autoencoder.encode(h) if self.autoencoder is not None else h
+            z = clip_frobenius(z, self.max_norm, self.normalize)
+            if self.training or self.eval_noise:
+                z = z + self.noise_like(z)
+        return z.detach()
+
+    def reconstruct(self, z: torch.Tensor) -> torch.Tensor:
+        """Server side: noisy code → hidden matrix for post(·) (decoder, trainable)."""
+        return self.autoencoder.decode(z) if self.autoencoder is not None else z
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.reconstruct(self.release(h))
+
+
+def pretrain_autoencoder(ae: StackedAutoencoder, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                         max_norm: float, epochs: int = 1, lr: float = 1e-3, sigma: float = 0.0,
+                         seed: int = 0) -> list[float]:
+    """Reconstruction pre-training on *public* hidden states (EW-FT Section 5.3).
+
+    Each batch is ``(h, mask)``: ``h`` ``(B, T, d)`` hidden states of public text from pre(·),
+    ``mask`` ``(B, T)`` 1 on real tokens. Loss: mean squared error between ``h`` and
+    decode(clip_C(encode(h)) [+ N(0, σ²(2C)²)]) on real tokens, relative to the per-example
+    clip scale (the decoder learns to undo the clipping's scale too). Returns the loss per
+    epoch (mean over batches). Uses no private data: pass public text only.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(ae.parameters(), lr=lr)
+    batches = list(batches)
+    if not batches:
+        raise LDPError("autoencoder pre-training got no public batches; give ldp.autoencoder.public_task data")
+    hist = []
+    ae.train()
+    for _ in range(epochs):
+        tot = 0.0
+        for h, mask in batches:
+            z = clip_frobenius(ae.encode(h), max_norm)
+            if sigma > 0:
+                z = z + torch.randn(z.shape, generator=gen) * sigma * 2 * max_norm
+            rec = ae.decode(z)
+            m = mask.unsqueeze(-1).to(h.dtype)
+            loss = (((rec - h) ** 2) * m).sum() / (m.sum() * h.shape[-1]).clamp_min(1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tot += float(loss.detach())
+        hist.append(tot / len(batches))
+    return hist
+
+
+# ---------------------------------------------------------------------------- split model
+class SplitClassifier(nn.Module):
+    """A BERT-family sequence classifier cut at a noise layer: pre(·) → LDP → post(·) → head.
+
+    Positions (``position``): ``embeddings`` (after the embedding layer), ``encoder:l`` (after
+    block l, 1-based), ``output`` (after the last block, before pooler/classifier).
+
+    pre(·) and the autoencoder encoder are frozen (the user's side; trained only on public
+    data); post(·), decoder, pooler and classifier train. Inputs are padded to the fixed
+    length ``max_length`` so the release is always ``(T = max_length) × k``, and post(·)
+    attends to every position (no attention mask crosses the wire: the token count is not
+    released).
+
+    ``forward(input_ids, attention_mask, token_type_ids)`` → object with ``.logits`` ``(B, labels)``.
+    """
+
+    def __init__(self, model: nn.Module, position: str, noise: GaussianLDP, max_length: int):
+        super().__init__()
+        base = getattr(model, "bert", None)
+        if base is None or not hasattr(model, "classifier"):
+            raise LDPError(f"forward LDP supports BERT-family sequence classifiers (e.g. minilm); got "
+                           f"{type(model).__name__}")
+        self.model = model
+        self.noise = noise
+        self.max_length = int(max_length)
+        blocks = base.encoder.layer
+        self.cut = parse_position(position, len(blocks))
+        self.position = position
+        self.pad_id = model.config.pad_token_id or 0
+        #: Per-example cache of pre(·) outputs (pre(·) is frozen and deterministic and every
+        #: example is padded to max_length on its own, so a row depends only on its tokens).
+        #: A speed-up only: the noise is drawn fresh at every release. None = off.
+        self.pre_cache: Optional[dict] = None
+        for p in base.embeddings.parameters():
+            p.requires_grad_(False)
+        for blk in list(blocks)[: self.cut]:
+            for p in blk.parameters():
+                p.requires_grad_(False)
+        if noise.autoencoder is not None:
+            for p in noise.autoencoder.encoder.parameters():
+                p.requires_grad_(False)
+
+    # -- user side
+    def _pad(self, input_ids, attention_mask, token_type_ids):
+        b, t = input_ids.shape
+        if t > self.max_length:
+            raise LDPError(f"inputs of length {t} exceed model.max_length = {self.max_length}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        if t < self.max_length:
+            extra = self.max_length - t
+            input_ids = torch.cat([input_ids, input_ids.new_full((b, extra), self.pad_id)], 1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_zeros((b, extra))], 1)
+            token_type_ids = torch.cat([token_type_ids, token_type_ids.new_zeros((b, extra))], 1)
+        return input_ids, attention_mask, token_type_ids
+
+    @torch.no_grad()
+    def pre(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
+        """pre(·): ``(B, T')`` token ids → ``(B, max_length, h)`` clean hidden states (user side)."""
+        if self.pre_cache is None:
+            return self._pre(input_ids, attention_mask, token_type_ids)
+        ids, mask, tt = self._pad(input_ids, attention_mask, token_type_ids)
+        keys = [(r.tolist(), m.tolist(), t.tolist()) for r, m, t in zip(ids, mask, tt)]
+        keys = [repr(k) for k in keys]
+        miss = [i for i, k in enumerate(keys) if k not in self.pre_cache]
+        if miss:
+            h = self._pre(ids[miss], mask[miss], tt[miss])
+            for j, i in enumerate(miss):
+                self.pre_cache[keys[i]] = h[j].clone()
+        return torch.stack([self.pre_cache[k] for k in keys])
+
+    @torch.no_grad()
+    def _pre(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        base = self.model.bert
+        was = base.training
+        base.eval()  # the user's frozen part: deterministic (no dropout)
+        try:
+            ids, mask, tt = self._pad(input_ids, attention_mask, token_type_ids)
+            h = base.embeddings(input_ids=ids, token_type_ids=tt)
+            if self.cut:
+                m = create_bidirectional_mask(config=base.config, inputs_embeds=h, attention_mask=mask)
+                for blk in base.encoder.layer[: self.cut]:
+                    h = blk(h, attention_mask=m)
+                    h = h[0] if isinstance(h, tuple) else h
+        finally:
+            base.train(was)
+        return h
+
+    def release(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
+        """Everything the user sends: the noisy (clipped, encoded) ``(B, max_length, k)`` matrix."""
+        return self.noise.release(self.pre(input_ids, attention_mask, token_type_ids))
+
+    # -- server side
+    def post(self, z: torch.Tensor) -> torch.Tensor:
+        """post(·) and the head: noisy code ``(B, T, k)`` → logits ``(B, labels)``."""
+        base = self.model.bert
+        h = self.noise.reconstruct(z)
+        for blk in base.encoder.layer[self.cut:]:
+            h = blk(h, attention_mask=None)  # all positions: no mask crosses the wire
+            h = h[0] if isinstance(h, tuple) else h
+        pooled = base.pooler(h) if base.pooler is not None else h[:, 0]
+        return self.model.classifier(self.model.dropout(pooled))
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=self.post(self.release(input_ids, attention_mask, token_type_ids)))
+
+    def save_pretrained(self, out) -> None:
+        """The inner model (``save_pretrained``) and the autoencoder (``autoencoder.safetensors``)."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        self.model.save_pretrained(out)
+        if self.noise.autoencoder is not None:
+            save_file({k: v.contiguous() for k, v in self.noise.autoencoder.state_dict().items()},
+                      str(Path(out) / "autoencoder.safetensors"))
+
+
+def parse_position(position: str, n_blocks: int) -> int:
+    """``embeddings`` → 0, ``encoder:l`` → l (1 ≤ l ≤ L), ``output`` → L: blocks in pre(·)."""
+    if position == "embeddings":
+        return 0
+    if position == "output":
+        return n_blocks
+    if position.startswith("encoder:"):
+        try:
+            k = int(position.split(":", 1)[1])
+        except ValueError:
+            k = -1
+        if 1 <= k <= n_blocks:
+            return k
+    raise LDPError(f"ldp.position {position!r} not understood; use 'embeddings', 'encoder:l' with "
+                   f"1 ≤ l ≤ {n_blocks}, or 'output'")
