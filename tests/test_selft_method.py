@@ -38,7 +38,7 @@ def test_selft_end_to_end(tiny_model_dir, sst_like_files, tmp_path):
     phases = [e["phase"] for e in rep["privacy"]["ledger"]]
     assert phases == ["synthetic_select", "synthetic_label", "train"]
     assert rep["privacy"]["epsilon"] <= 3.0 + 1e-9 and rep["privacy"]["epsilon"] > 2.8  # composed, calibrated
-    assert set(rep["selft"]["scores"]) == {"embeddings", "block.0", "block.1", "head"}
+    assert set(rep["selft"]["scores"]) == {"embeddings", "block.0", "block.1"}  # head trains in all
     assert rep["model"]["trainable"] == "units"
     # only the selected unit and the head moved away from θ⁽⁰⁾
     _, m0 = load_classifier(str(tiny_model_dir), 2, seed=r.seed)
@@ -49,7 +49,7 @@ def test_selft_end_to_end(tiny_model_dir, sst_like_files, tmp_path):
     assert moved and moved <= allowed
     # a k sweep reuses the cached scores
     files = list((tmp_path / "cache").glob("scores-*.json"))
-    assert len(files) == 1 and len(json.loads(files[0].read_text())) == 4
+    assert len(files) == 1 and len(json.loads(files[0].read_text())) == 3
 
 
 def test_selft_attention_selector_and_errors(tiny_model_dir, sst_like_files, tmp_path):
@@ -66,3 +66,31 @@ def test_selft_attention_selector_and_errors(tiny_model_dir, sst_like_files, tmp
         select_units(_recipe(tiny_model_dir, sst_like_files, tmp_path, **{"privacy.target_epsilon": 0.2}),
                      SelFTCfg(epsilon_syn=0.5, encoder=str(tiny_model_dir), n_select=12), candidates=CANDS,
                      log=lambda m: None)
+
+
+def test_cli_selft(tiny_model_dir, sst_like_files, tmp_path):
+    from typer.testing import CliRunner
+
+    from dpft.cli import app
+
+    cands = tmp_path / "c.txt"
+    cands.write_text("\n".join(CANDS))
+    sets = [f"model.name={tiny_model_dir}", "model.max_length=16", "task.name=files",
+            f"task.train_file={sst_like_files['csv']}", "privacy.target_epsilon=3", "privacy.delta=1e-3",
+            "schedule.steps=2", "batch.expected_batch_size=16", "eval.every_steps=2", "checkpoint_every=2"]
+    args = ["selft", "-o", str(tmp_path / "run"), "--candidates", str(cands), "--top-k", "1", "--score-steps", "1",
+            "--n-select", "10", "--selector", "no_noise", "--quiet"]
+    for s in sets:
+        args += ["--set", s]
+    import dpft.methods.selft as m
+
+    orig = m.SelFTCfg
+    m.SelFTCfg = lambda **kw: orig(**{**kw, "encoder": str(tiny_model_dir)})  # tiny encoder, not MiniLM
+    try:
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        assert "selected units: ['" in res.output and "ε = " in res.output
+        bad = CliRunner().invoke(app, ["selft", "--set", f"model.name={tiny_model_dir}"])
+        assert bad.exit_code == 2 and "--candidates" in bad.output
+    finally:
+        m.SelFTCfg = orig

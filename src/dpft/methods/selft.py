@@ -31,7 +31,7 @@ from dpft.config import Recipe
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import tokenize_split
 from dpft.models.load import load_classifier
-from dpft.models.units import attention_units
+from dpft.models.units import attention_units, unit_map
 from dpft.selection.scoring import ScoreCache, ScoreSettings, rank_units, score_units
 from dpft.synth.generators import load_candidate_file
 from dpft.synth.select_label import dp_select_and_label
@@ -140,13 +140,14 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
         s = _score_settings(cfg, r, sigma)
         cache = ScoreCache(cfg.cache_dir) if cfg.cache_dir else None
         t1 = time.time()
-        sc = score_units(model, rows(syn.train), rows(syn.val), s, cfg.granularity, cache=cache,
+        # With the head in every subset, "head" alone is the baseline every unit adds to: not a candidate.
+        exclude = ["head"] if cfg.with_head else []
+        cand_units = [u for u in unit_map(model, cfg.granularity) if u not in exclude]
+        sc = score_units(model, rows(syn.train), rows(syn.val), s, cfg.granularity, units=cand_units, cache=cache,
                          model_name=r.model.name, data_digest=syn.digest(), pad_id=tok.pad_token_id or 0,
                          with_token_types=with_tt, log=lambda m: log("  score " + m))
         log(f"scored {len(sc)} units in {time.time() - t1:.0f}s")
         crit = {"loss": "loss", "gradient": "gradient"}.get(cfg.selector, "accuracy")
-        # With the head in every subset, "head" alone is the baseline every unit adds to.
-        exclude = ["head"] if cfg.with_head else []
         units = rank_units(sc, cfg.top_k, crit, exclude=exclude)
         scores = {u: {"accuracy": v.accuracy, "val_loss": v.val_loss, "dim": v.dim, "rho": v.rho,
                       "grad_norm": v.grad_norm} for u, v in sc.items()}

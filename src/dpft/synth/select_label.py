@@ -64,7 +64,12 @@ def embed_texts(texts: Sequence[str], encoder: str = "minilm", batch_size: int =
         raise SelectLabelError("no texts to embed")
     if any(not isinstance(t, str) for t in texts):
         raise SelectLabelError("every text to embed must be a string; drop empty rows")
+    key = None
     if model is None or tokenizer is None:
+        # Same public texts, same encoder → same φ: memoised per process (a method sweep reuses it).
+        key = (encoder, batch_size, max_length, hashlib.sha256("\x00".join(texts).encode()).hexdigest())
+        if key in _EMB_CACHE:
+            return _EMB_CACHE[key].clone()
         from transformers import AutoModel, AutoTokenizer
 
         from dpft.models.load import resolve_model_path
@@ -87,7 +92,12 @@ def embed_texts(texts: Sequence[str], encoder: str = "minilm", batch_size: int =
     emb = torch.cat(out)
     res = torch.empty_like(emb)
     res[torch.tensor(order)] = emb
+    if key is not None:
+        _EMB_CACHE[key] = res.clone()
     return res
+
+
+_EMB_CACHE: dict[tuple, torch.Tensor] = {}
 
 
 def nearest_candidate(private_emb: torch.Tensor, cand_emb: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
