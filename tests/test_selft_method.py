@@ -29,7 +29,8 @@ def test_selft_end_to_end(tiny_model_dir, sst_like_files, tmp_path):
 
     from dpft.models.load import load_classifier
 
-    r = _recipe(tiny_model_dir, sst_like_files, tmp_path)
+    # fixed σ keeps the test fast (no calibration); the attention test below calibrates
+    r = _recipe(tiny_model_dir, sst_like_files, tmp_path, **{"privacy.noise_multiplier": 1.5})
     cfg = SelFTCfg(epsilon_syn=0.5, encoder=str(tiny_model_dir), top_k=1, score_steps=2, score_batch_size=8,
                    n_select=12, cache_dir=str(tmp_path / "cache"))
     rep = run_selft(r, cfg, tmp_path / "run", candidates=CANDS, progress=False, log=lambda m: None)
@@ -37,7 +38,15 @@ def test_selft_end_to_end(tiny_model_dir, sst_like_files, tmp_path):
     assert len(units) == 1 and units[0] != "head"
     phases = [e["phase"] for e in rep["privacy"]["ledger"]]
     assert phases == ["synthetic_select", "synthetic_label", "train"]
-    assert rep["privacy"]["epsilon"] <= 3.0 + 1e-9 and rep["privacy"]["epsilon"] > 2.8  # composed, calibrated
+    from dpft.accounting.calibrate import dp_sgd_event
+    from dpft.accounting.ledger import epsilon_of
+    from dpft.synth.select_label import select_label_events
+
+    syn = rep["selft"]["synthetic"]
+    expect = epsilon_of(select_label_events(syn["sigma_select"], syn["sigma_label"])
+                        + [dp_sgd_event(1.5, rep["dp"]["sampling_rate"], 3)], 1e-3).epsilon
+    assert rep["privacy"]["epsilon"] == pytest.approx(expect, rel=1e-6)  # both phases composed (PLD)
+    assert rep["privacy"]["epsilon"] > epsilon_of([dp_sgd_event(1.5, rep["dp"]["sampling_rate"], 3)], 1e-3).epsilon
     assert set(rep["selft"]["scores"]) == {"embeddings", "block.0", "block.1"}  # head trains in all
     assert rep["model"]["trainable"] == "units"
     # only the selected unit and the head moved away from θ⁽⁰⁾
@@ -56,6 +65,11 @@ def test_selft_attention_selector_and_errors(tiny_model_dir, sst_like_files, tmp
     r = _recipe(tiny_model_dir, sst_like_files, tmp_path)
     cfg = SelFTCfg(selector="attention", encoder=str(tiny_model_dir), n_select=12)
     sel = select_units(r, cfg, candidates=CANDS, log=lambda m: None)
+    from dpft.accounting.calibrate import epsilon_for_sigma
+
+    n, b = 54, 16  # 90% of 60 rows train; σ calibrated after the synthetic phase to the total ε
+    total = epsilon_for_sigma(sel["sigma"], b / n, 3, 1e-3, prior=sel["ledger"].events())
+    assert 2.9 < total <= 3.0
     assert sel["units"] == ["bert.encoder.layer.0.attention", "bert.encoder.layer.1.attention"]
     assert [e.phase for e in sel["ledger"].entries] == ["synthetic_select", "synthetic_label"]
     with pytest.raises(ValueError, match="candidates"):
@@ -76,10 +90,10 @@ def test_cli_selft(tiny_model_dir, sst_like_files, tmp_path):
     cands = tmp_path / "c.txt"
     cands.write_text("\n".join(CANDS))
     sets = [f"model.name={tiny_model_dir}", "model.max_length=16", "task.name=files",
-            f"task.train_file={sst_like_files['csv']}", "privacy.target_epsilon=3", "privacy.delta=1e-3",
+            f"task.train_file={sst_like_files['csv']}", "privacy.noise_multiplier=1.5", "privacy.delta=1e-3",
             "schedule.steps=2", "batch.expected_batch_size=16", "eval.every_steps=2", "checkpoint_every=2"]
     args = ["selft", "-o", str(tmp_path / "run"), "--candidates", str(cands), "--top-k", "1", "--score-steps", "1",
-            "--n-select", "10", "--selector", "no_noise", "--quiet"]
+            "--n-select", "10", "--selector", "attention", "--quiet"]
     for s in sets:
         args += ["--set", s]
     import dpft.methods.selft as m

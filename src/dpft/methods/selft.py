@@ -101,8 +101,8 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
         ValueError: no candidates; CalibrationError: ε_syn leaves nothing for training.
     """
     r = recipe
-    if not r.privacy.enabled or r.privacy.target_epsilon is None:
-        raise ValueError("DP-SelFT needs privacy.enabled and privacy.target_epsilon (the total budget)")
+    if not r.privacy.enabled:
+        raise ValueError("DP-SelFT is a private method: set privacy.enabled (and target_epsilon, the total budget)")
     if candidates is None:
         if not cfg.candidates_file:
             raise ValueError("DP-SelFT needs candidates: set selft.candidates_file or pass a generated pool")
@@ -124,7 +124,10 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
         f"ε_syn={ledger.epsilon(r.privacy.delta).epsilon:.4g} ({time.time() - t0:.0f}s)")
     q = r.batch.expected_batch_size / n
     steps = r.schedule.steps or max(1, int(-(-r.schedule.epochs * n // r.batch.expected_batch_size)))
-    sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps, prior=ledger.events())
+    if r.privacy.noise_multiplier is not None:  # fixed σ: the ledger then reports the composed ε
+        sigma = float(r.privacy.noise_multiplier)
+    else:
+        sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps, prior=ledger.events())
     tok, model = load_classifier(r.model.name, task.num_labels, seed=r.seed)
     with_tt = "token_type_ids" in tok.model_input_names
     import datasets

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -31,7 +32,7 @@ from typing import Optional, Sequence
 import dp_accounting as dpa
 import torch
 
-from dpft.accounting.ledger import PrivacyLedger, epsilon_of, pld_accountant
+from dpft.accounting.ledger import PrivacyLedger, epsilon_of
 
 #: Ledger phase names of the two releases.
 PHASE_SELECT = "synthetic_select"
@@ -154,13 +155,20 @@ def calibrate_select_label(epsilon_syn: float, delta: float, label_ratio: float 
     if not label_ratio > 0:
         raise SelectLabelError(f"label_ratio must be > 0, got {label_ratio}")
 
-    def make_event(s):
-        return dpa.ComposedDpEvent(select_label_events(s, label_ratio * s))
+    # The two releases compose to one Gaussian mechanism of σ_eff = (σ_sel⁻² + σ_lab⁻²)^(-1/2)
+    # (their privacy losses are independent Gaussians). σ_eff is found on dp-accounting's exact
+    # Gaussian privacy loss (bisection on δ(ε)), then split by the ratio; the PLD accountant
+    # that reports ε checks the pair and σ only ever moves up.
+    from dp_accounting.pld.privacy_loss_mechanism import GaussianPrivacyLoss
 
-    sigma = float(dpa.calibrate_dp_mechanism(
-        lambda: pld_accountant(1e-3), make_event, epsilon_syn, delta,
-        bracket_interval=dpa.ExplicitBracketInterval(0.05, 1e4), tol=1e-4))
-    # Never round in our favour: step σ up until the reporting accountant meets the target.
+    def delta_at(sig: float) -> float:
+        return GaussianPrivacyLoss(sig, sensitivity=1.0).get_delta_for_epsilon(epsilon_syn)
+
+    lo, hi = 1e-3, 1e4
+    for _ in range(80):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if delta_at(mid) <= delta else (mid, hi)
+    sigma = hi * math.sqrt(1.0 + label_ratio ** -2)
     for _ in range(500):
         if epsilon_of(select_label_events(sigma, label_ratio * sigma), delta).epsilon <= epsilon_syn:
             return sigma, label_ratio * sigma
