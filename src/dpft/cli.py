@@ -1,4 +1,4 @@
-"""The ``dpft`` command: ``train`` · ``account`` · ``report``."""
+"""The ``dpft`` command: ``train`` · ``account`` · ``report`` · ``selft``."""
 
 from __future__ import annotations
 
@@ -202,6 +202,66 @@ def ldp_client(
     typer.echo(f"dev accuracy: {rep['dev_accuracy']:.4f}")
     typer.echo(f"ε (stream, PLD) = {rep['epsilon_stream']:.4g} at δ = {rep['delta']:g}; local ε per release by "
                f"epoch = {[round(x, 3) for x in rep['epsilon_local_per_release']]}")
+
+
+@app.command()
+def selft(
+    recipe: Optional[Path] = typer.Argument(None, help="YAML recipe (task, model, ε total, steps…)."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
+    candidates: Optional[Path] = typer.Option(None, help="File of public candidates (txt/csv/tsv/jsonl/parquet)."),
+    candidates_column: str = typer.Option("text", help="Column of the candidate file."),
+    generate: Optional[str] = typer.Option(None, help="Build the pool instead: hf:<causal LM folder> or "
+                                           "openai:<model> (DPFT_LLM_BASE_URL / DPFT_LLM_API_KEY)."),
+    gen_task: str = typer.Option("sst2", help="Appendix C template for --generate (sst2, sst5, mnli, qqp)."),
+    n_seeds: int = typer.Option(600, help="Seeds for --generate (μ paraphrases each)."),
+    mu: int = typer.Option(3, help="Paraphrases per seed for --generate."),
+    epsilon_syn: float = typer.Option(0.3, help="ε of DP select-and-label (part of the total ε)."),
+    top_k: int = typer.Option(3, help="Units kept."),
+    selector: str = typer.Option("selft", help="selft, random_noise, no_noise, loss, gradient, attention."),
+    granularity: str = typer.Option("block", help="Units: block (blocks+embeddings+head) or linear."),
+    n_select: Optional[int] = typer.Option(None, help="Candidates kept by noisy votes (default min(pool, N))."),
+    score_steps: int = typer.Option(30, help="Temporary-training steps per unit."),
+    lora: bool = typer.Option(False, "--lora", help="DP-SelFT+LoRA: LoRA on the selected units only."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Cache of per-unit scores."),
+    set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set optimizer.lr=1e-3"),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """DP-SelFT: DP synthetic data → perturbation-aware unit selection → DP fine-tuning of the
+    selected units; one ledger for both phases."""
+    from dpft.config import load_recipe
+    from dpft.methods.selft import SelFTCfg, run_selft
+    from dpft.report.report import epsilon_line
+    from dpft.synth.generators import (GeneratorError, HFCausalLMBackend, OpenAIChatBackend,
+                                       build_candidate_pool)
+    from dpft.train.loop import TrainingError
+
+    try:
+        rec = load_recipe(recipe, _overrides(set=set, **{"output_dir": str(output_dir) if output_dir else None}))
+        pool = None
+        if generate:
+            kind, _, arg = generate.partition(":")
+            if kind == "hf":
+                be = HFCausalLMBackend(arg, seed=rec.seed)
+            elif kind == "openai":
+                be = OpenAIChatBackend(model=arg or "gpt-4o-mini")
+            else:
+                _fail("--generate must be hf:<folder> or openai:<model>")
+            pool = build_candidate_pool(be, gen_task, n_seeds, mu).texts
+        elif candidates is None:
+            _fail("give --candidates FILE or --generate hf:<folder>|openai:<model>")
+        cfg = SelFTCfg(epsilon_syn=epsilon_syn, candidates_file=str(candidates) if candidates else None,
+                       candidates_column=candidates_column, top_k=top_k, selector=selector,
+                       granularity=granularity, n_select=n_select, score_steps=score_steps, lora=lora,
+                       cache_dir=str(cache_dir) if cache_dir else None)
+        run_dir = Path(rec.output_dir or f"runs/{rec.name}-selft")
+        rep = run_selft(rec, cfg, run_dir, candidates=pool, progress=not quiet,
+                        log=lambda m: typer.echo(m, err=True))
+    except (ValueError, TrainingError, FileNotFoundError, GeneratorError) as exc:
+        _fail(str(exc))
+    typer.echo(f"run directory: {run_dir}")
+    typer.echo(f"selected units: {rep['selft']['selected_units']}")
+    typer.echo(f"dev accuracy: {rep['metrics']['dev_accuracy']:.4f}")
+    typer.echo(epsilon_line(rep))
 
 
 def main() -> None:

@@ -62,13 +62,27 @@ class LoraCfg(_Strict):
 
 
 class TrainableCfg(_Strict):
-    #: full · head · last_k · bias · lora
-    mode: Literal["full", "head", "last_k", "bias", "lora"] = "full"
+    #: full · head · last_k · bias · lora · units
+    mode: Literal["full", "head", "last_k", "bias", "lora", "units"] = "full"
     #: Number of top transformer blocks trained with ``last_k`` (the head always trains).
     last_k: int = Field(2, ge=1)
     #: Freeze the token (word) embedding matrix in ``full`` mode.
     freeze_embeddings: bool = False
     lora: LoraCfg = LoraCfg()
+    #: (units mode) named units to train: ``embeddings``, ``block.i``, ``head``, or module paths
+    #: (models/units.py); DP-SelFT writes its selected units here.
+    units: list[str] = []
+    #: (units mode) the classification head (often freshly initialised) trains too.
+    units_with_head: bool = True
+    #: (units mode) LoRA (``lora`` settings) on the selected units' Linear layers instead of
+    #: updating them directly (DP-SelFT+LoRA).
+    units_lora: bool = False
+
+    @model_validator(mode="after")
+    def _units_given(self):
+        if self.mode == "units" and not self.units:
+            raise ValueError("trainable.mode=units needs trainable.units (e.g. [block.4, block.5, head])")
+        return self
 
 
 class ClippingCfg(_Strict):

@@ -161,6 +161,8 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
     Raises:
         ModelError: unknown LoRA target module, k larger than the depth, nothing trainable.
     """
+    if cfg.mode == "units":
+        return _select_units(model, cfg)
     if cfg.mode == "lora":
         from peft import LoraConfig, TaskType, get_peft_model
 
@@ -206,6 +208,29 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
             p.requires_grad_(n.startswith(keep) or is_head(n))
     if not any(p.requires_grad for p in model.parameters()):
         raise ModelError(f"trainable.mode={cfg.mode} left no trainable parameters in this model")
+    return model
+
+
+def _select_units(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
+    """``units`` mode: train only the named units (models/units.py), or LoRA on their Linear
+    layers with ``units_lora`` (DP-SelFT / DP-SelFT+LoRA)."""
+    from dpft.models.units import lora_targets_in_units, resolve_units
+
+    names = set(resolve_units(model, cfg.units, with_head=cfg.units_with_head))
+    if cfg.units_lora:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        targets = lora_targets_in_units(model, names, cfg.lora.target_modules)
+        if not targets:
+            raise ModelError(f"units {cfg.units} hold no Linear layer named {cfg.lora.target_modules} for LoRA; "
+                             "select blocks or change trainable.lora.target_modules")
+        lcfg = LoraConfig(task_type=TaskType.SEQ_CLS, r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                          lora_dropout=cfg.lora.dropout, target_modules=targets)
+        return get_peft_model(model, lcfg)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in names)
+    if not names:
+        raise ModelError(f"trainable.units {cfg.units} left no trainable parameters")
     return model
 
 

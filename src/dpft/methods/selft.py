@@ -1,0 +1,184 @@
+"""DP-SelFT recipe (Sha et al., "DP-SelFT: Differentially Private Selective Fine-Tuning for
+Large Language Models"; Algorithm 1). Wires existing pieces, holds no math of its own:
+
+1. candidate pool (``synth/generators.py``; free) → DP select-and-label
+   (``synth/select_label.py``; two Gaussian releases, ε_syn, recorded in the run's ledger);
+2. unit scoring on the synthetic train/validation split (``selection/scoring.py``; free:
+   synthetic data only) → top-k units (or a baseline selector);
+3. DP-AdamW on the selected units only (``trainable.mode: units``) with the existing
+   :class:`~dpft.train.loop.Trainer`, σ calibrated *after* the synthetic-data events (PLD
+   composition of both phases to the run's target ε; never ε's added by hand).
+
+Selectors: ``selft`` (worst-case ξ, the paper), ``random_noise`` (clipping + random noise),
+``no_noise`` (clean temporary training), ``loss`` (lowest synthetic val loss after clean
+training), ``gradient`` (largest clipped-gradient norm per √d), ``attention`` (heuristic:
+every block's attention, no scoring).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dpft.accounting.calibrate import calibrate_sigma, check_delta
+from dpft.accounting.io import atomic_write_text
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.config import Recipe
+from dpft.data.tasks import load_task
+from dpft.data.tokenize import tokenize_split
+from dpft.models.load import load_classifier
+from dpft.models.units import attention_units, unit_map
+from dpft.selection.scoring import ScoreCache, ScoreSettings, rank_units, score_units
+from dpft.synth.generators import load_candidate_file
+from dpft.synth.select_label import dp_select_and_label
+from dpft.train.loop import Trainer
+
+SELECTORS = ("selft", "random_noise", "no_noise", "loss", "gradient", "attention")
+
+
+class SelFTCfg(BaseModel):
+    """Settings of the DP-SelFT stages (defaults: paper's Appendix B where it gives one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    #: ε of the select-and-label releases (paper default 0.3), at the run's δ.
+    epsilon_syn: float = Field(0.3, gt=0)
+    candidates_file: Optional[str] = None
+    candidates_column: str = "text"
+    #: candidates kept by noisy votes (default: min(pool size, N)).
+    n_select: Optional[int] = Field(None, ge=2)
+    label_ratio: float = Field(1.0, gt=0)
+    val_fraction: float = Field(0.3, gt=0, lt=1)
+    encoder: str = "minilm"
+    selector: Literal["selft", "random_noise", "no_noise", "loss", "gradient", "attention"] = "selft"
+    granularity: Literal["block", "linear"] = "block"
+    #: number of units kept (paper: 15 of RoBERTa-large's units).
+    top_k: int = Field(3, ge=1)
+    #: the (new) classification head trains in every scored subset and in the final run.
+    with_head: bool = True
+    score_steps: int = Field(30, ge=1)
+    score_batch_size: int = Field(32, ge=1)
+    #: temporary-training learning rate (default: the recipe's optimizer.lr).
+    score_lr: Optional[float] = Field(None, gt=0)
+    #: DP-SelFT+LoRA: LoRA (recipe's trainable.lora) on the selected units only.
+    lora: bool = False
+    cache_dir: Optional[str] = None
+
+
+def _score_settings(cfg: SelFTCfg, recipe: Recipe, sigma: float) -> ScoreSettings:
+    pert = {"selft": "worst", "random_noise": "random"}.get(cfg.selector, "none")
+    return ScoreSettings(
+        perturbation=pert, steps=cfg.score_steps, batch_size=cfg.score_batch_size,
+        lr=cfg.score_lr or recipe.optimizer.lr, clip_norm=recipe.privacy.clipping.max_norm, sigma=sigma,
+        downstream_batch=recipe.batch.expected_batch_size, with_head=cfg.with_head,
+        clip=cfg.selector not in ("no_noise", "loss"), max_length=recipe.model.max_length, seed=recipe.seed)
+
+
+class SelFTTrainer(Trainer):
+    """The loop with the synthetic-data phase already in its ledger: σ is calibrated with those
+    events as ``prior`` and the saved ledger holds both phases."""
+
+    def __init__(self, recipe: Recipe, run_dir, prior_ledger: PrivacyLedger, **kw):
+        self._prior = prior_ledger
+        super().__init__(recipe, run_dir, **kw)
+        self.ledger = PrivacyLedger([e for e in prior_ledger.entries])
+
+    def prior_events(self) -> list:
+        return self._prior.events()
+
+
+def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] = None,
+                 log=print) -> dict[str, Any]:
+    """Stages 1–2: DP select-and-label, then unit scoring and top-k.
+
+    Returns a dict with ``units`` (selected, best first), ``ledger`` (the synthetic phase),
+    ``sigma`` (downstream σ used for ρ_Λ), ``scores`` and synthetic-data sizes.
+
+    Raises:
+        ValueError: no candidates; CalibrationError: ε_syn leaves nothing for training.
+    """
+    r = recipe
+    if not r.privacy.enabled:
+        raise ValueError("DP-SelFT is a private method: set privacy.enabled (and target_epsilon, the total budget)")
+    if candidates is None:
+        if not cfg.candidates_file:
+            raise ValueError("DP-SelFT needs candidates: set selft.candidates_file or pass a generated pool")
+        candidates = load_candidate_file(cfg.candidates_file, cfg.candidates_column)
+    task = load_task(r.task, seed=r.seed)
+    n = len(task.train)
+    check_delta(r.privacy.delta, n)
+    if task.has_pair:
+        raise ValueError("this DP-SelFT implementation scores single-text tasks; pair tasks need pair candidates")
+    t0 = time.time()
+    ledger = PrivacyLedger()
+    n_select = min(cfg.n_select or n, len(candidates))
+    syn = dp_select_and_label(list(task.train["text"]), list(task.train["label"]), list(candidates), task.num_labels,
+                              cfg.epsilon_syn, r.privacy.delta, n_select, ledger=ledger,
+                              label_ratio=cfg.label_ratio, val_fraction=cfg.val_fraction, seed=r.seed,
+                              secure_rng=r.privacy.secure_rng, encoder=cfg.encoder)
+    log(f"select-and-label: {len(candidates)} candidates → {n_select} kept "
+        f"({len(syn.train)} train / {len(syn.val)} val), σ_sel={syn.sigma_select:.3g}, σ_lab={syn.sigma_label:.3g}, "
+        f"ε_syn={ledger.epsilon(r.privacy.delta).epsilon:.4g} ({time.time() - t0:.0f}s)")
+    q = r.batch.expected_batch_size / n
+    steps = r.schedule.steps or max(1, int(-(-r.schedule.epochs * n // r.batch.expected_batch_size)))
+    if r.privacy.noise_multiplier is not None:  # fixed σ: the ledger then reports the composed ε
+        sigma = float(r.privacy.noise_multiplier)
+    else:
+        sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps, prior=ledger.events())
+    tok, model = load_classifier(r.model.name, task.num_labels, seed=r.seed)
+    with_tt = "token_type_ids" in tok.model_input_names
+    import datasets
+
+    def rows(pairs):
+        ds = datasets.Dataset.from_dict({"text": [t for t, _ in pairs], "label": [y for _, y in pairs]})
+        return list(tokenize_split(ds, tok, r.model.max_length))
+
+    scores: dict[str, Any] = {}
+    if cfg.selector == "attention":
+        units = attention_units(model)
+    else:
+        s = _score_settings(cfg, r, sigma)
+        cache = ScoreCache(cfg.cache_dir) if cfg.cache_dir else None
+        t1 = time.time()
+        # With the head in every subset, "head" alone is the baseline every unit adds to: not a candidate.
+        exclude = ["head"] if cfg.with_head else []
+        cand_units = [u for u in unit_map(model, cfg.granularity) if u not in exclude]
+        sc = score_units(model, rows(syn.train), rows(syn.val), s, cfg.granularity, units=cand_units, cache=cache,
+                         model_name=r.model.name, data_digest=syn.digest(), pad_id=tok.pad_token_id or 0,
+                         with_token_types=with_tt, log=lambda m: log("  score " + m))
+        log(f"scored {len(sc)} units in {time.time() - t1:.0f}s")
+        crit = {"loss": "loss", "gradient": "gradient"}.get(cfg.selector, "accuracy")
+        units = rank_units(sc, cfg.top_k, crit, exclude=exclude)
+        scores = {u: {"accuracy": v.accuracy, "val_loss": v.val_loss, "dim": v.dim, "rho": v.rho,
+                      "grad_norm": v.grad_norm} for u, v in sc.items()}
+    return {"units": units, "ledger": ledger, "sigma": sigma, "scores": scores,
+            "synthetic": {"n_candidates": len(candidates), "n_select": n_select, "train": len(syn.train),
+                          "val": len(syn.val), "sigma_select": syn.sigma_select, "sigma_label": syn.sigma_label,
+                          "digest": syn.digest(),
+                          "label_counts": [sum(1 for _, y in syn.train + syn.val if y == c)
+                                           for c in range(task.num_labels)]}}
+
+
+def run_selft(recipe: Recipe, cfg: SelFTCfg, run_dir: str | Path, candidates: Optional[list[str]] = None,
+              progress: bool = True, log=print) -> dict[str, Any]:
+    """Algorithm 1 end to end; writes the usual run report plus a ``selft`` section.
+
+    Raises:
+        the errors of :func:`select_units` and of :class:`~dpft.train.loop.Trainer`.
+    """
+    sel = select_units(recipe, cfg, candidates, log=log)
+    tr = recipe.trainable.model_copy(update={"mode": "units", "units": list(sel["units"]),
+                                             "units_with_head": cfg.with_head, "units_lora": cfg.lora})
+    r2 = recipe.model_copy(update={"trainable": tr})
+    log(f"selected units ({cfg.selector}): {sel['units']}")
+    trainer = SelFTTrainer(r2, run_dir, sel["ledger"], progress=progress)
+    if abs(trainer.sigma - sel["sigma"]) > 1e-9 * max(1.0, sel["sigma"]):
+        raise RuntimeError("σ of the training phase differs from the σ used for ρ_Λ; report this as a bug")
+    rep = trainer.run()
+    rep["selft"] = {"config": cfg.model_dump(), "selected_units": sel["units"], "scores": sel["scores"],
+                    "synthetic": sel["synthetic"], "sigma_train": trainer.sigma}
+    atomic_write_text(Path(run_dir) / "report.json", json.dumps(rep, indent=1))
+    return rep

@@ -1,0 +1,1 @@
+"""DP synthetic data for DP-SelFT: candidate generators and DP select-and-label."""
