@@ -105,13 +105,10 @@ def _key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-class GramCache:
-    """Per-step cache of per-example Gram matrices ``X_i X_i^T`` keyed by tensor storage.
-
-    Query, key and value projections read the same activation, so its ``(B, T, T)`` Gram is
-    computed once per step instead of three times. Only tensors announced more than once with
-    :meth:`expect` are kept, and each entry is dropped after its last announced use.
-    """
+class _UseCountedCache:
+    """Per-step cache of values derived from activations, keyed by tensor storage. Only tensors
+    announced more than once with :meth:`expect` are kept, and each entry is dropped after its
+    last announced use."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple, torch.Tensor] = {}
@@ -121,20 +118,35 @@ class GramCache:
         k = _key(x)
         self._uses[k] = self._uses.get(k, 0) + 1
 
-    def gram(self, x: torch.Tensor) -> torch.Tensor:
-        k = _key(x)
-        g = self._cache.get(k)
-        if g is None:
-            xf = x.float()
-            g = torch.bmm(xf, xf.transpose(1, 2))
+    def _take(self, k: tuple, ck: object, compute) -> torch.Tensor:
+        """The cached value under ``ck`` (or ``compute()``); counts one use of tensor key ``k``."""
+        out = self._cache.get(ck)
+        if out is None:
+            out = compute()
         left = self._uses.get(k, 1) - 1
         if left > 0:
-            self._cache[k] = g
+            self._cache[ck] = out
             self._uses[k] = left
         else:
-            self._cache.pop(k, None)
+            self._cache.pop(ck, None)
             self._uses.pop(k, None)
-        return g
+        return out
+
+
+class GramCache(_UseCountedCache):
+    """Per-step cache of per-example Gram matrices ``X_i X_i^T`` keyed by tensor storage.
+
+    Query, key and value projections read the same activation, so its ``(B, T, T)`` Gram is
+    computed once per step instead of three times.
+    """
+
+    def gram(self, x: torch.Tensor) -> torch.Tensor:
+        def compute():
+            xf = x.float()
+            return torch.bmm(xf, xf.transpose(1, 2))
+
+        k = _key(x)
+        return self._take(k, k, compute)
 
 
 def _index_sq_norm(idx: torch.Tensor, dense: torch.Tensor, rows: int) -> torch.Tensor:
@@ -278,39 +290,19 @@ def sq_norm(items: list[Contribution], batch: int, mode: str = "auto",
     return total
 
 
-class ScaledCache:
+class ScaledCache(_UseCountedCache):
     """Per-step cache of scaled factors ``c_i * X_i`` read by several layers.
 
     Query, key and value read the same input ``A``; when their clip factors are equal (flat
-    or automatic clipping) the scaled input is built once for the three clipped sums. Only
-    tensors announced more than once with :meth:`expect` are kept, until their last use.
+    or automatic clipping) the scaled input is built once for the three clipped sums.
     """
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple, torch.Tensor] = {}
-        self._uses: dict[tuple, int] = {}
-
-    def expect(self, x: torch.Tensor) -> None:
-        k = _key(x)
-        self._uses[k] = self._uses.get(k, 0) + 1
 
     def shared(self, x: torch.Tensor) -> bool:
         return self._uses.get(_key(x), 0) > 1
 
     def scaled(self, x: torch.Tensor, c: torch.Tensor, ckey: object) -> torch.Tensor:
         k = _key(x)
-        ck = (k, ckey)
-        out = self._cache.get(ck)
-        if out is None:
-            out = x * c.to(x.dtype)[:, None, None]
-        left = self._uses.get(k, 1) - 1
-        if left > 0:
-            self._cache[ck] = out
-            self._uses[k] = left
-        else:
-            self._cache.pop(ck, None)
-            self._uses.pop(k, None)
-        return out
+        return self._take(k, (k, ckey), lambda: x * c.to(x.dtype)[:, None, None])
 
 
 def weighted_sum(items: list[Contribution], c: torch.Tensor, like: torch.Tensor,
