@@ -397,6 +397,14 @@ def check_batch(t: torch.Tensor, batch: int, label: str) -> None:
         )
 
 
+def save_input(args: tuple, kwargs: dict, batch: int, label: str):
+    """``LayerKind.save`` for kinds whose state is their detached first input ``x``:
+    returns ``(x, None, [x])`` after checking the example dimension comes first."""
+    x = first_input(args, kwargs).detach()
+    check_batch(x, batch, label)
+    return x, None, [x]
+
+
 def as_3d(t: torch.Tensor) -> torch.Tensor:
     """``(B, ..., d) -> (B, T, d)`` with ``T`` the product of the middle dims (1 for 2-D)."""
     return t.reshape(t.shape[0], -1, t.shape[-1])

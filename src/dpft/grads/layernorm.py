@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, PerExample, check_batch, first_input
+from dpft.grads._hooks import LayerKind, PerExample, save_input
 
 
 class LayerNormKind(LayerKind):
@@ -31,9 +31,7 @@ class LayerNormKind(LayerKind):
         return ("weight", "bias")
 
     def save(self, module, args, kwargs, output, batch):
-        x = first_input(args, kwargs).detach()
-        check_batch(x, batch, "LayerNorm input")
-        return x, None, [x]
+        return save_input(args, kwargs, batch, "LayerNorm input")
 
     def contributions(self, module, state, grads, roles):
         g = grads[0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, Outer, PerExample, as_3d, check_batch, first_input
+from dpft.grads._hooks import LayerKind, Outer, PerExample, as_3d, save_input
 
 
 class LinearKind(LayerKind):
@@ -34,9 +34,7 @@ class LinearKind(LayerKind):
         return ("weight", "bias")
 
     def save(self, module, args, kwargs, output, batch):
-        x = first_input(args, kwargs).detach()
-        check_batch(x, batch, f"{type(module).__name__} input")
-        return x, None, [x]
+        return save_input(args, kwargs, batch, f"{type(module).__name__} input")
 
     def contributions(self, module, state, grads, roles):
         g = grads[0]

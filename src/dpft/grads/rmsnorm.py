@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, PerExample, check_batch, first_input
+from dpft.grads._hooks import LayerKind, PerExample, save_input
 
 
 def _eps(module: nn.Module):
@@ -47,9 +47,7 @@ class RMSNormKind(LayerKind):
         return ("weight",)
 
     def save(self, module, args, kwargs, output, batch):
-        x = first_input(args, kwargs).detach()
-        check_batch(x, batch, f"{type(module).__name__} input")
-        return x, None, [x]
+        return save_input(args, kwargs, batch, f"{type(module).__name__} input")
 
     def contributions(self, module, state, grads, roles):
         g = grads[0]
