@@ -136,3 +136,44 @@ def test_trainable_mode_units_and_units_lora():
     assert lora and all(".layer.1." in n for n in lora)
     with pytest.raises(ValueError, match="needs trainable.units"):
         TrainableCfg(mode="units")
+
+
+def test_score_unit_uses_the_downstream_head_body_clip_and_head_lr():
+    """Scoring clips as the final run will: head_body gives the head and the body the budgets
+    C√f and C√(1−f)."""
+    from dpft.models.load import is_head_param
+
+    m = tiny_classifier("bert")
+    theta0 = {n: p.detach().clone() for n, p in m.named_parameters()}
+    rows, val = _rows(24), _rows(12, seed=1)
+    grads = []
+    s = ScoreSettings(steps=2, batch_size=8, lr=1e-3, sigma=1.0, downstream_batch=8, perturbation="none",
+                      clip_norm=0.01, clip_style="head_body", head_fraction=0.25, head_lr=1e-1)
+    score_unit(m, "block.0", rows, val, s, on_step=lambda step, g, xi: grads.append(g))
+    for g in grads:  # mean of per-example clipped grads: each part within its budget
+        head = math.sqrt(sum(float(t.pow(2).sum()) for n, t in g.items() if is_head_param(n)))
+        body = math.sqrt(sum(float(t.pow(2).sum()) for n, t in g.items() if not is_head_param(n)))
+        assert head <= 0.01 * math.sqrt(0.25) * (1 + 1e-4)
+        assert body <= 0.01 * math.sqrt(0.75) * (1 + 1e-4)
+        assert head > 0 and body > 0
+    assert all(torch.equal(theta0[n], p) for n, p in m.named_parameters())
+
+
+def test_score_unit_head_lr_moves_the_head_further():
+    from dpft.models.load import is_head_param
+
+    def head_move(head_lr):
+        m = tiny_classifier("bert")
+        h0 = {n: p.detach().clone() for n, p in m.named_parameters() if is_head_param(n)}
+        moved = []
+
+        def on_step(step, g, xi):  # called before step `step`'s update: sees step-1's result
+            if step == 1:
+                moved.append(sum(float((p - h0[n]).norm()) for n, p in m.named_parameters() if n in h0))
+
+        s = ScoreSettings(steps=2, batch_size=8, lr=1e-4, sigma=1.0, downstream_batch=8, perturbation="none",
+                          clip_style="head_body", head_lr=head_lr)
+        score_unit(m, "block.0", _rows(24), _rows(12, seed=1), s, on_step=on_step)
+        return moved[0]
+
+    assert head_move(1e-1) > 100 * head_move(None)

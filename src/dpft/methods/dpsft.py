@@ -210,6 +210,12 @@ def wire_stage2(trainer: Trainer) -> None:
     if r.denoise.method != "none":
         raise SubspaceError("denoise and subspace are not combined: the noise of DP-SFT is k-dimensional")
     basis: SubspaceBasis = trainer.basis
+    if r.privacy.clipping.style in ("head_body", "per_layer"):
+        # The k coordinates are one group: head_body / per_layer shape stage 1's clipping only;
+        # stage 2 clips ‖s_i‖ in R^k to the same C (same sensitivity, same mechanism).
+        from dpft.privacy.clipping import FlatClip
+
+        trainer.clip = FlatClip(r.privacy.clipping.max_norm)
     engine = SubspaceEngine(trainer.model, classification_loss, trainer.clip, basis)
     if cfg.start == "stage1":
         if basis.start is None:

@@ -30,7 +30,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import Recipe
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import tokenize_split
-from dpft.models.load import load_classifier
+from dpft.models.load import load_classifier, set_dropout
 from dpft.models.units import attention_units, unit_map
 from dpft.selection.scoring import ScoreCache, ScoreSettings, rank_units, score_units
 from dpft.synth.generators import load_candidate_file
@@ -74,7 +74,9 @@ def _score_settings(cfg: SelFTCfg, recipe: Recipe, sigma: float) -> ScoreSetting
         perturbation=pert, steps=cfg.score_steps, batch_size=cfg.score_batch_size,
         lr=cfg.score_lr or recipe.optimizer.lr, clip_norm=recipe.privacy.clipping.max_norm, sigma=sigma,
         downstream_batch=recipe.batch.expected_batch_size, with_head=cfg.with_head,
-        clip=cfg.selector not in ("no_noise", "loss"), max_length=recipe.model.max_length, seed=recipe.seed)
+        clip=cfg.selector not in ("no_noise", "loss"), max_length=recipe.model.max_length, seed=recipe.seed,
+        clip_style=recipe.privacy.clipping.style, head_fraction=recipe.privacy.clipping.head_fraction,
+        head_lr=None if cfg.score_lr else recipe.optimizer.head_lr)
 
 
 class SelFTTrainer(Trainer):
@@ -128,7 +130,11 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
         sigma = float(r.privacy.noise_multiplier)
     else:
         sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps, prior=ledger.events())
-    tok, model = load_classifier(r.model.name, task.num_labels, seed=r.seed)
+    # The model the final run trains (pooling, dropout), so each unit is scored on it.
+    tok, model = load_classifier(r.model.name, task.num_labels, seed=r.seed,
+                                 pooling=r.model.pooling, head_dropout=r.model.head_dropout)
+    if r.model.dropout is not None:
+        set_dropout(model, r.model.dropout)
     with_tt = "token_type_ids" in tok.model_input_names
     import datasets
 

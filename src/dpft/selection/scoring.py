@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dpft.data.tokenize import collate
+from dpft.models.load import is_head_param
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.models.units import resolve_units, unit_map
 from dpft.privacy.clipping import make_clip_policy
@@ -109,6 +110,11 @@ class ScoreSettings:
     clip: bool = True
     max_length: int = 64
     seed: int = 0
+    #: clipping style and head learning rate of the downstream recipe (privacy.clipping.style,
+    #: head_fraction, optimizer.head_lr), so a unit is scored under the training it will get.
+    clip_style: str = "flat"
+    head_fraction: float = 0.5
+    head_lr: Optional[float] = None
 
     def __post_init__(self):
         if self.perturbation not in PERTURBATIONS:
@@ -127,20 +133,23 @@ class UnitScore:
     grad_norm: float  # mean norm of Λ's averaged clipped gradient over the steps (gradient baseline)
 
 
-def _engine(model, clip_norm: float, clip: bool):
+def _engine(model, clip_norm: float, clip: bool, style: str = "flat", head_fraction: float = 0.5):
     from dpft.grads.base import NonPrivateEngine
 
-    policy = make_clip_policy("flat", clip_norm)
     if not clip:
-        return NonPrivateEngine(model, classification_loss, policy)
+        return NonPrivateEngine(model, classification_loss, make_clip_policy("flat", clip_norm))
+    policy = make_clip_policy(style, clip_norm, head_fraction=head_fraction)
     try:
         from dpft.grads.bookkeeping import BookKeepingEngine
 
-        return BookKeepingEngine(model, classification_loss, policy)
+        engine = BookKeepingEngine(model, classification_loss, policy)
     except ImportError:  # pragma: no cover
         from dpft.grads.reference import ReferenceEngine
 
-        return ReferenceEngine(model, classification_loss, policy)
+        engine = ReferenceEngine(model, classification_loss, policy)
+    if hasattr(policy, "set_head_mask"):  # head_body: as the trainer marks it
+        policy.set_head_mask([is_head_param(n) for n in engine.params])
+    return engine
 
 
 @torch.no_grad()
@@ -180,11 +189,16 @@ def score_unit(model: nn.Module, unit: str, train_rows: Sequence[dict], val_rows
     try:
         for n, p in model.named_parameters():
             p.requires_grad_(n in names)
-        engine = _engine(model, s.clip_norm, s.clip)
+        engine = _engine(model, s.clip_norm, s.clip, s.clip_style, s.head_fraction)
         params = engine.params
         dim = sum(p.numel() for p in params.values())
         rho = noise_scale(s.sigma, s.clip_norm, dim, s.downstream_batch)
-        opt = torch.optim.AdamW(list(params.values()), lr=s.lr, weight_decay=0.0)
+        groups: list[dict] = [{"params": list(params.values())}]
+        if s.head_lr is not None:
+            groups = [g for g in ({"params": [p for n, p in params.items() if not is_head_param(n)]},
+                                  {"params": [p for n, p in params.items() if is_head_param(n)], "lr": s.head_lr})
+                      if g["params"]]
+        opt = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(s.seed)
         gnorms = []
         model.eval()  # no dropout: the score should reflect Λ and ξ, not dropout draws

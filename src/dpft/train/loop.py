@@ -262,6 +262,7 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One logical step. Returns train loss and batch size of the step."""
         r = self.recipe
+        t_step = time.perf_counter()
         torch.manual_seed(hash_seed(r.seed, step, 0xD0))  # dropout masks: resumable, per step
         idx = self.sampler.indices(step)
         if self.ldp is not None:
@@ -302,8 +303,14 @@ class Trainer:
         grads = {n: g / denom for n, g in noisy.items()}
         ctx = {"noise_std": (self.noise_sigma * self.clip.sensitivity / denom) if self.private else 0.0,
                "step": step, "trainer": self, "clean_sum": grad_sum}
+        t_tf = time.perf_counter()
+        tf_stats: dict[str, float] = {}
         for tf in self.transforms:
             grads = tf(grads, ctx)
+            den = getattr(tf, "denoiser", None)
+            if den is not None:
+                tf_stats.update(den.summary())
+        t_tf = time.perf_counter() - t_tf
         for n, p in self.params.items():
             p.grad = grads[n].to(p.dtype)
         self.optimizer.step()
@@ -311,7 +318,10 @@ class Trainer:
         self.scheduler.step()
         if self.ldp is not None:
             self.ldp.after_step(step)
-        out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz}
+        # Wall seconds of the step and of its gradient transforms (e.g. the RMT denoiser), so a
+        # transform's overhead ratio comes from the same run.
+        out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz,
+               "step_seconds": time.perf_counter() - t_step, "transform_seconds": t_tf, **tf_stats}
         if self.private:
             out["clip_fraction"] = clipped / max(bsz, 1)  # non-private statistic: logs only
         if self.adam_ac_active:
