@@ -58,6 +58,10 @@ def recipe_for(method: str, eps: float, a) -> object:
          "task.max_train_examples": 1024, "privacy.target_epsilon": eps, "privacy.delta": 1e-5,
          "privacy.clipping.max_norm": 1.0, "optimizer.name": "adamw", "optimizer.lr": LR[method],
          "schedule.steps": a.steps, "schedule.warmup_steps": 0, "batch.expected_batch_size": 64,
+         # The demo's fixes for a fresh head under DP (README, issue 2): mean pooling, no dropout,
+         # head and body clipped separately, a larger head lr. --plain drops them (the first table).
+         **({} if a.plain else {"model.pooling": "mean", "model.dropout": 0.0,
+                                "privacy.clipping.style": "head_body", "optimizer.head_lr": a.head_lr}),
          "batch.max_physical_batch_size": 64, "eval.every_steps": a.steps, "eval.batch_size": 256,
          "checkpoint_every": a.steps, "seed": a.seed}
     if method == "full":
@@ -100,6 +104,8 @@ def main():
     ap.add_argument("--n-candidates", type=int, default=4000)
     ap.add_argument("--n-select", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--head-lr", type=float, default=1e-2)
+    ap.add_argument("--plain", action="store_true", help="flat clipping, [CLS] pooler, one lr (the first table)")
     ap.add_argument("--runs", default="runs/selft")
     ap.add_argument("--out", default="results/selft_sst2.md")
     ap.add_argument("--data", default="/work/shared/data")
@@ -126,7 +132,7 @@ def main():
                 units = rep["selft"]["selected_units"]
             else:
                 rep = Trainer(r, d, progress=False).run()
-            row = {"method": method, "eps": eps, "steps": a.steps, "acc": rep["metrics"]["dev_accuracy"],
+            row = {"method": method, "eps": eps, "steps": a.steps, "eps_syn": a.eps_syn, "acc": rep["metrics"]["dev_accuracy"],
                    "eps_ledger": rep["privacy"]["epsilon"], "sigma": rep["dp"]["noise_multiplier"],
                    "trainable": rep["model"]["trainable_parameters"], "units": units,
                    "ledger": rep["privacy"]["ledger"], "seconds": round(time.time() - t0, 1),

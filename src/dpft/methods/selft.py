@@ -105,6 +105,9 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
     r = recipe
     if not r.privacy.enabled:
         raise ValueError("DP-SelFT is a private method: set privacy.enabled (and target_epsilon, the total budget)")
+    if cfg.selector == "attention":
+        # The heuristic needs no synthetic data: it spends none of the budget on it.
+        return _attention_selection(r, log)
     if candidates is None:
         if not cfg.candidates_file:
             raise ValueError("DP-SelFT needs candidates: set selft.candidates_file or pass a generated pool")
@@ -161,11 +164,28 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
         scores = {u: {"accuracy": v.accuracy, "val_loss": v.val_loss, "dim": v.dim, "rho": v.rho,
                       "grad_norm": v.grad_norm} for u, v in sc.items()}
     return {"units": units, "ledger": ledger, "sigma": sigma, "scores": scores,
-            "synthetic": {"n_candidates": len(candidates), "n_select": n_select, "train": len(syn.train),
+            "synthetic": {"spent": True, "n_candidates": len(candidates), "n_select": n_select, "train": len(syn.train),
                           "val": len(syn.val), "sigma_select": syn.sigma_select, "sigma_label": syn.sigma_label,
                           "digest": syn.digest(),
                           "label_counts": [sum(1 for _, y in syn.train + syn.val if y == c)
                                            for c in range(task.num_labels)]}}
+
+
+def _attention_selection(r: Recipe, log) -> dict[str, Any]:
+    """The heuristic baseline (every block's attention): no synthetic phase, the whole target ε
+    goes to fine-tuning."""
+    task = load_task(r.task, seed=r.seed)
+    n = len(task.train)
+    check_delta(r.privacy.delta, n)
+    q = r.batch.expected_batch_size / n
+    steps = r.schedule.steps or max(1, int(-(-r.schedule.epochs * n // r.batch.expected_batch_size)))
+    sigma = (float(r.privacy.noise_multiplier) if r.privacy.noise_multiplier is not None
+             else calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps))
+    _, model = load_classifier(r.model.name, task.num_labels, seed=r.seed, pooling=r.model.pooling)
+    units = attention_units(model)
+    log(f"heuristic selection (no synthetic data, ε_syn = 0): {units}")
+    return {"units": units, "ledger": PrivacyLedger(), "sigma": sigma, "scores": {},
+            "synthetic": {"n_candidates": 0, "n_select": 0, "train": 0, "val": 0, "spent": False}}
 
 
 def run_selft(recipe: Recipe, cfg: SelFTCfg, run_dir: str | Path, candidates: Optional[list[str]] = None,
