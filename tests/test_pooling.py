@@ -72,6 +72,15 @@ def test_load_classifier_mean_pooling_and_save(tiny_model_dir, tmp_path):
     m.save_pretrained(tmp_path / "out")
     assert (tmp_path / "out" / "config.json").is_file()
     assert (tmp_path / "out" / "dpft_head.safetensors").is_file()
+    tok.save_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        m.classifier.weight.add_(1.0)  # differs from any fresh initialisation
+    m.save_pretrained(tmp_path / "out")
+    _, again = load_classifier(str(tmp_path / "out"), num_labels=2, pooling="mean", seed=7)
+    torch.testing.assert_close(again.classifier.weight, m.classifier.weight)  # the saved head continues
+    torch.testing.assert_close(again.classifier.bias, m.classifier.bias)
+    _, other = load_classifier(str(tmp_path / "out"), num_labels=3, pooling="mean")
+    assert other.classifier.weight.shape == (3, m.classifier.in_features)  # another task: fresh head
 
 
 def test_set_dropout_zero_makes_training_mode_deterministic():

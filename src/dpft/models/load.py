@@ -114,6 +114,7 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
             except TypeError:
                 encoder = AutoModel.from_pretrained(path)
             model = MeanPoolClassifier(encoder, num_labels, head_dropout)
+            _load_saved_head(model, Path(path), num_labels)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
     except (OSError, ValueError) as exc:
@@ -129,6 +130,20 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
         tok.pad_token = tok.eos_token
         model.config.pad_token_id = tok.pad_token_id
     return tok, model
+
+
+def _load_saved_head(model: "MeanPoolClassifier", path: Path, num_labels: int) -> None:
+    """A folder written by a dpft run (``model/``) carries its mean-pooling head in
+    ``dpft_head.safetensors``: continue from it when it has ``num_labels`` outputs (another task's
+    head is left fresh, as for any pre-trained encoder)."""
+    f = path / "dpft_head.safetensors"
+    if not f.is_file():
+        return
+    from safetensors.torch import load_file
+
+    state = load_file(str(f))
+    if tuple(state.get("weight", torch.empty(0)).shape) == tuple(model.classifier.weight.shape):
+        model.classifier.load_state_dict(state)
 
 
 HEAD_PATTERNS = ("classifier", "score", "pooler", "lm_head")
