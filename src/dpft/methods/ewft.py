@@ -8,7 +8,10 @@ step on post(·) is post-processing and needs no per-example gradient clipping.
 
 The Trainer calls :meth:`LDPRun.before_step` (sets the epoch's σ_e) and
 :meth:`LDPRun.after_step` (records ``PoissonSampled(q, Gaussian(σ_e))`` in the ledger,
-phase ``ldp-forward``). This file holds wiring and reporting only, no math.
+phase ``ldp-forward``). With ``ldp.label_epsilon`` = ε₂ the training labels are replaced once,
+before training, by randomized response (privacy/label_rr.py) and the loss is the
+forward-corrected one; the label guarantee (ε₂, δ = 0, replace-one) is reported beside the
+ledger's, not in it. This file holds wiring and reporting only, no math.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ class LDPRun:
     """The forward-LDP part of one Trainer run (built by ``Trainer.__init__`` when ``ldp.enabled``).
 
     Side effects on the trainer: wraps ``trainer.model`` in a :class:`SplitClassifier` and
-    sets ``trainer.total_steps = E · ⌈N/B⌉``.
+    sets ``trainer.total_steps = E · ⌈N/B⌉``; with ``ldp.label_epsilon`` also replaces the
+    ``label`` column of ``trainer.train_tok`` by its randomized-response draw and (with
+    ``ldp.label_loss_correction``) ``trainer.loss_fn`` by the forward-corrected loss.
 
     Raises:
         LDPError: ``privacy.enabled`` is true, ``schedule.epochs`` is not a whole number,
