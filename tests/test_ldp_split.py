@@ -21,12 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture()
 def split_run(tiny_model_dir, sst_like_files, tmp_path):
+    return _split(tiny_model_dir, sst_like_files, tmp_path, {"target_epsilon": 4.0})
+
+
+def _split(tiny_model_dir, sst_like_files, tmp_path, ldp_extra):
+    """Server in a subprocess on loopback, client in-process; returns (client, report, server dir, proc)."""
     rec = {
         "model": {"name": str(tiny_model_dir), "max_length": 16},
         "task": {"name": "files", "train_file": str(sst_like_files["csv"])},
         "privacy": {"enabled": False},
-        "ldp": {"enabled": True, "position": "encoder:1", "target_epsilon": 4.0, "delta": 1e-3,
-                "autoencoder": {"sizes": [16, 4], "pretrain_epochs": 0}},
+        "ldp": {"enabled": True, "position": "encoder:1", "delta": 1e-3,
+                "autoencoder": {"sizes": [16, 4], "pretrain_epochs": 0}, **ldp_extra},
         "optimizer": {"lr": 1e-2}, "schedule": {"epochs": 2}, "batch": {"expected_batch_size": 8},
         "eval": {"batch_size": 16},
     }
@@ -84,6 +89,84 @@ def test_round_trip_and_wire_contents(split_run):
     resid = (z - clean).flatten()
     sigma0 = client.schedule.sigmas[0]
     assert resid.std().item() == pytest.approx(sigma0 * 2.0, rel=0.15)
+
+    # the noise seed is the client's secret, not derived from the recipe the server also has
+    secret = json.loads((client.run_dir / "client_secret.json").read_text())
+    assert secret["secret_seed"] == client.secret_seed and not (srv_dir / "client_secret.json").exists()
+    assert rep["privacy"]["label"]["privacy"] == "none"
+
+
+def _release_counts(client):
+    """Largest number of releases of one example per epoch, counted here from the sampler."""
+    out = []
+    for e in range(client.epochs):
+        c = torch.zeros(client.n, dtype=torch.long)
+        for step in range(e * client.steps_per_epoch, (e + 1) * client.steps_per_epoch):
+            c[client.sampler.indices(step)] += 1
+        out.append(int(c.max()))
+    return out
+
+
+def test_split_deployment_example_level_epsilon(split_run):
+    """The server links rows to users: the client's example-level ε is the replace-one PLD
+    composition of the releases (no amplification), ≥ the amplified stream ε."""
+    from dpft.privacy.ldp import local_epsilon_composed
+
+    client, rep, _, _ = split_run
+    counts = _release_counts(client)
+    assert rep["max_releases_per_example_by_epoch"] == counts
+    seq = [s for s, k in zip(client.schedule.sigmas, counts) for _ in range(k)]
+    linked = rep["privacy"]["example_level_split_deployment"]
+    assert linked["epsilon"] == pytest.approx(local_epsilon_composed(seq, 1e-3), abs=1e-12)
+    assert rep["epsilon_example_split_deployment"] == linked["epsilon"]  # labels in the clear: no label term
+    assert rep["epsilon_example_split_deployment"] >= rep["epsilon_stream"]
+    assert rep["privacy"]["stream_amplified"]["epsilon"] == rep["epsilon_stream"]
+    assert "not this deployment's server" in rep["privacy"]["stream_amplified"]["assumption"]
+    saved = json.loads((client.run_dir / "client_report.json").read_text())
+    assert saved["epsilon_example_split_deployment"] == rep["epsilon_example_split_deployment"]
+
+
+def test_split_sends_only_randomized_labels(tiny_model_dir, sst_like_files, tmp_path):
+    """label_epsilon = 0.1: every label that crosses the wire is the client's recorded RR output
+    (checked on the client's bodies and on the server's sha256 log); dev labels never leave."""
+    from dpft.methods.ldp_split import tensor_digest
+    from dpft.privacy.label_rr import example_epsilon_with_label, randomized_response
+
+    client, rep, srv_dir, proc = _split(tiny_model_dir, sst_like_files, tmp_path,
+                                        {"noise_multiplier": 1.0, "target_epsilon": None, "label_epsilon": 0.1})
+    assert proc.returncode == 0
+    true, noisy = client.true_labels, client.noisy_labels
+    assert torch.equal(noisy, randomized_response(true, 0.1, 2, torch.Generator().manual_seed(client.label_rr_seed)))
+    log = [json.loads(x) for x in (srv_dir / "wire.jsonl").read_text().splitlines()]
+    sent_all, true_all = [], []
+    steps = [(p, b) for p, b in client.sent if p.startswith("/step")]
+    assert len(steps) == client.total_steps
+    for path, body in steps:
+        step = int(path.split("=")[1])
+        idx = client.sampler.indices(step)
+        labels = st_load(body)["labels"]
+        assert torch.equal(labels, noisy[idx])  # the recorded RR outputs, in the batch's order
+        sent_all.append(labels)
+        true_all.append(true[idx])
+    sent_all, true_all = torch.cat(sent_all), torch.cat(true_all)
+    assert (sent_all != true_all).sum() >= 5  # keep probability 0.525: the true labels did not travel
+    # server side: the labels that arrived are byte-identical to the RR outputs
+    step_logs = [e["tensors"] for e in log if "tensors" in e and e["path"] == "/step"]
+    assert len(step_logs) == client.total_steps
+    for step, t in enumerate(step_logs):
+        assert t["labels"]["sha256"] == tensor_digest(noisy[client.sampler.indices(step)].long())
+    # evaluation: z only, the client scores the returned logits
+    evals = [e["tensors"] for e in log if "tensors" in e and e["path"] == "/eval"]
+    assert evals and all(set(t) == {"z"} for t in evals)
+    assert 0 <= rep["dev_accuracy"] <= 1 and rep["n_dev"] == len(client.task.dev)
+    # report: label ε₂, the split-deployment ε with the label composed in, the upper bound
+    lab = rep["privacy"]["label"]
+    assert lab["epsilon"] == pytest.approx(0.1, abs=1e-3) and lab["delta"] == 0.0
+    assert lab["combined_upper_bound"]["epsilon"] == pytest.approx(rep["epsilon_stream"] + lab["epsilon"])
+    counts = _release_counts(client)
+    seq = [s for s, k in zip(client.schedule.sigmas, counts) for _ in range(k)]
+    assert rep["epsilon_example_split_deployment"] == pytest.approx(example_epsilon_with_label(seq, 1e-3, 0.1, 2))
+    assert rep["epsilon_example_split_deployment"] > rep["privacy"]["example_level_split_deployment"]["epsilon"]
 
 
 def test_server_refuses_token_ids(tiny_model_dir, tmp_path):

@@ -202,6 +202,9 @@ def ldp_client(
     typer.echo(f"dev accuracy: {rep['dev_accuracy']:.4f}")
     typer.echo(f"ε (stream, PLD) = {rep['epsilon_stream']:.4g} at δ = {rep['delta']:g}; local ε per release by "
                f"epoch = {[round(x, 3) for x in rep['epsilon_local_per_release']]}")
+    typer.echo(f"example-level ε of this split deployment (server links rows to users, no amplification) = "
+               f"{rep['epsilon_example_split_deployment']:.4g} at δ = {rep['delta']:g}; the stream ε above "
+               f"assumes amplification; labels: {rep['privacy']['label']['privacy']} (see client_report.json)")
 
 
 @app.command()

@@ -213,6 +213,13 @@ class LdpCfg(_Strict):
     #: epoch's σ is used.
     eval_noise: bool = True
     autoencoder: LdpAutoencoderCfg = LdpAutoencoderCfg()
+    #: Label privacy ε₂ (DP-Forward): K-ary randomized response on every training label, drawn
+    #: once before training (privacy/label_rr.py); pure ε₂-DP per example, replace-one.
+    #: None = labels are used in the clear (not covered by any guarantee).
+    label_epsilon: Optional[float] = Field(None, gt=0)
+    #: With ``label_epsilon``: train on the forward-corrected loss −log (softmax·T)[ỹ] with the
+    #: known RR transition matrix T (Patrini et al. 2017) instead of cross-entropy on ỹ.
+    label_loss_correction: bool = True
 
 
 class OptimizerCfg(_Strict):

@@ -8,7 +8,10 @@ step on post(·) is post-processing and needs no per-example gradient clipping.
 
 The Trainer calls :meth:`LDPRun.before_step` (sets the epoch's σ_e) and
 :meth:`LDPRun.after_step` (records ``PoissonSampled(q, Gaussian(σ_e))`` in the ledger,
-phase ``ldp-forward``). This file holds wiring and reporting only, no math.
+phase ``ldp-forward``). With ``ldp.label_epsilon`` = ε₂ the training labels are replaced once,
+before training, by randomized response (privacy/label_rr.py) and the loss is the
+forward-corrected one; the label guarantee (ε₂, δ = 0, replace-one) is reported beside the
+ledger's, not in it. This file holds wiring and reporting only, no math.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 
 from dpft.accounting.calibrate import check_delta
 from dpft.accounting.ewpba import SIGMA_FLOOR, NoiseSchedule, make_schedule, schedule_epsilon
+from dpft.privacy.label_rr import (example_epsilon_with_label, label_epsilon, make_corrected_classification_loss,
+                                   randomized_response, rr_keep_probability, rr_transition_matrix)
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, local_epsilon,
                               local_epsilon_composed, pretrain_autoencoder)
 
@@ -35,14 +40,36 @@ LOCAL_STATEMENT = (
     "Local, per release: one noisy matrix is (ε_loc, δ)-DP for any two inputs of one user "
     "(analytic Gaussian mechanism, Balle & Wang 2018, σ_e relative to sensitivity 2C). "
     "'per example, all releases' composes the largest number of releases any training example "
-    "made in each epoch (PLD, replace-one). Labels are sent in the clear and are not covered.")
+    "made in each epoch (PLD, replace-one). It covers the text; labels: see the label guarantee.")
+LINKED_STATEMENT = (
+    "Example level when the server links rows to users (split deployment: the server knows which "
+    "client sent which row): subsampling amplification does not apply, so the example-level "
+    "guarantee is the composition of the releases the example actually made — at most the largest "
+    "number of releases any example made in each epoch, at that epoch's σ_e (PLD replace-one through "
+    "dp_accounting; the same number as 'local ε per example, all releases'). 'with label' adds the "
+    "example's one randomized-response label to the same composition.")
+LABEL_STATEMENT = (
+    "Labels (DP-Forward's ε₂): every training label was replaced once, before training, by K-ary "
+    "randomized response (kept with probability e^ε₂/(e^ε₂+K−1), else a uniformly random other "
+    "label); every epoch reuses the same noisy label, so all training is post-processing of one "
+    "release. Pure ε₂-DP per example (δ = 0) under replace-one (that example's label changed to any "
+    "other), ε from dp_accounting's RandomizedResponseDpEvent; not in the add/remove ledger above. "
+    "It covers the labels only.")
+LABEL_CLEAR_STATEMENT = "Labels are used in the clear (ldp.label_epsilon unset): no guarantee covers them."
+COMBINED_STATEMENT = (
+    "Text and label together, CONSERVATIVE UPPER BOUND: basic composition ε_stream + ε₂ at δ_stream "
+    "of the training-stream guarantee (text, under its assumptions) and the label guarantee, for a "
+    "neighbour that changes one example's text and label. Not tight, and not a ledger entry (the two "
+    "guarantees use different neighbouring relations: add/remove and replace-one).")
 
 
 class LDPRun:
     """The forward-LDP part of one Trainer run (built by ``Trainer.__init__`` when ``ldp.enabled``).
 
     Side effects on the trainer: wraps ``trainer.model`` in a :class:`SplitClassifier` and
-    sets ``trainer.total_steps = E · ⌈N/B⌉``.
+    sets ``trainer.total_steps = E · ⌈N/B⌉``; with ``ldp.label_epsilon`` also replaces the
+    ``label`` column of ``trainer.train_tok`` by its randomized-response draw and (with
+    ``ldp.label_loss_correction``) ``trainer.loss_fn`` by the forward-corrected loss.
 
     Raises:
         LDPError: ``privacy.enabled`` is true, ``schedule.epochs`` is not a whole number,
@@ -94,6 +121,20 @@ class LDPRun:
         if ae is not None and c.autoencoder.pretrain_epochs > 0:
             self.pretrain_loss = self._pretrain(ae)
         trainer.model = self.split
+        #: Label privacy (ldp.label_epsilon): RR labels drawn once here, before training.
+        self.num_labels = int(trainer.task.num_labels)
+        self.label_rr_seed: int | None = None
+        self.noisy_labels: torch.Tensor | None = None
+        if c.label_epsilon is not None:
+            from dpft.data.sampler import hash_seed
+
+            self.label_rr_seed = hash_seed(r.seed, 0x1ABE1)
+            trainer.train_tok, self.noisy_labels = privatize_labels(trainer.train_tok, c.label_epsilon,
+                                                                    self.num_labels, self.label_rr_seed)
+            if c.label_loss_correction:
+                # the Trainer builds its engine from trainer.loss_fn after this constructor
+                trainer.loss_fn = make_corrected_classification_loss(
+                    rr_transition_matrix(c.label_epsilon, self.num_labels))
 
     # ------------------------------------------------------------------ public pre-training
     def _pretrain(self, ae: StackedAutoencoder) -> list[float]:
@@ -140,13 +181,7 @@ class LDPRun:
         """Largest number of releases of one example in each epoch (from the seeded sampler:
         data-independent, so this statistic is public)."""
         t = self.trainer
-        out = []
-        for e in range(self.epochs):
-            counts = torch.zeros(t.n, dtype=torch.long)
-            for step in range(e * self.steps_per_epoch, min((e + 1) * self.steps_per_epoch, upto)):
-                counts[t.sampler.indices(step)] += 1
-            out.append(int(counts.max()) if t.n else 0)
-        return out
+        return max_releases_per_epoch(t.sampler, t.n, self.epochs, self.steps_per_epoch, upto)
 
     def privacy_section(self, steps_done: int) -> dict[str, Any]:
         """The two guarantees, each with its statement; ε's from the ledger / dp_accounting."""
@@ -171,6 +206,9 @@ class LDPRun:
                 "max_releases_per_example_by_epoch": per_epoch,
                 "epsilon_per_example_all_releases": local_epsilon_composed(seq, d),
             },
+            "linked_rows": linked_section(seq, d, self.cfg.label_epsilon, self.num_labels),
+            "label": label_section(self.cfg.label_epsilon, self.num_labels, self.cfg.label_loss_correction,
+                                   rep.epsilon, d),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -180,6 +218,68 @@ class LDPRun:
                 "autoencoder": c.autoencoder.sizes or None, "pretrain_loss": self.pretrain_loss,
                 "pretrain_mse_of_zero": self.pretrain_baseline,
                 "eval_noise": c.eval_noise, **self.schedule.as_dict(),
+                "label_epsilon": c.label_epsilon, "label_rr_seed": self.label_rr_seed,
+                "label_loss_correction": bool(c.label_epsilon is not None and c.label_loss_correction),
                 "release_shape": [self.trainer.recipe.model.max_length,
                                   (c.autoencoder.sizes[-1] if c.autoencoder.sizes
                                    else int(self.split.model.config.hidden_size))]}
+
+
+# ---------------------------------------------------------------------------- shared helpers
+def privatize_labels(ds, eps: float, num_labels: int, seed: int):
+    """Replace the ``label`` column of a tokenised split by K-ary randomized response, drawn once.
+
+    Returns ``(dataset with the noisy labels, (N,) int64 noisy labels)``. The same noisy label is
+    then used at every step and epoch: post-processing, so the label guarantee is ε₂ however
+    long training runs. ``seed`` is the data holder's secret (with it and the data one can tell
+    which labels were kept).
+    """
+    if "label" not in ds.column_names:
+        raise LDPError("ldp.label_epsilon needs a labelled classification task (no 'label' column)")
+    y = torch.tensor([int(v) for v in ds["label"]], dtype=torch.long)
+    noisy = randomized_response(y, eps, num_labels, torch.Generator().manual_seed(int(seed)))
+    return ds.remove_columns("label").add_column("label", noisy.tolist()), noisy
+
+
+def max_releases_per_epoch(sampler, n: int, epochs: int, steps_per_epoch: int, upto: int) -> list[int]:
+    """Largest number of releases of one example in each epoch, over steps ``< upto`` (from the
+    seeded sampler: data-independent, so this statistic is public)."""
+    out = []
+    for e in range(epochs):
+        counts = torch.zeros(n, dtype=torch.long)
+        for step in range(e * steps_per_epoch, min((e + 1) * steps_per_epoch, upto)):
+            counts[sampler.indices(step)] += 1
+        out.append(int(counts.max()) if n else 0)
+    return out
+
+
+def linked_section(release_sigmas: list[float], delta: float, eps_label: float | None,
+                   num_labels: int) -> dict[str, Any]:
+    """Example-level guarantee without amplification (server links rows to users): PLD
+    replace-one composition (dp_accounting) of the σ's of one example's releases, without and
+    with its RR label."""
+    return {
+        "statement": LINKED_STATEMENT,
+        "delta": delta,
+        "releases": len(release_sigmas),
+        "epsilon": local_epsilon_composed(release_sigmas, delta),
+        "epsilon_with_label": (example_epsilon_with_label(release_sigmas, delta, eps_label, num_labels)
+                               if eps_label is not None else None),
+    }
+
+
+def label_section(eps_label: float | None, num_labels: int, correction: bool, stream_epsilon: float,
+                  stream_delta: float) -> dict[str, Any]:
+    """The label guarantee (ε₂, δ = 0, via dp_accounting) and the conservative combined bound."""
+    if eps_label is None:
+        return {"privacy": "none", "statement": LABEL_CLEAR_STATEMENT}
+    e2 = label_epsilon(eps_label, num_labels)
+    return {
+        "privacy": "randomized response", "statement": LABEL_STATEMENT,
+        "epsilon": e2, "delta": 0.0, "label_epsilon_configured": eps_label, "num_labels": num_labels,
+        "keep_probability": rr_keep_probability(eps_label, num_labels),
+        "loss": "forward-corrected (Patrini et al. 2017)" if correction else "cross-entropy on the noisy labels",
+        "combined_upper_bound": {"epsilon": stream_epsilon + e2, "delta": stream_delta,
+                                 "method": "basic composition (sum of ε's): an upper bound",
+                                 "statement": COMBINED_STATEMENT},
+    }
