@@ -22,13 +22,28 @@ RUNS = [
     ("DP-SFT, public subspace (IMDB), start Θ0, 60 steps", "sft_public_init_long_e4"),
 ]
 
+#: Session 3 (mean pooling, no dropout, head_body clipping and head lr 1e-2 for the baselines;
+#: B = 256, 40 steps; recipes in benchmarks/recipes/i4_*.yaml).
+RUNS_V2 = [
+    ("Non-private (top-2 blocks + head)", "i4_nodp"),
+    ("Full-DP (DP-AdamW, top-2 blocks + head)", "i4_full_e1"), ("Full-DP (DP-AdamW, top-2 blocks + head)", "i4_full_e4"),
+    ("Full-DP, 72 steps (as many private examples as DP-SFT private)", "i4_full72_e1"),
+    ("Full-DP, 72 steps (as many private examples as DP-SFT private)", "i4_full72_e4"),
+    ("Full-DP from the public IMDB Θ* (warm start, no subspace)", "i4_fullwarm_e1"),
+    ("Full-DP from the public IMDB Θ* (warm start, no subspace)", "i4_fullwarm_e4"),
+    ("DP-LoRA r=16 (query, value + head)", "i4_lora_e1"), ("DP-LoRA r=16 (query, value + head)", "i4_lora_e4"),
+    ("DP-SFT, public subspace (IMDB), start Θ*", "i4_sft_pub_e1"), ("DP-SFT, public subspace (IMDB), start Θ*", "i4_sft_pub_e4"),
+    ("DP-SFT, private subspace (accounted), B1 = 256", "i4_sft_priv_e1"),
+    ("DP-SFT, private subspace (accounted), B1 = 256", "i4_sft_priv_e4"),
+]
 
-def main(out_dir: str) -> str:
+
+def main(out_dir: str, runs=None) -> str:
     d = Path(out_dir)
     rows = ["| method | run | target ε | certified ε (PLD, whole ledger) | σ stage 2 | stage-1 examples (expected) "
             "| stage-2 examples (expected) | trainable / spanned d | dev acc at start | dev acc (SST-2 dev, 872) | dev loss (nats) | wall s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, name in RUNS:
+    for label, name in runs or RUNS:
         f = d / name / "report.json"
         if not f.is_file():
             rows.append(f"| {label} | {name} | – | not run / not finished | | | | | | | | |")
@@ -51,4 +66,6 @@ def main(out_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/issue4_runs"))
+    # python results/make_dpsft_table.py RUN_ROOT [v2]
+    v2 = len(sys.argv) > 2 and sys.argv[2] == "v2"
+    print(main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/issue4_runs", RUNS_V2 if v2 else None))
