@@ -27,9 +27,7 @@ RUNS = [
 RUNS_V2 = [
     ("Non-private (top-2 blocks + head)", "i4_nodp"),
     ("Full-DP (DP-AdamW, top-2 blocks + head)", "i4_full_e1"), ("Full-DP (DP-AdamW, top-2 blocks + head)", "i4_full_e4"),
-    ("Full-DP, 72 steps (as many private examples as DP-SFT private)", "i4_full72_e1"),
     ("Full-DP, 72 steps (as many private examples as DP-SFT private)", "i4_full72_e4"),
-    ("Full-DP from the public IMDB Θ* (warm start, no subspace)", "i4_fullwarm_e1"),
     ("Full-DP from the public IMDB Θ* (warm start, no subspace)", "i4_fullwarm_e4"),
     ("DP-LoRA r=16 (query, value + head)", "i4_lora_e1"), ("DP-LoRA r=16 (query, value + head)", "i4_lora_e4"),
     ("DP-SFT, public subspace (IMDB), start Θ*", "i4_sft_pub_e1"), ("DP-SFT, public subspace (IMDB), start Θ*", "i4_sft_pub_e4"),
