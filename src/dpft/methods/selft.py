@@ -127,12 +127,7 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
     log(f"select-and-label: {len(candidates)} candidates → {n_select} kept "
         f"({len(syn.train)} train / {len(syn.val)} val), σ_sel={syn.sigma_select:.3g}, σ_lab={syn.sigma_label:.3g}, "
         f"ε_syn={ledger.epsilon(r.privacy.delta).epsilon:.4g} ({time.time() - t0:.0f}s)")
-    q = r.batch.expected_batch_size / n
-    steps = r.schedule.steps or max(1, int(-(-r.schedule.epochs * n // r.batch.expected_batch_size)))
-    if r.privacy.noise_multiplier is not None:  # fixed σ: the ledger then reports the composed ε
-        sigma = float(r.privacy.noise_multiplier)
-    else:
-        sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps, prior=ledger.events())
+    sigma = _training_sigma(r, n, ledger)
     # The model the final run trains (pooling, dropout), so each unit is scored on it.
     tok, model = load_classifier(r.model.name, task.num_labels, seed=r.seed,
                                  pooling=r.model.pooling, head_dropout=r.model.head_dropout)
@@ -171,16 +166,23 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
                                            for c in range(task.num_labels)]}}
 
 
+def _training_sigma(r: Recipe, n: int, prior: PrivacyLedger) -> float:
+    """σ of the fine-tuning phase: the recipe's fixed σ, or calibrated so that ``prior``'s events
+    and the training steps compose (PLD) to the target ε — what the trainer will use."""
+    if r.privacy.noise_multiplier is not None:  # fixed σ: the ledger then reports the composed ε
+        return float(r.privacy.noise_multiplier)
+    q = r.batch.expected_batch_size / n
+    steps = r.schedule.steps or max(1, int(-(-r.schedule.epochs * n // r.batch.expected_batch_size)))
+    return calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps, prior=prior.events())
+
+
 def _attention_selection(r: Recipe, log) -> dict[str, Any]:
     """The heuristic baseline (every block's attention): no synthetic phase, the whole target ε
     goes to fine-tuning."""
     task = load_task(r.task, seed=r.seed)
     n = len(task.train)
     check_delta(r.privacy.delta, n)
-    q = r.batch.expected_batch_size / n
-    steps = r.schedule.steps or max(1, int(-(-r.schedule.epochs * n // r.batch.expected_batch_size)))
-    sigma = (float(r.privacy.noise_multiplier) if r.privacy.noise_multiplier is not None
-             else calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps))
+    sigma = _training_sigma(r, n, PrivacyLedger())
     _, model = load_classifier(r.model.name, task.num_labels, seed=r.seed, pooling=r.model.pooling)
     units = attention_units(model)
     log(f"heuristic selection (no synthetic data, ε_syn = 0): {units}")

@@ -149,6 +149,17 @@ def _load_saved_head(model: "MeanPoolClassifier", path: Path, num_labels: int) -
 HEAD_PATTERNS = ("classifier", "score", "pooler", "lm_head")
 
 
+def head_param_groups(params: dict, head_lr: float | None) -> list:
+    """Optimizer parameter groups: one group of ``params`` (name → tensor), or with ``head_lr`` the
+    body and the task head (:func:`is_head_param`) as two groups, the head's at ``head_lr``
+    (empty groups dropped)."""
+    if head_lr is None:
+        return list(params.values())
+    body = [p for n, p in params.items() if not is_head_param(n)]
+    head = [p for n, p in params.items() if is_head_param(n)]
+    return [g for g in ({"params": body}, {"params": head, "lr": head_lr}) if g["params"]]
+
+
 def is_head_param(name: str) -> bool:
     """True for parameters of the task head (classifier/score/pooler/lm_head), by name."""
     return any(h in name.split(".") for h in HEAD_PATTERNS)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dpft.data.tokenize import collate
-from dpft.models.load import is_head_param
+from dpft.models.load import head_param_groups, is_head_param
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.models.units import resolve_units, unit_map
 from dpft.privacy.clipping import make_clip_policy
@@ -193,12 +193,7 @@ def score_unit(model: nn.Module, unit: str, train_rows: Sequence[dict], val_rows
         params = engine.params
         dim = sum(p.numel() for p in params.values())
         rho = noise_scale(s.sigma, s.clip_norm, dim, s.downstream_batch)
-        groups: list[dict] = [{"params": list(params.values())}]
-        if s.head_lr is not None:
-            groups = [g for g in ({"params": [p for n, p in params.items() if not is_head_param(n)]},
-                                  {"params": [p for n, p in params.items() if is_head_param(n)], "lr": s.head_lr})
-                      if g["params"]]
-        opt = torch.optim.AdamW(groups, lr=s.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(head_param_groups(params, s.head_lr), lr=s.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(s.seed)
         gnorms = []
         model.eval()  # no dropout: the score should reflect Λ and ξ, not dropout draws

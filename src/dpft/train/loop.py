@@ -28,7 +28,7 @@ from dpft.data.sampler import PoissonSampler, hash_seed
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import collate, tokenize_split
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
-from dpft.models.load import count_parameters, is_head_param, load_classifier, select_trainable, set_dropout
+from dpft.models.load import count_parameters, head_param_groups, is_head_param, load_classifier, select_trainable, set_dropout
 from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
 from dpft.privacy.clipping import make_clip_policy
 from dpft.privacy.noise import GaussianMechanism
@@ -215,11 +215,7 @@ class Trainer:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.recipe.optimizer
-        params: Any = list(self.params.values())
-        if o.head_lr is not None:
-            head = [p for n, p in self.params.items() if is_head_param(n)]
-            body = [p for n, p in self.params.items() if not is_head_param(n)]
-            params = [g for g in ({"params": body}, {"params": head, "lr": o.head_lr}) if g["params"]]
+        params: Any = head_param_groups(self.params, o.head_lr)
         ac = self.recipe.adam_ac
         if ac.bias_correction or ac.gamma_nudge or ac.reproduce_paper:
             from dpft.methods.dp_adam_ac import make_dp_adam
