@@ -77,14 +77,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="physical batches per logical step (the unprojection P·s runs once per logical step)")
     ap.add_argument("--out", default=str(ROOT / "results" / "subspace_speed.md"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lines = [f"## subspace_speed — {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
              "", f"`python benchmarks/subspace_speed.py --cases {a.cases} --k {a.k} --batch {a.batch} "
-             f"--seq {a.seq} --repeats {a.repeats} --warmup {a.warmup} --threads {a.threads}`",
+             f"--seq {a.seq} --repeats {a.repeats} --warmup {a.warmup} --threads {a.threads} "
+             f"--micro-batches {a.micro_batches}`",
              "", f"CPU, {a.threads} thread(s), all-MiniLM-L6-v2, real SST-2 batch B={a.batch} padded to T={a.seq}; "
-             f"median of {a.repeats} round-robin repeats.", "",
+             f"median of {a.repeats} round-robin repeats; one logical step = {a.micro_batches} such batch(es).", "",
              "| case | d (spanned) | k | P fp32 | P bf16 | non-private s | Full-DP (BK) s | DP-SFT s | Full-DP / NP | DP-SFT / NP |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for case in a.cases.split(","):
@@ -105,10 +108,15 @@ def main() -> None:
                    "dp-full": BookKeepingEngine(model, classification_loss, clip),
                    "dp-sft": SubspaceEngine(model, classification_loss, clip, basis)}
 
-        def run(name):
-            res = engines[name].clipped_sum(batch)
-            if name == "dp-sft":
-                basis.unproject(res.grad_sum[COORDS] / a.batch)
+        def run(name):  # one logical step of --micro-batches physical batches
+            total = None
+            for _ in range(a.micro_batches):
+                res = engines[name].clipped_sum(batch)
+                if name == "dp-sft":
+                    g = res.grad_sum[COORDS]
+                    total = g if total is None else total + g
+            if name == "dp-sft":  # Algorithm 2 line 12: once per logical step
+                basis.unproject(total / (a.batch * a.micro_batches))
 
         times = {n: [] for n in engines}
         for _ in range(a.warmup):
