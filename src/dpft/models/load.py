@@ -114,7 +114,7 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
             except TypeError:
                 encoder = AutoModel.from_pretrained(path)
             model = MeanPoolClassifier(encoder, num_labels, head_dropout)
-            _load_saved_head(model, Path(path), num_labels)
+            _load_saved_head(model, Path(path))
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
     except (OSError, ValueError) as exc:
@@ -132,9 +132,9 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
     return tok, model
 
 
-def _load_saved_head(model: "MeanPoolClassifier", path: Path, num_labels: int) -> None:
+def _load_saved_head(model: "MeanPoolClassifier", path: Path) -> None:
     """A folder written by a dpft run (``model/``) carries its mean-pooling head in
-    ``dpft_head.safetensors``: continue from it when it has ``num_labels`` outputs (another task's
+    ``dpft_head.safetensors``: continue from it when its shape is the model's (another task's
     head is left fresh, as for any pre-trained encoder)."""
     f = path / "dpft_head.safetensors"
     if not f.is_file():
