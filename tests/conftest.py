@@ -95,3 +95,22 @@ def sst_like_files(tmp_path) -> dict[str, Path]:
     for ext in ("csv", "tsv", "jsonl", "parquet"):
         out[ext] = tmp_path / f"d.{ext}"
     return out
+
+
+def ldp_recipe(model_dir, files, **extra):
+    """A forward-LDP (EW-FT) recipe on the tiny BERT and the SST-like CSV: 2 epochs of B = 8,
+    noise after encoder block 1, a [16, 4] autoencoder without pre-training, ε = 4 at δ = 1e-3.
+    ``extra`` overrides any key (dotted paths)."""
+    from dpft.config import load_recipe
+
+    ov = {
+        "model.name": str(model_dir), "model.max_length": 16,
+        "task.name": "files", "task.train_file": str(files["csv"]),
+        "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 8,
+        "schedule.epochs": 2, "eval.every_steps": 100, "checkpoint_every": 100,
+        "privacy.enabled": False, "optimizer.lr": 1e-2,
+        "ldp.enabled": True, "ldp.position": "encoder:1", "ldp.target_epsilon": 4.0, "ldp.delta": 1e-3,
+        "ldp.autoencoder.sizes": [16, 4], "ldp.autoencoder.pretrain_epochs": 0,
+    }
+    ov.update(extra)
+    return load_recipe(None, ov)

@@ -6,23 +6,9 @@ import dp_accounting as dpa
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
 
-from dpft.config import load_recipe
+from conftest import ldp_recipe
 from dpft.privacy.ldp import LDPError
 from dpft.train.loop import Trainer
-
-
-def ldp_recipe(model_dir, files, **extra):
-    ov = {
-        "model.name": str(model_dir), "model.max_length": 16,
-        "task.name": "files", "task.train_file": str(files["csv"]),
-        "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 8,
-        "schedule.epochs": 2, "eval.every_steps": 100, "checkpoint_every": 100,
-        "privacy.enabled": False, "optimizer.lr": 1e-2,
-        "ldp.enabled": True, "ldp.position": "encoder:1", "ldp.target_epsilon": 4.0, "ldp.delta": 1e-3,
-        "ldp.autoencoder.sizes": [16, 4], "ldp.autoencoder.pretrain_epochs": 0,
-    }
-    ov.update(extra)
-    return load_recipe(None, ov)
 
 
 def test_ldp_run_ledger_schedule_and_report(tiny_model_dir, sst_like_files, tmp_path):

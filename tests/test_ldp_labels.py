@@ -118,19 +118,10 @@ def test_corrected_loss_recovers_clean_classifier_on_toy_problem():
 
 # ------------------------------------------------------------------ Trainer wiring and report
 def _recipe(model_dir, files, **extra):
-    from dpft.config import load_recipe
+    """The shared tiny LDP recipe at a fixed σ = 1 (no calibration: fast)."""
+    from conftest import ldp_recipe
 
-    ov = {
-        "model.name": str(model_dir), "model.max_length": 16,
-        "task.name": "files", "task.train_file": str(files["csv"]),
-        "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 8,
-        "schedule.epochs": 2, "eval.every_steps": 100, "checkpoint_every": 100,
-        "privacy.enabled": False, "optimizer.lr": 1e-2,
-        "ldp.enabled": True, "ldp.position": "encoder:1", "ldp.target_epsilon": None, "ldp.noise_multiplier": 1.0,
-        "ldp.delta": 1e-3, "ldp.autoencoder.sizes": [16, 4], "ldp.autoencoder.pretrain_epochs": 0,
-    }
-    ov.update(extra)
-    return load_recipe(None, ov)
+    return ldp_recipe(model_dir, files, **{"ldp.target_epsilon": None, "ldp.noise_multiplier": 1.0, **extra})
 
 
 def test_trainer_uses_rr_labels_drawn_once_and_reports_three_guarantees(tiny_model_dir, sst_like_files, tmp_path):
