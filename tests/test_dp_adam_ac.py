@@ -9,6 +9,8 @@ import dp_accounting as dpa
 import pytest
 import torch
 
+from dpft.privacy.randomness import Randomness
+
 from dpft.accounting.calibrate import dp_sgd_event
 from dpft.accounting.ledger import NotCertifiedError, epsilon_of, pld_accountant
 from dpft.config import load_recipe
@@ -58,7 +60,7 @@ def test_adaptive_clip_converges_to_target_quantile(dist):
     norms = torch.exp(torch.randn(n, generator=g) * 0.7 + 1.0) if dist == "lognormal" else torch.rand(n, generator=g) * 10
     target = 0.8
     true_q = float(torch.quantile(norms, target))
-    clip = AdaptiveQuantileClip(0.5, target_unclipped=target, lr=0.2, count_noise=256 / 20, seed=3)
+    clip = AdaptiveQuantileClip(0.5, target_unclipped=target, lr=0.2, count_noise=256 / 20, rng=Randomness(3))
     q = 256 / n
     for step in range(600):
         idx = torch.nonzero(torch.rand(n, generator=g) < q).flatten()
@@ -177,12 +179,12 @@ def test_paper_percentile_rule():
 
 # ------------------------------------------------------------------ variable q
 def test_scheduled_sampler_and_heterogeneous_ledger():
-    s = ScheduledPoissonSampler(1000, [(0, 10), (3, 50)], seed=0)
+    s = ScheduledPoissonSampler(1000, [(0, 10), (3, 50)], Randomness(0))
     assert [s.q_at(t) for t in range(5)] == [0.01, 0.01, 0.01, 0.05, 0.05]
     with pytest.raises(ValueError, match="step 0"):
-        ScheduledPoissonSampler(1000, [(1, 10)], 0)
+        ScheduledPoissonSampler(1000, [(1, 10)], Randomness(0))
     with pytest.raises(ValueError, match="increase"):
-        ScheduledPoissonSampler(1000, [(0, 10), (0, 20)], 0)
+        ScheduledPoissonSampler(1000, [(0, 10), (0, 20)], Randomness(0))
     sizes = [len(s.indices(t)) for t in range(40)]
     assert sum(sizes[3:]) > sum(sizes[:3])
 

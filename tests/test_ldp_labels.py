@@ -127,12 +127,15 @@ def _recipe(model_dir, files, **extra):
 def test_trainer_uses_rr_labels_drawn_once_and_reports_three_guarantees(tiny_model_dir, sst_like_files, tmp_path):
     from dpft.train.loop import Trainer
 
-    t = Trainer(_recipe(tiny_model_dir, sst_like_files, **{"ldp.label_epsilon": 0.2}), tmp_path / "r", progress=False)
+    from dpft.privacy.randomness import Randomness
+
+    rec = _recipe(tiny_model_dir, sst_like_files, **{"ldp.label_epsilon": 0.2, "privacy.reproducible": True})
+    t = Trainer(rec, tmp_path / "r", progress=False)
     true = torch.tensor([int(v) for v in t.task.train["label"]])
     noisy = t.ldp.noisy_labels
-    # the training split carries the noisy labels, drawn with the recorded seed
+    # the training split carries the noisy labels, drawn from the run's randomness (stream label_rr)
     assert torch.equal(torch.tensor(t.train_tok["label"]), noisy)
-    assert torch.equal(noisy, randomized_response(true, 0.2, 2, torch.Generator().manual_seed(t.ldp.label_rr_seed)))
+    assert torch.equal(noisy, randomized_response(true, 0.2, 2, Randomness(rec.seed).generator("label_rr")))
     assert (noisy != true).any()  # ε₂ = 0.2: keep probability 0.55
     assert t.loss_fn.__name__ == "corrected_classification_loss" and t.engine.loss_fn is t.loss_fn
     rep = t.run()
@@ -148,7 +151,8 @@ def test_trainer_uses_rr_labels_drawn_once_and_reports_three_guarantees(tiny_mod
     assert lk["epsilon"] == pytest.approx(p["local"]["epsilon_per_example_all_releases"], abs=1e-12)
     assert lk["epsilon"] < lk["epsilon_with_label"] <= lk["epsilon"] + 0.2 + 1e-3
     assert not any(e.phase != "ldp-forward" for e in t.ledger.entries)  # RR is not in the add/remove ledger
-    assert rep["ldp"]["label_loss_correction"] is True and rep["ldp"]["label_rr_seed"] == t.ldp.label_rr_seed
+    assert rep["ldp"]["label_loss_correction"] is True and "label_rr_seed" not in rep["ldp"]
+    assert "REPRODUCIBLE MODE" in (tmp_path / "r" / "report.md").read_text()
     md = (tmp_path / "r" / "report.md").read_text()
     assert "label ε₂ (randomized response, K = 2)" in md and "upper bound (basic composition)" in md
     assert "server links rows to users" in md and "post-processing" in md
@@ -164,7 +168,11 @@ def test_trainer_without_label_privacy_says_labels_in_clear(tiny_model_dir, sst_
     rep = t.run()
     assert rep["privacy"]["label"]["privacy"] == "none"
     assert rep["privacy"]["linked_rows"]["epsilon_with_label"] is None
-    assert "labels | in the clear" in (tmp_path / "c" / "report.md").read_text()
+    md = (tmp_path / "c" / "report.md").read_text()
+    assert "labels | in the clear" in md
+    # the headline says the ε covers the inputs only
+    headline = next(line for line in md.splitlines() if line.startswith("**Privacy:**"))
+    assert "ε covers the inputs only; labels are not protected" in headline
 
 
 def test_uncorrected_option_keeps_cross_entropy(tiny_model_dir, sst_like_files, tmp_path):

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from dpft.privacy.randomness import Randomness
+
 from dpft.config import RecipeError, load_recipe
 from dpft.data.sampler import PoissonSampler
 from dpft.data.tasks import DataError, load_task
@@ -13,19 +15,19 @@ from dpft.data.tokenize import collate
 
 def test_poisson_batch_sizes_have_binomial_mean_and_variance():
     n, b = 2000, 50
-    s = PoissonSampler(n, b, seed=3)
+    s = PoissonSampler(n, b, Randomness(3))
     assert s.q == b / n
     sizes = torch.tensor([len(s.indices(t)) for t in range(3000)], dtype=torch.float64)
     mean, var = n * s.q, n * s.q * (1 - s.q)
     assert abs(sizes.mean() - mean) < 4 * math.sqrt(var / 3000)
     assert abs(sizes.var() / var - 1) < 0.1
     # same seed and step -> same batch (what resume relies on); other step -> other batch
-    assert torch.equal(s.indices(17), PoissonSampler(n, b, seed=3).indices(17))
+    assert torch.equal(s.indices(17), PoissonSampler(n, b, Randomness(3)).indices(17))
     assert not torch.equal(s.indices(17), s.indices(18))
 
 
 def test_empty_batches_are_legal_and_micro_batches_bound_memory():
-    s = PoissonSampler(1000, 1, seed=0)
+    s = PoissonSampler(1000, 1, Randomness(0))
     sizes = [len(s.indices(t)) for t in range(200)]
     assert 0 in sizes
     assert PoissonSampler.micro_batches(torch.tensor([], dtype=torch.long), 4) == []
@@ -35,9 +37,9 @@ def test_empty_batches_are_legal_and_micro_batches_bound_memory():
 
 def test_sampler_rejects_bad_sizes():
     with pytest.raises(ValueError, match="empty"):
-        PoissonSampler(0, 1, 0)
+        PoissonSampler(0, 1, Randomness(0))
     with pytest.raises(ValueError, match="between 1 and N"):
-        PoissonSampler(10, 11, 0)
+        PoissonSampler(10, 11, Randomness(0))
 
 
 def test_recipe_unknown_key_and_bad_value(tmp_path):

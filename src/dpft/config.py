@@ -107,8 +107,14 @@ class PrivacyCfg(_Strict):
     clipping: ClippingCfg = ClippingCfg()
     #: Per-example engine: bookkeeping (fast, one backward) or reference (torch.func).
     engine: Literal["auto", "bookkeeping", "reference"] = "auto"
-    #: Draw the noise from the OS CSPRNG-seeded generator instead of the recorded seed.
-    secure_rng: bool = False
+    #: REPRODUCIBLE MODE (research and tests only). False (default): every mechanism draws from
+    #: one secret key from the OS CSPRNG that is never written (privacy/randomness.py). True:
+    #: the key is derived from the recorded ``seed`` — same batches and noise for the same seed,
+    #: and the ε holds only while that seed stays secret (the report says so).
+    reproducible: bool = False
+    #: Draw Gaussian noise as the sum of four normals / 2 (Opacus secure_mode's defence against
+    #: floating-point attacks on the sampler); costs 4 draws per coordinate per logical step.
+    hardened_noise: bool = True
 
     @model_validator(mode="after")
     def _target_or_sigma(self):
@@ -267,6 +273,14 @@ class EvalCfg(_Strict):
     max_new_tokens: int = Field(40, ge=1)
 
 
+class LogCfg(_Strict):
+    """What a run logs beyond its release set (train/release.py)."""
+
+    #: Write per-step private statistics (un-noised train loss, batch size, clip fraction, step
+    #: times) to private_diagnostics.jsonl (mode 0600). NOT covered by ε: for the data holder only.
+    private_diagnostics: bool = False
+
+
 class AdamACCfg(_Strict):
     """DP-Adam-AC pieces (Yang, "DP-Adam-AC", Alg. 1), made private where the paper leaks.
 
@@ -307,6 +321,8 @@ class Recipe(_Strict):
     """A dpft run. See ``recipes/sst2-minilm.yaml`` for an annotated example."""
 
     name: str = "run"
+    #: Public seed: initialisation of a new head, data subsets and dev hold-outs. Mechanisms
+    #: (sampling, noise, randomized response) use it only with ``privacy.reproducible: true``.
     seed: int = 0
     model: ModelCfg = ModelCfg()
     task: TaskCfg = TaskCfg()
@@ -320,6 +336,7 @@ class Recipe(_Strict):
     subspace: SubspaceCfg = SubspaceCfg()
     adam_ac: AdamACCfg = AdamACCfg()
     ldp: LdpCfg = LdpCfg()
+    log: LogCfg = LogCfg()
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
     output_dir: Optional[str] = None

@@ -4,26 +4,32 @@ Each example joins step t's logical batch independently with probability q = exp
 size / N, where N is the size of the training set (never ``1 / len(loader)``). This is the
 sampling the accountant's ``PoissonSampledDpEvent(q, ·)`` assumes. Batches may be empty.
 
-The draw of step t comes from a generator seeded by ``(seed, t)`` alone, so a resumed run
-draws exactly the batches an uninterrupted run would, with no sampler state to save.
+The draw of step t comes from the run's secret randomness (privacy/randomness.py), stream
+``sample`` and step t: secret by default (a resumed run draws fresh batches; the live ledger
+accounts the replayed steps), the same batches for the same seed in reproducible mode.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from dpft.privacy.randomness import Randomness
 
 
 class PoissonSampler:
     """Args:
         n: dataset size N (≥ 1).
         expected_batch_size: q·N (≥ 1, ≤ N).
-        seed: sampling seed (recorded in the report).
+        rng: the run's :class:`~dpft.privacy.randomness.Randomness` (secret by default).
 
     Raises:
         ValueError: empty dataset or expected batch larger than N.
     """
 
-    def __init__(self, n: int, expected_batch_size: int, seed: int):
+    def __init__(self, n: int, expected_batch_size: int, rng: "Randomness"):
         if n < 1:
             raise ValueError("cannot sample from an empty training set")
         if not 1 <= expected_batch_size <= n:
@@ -34,12 +40,16 @@ class PoissonSampler:
         self.n = n
         self.expected_batch_size = expected_batch_size
         self.q = expected_batch_size / n
-        self.seed = seed
+        self.rng = rng
 
     def indices(self, step: int) -> torch.Tensor:
         """Indices of step ``step``'s logical batch (int64, sorted, possibly empty)."""
-        g = torch.Generator().manual_seed(hash_seed(self.seed, step, 0x5A))
-        return torch.nonzero(torch.rand(self.n, generator=g) < self.q).flatten()
+        return self.draw(step, self.q)
+
+    def draw(self, step: int, q: float) -> torch.Tensor:
+        """Each of the N examples independently with probability ``q`` (stream ``sample``, step)."""
+        g = self.rng.generator("sample", step)
+        return torch.nonzero(torch.rand(self.n, generator=g) < q).flatten()
 
     @staticmethod
     def micro_batches(indices: torch.Tensor, max_physical: int) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from dpft.data.sampler import PoissonSampler, hash_seed
+from dpft.data.sampler import PoissonSampler
 
 
 class ScheduledPoissonSampler(PoissonSampler):
@@ -23,13 +23,13 @@ class ScheduledPoissonSampler(PoissonSampler):
         n: dataset size N.
         schedule: ``[(from_step, expected_batch_size), ...]``, the first at step 0, steps
             strictly increasing, every size in [1, N].
-        seed: sampling seed.
+        rng: the run's secret randomness (privacy/randomness.py).
 
     Raises:
         ValueError: a malformed schedule (the message says which entry).
     """
 
-    def __init__(self, n: int, schedule: Sequence[tuple[int, int]], seed: int):
+    def __init__(self, n: int, schedule: Sequence[tuple[int, int]], rng):
         sched = [(int(s), int(b)) for s, b in schedule]
         if not sched or sched[0][0] != 0:
             raise ValueError("batch.schedule must start with an entry for step 0, e.g. [[0, 64], [100, 128]]")
@@ -39,7 +39,7 @@ class ScheduledPoissonSampler(PoissonSampler):
         for s, b in sched:
             if not 1 <= b <= n:
                 raise ValueError(f"batch.schedule: expected batch {b} at step {s} must be between 1 and N = {n}")
-        super().__init__(n, sched[0][1], seed)
+        super().__init__(n, sched[0][1], rng)
         self.schedule = sched
         self._starts = [s for s, _ in sched]
 
@@ -51,5 +51,4 @@ class ScheduledPoissonSampler(PoissonSampler):
         return self.expected_batch_at(step) / self.n
 
     def indices(self, step: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(hash_seed(self.seed, step, 0x5A))
-        return torch.nonzero(torch.rand(self.n, generator=g) < self.q_at(step)).flatten()
+        return self.draw(step, self.q_at(step))

@@ -56,10 +56,8 @@ def setup_clip(tr) -> None:
         return
     sigma_b = ac.count_noise if ac.count_noise is not None else r.batch.expected_batch_size / 20.0
     tr.noise_sigma = effective_noise_multiplier(tr.sigma, sigma_b)
-    from dpft.data.sampler import hash_seed
-
     tr.clip = AdaptiveQuantileClip(c0, 1.0 - ac.target_clip_rate, ac.clip_lr, sigma_b, ac.min_clip, ac.max_clip,
-                                   seed=hash_seed(r.seed, 0xAC))
+                                   rng=tr.rng)
 
 
 def make_dp_adam(params, o, ac) -> DPAdam:

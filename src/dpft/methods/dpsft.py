@@ -103,6 +103,17 @@ def _record_events(trainer: Trainer, ledger_json: dict) -> None:
         trainer.ledger.record(PHASE, e.event, e.count)
 
 
+def _stage1_only(ledger: PrivacyLedger, n_before: int) -> dict:
+    """The entries recorded after the first ``n_before`` releases (stage 1's own)."""
+    out, seen = PrivacyLedger(), 0
+    for e in ledger.entries:
+        take = max(0, min(e.count, seen + e.count - n_before))
+        if take:
+            out.record(e.phase, e.event, take)
+        seen += e.count
+    return out.to_json()
+
+
 def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
     """Run stage 1 in ``<run>/subspace/stage1`` and build the basis (Algorithm 1)."""
     r = trainer.recipe
@@ -115,7 +126,16 @@ def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
         raise TrainingError(f"stage 1 in {d} was interrupted before its basis was written; remove {d} "
                             "and run again (its snapshots were in memory only)")
     t0 = time.time()
-    st = SnapshotTrainer(rec, d, after, progress=trainer.progress)
+    # Stage 1 appends to the parent's ledger (phase "subspace") and saves it to the parent's live
+    # ledger.json after every release, so a crash in stage 1 loses no record; its randomness is
+    # an independent child of the run's secret source.
+    st = SnapshotTrainer(rec, d, after, progress=trainer.progress,
+                         ledger=trainer.ledger if cfg.source == "private" else None,
+                         rng=trainer.rng.child("dpsft-stage1"))
+    if cfg.source == "private":
+        st.phase = PHASE
+        st.live_ledger_path = trainer.live_ledger_path
+    n_before = trainer.ledger.steps
     rep = st.run()
     if st.recorded != len(after):
         raise SubspaceError(f"stage 1 recorded {st.recorded} of {len(after)} snapshots")
@@ -128,8 +148,9 @@ def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
             "stage1_seconds": round(time.time() - t0, 1)}
     if cfg.source == "private":
         info["stage1_noise_multiplier"] = st.sigma
-        info["stage1_epsilon_alone"] = rep["privacy"]["epsilon"]
-        info["ledger"] = st.ledger.to_json()
+        # Provenance of a saved basis: the stage-1 releases alone (for source: file elsewhere).
+        info["ledger"] = _stage1_only(st.ledger, n_before)
+        info["stage1_epsilon_alone"] = PrivacyLedger.from_json(info["ledger"]).epsilon(r.privacy.delta).epsilon
     basis.meta.update(info)
     return basis, info
 
@@ -139,8 +160,8 @@ def build_subspace(trainer: Trainer) -> SubspaceBasis:
 
     A private stage 1 (or a file built privately) records its events in ``trainer.ledger``
     under phase ``subspace``. The basis is saved in ``<run>/subspace/basis.safetensors`` and
-    reused on ``--resume`` (the events then come from the same file, and the checkpoint's
-    ledger replaces the live one as usual).
+    reused on ``--resume`` (the run's live ledger, continued on resume, already holds its
+    releases).
 
     Raises:
         SubspaceError: bad source arguments, a file without provenance, rank(A) < k.
@@ -150,16 +171,21 @@ def build_subspace(trainer: Trainer) -> SubspaceBasis:
     cached = trainer.run_dir / "subspace" / "basis.safetensors"
     if trainer.resume and cached.is_file():
         basis = SubspaceBasis.load(cached)
+        fresh = False
     elif cfg.source == "file":
         basis = SubspaceBasis.load(cfg.file)
         if basis.meta.get("source") not in ("public", "private"):
             raise SubspaceError(f"{cfg.file} does not say how it was built (meta.source public/private); "
                                 "a basis of unknown provenance cannot be certified")
+        fresh = False
     else:
-        basis, _ = run_stage1(trainer)
+        basis, _ = run_stage1(trainer)  # a private stage 1 recorded its releases in trainer.ledger
+        fresh = True
     if basis.k != cfg.k:
         raise SubspaceError(f"the basis has k = {basis.k}, the recipe asks for subspace.k = {cfg.k}")
-    if basis.meta.get("source") == "private":
+    if basis.meta.get("source") == "private" and not fresh and not trainer.resume:
+        # A private basis from a file (another run on the same data): its releases compose here.
+        # (On --resume the live ledger, loaded after this, already holds them.)
         _record_events(trainer, basis.meta["ledger"])
     if not (trainer.resume and cached.is_file()):
         basis.save(cached)

@@ -85,6 +85,9 @@ class LDPRun:
         if r.privacy.enabled:
             raise LDPError("ldp.enabled needs privacy.enabled: false — the noise is on the forward pass; "
                            "DP-SGD on top of it is not wired (set privacy.enabled: false)")
+        if r.batch.schedule:
+            raise LDPError("ldp with batch.schedule is not supported: the forward-LDP accounting assumes one "
+                           "sampling rate q for every step; remove batch.schedule")
         e = r.schedule.epochs
         if e is None or r.schedule.steps is not None or e != int(e) or e < 1:
             raise LDPError("ldp needs schedule.epochs = a whole number E ≥ 1 and no schedule.steps "
@@ -123,14 +126,11 @@ class LDPRun:
         trainer.model = self.split
         #: Label privacy (ldp.label_epsilon): RR labels drawn once here, before training.
         self.num_labels = int(trainer.task.num_labels)
-        self.label_rr_seed: int | None = None
         self.noisy_labels: torch.Tensor | None = None
         if c.label_epsilon is not None:
-            from dpft.data.sampler import hash_seed
-
-            self.label_rr_seed = hash_seed(r.seed, 0x1ABE1)
+            # RR draws from the run's secret randomness (stream label_rr); nothing is recorded.
             trainer.train_tok, self.noisy_labels = privatize_labels(trainer.train_tok, c.label_epsilon,
-                                                                    self.num_labels, self.label_rr_seed)
+                                                                    self.num_labels, trainer.rng.generator("label_rr"))
             if c.label_loss_correction:
                 # the Trainer builds its engine from trainer.loss_fn after this constructor
                 trainer.loss_fn = make_corrected_classification_loss(
@@ -161,10 +161,13 @@ class LDPRun:
     # ------------------------------------------------------------------ trainer hooks
     def before_step(self, step: int) -> None:
         self.layer.set_sigma(self.schedule.sigma_at(step))
+        # The noise of this step's releases: the run's secret randomness, stream ldp, step.
+        self.layer.generator = self.trainer.rng.generator("ldp", step)
 
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
         self.trainer.ledger.record(PHASE, self.schedule.step_event(step))
+        self.trainer.save_live_ledger()
 
     def _below_floor(self) -> bool:
         # σ < SIGMA_FLOOR (but > 0): the PLD of so little noise takes minutes and the ε is
@@ -196,6 +199,8 @@ class LDPRun:
         seq = [s for s, k in zip(self.schedule.sigmas, per_epoch) for _ in range(k)]
         return {
             "guarantee": "certified", **rep.as_dict(),
+            # Without label RR the labels are used in the clear: the ε covers the inputs only.
+            "scope": None if self.cfg.label_epsilon is not None else LABELS_NOT_PROTECTED,
             "statement": STREAM_STATEMENT,
             "ledger": [{"phase": e.phase, "count": e.count, "event": repr(e.event)}
                        for e in self.trainer.ledger.entries],
@@ -218,26 +223,30 @@ class LDPRun:
                 "autoencoder": c.autoencoder.sizes or None, "pretrain_loss": self.pretrain_loss,
                 "pretrain_mse_of_zero": self.pretrain_baseline,
                 "eval_noise": c.eval_noise, **self.schedule.as_dict(),
-                "label_epsilon": c.label_epsilon, "label_rr_seed": self.label_rr_seed,
+                "label_epsilon": c.label_epsilon,
                 "label_loss_correction": bool(c.label_epsilon is not None and c.label_loss_correction),
                 "release_shape": [self.trainer.recipe.model.max_length,
                                   (c.autoencoder.sizes[-1] if c.autoencoder.sizes
                                    else int(self.split.model.config.hidden_size))]}
 
 
+#: Headline qualifier of a forward-LDP run without label privacy (issue 13).
+LABELS_NOT_PROTECTED = "ε covers the inputs only; labels are not protected (set ldp.label_epsilon)"
+
+
 # ---------------------------------------------------------------------------- shared helpers
-def privatize_labels(ds, eps: float, num_labels: int, seed: int):
+def privatize_labels(ds, eps: float, num_labels: int, generator: torch.Generator):
     """Replace the ``label`` column of a tokenised split by K-ary randomized response, drawn once.
 
     Returns ``(dataset with the noisy labels, (N,) int64 noisy labels)``. The same noisy label is
     then used at every step and epoch: post-processing, so the label guarantee is ε₂ however
-    long training runs. ``seed`` is the data holder's secret (with it and the data one can tell
-    which labels were kept).
+    long training runs. ``generator`` must come from the run's secret randomness (stream
+    ``label_rr``): with its seed and the data one could tell which labels were kept.
     """
     if "label" not in ds.column_names:
         raise LDPError("ldp.label_epsilon needs a labelled classification task (no 'label' column)")
     y = torch.tensor([int(v) for v in ds["label"]], dtype=torch.long)
-    noisy = randomized_response(y, eps, num_labels, torch.Generator().manual_seed(int(seed)))
+    noisy = randomized_response(y, eps, num_labels, generator)
     return ds.remove_columns("label").add_column("label", noisy.tolist()), noisy
 
 

@@ -79,21 +79,8 @@ def _score_settings(cfg: SelFTCfg, recipe: Recipe, sigma: float) -> ScoreSetting
         head_lr=None if cfg.score_lr else recipe.optimizer.head_lr)
 
 
-class SelFTTrainer(Trainer):
-    """The loop with the synthetic-data phase already in its ledger: σ is calibrated with those
-    events as ``prior`` and the saved ledger holds both phases."""
-
-    def __init__(self, recipe: Recipe, run_dir, prior_ledger: PrivacyLedger, **kw):
-        self._prior = prior_ledger
-        super().__init__(recipe, run_dir, **kw)
-        self.ledger = PrivacyLedger([e for e in prior_ledger.entries])
-
-    def prior_events(self) -> list:
-        return self._prior.events()
-
-
 def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] = None,
-                 log=print) -> dict[str, Any]:
+                 log=print, rng=None) -> dict[str, Any]:
     """Stages 1–2: DP select-and-label, then unit scoring and top-k.
 
     Returns a dict with ``units`` (selected, best first), ``ledger`` (the synthetic phase),
@@ -123,7 +110,7 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
     syn = dp_select_and_label(list(task.train["text"]), list(task.train["label"]), list(candidates), task.num_labels,
                               cfg.epsilon_syn, r.privacy.delta, n_select, ledger=ledger,
                               label_ratio=cfg.label_ratio, val_fraction=cfg.val_fraction, seed=r.seed,
-                              secure_rng=r.privacy.secure_rng, encoder=cfg.encoder)
+                              rng=rng, encoder=cfg.encoder)
     log(f"select-and-label: {len(candidates)} candidates → {n_select} kept "
         f"({len(syn.train)} train / {len(syn.val)} val), σ_sel={syn.sigma_select:.3g}, σ_lab={syn.sigma_label:.3g}, "
         f"ε_syn={ledger.epsilon(r.privacy.delta).epsilon:.4g} ({time.time() - t0:.0f}s)")
@@ -197,12 +184,17 @@ def run_selft(recipe: Recipe, cfg: SelFTCfg, run_dir: str | Path, candidates: Op
     Raises:
         the errors of :func:`select_units` and of :class:`~dpft.train.loop.Trainer`.
     """
-    sel = select_units(recipe, cfg, candidates, log=log)
+    from dpft.privacy.randomness import Randomness
+
+    # One secret source for the whole run: the histograms (stream synth) and training.
+    rng = Randomness(recipe.seed if recipe.privacy.reproducible else None)
+    sel = select_units(recipe, cfg, candidates, log=log, rng=rng)
     tr = recipe.trainable.model_copy(update={"mode": "units", "units": list(sel["units"]),
                                              "units_with_head": cfg.with_head, "units_lora": cfg.lora})
     r2 = recipe.model_copy(update={"trainable": tr})
     log(f"selected units ({cfg.selector}): {sel['units']}")
-    trainer = SelFTTrainer(r2, run_dir, sel["ledger"], progress=progress)
+    # The trainer continues the selection ledger (appends; NOT CERTIFIED marks survive).
+    trainer = Trainer(r2, run_dir, progress=progress, ledger=sel["ledger"], rng=rng)
     if abs(trainer.sigma - sel["sigma"]) > 1e-9 * max(1.0, sel["sigma"]):
         raise RuntimeError("σ of the training phase differs from the σ used for ρ_Λ; report this as a bug")
     rep = trainer.run()

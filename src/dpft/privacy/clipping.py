@@ -208,15 +208,15 @@ class AdaptiveQuantileClip(FlatClip):
         lr: η > 0, geometric step.
         count_noise: σ_b ≥ 0 (0 only for σ = 0 runs without a guarantee).
         min_norm, max_norm: clamp of C.
-        seed: count-noise seed; step t's draw comes from (seed, t), so a resume redraws the
-            same release.
+        rng: the run's secret randomness (privacy/randomness.py); step t's count noise comes
+            from its stream ``count``, t.
 
     Raises:
         ValueError: bad ranges.
     """
 
     def __init__(self, initial_norm: float, target_unclipped: float = 0.8, lr: float = 0.2,
-                 count_noise: float = 1.0, min_norm: float = 1e-3, max_norm: float = 1e3, seed: int = 0):
+                 count_noise: float = 1.0, min_norm: float = 1e-3, max_norm: float = 1e3, rng=None):
         super().__init__(initial_norm)
         if not 0 < target_unclipped < 1:
             raise ValueError(f"target unclipped fraction must be in (0, 1), got {target_unclipped}")
@@ -228,7 +228,11 @@ class AdaptiveQuantileClip(FlatClip):
         self.lr = float(lr)
         self.count_noise = float(count_noise)
         self.min_norm, self.max_norm_bound = float(min_norm), float(max_norm)
-        self.seed = seed
+        if rng is None:
+            from dpft.privacy.randomness import Randomness
+
+            rng = Randomness()  # secret
+        self.rng = rng
 
     def noisy_unclipped_fraction(self, unclipped: int, batch_size: int, expected_batch: float, step: int) -> float:
         """Release b̃ for this step (the private statistic; a Gaussian release of sensitivity ½).
@@ -238,9 +242,7 @@ class AdaptiveQuantileClip(FlatClip):
             batch_size: realised logical batch size |B| (enters only inside the private sum).
             expected_batch: qN.
         """
-        from dpft.data.sampler import hash_seed
-
-        g = torch.Generator().manual_seed(hash_seed(self.seed, step, 0xC7))
+        g = self.rng.generator("count", step)
         z = float(torch.randn((), generator=g, dtype=torch.float64)) * self.count_noise
         centred = unclipped - 0.5 * batch_size
         return (centred + z) / expected_batch + 0.5

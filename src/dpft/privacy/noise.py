@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import dp_accounting as dpa
 import torch
 
-from dpft.data.sampler import hash_seed
+from dpft.privacy.randomness import Randomness
 
 
 class GaussianMechanism:
@@ -21,36 +19,41 @@ class GaussianMechanism:
     Args:
         sigma: noise multiplier σ ≥ 0.
         sensitivity: clipping norm C.
-        seed: noise seed; step t's noise comes from a generator seeded by (seed, t), so a
-            resumed run redraws the same noise (the same release, not a second one).
-        secure: draw each step's generator seed from ``os.urandom`` (not reproducible; a replayed
-            step after a crash is then a new release and is accounted again).
+        rng: the run's secret randomness; step t's noise comes from its stream ``noise``, t
+            (secret by default, so nobody can regenerate and subtract it; in reproducible mode
+            a resumed run redraws the same noise for the same step).
+        hardened: draw each coordinate as the sum of four normals / 2 (Opacus ``secure_mode``;
+            see privacy/randomness.py).
+
+    Raises:
+        ValueError: σ < 0.
     """
 
-    def __init__(self, sigma: float, sensitivity: float, seed: int, secure: bool = False):
+    def __init__(self, sigma: float, sensitivity: float, rng: Randomness, hardened: bool = True):
         if sigma < 0:
             raise ValueError(f"noise multiplier σ must be ≥ 0, got {sigma}")
         self.sigma = float(sigma)
         self.sensitivity = float(sensitivity)
-        self.seed = seed
-        self.secure = secure
+        self.rng = rng
+        self.hardened = hardened
 
     @property
     def std(self) -> float:
         """Noise standard deviation per coordinate of the sum: σ·C."""
         return self.sigma * self.sensitivity
 
-    def generator(self, step: int) -> torch.Generator:
-        s = int.from_bytes(os.urandom(8), "little") >> 1 if self.secure else hash_seed(self.seed, step, 0x4E)
-        return torch.Generator().manual_seed(s)
-
     def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-        """Return ``{name: sum + N(0, (σC)²)}`` (new tensors; parameters in name order)."""
-        g = self.generator(step)
+        """Return ``{name: sum + N(0, (σC)²)}`` (new fp32-noised tensors; parameters in name order).
+
+        The noise is drawn on each tensor's own device from a generator of that device."""
+        gens: dict[str, torch.Generator] = {}
         out = {}
         for name, t in grad_sum.items():
-            noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.device, t.dtype)
-            out[name] = t + self.std * noise
+            key = str(t.device)
+            if key not in gens:
+                gens[key] = self.rng.generator("noise", step, device=t.device if t.device.type != "cpu" else None)
+            noise = Randomness.gaussian(t.shape, gens[key], self.hardened, device=t.device)
+            out[name] = (t.float() + self.std * noise).to(t.dtype)
         return out
 
     def event(self, q: float) -> dpa.DpEvent:

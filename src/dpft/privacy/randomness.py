@@ -76,6 +76,14 @@ class Randomness:
         r.reproducible = False
         return r
 
+    def child(self, name: str) -> "Randomness":
+        """An independent source for a sub-run (e.g. DP-SFT's stage 1): its streams never
+        coincide with this source's, in secure and reproducible mode alike."""
+        r = Randomness.__new__(Randomness)
+        r._key = hashlib.blake2b(b"child:" + name.encode(), key=self._key, digest_size=32).digest()
+        r.reproducible = self.reproducible
+        return r
+
     def key_tensor(self) -> torch.Tensor:
         """The key as a uint8 tensor (32,), for ``torch.distributed.broadcast`` only."""
         return torch.tensor(list(self._key), dtype=torch.uint8)

@@ -15,6 +15,9 @@ from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
 from dpft.report.lm import render_extra
 
+#: Headline qualifier of a run in reproducible mode (privacy.reproducible).
+REPRODUCIBLE_WARNING = ("REPRODUCIBLE MODE: the sampling and noise were derived from the recorded seed; "
+                        "this ε holds only while that seed stays secret")
 NO_GUARANTEE = "NONE: this is a non-private reference run (--no-dp); it has no privacy guarantee"
 
 
@@ -47,12 +50,15 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
                "expected_batch_size": r.batch.expected_batch_size, "steps": trainer.total_steps,
                "clipping": r.privacy.clipping.model_dump() if trainer.private else None,
                "engine": type(trainer.engine).__name__, "sampling": "Poisson",
-               "noise_seed_recorded": trainer.private and not r.privacy.secure_rng},
+               "randomness": "reproducible (from the recorded seed)" if r.privacy.reproducible
+               else "secret (OS CSPRNG key, never written)"},
         "optimizer": r.optimizer.model_dump(mode="json"),
         "metrics": final_eval,
         "time_seconds": round(elapsed, 1),
         "history": trainer.history.rows,
+        "coverage": coverage_section(trainer),
     }
+    rep["task"]["notes"] = list(rep["task"]["notes"]) + list(getattr(trainer, "ledger_notes", []))
     if getattr(trainer, "subspace_info", None) is not None:  # DP-SFT (methods/dpsft.py)
         rep["subspace"] = trainer.subspace_info
     if getattr(trainer, "causal", False) or getattr(trainer, "adam_ac_active", False):
@@ -62,11 +68,13 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
     if getattr(trainer, "ldp", None) is not None:  # forward LDP (methods/ewft.py): its two guarantees
         rep["privacy"] = trainer.ldp.privacy_section(trainer.total_steps)
         rep["ldp"] = trainer.ldp.summary()
+    if r.privacy.reproducible and rep["privacy"].get("guarantee") == "certified":
+        rep["privacy"]["reproducible"] = True
     d = trainer.run_dir
     atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
     atomic_write_text(d / "report.md", render_markdown(rep))
     try:
-        plot_history(rep["history"], d / "training.png", private=trainer.private)
+        plot_history(rep["history"], d / "training.png", private=trainer.private or rep.get("ldp") is not None)
     except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
         rep["plot_error"] = str(exc)
     return rep
@@ -75,8 +83,13 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
 def epsilon_line(rep: dict[str, Any]) -> str:
     p = rep["privacy"]
     if p["guarantee"] == "certified":
-        return (f"ε = {p['epsilon']:.4g} at δ = {p['delta']:g} ({p['accountant']}; "
+        line = (f"ε = {p['epsilon']:.4g} at δ = {p['delta']:g} ({p['accountant']}; "
                 f"RDP cross-check ε = {p['epsilon_rdp']:.4g})")
+        if p.get("scope"):
+            line += f" — {p['scope']}"
+        if p.get("reproducible"):
+            line += f" — {REPRODUCIBLE_WARNING}"
+        return line
     if p["guarantee"] == "NOT CERTIFIED":
         return f"ε: NOT CERTIFIED — {p['reason']}"
     return f"ε: {p['guarantee']}"
@@ -129,20 +142,62 @@ def render_markdown(rep: dict[str, Any]) -> str:
         lines += ["## Ledger (every private release of this run)", "", "| phase | count | event |", "|---|---|---|"]
         lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in rep["privacy"]["ledger"]]
         lines += [""]
-    lines += [
-        *render_extra(rep),
-        "## What the ε means",
-        "",
-        "For any one training example, the probability of any outcome of this run changes by at most",
-        "a factor e^ε between the data with and without that example, except with probability δ",
-        "(add/remove-one neighbouring datasets, example-level privacy). It covers everything derived",
-        "from the released model. Dev accuracy is computed on the public dev split and is not private",
-        "with respect to it.",
-        "",
-        "![training curves](training.png)",
-        "",
-    ]
+    lines += [*render_extra(rep), *coverage_markdown(rep), "![dev metric and ε](training.png)", ""]
     return "\n".join(lines)
+
+
+def coverage_section(trainer) -> dict[str, Any]:
+    """What the run's ε covers and what it does not (every sentence must be true)."""
+    from dpft.train.release import DIAGNOSTICS_FILE, RELEASE_SET, dev_statement
+
+    r = trainer.recipe
+    t = r.task
+    dev_public = t.name not in ("files",) and not t.train_file and not t.dev_file
+    if t.dev_file:
+        src = f"your dev file {t.dev_file}"
+    elif t.train_file:
+        src = f"a split held out from your training file {t.train_file}"
+    else:
+        src = f"the {t.name} dev split"
+    covered = trainer.private or getattr(trainer, "ldp", None) is not None
+    out = {
+        "release_set": RELEASE_SET,
+        "dev_public": dev_public,
+        "dev": dev_statement(dev_public, src),
+        "not_released": (f"Per-step training loss, realised batch sizes and clip fractions are not in the release "
+                         f"set" + (f"; they are in {DIAGNOSTICS_FILE} (not covered, for you only)"
+                                   if r.log.private_diagnostics else " (log.private_diagnostics is off)") + "."),
+        "timing": "Wall-clock times grow with the realised batch sizes: they are a side channel not covered by ε.",
+        "public": ("The pre-trained model, the recipe's settings and the training-set size N are treated as "
+                   "public."),
+    }
+    if not covered:
+        out["statement"] = "This run has no privacy guarantee: nothing it writes is covered."
+    elif not trainer.ledger.certified:
+        out["statement"] = "This run is NOT CERTIFIED: nothing it writes is covered by a proven ε."
+    else:
+        out["statement"] = (
+            "For any one training example, the probability of any outcome of this run — the model, every "
+            "checkpoint, the ledger and the released metrics — changes by at most a factor e^ε between the "
+            "training data with and without that example, except with probability δ (add/remove-one "
+            "neighbouring datasets, example-level privacy). If one person contributes several rows, each "
+            "person's protection is weaker (group privacy).")
+    if r.privacy.reproducible and covered:
+        out["reproducible"] = REPRODUCIBLE_WARNING + "."
+    return out
+
+
+def coverage_markdown(rep: dict[str, Any]) -> list[str]:
+    c = rep.get("coverage")
+    if not c:
+        return []
+    lines = ["## What the ε covers", "", c["statement"], ""]
+    if c.get("reproducible"):
+        lines += [f"**{c['reproducible']}**", ""]
+    lines += [f"- {c['dev']}", f"- {c['not_released']}", f"- {c['timing']}", f"- {c['public']}", "",
+              "Files released by this run:", "", "| file | holds |", "|---|---|",
+              *[f"| `{k}` | {v} |" for k, v in c["release_set"].items()], ""]
+    return lines
 
 
 def ldp_markdown(rep: dict[str, Any]) -> list[str]:
@@ -198,18 +253,18 @@ def plot_history(rows: list[dict[str, Any]], path: Path, private: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 3 if private else 2
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
-    steps = [x["step"] for x in rows]
-    axes[0].plot(steps, [x["train_loss"] for x in rows], lw=0.8)
-    axes[0].set(title="training loss (nats)", xlabel="step")
+    # Released quantities only (train/release.py): no training loss or batch size.
+    panels = 2 if private else 1
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4), squeeze=False)
+    axes = axes[0]
     ev = [x for x in rows if "dev_accuracy" in x or "dev_perplexity" in x]
     key = "dev_accuracy" if ev and "dev_accuracy" in ev[0] else "dev_loss"
-    axes[1].plot([x["step"] for x in ev], [x[key] for x in ev], marker="o")
-    axes[1].set(title="dev accuracy" if key == "dev_accuracy" else "dev loss (nats/token)", xlabel="step")
+    axes[0].plot([x["step"] for x in ev], [x[key] for x in ev], marker="o")
+    axes[0].set(title="dev accuracy" if key == "dev_accuracy" else "dev loss (nats/token)", xlabel="step")
     if private:
-        axes[2].plot([x["step"] for x in ev], [x["epsilon"] for x in ev], marker="o", color="C3")
-        axes[2].set(title="ε spent (PLD)", xlabel="step")
+        eps = [(x["step"], x["epsilon"]) for x in ev if x.get("epsilon") is not None]
+        axes[1].plot([a for a, _ in eps], [b for _, b in eps], marker="o", color="C3")
+        axes[1].set(title="ε spent (PLD)", xlabel="step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

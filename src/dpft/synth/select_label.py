@@ -198,9 +198,12 @@ class SyntheticData:
         return hashlib.sha256(json.dumps([self.train, self.val]).encode()).hexdigest()[:16]
 
 
-def _generator(seed: int, secure: bool) -> torch.Generator:
-    s = int.from_bytes(os.urandom(8), "little") >> 1 if secure else seed
-    return torch.Generator().manual_seed(s)
+def _generator(rng) -> torch.Generator:
+    """The histograms' noise: the run's secret randomness, stream ``synth`` (a fresh secret
+    source when the caller passes none)."""
+    from dpft.privacy.randomness import Randomness
+
+    return (rng if rng is not None else Randomness()).generator("synth")
 
 
 def dp_select_and_label(
@@ -215,7 +218,7 @@ def dp_select_and_label(
     label_ratio: float = 1.0,
     val_fraction: float = 0.3,
     seed: int = 0,
-    secure_rng: bool = False,
+    rng=None,
     private_emb: Optional[torch.Tensor] = None,
     cand_emb: Optional[torch.Tensor] = None,
     encoder: str = "minilm",
@@ -231,6 +234,9 @@ def dp_select_and_label(
             ``synthetic_label``) — pass the run's ledger so fine-tuning composes after them.
         label_ratio: σ_lab / σ_sel.
         val_fraction: share of the kept candidates in the validation split (paper: 0.3).
+        seed: public seed of the train/validation split (post-processing).
+        rng: the run's secret randomness (privacy/randomness.py) for the two noisy histograms;
+            None = a fresh secret source.
         private_emb, cand_emb: precomputed φ embeddings (else computed with ``encoder``).
 
     Raises:
@@ -253,7 +259,7 @@ def dp_select_and_label(
     nn_idx = nearest_candidate(private_emb, cand_emb)
     labels = torch.as_tensor(list(private_labels), dtype=torch.long)
 
-    g = _generator(seed, secure_rng)
+    g = _generator(rng)
     # Release 1 (Eq. 7): sensitivity 1 (add/remove one example moves one vote) → std σ_sel·1.
     noisy = vote_histogram(nn_idx, m) + sigma_sel * torch.randn(m, generator=g, dtype=torch.float64)
     # Release 2 (Eq. 9): sensitivity 1 (one example is one cell) → std σ_lab·1. Drawn for all

@@ -24,7 +24,7 @@ from dpft.accounting.calibrate import calibrate_sigma, check_delta
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import Recipe, dump_recipe
-from dpft.data.sampler import PoissonSampler, hash_seed
+from dpft.data.sampler import PoissonSampler
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import collate, tokenize_split
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
@@ -32,6 +32,8 @@ from dpft.models.load import count_parameters, head_param_groups, is_head_param,
 from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
 from dpft.privacy.clipping import make_clip_policy
 from dpft.privacy.noise import GaussianMechanism
+from dpft.privacy.randomness import Randomness
+from dpft.train.release import DiagnosticsLog, split_row
 
 
 class TrainingError(RuntimeError):
@@ -100,7 +102,8 @@ class Trainer:
     """
 
     def __init__(self, recipe: Recipe, run_dir: str | Path, resume: bool = False,
-                 transforms: Optional[list[Transform]] = None, progress: bool = True):
+                 transforms: Optional[list[Transform]] = None, progress: bool = True,
+                 ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None):
         self.recipe = r = recipe
         self.run_dir = Path(run_dir)
         self.resume = resume
@@ -108,6 +111,27 @@ class Trainer:
         self.progress = progress
         self.private = r.privacy.enabled
         t0 = time.time()
+        #: The run's one secret randomness source (privacy/randomness.py): secret unless
+        #: privacy.reproducible, in which case it is derived from the recorded seed.
+        self.rng = rng if rng is not None else Randomness(r.seed if r.privacy.reproducible else None)
+        #: The ledger is appended to, never replaced: it starts from the phases a caller already
+        #: spent (e.g. DP-SelFT's synthetic data) and from any releases a crashed run of this
+        #: directory recorded before its first checkpoint (``ledger.json`` is written live).
+        self.ledger = ledger if ledger is not None else PrivacyLedger()
+        #: Ledger phase of this loop's steps, and the file its live ledger is saved to (a
+        #: sub-run such as DP-SFT's stage 1 writes into its parent's ledger).
+        self.phase = "train"
+        self.live_ledger_path = self.run_dir / "ledger.json"
+        live = self.live_ledger_path
+        if not resume and live.is_file() and not (self.run_dir / "checkpoint").exists():
+            earlier = PrivacyLedger.load(live)
+            self.ledger = PrivacyLedger(earlier.entries + self.ledger.entries,
+                                        certified=earlier.certified and self.ledger.certified,
+                                        not_certified_reason=earlier.not_certified_reason or self.ledger.not_certified_reason)
+            self.ledger_notes = [f"{live} held {earlier.steps} releases of an earlier attempt in this "
+                                 "directory (crashed before its first checkpoint); they are carried in this ledger"]
+        else:
+            self.ledger_notes = []
 
         #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
         self.causal = r.task.name == "text"
@@ -137,17 +161,16 @@ class Trainer:
         if r.batch.schedule:
             from dpft.data.schedule import ScheduledPoissonSampler
 
-            self.sampler = ScheduledPoissonSampler(self.n, r.batch.schedule, r.seed)
+            self.sampler = ScheduledPoissonSampler(self.n, r.batch.schedule, self.rng)
             if self.private and r.privacy.noise_multiplier is None:
                 raise TrainingError("batch.schedule: set privacy.noise_multiplier (σ calibration for a "
                                     "variable q is not implemented; `dpft report` gives the certified ε)")
         else:
-            self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, r.seed)
+            self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, self.rng)
         self.q = self.sampler.q
         s = r.schedule
         self.total_steps = s.steps or max(1, math.ceil(s.epochs * self.n / r.batch.expected_batch_size))
 
-        self.ledger = PrivacyLedger()
         self.sigma = 0.0
         if r.subspace.source != "none":
             from dpft.methods.dpsft import build_subspace
@@ -175,8 +198,8 @@ class Trainer:
             self.engine = make_engine(r.privacy.engine, self.model, self.loss_fn, self.clip)
             if hasattr(self.clip, "set_head_mask"):
                 self.clip.set_head_mask([is_head_param(n) for n in self.engine.params])
-            self.mechanism = GaussianMechanism(self.noise_sigma, self.clip.sensitivity, hash_seed(r.seed, 0xA0),
-                                               secure=r.privacy.secure_rng)
+            self.mechanism = GaussianMechanism(self.noise_sigma, self.clip.sensitivity, self.rng,
+                                               hardened=r.privacy.hardened_noise)
         else:
             self.engine = NonPrivateEngine(self.model, self.loss_fn, make_clip_policy("flat", 1.0))
             self.mechanism = None
@@ -192,6 +215,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
         self.start_step = 0
+        self.diagnostics: Optional[DiagnosticsLog] = None
         self.history = History()
         self.elapsed_before = 0.0
         self.setup_seconds = time.time() - t0
@@ -199,7 +223,7 @@ class Trainer:
     # ------------------------------------------------------------------ hooks for methods
     def prior_events(self) -> list:
         """Events spent before training (e.g. a private subspace); composed into calibration."""
-        return [e.composed() for e in getattr(self, "ledger", PrivacyLedger()).entries]
+        return self.ledger.events()
 
     def _setup_adam_ac(self) -> None:
         """DP-Adam-AC's clip policy (private adaptive quantile, or the paper's leaky rule)."""
@@ -259,7 +283,7 @@ class Trainer:
         """One logical step. Returns train loss and batch size of the step."""
         r = self.recipe
         t_step = time.perf_counter()
-        torch.manual_seed(hash_seed(r.seed, step, 0xD0))  # dropout masks: resumable, per step
+        torch.manual_seed(self.rng.seed_for("dropout", step))  # dropout masks: per step, secret
         idx = self.sampler.indices(step)
         if self.ldp is not None:
             self.ldp.before_step(step)
@@ -291,14 +315,15 @@ class Trainer:
             noisy = self.mechanism.add_noise(grad_sum, step)
             # One GaussianDpEvent(σ) covers the gradient (noise σ_Δ·C) and, with adaptive
             # clipping, the count release (privacy/clipping.py, effective_noise_multiplier).
-            self.ledger.record("train", dpa.PoissonSampledDpEvent(q_t, dpa.GaussianDpEvent(self.sigma)))
+            self.ledger.record(self.phase, dpa.PoissonSampledDpEvent(q_t, dpa.GaussianDpEvent(self.sigma)))
+            self.save_live_ledger()  # a crash never loses a release
         else:
             noisy = grad_sum
         # Divide by the expected batch size q·N: the actual size is data-dependent (private).
         denom = float(q_t * self.n) if hasattr(self.sampler, "q_at") else float(r.batch.expected_batch_size)
         grads = {n: g / denom for n, g in noisy.items()}
         ctx = {"noise_std": (self.noise_sigma * self.clip.sensitivity / denom) if self.private else 0.0,
-               "step": step, "trainer": self, "clean_sum": grad_sum}
+               "step": step, "trainer": self}
         t_tf = time.perf_counter()
         tf_stats: dict[str, float] = {}
         for tf in self.transforms:
@@ -319,7 +344,7 @@ class Trainer:
         out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz,
                "step_seconds": time.perf_counter() - t_step, "transform_seconds": t_tf, **tf_stats}
         if self.private:
-            out["clip_fraction"] = clipped / max(bsz, 1)  # non-private statistic: logs only
+            out["clip_fraction"] = clipped / max(bsz, 1)  # private statistic: diagnostics only
         if self.adam_ac_active:
             from dpft.methods.dp_adam_ac import after_step
 
@@ -327,6 +352,11 @@ class Trainer:
         if self.causal:
             out["train_loss_per_token"] = loss_sum / max(1, int((self.train_lengths[idx] - 1).sum()))
         return out
+
+    def save_live_ledger(self) -> None:
+        """Write the ledger to its live file (after every release; never shrinks it)."""
+        self.live_ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        self.ledger.save(self.live_ledger_path)
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict[str, Any]:
@@ -363,24 +393,30 @@ class Trainer:
                 p.copy_(ck["params"][n])
         self.optimizer.load_state_dict(ck["optim"]["optimizer"])
         self.scheduler.load_state_dict(ck["optim"]["scheduler"])
-        torch.set_rng_state(ck["optim"]["torch_rng"])
         self.sigma = st["sigma"]
         if self.mechanism is not None:
             self.mechanism.sigma = self.noise_sigma
-        self.ledger = PrivacyLedger.from_json(ck["ledger"])
-        live = self.run_dir / "ledger.json"
-        if self.recipe.privacy.secure_rng and live.is_file():
-            # Fresh noise on replayed steps is a new release: keep every release ever made.
-            self.ledger = PrivacyLedger.load(live)
+        ck_ledger = PrivacyLedger.from_json(ck["ledger"])
+        live = self.live_ledger_path
+        # The live ledger holds every release ever made in this directory, including steps past
+        # the checkpoint that the resumed run replays with fresh secret randomness (new
+        # releases). It is continued, never replaced; the checkpoint's copy is a fallback.
+        self.ledger = PrivacyLedger.load(live) if live.is_file() else ck_ledger
+        if not ck_ledger.certified:
+            self.ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
         self.start_step = st["step"]
         self.history.rows = st.get("history", [])
         self.elapsed_before = st.get("elapsed", 0.0)
 
     # ------------------------------------------------------------------ the run
     def _emit(self, row: dict[str, Any]) -> None:
-        self.history.rows.append(row)
+        """Released part of a row → history and metrics.jsonl; private part → diagnostics only."""
+        released, private = split_row(row)
+        self.history.rows.append(released)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(released) + "\n")
+        if self.diagnostics is not None:
+            self.diagnostics.write(private)
 
     def epsilon_now(self) -> Optional[float]:
         if self.ldp is not None:
@@ -406,6 +442,9 @@ class Trainer:
                                     "or choose another --output-dir (nothing was overwritten)")
             atomic_write_text(self.run_dir / "metrics.jsonl", "")
         atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
+        self.diagnostics = DiagnosticsLog(self.run_dir) if r.log.private_diagnostics else None
+        if self.private or self.ldp is not None:
+            self.save_live_ledger()  # phases spent before training (stage 1, synthetic data)
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc=r.name, disable=not self.progress,
                    dynamic_ncols=True, file=sys.stderr)
         last_eval: dict[str, float] = {}
@@ -413,14 +452,12 @@ class Trainer:
             out = self.step(step)
             done = step + 1
             row: dict[str, Any] = {"step": done, **out, "lr": self.scheduler.get_last_lr()[0]}
-            if self.private and r.privacy.secure_rng:
-                self.ledger.save(self.run_dir / "ledger.json")
             if done % r.eval.every_steps == 0 or done == self.total_steps:
                 last_eval = self.evaluate()
                 row.update(last_eval)
                 row["epsilon"] = self.epsilon_now()
             self._emit(row)
-            post = {"loss": f"{out['train_loss']:.3f}"}
+            post = {}  # released quantities only: no train loss or batch size on the screen either
             if last_eval and "dev_accuracy" in last_eval:
                 post["dev_acc"] = f"{last_eval['dev_accuracy']:.3f}"
             if self.private and row.get("epsilon") is not None:
@@ -431,7 +468,7 @@ class Trainer:
                 self.save(done)
         bar.close()
         if self.private or self.ldp is not None:
-            self.ledger.save(self.run_dir / "ledger.json")
+            self.save_live_ledger()
         if not last_eval:
             last_eval = self.evaluate()
         if self.causal and r.eval.prompts:
