@@ -166,19 +166,36 @@ def report(run_dir: Path = typer.Argument(..., help="A finished run directory.")
 @app.command("ldp-server")
 def ldp_server(
     recipe: Path = typer.Argument(..., help="Recipe with an ldp: section (e.g. recipes/sst2-minilm-ewft.yaml)."),
-    port: int = typer.Option(8765, "--port", help="Port on 127.0.0.1 (0 = any free port)."),
+    port: int = typer.Option(8765, "--port", help="Port (0 = any free port)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; non-loopback needs TLS."),
     output_dir: Path = typer.Option(Path("runs/ldp-server"), "--output-dir", "-o", help="Where post(·) and wire.jsonl go."),
     set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set ldp.position=output"),
+    token_file: Optional[Path] = typer.Option(
+        None, "--token-file", help="Bearer token file: read if it exists, else a new token is written there (0600). "
+                                   "Default: a new token in OUTPUT_DIR/ldp_token."),
+    ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="PEM certificate: serve HTTPS."),
+    ssl_keyfile: Optional[Path] = typer.Option(None, "--ssl-keyfile", help="PEM private key of --ssl-certfile."),
+    max_batch: Optional[int] = typer.Option(None, "--max-batch", help="Largest batch (rows) accepted; "
+                                            "default max(eval batch, B + 10√B + 16)."),
+    max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", help="Largest tensor body; default "
+                                                 "max_batch × T × k × 4 + max_batch × 8 + 64 KiB."),
 ):
     """Service provider of split forward-LDP training: trains post(·) on noisy codes only."""
     from dpft.config import load_recipe
-    from dpft.methods.ldp_split import make_server
+    from dpft.methods.ldp_split import load_or_create_token, make_server
 
     try:
-        srv = make_server(load_recipe(recipe, _overrides(set=set)), output_dir, port=port)
+        rec = load_recipe(recipe, _overrides(set=set))
+        tfile = token_file if token_file is not None else output_dir / "ldp_token"
+        token = load_or_create_token(tfile, overwrite=token_file is None)
+        srv = make_server(rec, output_dir, port=port, host=host, token=token,
+                          ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
+                          ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
+                          max_batch=max_batch, max_body_bytes=max_body_bytes)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
-    typer.echo(f"listening on http://127.0.0.1:{srv.server_address[1]}", err=False)
+    typer.echo(f"token file: {tfile}")
+    typer.echo(f"listening on {srv.url}")
     sys.stdout.flush()
     srv.serve_forever()
     typer.echo(f"finished; post(·) in {output_dir}/model, wire log {output_dir}/wire.jsonl")
@@ -187,24 +204,45 @@ def ldp_server(
 @app.command("ldp-client")
 def ldp_client(
     recipe: Path = typer.Argument(..., help="The same recipe as the server's."),
-    server: str = typer.Option("http://127.0.0.1:8765", "--server", help="ldp-server URL (loopback)."),
+    server: str = typer.Option("http://127.0.0.1:8765", "--server", help="ldp-server URL (http:// on loopback only)."),
     output_dir: Path = typer.Option(Path("runs/ldp-client"), "--output-dir", "-o", help="Client ledger and report."),
     set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key."),
+    token_file: Optional[Path] = typer.Option(None, "--token-file", help="The server's bearer token file "
+                                              "(default: $DPFT_LDP_TOKEN)."),
+    ca_file: Optional[Path] = typer.Option(None, "--ca-file", help="PEM CA bundle to verify an https:// server."),
+    encoder_sha256: Optional[str] = typer.Option(None, "--encoder-sha256", help="Refuse an encoder whose sha256 pin "
+                                                 "differs (the pin is in client_report.json of an earlier run)."),
 ):
     """Data holder of split forward-LDP training: pre(·) + encoder + clip + noise, sends noisy codes."""
+    import os
+
     from dpft.config import load_recipe
-    from dpft.methods.ldp_split import LDPClient
+    from dpft.methods.ldp_split import LDPClient, read_token
 
     try:
-        rep = LDPClient(load_recipe(recipe, _overrides(set=set)), server, output_dir).run()
+        if token_file is not None:
+            token = read_token(token_file)
+        elif os.environ.get("DPFT_LDP_TOKEN"):
+            token = os.environ["DPFT_LDP_TOKEN"].strip()
+        else:
+            _fail("ldp-client needs the server's token: --token-file PATH (the server prints where it wrote it) "
+                  "or DPFT_LDP_TOKEN")
+        rep = LDPClient(load_recipe(recipe, _overrides(set=set)), server, output_dir, token=token,
+                        ca_file=str(ca_file) if ca_file else None, encoder_sha256=encoder_sha256).run()
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     typer.echo(f"dev accuracy: {rep['dev_accuracy']:.4f}")
+    typer.echo(f"encoder sha256 (pin with --encoder-sha256): {rep['encoder_sha256']}")
     typer.echo(f"ε (stream, PLD) = {rep['epsilon_stream']:.4g} at δ = {rep['delta']:g}; local ε per release by "
                f"epoch = {[round(x, 3) for x in rep['epsilon_local_per_release']]}")
     typer.echo(f"example-level ε of this split deployment (server links rows to users, no amplification) = "
                f"{rep['epsilon_example_split_deployment']:.4g} at δ = {rep['delta']:g}; the stream ε above "
                f"assumes amplification; labels: {rep['privacy']['label']['privacy']} (see client_report.json)")
+    dev = rep["privacy"]["dev_releases"]
+    typer.echo(f"dev examples: one noisy code each at σ = {dev['sigma']:.4g}, ε = {dev['epsilon_code']:.4g} per "
+               f"dev example; labels {dev['labels']}")
+    if rep["privacy"]["randomness"]["mode"] != "secure":
+        typer.echo(rep["privacy"]["randomness"]["statement"])
 
 
 @app.command()
