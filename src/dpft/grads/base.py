@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from dpft.privacy.clipping import ClipPolicy
+from dpft.privacy.clipping import check_finite_norms, ClipPolicy
 
 #: ``loss_fn(forward, batch) -> (B,)`` per-example losses (nats). ``forward(**inputs)`` runs the
 #: model (possibly functionally); ``batch`` holds tensors with leading dimension B.
@@ -85,6 +85,7 @@ class PerExampleEngine(ABC):
         names = self.param_names
         b = next(iter(per_ex.values())).shape[0]
         sq = torch.stack([per_ex[n].reshape(b, -1).pow(2).sum(1) for n in names], dim=1)
+        check_finite_norms(sq)
         scales = self.clip.scales(sq)
         grad_sum = {
             n: torch.einsum("b,b...->...", scales[:, j].to(per_ex[n].dtype), per_ex[n])

@@ -65,7 +65,7 @@ from dpft.grads.layernorm import LayerNormKind
 from dpft.grads.linear import LinearKind
 from dpft.grads.lora import LoraEmbeddingKind
 from dpft.grads.rmsnorm import RMSNormKind
-from dpft.privacy.clipping import ClipPolicy
+from dpft.privacy.clipping import check_finite_norms, ClipPolicy
 
 #: Layer rules, tried in order.
 KINDS: tuple[LayerKind, ...] = (
@@ -347,6 +347,7 @@ class BookKeepingEngine(PerExampleEngine):
             [sq_norm(merged[n], b, self.norm_mode, cache, device) for n in names], dim=1
         )
         del cache
+        check_finite_norms(sq)
         scales = self.clip.scales(sq)
         # Equal factors in every group (flat, automatic clipping): layers reading the same
         # input (q/k/v) share one scaled copy of it.

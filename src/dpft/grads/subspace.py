@@ -36,7 +36,7 @@ from torch import nn
 from dpft.grads._hooks import Capture, Contribution, Outer, PerExample, merge
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss, trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine, _batch_size
-from dpft.privacy.clipping import ClipPolicy
+from dpft.privacy.clipping import check_finite_norms, ClipPolicy
 from dpft.transforms.subspace import SubspaceBasis, SubspaceError
 
 #: Per-example gradients of one layer are instantiated a tile of rows at a time, at most this
@@ -157,6 +157,7 @@ class SubspaceEngine(PerExampleEngine):
             self._checked = True
         coords, losses = self.coordinates(batch)
         sq = coords.pow(2).sum(1, keepdim=True)
+        check_finite_norms(sq)
         scales = self.clip.scales(sq)
         total = (coords * scales).sum(0)
         return ClippedBatch({COORDS: total}, sq, scales, float(losses.sum()), coords.shape[0])

@@ -720,7 +720,11 @@ class LDPClient:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
         self.dev_tok = tokenize_split(self.task.dev, self.tokenizer, r.model.max_length)
-        self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, r.seed)
+        #: The client's secret randomness (never sent, never written in secure mode): sampling,
+        #: noise and randomized response.
+        self.reproducible = bool(getattr(r.privacy, "reproducible", False))
+        self.rng = Randomness(r.seed) if self.reproducible else Randomness()
+        self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, self.rng)
         self.epochs = int(e)
         self.steps_per_epoch = _m.ceil(self.n / r.batch.expected_batch_size)
         self.total_steps = self.epochs * self.steps_per_epoch
@@ -738,9 +742,6 @@ class LDPClient:
         if not min(self.schedule.sigmas) > 0:
             raise LDPError("ldp-client: every σ_e must be > 0 (σ = 0 releases the clean codes)")
         self.ledger = PrivacyLedger()
-        #: The client's secret randomness (never sent, never written in secure mode).
-        self.reproducible = bool(getattr(r.privacy, "reproducible", False))
-        self.rng = Randomness(r.seed) if self.reproducible else Randomness()
         self.hardened = bool(getattr(r.privacy, "hardened_noise", True))
         #: Rows whose clean code was non-finite and was replaced by zeros (client-side diagnostic).
         self.rows_zeroed = 0
@@ -756,7 +757,7 @@ class LDPClient:
             from dpft.methods.ewft import privatize_labels
 
             self.train_tok, self.noisy_labels = privatize_labels(self.train_tok, c.label_epsilon,
-                                                                 self.task.num_labels, self.rng.seed_for("label_rr"))
+                                                                 self.task.num_labels, self.rng.generator("label_rr"))
         self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length)
 
     def _randomness_section(self) -> dict[str, Any]:

@@ -19,6 +19,23 @@ import torch
 EPS = 1e-6
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """A per-example gradient norm is inf or NaN: clipping cannot bound its contribution."""
+
+
+def check_finite_norms(sq_norms: torch.Tensor) -> None:
+    """Raise :class:`NonFiniteGradientError` if any per-example squared norm ``(B, G)`` is not finite.
+
+    A non-finite norm would give a clip factor of 0 (or NaN) and a NaN model; refusing it keeps
+    the last checkpoint valid."""
+    if not bool(torch.isfinite(sq_norms).all()):
+        bad = (~torch.isfinite(sq_norms)).any(dim=1).nonzero().flatten().tolist()
+        raise NonFiniteGradientError(
+            f"non-finite per-example gradient norm for {len(bad)} example(s) of the micro-batch "
+            f"(positions {bad[:5]}); lower optimizer.lr, use a smaller model.max_length or check the data "
+            "for extreme inputs. Nothing was released for this step")
+
+
 class ClipPolicy(ABC):
     """Maps per-example squared group norms ``(B, G)`` to clip factors ``(B, G)``.
 

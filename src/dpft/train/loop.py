@@ -30,7 +30,7 @@ from dpft.data.tokenize import collate, tokenize_split
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
 from dpft.models.load import count_parameters, head_param_groups, is_head_param, load_classifier, select_trainable, set_dropout
 from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
-from dpft.privacy.clipping import make_clip_policy
+from dpft.privacy.clipping import NonFiniteGradientError, make_clip_policy
 from dpft.privacy.noise import GaussianMechanism
 from dpft.privacy.randomness import Randomness
 from dpft.train.release import DiagnosticsLog, split_row
@@ -297,7 +297,11 @@ class Trainer:
         idx = idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
         for micro in self.sampler.micro_batches(idx, r.batch.max_physical_batch_size):
             rows = list(self.train_tok.select(micro.tolist()))
-            res = self.engine.clipped_sum(collate(rows, self.pad_id, self.with_token_types))
+            try:
+                res = self.engine.clipped_sum(collate(rows, self.pad_id, self.with_token_types))
+            except NonFiniteGradientError as exc:
+                raise TrainingError(f"step {step}: {exc}. The last checkpoint in {self.run_dir} is intact; "
+                                    "fix the recipe and --resume") from None
             if not math.isfinite(res.loss_sum):
                 raise TrainingError(
                     f"non-finite training loss at step {step}; lower optimizer.lr or check the data. "
