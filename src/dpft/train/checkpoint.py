@@ -1,4 +1,4 @@
-"""Checkpoints: trainable weights (safetensors), optimizer, scheduler, RNG, step and ledger.
+"""Checkpoints: trainable weights (safetensors), optimizer, scheduler, step and ledger.
 
 A checkpoint is a folder written beside the live one and swapped in with ``os.replace``, so
 a crash mid-write leaves the previous checkpoint intact.
@@ -27,8 +27,8 @@ def save_checkpoint(run_dir: Path, *, step: int, params: dict[str, torch.Tensor]
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(tmp / "trainable.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state()}, tmp / "optim.pt")
+    # No RNG state: every draw comes from the run's secret randomness (privacy/randomness.py).
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optim.pt")
     (tmp / "ledger.json").write_text(json.dumps(ledger_json, indent=1))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
     for f in tmp.iterdir():
@@ -57,7 +57,7 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
             raise FileNotFoundError(f"no checkpoint in {run_dir}; run without --resume to start fresh")
     return {
         "params": load_file(str(d / "trainable.safetensors")),
-        "optim": torch.load(d / "optim.pt", weights_only=False),
+        "optim": torch.load(d / "optim.pt", weights_only=True),  # tensors and plain containers only
         "ledger": json.loads((d / "ledger.json").read_text()),
         "state": json.loads((d / "state.json").read_text()),
     }
