@@ -1,0 +1,144 @@
+"""Input validation a new user meets (issue 13 item 6): bad labels, empty texts, header-only
+files, very long fields, RDP log noise, and a DP-SFT "public" subspace built on the private data."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from dpft.config import TaskCfg, load_recipe
+from dpft.data.tasks import DataError, load_task
+
+
+def _csv(path, rows, header="text,label"):
+    path.write_text("\n".join([header, *rows]) + "\n")
+    return str(path)
+
+
+def _files(tmp_path, train_rows, dev_rows=None, header="text,label"):
+    tr = _csv(tmp_path / "train.csv", train_rows, header)
+    dv = _csv(tmp_path / "dev.csv", dev_rows, header) if dev_rows is not None else None
+    return TaskCfg(name="files", train_file=tr, dev_file=dv)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from dpft.models.load import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("minilm"))
+
+
+# 1. non-integer labels --------------------------------------------------------------------------
+
+def test_fractional_labels_are_refused_with_file_column_and_rows(tmp_path):
+    cfg = _files(tmp_path, ["a,0", "b,1.5", "c,1", "d,2.5"], ["e,0", "f,1"], header="text,y")
+    cfg.label_column = "y"
+    with pytest.raises(DataError) as e:
+        load_task(cfg)
+    msg = str(e.value)
+    assert cfg.train_file in msg and "'y'" in msg and "1.5" in msg
+    assert "data rows 2, 4" in msg and "non-integer" in msg
+
+
+def test_whole_float_labels_are_accepted_as_ints(tmp_path):
+    d = load_task(_files(tmp_path, ["a,0.0", "b,1.0", "c,1"], ["e,0", "f,1.0"]))
+    assert d.train.features["label"].dtype == "int64" and sorted(d.train["label"]) == [0, 1, 1]
+    assert list(d.dev["label"]) == [0, 1] and d.label_names == ["0", "1"]
+    assert set(d.train.column_names) == {"text", "label"}  # the row-number column is gone
+
+
+# 2. out-of-range labels name their file and row ---------------------------------------------------
+
+def test_out_of_range_dev_label_names_the_dev_file_and_row(tmp_path):
+    cfg = _files(tmp_path, ["a,0", "b,1"], ["e,0", "f,1", "g,7"])
+    with pytest.raises(DataError, match="outside the label set 0..1") as e:
+        load_task(cfg)
+    msg = str(e.value)
+    assert msg.startswith(cfg.dev_file) and "label 7" in msg and "data row 3 " in msg
+
+
+def test_negative_train_label_names_the_train_file(tmp_path):
+    cfg = _files(tmp_path, ["a,0", "b,-1", "c,1"], ["e,0"])
+    with pytest.raises(DataError, match="outside the label set") as e:
+        load_task(cfg)
+    assert str(e.value).startswith(cfg.train_file) and "data row 2 " in str(e.value)
+
+
+def test_held_out_dev_label_names_the_train_file_row(tmp_path):
+    """A label seen only in held-out rows: the message points at that row of the train file."""
+    rows = [f"t{i},{i % 2}" for i in range(20)] + ["odd one,5"]
+    cfg = TaskCfg(name="files", train_file=_csv(tmp_path / "all.csv", rows), dev_fraction=0.5)
+    for seed in range(20):  # find a split that puts the label-5 row in dev
+        try:
+            load_task(cfg, seed=seed)
+        except DataError as exc:
+            if "held-out" in str(exc):
+                assert "data row 21 " in str(exc) and cfg.train_file in str(exc)
+                return
+    pytest.fail("no seed put row 21 in the held-out dev split")
+
+
+def test_unknown_string_label_and_missing_label_name_file_and_rows(tmp_path):
+    cfg = _files(tmp_path, ["a,pos", "b,neg"], ["e,pos", "f,meh"])
+    with pytest.raises(DataError, match=r"\['meh'\].*data row 2 .*not in the label set") as e:
+        load_task(cfg)
+    assert str(e.value).startswith(cfg.dev_file)
+    cfg = _files(tmp_path, ["a,1", "b,", "c,0"], ["e,0"])
+    with pytest.raises(DataError, match="no label in column 'label' at data row 2 ") as e:
+        load_task(cfg)
+    assert str(e.value).startswith(cfg.train_file)
+
+
+# 3. empty texts ---------------------------------------------------------------------------------
+
+def test_empty_text_names_file_column_and_rows(tmp_path):
+    cfg = _files(tmp_path, ["a,0", ",1", "c,1", "  ,0"], ["e,0"])
+    with pytest.raises(DataError) as e:
+        load_task(cfg)
+    msg = str(e.value)
+    assert msg.startswith(cfg.train_file) and "column 'text'" in msg and "data rows 2, 4 " in msg
+    jl = tmp_path / "dev.jsonl"
+    jl.write_text('{"text": "ok", "label": 0}\n{"text": "", "label": 1}\n')
+    with pytest.raises(DataError, match=r"dev\.jsonl: empty text in column 'text' at data row 2 "):
+        load_task(TaskCfg(name="files", train_file=_csv(tmp_path / "t.csv", ["a,0", "b,1"]), dev_file=str(jl)))
+
+
+def test_empty_text_pair_is_named(tmp_path):
+    cfg = _files(tmp_path, ["q1,s1,0", "q2,,1"], ["q3,s3,0"], header="q,s,label")
+    cfg.text_column, cfg.text_pair_column = "q", "s"
+    with pytest.raises(DataError, match=r"train\.csv: empty text in column 's' at data row 2 "):
+        load_task(cfg)
+
+
+def test_numeric_text_column_is_read_as_text(tmp_path, tokenizer):
+    from dpft.data.tokenize import tokenize_split
+
+    d = load_task(_files(tmp_path, ["12,0", "34,1"], ["56,0"]))
+    assert list(d.train["text"]) in (["12", "34"], ["34", "12"])
+    assert len(tokenize_split(d.dev, tokenizer, 8)) == 1
+
+
+# 5. header-only files ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ext,header", [("csv", "text,label"), ("tsv", "text\tlabel")])
+def test_header_only_file(tmp_path, ext, header):
+    f = tmp_path / f"h.{ext}"
+    f.write_text(header + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{f} has a header but no rows")):
+        load_task(TaskCfg(name="files", train_file=str(f)))
+    good = _csv(tmp_path / "g.csv", ["a,0", "b,1"])
+    with pytest.raises(DataError, match=re.escape(f"{f} has a header but no rows")):
+        load_task(TaskCfg(name="files", train_file=good, dev_file=str(f)))
+
+
+def test_header_only_corpus_for_the_text_task(tmp_path):
+    from dpft.data.text import read_texts
+
+    f = tmp_path / "c.csv"
+    f.write_text("text\n")
+    with pytest.raises(DataError, match="has a header but no rows"):
+        read_texts(f, None)
