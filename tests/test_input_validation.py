@@ -142,3 +142,94 @@ def test_header_only_corpus_for_the_text_task(tmp_path):
     f.write_text("text\n")
     with pytest.raises(DataError, match="has a header but no rows"):
         read_texts(f, None)
+
+
+# 4. long fields: character cap, truncation count ----------------------------------------------
+
+class _Recorder:
+    """Wraps a tokenizer; records the longest string it is given. ``slow`` drops ``encodings``
+    (a slow tokenizer's output) to test the other truncation count."""
+
+    def __init__(self, tok, slow=False):
+        self.tok, self.slow, self.longest = tok, slow, 0
+
+    def __call__(self, text, pair=None, **kw):
+        for t in list(text) + list(pair or []):
+            self.longest = max(self.longest, len(t))
+        enc = self.tok(text, pair, **kw)
+        return dict(enc) if self.slow else enc
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_long_fields_are_capped_and_truncations_counted(tmp_path, tokenizer, slow):
+    from dpft.data.tokenize import CHARS_PER_TOKEN, tokenize_split
+
+    huge = "word " * 400_000  # 2 MB
+    cfg = _files(tmp_path, ["short,0", f"{huge},1", "a b c d e f g h i j k l m n o p,0", "mid one,1"], ["x,0"])
+    d = load_task(cfg)
+    rec = _Recorder(tokenizer, slow)
+    st: dict = {}
+    out = tokenize_split(d.train, rec, 16, st)
+    assert rec.longest <= 16 * CHARS_PER_TOKEN
+    assert st == {"n": 4, "truncated": 2}
+    assert max(len(x) for x in out["input_ids"]) == 16
+    assert "__dpft_truncated__" not in out.column_names
+    plain = tokenize_split(d.train, tokenizer, 16)  # same ids as without the recorder
+    assert list(plain["input_ids"]) == list(out["input_ids"])
+
+
+def test_pair_truncation_is_counted(tmp_path, tokenizer):
+    from dpft.data.tokenize import tokenize_split
+
+    cfg = _files(tmp_path, ["q a b c d e,s f g h i j,0", "q,s,1"], ["q,s,0"], header="q,s,label")
+    cfg.text_column, cfg.text_pair_column = "q", "s"
+    d = load_task(cfg)
+    st: dict = {}
+    tokenize_split(d.train, tokenizer, 8, st)
+    assert st["truncated"] == 1
+
+
+def test_tokenize_task_note_keeps_the_private_count_out(tmp_path, tokenizer):
+    from dpft.data.tokenize import tokenize_task
+
+    long = " ".join(["w"] * 40)
+    cfg = _files(tmp_path, [f"{long},0", f"{long},1", "ok,0"], [f"{long},0", "ok,1"])
+    d = load_task(cfg)
+    n0 = len(d.notes)
+    tr, dv = tokenize_task(d, tokenizer, 16)
+    assert len(tr) == 3 and len(dv) == 2
+    assert d.truncated == {"max_length": 16, "train": 2, "dev": 1}
+    note = d.notes[n0]
+    assert "1 of 2 dev examples" in note and "model.max_length = 16" in note and "of 3" not in note
+    d = load_task(cfg)
+    tokenize_task(d, tokenizer, 16, private=False)
+    assert "2 of 3 training and 1 of 2 dev examples" in d.notes[-1]
+    d = load_task(cfg)
+    tokenize_task(d, tokenizer, 64)
+    assert d.truncated == {"max_length": 64, "train": 0, "dev": 0} and len(d.notes) == n0
+
+
+def test_text_task_document_mode_counts_truncations(tmp_path, tokenizer):
+    from dpft.data.text import load_text_task
+
+    tr = tmp_path / "tr.txt"
+    tr.write_text("\n".join(["a b c d e f g h i j k l", "a b", "x " * 5000, "c d e"]) + "\n")
+    dv = tmp_path / "dv.txt"
+    dv.write_text("a b c d e f g h i j k l\nq r\n")
+    d = load_text_task(TaskCfg(name="text", train_file=str(tr), dev_file=str(dv), unit="document"), tokenizer, 8)
+    assert d.truncated == {"max_length": 8, "train": 2, "dev": 1}
+    assert any("1 of 2 dev documents" in n for n in d.notes)
+    assert not any("of 4" in n for n in d.notes)
+
+
+def test_long_texts_are_tokenised_in_pieces_exactly(tokenizer, monkeypatch):
+    import dpft.data.text as text
+
+    doc = "The cat sat.  On the\nmat,   it slept; " * 40
+    full = text._encode([doc], tokenizer)
+    monkeypatch.setattr(text, "PIECE_CHARS", 50)
+    pieces = text._pieces(doc, 50)
+    assert len(pieces) > 10 and "".join(pieces) == doc
+    assert all(p[0].isspace() for p in pieces[1:])
+    assert text._encode([doc], tokenizer) == full
+    assert text._pieces("x" * 120, 50) == ["x" * 50, "x" * 50, "x" * 20]  # no boundary: plain cuts
