@@ -233,3 +233,20 @@ def test_long_texts_are_tokenised_in_pieces_exactly(tokenizer, monkeypatch):
     assert all(p[0].isspace() for p in pieces[1:])
     assert text._encode([doc], tokenizer) == full
     assert text._pieces("x" * 120, 50) == ["x" * 50, "x" * 50, "x" * 20]  # no boundary: plain cuts
+
+
+# 6. no raw absl warnings from the RDP cross-check ---------------------------------------------
+
+def test_rdp_cross_check_does_not_log_convergence_warnings(caplog):
+    import dp_accounting as dpa
+
+    from dpft.accounting.ledger import epsilon_of
+
+    ev = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0)), 10)
+    with caplog.at_level(logging.WARNING):
+        r = epsilon_of([ev], 1e-5)
+    assert r.epsilon > 0 and r.epsilon_rdp > r.epsilon
+    assert not [x for x in caplog.records if "converge" in x.getMessage()]
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("absl").warning("other absl warnings still show")
+    assert any("still show" in x.getMessage() for x in caplog.records)
