@@ -250,3 +250,49 @@ def test_rdp_cross_check_does_not_log_convergence_warnings(caplog):
     with caplog.at_level(logging.WARNING):
         logging.getLogger("absl").warning("other absl warnings still show")
     assert any("still show" in x.getMessage() for x in caplog.records)
+
+
+# 7. DP-SFT: a "public" subspace on the private data is refused ----------------------------------
+
+def _sft(private: dict, public: dict):
+    return load_recipe(None, {**{f"task.{k}": v for k, v in private.items()},
+                              "subspace.source": "public", "subspace.public_task": public})
+
+
+def test_public_subspace_on_the_private_task_is_refused(sst_like_files, tmp_path, monkeypatch):
+    from dpft.methods.dpsft import check_public_source
+    from dpft.transforms.subspace import SubspaceError
+
+    csv, tsv = sst_like_files["csv"], sst_like_files["tsv"]
+    msg = "built on the private data for free; use source: private"
+    with pytest.raises(SubspaceError, match=f"private task 'sst2'.*{msg}"):
+        check_public_source(_sft({"name": "sst2"}, {"name": "sst2"}))
+    # the same file, spelled differently
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SubspaceError, match=msg):
+        check_public_source(_sft({"name": "files", "train_file": str(csv)},
+                                 {"name": "files", "train_file": f"./{csv.name}"}))
+    # a registered task read from DPFT_DATA_DIR whose file is the private train file
+    (tmp_path / "sst2").mkdir()
+    (tmp_path / "sst2" / "train.tsv").write_text(tsv.read_text())
+    monkeypatch.setenv("DPFT_DATA_DIR", str(tmp_path))
+    with pytest.raises(SubspaceError, match=msg):
+        check_public_source(_sft({"name": "files", "train_file": "sst2/../sst2/train.tsv"}, {"name": "sst2"}))
+    # allowed: another task or another file
+    check_public_source(_sft({"name": "sst2"}, {"name": "imdb"}))
+    check_public_source(_sft({"name": "files", "train_file": str(csv)}, {"name": "files", "train_file": str(tsv)}))
+
+
+def test_trainer_refuses_the_private_file_as_public_subspace(tiny_model_dir, sst_like_files, tmp_path):
+    from dpft.train.loop import Trainer
+    from dpft.transforms.subspace import SubspaceError
+
+    f = str(sst_like_files["csv"])
+    rec = load_recipe(None, {
+        "model.name": str(tiny_model_dir), "model.max_length": 16, "task.name": "files", "task.train_file": f,
+        "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 4, "schedule.steps": 3,
+        "privacy.target_epsilon": 6.0, "privacy.delta": 1e-3, "subspace.k": 4, "subspace.steps": 4,
+        "subspace.source": "public", "subspace.public_task": {"name": "files", "train_file": f}})
+    with pytest.raises(SubspaceError, match="public subspace would be built on the private data"):
+        Trainer(rec, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "subspace" / "stage1").exists()
