@@ -12,7 +12,9 @@ spent, and resuming never counts budget twice nor loses it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -95,6 +97,23 @@ def pld_accountant(discretization: float = 1e-4) -> pld_privacy_accountant.PLDAc
     return pld_privacy_accountant.PLDAccountant(ADD_OR_REMOVE, value_discretization_interval=discretization)
 
 
+class _DropWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Drop absl warnings (dp-accounting's RDP code logs "failed to converge … Excluding this
+    order" through absl): the RDP value is a cross-check only, PLD is the reported one."""
+    logger, flt = logging.getLogger("absl"), _DropWarnings()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
+
+
 def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
     """ε(δ) of the composition of ``events`` with PLD and RDP.
 
@@ -109,9 +128,11 @@ def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
     event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
     pld = pld_accountant()
     pld.compose(event)
-    rdp = rdp_privacy_accountant.RdpAccountant(neighboring_relation=ADD_OR_REMOVE)
-    rdp.compose(event)
-    return PrivacyReport(float(pld.get_epsilon(delta)), delta, float(rdp.get_epsilon(delta)))
+    with _quiet_absl():
+        rdp = rdp_privacy_accountant.RdpAccountant(neighboring_relation=ADD_OR_REMOVE)
+        rdp.compose(event)
+        eps_rdp = float(rdp.get_epsilon(delta))
+    return PrivacyReport(float(pld.get_epsilon(delta)), delta, eps_rdp)
 
 
 class PrivacyLedger:

@@ -9,6 +9,7 @@ when online; offline they read the same files from ``DPFT_DATA_DIR`` (the layout
 from __future__ import annotations
 
 import csv
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ class TaskData:
     label_names: list[str]
     source: str
     notes: list[str] = field(default_factory=list)
+    #: Set by ``data.tokenize.tokenize_task``: ``{"max_length", "train", "dev"}``, the number of
+    #: examples of each split truncated to ``max_length`` tokens.
+    truncated: Optional[dict] = None
 
     @property
     def num_labels(self) -> int:
@@ -61,13 +65,21 @@ def _load_file(path: str | Path) -> datasets.Dataset:
             name = name[: -len(suffix)]
     if p.stat().st_size == 0:
         raise DataError(f"data file {p} is empty; give a file with a header and at least one row")
+    tabular = name.endswith((".csv", ".tsv"))
+    no_rows = (f"{p} has a header but no rows; add data rows below the header" if tabular
+               else f"{p} has no rows; give a file with at least one row")
     try:
-        return _load_by_type(p, name)
+        ds = _load_by_type(p, name)
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets/pandas parse errors
+        if "corresponds to no data" in str(exc):  # datasets' words for a file without rows
+            raise DataError(no_rows) from None
         raise DataError(f"cannot read {p} ({type(exc).__name__}: {str(exc)[:200]}); "
                         "check that it is a well-formed file with a header row (or no rows at all)") from None
+    if len(ds) == 0:
+        raise DataError(no_rows)
+    return ds
 
 
 def _load_by_type(p: Path, name: str) -> datasets.Dataset:
@@ -86,7 +98,30 @@ def _load_by_type(p: Path, name: str) -> datasets.Dataset:
     return ds["train"]
 
 
+#: Column holding each row's 1-based position in its file, so that errors found after a
+#: train/dev split still name the row (dropped before the data leave this module).
+_ROW = "__dpft_row__"
+
+
+def _col(ds: datasets.Dataset, name: str) -> list:
+    """One column as a list, read in one batch (``ds[name]`` iterates row by row in datasets ≥ 4)."""
+    return ds.select_columns([name])[:][name]
+
+
+def _rows(rows: list[int], shown: int = 5) -> str:
+    """``"data row 3"`` / ``"data rows 3, 7, 9, … (12 in all)"``: 1-based, header not counted."""
+    head = ", ".join(str(r) for r in rows[:shown])
+    more = f", … ({len(rows)} in all)" if len(rows) > shown else ""
+    return f"data row{'s' if len(rows) > 1 else ''} {head}{more} (counting from 1, header excluded)"
+
+
 def _standardise(ds: datasets.Dataset, text: str, pair: Optional[str], label: str, where: str) -> datasets.Dataset:
+    """Keep and rename the text/[pair]/label columns, check that no text is empty, and tag each
+    row with its position in the file (column ``_ROW``).
+
+    Raises:
+        DataError: a missing column, or empty texts (the message names ``where`` and the rows).
+    """
     cols = ds.column_names
     for role, c in (("text", text), ("text pair", pair), ("label", label)):
         if c is not None and c not in cols:
@@ -98,47 +133,101 @@ def _standardise(ds: datasets.Dataset, text: str, pair: Optional[str], label: st
     if pair:
         keep[pair] = "text_pair"
     ds = ds.select_columns(list(keep)).rename_columns({k: v for k, v in keep.items() if k != v})
-    return ds
+    for std, c in (("text", text), ("text_pair", pair)):
+        if c is None:
+            continue
+        empty = [i + 1 for i, t in enumerate(_col(ds, std)) if t is None or not str(t).strip()]
+        if empty:
+            raise DataError(f"{where}: empty text in column {c!r} at {_rows(empty)}; "
+                            "fill those rows or drop them")
+        feat = ds.features[std]
+        if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
+            ds = ds.cast_column(std, datasets.Value("string"))  # e.g. a column of numbers
+    return ds.add_column(_ROW, list(range(1, len(ds) + 1)))
 
 
-def _encode_labels(train, dev, where: str, label_names: Optional[list[str]] = None):
-    """Map labels to ints. Strings get a sorted label set from train; ints must be in range."""
+def _drop_row(ds: datasets.Dataset) -> datasets.Dataset:
+    return ds.remove_columns(_ROW) if _ROW in ds.column_names else ds
+
+
+def _is_missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _int_labels(ds: datasets.Dataset, where: str, column: str) -> list[int]:
+    """The labels of ``ds`` as ints; whole numbers written as floats (``1.0``) are accepted.
+
+    Raises:
+        DataError: a label that is not a number, or a number that is not whole (``1.5``).
+    """
+    out: list[int] = []
+    frac: list[int] = []
+    first_frac = None
+    for v, r in zip(_col(ds, "label"), _col(ds, _ROW)):
+        if isinstance(v, str) or not isinstance(v, (int, float)):
+            raise DataError(f"{where}: label {v!r} in column {column!r} at {_rows([r])} is not a number while "
+                            "other labels are; labels must be all integers 0..K-1 or all strings")
+        if isinstance(v, float) and not v.is_integer():
+            frac.append(r)
+            first_frac = v if first_frac is None else first_frac
+            continue
+        out.append(int(v))
+    if frac:
+        raise DataError(f"{where}: column {column!r} has non-integer labels (e.g. {first_frac!r}) at {_rows(frac)}; "
+                        "labels must be whole numbers 0..K-1 or strings (dpft does not round them)")
+    return out
+
+
+def _with_labels(ds: datasets.Dataset, labels: list[int]) -> datasets.Dataset:
+    ds = ds.remove_columns("label").add_column("label", labels)
+    return _drop_row(ds.cast_column("label", datasets.Value("int64")))
+
+
+def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "label",
+                   label_names: Optional[list[str]] = None):
+    """Map labels to ints. Strings get a sorted label set from train; ints must be in range.
+
+    ``train_where``/``dev_where`` name the file (or split) each comes from; ``column`` is the
+    label column's name there. Errors name the file, the column and the first offending rows.
+    """
     if len(train) == 0:
-        raise DataError(f"{where}: the training split is empty; give a file with at least one row")
+        raise DataError(f"{train_where}: the training split is empty; give a file with at least one row")
     if len(dev) == 0:
-        raise DataError(f"{where}: the dev split is empty; give a dev file or a larger train file")
+        raise DataError(f"{dev_where}: the dev split is empty; give a dev file or a larger train file")
     feat = train.features["label"]
     if isinstance(feat, datasets.ClassLabel):
-        return train, dev, list(feat.names)
-    tr_vals = train["label"]
-    if any(v is None for v in tr_vals) or any(v is None for v in dev["label"]):
-        raise DataError(f"{where}: some rows have no label; drop them or fill the label column")
-    if label_names is not None and all(isinstance(v, str) for v in tr_vals):
-        names = label_names
-    elif all(isinstance(v, str) for v in tr_vals):
-        names = sorted(set(tr_vals))
-    else:
-        try:
-            ints = sorted({int(v) for v in tr_vals})
-        except (TypeError, ValueError) as exc:
-            raise DataError(f"{where}: labels must be all integers or all strings ({exc})") from None
-        if ints[0] < 0:
-            raise DataError(f"{where}: negative label {ints[0]}; labels must be 0..K-1 or strings")
-        k = ints[-1] + 1 if label_names is None else len(label_names)
-        names = label_names or [str(i) for i in range(k)]
-        if any(int(v) >= k for v in dev["label"]) or ints[-1] >= k:
-            bad = max(int(v) for v in list(dev["label"]) + list(tr_vals))
-            raise DataError(f"{where}: label {bad} outside the label set 0..{k - 1}; fix the labels")
-        ints_ok = lambda ex: {"label": int(ex["label"])}  # noqa: E731
-        return train.map(ints_ok), dev.map(ints_ok), names
-    index = {n: i for i, n in enumerate(names)}
-    unknown = sorted({str(v) for v in dev["label"] if v not in index} | {str(v) for v in tr_vals if v not in index})
-    if unknown:
-        raise DataError(f"{where}: labels {unknown[:5]} are not in the label set {names}; fix or drop those rows")
-    enc = lambda ex: {"label": index[ex["label"]]}  # noqa: E731
-    train = train.map(enc).cast_column("label", datasets.Value("int64"))
-    dev = dev.map(enc).cast_column("label", datasets.Value("int64"))
-    return train, dev, names
+        return _drop_row(train), _drop_row(dev), list(feat.names)
+    splits = ((train, train_where), (dev, dev_where))
+    for ds, where in splits:
+        missing = [r for v, r in zip(_col(ds, "label"), _col(ds, _ROW)) if _is_missing(v)]
+        if missing:
+            raise DataError(f"{where}: no label in column {column!r} at {_rows(missing)}; "
+                            "drop those rows or fill the label column")
+    tr_vals = _col(train, "label")
+    if all(isinstance(v, str) for v in tr_vals):
+        names = label_names if label_names is not None else sorted(set(tr_vals))
+        index = {n: i for i, n in enumerate(names)}
+        for ds, where in splits:
+            unknown = [(r, v) for v, r in zip(_col(ds, "label"), _col(ds, _ROW)) if v not in index]
+            if unknown:
+                vals = sorted({str(v) for _, v in unknown})
+                raise DataError(f"{where}: labels {vals[:5]} in column {column!r} at {_rows([r for r, _ in unknown])} "
+                                f"are not in the label set {names}; fix or drop those rows")
+        return (_with_labels(train, [index[v] for v in tr_vals]),
+                _with_labels(dev, [index[v] for v in _col(dev, "label")]), names)
+    tr_ints = _int_labels(train, train_where, column)
+    dv_ints = _int_labels(dev, dev_where, column)
+    k = len(label_names) if label_names is not None else max(tr_ints) + 1
+    names = label_names or [str(i) for i in range(k)]
+    for ds, ints, where in ((train, tr_ints, train_where), (dev, dv_ints, dev_where)):
+        bad = [(r, v) for v, r in zip(ints, _col(ds, _ROW)) if not 0 <= v < k]
+        if bad:
+            vals = sorted({v for _, v in bad})
+            raise DataError(f"{where}: label{'s' if len(vals) > 1 else ''} {', '.join(map(str, vals[:5]))} in column "
+                            f"{column!r} at {_rows([r for r, _ in bad])} outside the label set 0..{k - 1} (the "
+                            f"{'task' if label_names is not None else 'training split'}'s); fix those labels "
+                            "(integer labels must be 0..K-1; strings are also accepted)")
+    return _with_labels(train, tr_ints), _with_labels(dev, dv_ints), names
 
 
 @dataclass
@@ -185,6 +274,7 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
         text = cfg.text_column or "text"
         label = cfg.label_column or "label"
         train = _standardise(_load_file(cfg.train_file), text, cfg.text_pair_column, label, cfg.train_file)
+        dev_where = cfg.dev_file or f"{cfg.train_file} (held-out dev rows)"
         if cfg.dev_file:
             dev = _standardise(_load_file(cfg.dev_file), text, cfg.text_pair_column, label, cfg.dev_file)
         else:
@@ -193,7 +283,7 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
             split = train.train_test_split(test_size=cfg.dev_fraction, seed=seed)
             train, dev = split["train"], split["test"]
             notes.append(f"dev = {cfg.dev_fraction:.0%} of {cfg.train_file} held out (seed {seed})")
-        train, dev, names = _encode_labels(train, dev, cfg.train_file)
+        train, dev, names = _encode_labels(train, dev, cfg.train_file, dev_where, label)
         data = TaskData("files", train, dev, names, f"files: {cfg.train_file}", notes)
     else:
         if cfg.name not in REGISTRY:
@@ -218,10 +308,12 @@ def _load_local(spec: TaskSpec, root: Path, seed: int) -> TaskData:
     if spec.train_file is None:
         split = dev.train_test_split(train_size=4000, seed=seed, shuffle=True)
         train, dev = split["train"], split["test"]
+        train_where = f"{dev_path} (rows used for training)"
     else:
         train_path = root / spec.train_file
         train = _standardise(_load_file(train_path), spec.text, spec.pair, spec.label, str(train_path))
-    train, dev, names = _encode_labels(train, dev, where, spec.label_names)
+        train_where = str(train_path)
+    train, dev, names = _encode_labels(train, dev, train_where, str(dev_path), spec.label, spec.label_names)
     return TaskData(spec.name, train, dev, names, f"local files under {root}", notes)
 
 
@@ -233,9 +325,10 @@ def _load_hub(spec: TaskSpec) -> TaskData:
             f"could not load {spec.name} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
             "Offline? Set DPFT_DATA_DIR to a folder with the task files (e.g. ../shared/data)"
         ) from None
-    train = _standardise(ds["train"], spec.text, spec.pair, spec.label, spec.name)
-    dev = _standardise(ds[spec.hub_dev_split], spec.text, spec.pair, spec.label, spec.name)
-    train, dev, names = _encode_labels(train, dev, spec.name, spec.label_names)
+    tw, dw = f"{spec.name} (hub train split)", f"{spec.name} (hub {spec.hub_dev_split} split)"
+    train = _standardise(ds["train"], spec.text, spec.pair, spec.label, tw)
+    dev = _standardise(ds[spec.hub_dev_split], spec.text, spec.pair, spec.label, dw)
+    train, dev, names = _encode_labels(train, dev, tw, dw, spec.label, spec.label_names)
     return TaskData(spec.name, train, dev, names, "hub: " + "/".join(spec.hub), [spec.note] if spec.note else [])
 
 

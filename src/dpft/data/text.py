@@ -14,6 +14,11 @@ The privacy unit (what one "example" of the (ε, δ) guarantee is) is set by ``t
 - ``document``: one document is one example. Its tokens fill one row on their own (never
   packed with another document's), truncated to ``block_size`` tokens; shorter documents are
   padded at collation. The guarantee is then per document.
+
+Memory: in ``document`` mode a text is cut to ``block_size * CHARS_PER_TOKEN`` characters (64
+per token, see data/tokenize.py) before it is tokenised; in ``block`` mode every token is kept,
+and a text over ``PIECE_CHARS`` characters is tokenised in pieces cut before a whitespace
+character (exact for tokenizers that split words at whitespace, as BPE and WordPiece do).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ import datasets
 
 from dpft.config import TaskCfg
 from dpft.data.tasks import DataError, _load_file
+from dpft.data.tokenize import CHARS_PER_TOKEN
+
+#: ``block`` mode: texts longer than this are tokenised in pieces of about this many characters.
+PIECE_CHARS = 1 << 20
 
 
 @dataclass
@@ -41,6 +50,9 @@ class TextData:
     notes: list[str] = field(default_factory=list)
     #: Kept so that the report/trainer code written for classification tasks still works.
     label_names: list[str] = field(default_factory=list)
+    #: ``document`` mode: ``{"max_length", "train", "dev"}``, documents truncated to
+    #: ``block_size`` tokens per split (the training count is private: not in ``notes``).
+    truncated: Optional[dict] = None
 
     @property
     def num_labels(self) -> int:
@@ -71,10 +83,36 @@ def read_texts(path: str | Path, column: Optional[str]) -> list[str]:
     return texts
 
 
-def _encode(texts: Sequence[str], tokenizer) -> list[list[int]]:
-    """Token ids of each text with BOS (if the tokenizer has one) and EOS appended."""
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+def _pieces(text: str, size: int) -> list[str]:
+    """``text`` cut into pieces of about ``size`` characters, each cut made just before a
+    whitespace character that precedes a non-space (the start of a word)."""
+    out, start = [], 0
+    while len(text) - start > size:
+        cut = start + size
+        while cut > start and not (text[cut].isspace() and not text[cut + 1:cut + 2].isspace()):
+            cut -= 1
+        if cut == start:  # no word boundary in the window: cut anywhere
+            cut = start + size
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
+def _encode(texts: Sequence[str], tokenizer, max_chars: Optional[int] = None) -> list[list[int]]:
+    """Token ids of each text with BOS (if the tokenizer has one) and EOS appended.
+
+    ``max_chars``: cut each text to that many characters first (``document`` mode); without
+    it, texts over ``PIECE_CHARS`` characters are tokenised piece by piece (bounded memory).
+    """
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if max_chars is not None:
+        ids = tokenizer([t[:max_chars] for t in texts], add_special_tokens=False)["input_ids"]
+    else:
+        ids = []
+        for t in texts:
+            parts = _pieces(t, PIECE_CHARS) if len(t) > PIECE_CHARS else [t]
+            ids.append([x for part in tokenizer(parts, add_special_tokens=False)["input_ids"] for x in part])
     return [([bos] if bos is not None else []) + x + ([eos] if eos is not None else []) for x in ids]
 
 
@@ -134,8 +172,19 @@ def load_text_task(cfg: TaskCfg, tokenizer, block_size: int, seed: int = 0) -> T
         split = datasets.Dataset.from_dict({"t": train_texts}).train_test_split(test_size=cfg.dev_fraction, seed=seed)
         train_texts, dev_texts = split["train"]["t"], split["test"]["t"]
         notes.append(f"dev = {cfg.dev_fraction:.0%} of the documents of {cfg.train_file} held out (seed {seed})")
-    tr = chunk_blocks(_encode(train_texts, tokenizer), block_size, cfg.unit)
-    dv = chunk_blocks(_encode(dev_texts, tokenizer), block_size, cfg.unit)
+    max_chars = block_size * CHARS_PER_TOKEN if cfg.unit == "document" else None
+    tr_docs, dv_docs = _encode(train_texts, tokenizer, max_chars), _encode(dev_texts, tokenizer, max_chars)
+    truncated = None
+    if cfg.unit == "document":
+        n_cut = lambda texts, docs: sum(len(t) > max_chars or len(d) > block_size  # noqa: E731
+                                        for t, d in zip(texts, docs))
+        truncated = {"max_length": block_size, "train": n_cut(train_texts, tr_docs), "dev": n_cut(dev_texts, dv_docs)}
+        if truncated["dev"]:
+            notes.append(f"truncated to {block_size} tokens: {truncated['dev']} of {len(dev_texts)} dev documents "
+                         "(raise model.max_length to keep more text; the count for the private training set "
+                         "is not released)")
+    tr = chunk_blocks(tr_docs, block_size, cfg.unit)
+    dv = chunk_blocks(dv_docs, block_size, cfg.unit)
     if not tr["input_ids"]:
         raise DataError(f"{cfg.train_file}: fewer than {block_size} tokens in all; lower model.max_length")
     if not dv["input_ids"]:
@@ -155,4 +204,5 @@ def load_text_task(cfg: TaskCfg, tokenizer, block_size: int, seed: int = 0) -> T
     if cfg.max_dev_examples and cfg.max_dev_examples < len(dev):
         dev = dev.shuffle(seed=seed).select(range(cfg.max_dev_examples))
         notes.append(f"dev set: a seeded random subset of {cfg.max_dev_examples} examples")
-    return TextData("text", train, dev, f"text corpus: {cfg.train_file}", cfg.unit, block_size, notes)
+    return TextData("text", train, dev, f"text corpus: {cfg.train_file}", cfg.unit, block_size, notes,
+                    truncated=truncated)

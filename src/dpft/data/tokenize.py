@@ -8,27 +8,109 @@ of 1 would make hook-based per-example gradients of position embeddings wrong.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import datasets
 import torch
 
+from dpft.data.tasks import DataError, _col
 
-def tokenize_split(ds: datasets.Dataset, tokenizer, max_length: int) -> datasets.Dataset:
-    """Add ``input_ids`` (and ``token_type_ids`` when the tokenizer has them), truncated."""
+#: Each text (and text pair) is cut to ``max_length * CHARS_PER_TOKEN`` characters before it is
+#: tokenised. Only the first ``max_length`` tokens are kept anyway, and natural text averages
+#: a few characters per token, so the cut changes nothing but memory (a 50 MB field otherwise
+#: took 7 GB of RAM in the tokenizer). Only a text whose first ``max_length`` tokens average
+#: more than 64 characters each would lose tokens to it.
+CHARS_PER_TOKEN = 64
+
+_TRUNC = "__dpft_truncated__"
+
+
+def _cap(texts: Sequence[Optional[str]], max_chars: int) -> list[Optional[str]]:
+    return [t if t is None or len(t) <= max_chars else t[:max_chars] for t in texts]
+
+
+def tokenize_split(ds: datasets.Dataset, tokenizer, max_length: int,
+                   stats: Optional[dict] = None) -> datasets.Dataset:
+    """Add ``input_ids`` (and ``token_type_ids`` when the tokenizer has them), truncated to
+    ``max_length`` tokens (texts are first cut to ``max_length * CHARS_PER_TOKEN`` characters).
+
+    Args:
+        stats: if given, filled with ``n`` (examples) and ``truncated`` (how many were longer
+            than ``max_length`` tokens and were truncated).
+
+    Raises:
+        DataError: a row with no text.
+    """
+    max_chars = max_length * CHARS_PER_TOKEN
 
     def fn(batch):
-        pair = batch.get("text_pair")
-        enc = tokenizer(batch["text"], pair, truncation=True, max_length=max_length)
+        cut = [t is not None and len(t) > max_chars for t in batch["text"]]
+        text = _cap(batch["text"], max_chars)
+        pair = None
+        if "text_pair" in batch:
+            cut = [c or (t is not None and len(t) > max_chars) for c, t in zip(cut, batch["text_pair"])]
+            pair = _cap(batch["text_pair"], max_chars)
+        enc = tokenizer(text, pair, truncation=True, max_length=max_length)
         out = {"input_ids": enc["input_ids"]}
         if "token_type_ids" in enc:
             out["token_type_ids"] = enc["token_type_ids"]
+        if getattr(enc, "encodings", None):  # fast tokenizer: truncated rows keep what they cut
+            over = [bool(e.overflowing) for e in enc.encodings]
+        else:  # slow tokenizer: a row that reaches max_length + 1 tokens was truncated
+            longer = tokenizer(text, pair, truncation=True, max_length=max_length + 1)
+            over = [len(x) > max_length for x in longer["input_ids"]]
+        out[_TRUNC] = [a or b for a, b in zip(over, cut)]
         return out
 
-    texts = ds["text"]
-    if any(t is None for t in texts):
-        raise ValueError("some rows have an empty text; drop them or fill the text column")
-    return ds.map(fn, batched=True, desc="tokenising", load_from_cache_file=False)
+    texts = _col(ds, "text")
+    empty = [i + 1 for i, t in enumerate(texts) if t is None]
+    if empty:
+        raise DataError(f"{len(empty)} rows have no text (rows {empty[:5]} of this split, counting from 1); "
+                        "drop them or fill the text column")
+    out = ds.map(fn, batched=True, desc="tokenising", load_from_cache_file=False)
+    if stats is not None:
+        stats["n"] = len(out)
+        stats["truncated"] = int(sum(_col(out, _TRUNC)))
+    return out.remove_columns(_TRUNC)
+
+
+def truncation_note(train: dict, dev: dict, max_length: int, private: bool = True) -> Optional[str]:
+    """The report note for the ``stats`` of :func:`tokenize_split` on train and dev, or None
+    when there is nothing to say.
+
+    With ``private`` the training-set count is left out: it is a statistic of the private data,
+    and the report holds only public or privatised quantities (DESIGN.md, "The release set").
+    The dev count is reported like the dev metrics are.
+    """
+    if private:
+        if not dev.get("truncated"):
+            return None
+        return (f"truncated to model.max_length = {max_length} tokens: {dev['truncated']} of {dev['n']} dev "
+                "examples (raise model.max_length to keep more text; the count for the private training "
+                "set is not released)")
+    if not train.get("truncated") and not dev.get("truncated"):
+        return None
+    return (f"truncated to model.max_length = {max_length} tokens: {train['truncated']} of {train['n']} "
+            f"training and {dev['truncated']} of {dev['n']} dev examples (raise model.max_length to keep more text)")
+
+
+def tokenize_task(task, tokenizer, max_length: int, private: bool = True) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Tokenise ``task.train`` and ``task.dev`` (:func:`tokenize_split`), set ``task.truncated``
+    to ``{"max_length", "train", "dev"}`` (examples truncated to ``max_length`` tokens per split)
+    and append :func:`truncation_note` to ``task.notes`` (with ``private``, the dev count only).
+
+    Returns:
+        ``(train_tok, dev_tok)``.
+    """
+    st_train: dict = {}
+    st_dev: dict = {}
+    train_tok = tokenize_split(task.train, tokenizer, max_length, st_train)
+    dev_tok = tokenize_split(task.dev, tokenizer, max_length, st_dev)
+    task.truncated = {"max_length": max_length, "train": st_train["truncated"], "dev": st_dev["truncated"]}
+    note = truncation_note(st_train, st_dev, max_length, private)
+    if note:
+        task.notes.append(note)
+    return train_tok, dev_tok
 
 
 def collate(rows: Sequence[dict], pad_id: int, with_token_types: bool = True) -> dict[str, torch.Tensor]:

@@ -114,12 +114,44 @@ def _stage1_only(ledger: PrivacyLedger, n_before: int) -> dict:
     return out.to_json()
 
 
+def _task_files(t) -> set[Path]:
+    """The resolved files a task config reads its training rows from (a registered task's
+    files only when it is read from DPFT_DATA_DIR)."""
+    from dpft.data.tasks import REGISTRY, data_dir
+
+    if t.train_file:
+        return {Path(t.train_file).expanduser().resolve()}
+    spec, root = REGISTRY.get(t.name), data_dir()
+    if spec is None or root is None:
+        return set()
+    return {(root / f).resolve() for f in (spec.train_file or spec.dev_file,) if f}
+
+
+def check_public_source(r: Recipe) -> None:
+    """Refuse a "public" stage-1 task that is the private task itself.
+
+    Raises:
+        SubspaceError: ``subspace.public_task`` names the private task (same registered name)
+            or reads the same training file (resolved path).
+    """
+    pub, priv = r.subspace.public_task, r.task
+    if r.subspace.source != "public" or pub is None:
+        return
+    same_name = not pub.train_file and not priv.train_file and pub.name == priv.name
+    shared = _task_files(pub) & _task_files(priv)
+    if same_name or shared:
+        what = f"task {pub.name!r}" if same_name else f"file {sorted(map(str, shared))[0]}"
+        raise SubspaceError(f"subspace.public_task is the private {what}: the public subspace would be built on "
+                            "the private data for free; use source: private (accounted) or a different public task")
+
+
 def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
     """Run stage 1 in ``<run>/subspace/stage1`` and build the basis (Algorithm 1)."""
     r = trainer.recipe
     cfg = r.subspace
     if cfg.source == "private" and not trainer.private:
         raise SubspaceError("subspace.source=private is DP-SGD on the private data; it needs privacy.enabled")
+    check_public_source(r)
     rec, after = stage1_recipe(r, trainer.n)
     d = trainer.run_dir / "subspace" / "stage1"
     if (d / "checkpoint").exists():

@@ -26,7 +26,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import Recipe, dump_recipe
 from dpft.data.sampler import PoissonSampler
 from dpft.data.tasks import load_task
-from dpft.data.tokenize import collate, tokenize_split
+from dpft.data.tokenize import collate, tokenize_task
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
 from dpft.models.load import count_parameters, head_param_groups, is_head_param, load_classifier, select_trainable, set_dropout
 from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
@@ -153,8 +153,14 @@ class Trainer:
         self.model = select_trainable(model, r.trainable)
         self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names and not self.causal
         if not self.causal:
-            self.train_tok = tokenize_split(self.task.train, self.tokenizer, r.model.max_length)
-            self.dev_tok = tokenize_split(self.task.dev, self.tokenizer, r.model.max_length)
+            # Dev truncation count goes in the report's notes; the training count is private.
+            self.train_tok, self.dev_tok = tokenize_task(self.task, self.tokenizer, r.model.max_length,
+                                                         private=r.privacy.enabled or r.ldp.enabled)
+            n_cut = getattr(self.task, "truncated", {}).get("train", 0)
+            if n_cut and progress and (r.privacy.enabled or r.ldp.enabled):
+                print(f"{n_cut} training examples were truncated to model.max_length = {r.model.max_length} "
+                      "tokens (private statistic: shown here only, not written to the run directory)",
+                      file=sys.stderr)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.train_lengths = torch.tensor([len(x) for x in self.train_tok["input_ids"]])
 
