@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from dpft.data.sampler import PoissonSampler
+from dpft.step.sample import PoissonSampler
 
 
 class ScheduledPoissonSampler(PoissonSampler):

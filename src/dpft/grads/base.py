@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from dpft.privacy.clipping import check_finite_norms, ClipPolicy
+from dpft.step.clip import ClipPolicy, check_finite_norms
 
 #: ``loss_fn(forward, batch) -> (B,)`` per-example losses (nats). ``forward(**inputs)`` runs the
 #: model (possibly functionally); ``batch`` holds tensors with leading dimension B.

@@ -65,7 +65,7 @@ from dpft.grads.layernorm import LayerNormKind
 from dpft.grads.linear import LinearKind
 from dpft.grads.lora import LoraEmbeddingKind
 from dpft.grads.rmsnorm import RMSNormKind
-from dpft.privacy.clipping import check_finite_norms, ClipPolicy
+from dpft.step.clip import ClipPolicy, check_finite_norms
 
 #: Layer rules, tried in order.
 KINDS: tuple[LayerKind, ...] = (

@@ -36,7 +36,7 @@ from torch import nn
 from dpft.grads._hooks import Capture, Contribution, Outer, PerExample, merge
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss, trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine, _batch_size
-from dpft.privacy.clipping import check_finite_norms, ClipPolicy
+from dpft.step.clip import ClipPolicy, check_finite_norms
 from dpft.transforms.subspace import SubspaceBasis, SubspaceError
 
 #: Per-example gradients of one layer are instantiated a tile of rows at a time, at most this

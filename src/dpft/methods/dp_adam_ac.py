@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
-from dpft.privacy.clipping import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
+from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
 
 #: Why the paper's rule cannot be certified (printed in the report).
 PAPER_REASON = ("reproduce_paper: the clip norm C is the percentile of raw, un-noised per-example gradient "

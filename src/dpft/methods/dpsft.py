@@ -161,12 +161,10 @@ def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
     # Stage 1 appends to the parent's ledger (phase "subspace") and saves it to the parent's live
     # ledger.json after every release, so a crash in stage 1 loses no record; its randomness is
     # an independent child of the run's secret source.
-    st = SnapshotTrainer(rec, d, after, progress=trainer.progress,
-                         ledger=trainer.ledger if cfg.source == "private" else None,
-                         rng=trainer.rng.child("dpsft-stage1"))
-    if cfg.source == "private":
-        st.phase = PHASE
-        st.live_ledger_path = trainer.live_ledger_path
+    private = cfg.source == "private"
+    st = SnapshotTrainer(rec, d, after, progress=trainer.progress, rng=trainer.rng.child("dpsft-stage1"),
+                         **({"ledger": trainer.ledger, "phase": PHASE, "live_ledger_path": trainer.live_ledger_path}
+                            if private else {}))
     n_before = trainer.ledger.steps
     rep = st.run()
     if st.recorded != len(after):
@@ -271,7 +269,7 @@ def wire_stage2(trainer: Trainer) -> None:
     if r.privacy.clipping.style in ("head_body", "per_layer"):
         # The k coordinates are one group: head_body / per_layer shape stage 1's clipping only;
         # stage 2 clips ‖s_i‖ in R^k to the same C (same sensitivity, same mechanism).
-        from dpft.privacy.clipping import FlatClip
+        from dpft.step.clip import FlatClip
 
         trainer.clip = FlatClip(r.privacy.clipping.max_norm)
     engine = SubspaceEngine(trainer.model, classification_loss, trainer.clip, basis)

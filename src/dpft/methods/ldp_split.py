@@ -677,7 +677,7 @@ class LDPClient:
         from dpft.accounting.calibrate import check_delta
         from dpft.accounting.ewpba import make_schedule
         from dpft.accounting.ledger import PrivacyLedger
-        from dpft.data.sampler import PoissonSampler
+        from dpft.step.sample import PoissonSampler
         from dpft.data.tasks import load_task
         from dpft.data.tokenize import tokenize_split
         from dpft.models.load import load_classifier

@@ -38,7 +38,7 @@ from dpft.data.tokenize import collate
 from dpft.models.load import head_param_groups, is_head_param
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.models.units import resolve_units, unit_map
-from dpft.privacy.clipping import make_clip_policy
+from dpft.step.clip import make_clip_policy
 
 Grads = dict[str, torch.Tensor]
 PERTURBATIONS = ("worst", "random", "none")

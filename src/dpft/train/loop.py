@@ -24,26 +24,22 @@ from dpft.accounting.calibrate import calibrate_sigma, check_delta
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import Recipe, dump_recipe
-from dpft.data.sampler import PoissonSampler
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import collate, tokenize_task
 from dpft.grads.base import NonPrivateEngine, PerExampleEngine
 from dpft.models.load import count_parameters, head_param_groups, is_head_param, load_classifier, select_trainable, set_dropout
 from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
-from dpft.privacy.clipping import NonFiniteGradientError, make_clip_policy
-from dpft.privacy.noise import GaussianMechanism
+from dpft.step import DPStep, StepSpec
+from dpft.step.postprocess import Transform, rmt_transform  # noqa: F401 (Transform: public type)
+from dpft.step.sample import PoissonSampler
+from dpft.step.clip import NonFiniteGradientError, make_clip_policy
+from dpft.step.noise import GaussianMechanism
 from dpft.privacy.randomness import Randomness
 from dpft.train.release import DiagnosticsLog, split_row
 
 
 class TrainingError(RuntimeError):
     """The run cannot continue (non-finite loss, mismatched resume…); message names the fix."""
-
-
-#: Post-processing of the privatised, averaged gradient: ``fn(grads, ctx) -> grads``.
-#: ``ctx`` holds ``noise_std`` (per-entry std of the averaged noise, σC/(qN)), ``step`` and
-#: ``trainer``. Post-processing costs no privacy.
-Transform = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
 
 
 def make_engine(kind: str, model, loss_fn, clip) -> PerExampleEngine:
@@ -59,21 +55,6 @@ def make_engine(kind: str, model, loss_fn, clip) -> PerExampleEngine:
             return ReferenceEngine(model, loss_fn, clip)
         return BookKeepingEngine(model, loss_fn, clip)
     return ReferenceEngine(model, loss_fn, clip)
-
-
-def rmt_transform(model, trainable_names: list[str], cfg) -> Transform:
-    """The RMT denoiser as a loop transform: shrinks each 2-D weight gradient given the
-    per-entry noise std σC/(qN) of the averaged gradient (post-processing: no ledger event)."""
-    from dpft.transforms.rmt import RMTDenoiser, matrix_param_names
-
-    den = RMTDenoiser(kappa=cfg.kappa, rank=cfg.rank)
-    names = matrix_param_names(model, trainable_names)
-
-    def apply(grads, ctx):
-        return den(grads, ctx["noise_std"], names)
-
-    apply.denoiser = den  # type: ignore[attr-defined]
-    return apply
 
 
 def _lr_lambda(warmup: int, total: int, decay: str):
@@ -103,7 +84,8 @@ class Trainer:
 
     def __init__(self, recipe: Recipe, run_dir: str | Path, resume: bool = False,
                  transforms: Optional[list[Transform]] = None, progress: bool = True,
-                 ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None):
+                 ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
+                 phase: str = "train", live_ledger_path: Optional[str | Path] = None):
         self.recipe = r = recipe
         self.run_dir = Path(run_dir)
         self.resume = resume
@@ -120,8 +102,8 @@ class Trainer:
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         #: Ledger phase of this loop's steps, and the file its live ledger is saved to (a
         #: sub-run such as DP-SFT's stage 1 writes into its parent's ledger).
-        self.phase = "train"
-        self.live_ledger_path = self.run_dir / "ledger.json"
+        self.phase = phase
+        self.live_ledger_path = Path(live_ledger_path) if live_ledger_path else self.run_dir / "ledger.json"
         live = self.live_ledger_path
         if not resume and live.is_file() and not (self.run_dir / "checkpoint").exists():
             earlier = PrivacyLedger.load(live)
@@ -205,7 +187,7 @@ class Trainer:
             if hasattr(self.clip, "set_head_mask"):
                 self.clip.set_head_mask([is_head_param(n) for n in self.engine.params])
             self.mechanism = GaussianMechanism(self.noise_sigma, self.clip.sensitivity, self.rng,
-                                               hardened=r.privacy.hardened_noise)
+                                               hardened=r.privacy.hardened_noise, accounted_sigma=self.sigma)
         else:
             self.engine = NonPrivateEngine(self.model, self.loss_fn, make_clip_policy("flat", 1.0))
             self.mechanism = None
@@ -220,6 +202,11 @@ class Trainer:
         self._setup_adam_ac_optim()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
+        self.dp_step = DPStep(
+            StepSpec(engine=self.engine, clip=self.engine.clip, mechanism=self.mechanism, sampler=self.sampler,
+                     optimizer=self.optimizer, transforms=self.transforms, params=self.params, phase=self.phase,
+                     keep_norms=self.private and r.adam_ac.reproduce_paper),
+            self.ledger, self.n, on_release=self.save_live_ledger)
         self.start_step = 0
         self.diagnostics: Optional[DiagnosticsLog] = None
         self.history = History()
@@ -286,81 +273,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
-        """One logical step. Returns train loss and batch size of the step."""
+        """One logical step through :class:`~dpft.step.DPStep`. Returns the row's fields (the
+        private ones are split off by train/release.py before anything is written)."""
         r = self.recipe
-        t_step = time.perf_counter()
         torch.manual_seed(self.rng.seed_for("dropout", step))  # dropout masks: per step, secret
-        idx = self.sampler.indices(step)
+        idx = self.dp_step.indices(step)
         if self.ldp is not None:
             self.ldp.before_step(step)
-        q_t = self.sampler.q_at(step) if hasattr(self.sampler, "q_at") else self.q
-        raw_norms = []
-        grad_sum = {n: torch.zeros_like(p) for n, p in self.engine.params.items()}
-        loss_sum, clipped, bsz = 0.0, 0, len(idx)
         self.model.train()
         # Order the logical batch by length so micro-batches carry little padding; the set of
         # examples (all that privacy depends on) is unchanged.
         idx = idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
-        for micro in self.sampler.micro_batches(idx, r.batch.max_physical_batch_size):
-            rows = list(self.train_tok.select(micro.tolist()))
-            try:
-                res = self.engine.clipped_sum(collate(rows, self.pad_id, self.with_token_types))
-            except NonFiniteGradientError as exc:
-                raise TrainingError(f"step {step}: {exc}. The last checkpoint in {self.run_dir} is intact; "
-                                    "fix the recipe and --resume") from None
-            if not math.isfinite(res.loss_sum):
-                raise TrainingError(
-                    f"non-finite training loss at step {step}; lower optimizer.lr or check the data. "
-                    f"The last checkpoint in {self.run_dir} is intact; fix the recipe and --resume"
-                )
-            for n in grad_sum:
-                grad_sum[n].add_(res.grad_sum[n])
-            loss_sum += res.loss_sum
-            if self.private:
-                clipped += int((res.scales < 1).any(dim=1).sum())
-                if self.recipe.adam_ac.reproduce_paper:
-                    raw_norms.append(res.norms.detach())
-        if self.private:
-            self.mechanism.sensitivity = self.clip.sensitivity  # C of this step (adaptive C moves)
-            noisy = self.mechanism.add_noise(grad_sum, step)
-            # One GaussianDpEvent(σ) covers the gradient (noise σ_Δ·C) and, with adaptive
-            # clipping, the count release (privacy/clipping.py, effective_noise_multiplier).
-            self.ledger.record(self.phase, dpa.PoissonSampledDpEvent(q_t, dpa.GaussianDpEvent(self.sigma)))
-            self.save_live_ledger()  # a crash never loses a release
-        else:
-            noisy = grad_sum
-        # Divide by the expected batch size q·N: the actual size is data-dependent (private).
-        denom = float(q_t * self.n) if hasattr(self.sampler, "q_at") else float(r.batch.expected_batch_size)
-        grads = {n: g / denom for n, g in noisy.items()}
-        ctx = {"noise_std": (self.noise_sigma * self.clip.sensitivity / denom) if self.private else 0.0,
-               "step": step, "trainer": self}
-        t_tf = time.perf_counter()
-        tf_stats: dict[str, float] = {}
-        for tf in self.transforms:
-            grads = tf(grads, ctx)
-            den = getattr(tf, "denoiser", None)
-            if den is not None:
-                tf_stats.update(den.summary())
-        t_tf = time.perf_counter() - t_tf
-        for n, p in self.params.items():
-            p.grad = grads[n].to(p.dtype)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+
+        def micro_batches():
+            for micro in PoissonSampler.micro_batches(idx, r.batch.max_physical_batch_size):
+                yield collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types)
+
+        try:
+            res = self.dp_step.run(step, micro_batches())
+        except NonFiniteGradientError as exc:
+            raise TrainingError(f"step {step}: {exc}. The last checkpoint in {self.run_dir} is intact; "
+                                "fix the recipe and --resume") from None
         self.scheduler.step()
         if self.ldp is not None:
             self.ldp.after_step(step)
-        # Wall seconds of the step and of its gradient transforms (e.g. the RMT denoiser), so a
-        # transform's overhead ratio comes from the same run.
-        out = {"train_loss": loss_sum / max(bsz, 1), "batch_size": bsz,
-               "step_seconds": time.perf_counter() - t_step, "transform_seconds": t_tf, **tf_stats}
-        if self.private:
-            out["clip_fraction"] = clipped / max(bsz, 1)  # private statistic: diagnostics only
+        out = {**res.private, **res.released}
+        out.pop("loss_sum", None)
+        clipped = out.pop("clipped", 0)
+        if not self.private:
+            out.pop("clip_fraction", None)
         if self.adam_ac_active:
             from dpft.methods.dp_adam_ac import after_step
 
-            out.update(after_step(self, step, bsz, clipped, raw_norms, denom))
+            raw = [res.raw_norms] if res.raw_norms is not None else []
+            out.update(after_step(self, step, res.private["batch_size"], clipped, raw, res.q * self.n))
         if self.causal:
-            out["train_loss_per_token"] = loss_sum / max(1, int((self.train_lengths[idx] - 1).sum()))
+            out["train_loss_per_token"] = res.private["loss_sum"] / max(1, int((self.train_lengths[idx] - 1).sum()))
         return out
 
     def save_live_ledger(self) -> None:
@@ -414,6 +362,7 @@ class Trainer:
         self.ledger = PrivacyLedger.load(live) if live.is_file() else ck_ledger
         if not ck_ledger.certified:
             self.ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
+        self.dp_step.ledger = self.ledger
         self.start_step = st["step"]
         self.history.rows = st.get("history", [])
         self.elapsed_before = st.get("elapsed", 0.0)

@@ -1,0 +1,85 @@
+"""The Gaussian mechanism applied to the summed clipped gradient of one logical batch."""
+
+from __future__ import annotations
+
+import dp_accounting as dpa
+import torch
+
+from dpft.privacy.randomness import Randomness
+
+
+class GaussianMechanism:
+    """Adds ``N(0, (σ·C)² I)`` to the clipped sum ``Σ_i c_i g_i`` once per logical batch.
+
+    Sensitivity: under add/remove-one neighbouring datasets one example changes the clipped
+    sum by at most ``C`` in L2 (every clip policy guarantees ‖c_i g_i‖ ≤ C), so noise std σC
+    gives the Gaussian mechanism with noise multiplier σ. Under replace-one it would be 2C;
+    dpft accounts with add/remove-one throughout.
+
+    Args:
+        sigma: noise multiplier σ ≥ 0.
+        sensitivity: clipping norm C.
+        rng: the run's secret randomness; step t's noise comes from its stream ``noise``, t
+            (secret by default, so nobody can regenerate and subtract it; in reproducible mode
+            a resumed run redraws the same noise for the same step).
+        hardened: draw each coordinate as the sum of four normals / 2 (Opacus ``secure_mode``;
+            see privacy/randomness.py).
+        accounted_sigma: σ recorded in the ledger when it differs from the noise σ (adaptive
+            clipping).
+
+    Raises:
+        ValueError: σ < 0.
+    """
+
+    def __init__(self, sigma: float, sensitivity: float, rng: Randomness, hardened: bool = True,
+                 accounted_sigma: float | None = None):
+        if sigma < 0:
+            raise ValueError(f"noise multiplier σ must be ≥ 0, got {sigma}")
+        self.sigma = float(sigma)
+        #: σ of the ledger event. Equal to σ except with adaptive clipping, where the gradient
+        #: noise σ_Δ and the count noise together make one Gaussian of multiplier σ
+        #: (Andrew et al. 2021; step/clip.py ``effective_noise_multiplier``).
+        self.accounted_sigma = float(sigma if accounted_sigma is None else accounted_sigma)
+        self.sensitivity = float(sensitivity)
+        self.rng = rng
+        self.hardened = hardened
+
+    @property
+    def std(self) -> float:
+        """Noise standard deviation per coordinate of the sum: σ·C."""
+        return self.sigma * self.sensitivity
+
+    def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+        """Return ``{name: sum + N(0, (σC)²)}`` (new fp32-noised tensors; parameters in name order).
+
+        The noise is drawn on each tensor's own device from a generator of that device."""
+        gens: dict[str, torch.Generator] = {}
+        out = {}
+        for name, t in grad_sum.items():
+            key = str(t.device)
+            if key not in gens:
+                gens[key] = self.rng.generator("noise", step, device=t.device if t.device.type != "cpu" else None)
+            noise = Randomness.gaussian(t.shape, gens[key], self.hardened, device=t.device)
+            out[name] = (t.float() + self.std * noise).to(t.dtype)
+        return out
+
+    def release(self, grad_sum: dict[str, torch.Tensor], sensitivity: float, q: float,
+                step: int) -> tuple[dict[str, torch.Tensor], dpa.DpEvent]:
+        """The Gaussian mechanism on one logical step's clipped sum.
+
+        Args:
+            grad_sum: name → Σᵢ cᵢgᵢ (the clipped sum, not averaged).
+            sensitivity: the clip policy's L2 sensitivity C *at release time* (adaptive
+                clipping moves it between steps).
+            q: this step's Poisson sampling rate.
+            step: the logical step index (selects the secret noise stream).
+
+        Returns:
+            ``(noisy sum, PoissonSampledDpEvent(q, GaussianDpEvent(σ)))``.
+        """
+        self.sensitivity = float(sensitivity)
+        return self.add_noise(grad_sum, step), self.event(q)
+
+    def event(self, q: float) -> dpa.DpEvent:
+        """The ledger event of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_accounted))``."""
+        return dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.accounted_sigma))
