@@ -244,7 +244,7 @@ def test_text_task_dp_adam_ac_end_to_end(tmp_path, family):
     assert tr.ledger.steps == 4
     expect = epsilon_of([dp_sgd_event(0.8, tr.q, 4)], 1e-4).epsilon
     assert rep["privacy"]["epsilon"] == pytest.approx(expect)
-    assert tr.noise_sigma == pytest.approx(effective_noise_multiplier(0.8, 16 / 20))
+    assert tr.method("dp_adam_ac").noise_sigma == pytest.approx(effective_noise_multiplier(0.8, 16 / 20))
     hist = rep["history"]
     assert all("clip_rate_private" in h and "gamma" in h and "clip_norm" in h for h in hist)
     assert hist[1]["clip_norm"] != hist[0]["clip_norm"]  # C moved

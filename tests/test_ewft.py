@@ -13,9 +13,9 @@ from dpft.train.loop import Trainer
 
 def test_ldp_run_ledger_schedule_and_report(tiny_model_dir, sst_like_files, tmp_path):
     t = Trainer(ldp_recipe(tiny_model_dir, sst_like_files), tmp_path / "r", progress=False)
-    spe = t.ldp.steps_per_epoch
+    spe = t.method("ewft").ldp.steps_per_epoch
     assert t.total_steps == 2 * spe
-    sig = t.ldp.schedule.sigmas
+    sig = t.method("ewft").ldp.schedule.sigmas
     assert sig[0] > sig[1]  # EWPBA: later epochs get less noise
     rep = t.run()
     # one ledger event per step, σ of its epoch
@@ -41,7 +41,7 @@ def test_uniform_dp_forward_without_autoencoder(tiny_model_dir, sst_like_files, 
     rec = ldp_recipe(tiny_model_dir, sst_like_files, **{"ldp.schedule": "uniform", "ldp.autoencoder.sizes": [],
                                                           "ldp.position": "embeddings"})
     t = Trainer(rec, tmp_path / "u", progress=False)
-    assert len(set(t.ldp.schedule.sigmas)) == 1
+    assert len(set(t.method("ewft").ldp.schedule.sigmas)) == 1
     rep = t.run()
     assert rep["ldp"]["release_shape"] == [16, 16]
     assert 4.0 - 1e-4 <= rep["privacy"]["epsilon"] <= 4.0

@@ -132,7 +132,7 @@ def test_trainer_uses_rr_labels_drawn_once_and_reports_three_guarantees(tiny_mod
     rec = _recipe(tiny_model_dir, sst_like_files, **{"ldp.label_epsilon": 0.2, "privacy.reproducible": True})
     t = Trainer(rec, tmp_path / "r", progress=False)
     true = torch.tensor([int(v) for v in t.task.train["label"]])
-    noisy = t.ldp.noisy_labels
+    noisy = t.method("ewft").ldp.noisy_labels
     # the training split carries the noisy labels, drawn from the run's randomness (stream label_rr)
     assert torch.equal(torch.tensor(t.train_tok["label"]), noisy)
     assert torch.equal(noisy, randomized_response(true, 0.2, 2, Randomness(rec.seed).generator("label_rr")))
@@ -164,7 +164,7 @@ def test_trainer_without_label_privacy_says_labels_in_clear(tiny_model_dir, sst_
     rec = _recipe(tiny_model_dir, sst_like_files, **{"schedule.epochs": 1, "ldp.label_loss_correction": False,
                                                       "ldp.label_epsilon": None})
     t = Trainer(rec, tmp_path / "c", progress=False)
-    assert t.ldp.noisy_labels is None and t.loss_fn.__name__ == "classification_loss"
+    assert t.method("ewft").ldp.noisy_labels is None and t.loss_fn.__name__ == "classification_loss"
     rep = t.run()
     assert rep["privacy"]["label"]["privacy"] == "none"
     assert rep["privacy"]["linked_rows"]["epsilon_with_label"] is None
@@ -180,4 +180,4 @@ def test_uncorrected_option_keeps_cross_entropy(tiny_model_dir, sst_like_files, 
 
     rec = _recipe(tiny_model_dir, sst_like_files, **{"ldp.label_epsilon": 1.0, "ldp.label_loss_correction": False})
     t = Trainer(rec, tmp_path / "u", progress=False)
-    assert t.ldp.noisy_labels is not None and t.loss_fn.__name__ == "classification_loss"
+    assert t.method("ewft").ldp.noisy_labels is not None and t.loss_fn.__name__ == "classification_loss"

@@ -192,13 +192,13 @@ def test_update_and_noise_live_in_span_of_p(tiny_model_dir, sst_like_files, tmp_
         "privacy.target_epsilon": 0.5})
     tr = Trainer(rec, tmp_path / space, progress=False)
     assert tr.ledger.entries == []  # a public basis costs nothing
-    names = tr.basis.names
+    names = tr.method("dpsft").basis.names
     start = {n: p.detach().clone() for n, p in tr.model.named_parameters() if n in names}
     for n in names:
-        torch.testing.assert_close(start[n], tr.basis.start[n])  # stage 2 starts from Θ*
+        torch.testing.assert_close(start[n], tr.method("dpsft").basis.start[n])  # stage 2 starts from Θ*
     rep = tr.run()
     delta = torch.cat([(dict(tr.model.named_parameters())[n].detach() - start[n]).reshape(-1) for n in names])
-    p = torch.cat([tr.basis.blocks[n].reshape(tr.basis.k, -1) for n in names], 1).T  # (d, k)
+    p = torch.cat([tr.method("dpsft").basis.blocks[n].reshape(tr.method("dpsft").basis.k, -1) for n in names], 1).T  # (d, k)
     assert delta.norm() > 1e-3
     resid = delta - p @ (p.T @ delta)
     assert resid.norm() < 1e-4 * delta.norm()
@@ -218,8 +218,8 @@ def test_file_source_reuses_a_saved_basis_and_its_events(tiny_model_dir, sst_lik
                                                            **fixed}), tmp_path / "b", progress=False)
     assert [e.phase for e in b.ledger.entries] == ["subspace"]  # a private basis brings its cost along
     assert b.ledger.entries[0].event == a.ledger.entries[0].event and b.ledger.entries[0].count == 4
-    for n in a.basis.blocks:
-        torch.testing.assert_close(a.basis.blocks[n], b.basis.blocks[n], rtol=0, atol=0)
+    for n in a.method("dpsft").basis.blocks:
+        torch.testing.assert_close(a.method("dpsft").basis.blocks[n], b.method("dpsft").basis.blocks[n], rtol=0, atol=0)
 
 
 def test_non_private_subspace_run_is_refused(tiny_model_dir, sst_like_files, tmp_path):

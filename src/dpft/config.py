@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -123,111 +123,6 @@ class PrivacyCfg(_Strict):
         return self
 
 
-class DenoiseCfg(_Strict):
-    """Post-processing of the noisy gradient (free under DP): ``rmt`` = singular-value
-    shrinkage of each 2-D weight gradient (transforms/rmt.py)."""
-
-    method: Literal["none", "rmt"] = "none"
-    #: Denoise a layer only if its top normalised singular value exceeds κ·(1 + √β).
-    kappa: float = Field(1.05, ge=1.0)  # from benchmarks/results/rmt_kappa_sweep.md
-    #: Randomized top-r SVD instead of a full SVD (None = full).
-    rank: Optional[int] = Field(None, ge=1)
-
-
-class SubspaceCfg(_Strict):
-    """DP-SFT (Zheng et al., AAAI 2026): stage 1 builds a k-dimensional basis P from a
-    fine-tuning trajectory, stage 2 privatises per-example coordinates Pᵀg_i in R^k
-    (methods/dpsft.py). The basis spans exactly the trainable parameters (``trainable``)."""
-
-    #: none · public (non-private run on ``public_task``, free) · private (DP-SGD on the private
-    #: data, recorded in the ledger) · file (a saved basis, ``file``).
-    source: Literal["none", "public", "private", "file"] = "none"
-    #: Subspace dimension k.
-    k: int = Field(32, ge=1)
-    #: Snapshots m recorded in stage 1 (default k, as in Algorithm 1).
-    snapshots: Optional[int] = Field(None, ge=1)
-    #: Stage-1 length: epochs E1 (T1 = ceil(E1·N/(B1·m))·m) or steps (rounded up to a multiple of m).
-    epochs: float = Field(1.0, gt=0)
-    steps: Optional[int] = Field(None, ge=1)
-    #: Stage-1 expected batch size B1, learning rate η1, clipping norm C1 (default: stage 2's).
-    expected_batch_size: Optional[int] = Field(None, ge=1)
-    lr: Optional[float] = Field(None, gt=0)
-    max_norm: Optional[float] = Field(None, gt=0)
-    #: private: share p1 of the target ε given to stage 1 (σ1 meets p1·ε alone; σ2 is then
-    #: calibrated so that the PLD composition of both stages meets ε).
-    budget_share: float = Field(0.3, gt=0, lt=1)
-    #: public: the public task stage 1 trains on (e.g. imdb for sst2).
-    public_task: Optional[TaskCfg] = None
-    #: file: a basis written by an earlier run (<run>/subspace/basis.safetensors).
-    file: Optional[str] = None
-    #: Stage 2 starts from stage 1's final parameters Θ* (Algorithm 3) or from Θ_0.
-    start: Literal["stage1", "initial"] = "stage1"
-    #: full = unproject P·s̃ and step the optimizer on the d parameters (paper); coords = run the
-    #: optimizer on the k coordinates (the update stays in span(P)).
-    optimizer_space: Literal["full", "coords"] = "full"
-    #: Storage of P: float32 or bfloat16 (half the memory).
-    dtype: Literal["float32", "bfloat16"] = "float32"
-
-    @model_validator(mode="after")
-    def _source_args(self):
-        if self.source == "public" and self.public_task is None:
-            raise ValueError("subspace.source=public needs subspace.public_task (e.g. {name: imdb})")
-        if self.source == "file" and not self.file:
-            raise ValueError("subspace.source=file needs subspace.file (a basis.safetensors)")
-        return self
-
-
-class LdpAutoencoderCfg(_Strict):
-    """Stacked autoencoder around the forward noise (EW-FT Section 5.3), pre-trained on public text."""
-
-    #: Widths, hidden size first: [384, 64] (MiniLM; the paper's 768×64), [384, 256, 64] …;
-    #: empty = no autoencoder (DP-Forward: the whole T × h matrix is clipped and perturbed).
-    sizes: list[int] = []
-    #: Public text for reconstruction pre-training (a registered task; its *train* texts, not
-    #: the private training set).
-    public_task: str = "imdb"
-    public_examples: int = Field(2000, ge=1)
-    pretrain_epochs: int = Field(3, ge=0)
-    pretrain_lr: float = Field(1e-3, gt=0)
-    pretrain_batch_size: int = Field(32, ge=1)
-
-
-class LdpCfg(_Strict):
-    """Forward-pass local DP (EW-FT / DP-Forward; privacy/ldp.py, accounting/ewpba.py).
-
-    The noise is on the forward pass (clip the hidden matrix to C, add N(0, σ_e²(2C)²)); the
-    optimizer step on post(·) is then non-private post-processing, so ``privacy.enabled``
-    must be false (no per-example gradient clipping)."""
-
-    enabled: bool = False
-    #: ``embeddings`` · ``encoder:l`` (after block l, 1-based) · ``output`` (before the head).
-    position: str = "encoder:5"
-    #: Frobenius clipping norm C of one example's (T × h) matrix or autoencoder code.
-    max_norm: float = Field(1.0, gt=0)
-    #: Scale every example to norm exactly C instead of clipping (Eq. 11, first option).
-    normalize: bool = False
-    #: ``ewpba`` (EW-FT Algorithm 1: decreasing σ per epoch) or ``uniform`` (DP-Forward).
-    schedule: Literal["ewpba", "uniform"] = "ewpba"
-    #: EWPBA step distance S.
-    step_distance: float = Field(2.0, gt=0)
-    #: ε of the training stream (example level, the paper's accounting) at ``delta``.
-    target_epsilon: Optional[float] = Field(8.0, gt=0)
-    delta: float = Field(1e-5, gt=0, lt=1)
-    #: Fixed σ for every epoch instead of a schedule.
-    noise_multiplier: Optional[float] = Field(None, ge=0)
-    #: Keep the noise on at evaluation (inference-time privacy, as DP-Forward); the last
-    #: epoch's σ is used.
-    eval_noise: bool = True
-    autoencoder: LdpAutoencoderCfg = LdpAutoencoderCfg()
-    #: Label privacy ε₂ (DP-Forward): K-ary randomized response on every training label, drawn
-    #: once before training (privacy/label_rr.py); pure ε₂-DP per example, replace-one.
-    #: None = labels are used in the clear (not covered by any guarantee).
-    label_epsilon: Optional[float] = Field(None, gt=0)
-    #: With ``label_epsilon``: train on the forward-corrected loss −log (softmax·T)[ỹ] with the
-    #: known RR transition matrix T (Patrini et al. 2017) instead of cross-entropy on ỹ.
-    label_loss_correction: bool = True
-
-
 class OptimizerCfg(_Strict):
     name: Literal["sgd", "adam", "adamw"] = "adamw"
     lr: float = Field(5e-4, gt=0)
@@ -281,42 +176,6 @@ class LogCfg(_Strict):
     private_diagnostics: bool = False
 
 
-class AdamACCfg(_Strict):
-    """DP-Adam-AC pieces (Yang, "DP-Adam-AC", Alg. 1), made private where the paper leaks.
-
-    Adaptive clipping is Andrew et al. 2021's private quantile estimate (privacy/clipping.py);
-    γ nudging reads the *privatised* clip rate; DP-AdamBC is Tang et al. 2023 (optim/)."""
-
-    #: Private adaptive clipping (noisy count of unclipped examples, geometric C update).
-    adaptive_clip: bool = False
-    #: Target clip rate ρ* (the paper's 0.2): C tracks the (1 − ρ*) quantile of ‖g_i‖.
-    target_clip_rate: float = Field(0.2, gt=0, lt=1)
-    #: Geometric step η_C of the C update, C ← C·exp(−η_C (b̃ − (1 − ρ*))).
-    clip_lr: float = Field(0.2, gt=0)
-    #: σ_b, the noise std of the unclipped count (default: expected batch / 20, Andrew et al.).
-    count_noise: Optional[float] = Field(None, gt=0)
-    min_clip: float = Field(1e-3, gt=0)
-    max_clip: float = Field(1e3, gt=0)
-    #: Adam-AC learning-rate multiplier γ from the privatised clip rate.
-    gamma_nudge: bool = False
-    rho_low: float = Field(0.1, ge=0, le=1)
-    rho_high: float = Field(0.3, ge=0, le=1)
-    gamma_up: float = Field(1.01, ge=1)
-    gamma_down: float = Field(0.995, gt=0, le=1)
-    gamma_min: float = Field(0.1, gt=0)
-    gamma_max: float = Field(2.0, gt=0)
-    #: EMA decay d of the weights (None = off); the EMA is evaluated and saved in model_ema/.
-    ema_decay: Optional[float] = Field(None, gt=0, lt=1)
-    #: DP-AdamBC (Tang et al. 2023): subtract the noise variance from v̂, floor at bc_floor.
-    bias_correction: bool = False
-    bc_floor: float = Field(1e-8, gt=0)
-    #: REPRODUCTION ONLY: the paper's rule (C and γ from raw, un-noised norms). The run is
-    #: marked NOT CERTIFIED and its report prints no ε.
-    reproduce_paper: bool = False
-    #: History length H of the paper's percentile rule.
-    paper_history: int = Field(100, ge=1)
-
-
 class Recipe(_Strict):
     """A dpft run. See ``recipes/sst2-minilm.yaml`` for an annotated example."""
 
@@ -332,14 +191,93 @@ class Recipe(_Strict):
     schedule: ScheduleCfg = ScheduleCfg(steps=100)
     batch: BatchCfg = BatchCfg()
     eval: EvalCfg = EvalCfg()
-    denoise: DenoiseCfg = DenoiseCfg()
-    subspace: SubspaceCfg = SubspaceCfg()
-    adam_ac: AdamACCfg = AdamACCfg()
-    ldp: LdpCfg = LdpCfg()
     log: LogCfg = LogCfg()
+    #: The run's methods (methods/base.py): a list of ``{name: <registered method>, <its keys>}``,
+    #: each validated by the registered method's own config model. The built-ins' historical
+    #: sections ``subspace:`` (DP-SFT), ``ldp:`` (EW-FT / DP-Forward), ``adam_ac:`` (DP-Adam-AC)
+    #: and ``denoise:`` (RMT) are accepted and moved here.
+    methods: list[Any] = []
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
     output_dir: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_sections(cls, data: Any) -> Any:
+        """Move ``subspace:``/``ldp:``/``adam_ac:``/``denoise:`` into ``methods:``."""
+        if not isinstance(data, dict):
+            return data
+        from dpft.methods.base import LEGACY_SECTIONS, registered
+
+        registered()  # the built-ins declare their legacy sections when registered
+        data = dict(data)
+        methods = list(data.get("methods") or [])
+        for section, name in LEGACY_SECTIONS.items():
+            if section in data:
+                body = data.pop(section)
+                if body is None:
+                    continue
+                if isinstance(body, BaseModel):
+                    body = body.model_dump()
+                if not isinstance(body, dict):
+                    raise ValueError(f"{section}: expected a mapping of keys, got {body!r}")
+                if any(_method_entry_name(m) == name for m in methods):
+                    raise ValueError(f"method {name!r} given both as {section}: and in methods:; keep one")
+                methods.append({"name": name, **body})
+        data["methods"] = methods
+        return data
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _validate_methods(cls, v: Any) -> list[Any]:
+        from dpft.methods.base import get_method
+
+        out, seen = [], set()
+        for i, item in enumerate(v or []):
+            if isinstance(item, BaseModel):
+                out.append(item)
+                continue
+            if not isinstance(item, dict) or "name" not in item:
+                raise ValueError(f"methods[{i}]: expected {{name: <method>, ...}}, got {item!r}")
+            body = dict(item)
+            name = body.pop("name")
+            if name in seen:
+                raise ValueError(f"methods: {name!r} appears twice")
+            seen.add(name)
+            out.append(get_method(name).config.model_validate(body))
+        return out
+
+    @field_serializer("methods")
+    def _dump_methods(self, v: list[Any]) -> list[dict[str, Any]]:
+        from dpft.methods.base import method_name
+
+        return [{"name": method_name(c), **c.model_dump(mode="json")} for c in v]
+
+    def method_config(self, name: str) -> BaseModel:
+        """The config of method ``name`` in this recipe, or its defaults when absent."""
+        from dpft.methods.base import get_method
+
+        cls = get_method(name).config
+        for c in self.methods:
+            if type(c) is cls:
+                return c
+        return cls()
+
+    def __getattr__(self, item: str) -> Any:
+        # Historical sections (recipe.subspace, recipe.ldp, …) read the method configs.
+        if item in _LEGACY_ATTRS:
+            return self.method_config(_LEGACY_ATTRS[item])
+        return super().__getattr__(item)  # type: ignore[misc]
+
+
+#: Recipe attributes kept for the built-in methods' historical sections.
+_LEGACY_ATTRS = {"subspace": "dpsft", "ldp": "ewft", "adam_ac": "dp_adam_ac", "denoise": "rmt"}
+
+
+def _method_entry_name(m: Any) -> Optional[str]:
+    if isinstance(m, dict):
+        return m.get("name")
+    return None
 
 
 class RecipeError(ValueError):

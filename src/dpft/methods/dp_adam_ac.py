@@ -1,5 +1,5 @@
 """DP-Adam-AC (Yang, "DP-Adam-AC: Privacy-preserving Fine-Tuning of Localizable Language Models
-Using Adam Optimization with Adaptive Clipping", Alg. 1), wired into the Trainer, made private.
+Using Adam Optimization with Adaptive Clipping", Alg. 1), a plug-in of the DP step, made private.
 
 This file wires pieces and holds no math of its own:
 
@@ -17,10 +17,14 @@ examples, which the loop already counts.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Optional
 
 import torch
+from pydantic import Field
 
+from dpft.config import _Strict
+from dpft.methods.base import Method, register_method
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
 
@@ -30,34 +34,44 @@ PAPER_REASON = ("reproduce_paper: the clip norm C is the percentile of raw, un-n
                 "19-27), so data-dependent statistics steer training outside the Gaussian mechanism")
 
 
+class AdamACCfg(_Strict):
+    """DP-Adam-AC pieces (Yang, "DP-Adam-AC", Alg. 1), made private where the paper leaks.
+
+    Adaptive clipping is Andrew et al. 2021's private quantile estimate (privacy/clipping.py);
+    γ nudging reads the *privatised* clip rate; DP-AdamBC is Tang et al. 2023 (optim/)."""
+
+    #: Private adaptive clipping (noisy count of unclipped examples, geometric C update).
+    adaptive_clip: bool = False
+    #: Target clip rate ρ* (the paper's 0.2): C tracks the (1 − ρ*) quantile of ‖g_i‖.
+    target_clip_rate: float = Field(0.2, gt=0, lt=1)
+    #: Geometric step η_C of the C update, C ← C·exp(−η_C (b̃ − (1 − ρ*))).
+    clip_lr: float = Field(0.2, gt=0)
+    #: σ_b, the noise std of the unclipped count (default: expected batch / 20, Andrew et al.).
+    count_noise: Optional[float] = Field(None, gt=0)
+    min_clip: float = Field(1e-3, gt=0)
+    max_clip: float = Field(1e3, gt=0)
+    #: Adam-AC learning-rate multiplier γ from the privatised clip rate.
+    gamma_nudge: bool = False
+    rho_low: float = Field(0.1, ge=0, le=1)
+    rho_high: float = Field(0.3, ge=0, le=1)
+    gamma_up: float = Field(1.01, ge=1)
+    gamma_down: float = Field(0.995, gt=0, le=1)
+    gamma_min: float = Field(0.1, gt=0)
+    gamma_max: float = Field(2.0, gt=0)
+    #: EMA decay d of the weights (None = off); the EMA is evaluated and saved in model_ema/.
+    ema_decay: Optional[float] = Field(None, gt=0, lt=1)
+    #: DP-AdamBC (Tang et al. 2023): subtract the noise variance from v̂, floor at bc_floor.
+    bias_correction: bool = False
+    bc_floor: float = Field(1e-8, gt=0)
+    #: REPRODUCTION ONLY: the paper's rule (C and γ from raw, un-noised norms). The run is
+    #: marked NOT CERTIFIED and its report prints no ε.
+    reproduce_paper: bool = False
+    #: History length H of the paper's percentile rule.
+    paper_history: int = Field(100, ge=1)
+
+
 def _active(ac) -> bool:
     return bool(ac.adaptive_clip or ac.gamma_nudge or ac.ema_decay or ac.bias_correction or ac.reproduce_paper)
-
-
-def setup_clip(tr) -> None:
-    """Replace ``tr.clip`` (and σ of the noise) as ``recipe.adam_ac`` says. Called only for
-    private runs, before the engine is built.
-
-    Raises:
-        ValueError: adaptive clipping with a non-flat style, or σ ≥ 2σ_b.
-    """
-    r = tr.recipe
-    ac = r.adam_ac
-    if not (ac.adaptive_clip or ac.reproduce_paper):
-        return
-    if r.privacy.clipping.style != "flat":
-        raise ValueError("adam_ac.adaptive_clip / reproduce_paper need privacy.clipping.style: flat")
-    if ac.adaptive_clip and ac.reproduce_paper:
-        raise ValueError("choose one of adam_ac.adaptive_clip (private) or adam_ac.reproduce_paper (leaky)")
-    c0 = r.privacy.clipping.max_norm
-    if ac.reproduce_paper:
-        tr.clip = PaperPercentileClip(c0, ac.target_clip_rate, ac.paper_history, ac.min_clip, ac.max_clip)
-        tr.ledger.mark_not_certified(PAPER_REASON)
-        return
-    sigma_b = ac.count_noise if ac.count_noise is not None else r.batch.expected_batch_size / 20.0
-    tr.noise_sigma = effective_noise_multiplier(tr.sigma, sigma_b)
-    tr.clip = AdaptiveQuantileClip(c0, 1.0 - ac.target_clip_rate, ac.clip_lr, sigma_b, ac.min_clip, ac.max_clip,
-                                   rng=tr.rng)
 
 
 def make_dp_adam(params, o, ac) -> DPAdam:
@@ -74,85 +88,152 @@ def make_dp_adam(params, o, ac) -> DPAdam:
                   bias_correction=ac.bias_correction, bc_floor=ac.bc_floor)
 
 
-def setup_optim(tr) -> None:
-    """γ nudger, EMA and AdamBC's noise-variance transform; sets ``tr.adam_ac_active``."""
-    ac = tr.recipe.adam_ac
-    tr.adam_ac_active = _active(ac)
-    tr.ema = WeightEMA(tr.params, ac.ema_decay) if ac.ema_decay else None
-    tr.gamma = GammaNudger(ac.rho_low, ac.rho_high, ac.gamma_up, ac.gamma_down, ac.gamma_min,
-                           ac.gamma_max) if (ac.gamma_nudge or ac.reproduce_paper) else None
-    if ac.gamma_nudge and not (ac.adaptive_clip or ac.reproduce_paper) and tr.private:
-        raise ValueError("adam_ac.gamma_nudge needs a privatised clip rate: set adam_ac.adaptive_clip: true")
-    if tr.adam_ac_active and tr.resume:
-        raise ValueError("--resume is not supported with adam_ac options yet (C, γ and the EMA are not "
-                         "checkpointed); start a new run")
-    if ac.bias_correction:
-        if not isinstance(tr.optimizer, DPAdam):
-            raise ValueError("adam_ac.bias_correction needs optimizer.name adam or adamw")
+@register_method
+class DPAdamAC(Method):
+    """DP-Adam-AC's pieces as a plug-in.
 
-        def set_noise_variance(grads, ctx):
-            # Φ = (σ_Δ C / (qN))²: per-coordinate variance of the noise in the averaged gradient.
-            tr.optimizer.set_noise_variance(float(ctx["noise_std"]) ** 2)
-            return grads
+    ``build``: the clip policy (private adaptive quantile, or the paper's leaky rule), the
+    gradient-noise σ_Δ with the accounted σ unchanged, ``DPAdam`` (AdamBC's noise-variance
+    transform, γ), the EMA. ``after_update``: EMA, the private C update from the noisy count, γ
+    from the privatised clip rate. ``evaluate``: the EMA weights (and the raw ones as ``*_raw``).
 
-        tr.transforms.append(set_noise_variance)
-
-
-def after_step(tr, step: int, bsz: int, clipped: int, raw_norms: list, expected: float) -> dict[str, Any]:
-    """Post-update bookkeeping of one step: EMA, C update, γ update. Returns log fields.
-
-    Private path: b̃ is released here (noise σ_b) and drives both C and γ. Paper path: the raw
-    norms and raw clip rate drive them (NOT CERTIFIED).
+    Raises:
+        ValueError: adaptive clipping with a non-flat style, both adaptive and paper modes,
+            γ without a privatised clip rate, --resume (C, γ and the EMA are not checkpointed).
     """
-    ac = tr.recipe.adam_ac
-    out: dict[str, Any] = {}
-    if tr.ema is not None:
-        tr.ema.update()
-    rate = None
-    if tr.private and isinstance(tr.clip, AdaptiveQuantileClip):
-        out["clip_norm"] = tr.clip.max_norm  # the C used in this step
-        b = tr.clip.noisy_unclipped_fraction(bsz - clipped, bsz, expected, step)
-        tr.clip.update(b)
-        rate = min(1.0, max(0.0, 1.0 - b))
-        out["clip_rate_private"] = rate
-    elif tr.private and isinstance(tr.clip, PaperPercentileClip):
-        out["clip_norm"] = tr.clip.max_norm
-        rate = clipped / max(bsz, 1)  # raw: leaks (reproduction only)
-        if raw_norms:
-            tr.clip.update_from_norms(torch.cat(raw_norms))
-    if tr.gamma is not None:
-        if rate is None:
+
+    name = "dp_adam_ac"
+    config = AdamACCfg
+    legacy_section = "adam_ac"
+    report_key = "adam_ac"
+    order = 40
+
+    @classmethod
+    def enabled(cls, cfg: AdamACCfg) -> bool:
+        return _active(cfg)
+
+    def __init__(self, cfg, recipe):
+        super().__init__(cfg, recipe)
+        self.clip = None
+        self.ema: Optional[WeightEMA] = None
+        self.gamma: Optional[GammaNudger] = None
+        self.optimizer = None
+        self.noise_sigma: Optional[float] = None
+
+    def prepare(self, run) -> None:
+        ac = self.cfg
+        if run.resume:
+            raise ValueError("--resume is not supported with adam_ac options yet (C, γ and the EMA are not "
+                             "checkpointed); start a new run")
+        if ac.gamma_nudge and not (ac.adaptive_clip or ac.reproduce_paper) and run.private:
             raise ValueError("adam_ac.gamma_nudge needs a privatised clip rate: set adam_ac.adaptive_clip: true")
-        tr.optimizer.lr_scale = tr.gamma.update(rate)
-        out["gamma"] = tr.gamma.gamma
-    return out
+        if run.private and (ac.adaptive_clip or ac.reproduce_paper):
+            if run.recipe.privacy.clipping.style != "flat":
+                raise ValueError("adam_ac.adaptive_clip / reproduce_paper need privacy.clipping.style: flat")
+            if ac.adaptive_clip and ac.reproduce_paper:
+                raise ValueError("choose one of adam_ac.adaptive_clip (private) or adam_ac.reproduce_paper (leaky)")
+            if ac.reproduce_paper:
+                run.ledger.mark_not_certified(PAPER_REASON)
 
+    def build(self, spec, run):
+        from dpft.models.load import head_param_groups
+        from dpft.step.noise import GaussianMechanism
 
-@torch.no_grad()
-def evaluate(tr) -> dict[str, float]:
-    """Dev metrics of the EMA weights when kept (the paper evaluates the EMA) and of the raw
-    weights (``*_raw``); causal LM: loss per token and perplexity."""
-    from dpft.eval.lm import lm_eval
+        ac, r = self.cfg, run.recipe
+        changes: dict[str, Any] = {}
+        c0 = r.privacy.clipping.max_norm
+        if run.private and ac.reproduce_paper:
+            self.clip = PaperPercentileClip(c0, ac.target_clip_rate, ac.paper_history, ac.min_clip, ac.max_clip)
+            changes.update(clip=self.clip, keep_norms=True)
+        elif run.private and ac.adaptive_clip:
+            sigma_b = ac.count_noise if ac.count_noise is not None else r.batch.expected_batch_size / 20.0
+            self.noise_sigma = effective_noise_multiplier(run.sigma, sigma_b)
+            self.clip = AdaptiveQuantileClip(c0, 1.0 - ac.target_clip_rate, ac.clip_lr, sigma_b, ac.min_clip,
+                                             ac.max_clip, rng=run.rng)
+            # One GaussianDpEvent(σ) covers the gradient (noise σ_Δ·C) and the count release.
+            mech = GaussianMechanism(self.noise_sigma, self.clip.sensitivity, run.rng,
+                                     hardened=r.privacy.hardened_noise, accounted_sigma=run.sigma)
+            changes.update(clip=self.clip, mechanism=mech)
+        params = spec.params if spec.params is not None else spec.engine.params
+        if ac.bias_correction or ac.gamma_nudge or ac.reproduce_paper:
+            self.optimizer = make_dp_adam(head_param_groups(params, r.optimizer.head_lr), r.optimizer, ac)
+            changes["optimizer"] = self.optimizer
+        self.ema = WeightEMA(params, ac.ema_decay) if ac.ema_decay else None
+        if ac.gamma_nudge or ac.reproduce_paper:
+            self.gamma = GammaNudger(ac.rho_low, ac.rho_high, ac.gamma_up, ac.gamma_down, ac.gamma_min, ac.gamma_max)
+        if ac.bias_correction:
+            opt = self.optimizer
 
-    def one() -> dict[str, float]:
-        if tr.causal:
-            return lm_eval(tr.model, list(tr.dev_tok), tr.pad_id, tr.recipe.eval.batch_size)
-        return tr._evaluate_classifier()
+            def set_noise_variance(grads, ctx):
+                # Φ = (σ_Δ C / (qN))²: per-coordinate variance of the noise in the averaged gradient.
+                opt.set_noise_variance(float(ctx["noise_std"]) ** 2)
+                return grads
 
-    if tr.ema is None:
-        return one()
-    raw = one()
-    with tr.ema.swap():
-        ema = one()
-    return {**ema, **{f"{k}_raw": v for k, v in raw.items()}}
+            changes["transforms"] = [*spec.transforms, set_noise_variance]
+        return spec.replace(**changes)
 
+    def after_update(self, out, run) -> dict[str, Any]:
+        """EMA, C update, γ update after one step. Released fields: the C used, the privatised
+        clip rate and γ. Private path: b̃ is released here (noise σ_b) and drives both C and γ.
+        Paper path: the raw norms and raw clip rate drive them (NOT CERTIFIED)."""
+        res: dict[str, Any] = {}
+        if self.ema is not None:
+            self.ema.update()
+        bsz, clipped = out.private["batch_size"], out.private["clipped"]
+        rate = None
+        if run.private and isinstance(self.clip, AdaptiveQuantileClip):
+            res["clip_norm"] = self.clip.max_norm  # the C used in this step
+            b = self.clip.noisy_unclipped_fraction(bsz - clipped, bsz, out.q * run.n, out.step)
+            self.clip.update(b)
+            rate = min(1.0, max(0.0, 1.0 - b))
+            res["clip_rate_private"] = rate
+        elif run.private and isinstance(self.clip, PaperPercentileClip):
+            res["clip_norm"] = self.clip.max_norm
+            rate = clipped / max(bsz, 1)  # raw: leaks (reproduction only)
+            res["clip_rate_raw"] = rate
+            if out.raw_norms is not None:
+                self.clip.update_from_norms(out.raw_norms)
+        if self.gamma is not None:
+            if rate is None:
+                raise ValueError("adam_ac.gamma_nudge needs a privatised clip rate: set adam_ac.adaptive_clip: true")
+            self.optimizer.lr_scale = self.gamma.update(rate)
+            res["gamma"] = self.gamma.gamma
+        return res
 
-def generate(tr) -> list[dict[str, str]]:
-    """Sampled continuations of ``eval.prompts`` (EMA weights when kept)."""
-    from dpft.eval.lm import sample_generations
+    def weights(self):
+        """Context manager swapping in the EMA weights (no-op without an EMA)."""
+        return self.ema.swap() if self.ema is not None else nullcontext()
 
-    e = tr.recipe.eval
-    if tr.ema is None:
-        return sample_generations(tr.model, tr.tokenizer, e.prompts, e.max_new_tokens, seed=tr.recipe.seed)
-    with tr.ema.swap():
-        return sample_generations(tr.model, tr.tokenizer, e.prompts, e.max_new_tokens, seed=tr.recipe.seed)
+    @torch.no_grad()
+    def evaluate(self, run, evaluate):
+        """Dev metrics of the EMA weights when kept (the paper evaluates the EMA) and of the raw
+        weights (``*_raw``)."""
+        if self.ema is None:
+            return None
+        raw = evaluate()
+        with self.ema.swap():
+            ema = evaluate()
+        return {**ema, **{f"{k}_raw": v for k, v in raw.items()}}
+
+    def finish(self, run) -> None:
+        if self.ema is not None:  # the EMA weights beside the raw ones
+            with self.ema.swap():
+                run.model.save_pretrained(run.run_dir / "model_ema")
+            run.tokenizer.save_pretrained(run.run_dir / "model_ema")
+
+    def report(self, run) -> dict[str, Any]:
+        info: dict[str, Any] = {"options": self.cfg.model_dump(mode="json")}
+        if run.private:
+            info["noise_multiplier_accounted"] = run.sigma
+            info["noise_multiplier_gradient"] = self.noise_sigma if self.noise_sigma is not None else run.sigma
+            if self.clip is not None:
+                info["final_clip_norm"] = float(self.clip.max_norm)
+        if self.gamma is not None:
+            info["final_gamma"] = self.gamma.gamma
+        return info
+
+    @classmethod
+    def markdown(cls, rep) -> list[str]:
+        from dpft.report.lm import adam_ac_markdown
+
+        return adam_ac_markdown(rep)

@@ -5,7 +5,9 @@ Source: Zheng et al., "Differentially Private Subspace Fine-Tuning for Large Lan
 (AAAI 2026), Algorithms 1-3. Differences from the paper, on purpose (see DESIGN.md):
 
 * the noise ``N(0, σ²C² I_k)`` is added to the *sum* of clipped coordinates and the result is
-  divided by the expected batch size (the paper adds it after averaging: B times too little);
+  divided by the expected batch size (the paper adds σC after averaging, an effective noise
+  multiplier σB: B times more noise than its stated σ needs — its weak Full-DP baselines may
+  come from there);
 * a subspace built on the private data is DP-SGD: its events go in the ledger (phase
   ``subspace``) and the two stages are composed by the PLD accountant, not as ``p1ε + p2ε``.
   σ1 is calibrated so that stage 1 alone meets ``p1·ε``; σ2 then so that the composition of
@@ -17,8 +19,9 @@ Stage-1 sources (``subspace.source``): ``public`` (non-private fine-tuning on an
 free; the report names it), ``private`` (DP-SGD on the private data, accounted), ``file`` (a
 saved basis; a privately built one brings its recorded events along).
 
-Entry points used by :class:`dpft.train.loop.Trainer`: :func:`build_subspace` (before
-calibration) and :func:`wire_stage2` (after the engine is built).
+The plug-in :class:`DPSFT` (``methods: [{name: dpsft, ...}]`` or the ``subspace:`` section)
+runs stage 1 in ``prepare`` (before σ is calibrated) and swaps in the subspace engine in
+``build``.
 """
 
 from __future__ import annotations
@@ -31,9 +34,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.config import Recipe
+from dpft.config import Recipe, TaskCfg, _Strict
 from dpft.grads.subspace import COORDS, SubspaceEngine
+from dpft.methods.base import Method, register_method
 from dpft.models.losses import classification_loss
 from dpft.train.loop import Trainer, TrainingError
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
@@ -41,6 +49,51 @@ from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_s
 
 #: Ledger phase of a private stage 1.
 PHASE = "subspace"
+
+
+class SubspaceCfg(_Strict):
+    """DP-SFT (Zheng et al., AAAI 2026): stage 1 builds a k-dimensional basis P from a
+    fine-tuning trajectory, stage 2 privatises per-example coordinates Pᵀg_i in R^k
+    (methods/dpsft.py). The basis spans exactly the trainable parameters (``trainable``)."""
+
+    #: none · public (non-private run on ``public_task``, free) · private (DP-SGD on the private
+    #: data, recorded in the ledger) · file (a saved basis, ``file``).
+    source: Literal["none", "public", "private", "file"] = "none"
+    #: Subspace dimension k.
+    k: int = Field(32, ge=1)
+    #: Snapshots m recorded in stage 1 (default k, as in Algorithm 1).
+    snapshots: Optional[int] = Field(None, ge=1)
+    #: Stage-1 length: epochs E1 (T1 = ceil(E1·N/(B1·m))·m) or steps (rounded up to a multiple of m).
+    epochs: float = Field(1.0, gt=0)
+    steps: Optional[int] = Field(None, ge=1)
+    #: Stage-1 expected batch size B1, learning rate η1, clipping norm C1 (default: stage 2's).
+    expected_batch_size: Optional[int] = Field(None, ge=1)
+    lr: Optional[float] = Field(None, gt=0)
+    max_norm: Optional[float] = Field(None, gt=0)
+    #: private: share p1 of the target ε given to stage 1 (σ1 meets p1·ε alone; σ2 is then
+    #: calibrated so that the PLD composition of both stages meets ε).
+    budget_share: float = Field(0.3, gt=0, lt=1)
+    #: public: the public task stage 1 trains on (e.g. imdb for sst2).
+    public_task: Optional[TaskCfg] = None
+    #: file: a basis written by an earlier run (<run>/subspace/basis.safetensors).
+    file: Optional[str] = None
+    #: Stage 2 starts from stage 1's final parameters Θ* (Algorithm 3) or from Θ_0.
+    start: Literal["stage1", "initial"] = "stage1"
+    #: full = unproject P·s̃ and step the optimizer on the d parameters (paper); coords = run the
+    #: optimizer on the k coordinates (the update stays in span(P)).
+    optimizer_space: Literal["full", "coords"] = "full"
+    #: Storage of P: float32 or bfloat16 (half the memory).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _source_args(self):
+        if self.source == "public" and self.public_task is None:
+            raise ValueError("subspace.source=public needs subspace.public_task (e.g. {name: imdb})")
+        if self.source == "file" and not self.file:
+            raise ValueError("subspace.source=file needs subspace.file (a basis.safetensors)")
+        return self
+
+
 
 
 class SnapshotTrainer(Trainer):
@@ -78,9 +131,9 @@ def stage1_recipe(r: Recipe, n_train: int) -> tuple[Recipe, list[int]]:
     t1, after = snapshot_schedule(raw, m)
     d = r.model_dump(mode="json")
     d["name"] = f"{r.name}-stage1"
-    d["subspace"] = {"source": "none"}
+    # stage 1 is a plain fine-tuning run: no subspace, no denoiser (other methods stay)
+    d["methods"] = [m for m in d.get("methods", []) if m["name"] not in ("dpsft", "rmt")]
     d["output_dir"] = None
-    d["denoise"] = {"method": "none"}
     d["batch"]["expected_batch_size"] = b1
     d["schedule"] = {"steps": t1, "warmup_steps": min(r.schedule.warmup_steps, t1 - 1), "decay": "constant"}
     d["eval"]["every_steps"] = t1
@@ -98,9 +151,9 @@ def stage1_recipe(r: Recipe, n_train: int) -> tuple[Recipe, list[int]]:
     return Recipe.model_validate(d), after
 
 
-def _record_events(trainer: Trainer, ledger_json: dict) -> None:
+def _record_events(run, ledger_json: dict) -> None:
     for e in PrivacyLedger.from_json(ledger_json).entries:
-        trainer.ledger.record(PHASE, e.event, e.count)
+        run.record(PHASE, e.event, e.count)
 
 
 def _stage1_only(ledger: PrivacyLedger, n_before: int) -> dict:
@@ -145,7 +198,7 @@ def check_public_source(r: Recipe) -> None:
                             "the private data for free; use source: private (accounted) or a different public task")
 
 
-def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
+def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
     """Run stage 1 in ``<run>/subspace/stage1`` and build the basis (Algorithm 1)."""
     r = trainer.recipe
     cfg = r.subspace
@@ -185,8 +238,9 @@ def run_stage1(trainer: Trainer) -> tuple[SubspaceBasis, dict]:
     return basis, info
 
 
-def build_subspace(trainer: Trainer) -> SubspaceBasis:
-    """Stage 1 for ``trainer`` (called by the loop before σ is calibrated).
+def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
+    """Stage 1 for a run (``trainer``: the :class:`~dpft.methods.base.Run` of the plug-in),
+    before σ is calibrated. Returns ``(basis, subspace_info)``.
 
     A private stage 1 (or a file built privately) records its events in ``trainer.ledger``
     under phase ``subspace``. The basis is saved in ``<run>/subspace/basis.safetensors`` and
@@ -220,17 +274,17 @@ def build_subspace(trainer: Trainer) -> SubspaceBasis:
     if not (trainer.resume and cached.is_file()):
         basis.save(cached)
     basis = basis.to(cfg.dtype)
-    trainer.subspace_info = {
+    info = {
         "source": basis.meta.get("source"), "from_file": cfg.file if cfg.source == "file" else None,
         "k": basis.k, "d": basis.dim, "basis_bytes": basis.nbytes, "basis_memory": format_bytes(basis.nbytes),
         "dtype": cfg.dtype, "optimizer_space": cfg.optimizer_space, "start": cfg.start,
         **{k: v for k, v in basis.meta.items() if k not in ("ledger",)},
     }
     if basis.meta.get("source") == "public":
-        trainer.subspace_info["public_source"] = (
+        info["public_source"] = (
             f"non-private fine-tuning on public task {basis.meta.get('stage1_task')!r} (costs no privacy "
             "of the training data)")
-    return basis
+    return basis, info
 
 
 def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter], basis: SubspaceBasis):
@@ -251,55 +305,86 @@ def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def wire_stage2(trainer: Trainer) -> None:
-    """Stage 2 (Algorithm 2): swap in the subspace engine, set the optimizer's parameters and
-    the unprojection transform (called by the loop after the engine is built).
+@register_method
+class DPSFT(Method):
+    """DP-SFT as a plug-in: stage 1 (``prepare``) and the subspace engine of stage 2 (``build``).
 
-    Raises:
-        SubspaceError: a non-private run or a denoiser combined with DP-SFT.
+    Raises (from ``build``):
+        SubspaceError: a non-private run, or a denoiser combined with DP-SFT.
     """
-    r = trainer.recipe
-    cfg = r.subspace
-    if not trainer.private:
-        raise SubspaceError("DP-SFT stage 2 privatises subspace coordinates; set privacy.enabled: true "
-                            "(or subspace.source: none for a non-private run)")
-    if r.denoise.method != "none":
-        raise SubspaceError("denoise and subspace are not combined: the noise of DP-SFT is k-dimensional")
-    basis: SubspaceBasis = trainer.basis
-    if r.privacy.clipping.style in ("head_body", "per_layer"):
-        # The k coordinates are one group: head_body / per_layer shape stage 1's clipping only;
-        # stage 2 clips ‖s_i‖ in R^k to the same C (same sensitivity, same mechanism).
-        from dpft.step.clip import FlatClip
 
-        trainer.clip = FlatClip(r.privacy.clipping.max_norm)
-    engine = SubspaceEngine(trainer.model, classification_loss, trainer.clip, basis)
-    if cfg.start == "stage1":
-        if basis.start is None:
-            raise SubspaceError("subspace.start=stage1 but the basis holds no stage-1 parameters Θ*; "
-                                "use subspace.start: initial")
-        with torch.no_grad():
-            for n, p in engine.model_params.items():
-                if basis.start[n].shape != p.shape:
-                    raise SubspaceError(f"Θ* of {n} has shape {tuple(basis.start[n].shape)}, the model "
-                                        f"{tuple(p.shape)} (different number of labels in stage 1?)")
-                p.copy_(basis.start[n])
-    trainer.engine = engine
-    if cfg.optimizer_space == "full":
-        trainer.params = engine.model_params
-        trainer.transforms.insert(0, unproject_transform(basis, COORDS))
-    else:
-        z = nn.Parameter(torch.zeros(basis.k))
-        trainer.params = {COORDS: z}
-        trainer._subspace_hook = _sync_hook(trainer.model, z, engine.model_params, basis)
-    trainer.subspace_info["start_dev_accuracy"] = trainer.evaluate()["dev_accuracy"]
+    name = "dpsft"
+    config = SubspaceCfg
+    legacy_section = "subspace"
+    report_key = "subspace"
+    order = 10
+
+    @classmethod
+    def enabled(cls, cfg: SubspaceCfg) -> bool:
+        return cfg.source != "none"
+
+    def prepare(self, run) -> None:
+        self.basis, self.info = build_subspace(run)
+
+    def build(self, spec, run):
+        """Stage 2 (Algorithm 2): the subspace engine, the optimizer's parameters and the
+        unprojection transform."""
+        r, cfg, basis = run.recipe, self.cfg, self.basis
+        if not run.private:
+            raise SubspaceError("DP-SFT stage 2 privatises subspace coordinates; set privacy.enabled: true "
+                                "(or subspace.source: none for a non-private run)")
+        if r.method_config("rmt").method != "none":
+            raise SubspaceError("denoise and subspace are not combined: the noise of DP-SFT is k-dimensional")
+        clip = spec.clip
+        if r.privacy.clipping.style in ("head_body", "per_layer"):
+            # The k coordinates are one group: head_body / per_layer shape stage 1's clipping only;
+            # stage 2 clips ‖s_i‖ in R^k to the same C (same sensitivity, same mechanism).
+            from dpft.step.clip import FlatClip
+
+            clip = FlatClip(r.privacy.clipping.max_norm)
+        engine = SubspaceEngine(run.model, classification_loss, clip, basis)
+        if cfg.start == "stage1":
+            if basis.start is None:
+                raise SubspaceError("subspace.start=stage1 but the basis holds no stage-1 parameters Θ*; "
+                                    "use subspace.start: initial")
+            with torch.no_grad():
+                for n, p in engine.model_params.items():
+                    if basis.start[n].shape != p.shape:
+                        raise SubspaceError(f"Θ* of {n} has shape {tuple(basis.start[n].shape)}, the model "
+                                            f"{tuple(p.shape)} (different number of labels in stage 1?)")
+                    p.copy_(basis.start[n])
+        transforms = list(spec.transforms)
+        if cfg.optimizer_space == "full":
+            params = engine.model_params
+            transforms.insert(0, unproject_transform(basis, COORDS))
+        else:
+            z = nn.Parameter(torch.zeros(basis.k))
+            params = {COORDS: z}
+            self._hook = _sync_hook(run.model, z, engine.model_params, basis)
+        self.info["start_dev_accuracy"] = run.evaluate()["dev_accuracy"]
+        return spec.replace(engine=engine, clip=clip, params=params, transforms=transforms,
+                            optimizer=run.make_optimizer(params))
+
+    def report(self, run) -> dict:
+        return self.info
+
+    @classmethod
+    def markdown(cls, rep) -> list[str]:
+        s = rep.get(cls.report_key)
+        if not s:
+            return []
+        return [f"**Subspace (DP-SFT):** source {s['source']}"
+                + (f" — {s['public_source']}" if s.get("public_source") else "")
+                + f"; k = {s['k']}, d = {s['d']:,}, P = {s['basis_memory']} ({s['dtype']})", ""]
 
 
-def write_info(trainer: Trainer, path: Path | None = None) -> Path:
-    """Write ``subspace_info`` as JSON beside the run (``<run>/subspace/info.json``)."""
-    path = path or trainer.run_dir / "subspace" / "info.json"
+def write_info(info: dict, run_dir: Path, path: Path | None = None) -> Path:
+    """Write the subspace info as JSON beside the run (``<run>/subspace/info.json``)."""
+    path = path or Path(run_dir) / "subspace" / "info.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(trainer.subspace_info, indent=1, default=str))
+    path.write_text(json.dumps(info, indent=1, default=str))
     return path
 
 
-__all__ = ["PHASE", "SnapshotTrainer", "build_subspace", "run_stage1", "stage1_recipe", "wire_stage2", "write_info"]
+__all__ = ["DPSFT", "PHASE", "SnapshotTrainer", "SubspaceCfg", "build_subspace", "run_stage1", "stage1_recipe",
+           "write_info"]

@@ -17,9 +17,13 @@ ledger's, not in it. This file holds wiring and reporting only, no math.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, Optional
 
 import torch
+from pydantic import Field
+
+from dpft.config import _Strict
+from dpft.methods.base import Method, register_method
 
 from dpft.accounting.calibrate import check_delta
 from dpft.accounting.ewpba import SIGMA_FLOOR, NoiseSchedule, make_schedule, schedule_epsilon
@@ -29,6 +33,59 @@ from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAut
                               local_epsilon_composed, pretrain_autoencoder)
 
 PHASE = "ldp-forward"
+
+
+class LdpAutoencoderCfg(_Strict):
+    """Stacked autoencoder around the forward noise (EW-FT Section 5.3), pre-trained on public text."""
+
+    #: Widths, hidden size first: [384, 64] (MiniLM; the paper's 768×64), [384, 256, 64] …;
+    #: empty = no autoencoder (DP-Forward: the whole T × h matrix is clipped and perturbed).
+    sizes: list[int] = []
+    #: Public text for reconstruction pre-training (a registered task; its *train* texts, not
+    #: the private training set).
+    public_task: str = "imdb"
+    public_examples: int = Field(2000, ge=1)
+    pretrain_epochs: int = Field(3, ge=0)
+    pretrain_lr: float = Field(1e-3, gt=0)
+    pretrain_batch_size: int = Field(32, ge=1)
+
+
+class LdpCfg(_Strict):
+    """Forward-pass local DP (EW-FT / DP-Forward; privacy/ldp.py, accounting/ewpba.py).
+
+    The noise is on the forward pass (clip the hidden matrix to C, add N(0, σ_e²(2C)²)); the
+    optimizer step on post(·) is then non-private post-processing, so ``privacy.enabled``
+    must be false (no per-example gradient clipping)."""
+
+    enabled: bool = False
+    #: ``embeddings`` · ``encoder:l`` (after block l, 1-based) · ``output`` (before the head).
+    position: str = "encoder:5"
+    #: Frobenius clipping norm C of one example's (T × h) matrix or autoencoder code.
+    max_norm: float = Field(1.0, gt=0)
+    #: Scale every example to norm exactly C instead of clipping (Eq. 11, first option).
+    normalize: bool = False
+    #: ``ewpba`` (EW-FT Algorithm 1: decreasing σ per epoch) or ``uniform`` (DP-Forward).
+    schedule: Literal["ewpba", "uniform"] = "ewpba"
+    #: EWPBA step distance S.
+    step_distance: float = Field(2.0, gt=0)
+    #: ε of the training stream (example level, the paper's accounting) at ``delta``.
+    target_epsilon: Optional[float] = Field(8.0, gt=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
+    #: Fixed σ for every epoch instead of a schedule.
+    noise_multiplier: Optional[float] = Field(None, ge=0)
+    #: Keep the noise on at evaluation (inference-time privacy, as DP-Forward); the last
+    #: epoch's σ is used.
+    eval_noise: bool = True
+    autoencoder: LdpAutoencoderCfg = LdpAutoencoderCfg()
+    #: Label privacy ε₂ (DP-Forward): K-ary randomized response on every training label, drawn
+    #: once before training (privacy/label_rr.py); pure ε₂-DP per example, replace-one.
+    #: None = labels are used in the clear (not covered by any guarantee).
+    label_epsilon: Optional[float] = Field(None, gt=0)
+    #: With ``label_epsilon``: train on the forward-corrected loss −log (softmax·T)[ỹ] with the
+    #: known RR transition matrix T (Patrini et al. 2017) instead of cross-entropy on ỹ.
+    label_loss_correction: bool = True
+
+
 
 STREAM_STATEMENT = (
     "Example level, training stream (the paper's accounting): PLD composition of one "
@@ -166,8 +223,7 @@ class LDPRun:
 
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
-        self.trainer.ledger.record(PHASE, self.schedule.step_event(step))
-        self.trainer.save_live_ledger()
+        self.trainer.record(PHASE, self.schedule.step_event(step))
 
     def _below_floor(self) -> bool:
         # σ < SIGMA_FLOOR (but > 0): the PLD of so little noise takes minutes and the ε is
@@ -232,6 +288,48 @@ class LDPRun:
 
 #: Headline qualifier of a forward-LDP run without label privacy (issue 13).
 LABELS_NOT_PROTECTED = "ε covers the inputs only; labels are not protected (set ldp.label_epsilon)"
+
+
+@register_method
+class ForwardLDP(Method):
+    """EW-FT / DP-Forward as a plug-in: the noise layer wraps the model in ``prepare``; each
+    step's release is recorded in ``after_update``; the report's privacy section is this
+    method's (stream, local, linked-rows and label guarantees)."""
+
+    name = "ewft"
+    config = LdpCfg
+    legacy_section = "ldp"
+    report_key = "ldp"
+    order = 20
+
+    @classmethod
+    def enabled(cls, cfg: LdpCfg) -> bool:
+        return cfg.enabled
+
+    def prepare(self, run) -> None:
+        self.ldp = LDPRun(run)
+
+    def before_step(self, step, run) -> None:
+        self.ldp.before_step(step)
+
+    def after_update(self, out, run) -> dict:
+        self.ldp.after_step(out.step)
+        return {}
+
+    def epsilon(self, run):
+        return self.ldp.epsilon()
+
+    def privacy_section(self, run):
+        return self.ldp.privacy_section(run.total_steps)
+
+    def report(self, run) -> dict:
+        return self.ldp.summary()
+
+    @classmethod
+    def markdown(cls, rep) -> list[str]:
+        from dpft.report.report import ldp_markdown
+
+        return ldp_markdown(rep)
 
 
 # ---------------------------------------------------------------------------- shared helpers

@@ -6,27 +6,16 @@ from typing import Any
 
 
 def extra_sections(trainer) -> dict[str, Any]:
-    """JSON-able extras for ``report.json``."""
+    """JSON-able extras of a causal-LM run for ``report.json`` (privacy unit, generations)."""
     out: dict[str, Any] = {}
-    r = trainer.recipe
     if getattr(trainer, "causal", False):
         out["lm"] = {"unit": trainer.task.unit, "block_size": trainer.task.block_size,
                      "samples": getattr(trainer, "samples", [])}
-    if getattr(trainer, "adam_ac_active", False):
-        ac = r.adam_ac.model_dump(mode="json")
-        info: dict[str, Any] = {"options": ac}
-        if trainer.private:
-            info["noise_multiplier_accounted"] = trainer.sigma
-            info["noise_multiplier_gradient"] = getattr(trainer, "noise_sigma", trainer.sigma)
-            info["final_clip_norm"] = float(trainer.clip.max_norm)
-        if getattr(trainer, "gamma", None) is not None:
-            info["final_gamma"] = trainer.gamma.gamma
-        out["adam_ac"] = info
     return out
 
 
-def render_extra(rep: dict[str, Any]) -> list[str]:
-    """Markdown lines for the extras (empty when absent)."""
+def adam_ac_markdown(rep: dict[str, Any]) -> list[str]:
+    """Markdown lines of the DP-Adam-AC section (methods/dp_adam_ac.py)."""
     lines: list[str] = []
     ac = rep.get("adam_ac")
     if ac:
@@ -38,13 +27,20 @@ def render_extra(rep: dict[str, Any]) -> list[str]:
         if "noise_multiplier_gradient" in ac:
             lines.append(f"- σ accounted {ac['noise_multiplier_accounted']:.4g}; gradient noise σ_Δ "
                          f"{ac['noise_multiplier_gradient']:.4g} (the rest pays for the noisy unclipped count)")
-            lines.append(f"- final clipping norm C = {ac['final_clip_norm']:.4g}")
+            if "final_clip_norm" in ac:
+                lines.append(f"- final clipping norm C = {ac['final_clip_norm']:.4g}")
         if "final_gamma" in ac:
             lines.append(f"- final learning-rate multiplier γ = {ac['final_gamma']:.4g}")
         if o.get("ema_decay"):
             lines.append("- dev metrics are of the EMA weights (raw weights: the *_raw fields of report.json); "
                          "both are saved (model/ and model_ema/)")
         lines.append("")
+    return lines
+
+
+def render_extra(rep: dict[str, Any]) -> list[str]:
+    """Markdown lines of the causal-LM extras (empty when absent)."""
+    lines: list[str] = []
     lm = rep.get("lm")
     if lm:
         unit = (f"one block of {lm['block_size']} tokens" if lm["unit"] == "block"

@@ -49,7 +49,7 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         "dp": {"private": trainer.private, "noise_multiplier": trainer.sigma, "sampling_rate": trainer.q,
                "expected_batch_size": r.batch.expected_batch_size, "steps": trainer.total_steps,
                "clipping": r.privacy.clipping.model_dump() if trainer.private else None,
-               "engine": type(trainer.engine).__name__, "sampling": "Poisson",
+               "engine": type(trainer.dp_step.spec.engine).__name__, "sampling": "Poisson",
                "randomness": "reproducible (from the recorded seed)" if r.privacy.reproducible
                else "secret (OS CSPRNG key, never written)"},
         "optimizer": r.optimizer.model_dump(mode="json"),
@@ -59,22 +59,25 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         "coverage": coverage_section(trainer),
     }
     rep["task"]["notes"] = list(rep["task"]["notes"]) + list(getattr(trainer, "ledger_notes", []))
-    if getattr(trainer, "subspace_info", None) is not None:  # DP-SFT (methods/dpsft.py)
-        rep["subspace"] = trainer.subspace_info
-    if getattr(trainer, "causal", False) or getattr(trainer, "adam_ac_active", False):
-        from dpft.report.lm import extra_sections
+    from dpft.report.lm import extra_sections
 
-        rep.update(extra_sections(trainer))
-    if getattr(trainer, "ldp", None) is not None:  # forward LDP (methods/ewft.py): its two guarantees
-        rep["privacy"] = trainer.ldp.privacy_section(trainer.total_steps)
-        rep["ldp"] = trainer.ldp.summary()
+    rep.update(extra_sections(trainer))
+    # Each method's own section (methods/base.py); a method may replace the privacy section
+    # (forward LDP has its own guarantees).
+    rep["methods"] = [m.name for m in trainer.methods]
+    for m in trainer.methods:
+        rep[m.report_key or m.name] = m.report(trainer.ctx)
+        sec = m.privacy_section(trainer.ctx)
+        if sec is not None:
+            rep["privacy"] = sec
     if r.privacy.reproducible and rep["privacy"].get("guarantee") == "certified":
         rep["privacy"]["reproducible"] = True
     d = trainer.run_dir
     atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
     atomic_write_text(d / "report.md", render_markdown(rep))
     try:
-        plot_history(rep["history"], d / "training.png", private=trainer.private or rep.get("ldp") is not None)
+        plot_history(rep["history"], d / "training.png",
+                     private=trainer.private or any(m.epsilon(trainer.ctx) is not None for m in trainer.methods))
     except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
         rep["plot_error"] = str(exc)
     return rep
@@ -131,13 +134,10 @@ def render_markdown(rep: dict[str, Any]) -> str:
               f"| time | {rep['time_seconds']:.0f} s |", ""]
     if t["notes"]:
         lines += ["Notes:", *[f"- {n}" for n in t["notes"]], ""]
-    if rep.get("subspace"):
-        s = rep["subspace"]
-        lines += [f"**Subspace (DP-SFT):** source {s['source']}"
-                  + (f" — {s['public_source']}" if s.get("public_source") else "")
-                  + f"; k = {s['k']}, d = {s['d']:,}, P = {s['basis_memory']} ({s['dtype']})", ""]
-    if rep.get("ldp"):
-        lines += ldp_markdown(rep)
+    from dpft.methods.base import get_method
+
+    for name in rep.get("methods", []):
+        lines += get_method(name).markdown(rep)
     if dp["private"] and rep["privacy"].get("ledger"):
         lines += ["## Ledger (every private release of this run)", "", "| phase | count | event |", "|---|---|---|"]
         lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in rep["privacy"]["ledger"]]
@@ -159,7 +159,7 @@ def coverage_section(trainer) -> dict[str, Any]:
         src = f"a split held out from your training file {t.train_file}"
     else:
         src = f"the {t.name} dev split"
-    covered = trainer.private or getattr(trainer, "ldp", None) is not None
+    covered = trainer.private or any(m.epsilon(trainer.ctx) is not None for m in trainer.methods)
     out = {
         "release_set": RELEASE_SET,
         "dev_public": dev_public,

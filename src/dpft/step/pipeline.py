@@ -124,6 +124,7 @@ class DPStep:
         """
         sp = self.spec
         t0 = time.perf_counter()
+        sp.engine.clip = sp.clip  # the spec's clip policy is the one in force (methods may swap it)
         agg = Aggregator(sp.engine.params, keep_norms=sp.keep_norms)
         for batch in micro_batches:
             agg.add(sp.engine.clipped_sum(batch))

@@ -7,6 +7,7 @@ selection, engine, transforms, extra ledger phases) — they never copy the loop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from dpft.step.postprocess import Transform, rmt_transform  # noqa: F401 (Transf
 from dpft.step.sample import PoissonSampler
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.noise import GaussianMechanism
+from dpft.methods.base import Run, active_methods
 from dpft.privacy.randomness import Randomness
 from dpft.train.release import DiagnosticsLog, split_row
 
@@ -89,7 +91,7 @@ class Trainer:
         self.recipe = r = recipe
         self.run_dir = Path(run_dir)
         self.resume = resume
-        self.transforms = list(transforms or [])
+        self._user_transforms = list(transforms or [])
         self.progress = progress
         self.private = r.privacy.enabled
         t0 = time.time()
@@ -137,9 +139,9 @@ class Trainer:
         if not self.causal:
             # Dev truncation count goes in the report's notes; the training count is private.
             self.train_tok, self.dev_tok = tokenize_task(self.task, self.tokenizer, r.model.max_length,
-                                                         private=r.privacy.enabled or r.ldp.enabled)
+                                                         private=self.private or bool(active_methods(r)))
             n_cut = getattr(self.task, "truncated", {}).get("train", 0)
-            if n_cut and progress and (r.privacy.enabled or r.ldp.enabled):
+            if n_cut and progress and (self.private or bool(active_methods(r))):
                 print(f"{n_cut} training examples were truncated to model.max_length = {r.model.max_length} "
                       "tokens (private statistic: shown here only, not written to the run directory)",
                       file=sys.stderr)
@@ -160,17 +162,18 @@ class Trainer:
         self.total_steps = s.steps or max(1, math.ceil(s.epochs * self.n / r.batch.expected_batch_size))
 
         self.sigma = 0.0
-        if r.subspace.source != "none":
-            from dpft.methods.dpsft import build_subspace
-
-            # DP-SFT stage 1 (before calibration: a private stage records its events first).
-            self.basis = build_subspace(self)
-        #: Forward-pass LDP (EW-FT / DP-Forward, recipe section ``ldp:``); wraps self.model.
-        self.ldp = None
-        if r.ldp.enabled:
-            from dpft.methods.ewft import LDPRun
-
-            self.ldp = LDPRun(self)
+        #: The recipe's methods (methods/base.py), composed in order; the driver names none.
+        self.methods = active_methods(r)
+        #: What the methods see of this run (methods/base.py ``Run``).
+        self.ctx = Run(recipe=r, run_dir=self.run_dir, resume=resume, progress=progress, private=self.private,
+                       rng=self.rng, ledger=self.ledger, live_ledger_path=self.live_ledger_path, task=self.task,
+                       tokenizer=self.tokenizer, model=self.model, loss_fn=self.loss_fn, train_tok=self.train_tok,
+                       dev_tok=self.dev_tok, n=self.n, q=self.q, sampler=self.sampler, total_steps=self.total_steps,
+                       evaluate=lambda: self.evaluate(), make_optimizer=self._make_optimizer)
+        for m in self.methods:  # earlier private phases; model / loss / data wrapping
+            m.prepare(self.ctx)
+        self.model, self.loss_fn, self.train_tok = self.ctx.model, self.ctx.loss_fn, self.ctx.train_tok
+        self.total_steps = self.ctx.total_steps
         if self.private:
             check_delta(r.privacy.delta, self.n)
             if r.privacy.noise_multiplier is not None:
@@ -178,81 +181,94 @@ class Trainer:
             else:
                 self.sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, self.q, self.total_steps,
                                              prior=self.prior_events())
-            self.clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma,
-                                         r.privacy.clipping.head_fraction)
-            #: σ of the gradient noise; differs from the accounted σ with adaptive clipping.
-            self.noise_sigma = self.sigma
-            self._setup_adam_ac()
-            self.engine = make_engine(r.privacy.engine, self.model, self.loss_fn, self.clip)
-            if hasattr(self.clip, "set_head_mask"):
-                self.clip.set_head_mask([is_head_param(n) for n in self.engine.params])
-            self.mechanism = GaussianMechanism(self.noise_sigma, self.clip.sensitivity, self.rng,
-                                               hardened=r.privacy.hardened_noise, accounted_sigma=self.sigma)
+            clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma,
+                                    r.privacy.clipping.head_fraction)
+            engine = make_engine(r.privacy.engine, self.model, self.loss_fn, clip)
+            if hasattr(clip, "set_head_mask"):
+                clip.set_head_mask([is_head_param(n) for n in engine.params])
+            mechanism = GaussianMechanism(self.sigma, clip.sensitivity, self.rng, hardened=r.privacy.hardened_noise)
         else:
-            self.engine = NonPrivateEngine(self.model, self.loss_fn, make_clip_policy("flat", 1.0))
-            self.mechanism = None
-        self.params = self.engine.params
-        if r.subspace.source != "none":
-            from dpft.methods.dpsft import wire_stage2
-
-            wire_stage2(self)  # subspace engine, optimizer parameters, unprojection transform
-        if r.denoise.method == "rmt" and self.private:
-            self.transforms.append(rmt_transform(self.model, list(self.params), r.denoise))
-        self.optimizer = self._make_optimizer()
-        self._setup_adam_ac_optim()
+            engine = NonPrivateEngine(self.model, self.loss_fn, make_clip_policy("flat", 1.0))
+            clip, mechanism = engine.clip, None
+        self.ctx.sigma = self.sigma
+        spec = StepSpec(engine=engine, clip=clip, mechanism=mechanism, sampler=self.sampler,
+                        optimizer=self._make_optimizer(engine.params), transforms=list(self._user_transforms),
+                        params=engine.params, phase=self.phase)
+        for m in self.methods:  # each returns a changed copy of the step's parts
+            spec = m.build(spec, self.ctx)
+        self.params = spec.params if spec.params is not None else spec.engine.params
+        self.optimizer = spec.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
-        self.dp_step = DPStep(
-            StepSpec(engine=self.engine, clip=self.engine.clip, mechanism=self.mechanism, sampler=self.sampler,
-                     optimizer=self.optimizer, transforms=self.transforms, params=self.params, phase=self.phase,
-                     keep_norms=self.private and r.adam_ac.reproduce_paper),
-            self.ledger, self.n, on_release=self.save_live_ledger)
+        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self.save_live_ledger)
         self.start_step = 0
         self.diagnostics: Optional[DiagnosticsLog] = None
         self.history = History()
         self.elapsed_before = 0.0
         self.setup_seconds = time.time() - t0
 
-    # ------------------------------------------------------------------ hooks for methods
+    # ------------------------------------------------------------------ parts
+    def method(self, name: str):
+        """The active method plug-in called ``name`` (methods/base.py).
+
+        Raises:
+            KeyError: the recipe does not use that method."""
+        for m in self.methods:
+            if m.name == name:
+                return m
+        raise KeyError(f"this run has no method {name!r} (active: {[m.name for m in self.methods]})")
+
+    @property
+    def engine(self):
+        """The per-example engine in force (the DP step's spec)."""
+        return self.dp_step.spec.engine
+
+    @property
+    def clip(self):
+        """The clip policy in force."""
+        return self.dp_step.spec.clip
+
+    @property
+    def transforms(self):
+        """The post-processing transforms in force, in order."""
+        return self.dp_step.spec.transforms
+
+    @property
+    def mechanism(self):
+        """The Gaussian mechanism (None for a non-private run)."""
+        return self.dp_step.spec.mechanism
+
     def prior_events(self) -> list:
         """Events spent before training (e.g. a private subspace); composed into calibration."""
         return self.ledger.events()
 
-    def _setup_adam_ac(self) -> None:
-        """DP-Adam-AC's clip policy (private adaptive quantile, or the paper's leaky rule)."""
-        from dpft.methods.dp_adam_ac import setup_clip
-
-        setup_clip(self)
-
-    def _setup_adam_ac_optim(self) -> None:
-        """DP-Adam-AC's optimizer-side pieces: γ nudging, EMA, AdamBC's noise variance."""
-        from dpft.methods.dp_adam_ac import setup_optim
-
-        setup_optim(self)
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
+    def _make_optimizer(self, params: dict) -> torch.optim.Optimizer:
+        """The recipe's optimizer over ``params`` (head and body groups when ``head_lr`` is set)."""
         o = self.recipe.optimizer
-        params: Any = head_param_groups(self.params, o.head_lr)
-        ac = self.recipe.adam_ac
-        if ac.bias_correction or ac.gamma_nudge or ac.reproduce_paper:
-            from dpft.methods.dp_adam_ac import make_dp_adam
-
-            return make_dp_adam(params, o, ac)
+        groups: Any = head_param_groups(params, o.head_lr)
         if o.name == "sgd":
-            return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+            return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
         if o.name == "adam":
-            return torch.optim.Adam(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+            return torch.optim.Adam(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Dev accuracy and mean loss (nats); no gradients, model in eval mode. ``text`` task:
-        dev loss (nats/token) and perplexity, of the EMA weights when an EMA is kept."""
-        if self.causal or getattr(self, "ema", None) is not None:
-            from dpft.methods.dp_adam_ac import evaluate
+        dev loss (nats/token) and perplexity. A method may replace it (e.g. an EMA's weights)."""
+        for m in getattr(self, "methods", []):
+            out = m.evaluate(self.ctx, self._evaluate_model)
+            if out is not None:
+                return out
+        return self._evaluate_model()
 
-            return evaluate(self)
+    @torch.no_grad()
+    def _evaluate_model(self) -> dict[str, float]:
+        if self.causal:
+            from dpft.eval.lm import lm_eval
+
+            return lm_eval(self.model, list(self.dev_tok), self.pad_id, self.recipe.eval.batch_size)
         return self._evaluate_classifier()
 
     @torch.no_grad()
@@ -278,8 +294,8 @@ class Trainer:
         r = self.recipe
         torch.manual_seed(self.rng.seed_for("dropout", step))  # dropout masks: per step, secret
         idx = self.dp_step.indices(step)
-        if self.ldp is not None:
-            self.ldp.before_step(step)
+        for m in self.methods:
+            m.before_step(step, self.ctx)
         self.model.train()
         # Order the logical batch by length so micro-batches carry little padding; the set of
         # examples (all that privacy depends on) is unchanged.
@@ -295,18 +311,11 @@ class Trainer:
             raise TrainingError(f"step {step}: {exc}. The last checkpoint in {self.run_dir} is intact; "
                                 "fix the recipe and --resume") from None
         self.scheduler.step()
-        if self.ldp is not None:
-            self.ldp.after_step(step)
         out = {**res.private, **res.released}
         out.pop("loss_sum", None)
-        clipped = out.pop("clipped", 0)
-        if not self.private:
-            out.pop("clip_fraction", None)
-        if self.adam_ac_active:
-            from dpft.methods.dp_adam_ac import after_step
-
-            raw = [res.raw_norms] if res.raw_norms is not None else []
-            out.update(after_step(self, step, res.private["batch_size"], clipped, raw, res.q * self.n))
+        out.pop("clipped", None)
+        for m in self.methods:
+            out.update(m.after_update(res, self.ctx))
         if self.causal:
             out["train_loss_per_token"] = res.private["loss_sum"] / max(1, int((self.train_lengths[idx] - 1).sum()))
         return out
@@ -352,8 +361,6 @@ class Trainer:
         self.optimizer.load_state_dict(ck["optim"]["optimizer"])
         self.scheduler.load_state_dict(ck["optim"]["scheduler"])
         self.sigma = st["sigma"]
-        if self.mechanism is not None:
-            self.mechanism.sigma = self.noise_sigma
         ck_ledger = PrivacyLedger.from_json(ck["ledger"])
         live = self.live_ledger_path
         # The live ledger holds every release ever made in this directory, including steps past
@@ -362,7 +369,7 @@ class Trainer:
         self.ledger = PrivacyLedger.load(live) if live.is_file() else ck_ledger
         if not ck_ledger.certified:
             self.ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
-        self.dp_step.ledger = self.ledger
+        self.dp_step.ledger = self.ctx.ledger = self.ledger
         self.start_step = st["step"]
         self.history.rows = st.get("history", [])
         self.elapsed_before = st.get("elapsed", 0.0)
@@ -378,8 +385,10 @@ class Trainer:
             self.diagnostics.write(private)
 
     def epsilon_now(self) -> Optional[float]:
-        if self.ldp is not None:
-            return self.ldp.epsilon()
+        for m in self.methods:  # a method with its own guarantee (forward LDP)
+            eps = m.epsilon(self.ctx)
+            if eps is not None:
+                return eps
         if not self.private or not self.ledger.certified:
             return None
         return self.ledger.epsilon(self.recipe.privacy.delta).epsilon
@@ -402,7 +411,7 @@ class Trainer:
             atomic_write_text(self.run_dir / "metrics.jsonl", "")
         atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
         self.diagnostics = DiagnosticsLog(self.run_dir) if r.log.private_diagnostics else None
-        if self.private or self.ldp is not None:
+        if self.private or self.ledger.entries:
             self.save_live_ledger()  # phases spent before training (stage 1, synthetic data)
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc=r.name, disable=not self.progress,
                    dynamic_ncols=True, file=sys.stderr)
@@ -426,14 +435,19 @@ class Trainer:
             if done % r.checkpoint_every == 0 or done == self.total_steps:
                 self.save(done)
         bar.close()
-        if self.private or self.ldp is not None:
+        if self.private or self.ledger.entries:
             self.save_live_ledger()
         if not last_eval:
             last_eval = self.evaluate()
         if self.causal and r.eval.prompts:
-            from dpft.methods.dp_adam_ac import generate
+            from dpft.eval.lm import sample_generations
 
-            self.samples = generate(self)
+            e = r.eval
+            with contextlib.ExitStack() as stack:  # a method's weights of record (e.g. the EMA)
+                for m in self.methods:
+                    stack.enter_context(m.weights())
+                self.samples = sample_generations(self.model, self.tokenizer, e.prompts, e.max_new_tokens,
+                                                  seed=r.seed)
         elapsed = self.elapsed_before + (time.time() - self._t_run)
         self.save_model()
         return write_report(self, last_eval, elapsed)
@@ -443,7 +457,5 @@ class Trainer:
         out = self.run_dir / "model"
         self.model.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
-        if getattr(self, "ema", None) is not None:  # the EMA weights beside the raw ones
-            with self.ema.swap():
-                self.model.save_pretrained(self.run_dir / "model_ema")
-            self.tokenizer.save_pretrained(self.run_dir / "model_ema")
+        for m in self.methods:  # e.g. EMA weights beside the raw ones
+            m.finish(self.ctx)

@@ -1,0 +1,227 @@
+"""Methods are plug-ins: a :class:`Method` gets hooks, never the trainer's internals.
+
+A method is one file in ``methods/`` (or in the user's own code) holding its recipe config
+model and a :class:`Method` subclass registered with :func:`register_method`. The driver
+(``train/loop.py``) composes the recipe's methods in ``order`` and holds no method name:
+
+- ``prepare(run)``: earlier private phases (a private subspace, DP synthetic data) that append
+  to the run's ledger through :meth:`Run.record`, and model/loss/data wrapping (forward LDP
+  wraps ``run.model`` and ``run.loss_fn``, label RR replaces ``run.train_tok``);
+- ``build(spec, run) -> spec``: a changed copy of the DP step's parts (engine, clip policy,
+  mechanism, transforms, optimizer) — see :class:`dpft.step.StepSpec`;
+- ``before_step(step, run)`` and ``after_update(out, run) -> dict``: per-step hooks; what
+  ``after_update`` returns is released (privatised statistics only);
+- ``evaluate(run, evaluate) -> dict | None``: replace or extend evaluation (e.g. an EMA);
+- ``report(run) -> dict``: the method's section of ``report.json`` (key ``name``);
+  ``markdown(rep) -> list[str]`` its lines in ``report.md``; ``privacy_section(run)`` may
+  replace the run's privacy section (forward LDP has its own guarantees);
+- ``finish(run)``: after training (e.g. save extra weights).
+
+A recipe names its methods in ``methods:`` (a list of ``{name: ..., <config keys>}``; the
+``name`` picks the registered config model: a discriminated union over an open registry). The
+built-ins also keep their historical top-level sections (``subspace:``, ``ldp:``, ``adam_ac:``,
+``denoise:``), which the recipe loader moves into ``methods:``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+
+import dp_accounting as dpa
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from dpft.accounting.ledger import PrivacyLedger
+    from dpft.privacy.randomness import Randomness
+    from dpft.step import StepOutput, StepSpec
+
+#: name → Method subclass.
+_REGISTRY: dict[str, type["Method"]] = {}
+#: legacy top-level recipe section → method name.
+LEGACY_SECTIONS: dict[str, str] = {}
+
+
+class MethodError(ValueError):
+    """A method configuration that cannot run; the message names the fix."""
+
+
+class Method:
+    """Base class of a plug-in. Subclasses set ``name`` and ``config`` (a pydantic model) and
+    override the hooks they need; every hook's default does nothing.
+
+    Args:
+        cfg: the validated config (an instance of ``config``).
+        recipe: the whole recipe (read-only).
+    """
+
+    name: ClassVar[str] = ""
+    config: ClassVar[type[BaseModel]]
+    #: Composition order: lower first (DP-SFT's engine before DP-Adam-AC's optimizer).
+    order: ClassVar[int] = 50
+    #: Historical top-level recipe section of a built-in (``subspace``…), if any.
+    legacy_section: ClassVar[Optional[str]] = None
+    #: Key of the method's section in report.json (default: ``name``).
+    report_key: ClassVar[Optional[str]] = None
+
+    def __init__(self, cfg: BaseModel, recipe: Any):
+        self.cfg = cfg
+        self.recipe = recipe
+
+    @classmethod
+    def enabled(cls, cfg: BaseModel) -> bool:
+        """Whether this config asks for the method at all (e.g. ``ldp.enabled``)."""
+        return True
+
+    def prepare(self, run: "Run") -> None:
+        """Earlier phases and model/loss/data wrapping, before σ is calibrated."""
+
+    def build(self, spec: "StepSpec", run: "Run") -> "StepSpec":
+        """Return a changed copy of the step's parts (``spec.replace(...)``)."""
+        return spec
+
+    def before_step(self, step: int, run: "Run") -> None:
+        """Called before logical step ``step`` is sampled."""
+
+    def after_update(self, out: "StepOutput", run: "Run") -> dict[str, Any]:
+        """Called after the optimizer step; returns released fields for metrics.jsonl."""
+        return {}
+
+    def evaluate(self, run: "Run", evaluate: Callable[[], dict[str, float]]) -> Optional[dict[str, float]]:
+        """Replace the dev evaluation (None = the driver's own)."""
+        return None
+
+    def epsilon(self, run: "Run") -> Optional[float]:
+        """ε shown during training when the method defines its own guarantee (None = ledger's)."""
+        return None
+
+    def privacy_section(self, run: "Run") -> Optional[dict[str, Any]]:
+        """Replace the report's privacy section (None = the ledger's DP-SGD section)."""
+        return None
+
+    def report(self, run: "Run") -> dict[str, Any]:
+        """The method's section of report.json (under key ``name``)."""
+        return {}
+
+    @classmethod
+    def markdown(cls, rep: dict[str, Any]) -> list[str]:
+        """Lines for report.md, from report.json alone (``dpft report`` re-renders it)."""
+        return []
+
+    def weights(self):
+        """Context manager giving the method's weights of record (e.g. an EMA) for generation."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def finish(self, run: "Run") -> None:
+        """After training, before the report (e.g. save EMA weights)."""
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: make ``cls`` available to recipes as ``methods: [{name: cls.name, …}]``.
+
+    Raises:
+        MethodError: no name or config, or the name is taken by another class.
+    """
+    if not cls.name or not isinstance(getattr(cls, "config", None), type):
+        raise MethodError(f"{cls.__name__}: a Method needs a class attribute name and a pydantic config model")
+    old = _REGISTRY.get(cls.name)
+    if old is not None and old.__qualname__ != cls.__qualname__:
+        raise MethodError(f"method name {cls.name!r} is already registered by {old.__module__}.{old.__qualname__}")
+    _REGISTRY[cls.name] = cls
+    if cls.legacy_section:
+        LEGACY_SECTIONS[cls.legacy_section] = cls.name
+    return cls
+
+
+def registered() -> dict[str, type[Method]]:
+    """Name → class of every registered method (built-ins are imported first)."""
+    _load_builtins()
+    return dict(_REGISTRY)
+
+
+def get_method(name: str) -> type[Method]:
+    """Raises MethodError naming the registered methods when ``name`` is unknown."""
+    reg = registered()
+    if name not in reg:
+        import difflib
+
+        hint = difflib.get_close_matches(name, list(reg), n=1)
+        raise MethodError(f"unknown method {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+                          + f" (registered: {', '.join(sorted(reg))}; a plug-in registers with "
+                          "dpft.register_method before the recipe is loaded)")
+    return reg[name]
+
+
+_BUILTINS_LOADED = False
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
+    import dpft.methods.dp_adam_ac  # noqa: F401
+    import dpft.methods.dpsft  # noqa: F401
+    import dpft.methods.ewft  # noqa: F401
+    import dpft.methods.rmt  # noqa: F401
+
+
+@dataclass
+class Run:
+    """What a method may see and change of a run (the trainer's internals stay private).
+
+    Settable in ``prepare``: ``model``, ``loss_fn``, ``train_tok``, ``total_steps``.
+    Read-only by convention: the rest. Ledger appends go through :meth:`record`.
+    """
+
+    recipe: Any
+    run_dir: Path
+    resume: bool
+    progress: bool
+    private: bool
+    rng: "Randomness"
+    ledger: "PrivacyLedger"
+    live_ledger_path: Path
+    task: Any
+    tokenizer: Any
+    model: Any
+    loss_fn: Any
+    train_tok: Any
+    dev_tok: Any
+    n: int
+    q: float
+    sampler: Any
+    total_steps: int
+    evaluate: Callable[[], dict[str, float]]
+    make_optimizer: Callable[[dict], Any]
+    #: σ of the training phase (set by the driver after calibration; 0 for non-private runs).
+    sigma: float = 0.0
+    #: Notes a method adds to the report's notes list.
+    notes: list[str] = field(default_factory=list)
+
+    def record(self, phase: str, event: dpa.DpEvent, count: int = 1) -> None:
+        """Append a release to the run's ledger and save the live ``ledger.json`` at once."""
+        self.ledger.record(phase, event, count)
+        self.live_ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        self.ledger.save(self.live_ledger_path)
+
+
+def active_methods(recipe: Any) -> list[Method]:
+    """The recipe's enabled methods, instantiated, in composition order."""
+    out = []
+    for cfg in recipe.methods:
+        cls = get_method(method_name(cfg))
+        if cls.enabled(cfg):
+            out.append(cls(cfg, recipe))
+    return sorted(out, key=lambda m: m.order)
+
+
+def method_name(cfg: BaseModel) -> str:
+    """The registered name of a validated method config."""
+    for name, cls in registered().items():
+        if type(cfg) is cls.config:
+            return name
+    raise MethodError(f"{type(cfg).__name__} is not the config of a registered method")
