@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, get_args
 
 import typer
+
+from dpft import config as _cfg
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Differentially private fine-tuning of language models.")
@@ -17,20 +20,98 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _overrides(**named) -> dict:
+def _choices(model: type, field: str) -> str:
+    """The allowed values of a ``Literal`` recipe field, read from the pydantic model so that
+    a flag's help cannot fall behind the schema."""
+    return ", ".join(str(v) for v in get_args(model.model_fields[field].annotation))
+
+
+def _overrides(flags: tuple = (), set: Optional[List[str]] = None) -> tuple[dict, dict]:
+    """Recipe overrides from named flags and ``--set`` items, and where each came from.
+
+    ``flags``: ``(flag, recipe key, value)`` of every named option (value None = not given).
+    Returns ``(overrides, origins)``; ``origins[key]`` is the flag as typed (``--set
+    privacy.epsilon=3``, ``--epsilon 3``) so that a bad value blames that flag."""
     from dpft.config import _parse_scalar
 
-    out = {}
-    for key, value in named.items():
-        if key == "set" or value is None:
+    out: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for flag, key, value in flags:
+        if value is None:
             continue
         out[key] = value
-    for item in named.get("set") or []:
+        origins[key] = f"{flag} {value}"
+    for item in set or []:
         if "=" not in item:
             _fail(f"--set expects key=value (e.g. --set optimizer.lr=1e-3), got {item!r}")
         k, v = item.split("=", 1)
         out[k.strip()] = _parse_scalar(v)
-    return out
+        origins[k.strip()] = f"--set {item}"
+    return out, origins
+
+
+def _model_short_name(model: str) -> str:
+    """``minilm`` → ``minilm``; ``/models/tinybert/`` → ``tinybert``; ``org/name`` → ``name``."""
+    return Path(model.rstrip("/\\")).name or model
+
+
+def _name_run(rec, ov: dict) -> None:
+    """Name the run after its data unless a name was given (``--name``, ``--set name=…``).
+
+    A training file given on the command line names the run (``--train-file notes.csv`` →
+    ``notes``), even over the name of the recipe it overrides (which describes the recipe's own
+    data); without a name anywhere the run is ``<task>-<model>`` (``sst2-minilm``), or the
+    training file's stem for a task read from files."""
+    if "name" in ov:
+        return
+    if "task.train_file" in ov or "name" not in rec.model_fields_set:
+        tf = rec.task.train_file
+        rec.name = (Path(tf).stem if tf else "") or f"{rec.task.name}-{_model_short_name(rec.model.name)}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _plan_line(trainer) -> str:
+    """Steps, expected examples per step (q·N), N and passes over the data of a Trainer."""
+    t = trainer.total_steps
+    sampler = trainer.sampler
+    if hasattr(sampler, "expected_batch_at"):  # batch.schedule: q varies by step
+        sizes = sorted({b for _, b in sampler.schedule})
+        per = f"{sizes[0]}–{sizes[-1]} expected examples per step (batch.schedule)"
+        epochs = sum(sampler.q_at(i) for i in range(t))
+    else:
+        per = f"{trainer.q * trainer.n:.4g} expected examples per step (q·N, q = {trainer.q:.4g})"
+        epochs = trainer.q * t
+    return (f"plan: {t} logical steps × {per} from N = {trainer.n} training examples "
+            f"(≈ {epochs:.3g} epochs); time estimate after the first step")
+
+
+def _time_first_step(trainer) -> None:
+    """Wrap this trainer's ``step`` so that after the first step run here the remaining time
+    is estimated on stderr (step time × steps left; evaluation and checkpoints not counted)."""
+    from tqdm.auto import tqdm
+
+    inner = trainer.step
+    state = {"timed": False}
+
+    def step(i: int):
+        t0 = time.perf_counter()
+        out = inner(i)
+        if not state["timed"]:
+            state["timed"] = True
+            dt = time.perf_counter() - t0
+            left = trainer.total_steps - i - 1
+            tqdm.write(f"first step: {dt:.2f} s; about {_duration(dt * left)} for the {left} steps left "
+                       "(evaluation and checkpoints not included)", file=sys.stderr)
+        return out
+
+    trainer.step = step
 
 
 @app.command()
@@ -48,25 +129,31 @@ def train(
     label_column: Optional[str] = typer.Option(None, help="task.label_column."),
     max_train_examples: Optional[int] = typer.Option(None, help="task.max_train_examples."),
     max_dev_examples: Optional[int] = typer.Option(None, help="task.max_dev_examples."),
-    trainable: Optional[str] = typer.Option(None, help="trainable.mode: full, head, last_k, bias, lora."),
+    trainable: Optional[str] = typer.Option(None, help=f"trainable.mode: {_choices(_cfg.TrainableCfg, 'mode')}."),
     epsilon: Optional[float] = typer.Option(None, help="privacy.target_epsilon."),
     delta: Optional[float] = typer.Option(None, help="privacy.delta."),
     noise_multiplier: Optional[float] = typer.Option(None, help="privacy.noise_multiplier (skips calibration)."),
     clip_norm: Optional[float] = typer.Option(None, help="privacy.clipping.max_norm (C)."),
-    clipping: Optional[str] = typer.Option(None, help="privacy.clipping.style: flat, per_layer, automatic."),
-    engine: Optional[str] = typer.Option(None, help="privacy.engine: auto, bookkeeping, reference."),
-    optimizer: Optional[str] = typer.Option(None, help="optimizer.name: sgd, adam, adamw."),
+    clipping: Optional[str] = typer.Option(
+        None, help=f"privacy.clipping.style: {_choices(_cfg.ClippingCfg, 'style')}."),
+    engine: Optional[str] = typer.Option(None, help=f"privacy.engine: {_choices(_cfg.PrivacyCfg, 'engine')}."),
+    optimizer: Optional[str] = typer.Option(None, help=f"optimizer.name: {_choices(_cfg.OptimizerCfg, 'name')}."),
     lr: Optional[float] = typer.Option(None, help="optimizer.lr."),
-    steps: Optional[int] = typer.Option(None, help="schedule.steps."),
-    epochs: Optional[float] = typer.Option(None, help="schedule.epochs."),
+    steps: Optional[int] = typer.Option(None, help="schedule.steps: logical (noisy) steps; clears schedule.epochs."),
+    epochs: Optional[float] = typer.Option(
+        None, help="schedule.epochs: passes over the training data, steps = ⌈epochs·N / batch size⌉; "
+                   "clears schedule.steps."),
     batch_size: Optional[int] = typer.Option(None, help="batch.expected_batch_size (q·N)."),
     max_physical_batch_size: Optional[int] = typer.Option(None, help="batch.max_physical_batch_size."),
     max_length: Optional[int] = typer.Option(None, help="model.max_length."),
     eval_every: Optional[int] = typer.Option(None, help="eval.every_steps."),
+    checkpoint_every: Optional[int] = typer.Option(None, help="checkpoint_every: write a checkpoint every N steps "
+                                                   "(and at the end)."),
     seed: Optional[int] = typer.Option(None, help="seed."),
-    name: Optional[str] = typer.Option(None, help="run name."),
+    name: Optional[str] = typer.Option(None, help="run name (default: the --train-file stem, else "
+                                       "<task>-<model>); the run directory defaults to runs/<name>."),
     set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set optimizer.weight_decay=0.01"),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar, plan or time estimate."),
 ):
     """Fine-tune a model under (ε, δ)-DP as a recipe says; flags override recipe keys."""
     from dpft.accounting.calibrate import CalibrationError
@@ -76,28 +163,38 @@ def train(
     from dpft.report.report import epsilon_line
     from dpft.train.loop import Trainer, TrainingError
 
-    ov = _overrides(**{
-        "model.name": model, "task.name": task, "task.train_file": train_file, "task.dev_file": dev_file,
-        "task.text_column": text_column, "task.text_pair_column": text_pair_column,
-        "task.label_column": label_column, "task.max_train_examples": max_train_examples,
-        "task.max_dev_examples": max_dev_examples, "trainable.mode": trainable,
-        "privacy.target_epsilon": epsilon, "privacy.delta": delta, "privacy.noise_multiplier": noise_multiplier,
-        "privacy.clipping.max_norm": clip_norm, "privacy.clipping.style": clipping, "privacy.engine": engine,
-        "optimizer.name": optimizer, "optimizer.lr": lr, "schedule.steps": steps, "schedule.epochs": epochs,
-        "batch.expected_batch_size": batch_size, "batch.max_physical_batch_size": max_physical_batch_size,
-        "model.max_length": max_length, "eval.every_steps": eval_every, "seed": seed, "name": name,
-        "output_dir": str(output_dir) if output_dir else None, "set": set,
-    })
+    if steps is not None and epochs is not None:
+        _fail("give --steps or --epochs, not both")
+    ov, origins = _overrides((
+        ("--model", "model.name", model), ("--task", "task.name", task), ("--train-file", "task.train_file", train_file),
+        ("--dev-file", "task.dev_file", dev_file), ("--text-column", "task.text_column", text_column),
+        ("--text-pair-column", "task.text_pair_column", text_pair_column),
+        ("--label-column", "task.label_column", label_column),
+        ("--max-train-examples", "task.max_train_examples", max_train_examples),
+        ("--max-dev-examples", "task.max_dev_examples", max_dev_examples), ("--trainable", "trainable.mode", trainable),
+        ("--epsilon", "privacy.target_epsilon", epsilon), ("--delta", "privacy.delta", delta),
+        ("--noise-multiplier", "privacy.noise_multiplier", noise_multiplier),
+        ("--clip-norm", "privacy.clipping.max_norm", clip_norm), ("--clipping", "privacy.clipping.style", clipping),
+        ("--engine", "privacy.engine", engine), ("--optimizer", "optimizer.name", optimizer),
+        ("--lr", "optimizer.lr", lr), ("--steps", "schedule.steps", steps), ("--epochs", "schedule.epochs", epochs),
+        ("--batch-size", "batch.expected_batch_size", batch_size),
+        ("--max-physical-batch-size", "batch.max_physical_batch_size", max_physical_batch_size),
+        ("--max-length", "model.max_length", max_length), ("--eval-every", "eval.every_steps", eval_every),
+        ("--checkpoint-every", "checkpoint_every", checkpoint_every), ("--seed", "seed", seed), ("--name", "name", name),
+        ("--output-dir", "output_dir", str(output_dir) if output_dir else None),
+    ), set)
     if no_dp:
         ov["privacy.enabled"] = False
-    if train_file and not task:
-        ov["task.name"] = "files"
-    if steps is not None and epochs is None:
+        origins["privacy.enabled"] = "--no-dp"
+    if steps is not None:
         ov["schedule.epochs"] = None
-    if epochs is not None and steps is None:
+    if epochs is not None:
         ov["schedule.steps"] = None
     try:
-        rec = load_recipe(recipe, ov)
+        rec = load_recipe(recipe, ov, origins)
+        if train_file and not task and rec.task.name != "text":  # a causal-LM corpus stays a text task
+            rec.task.name = "files"
+        _name_run(rec, ov)
         run_dir = Path(rec.output_dir or f"runs/{rec.name}{'-nodp' if no_dp else ''}")
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
         if trainer.private:
@@ -110,6 +207,9 @@ def train(
                        f"{rec.ldp.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps", err=True)
         else:
             typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)
+        if not quiet:
+            typer.echo(_plan_line(trainer), err=True)
+            _time_first_step(trainer)
         rep = trainer.run()
     except (ValueError, TrainingError, FileNotFoundError) as exc:  # RecipeError, DataError, ModelError, CalibrationError are ValueErrors
         _fail(str(exc))
@@ -185,7 +285,7 @@ def ldp_server(
     from dpft.methods.ldp_split import load_or_create_token, make_server
 
     try:
-        rec = load_recipe(recipe, _overrides(set=set))
+        rec = load_recipe(recipe, *_overrides(set=set))
         tfile = token_file if token_file is not None else output_dir / "ldp_token"
         token = load_or_create_token(tfile, overwrite=token_file is None)
         srv = make_server(rec, output_dir, port=port, host=host, token=token,
@@ -227,7 +327,7 @@ def ldp_client(
         else:
             _fail("ldp-client needs the server's token: --token-file PATH (the server prints where it wrote it) "
                   "or DPFT_LDP_TOKEN")
-        rep = LDPClient(load_recipe(recipe, _overrides(set=set)), server, output_dir, token=token,
+        rep = LDPClient(load_recipe(recipe, *_overrides(set=set)), server, output_dir, token=token,
                         ca_file=str(ca_file) if ca_file else None, encoder_sha256=encoder_sha256).run()
     except (ValueError, OSError) as exc:
         _fail(str(exc))
@@ -277,7 +377,9 @@ def selft(
     from dpft.train.loop import TrainingError
 
     try:
-        rec = load_recipe(recipe, _overrides(set=set, **{"output_dir": str(output_dir) if output_dir else None}))
+        ov, origins = _overrides((("--output-dir", "output_dir", str(output_dir) if output_dir else None),), set)
+        rec = load_recipe(recipe, ov, origins)
+        _name_run(rec, ov)
         pool = None
         if generate:
             kind, _, arg = generate.partition(":")

@@ -7,8 +7,9 @@ flags of ``dpft train``).
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
@@ -284,15 +285,100 @@ class RecipeError(ValueError):
     """A recipe that does not validate; the message lists each bad key and what to do."""
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid recipe {source}:"]
+def _model_in(annotation: Any) -> Optional[type[BaseModel]]:
+    """The pydantic model a field holds (also inside ``Optional[...]``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        m = _model_in(arg)
+        if m is not None:
+            return m
+    return None
+
+
+def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """Every valid dotted key of a recipe (sections and leaves), walking nested models in
+    field order: ``name``, …, ``privacy``, ``privacy.target_epsilon``, ``privacy.clipping.style``…"""
+    keys: list[str] = []
+    for field, info in model.model_fields.items():
+        key = prefix + field
+        keys.append(key)
+        sub = _model_in(info.annotation)
+        if sub is not None:
+            keys.extend(recipe_keys(sub, key + "."))
+    return keys
+
+
+def suggest_key(key: str, keys: Optional[list[str]] = None) -> Optional[str]:
+    """The valid dotted key closest to an unknown one (difflib ratios), or None.
+
+    A candidate scores the better of its whole-key ratio (``privacy.epsilon`` →
+    ``privacy.target_epsilon``) and its last-part ratio, so that the right field under the wrong
+    section, or under none, is still found (``optimizer.epochs`` → ``schedule.epochs``,
+    ``epsilon`` → ``privacy.target_epsilon``); a last part that contains the other (or is
+    contained in it) scores at least 0.8. Ties go to the key first in recipe order; below 0.6
+    there is no suggestion."""
+    keys = recipe_keys() if keys is None else keys
+    leaf = key.rsplit(".", 1)[-1]
+    best, best_score = None, 0.6
+    for cand in keys:
+        cleaf = cand.rsplit(".", 1)[-1]
+        part = difflib.SequenceMatcher(None, leaf, cleaf).ratio()
+        if min(len(leaf), len(cleaf)) >= 3 and (leaf in cleaf or cleaf in leaf):
+            part = max(part, 0.8)
+        score = max(difflib.SequenceMatcher(None, key, cand).ratio(), part)
+        if score > best_score or (best is None and score == best_score):
+            best, best_score = cand, score
+    return best
+
+
+def _hint(key: str) -> str:
+    best = suggest_key(key)
+    return f"; did you mean '{best}'?" if best else " (see recipes/sst2-minilm.yaml for the keys)"
+
+
+def _override_of(loc: str, origins: dict[str, str], unknown: bool) -> Optional[str]:
+    """The override key whose value holds the error at ``loc``, else None (the value came from
+    the recipe file). ``loc`` is that key or lies inside the value it set (``--set
+    privacy.clipping={...}``); for an unknown key also a section above it (``--set foo.bar=1``
+    fails at ``foo``). A section's own check (``schedule: set steps or epochs``) is blamed on
+    no flag: any of its keys may be at fault."""
+    for k in reversed(list(origins)):
+        if k == loc or loc.startswith(k + ".") or (unknown and k.startswith(loc + ".")):
+            return k
+    return None
+
+
+def _format_errors(err: ValidationError, source: str, origins: Optional[dict[str, str]] = None) -> str:
+    """One line per error, each blamed on where its value came from.
+
+    ``origins`` maps each override key to how the user gave it (``--set privacy.epsilon=3``,
+    ``--epsilon -1``); an error at such a key names that flag, not the recipe file. Unknown
+    keys get the closest valid key (``did you mean …``)."""
+    origins = origins or {}
+    lines, all_flags = [], True
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  - {loc}: unknown key (check the spelling; see recipes/sst2-minilm.yaml)")
+        unknown = e["type"] == "extra_forbidden"
+        ov = _override_of(loc, origins, unknown) if e["loc"] else None
+        got = "" if isinstance(e.get("input"), dict) else f" (got {e.get('input')!r})"
+        if ov is not None:
+            if unknown:
+                key = ov if len(ov) > len(loc) else loc  # --set foo.bar=1: 'foo.bar' is the unknown key
+                lines.append(f"{origins[ov]}: unknown key '{key}'{_hint(key)}")
+            else:
+                lines.append(f"{origins[ov]}: {loc}: {e['msg']}{got}")
+            continue
+        all_flags = False
+        if unknown:
+            where = f" in {source}" if source != "(no file)" else ""
+            lines.append(f"{loc}: unknown key{where}{_hint(loc)}")
         else:
-            lines.append(f"  - {loc}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
+            lines.append(f"{loc}: {e['msg']}{got}")
+    if all_flags and len(lines) == 1:
+        return lines[0]
+    head = "invalid settings:" if all_flags else f"invalid recipe {source}:"
+    return "\n".join([head, *("  - " + x for x in lines)])
 
 
 def _parse_scalar(text: str) -> Any:
@@ -319,8 +405,13 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return data
 
 
-def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Recipe:
+def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None,
+                origins: dict[str, str] | None = None) -> Recipe:
     """Read a YAML recipe, apply dotted-key overrides, validate.
+
+    ``origins`` says how each override was given (``{"privacy.epsilon": "--set privacy.epsilon=3"}``)
+    so that an error in it names that flag rather than the file; an override without one is
+    named ``override KEY=VALUE``.
 
     Raises:
         RecipeError: missing file, bad YAML, unknown key or bad value (all listed).
@@ -337,11 +428,13 @@ def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise RecipeError(f"recipe {p} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
             raise RecipeError(f"recipe {p} must be a mapping of keys, got {type(data).__name__}")
-    data = apply_overrides(data, dict(overrides or {}))
+    overrides = dict(overrides or {})
+    named = {k: (origins or {}).get(k) or f"override {k}={v!r}" for k, v in overrides.items()}
+    data = apply_overrides(data, overrides)
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        raise RecipeError(_format_errors(err, source)) from None
+        raise RecipeError(_format_errors(err, source, named)) from None
 
 
 def dump_recipe(recipe: Recipe) -> str:
