@@ -354,7 +354,9 @@ def weighted_sum(items: list[Contribution], c: torch.Tensor, like: torch.Tensor,
 
 
 class LayerKind:
-    """A module kind the engine knows. Subclasses live in one file per kind.
+    """A module kind the engine knows. Subclasses live in one file per kind and register
+    themselves with ``@register_layer(nn.Module subclass)`` (``grads/registry.py``), as user
+    rules for custom modules do.
 
     ``save`` runs in the forward hook and keeps what the backward needs (detached);
     ``contributions`` runs when the output gradients arrive and returns one
@@ -362,9 +364,15 @@ class LayerKind:
     """
 
     name = "layer"
+    #: Module classes this rule was registered for (set by ``grads.registry.register_layer``).
+    registered_for: tuple = ()
 
     def matches(self, module: nn.Module) -> bool:
-        raise NotImplementedError
+        """Whether this rule applies to ``module``. Default: it is an instance of a class the
+        rule was registered for (``@register_layer(cls)``); override to refuse variants."""
+        if self.registered_for:
+            return isinstance(module, self.registered_for)
+        raise NotImplementedError(f"{type(self).__name__}.matches is not defined and the rule is not registered")
 
     def roles(self, module: nn.Module) -> tuple[str, ...]:
         """Parameter attribute paths this kind can account for."""

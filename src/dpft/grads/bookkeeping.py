@@ -24,7 +24,9 @@ One step on a micro-batch of ``B`` examples:
 5. clipped sum per parameter as one matrix product ``(c * G)^T A`` (or ``index_add_`` for an
    embedding) -- no second backward pass.
 
-A module that owns trainable parameters but has no rule falls back, for that module alone, to
+Rules are looked up in the registry (``grads/registry.py``): the built-in kinds register
+themselves with ``@register_layer(nn.Module subclass)``, and so can a user's custom module
+without forking dpft. A module that owns trainable parameters but has no rule falls back, for that module alone, to
 exact per-example gradients by ``torch.func`` (``vmap(grad)`` of ``<module(x_i), G_i>``), with a
 one-time warning naming its class. On the first call the engine also checks on one example
 that every use of a trainable parameter in the autograd graph is accounted for by a hooked
@@ -59,23 +61,14 @@ from dpft.grads._hooks import (
     weighted_sum,
 )
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
-from dpft.grads.conv1d import Conv1DKind
-from dpft.grads.embedding import EmbeddingKind
-from dpft.grads.layernorm import LayerNormKind
-from dpft.grads.linear import LinearKind
-from dpft.grads.lora import LoraEmbeddingKind
-from dpft.grads.rmsnorm import RMSNormKind
+from dpft.grads.registry import KINDS as _KINDS_VIEW
+from dpft.grads.registry import register_layer, rule_for
 from dpft.step.clip import ClipPolicy, check_finite_norms
 
-#: Layer rules, tried in order.
-KINDS: tuple[LayerKind, ...] = (
-    LoraEmbeddingKind(),
-    LinearKind(),
-    Conv1DKind(),
-    EmbeddingKind(),
-    LayerNormKind(),
-    RMSNormKind(),
-)
+
+#: The layer rules: a live view of the registry (it was a closed tuple before
+#: ``register_layer``; still importable, iterable and indexable).
+KINDS = _KINDS_VIEW
 
 _warned_fallback: set[str] = set()
 
@@ -180,8 +173,11 @@ def _count_uses(roots: list[Any], wanted: set[int]) -> Counter:
 
 
 def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
-                   kinds: tuple[LayerKind, ...] = KINDS) -> list[Unit]:
+                   kinds: tuple[LayerKind, ...] | None = None) -> list[Unit]:
     """Map every module that owns a trainable parameter to the rule that accounts for it.
+
+    Rules come from the registry (``grads/registry.py``: most specific class first, user
+    registrations before built-ins); an explicit ``kinds`` tuple is tried in order instead.
 
     A parameter registered on several modules (tied weights) gives one unit per module, all
     naming the same engine parameter. Parameters held in a ``ParameterDict``/``ParameterList``
@@ -202,9 +198,12 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
             owners.setdefault(id(owner), (label, owner, {}))[2][role] = pid[id(p)]
     units = []
     for label, owner, roles in owners.values():
-        kind = next(
-            (k for k in kinds if k.matches(owner) and set(roles) <= set(k.roles(owner))), None
-        )
+        if kinds is None:
+            kind = rule_for(owner, roles)
+        else:
+            kind = next(
+                (k for k in kinds if k.matches(owner) and set(roles) <= set(k.roles(owner))), None
+            )
         if kind is None:
             cls = type(owner).__name__
             if cls not in _warned_fallback:
@@ -212,7 +211,8 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
                     f"book-keeping engine: no fast rule for module class {cls} (e.g. "
                     f"{label or '<root>'}: {sorted(roles)}); its parameters get exact "
                     "per-example gradients via torch.func instead (slower, B x its size in "
-                    "memory)",
+                    "memory); give it a rule with @dpft.grads.registry.register_layer"
+                    f"({cls})",
                     stacklevel=3,
                 )
                 _warned_fallback.add(cls)
@@ -367,4 +367,4 @@ class BookKeepingEngine(PerExampleEngine):
 
 
 __all__ = ["BookKeepingEngine", "FallbackKind", "KINDS", "UnattributedUseError",
-           "discover_units", "PerExample", "Outer"]
+           "discover_units", "register_layer", "PerExample", "Outer"]
