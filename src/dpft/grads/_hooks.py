@@ -449,10 +449,16 @@ class Capture:
     arrive. ``mode="probe"``: only counts calls and watches in-place modifications.
     """
 
-    def __init__(self, units: list[Unit], batch: int, mode: str = "main"):
+    def __init__(self, units: list[Unit], batch: int, mode: str = "main",
+                 clone_all: bool = False, keep_fallback_inputs: bool = False):
         self.units = units
         self.batch = batch
         self.mode = mode
+        #: Copy every saved input while still watching the originals for in-place changes (the
+        #: first micro-batch of a user-driven loop, before the in-place check has run).
+        self.clone_all = clone_all
+        #: Main mode: also keep fallback modules' saved inputs in ``probe_inputs`` (usage check).
+        self.keep_fallback_inputs = keep_fallback_inputs
         self.active = False
         self.handles: list = []
         self.leaves: list[tuple[torch.Tensor, _Record, int]] = []
@@ -487,16 +493,19 @@ class Capture:
     def _on_forward(self, unit: Unit, args, kwargs, output):
         self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
         state, new_out, watched = unit.kind.save(unit.module, args, kwargs, output, self.batch)
-        if unit.clone_input:  # the model modifies this input in place after the call
+        if unit.clone_input or self.clone_all:  # the model modifies this input in place later
             state = torch.utils._pytree.tree_map(
                 lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state
             )
-            watched = []
+            if unit.clone_input:
+                watched = []
         for t in watched:
             self.versions.append((t, t._version, unit))
         if self.mode == "probe":
             self.probe_inputs.setdefault(id(unit), []).append(state)
             return None
+        if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
+            self.probe_inputs.setdefault(id(unit), []).append(state)
         out = new_out if new_out is not None else output
         flat, spec = torch.utils._pytree.tree_flatten(out)
         rec = _Record(unit, state)
