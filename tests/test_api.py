@@ -10,7 +10,6 @@ what cannot be certified is refused.
 from __future__ import annotations
 
 import copy
-import math
 import runpy
 import warnings
 from pathlib import Path
@@ -185,6 +184,23 @@ def test_module_without_rule_falls_back_with_warning_and_stays_exact():
     model = TinyNet(extra=Gate())
     with pytest.warns(UserWarning, match="Gate"):
         run_and_compare(model, adversarial_data(18), ce_loss, tiny_to_batch, tiny_forward)
+
+
+class RootScaled(TinyNet):
+    """The root module owns a parameter (a unit without a rule: the fallback re-runs the root)."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.temperature
+
+
+def test_root_module_with_its_own_parameter_falls_back_exactly():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="RootScaled"):
+        run_and_compare(RootScaled(), adversarial_data(12), ce_loss, tiny_to_batch, tiny_forward, batch=6)
 
 
 def test_parameter_used_outside_its_module_is_refused_on_the_first_batch():

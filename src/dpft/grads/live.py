@@ -49,9 +49,11 @@ class _LiveCapture(Capture):
     outputs made graph leaves get tensor hooks too, deliveries are counted, and a closed
     capture ignores late gradients."""
 
-    def __init__(self, *args, on_late: Optional[Callable[[], None]] = None, **kwargs):
+    def __init__(self, *args, on_late: Optional[Callable[[], None]] = None,
+                 session: Optional["LiveBookKeeping"] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.on_late = on_late
+        self.session = session
         self.delivered = 0
         self.closed = False
         self.first = False
@@ -67,6 +69,17 @@ class _LiveCapture(Capture):
             t.register_hook(self._grad_hook(rec, slot))
         del self.leaves[n:]
         return out
+
+    def _finish(self, rec):
+        # A fallback rule re-runs its module (maybe the root) inside the backward: the root's
+        # pre-hook must not open a capture for that.
+        if self.session is not None:
+            self.session._busy = True
+        try:
+            super()._finish(rec)
+        finally:
+            if self.session is not None:
+                self.session._busy = False
 
     def _deliver(self, rec, slot, g):
         if self.closed:
@@ -144,7 +157,8 @@ class LiveBookKeeping:
         self.flush()  # a previous micro-batch's backward (or a forward never backpropagated)
         first = not self.engine._checked
         cap = _LiveCapture(self.engine.units, self.batch_size, mode="main",
-                           clone_all=first, keep_fallback_inputs=first, on_late=self._late)
+                           clone_all=first, keep_fallback_inputs=first, on_late=self._late,
+                           session=self)
         cap.first = first
         params = list(self.engine.params.values())
         self._flags = [p.requires_grad for p in params]
