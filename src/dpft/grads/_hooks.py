@@ -354,7 +354,9 @@ def weighted_sum(items: list[Contribution], c: torch.Tensor, like: torch.Tensor,
 
 
 class LayerKind:
-    """A module kind the engine knows. Subclasses live in one file per kind.
+    """A module kind the engine knows. Subclasses live in one file per kind and register
+    themselves with ``@register_layer(nn.Module subclass)`` (``grads/registry.py``), as user
+    rules for custom modules do.
 
     ``save`` runs in the forward hook and keeps what the backward needs (detached);
     ``contributions`` runs when the output gradients arrive and returns one
@@ -362,9 +364,15 @@ class LayerKind:
     """
 
     name = "layer"
+    #: Module classes this rule was registered for (set by ``grads.registry.register_layer``).
+    registered_for: tuple = ()
 
     def matches(self, module: nn.Module) -> bool:
-        raise NotImplementedError
+        """Whether this rule applies to ``module``. Default: it is an instance of a class the
+        rule was registered for (``@register_layer(cls)``); override to refuse variants."""
+        if self.registered_for:
+            return isinstance(module, self.registered_for)
+        raise NotImplementedError(f"{type(self).__name__}.matches is not defined and the rule is not registered")
 
     def roles(self, module: nn.Module) -> tuple[str, ...]:
         """Parameter attribute paths this kind can account for."""
@@ -441,10 +449,16 @@ class Capture:
     arrive. ``mode="probe"``: only counts calls and watches in-place modifications.
     """
 
-    def __init__(self, units: list[Unit], batch: int, mode: str = "main"):
+    def __init__(self, units: list[Unit], batch: int, mode: str = "main",
+                 clone_all: bool = False, keep_fallback_inputs: bool = False):
         self.units = units
         self.batch = batch
         self.mode = mode
+        #: Copy every saved input while still watching the originals for in-place changes (the
+        #: first micro-batch of a user-driven loop, before the in-place check has run).
+        self.clone_all = clone_all
+        #: Main mode: also keep fallback modules' saved inputs in ``probe_inputs`` (usage check).
+        self.keep_fallback_inputs = keep_fallback_inputs
         self.active = False
         self.handles: list = []
         self.leaves: list[tuple[torch.Tensor, _Record, int]] = []
@@ -479,16 +493,19 @@ class Capture:
     def _on_forward(self, unit: Unit, args, kwargs, output):
         self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
         state, new_out, watched = unit.kind.save(unit.module, args, kwargs, output, self.batch)
-        if unit.clone_input:  # the model modifies this input in place after the call
+        if unit.clone_input or self.clone_all:  # the model modifies this input in place later
             state = torch.utils._pytree.tree_map(
                 lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state
             )
-            watched = []
+            if unit.clone_input:
+                watched = []
         for t in watched:
             self.versions.append((t, t._version, unit))
         if self.mode == "probe":
             self.probe_inputs.setdefault(id(unit), []).append(state)
             return None
+        if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
+            self.probe_inputs.setdefault(id(unit), []).append(state)
         out = new_out if new_out is not None else output
         flat, spec = torch.utils._pytree.tree_flatten(out)
         rec = _Record(unit, state)

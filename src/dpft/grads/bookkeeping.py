@@ -24,7 +24,9 @@ One step on a micro-batch of ``B`` examples:
 5. clipped sum per parameter as one matrix product ``(c * G)^T A`` (or ``index_add_`` for an
    embedding) -- no second backward pass.
 
-A module that owns trainable parameters but has no rule falls back, for that module alone, to
+Rules are looked up in the registry (``grads/registry.py``): the built-in kinds register
+themselves with ``@register_layer(nn.Module subclass)``, and so can a user's custom module
+without forking dpft. A module that owns trainable parameters but has no rule falls back, for that module alone, to
 exact per-example gradients by ``torch.func`` (``vmap(grad)`` of ``<module(x_i), G_i>``), with a
 one-time warning naming its class. On the first call the engine also checks on one example
 that every use of a trainable parameter in the autograd graph is accounted for by a hooked
@@ -59,23 +61,14 @@ from dpft.grads._hooks import (
     weighted_sum,
 )
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
-from dpft.grads.conv1d import Conv1DKind
-from dpft.grads.embedding import EmbeddingKind
-from dpft.grads.layernorm import LayerNormKind
-from dpft.grads.linear import LinearKind
-from dpft.grads.lora import LoraEmbeddingKind
-from dpft.grads.rmsnorm import RMSNormKind
+from dpft.grads.registry import KINDS as _KINDS_VIEW
+from dpft.grads.registry import register_layer, rule_for
 from dpft.step.clip import ClipPolicy, check_finite_norms
 
-#: Layer rules, tried in order.
-KINDS: tuple[LayerKind, ...] = (
-    LoraEmbeddingKind(),
-    LinearKind(),
-    Conv1DKind(),
-    EmbeddingKind(),
-    LayerNormKind(),
-    RMSNormKind(),
-)
+
+#: The layer rules: a live view of the registry (it was a closed tuple before
+#: ``register_layer``; still importable, iterable and indexable).
+KINDS = _KINDS_VIEW
 
 _warned_fallback: set[str] = set()
 
@@ -95,6 +88,7 @@ class FallbackKind(LayerKind):
     """
 
     name = "torch.func fallback"
+    is_fallback = True
 
     def matches(self, module: nn.Module) -> bool:  # assigned explicitly, never matched
         return False
@@ -180,8 +174,11 @@ def _count_uses(roots: list[Any], wanted: set[int]) -> Counter:
 
 
 def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
-                   kinds: tuple[LayerKind, ...] = KINDS) -> list[Unit]:
+                   kinds: tuple[LayerKind, ...] | None = None) -> list[Unit]:
     """Map every module that owns a trainable parameter to the rule that accounts for it.
+
+    Rules come from the registry (``grads/registry.py``: most specific class first, user
+    registrations before built-ins); an explicit ``kinds`` tuple is tried in order instead.
 
     A parameter registered on several modules (tied weights) gives one unit per module, all
     naming the same engine parameter. Parameters held in a ``ParameterDict``/``ParameterList``
@@ -202,9 +199,12 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
             owners.setdefault(id(owner), (label, owner, {}))[2][role] = pid[id(p)]
     units = []
     for label, owner, roles in owners.values():
-        kind = next(
-            (k for k in kinds if k.matches(owner) and set(roles) <= set(k.roles(owner))), None
-        )
+        if kinds is None:
+            kind = rule_for(owner, roles)
+        else:
+            kind = next(
+                (k for k in kinds if k.matches(owner) and set(roles) <= set(k.roles(owner))), None
+            )
         if kind is None:
             cls = type(owner).__name__
             if cls not in _warned_fallback:
@@ -212,7 +212,8 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
                     f"book-keeping engine: no fast rule for module class {cls} (e.g. "
                     f"{label or '<root>'}: {sorted(roles)}); its parameters get exact "
                     "per-example gradients via torch.func instead (slower, B x its size in "
-                    "memory)",
+                    "memory); give it a rule with @dpft.grads.registry.register_layer"
+                    f"({cls})",
                     stacklevel=3,
                 )
                 _warned_fallback.add(cls)
@@ -276,15 +277,33 @@ class BookKeepingEngine(PerExampleEngine):
                 losses = self.loss_fn(self._forward(), b1)
             for u in cap.changed_inputs():
                 u.clone_input = True
-            wanted = {id(p) for p in self.params.values()}
+            self.verify_uses(losses, cap.calls, cap.probe_inputs)
+        self._checked = True
+
+    def verify_uses(self, losses: torch.Tensor, calls: Mapping[int, int],
+                    fallback_inputs: Mapping[int, list]) -> None:
+        """Compare the autograd uses of every trainable parameter in ``losses``' graph (built
+        with the parameters requiring grad) with the hooked module calls that account for them.
+
+        Args:
+            losses: per-example losses whose graph is inspected.
+            calls: ``id(unit) -> number of calls`` seen by the capture.
+            fallback_inputs: ``id(unit) -> saved FallbackKind states`` (re-run to count the
+                uses inside a module without a rule).
+
+        Raises:
+            UnattributedUseError: with the offending parameter names.
+        """
+        wanted = {id(p) for p in self.params.values()}
+        with torch.enable_grad():
             seen = _count_uses([losses.sum().grad_fn], wanted)
             expected: Counter = Counter()
             for u in self.units:
-                n = cap.calls.get(id(u), 0)
+                n = calls.get(id(u), 0)
                 if n == 0:
                     continue
                 if isinstance(u.kind, FallbackKind):
-                    for (args, kwargs), _, _ in cap.probe_inputs[id(u)]:
+                    for (args, kwargs), _, _ in fallback_inputs.get(id(u), []):
                         out = u.module(*args, **kwargs)
                         roots = [t.grad_fn for t in pytree.tree_leaves(out)
                                  if isinstance(t, torch.Tensor)]
@@ -299,7 +318,6 @@ class BookKeepingEngine(PerExampleEngine):
                 f"of the modules that own them, so their per-example gradients cannot be "
                 f"attributed: {bad}. Use ReferenceEngine (exact, slower) for this model."
             )
-        self._checked = True
 
     # ------------------------------------------------------------------ the step
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
@@ -334,9 +352,26 @@ class BookKeepingEngine(PerExampleEngine):
         finally:
             for p, f in zip(params, flags):
                 p.requires_grad_(f)
+        return self.reduce(cap.contribs, b, float(losses.detach().sum()), losses.device)
+
+    def reduce(self, contribs: dict[str, list], b: int, loss_sum: float, device=None,
+               grad_scale: float = 1.0) -> ClippedBatch:
+        """Norms, clip factors and the clipped sum from one micro-batch's captured
+        contributions (``Capture.contribs``: parameter name -> list; consumed).
+
+        Args:
+            contribs: the contributions of the micro-batch's ``b`` examples.
+            b: number of examples B.
+            loss_sum: summed per-example loss (nats; private statistic).
+            device: where empty results live.
+            grad_scale: the true per-example gradient is ``grad_scale`` times the captured one
+                (a loss that was a batch *mean*: ``grad_scale = B``); norms and sums are scaled
+                before clipping so the clip sees each example's own gradient.
+
+        Returns: the :class:`ClippedBatch` of ``clipped_sum``.
+        """
         names = self.param_names
-        device = losses.device
-        merged = {n: merge(cap.contribs.pop(n, [])) for n in names}
+        merged = {n: merge(contribs.pop(n, [])) for n in names}
         cache = GramCache()
         for items in merged.values():
             for it in items:
@@ -347,6 +382,8 @@ class BookKeepingEngine(PerExampleEngine):
             [sq_norm(merged[n], b, self.norm_mode, cache, device) for n in names], dim=1
         )
         del cache
+        if grad_scale != 1.0:
+            sq = sq * float(grad_scale) ** 2
         check_finite_norms(sq)
         scales = self.clip.scales(sq)
         # Equal factors in every group (flat, automatic clipping): layers reading the same
@@ -358,13 +395,13 @@ class BookKeepingEngine(PerExampleEngine):
                 if isinstance(it, Outer) and not (it.left_index or it.right_index):
                     scaled.expect(it.left)
                     scaled.expect(it.right)
+        weights = scales * float(grad_scale) if grad_scale != 1.0 else scales
         grad_sum = {}
         for j, n in enumerate(names):
-            grad_sum[n] = weighted_sum(merged.pop(n), scales[:, j], self.params[n], scaled,
+            grad_sum[n] = weighted_sum(merged.pop(n), weights[:, j], self.params[n], scaled,
                                        0 if uniform else j).detach()
-        return ClippedBatch(grad_sum, sq.detach(), scales.detach(),
-                            float(losses.detach().sum()), b)
+        return ClippedBatch(grad_sum, sq.detach(), scales.detach(), float(loss_sum), b)
 
 
 __all__ = ["BookKeepingEngine", "FallbackKind", "KINDS", "UnattributedUseError",
-           "discover_units", "PerExample", "Outer"]
+           "discover_units", "register_layer", "PerExample", "Outer"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from dpft.grads.linear import LinearKind
+from dpft.grads.registry import register_layer
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -24,6 +25,8 @@ def _is_conv1d(module: nn.Module) -> bool:
     return hasattr(module, "nf") and hasattr(module, "nx")
 
 
+# Matched by class name and module (dpft does not import transformers): a catch-all rule.
+@register_layer(nn.Module, builtin=True)
 class Conv1DKind(LinearKind):
     """``transformers.pytorch_utils.Conv1D`` (GPT-2, GPT, ...): a Linear whose weight is
     stored transposed, (d_in, d_out); the input/output-gradient rule is the Linear one."""

@@ -26,8 +26,10 @@ from __future__ import annotations
 from torch import nn
 
 from dpft.grads._hooks import LayerKind, Outer, check_batch, first_input
+from dpft.grads.registry import register_layer
 
 
+@register_layer(nn.Embedding, builtin=True)
 class EmbeddingKind(LayerKind):
     """``nn.Embedding`` with the stock forward."""
 

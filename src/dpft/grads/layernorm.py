@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpft.grads._hooks import LayerKind, PerExample, save_input
+from dpft.grads.registry import register_layer
 
 
+@register_layer(nn.LayerNorm, builtin=True)
 class LayerNormKind(LayerKind):
     """``nn.LayerNorm`` with the stock forward."""
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 from torch import nn
 
 from dpft.grads._hooks import LayerKind, Outer, PerExample, as_3d, save_input
+from dpft.grads.registry import register_layer
 
 
+@register_layer(nn.Linear, builtin=True)
 class LinearKind(LayerKind):
     """``nn.Linear`` and subclasses that keep its ``forward``."""
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpft.grads._hooks import LayerKind, Outer, check_batch, first_input
+from dpft.grads.registry import register_layer
 
 
 def _active(module: nn.Module) -> list[str]:
@@ -48,6 +49,8 @@ def _active(module: nn.Module) -> list[str]:
     return [a for a in act if a in module.lora_embedding_A]
 
 
+# Matched by class name and module (dpft does not import peft): a catch-all rule.
+@register_layer(nn.Module, builtin=True)
 class LoraEmbeddingKind(LayerKind):
     """peft ``lora.Embedding`` (vanilla LoRA, any number of active adapters)."""
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpft.grads._hooks import LayerKind, PerExample, save_input
+from dpft.grads.registry import register_layer
 
 
 def _eps(module: nn.Module):
@@ -31,6 +32,9 @@ def _eps(module: nn.Module):
     return getattr(module, "eps", None)
 
 
+# Matched by class name (Llama, Qwen2, ... RMSNorm share no base class): registered as a
+# catch-all for nn.Module, tried after every class-specific rule.
+@register_layer(nn.Module, builtin=True)
 class RMSNormKind(LayerKind):
     """Llama/Qwen2-style RMSNorm and ``torch.nn.RMSNorm``."""
 

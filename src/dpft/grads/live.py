@@ -1,0 +1,298 @@
+"""The book-keeping engine driven by the user's own ``module(x)`` and ``loss.backward()``.
+
+``BookKeepingEngine.clipped_sum(batch)`` runs the forward and the backward itself. A user with
+their own PyTorch loop (``dpft.PrivacyEngine.make_private``, Opacus-shaped) runs them; this
+module attaches the same hooks to that loop:
+
+* a forward pre-hook on the root module opens a :class:`~dpft.grads._hooks.Capture` for the
+  current physical micro-batch (its size ``B`` comes from the private data loader) and, except
+  on the first micro-batch, switches the trainable parameters to ``requires_grad=False`` for
+  the forward (autograd then computes no weight gradient and writes no ``p.grad``: the user's
+  ``loss.backward()`` only propagates activation gradients); a forward hook on the root closes
+  the capture and restores the flags;
+* the unit hooks keep each layer's input ``A`` and, during the user's ``loss.backward()``,
+  reduce its output gradient ``G`` to per-example contributions (Bu et al. 2023, book-keeping);
+* :meth:`LiveBookKeeping.flush` (called by the optimizer's ``step()``, by the loader when the
+  next micro-batch starts, and by the next training forward) turns the captured contributions
+  into norms, clip factors and the clipped sum ``Σᵢ cᵢgᵢ`` (``BookKeepingEngine.reduce``) and
+  hands the :class:`~dpft.grads.base.ClippedBatch` on. One forward, one backward: no second
+  pass over the model.
+
+The first micro-batch runs with the parameters requiring grad so that the engine's usage check
+(every use of a trainable parameter comes from a hooked module call) can read the autograd
+graph of the per-example losses, and with every saved input copied while the originals are
+watched for in-place changes; the non-private ``p.grad`` its backward accumulates is dropped as
+soon as it lands (a post-accumulate-grad hook), so ``p.grad`` never holds it.
+
+Per-example losses: the criterion returned by ``make_private`` calls :meth:`on_loss` with the
+``(B,)`` per-example losses; their gradient reaches the hooks unscaled (a ``mean`` criterion's
+gradient is scaled back by ``B``). A loss not made by that criterion cannot be inspected: its
+gradient is taken as a batch mean or sum as the caller declared (``loss_reduction``, Opacus'
+convention), and the usage check is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from dpft.grads._hooks import Capture
+from dpft.grads.base import ClippedBatch
+from dpft.grads.bookkeeping import BookKeepingEngine
+
+
+class _LiveCapture(Capture):
+    """A :class:`Capture` whose output gradients come from the user's ``loss.backward()``:
+    outputs made graph leaves get tensor hooks too, deliveries are counted, and a closed
+    capture ignores late gradients."""
+
+    def __init__(self, *args, on_late: Optional[Callable[[], None]] = None,
+                 session: Optional["LiveBookKeeping"] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.on_late = on_late
+        self.session = session
+        self.delivered = 0
+        self.closed = False
+        self.first = False
+        self.criterion_seen = False
+        self.verified = False
+        self.loss_sum = 0.0
+        self.late = False
+
+    def _on_forward(self, unit, args, kwargs, output):
+        n = len(self.leaves)
+        out = super()._on_forward(unit, args, kwargs, output)
+        for t, rec, slot in self.leaves[n:]:
+            t.register_hook(self._grad_hook(rec, slot))
+        del self.leaves[n:]
+        return out
+
+    def _finish(self, rec):
+        # A fallback rule re-runs its module (maybe the root) inside the backward: the root's
+        # pre-hook must not open a capture for that.
+        if self.session is not None:
+            self.session._busy = True
+        try:
+            super()._finish(rec)
+        finally:
+            if self.session is not None:
+                self.session._busy = False
+
+    def _deliver(self, rec, slot, g):
+        if self.closed:
+            if not self.late and self.on_late is not None:
+                self.on_late()
+            self.late = True
+            return
+        self.delivered += 1
+        super()._deliver(rec, slot, g)
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
+class _RootHook:
+    """The root module's forward pre-hook. A deep copy or a pickle of the module (a snapshot,
+    an EMA copy, ``torch.save(model)``) gets a disabled hook: the copy is not hooked into this
+    run's DP step."""
+
+    def __init__(self, fn: Optional[Callable] = None):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return None if self.fn is None else self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return _RootHook(None)
+
+    def __reduce__(self):
+        return (_RootHook, (None,))
+
+
+class LiveBookKeeping:
+    """Hooks a :class:`BookKeepingEngine` into the user's forward/backward of ``engine.model``.
+
+    Args:
+        engine: the book-keeping engine (its model, clip policy and units).
+        on_result: receives each micro-batch's :class:`ClippedBatch` at :meth:`flush`.
+        loss_reduction: ``"mean"`` or ``"sum"``: how a loss *not* made by the wrapped criterion
+            reduced the micro-batch (``"mean"`` scales the captured gradients back by ``B``).
+
+    Set :attr:`batch_size` to the current micro-batch size before each training forward (the
+    private data loader does it); ``None`` means no micro-batch is open and training forwards
+    are not captured (their backward then writes a non-private ``p.grad``, which the next
+    :meth:`flush` discards).
+
+    Raises (from the user's forward): :class:`~dpft.grads._hooks.BatchLayoutError` when a
+    hooked module does not see the example dimension first with ``B`` rows.
+    """
+
+    def __init__(self, engine: BookKeepingEngine, on_result: Callable[[ClippedBatch], None],
+                 loss_reduction: str = "mean"):
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.engine = engine
+        self.on_result = on_result
+        self.loss_reduction = loss_reduction
+        self.batch_size: Optional[int] = None
+        self._cap: Optional[_LiveCapture] = None
+        self._flags: Optional[list[bool]] = None
+        self._post_handle = None
+        self._busy = False
+        self._grad_drops: list = []
+        self._warned: set[str] = set()
+        root = engine.model
+        self._pre_handle = root.register_forward_pre_hook(_RootHook(self._pre), with_kwargs=True)
+
+    # ------------------------------------------------------------------ hooks
+    def _pre(self, module: nn.Module, args, kwargs):
+        if self._busy or self._flags is not None or not torch.is_grad_enabled():
+            return None
+        if self.batch_size is None:
+            return None
+        self.flush()  # a previous micro-batch's backward (or a forward never backpropagated)
+        first = not self.engine._checked
+        cap = _LiveCapture(self.engine.units, self.batch_size, mode="main",
+                           clone_all=first, keep_fallback_inputs=first, on_late=self._late,
+                           session=self)
+        cap.first = first
+        params = list(self.engine.params.values())
+        self._flags = [p.requires_grad for p in params]
+        if not first:
+            for p in params:
+                p.requires_grad_(False)
+        elif not self._grad_drops:
+            # First micro-batch: the weights take part in the graph (for the usage check); the
+            # non-private gradient the backward accumulates is dropped as soon as it lands.
+            self._grad_drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
+        cap.__enter__()
+        self._cap = cap
+        # Registered after the capture's own hooks so that it runs after them (a root module
+        # that owns parameters is itself a unit).
+        self._post_handle = module.register_forward_hook(self._post, with_kwargs=True, always_call=True)
+        return None
+
+    def _post(self, module, args, kwargs, output):
+        if self._post_handle is not None:
+            self._post_handle.remove()
+            self._post_handle = None
+        cap = self._cap
+        if cap is not None:
+            cap.__exit__(None, None, None)
+        if self._flags is not None:
+            for p, f in zip(self.engine.params.values(), self._flags):
+                p.requires_grad_(f)
+            self._flags = None
+        if cap is not None and not cap.first and cap.changed_inputs():
+            names = ", ".join(sorted({u.label for u in cap.changed_inputs()}))
+            self._cap = None
+            cap.closed = True
+            raise RuntimeError(
+                f"inputs of {names} were modified in place after the module ran (not seen on the "
+                "first micro-batch); the stored activations are stale"
+            )
+        return None
+
+    # ------------------------------------------------------------------ losses
+    def on_loss(self, per_example: torch.Tensor) -> None:
+        """Called by the wrapped criterion with the micro-batch's ``(B,)`` per-example losses.
+
+        Raises:
+            ValueError: the losses do not have one entry per example of the micro-batch.
+            dpft.grads.bookkeeping.UnattributedUseError: (first micro-batch) a trainable
+                parameter is used outside the forward of the modules that own it.
+        """
+        cap = self._cap
+        if cap is None or cap.closed:
+            return
+        if per_example.shape != (cap.batch,):
+            raise ValueError(
+                f"the criterion gave per-example losses of shape {tuple(per_example.shape)} for a "
+                f"micro-batch of {cap.batch} examples; the model output must keep the example "
+                "dimension first"
+            )
+        cap.criterion_seen = True
+        cap.loss_sum += float(per_example.detach().sum())
+        if cap.first and not cap.verified and per_example.requires_grad:
+            self._busy = True
+            try:
+                self.engine.verify_uses(per_example, cap.calls, cap.probe_inputs)
+            finally:
+                self._busy = False
+            cap.verified = True
+
+    # ------------------------------------------------------------------ results
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, stacklevel=3)
+
+    def _late(self) -> None:
+        self._warn_once(
+            "late",
+            "make_private: a backward reached a forward pass that was already closed (another "
+            "training forward, optimizer.step() or the next micro-batch came in between); that "
+            "gradient was dropped. Run forward, loss.backward(), optimizer.step() per micro-batch")
+
+    def discard_param_grads(self) -> None:
+        """Drop any ``p.grad`` of the trainable parameters (a non-private sum of gradients)."""
+        for p in self.engine.params.values():
+            p.grad = None
+
+    def flush(self) -> None:
+        """Reduce the open capture (if its backward ran) and hand the clipped sum on."""
+        cap = self._cap
+        self._cap = None
+        self.discard_param_grads()
+        if cap is None:
+            return
+        cap.closed = True
+        if cap.delivered and self._grad_drops:
+            for h in self._grad_drops:
+                h.remove()
+            self._grad_drops = []
+        if cap.delivered == 0:  # forward without backward: nothing to add
+            return
+        for rec in cap.records:  # outputs that never received a gradient count as zero
+            if not rec.done:
+                cap._finish(rec)
+        cap.records.clear()
+        if cap.first:
+            for u in cap.changed_inputs():
+                u.clone_input = True
+            if not cap.verified:
+                self._warn_once(
+                    "unverified",
+                    "make_private: the first loss was not computed by the criterion make_private "
+                    "returned, so the check that every trainable parameter is used only inside "
+                    "its module's forward was skipped")
+            self.engine._checked = True
+        scale = 1.0
+        if not cap.criterion_seen:
+            self._warn_once(
+                "criterion",
+                "make_private: a loss not made by the criterion make_private returned was "
+                f"backpropagated; its gradient is taken as a batch {self.loss_reduction} "
+                f"(loss_reduction={self.loss_reduction!r}) of per-example losses")
+            if self.loss_reduction == "mean":
+                scale = float(cap.batch)
+        device = next(iter(self.engine.params.values())).device
+        res = self.engine.reduce(cap.contribs, cap.batch, cap.loss_sum, device, grad_scale=scale)
+        self.on_result(res)
+
+    def close(self) -> None:
+        """Remove the hooks (the module behaves as before ``make_private``)."""
+        self.flush()
+        self._pre_handle.remove()
+        for h in self._grad_drops:
+            h.remove()
+        self._grad_drops = []
+        if self._post_handle is not None:
+            self._post_handle.remove()
+
+
+__all__ = ["LiveBookKeeping"]
