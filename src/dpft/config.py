@@ -306,6 +306,14 @@ def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
         sub = _model_in(info.annotation)
         if sub is not None:
             keys.extend(recipe_keys(sub, key + "."))
+    if model is Recipe and not prefix:
+        # the built-in methods' sections (subspace., ldp., adam_ac., denoise.) from their configs
+        from dpft.methods.base import LEGACY_SECTIONS, get_method, registered
+
+        registered()
+        for section, name in LEGACY_SECTIONS.items():
+            keys.append(section)
+            keys.extend(recipe_keys(get_method(name).config, section + "."))
     return keys
 
 
