@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from dpft.config import load_recipe
-from dpft.train.loop import Trainer
+from dpft.run.loop import Trainer
 
 SIGMAS = (0.0, 0.1, 0.5, 0.7, 1.0)
 METHODS = {

@@ -26,7 +26,7 @@ import torch
 from dpft.accounting.calibrate import calibrate_sigma
 from dpft.config import Recipe
 from dpft.data.tokenize import collate
-from dpft.train.loop import Trainer
+from dpft.run.loop import Trainer
 from dpft.transforms.rmt import RMTDenoiser, cosine_report, matrix_param_names
 
 KAPPAS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0)

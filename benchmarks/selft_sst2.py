@@ -27,7 +27,7 @@ import torch
 
 from dpft.config import load_recipe
 from dpft.methods.selft import SelFTCfg, run_selft
-from dpft.train.loop import Trainer
+from dpft.run.loop import Trainer
 
 
 def build_imdb_candidates(data_dir: Path, out: Path, n: int, seed: int = 0) -> Path:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dpft.cli import _name_run, app
 from dpft.config import ClippingCfg, RecipeError, load_recipe, recipe_keys, suggest_key
-from dpft.train.loop import Trainer
+from dpft.run.loop import Trainer
 
 
 def _flat(text: str) -> str:

@@ -232,7 +232,7 @@ def _recipe(tmp_path, model_dir, **extra):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_text_task_dp_adam_ac_end_to_end(tmp_path, family):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tmp_path, _tiny_lm_dir(tmp_path, family), **{
         "adam_ac.adaptive_clip": True, "adam_ac.gamma_nudge": True, "adam_ac.ema_decay": 0.9,
@@ -259,7 +259,7 @@ def test_text_task_dp_adam_ac_end_to_end(tmp_path, family):
 
 def test_reproduction_flag_is_not_certified(tmp_path):
     from dpft.report.report import epsilon_line
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tmp_path, _tiny_lm_dir(tmp_path, "llama"), **{"adam_ac.reproduce_paper": True})
     tr = Trainer(rec, tmp_path / "run", progress=False)
@@ -276,7 +276,7 @@ def test_reproduction_flag_is_not_certified(tmp_path):
 
 
 def test_variable_q_schedule_in_ledger(tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tmp_path, _tiny_lm_dir(tmp_path, "llama"), **{"batch.schedule": [[0, 8], [2, 24]]})
     tr = Trainer(rec, tmp_path / "run", progress=False)
@@ -294,7 +294,7 @@ def test_variable_q_schedule_in_ledger(tmp_path):
 
 
 def test_document_unit_and_config_errors(tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     d = _tiny_lm_dir(tmp_path, "llama")
     tr = Trainer(_recipe(tmp_path, d, **{"task.unit": "document"}), tmp_path / "run", progress=False)

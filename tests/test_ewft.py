@@ -8,7 +8,7 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from conftest import ldp_recipe
 from dpft.privacy.ldp import LDPError
-from dpft.train.loop import Trainer
+from dpft.run.loop import Trainer
 
 
 def test_ldp_run_ledger_schedule_and_report(tiny_model_dir, sst_like_files, tmp_path):

@@ -284,7 +284,7 @@ def test_public_subspace_on_the_private_task_is_refused(sst_like_files, tmp_path
 
 
 def test_trainer_refuses_the_private_file_as_public_subspace(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
     from dpft.transforms.subspace import SubspaceError
 
     f = str(sst_like_files["csv"])

@@ -125,7 +125,7 @@ def _recipe(model_dir, files, **extra):
 
 
 def test_trainer_uses_rr_labels_drawn_once_and_reports_three_guarantees(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     from dpft.privacy.randomness import Randomness
 
@@ -159,7 +159,7 @@ def test_trainer_uses_rr_labels_drawn_once_and_reports_three_guarantees(tiny_mod
 
 
 def test_trainer_without_label_privacy_says_labels_in_clear(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tiny_model_dir, sst_like_files, **{"schedule.epochs": 1, "ldp.label_loss_correction": False,
                                                       "ldp.label_epsilon": None})
@@ -176,7 +176,7 @@ def test_trainer_without_label_privacy_says_labels_in_clear(tiny_model_dir, sst_
 
 
 def test_uncorrected_option_keeps_cross_entropy(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tiny_model_dir, sst_like_files, **{"ldp.label_epsilon": 1.0, "ldp.label_loss_correction": False})
     t = Trainer(rec, tmp_path / "u", progress=False)

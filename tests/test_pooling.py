@@ -119,7 +119,7 @@ def test_head_body_clipping_budgets_and_sensitivity():
 
 def test_head_body_clipping_in_the_trainer_marks_the_head(tiny_model_dir, sst_like_files, tmp_path):
     from dpft.config import Recipe
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     r = Recipe.model_validate({
         "model": {"name": str(tiny_model_dir), "pooling": "mean", "max_length": 16},

@@ -155,7 +155,7 @@ def _recipe(model_dir, files, **extra):
 
 
 def test_private_stage1_is_composed_in_the_ledger(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     # ε = 2 keeps σ ≳ 0.9, where the PLD calibration is quick.
     rec = _recipe(tiny_model_dir, sst_like_files, **{"subspace.source": "private", "subspace.budget_share": 0.4,
@@ -184,7 +184,7 @@ def test_private_stage1_is_composed_in_the_ledger(tiny_model_dir, sst_like_files
 @pytest.mark.parametrize("space", ["full", "coords"])
 def test_update_and_noise_live_in_span_of_p(tiny_model_dir, sst_like_files, tmp_path, space):
     """SGD on a public basis: Θ_T − Θ* ∈ span(P) (noise included: it is drawn in R^k)."""
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tiny_model_dir, sst_like_files, **{
         "subspace.source": "public", "subspace.public_task": {"name": "files", "train_file": str(sst_like_files["tsv"])},
@@ -207,7 +207,7 @@ def test_update_and_noise_live_in_span_of_p(tiny_model_dir, sst_like_files, tmp_
 
 
 def test_file_source_reuses_a_saved_basis_and_its_events(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     fixed = {"privacy.noise_multiplier": 1.0}  # no calibration: this test is about the file
     a = Trainer(_recipe(tiny_model_dir, sst_like_files, **{"subspace.source": "private", **fixed}), tmp_path / "a",
@@ -223,7 +223,7 @@ def test_file_source_reuses_a_saved_basis_and_its_events(tiny_model_dir, sst_lik
 
 
 def test_non_private_subspace_run_is_refused(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tiny_model_dir, sst_like_files, **{
         "privacy.enabled": False, "subspace.source": "public",
@@ -235,7 +235,7 @@ def test_non_private_subspace_run_is_refused(tiny_model_dir, sst_like_files, tmp
 def test_resume_reuses_the_basis_and_equals_an_uninterrupted_run(tiny_model_dir, sst_like_files, tmp_path,
                                                                   monkeypatch):
     """Coordinates mode (Adam on the k coordinates): crash after the step-3 checkpoint, resume."""
-    from dpft.train.loop import Trainer
+    from dpft.run.loop import Trainer
 
     rec = _recipe(tiny_model_dir, sst_like_files, **{
         "subspace.source": "private", "subspace.optimizer_space": "coords", "schedule.steps": 4,

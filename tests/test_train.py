@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from dpft.cli import app
 from dpft.config import load_recipe
-from dpft.train.loop import Trainer, TrainingError
+from dpft.run.loop import Trainer, TrainingError
 
 
 def tiny_recipe(model_dir, files, **extra):

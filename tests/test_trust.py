@@ -13,7 +13,7 @@ import torch
 
 from dpft.config import load_recipe
 from dpft.privacy.randomness import Randomness
-from dpft.train.loop import Trainer, TrainingError
+from dpft.run.loop import Trainer, TrainingError
 
 
 def _recipe(model_dir, files, **extra):

@@ -1,7 +1,76 @@
 """dpft: differentially private fine-tuning of language models.
 
-One engine (Poisson sampling -> per-example gradients -> clipping -> Gaussian noise ->
-post-processing -> optimizer), one ledger of ``dp_accounting`` events per run, many recipes.
+One engine (Poisson sampling → per-example gradients → clipping → Gaussian noise →
+post-processing → optimizer), one ledger of ``dp_accounting`` events per run, three ways in:
+
+- ``dpft train RECIPE`` (CLI) or :func:`dpft.train` (Python) for a complete run and a report;
+- :class:`dpft.PrivacyEngine` ``.make_private(...)`` for your own PyTorch loop (Opacus-shaped);
+- ``dpft.integrations.hf.DPTrainer`` for Hugging Face ``Trainer`` users.
+
+Public names: :class:`PrivacyEngine`, :class:`DPStep`, :class:`Recipe`, :func:`train`,
+:class:`PrivacyLedger`, :class:`Method`, :func:`register_method`, :func:`register_layer`,
+:func:`load_recipe`. They are imported on first use (``import dpft`` stays light).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_NAMES = {
+    "PrivacyEngine": "dpft.api",
+    "DPStep": "dpft.step.pipeline",
+    "StepSpec": "dpft.step.pipeline",
+    "Recipe": "dpft.config",
+    "load_recipe": "dpft.config",
+    "PrivacyLedger": "dpft.accounting.ledger",
+    "Method": "dpft.methods.base",
+    "register_method": "dpft.methods.base",
+    "register_layer": "dpft.grads.registry",
+    "unregister_layer": "dpft.grads.registry",
+    "Randomness": "dpft.privacy.randomness",
+}
+
+__all__ = ["__version__", "train", *_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module 'dpft' has no attribute {name!r}")
+
+
+def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress: bool = True,
+          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run a recipe end to end (the CLI's ``dpft train`` from Python) and return report.json.
+
+    Args:
+        recipe: a :class:`Recipe`, a path to a YAML recipe, or a dict of recipe keys.
+        output_dir: the run directory (default: ``recipe.output_dir`` or ``runs/<name>``).
+        resume: continue the run in ``output_dir`` from its last checkpoint.
+        progress: show the progress bar.
+        overrides: dotted keys applied on top (``{"privacy.target_epsilon": 3}``).
+
+    Returns:
+        The report dict (also written to ``<output_dir>/report.json``): ``privacy`` holds the
+        certified ε from the run's ledger, ``metrics`` the final dev metrics.
+
+    Raises:
+        RecipeError, DataError, ModelError, CalibrationError, TrainingError — each names the fix.
+    """
+    from pathlib import Path
+
+    from dpft.config import Recipe, apply_overrides, load_recipe
+    from dpft.run.loop import Trainer
+
+    if isinstance(recipe, Recipe):
+        rec = recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
+                                                                             dict(overrides)))
+    elif isinstance(recipe, dict):
+        rec = load_recipe(None, apply_overrides(dict(recipe), dict(overrides or {})))
+    else:
+        rec = load_recipe(recipe, overrides)
+    out = Path(output_dir or rec.output_dir or Path("runs") / rec.name)
+    return Trainer(rec, out, resume=resume, progress=progress).run()

@@ -161,7 +161,7 @@ def train(
     from dpft.data.tasks import DataError
     from dpft.models.load import ModelError
     from dpft.report.report import epsilon_line
-    from dpft.train.loop import Trainer, TrainingError
+    from dpft.run.loop import Trainer, TrainingError
 
     if steps is not None and epochs is not None:
         _fail("give --steps or --epochs, not both")
@@ -374,7 +374,7 @@ def selft(
     from dpft.report.report import epsilon_line
     from dpft.synth.generators import (GeneratorError, HFCausalLMBackend, OpenAIChatBackend,
                                        build_candidate_pool)
-    from dpft.train.loop import TrainingError
+    from dpft.run.loop import TrainingError
 
     try:
         ov, origins = _overrides((("--output-dir", "output_dir", str(output_dir) if output_dir else None),), set)

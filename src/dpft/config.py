@@ -170,7 +170,7 @@ class EvalCfg(_Strict):
 
 
 class LogCfg(_Strict):
-    """What a run logs beyond its release set (train/release.py)."""
+    """What a run logs beyond its release set (run/release.py)."""
 
     #: Write per-step private statistics (un-noised train loss, batch size, clip fraction, step
     #: times) to private_diagnostics.jsonl (mode 0600). NOT covered by ε: for the data holder only.

@@ -2,7 +2,7 @@
 
 A method is one file in ``methods/`` (or in the user's own code) holding its recipe config
 model and a :class:`Method` subclass registered with :func:`register_method`. The driver
-(``train/loop.py``) composes the recipe's methods in ``order`` and holds no method name:
+(``run/loop.py``) composes the recipe's methods in ``order`` and holds no method name:
 
 - ``prepare(run)``: earlier private phases (a private subspace, DP synthetic data) that append
   to the run's ledger through :meth:`Run.record`, and model/loss/data wrapping (forward LDP

@@ -43,7 +43,7 @@ from dpft.config import Recipe, TaskCfg, _Strict
 from dpft.grads.subspace import COORDS, SubspaceEngine
 from dpft.methods.base import Method, register_method
 from dpft.models.losses import classification_loss
-from dpft.train.loop import Trainer, TrainingError
+from dpft.run.loop import Trainer, TrainingError
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
                                       snapshot_schedule, unproject_transform)
 

@@ -6,7 +6,7 @@ Large Language Models"; Algorithm 1). Wires existing pieces, holds no math of it
 2. unit scoring on the synthetic train/validation split (``selection/scoring.py``; free:
    synthetic data only) → top-k units (or a baseline selector);
 3. DP-AdamW on the selected units only (``trainable.mode: units``) with the existing
-   :class:`~dpft.train.loop.Trainer`, σ calibrated *after* the synthetic-data events (PLD
+   :class:`~dpft.run.loop.Trainer`, σ calibrated *after* the synthetic-data events (PLD
    composition of both phases to the run's target ε; never ε's added by hand).
 
 Selectors: ``selft`` (worst-case ξ, the paper), ``random_noise`` (clipping + random noise),
@@ -35,7 +35,7 @@ from dpft.models.units import attention_units, unit_map
 from dpft.selection.scoring import ScoreCache, ScoreSettings, rank_units, score_units
 from dpft.synth.generators import load_candidate_file
 from dpft.synth.select_label import dp_select_and_label
-from dpft.train.loop import Trainer
+from dpft.run.loop import Trainer
 
 SELECTORS = ("selft", "random_noise", "no_noise", "loss", "gradient", "attention")
 
@@ -182,7 +182,7 @@ def run_selft(recipe: Recipe, cfg: SelFTCfg, run_dir: str | Path, candidates: Op
     """Algorithm 1 end to end; writes the usual run report plus a ``selft`` section.
 
     Raises:
-        the errors of :func:`select_units` and of :class:`~dpft.train.loop.Trainer`.
+        the errors of :func:`select_units` and of :class:`~dpft.run.loop.Trainer`.
     """
     from dpft.privacy.randomness import Randomness
 

@@ -148,7 +148,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
 
 def coverage_section(trainer) -> dict[str, Any]:
     """What the run's ε covers and what it does not (every sentence must be true)."""
-    from dpft.train.release import DIAGNOSTICS_FILE, RELEASE_SET, dev_statement
+    from dpft.run.release import DIAGNOSTICS_FILE, RELEASE_SET, dev_statement
 
     r = trainer.recipe
     t = r.task
@@ -253,7 +253,7 @@ def plot_history(rows: list[dict[str, Any]], path: Path, private: bool) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # Released quantities only (train/release.py): no training loss or batch size.
+    # Released quantities only (run/release.py): no training loss or batch size.
     panels = 2 if private else 1
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4), squeeze=False)
     axes = axes[0]

@@ -199,7 +199,7 @@ def effective_noise_multiplier(sigma: float, count_noise: float) -> float:
     if sigma >= 2 * count_noise:
         raise ValueError(
             f"adaptive clipping needs σ < 2σ_b (Andrew et al. 2021, Thm. 1); got σ = {sigma:g}, "
-            f"σ_b = {count_noise:g}. Raise adam_ac.count_noise above {sigma / 2:g} (or lower σ)")
+            f"σ_b = {count_noise:g}. Raise the count noise σ_b (the recipe's count_noise) above {sigma / 2:g} (or lower σ)")
     return float((sigma ** -2 - (2 * count_noise) ** -2) ** -0.5)
 
 

@@ -2,7 +2,7 @@
 
 sample → per-example engine → clip policy (inside the engine) → aggregate → mechanism.release
 (returns its ``DpEvent``; sensitivity asked of the clip policy at release time) → ledger.record
-→ post-processing transforms → optimizer. The CLI trainer (``train/loop.py``), the Opacus-shaped
+→ post-processing transforms → optimizer. The CLI trainer (``run/loop.py``), the Opacus-shaped
 ``PrivacyEngine`` (``api.py``) and the Hugging Face ``DPTrainer`` (``integrations/hf.py``) all
 run their private steps through it, so sampling, noise and accounting agree by construction
 (jax_privacy's ``DPExecutionPlan`` idea).
@@ -69,7 +69,7 @@ class StepOutput:
 
     ``released``: post-processing statistics of the noisy gradient (safe to publish).
     ``private``: un-noised statistics (loss, realised batch size, clipped count, times): the
-    release set never holds them (train/release.py).
+    release set never holds them (run/release.py).
     """
 
     step: int

@@ -37,7 +37,7 @@ from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.noise import GaussianMechanism
 from dpft.methods.base import Run, active_methods
 from dpft.privacy.randomness import Randomness
-from dpft.train.release import DiagnosticsLog, split_row
+from dpft.run.release import DiagnosticsLog, split_row
 
 
 class TrainingError(RuntimeError):
@@ -99,7 +99,7 @@ class Trainer:
         #: privacy.reproducible, in which case it is derived from the recorded seed.
         self.rng = rng if rng is not None else Randomness(r.seed if r.privacy.reproducible else None)
         #: The ledger is appended to, never replaced: it starts from the phases a caller already
-        #: spent (e.g. DP-SelFT's synthetic data) and from any releases a crashed run of this
+        #: spent (e.g. a synthetic-data phase) and from any releases a crashed run of this
         #: directory recorded before its first checkpoint (``ledger.json`` is written live).
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         #: Ledger phase of this loop's steps, and the file its live ledger is saved to (a
@@ -290,7 +290,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
         """One logical step through :class:`~dpft.step.DPStep`. Returns the row's fields (the
-        private ones are split off by train/release.py before anything is written)."""
+        private ones are split off by run/release.py before anything is written)."""
         r = self.recipe
         torch.manual_seed(self.rng.seed_for("dropout", step))  # dropout masks: per step, secret
         idx = self.dp_step.indices(step)
@@ -333,7 +333,7 @@ class Trainer:
                 "history": self.history.rows}
 
     def save(self, step: int) -> None:
-        from dpft.train.checkpoint import save_checkpoint
+        from dpft.run.checkpoint import save_checkpoint
 
         save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
                         scheduler=self.scheduler, ledger_json=self.ledger.to_json(), state=self._state())
@@ -344,7 +344,7 @@ class Trainer:
         return d
 
     def load(self) -> None:
-        from dpft.train.checkpoint import load_checkpoint
+        from dpft.run.checkpoint import load_checkpoint
 
         ck = load_checkpoint(self.run_dir)
         st = ck["state"]
@@ -385,7 +385,7 @@ class Trainer:
             self.diagnostics.write(private)
 
     def epsilon_now(self) -> Optional[float]:
-        for m in self.methods:  # a method with its own guarantee (forward LDP)
+        for m in self.methods:  # a method with its own guarantee (e.g. a forward-pass mechanism)
             eps = m.epsilon(self.ctx)
             if eps is not None:
                 return eps
