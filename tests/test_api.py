@@ -437,3 +437,10 @@ def test_readme_snippet_runs(capsys):
     runpy.run_path(str(ROOT / "docs" / "snippets" / "from_python.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "ε =" in out
+
+
+def test_readme_from_python_section_is_the_snippet():
+    """The README's "From Python" example is exactly the file the test above runs."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert block == (ROOT / "docs" / "snippets" / "from_python.py").read_text()

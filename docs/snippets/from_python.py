@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpft.api import PrivacyEngine  # Opacus: from opacus import PrivacyEngine
+from dpft import PrivacyEngine  # Opacus: from opacus import PrivacyEngine
 
 torch.manual_seed(0)
 VOCAB, LENGTH, N = 100, 12, 3060
