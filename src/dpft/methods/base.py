@@ -156,6 +156,8 @@ def get_method(name: str) -> type[Method]:
 
 
 _BUILTINS_LOADED = False
+#: Modules of the built-in methods (each registers its Method class on import).
+BUILTIN_METHODS = ("dpft.methods.dpsft", "dpft.methods.ewft", "dpft.methods.dp_adam_ac", "dpft.methods.rmt")
 
 
 def _load_builtins() -> None:
@@ -163,10 +165,12 @@ def _load_builtins() -> None:
     if _BUILTINS_LOADED:
         return
     _BUILTINS_LOADED = True
-    import dpft.methods.dp_adam_ac  # noqa: F401
-    import dpft.methods.dpsft  # noqa: F401
-    import dpft.methods.ewft  # noqa: F401
-    import dpft.methods.rmt  # noqa: F401
+    import importlib
+
+    # The built-ins register themselves like any plug-in, when first needed (a registry
+    # lookup, not a static import: the method files import the trainer, which imports this).
+    for mod in BUILTIN_METHODS:
+        importlib.import_module(mod)
 
 
 @dataclass

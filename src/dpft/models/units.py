@@ -20,7 +20,7 @@ from typing import Iterable
 
 from torch import nn
 
-from dpft.models.load import HEAD_PATTERNS, ModelError, _block_list
+from dpft.models.arch import HEAD_PATTERNS, ModelError, _block_list
 
 _EMBED = re.compile(r"(^|\.)(embeddings|embed_tokens|wte|wpe|embed_positions)(\.|$)")
 
