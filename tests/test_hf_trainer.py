@@ -200,6 +200,16 @@ def test_refuses_foreign_batches(tmp_path):
     assert tr.ledger.steps == 0
 
 
+def test_empty_poisson_batch_still_releases_noise(tmp_path):
+    tr = tiny_trainer(tmp_path, args=targs(tmp_path / "out", max_steps=1, logging_steps=100),
+                      dp=DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=8))
+    tr.sampler.indices = lambda step: torch.empty(0, dtype=torch.long)
+    before = trainable_snapshot(tr.model)
+    tr.train()
+    assert tr.ledger.steps == 1 and tr.last_private_stats["batch_size"] == 0
+    check_moved(tr.model, before, set(tr.engine.params))  # the noise moved every trainable weight
+
+
 def test_reproducible_seed(tmp_path):
     def run(seed, name):
         dp = DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=8, reproducible_seed=seed)

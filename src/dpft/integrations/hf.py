@@ -21,7 +21,8 @@ What changes inside ``Trainer`` (DESIGN.md "The DP step, as data flows"):
   (``N = len(train_dataset)``; :class:`~dpft.step.sample.PoissonSampler`, secret randomness).
   One row is one privacy unit. The logical batch (possibly empty) is cut into physical batches
   of at most ``max_physical_batch_size`` rows (default ``per_device_train_batch_size``), each
-  collated by the ``data_collator`` only when it is processed.
+  collated by the ``data_collator`` only when it is processed (in the main process:
+  ``dataloader_num_workers`` applies to evaluation only).
 * **Gradients.** :meth:`DPTrainer.training_step` runs the per-example engine (book-keeping by
   default) on each physical batch: per-example clipped sums, accumulated in an
   :class:`~dpft.step.aggregate.Aggregator`. Once per logical batch,
