@@ -1,0 +1,670 @@
+"""Hugging Face ``Trainer`` integration: :class:`DPTrainer` and :class:`DPArguments`.
+
+A Hugging Face user keeps ``TrainingArguments``, the model (PEFT models included), the dataset,
+the collator, the optimizer, the LR scheduler, the callbacks and evaluation, and adds the
+privacy settings::
+
+    trainer = DPTrainer(model=model, args=TrainingArguments(output_dir="out", num_train_epochs=1,
+                                                            learning_rate=5e-4,
+                                                            per_device_train_batch_size=16,
+                                                            report_to=[]),
+                        train_dataset=ds, data_collator=collator,
+                        dp_args=DPArguments(target_epsilon=8, target_delta=1e-5, max_grad_norm=1.0,
+                                            expected_batch_size=64))
+    trainer.train()
+    trainer.get_epsilon()
+
+What changes inside ``Trainer`` (DESIGN.md "The DP step, as data flows"):
+
+* **Sampling.** The train dataloader is replaced: logical step ``t`` takes every row of
+  ``train_dataset`` independently with probability ``q = expected_batch_size / N``
+  (``N = len(train_dataset)``; :class:`~dpft.step.sample.PoissonSampler`, secret randomness).
+  One row is one privacy unit. The logical batch (possibly empty) is cut into physical batches
+  of at most ``max_physical_batch_size`` rows (default ``per_device_train_batch_size``), each
+  collated by the ``data_collator`` only when it is processed (in the main process:
+  ``dataloader_num_workers`` applies to evaluation only).
+* **Gradients.** :meth:`DPTrainer.training_step` runs the per-example engine (book-keeping by
+  default) on each physical batch: per-example clipped sums, accumulated in an
+  :class:`~dpft.step.aggregate.Aggregator`. Once per logical batch,
+  :meth:`DPStep.release_and_update <dpft.step.pipeline.DPStep.release_and_update>` adds
+  ``N(0, σ²C²)`` (:class:`~dpft.step.noise.GaussianMechanism`), records the ``dp_accounting``
+  event in the :class:`~dpft.accounting.ledger.PrivacyLedger`, divides by ``qN`` and runs the
+  post-processing transforms; the noisy gradient is left in ``p.grad``.
+* **Update.** ``Trainer`` then steps its own optimizer and LR scheduler (created by ``Trainer``
+  over the trainable parameters) exactly once per logical batch. ``TrainingArguments.
+  max_grad_norm`` (global clipping of the averaged gradient) is switched off: the DP clip norm
+  is ``DPArguments.max_grad_norm``.
+* **Steps.** ``max_steps`` if set, else ``ceil(num_train_epochs · N / expected_batch_size)``;
+  written to ``trainer.args.max_steps`` (a copy of the caller's ``TrainingArguments``). σ is
+  calibrated for that number of steps (PLD accountant), unless ``noise_multiplier`` is given.
+* **Logging.** Every ``Trainer`` log gets an ``epsilon`` key (ε at ``target_delta`` of the
+  ledger so far). The training loss ``Trainer`` logs is the *un-noised* loss of the sampled
+  examples, a private statistic outside the guarantee: it is not logged (``loss``,
+  ``train_loss``; ``TrainOutput.training_loss`` is NaN) unless ``log_private_train_loss=True``,
+  and never the realised batch sizes or token counts. ``grad_norm`` is dropped too. Evaluation
+  metrics are logged as usual: they are covered only if the evaluation data is public.
+* **Ledger.** ``output_dir/ledger.json`` is rewritten after every release (rank 0), and each
+  checkpoint (and ``save_model``) gets ``ledger.json`` and ``dp_state.json`` (σ, q, N, steps;
+  never the seed). ``train(resume_from_checkpoint=...)`` continues the ledger of the output
+  directory; a fresh run refuses an ``output_dir`` that already holds another run's ledger.
+
+Refused, with a message naming the fix: gradient accumulation, ``TrainingArguments.
+max_grad_norm`` other than its default, non-random ``train_sampling_strategy`` or a subclass's
+own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16/bf16 autocast (load
+the model in bfloat16 instead), activation checkpointing, label smoothing or
+``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
+``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP and more than
+one device or process (use the ``dpft`` CLI for DDP).
+
+Source: Abadi et al. 2016 (DP-SGD), with Poisson sampling and division by the expected batch
+size; the interface follows Opacus' and the ``transformers`` Trainer's conventions.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+
+from dpft.accounting.calibrate import calibrate_sigma, check_delta
+from dpft.accounting.io import atomic_write_text
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.grads.base import PerExampleEngine, PerExampleLoss
+from dpft.privacy.randomness import Randomness
+from dpft.step import DPStep, StepSpec
+from dpft.step.aggregate import Aggregator
+from dpft.step.clip import NonFiniteGradientError, make_clip_policy
+from dpft.step.noise import GaussianMechanism
+from dpft.step.postprocess import Transform
+from dpft.step.sample import PoissonSampler
+
+__all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
+
+#: The privacy ledger's file name, in ``output_dir`` and in every checkpoint.
+LEDGER_NAME = "ledger.json"
+#: σ, q, N, steps and the privacy settings of a run, in every checkpoint (resume checks them).
+DP_STATE_NAME = "dp_state.json"
+
+#: Key of the placeholder batches the replaced train dataloader yields (one per logical step).
+_TOKEN = "dpft_logical_step"
+#: ``Trainer`` log keys that are private statistics (un-noised loss) or noise-dominated noise.
+_LOSS_KEYS = ("loss", "train_loss")
+_CLIP_STYLES = ("flat", "per_layer", "automatic", "auto", "auto_s", "head_body")
+
+
+@dataclass(kw_only=True)
+class DPArguments:
+    """Privacy settings of a :class:`DPTrainer` (keyword-only; usable with ``HfArgumentParser``).
+
+    Attributes:
+        target_delta: δ of the guarantee; must be below 1/N.
+        expected_batch_size: expected logical batch size qN (Poisson sampling with
+            ``q = expected_batch_size / len(train_dataset)``).
+        target_epsilon: ε to calibrate σ for (over all steps of ``train()``); give this or
+            ``noise_multiplier``.
+        noise_multiplier: σ, fixed (ε is then whatever the ledger says).
+        max_grad_norm: the per-example clip norm C (L2 sensitivity of the clipped sum).
+        clipping: ``flat`` | ``per_layer`` | ``automatic`` (AUTO-S) | ``head_body``.
+        clipping_gamma: AUTO-S stability constant.
+        head_fraction: share of C² given to the task head with ``head_body``.
+        max_physical_batch_size: rows per forward/backward (memory only, never privacy);
+            default ``TrainingArguments.per_device_train_batch_size``.
+        reproducible_seed: None (default) = secret randomness from the OS CSPRNG. An int makes
+            batches and noise reproducible; ε then holds only while that seed stays secret.
+        hardened_noise: draw each noise coordinate as the sum of four normals / 2.
+        engine: ``bookkeeping`` (fast path) or ``reference`` (``torch.func``, exact, slower).
+        log_private_train_loss: also log the un-noised training loss (a private statistic,
+            not covered by ε; off by default).
+
+    Raises:
+        ValueError: an out-of-range value, or neither/both of ``target_epsilon`` and
+            ``noise_multiplier``.
+    """
+
+    target_delta: float
+    expected_batch_size: int
+    target_epsilon: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    max_grad_norm: float = 1.0
+    clipping: str = "flat"
+    clipping_gamma: float = 0.01
+    head_fraction: float = 0.5
+    max_physical_batch_size: Optional[int] = None
+    reproducible_seed: Optional[int] = None
+    hardened_noise: bool = True
+    engine: str = "bookkeeping"
+    log_private_train_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError("DPArguments: set exactly one of target_epsilon (σ is calibrated for it) "
+                             "and noise_multiplier (σ fixed)")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"DPArguments.target_epsilon must be > 0, got {self.target_epsilon}")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise ValueError(f"DPArguments.noise_multiplier must be ≥ 0, got {self.noise_multiplier}")
+        if not 0 < self.target_delta < 1:
+            raise ValueError(f"DPArguments.target_delta must be in (0, 1), got {self.target_delta}")
+        if int(self.expected_batch_size) != self.expected_batch_size or self.expected_batch_size < 1:
+            raise ValueError(f"DPArguments.expected_batch_size must be a positive integer, got {self.expected_batch_size}")
+        if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
+            raise ValueError(f"DPArguments.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
+        if self.clipping not in _CLIP_STYLES:
+            raise ValueError(f"DPArguments.clipping must be one of flat, per_layer, automatic, head_body; "
+                             f"got {self.clipping!r}")
+        if self.engine not in ("bookkeeping", "reference"):
+            raise ValueError(f"DPArguments.engine must be 'bookkeeping' or 'reference', got {self.engine!r}")
+        make_clip_policy(self.clipping, self.max_grad_norm, self.clipping_gamma, self.head_fraction)  # checks C
+
+
+# --------------------------------------------------------------------------- per-example loss
+
+
+def _is_causal_lm(model: torch.nn.Module) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([v] if isinstance(v, str) else list(v))
+    return type(base).__name__ in names
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, Mapping):
+        return out["logits"]
+    return out[0]
+
+
+def hf_per_example_loss(causal: bool, label_keys: tuple[str, ...] = ("labels",)) -> PerExampleLoss:
+    """The per-example loss ``loss_fn(forward, batch) -> (B,)`` (nats) for a Hugging Face batch.
+
+    The model gets every key of the batch except the label keys. Then:
+
+    * ``causal``: next-token cross-entropy, **summed** over each example's predicted tokens
+      (``labels`` shifted by one, ``-100`` ignored; without ``labels``, ``input_ids`` where
+      ``attention_mask`` is 1), as dpft's CLI does for causal LMs;
+    * integer labels ``(B,)`` with logits ``(B, C)``: cross-entropy (sequence classification);
+      labels ``(B, T)`` with logits ``(B, T, C)``: token cross-entropy summed per example,
+      ``-100`` ignored (token classification);
+    * float labels: squared error (logits ``(B, 1)``, regression) or binary cross-entropy
+      summed over labels (multi-label), as ``transformers`` picks them.
+
+    Raises (when called): ValueError if a supervised batch holds no labels.
+    """
+    keys = tuple(dict.fromkeys(("labels", "label", "label_ids", *label_keys)))
+
+    def loss_fn(forward: Callable[..., Any], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k not in keys}
+        labels = next((batch[k] for k in keys if k in batch), None)
+        logits = _logits(forward(**inputs))
+        if causal:
+            if labels is None:
+                labels = batch["input_ids"]
+                if "attention_mask" in batch:
+                    labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
+            shift = logits[:, :-1].float()
+            tok = torch.nn.functional.cross_entropy(shift.transpose(1, 2), labels[:, 1:],
+                                                    ignore_index=-100, reduction="none")
+            return tok.sum(dim=1)
+        if labels is None:
+            raise ValueError("DPTrainer: the training batch holds no `labels`; have the data collator add them, "
+                             "or pass DPTrainer(loss_fn=...) with a per-example loss")
+        logits = logits.float()
+        if labels.is_floating_point():
+            b = labels.shape[0]
+            if logits.shape[-1] == 1:  # regression (num_labels == 1)
+                return ((logits.reshape(b, -1) - labels.reshape(b, -1).float()) ** 2).sum(dim=1)
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none")
+            return bce.reshape(bce.shape[0], -1).sum(dim=1)
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                               ignore_index=-100, reduction="none")
+        return ce.reshape(labels.shape[0], -1).sum(dim=1)
+
+    return loss_fn
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _TrainerStepsOptimizer:
+    """The optimizer slot of :class:`~dpft.step.pipeline.StepSpec` under ``Trainer``.
+
+    ``DPStep.release_and_update`` leaves the noisy averaged gradient in ``p.grad`` and calls
+    ``step``/``zero_grad`` here, which do nothing: ``Trainer``'s own optimizer (and LR
+    scheduler) steps right after ``training_step``, once per logical batch, and zeroes the
+    gradients itself."""
+
+    param_groups: list = []
+
+    def step(self, closure=None):  # noqa: D401 - Trainer steps the real optimizer
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+class _LogicalSteps(Dataset):
+    """One placeholder per logical step of an epoch; the rows are drawn in ``training_step``."""
+
+    def __init__(self, n: int):
+        self.n = int(n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k: int) -> int:
+        return int(k)
+
+
+def _collate_token(items: list) -> dict[str, int]:
+    return {_TOKEN: int(items[0])}
+
+
+def _refuse(msg: str) -> None:
+    raise ValueError(f"DPTrainer: {msg}")
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` with DP-SGD / DP-Adam: Poisson sampling, per-example clipping,
+    Gaussian noise once per logical batch, one privacy ledger (see the module docstring).
+
+    Args:
+        model, args, *trainer_args, **trainer_kwargs: as for ``transformers.Trainer``
+            (``args`` is copied; the copy gets ``max_steps`` and ``max_grad_norm = 0``).
+        dp_args: the privacy settings (required, keyword).
+        loss_fn: per-example loss ``loss_fn(forward, batch) -> (B,)``; default
+            :func:`hf_per_example_loss` (causal LM or classification, from the model class).
+        ledger: a ledger holding earlier releases of the same data (composed into calibration).
+        transforms: post-processing of the noisy averaged gradient (``dpft.step.postprocess``).
+
+    Attributes:
+        sigma, q, n, total_steps: noise multiplier, sampling rate, N and logical steps.
+        ledger: the run's :class:`~dpft.accounting.ledger.PrivacyLedger`.
+        engine, clip, mechanism, sampler, dp_step: the parts of the DP step.
+
+    Raises:
+        ValueError: a setting DPTrainer cannot certify (the message names the fix).
+        dpft.accounting.calibrate.CalibrationError: the target ε cannot be met.
+    """
+
+    def __init__(self, model=None, args: Optional[TrainingArguments] = None, *trainer_args,
+                 dp_args: Optional[DPArguments] = None, loss_fn: Optional[PerExampleLoss] = None,
+                 ledger: Optional[PrivacyLedger] = None, transforms: Optional[list[Transform]] = None,
+                 **trainer_kwargs):
+        if not isinstance(dp_args, DPArguments):
+            raise TypeError("DPTrainer needs dp_args=DPArguments(target_epsilon=..., target_delta=..., "
+                            "max_grad_norm=..., expected_batch_size=...)")
+        if args is None:
+            args = TrainingArguments(output_dir="trainer_output")
+        self._check_training_arguments(args)
+        args = copy.copy(args)  # the caller's object is left as it was
+        args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self.dp_args = dp_args
+        self._check_trainer(loss_fn)
+
+        ds = self.train_dataset
+        self.n = len(ds)
+        eb = int(dp_args.expected_batch_size)
+        if eb > self.n:
+            _refuse(f"dp_args.expected_batch_size = {eb} exceeds len(train_dataset) = {self.n}; "
+                    "lower expected_batch_size")
+        check_delta(dp_args.target_delta, self.n)
+        self.q = eb / self.n
+        self.steps_per_epoch = max(1, math.ceil(self.n / eb))
+        if self.args.max_steps is not None and self.args.max_steps > 0:
+            self.total_steps = int(self.args.max_steps)
+        else:
+            self.total_steps = max(1, math.ceil(self.args.num_train_epochs * self.n / eb))
+        self.args.max_steps = self.total_steps
+        self.physical_batch_size = int(dp_args.max_physical_batch_size or self.args.per_device_train_batch_size)
+
+        #: The run's one secret randomness source; each training loop draws from its own child.
+        self.rng = Randomness(dp_args.reproducible_seed)
+        if self.rng.reproducible:
+            warnings.warn("DPArguments.reproducible_seed is set: batches and noise can be regenerated from it, "
+                          "so ε holds only while that seed stays secret", stacklevel=2)
+        self._run_rng = self.rng.child("hf-train-loop-0")
+        self._loops = 0
+        self.ledger = ledger if ledger is not None else PrivacyLedger()
+        if dp_args.noise_multiplier is not None:
+            self.sigma = float(dp_args.noise_multiplier)
+        else:
+            self.sigma = calibrate_sigma(dp_args.target_epsilon, dp_args.target_delta, self.q, self.total_steps,
+                                         prior=self.ledger.events())
+
+        causal = _is_causal_lm(self.model)
+        self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(causal, tuple(self.label_names or ()))
+        self.clip = make_clip_policy(dp_args.clipping, dp_args.max_grad_norm, dp_args.clipping_gamma,
+                                     dp_args.head_fraction)
+        self.engine = self._make_engine()
+        if hasattr(self.clip, "set_head_mask"):
+            from dpft.models.load import is_head_param
+
+            self.clip.set_head_mask([is_head_param(n) for n in self.engine.params])
+        self.sampler = PoissonSampler(self.n, eb, self._run_rng)
+        self.mechanism = GaussianMechanism(self.sigma, self.clip.sensitivity, self._run_rng,
+                                           hardened=dp_args.hardened_noise)
+        self.dp_step = DPStep(
+            StepSpec(engine=self.engine, clip=self.clip, mechanism=self.mechanism, sampler=self.sampler,
+                     optimizer=_TrainerStepsOptimizer(), transforms=list(transforms or []),
+                     params=self.engine.params, phase="train"),
+            self.ledger, self.n, on_release=self._save_live_ledger)
+        self._live_written = False
+        self._params_checked = False
+        #: Un-noised statistics of the last logical step (never logged; for the data holder).
+        self.last_private_stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ checks
+    @staticmethod
+    def _check_training_arguments(args: TrainingArguments) -> None:
+        ga = getattr(args, "gradient_accumulation_steps", 1)
+        if ga != 1:
+            _refuse(f"gradient_accumulation_steps = {ga}: the logical batch is drawn by Poisson sampling and "
+                    "processed in physical batches by DPTrainer itself. Set gradient_accumulation_steps=1 and "
+                    "choose DPArguments.expected_batch_size (the logical batch) and "
+                    "DPArguments.max_physical_batch_size (memory) instead")
+        mgn = getattr(args, "max_grad_norm", 0.0)
+        if mgn not in (None, 0, 0.0, 1.0):
+            _refuse(f"TrainingArguments.max_grad_norm = {mgn} clips the already-noised average gradient, not "
+                    "each example's. Set the per-example clip norm with DPArguments.max_grad_norm and leave "
+                    "TrainingArguments.max_grad_norm at its default (DPTrainer switches it off)")
+        strategy = getattr(args, "train_sampling_strategy", "random")
+        if strategy not in (None, "random") or getattr(args, "group_by_length", False):
+            _refuse(f"train_sampling_strategy = {strategy!r}: DPTrainer draws every logical batch by Poisson "
+                    "sampling (each example independently with q = expected_batch_size / N), which its ε "
+                    "assumes; remove train_sampling_strategy / group_by_length")
+        tokens = getattr(args, "include_num_input_tokens_seen", "no")
+        if tokens not in (None, False, "no"):
+            _refuse("include_num_input_tokens_seen counts the tokens of the private sampled batches (not "
+                    "covered by ε); leave it off")
+        if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+            _refuse("fp16/bf16 mixed precision (autocast) is not supported: the per-example engine needs one "
+                    "dtype per layer, and fp16's gradient scaler would rescale the noisy gradient. Leave "
+                    "fp16/bf16 off and train in fp32, or load the model in bfloat16 "
+                    "(from_pretrained(..., dtype=torch.bfloat16))")
+        if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+            _refuse("activation (gradient) checkpointing re-runs forwards inside the backward, which the "
+                    "per-example engine cannot follow; turn it off and lower "
+                    "DPArguments.max_physical_batch_size to save memory")
+        if getattr(args, "auto_find_batch_size", False):
+            _refuse("auto_find_batch_size restarts training after an out-of-memory error, releasing noisy "
+                    "gradients again; set DPArguments.max_physical_batch_size instead")
+        if getattr(args, "label_smoothing_factor", 0.0):
+            _refuse("label_smoothing_factor applies to Trainer's batch loss, which DPTrainer does not use; "
+                    "pass DPTrainer(loss_fn=...) with a per-example smoothed loss")
+        if "lomo" in str(getattr(args, "optim", "")).lower():
+            _refuse("LOMO optimizers fuse the update into the backward pass; choose another optim")
+        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+            _refuse("DeepSpeed and FSDP are not supported; train on one device")
+        if getattr(args, "world_size", 1) > 1:
+            _refuse(f"world_size = {args.world_size}: DPTrainer runs in one process (one noise draw per "
+                    "logical batch for the world is implemented in the dpft CLI); launch one process")
+        if getattr(args, "n_gpu", 1) > 1:
+            _refuse(f"{args.n_gpu} GPUs visible (torch.nn.DataParallel); expose one device, e.g. "
+                    "CUDA_VISIBLE_DEVICES=0")
+
+    def _check_trainer(self, loss_fn) -> None:
+        for meth in ("get_train_dataloader", "_get_train_sampler"):
+            if getattr(type(self), meth) is not getattr(DPTrainer, meth):
+                _refuse(f"{type(self).__name__}.{meth} is overridden: a custom (shuffled, fixed-size) train "
+                        "sampler or dataloader breaks the Poisson sampling DPTrainer's ε assumes; remove the "
+                        "override (DPTrainer samples every logical batch itself)")
+        if self.model_init is not None:
+            _refuse("model_init re-creates the model in train(); pass model= instead")
+        if self.compute_loss_func is not None and loss_fn is None:
+            _refuse("compute_loss_func returns a batch loss; DPTrainer needs one loss per example: pass "
+                    "loss_fn=lambda forward, batch: ... returning a (B,) tensor")
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            _refuse("DeepSpeed and FSDP are not supported; train on one device")
+        ds = self.train_dataset
+        if ds is None:
+            _refuse("train_dataset is required")
+        if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
+            _refuse("train_dataset must support len() and indexing (Poisson sampling picks rows by index); "
+                    "convert an IterableDataset to a map-style dataset")
+        if len(ds) == 0:
+            _refuse("train_dataset is empty")
+
+    def _make_engine(self) -> PerExampleEngine:
+        if self.dp_args.engine == "reference":
+            from dpft.grads.reference import ReferenceEngine
+
+            return ReferenceEngine(self.model, self.loss_fn, self.clip)
+        from dpft.grads.bookkeeping import BookKeepingEngine
+
+        return BookKeepingEngine(self.model, self.loss_fn, self.clip)
+
+    def _check_params(self) -> None:
+        """The engine's parameters must still be the model's trainable parameters."""
+        current = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        eng = self.engine.params
+        if set(current) != set(eng) or any(current[n] is not p for n, p in eng.items()):
+            raise RuntimeError("DPTrainer: the model's trainable parameters changed after DPTrainer was built; "
+                               "freeze/unfreeze parameters (or wrap with peft) before creating DPTrainer")
+        self._params_checked = True
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        """One placeholder batch per logical step (``ceil(N / expected_batch_size)`` per epoch).
+
+        The rows of step ``t`` are drawn in :meth:`training_step` by Poisson sampling. Each call
+        starts a new training loop with its own child of the secret randomness, so no two
+        releases of this trainer ever share noise."""
+        self._loops += 1
+        self._run_rng = self.rng.child(f"hf-train-loop-{self._loops}")
+        self.sampler.rng = self._run_rng
+        self.mechanism.rng = self._run_rng
+        ds = self.train_dataset
+        collator = self.data_collator
+        try:
+            import datasets
+
+            is_hf_ds = isinstance(ds, datasets.Dataset)
+        except ImportError:  # pragma: no cover - datasets is a dependency
+            is_hf_ds = False
+        if is_hf_ds:
+            ds = self._remove_unused_columns(ds, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        self._dp_rows, self._dp_collator = ds, collator
+        return DataLoader(_LogicalSteps(self.steps_per_epoch), batch_size=1, shuffle=False,
+                          collate_fn=_collate_token)
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        if isinstance(getattr(dataloader, "dataset", None), _LogicalSteps):
+            return self.n
+        return super().num_examples(dataloader)
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """The expected logical batch size qN (the realised sizes are private)."""
+        return int(self.dp_args.expected_batch_size)
+
+    def _rows(self, idx: torch.Tensor) -> list:
+        ds, keys = self._dp_rows, idx.tolist()
+        if hasattr(ds, "__getitems__"):
+            rows = ds.__getitems__(keys)
+            if isinstance(rows, list) and len(rows) == len(keys):
+                return rows
+        return [ds[i] for i in keys]
+
+    def _micro_batches(self, idx: torch.Tensor):
+        """Collated physical batches of the logical batch ``idx`` (built one at a time)."""
+        if not len(idx):
+            return
+        rows = self._rows(idx)
+        if rows and isinstance(rows[0], Mapping) and "input_ids" in rows[0]:
+            # Order by length so that physical batches carry little padding; the set of
+            # examples (all that privacy depends on) is unchanged.
+            rows = [rows[i] for i in sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))]
+        for k in range(0, len(rows), self.physical_batch_size):
+            yield self._prepare_inputs(self._dp_collator(rows[k:k + self.physical_batch_size]))
+
+    # ------------------------------------------------------------------ the DP step
+    def training_step(self, model: torch.nn.Module, inputs: Mapping[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """One logical step: Poisson batch → per-example clipped sums over physical batches →
+        ``DPStep.release_and_update`` (noise, ledger event, ÷ qN, transforms). The noisy
+        gradient is left in ``p.grad`` for ``Trainer``'s optimizer step.
+
+        Returns 0 (the un-noised loss is private) unless ``log_private_train_loss``."""
+        if not (isinstance(inputs, Mapping) and _TOKEN in inputs):
+            raise RuntimeError("DPTrainer.training_step got a batch that its Poisson sampler did not produce; "
+                               "do not replace DPTrainer's train dataloader")
+        if not self._params_checked:
+            self._check_params()
+        t = int(self.state.global_step)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        torch.manual_seed(self._run_rng.seed_for("dropout", t))  # dropout masks: per step, secret
+        idx = self.dp_step.indices(t)
+        agg = Aggregator(self.engine.params)
+        try:
+            for batch in self._micro_batches(idx):
+                with self.compute_loss_context_manager():
+                    agg.add(self.engine.clipped_sum(batch))
+        except NonFiniteGradientError as exc:
+            raise NonFiniteGradientError(
+                f"DPTrainer, step {t}: {exc}. Nothing was released for this step; lower learning_rate or "
+                "check the data, and resume from the last checkpoint") from None
+        agg.all_reduce()
+        out = self.dp_step.release_and_update(t, agg)
+        self.last_private_stats = dict(out.private)
+        if self.dp_args.log_private_train_loss:
+            return torch.tensor(float(out.private["train_loss"]), device=self.args.device)
+        return torch.zeros((), device=self.args.device)
+
+    # ------------------------------------------------------------------ privacy
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """ε at ``delta`` (default ``target_delta``) of everything in the ledger (PLD accountant)."""
+        return float(self.ledger.epsilon(self.dp_args.target_delta if delta is None else delta).epsilon)
+
+    def dp_state(self) -> dict[str, Any]:
+        """The run's privacy settings and spend (``dp_state.json``; never the seed)."""
+        dp = asdict(self.dp_args)
+        dp["reproducible"] = dp.pop("reproducible_seed") is not None
+        return {"sigma": self.sigma, "q": self.q, "n": self.n, "total_steps": self.total_steps,
+                "global_step": int(self.state.global_step), "ledger_steps": self.ledger.steps,
+                "epsilon": self.get_epsilon() if self.ledger.certified else None,
+                "accountant": "PLD (dp-accounting), add/remove-one", "dp_args": dp}
+
+    def _write_dp_files(self, directory: str) -> None:
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(directory, exist_ok=True)
+        self.ledger.save(os.path.join(directory, LEDGER_NAME))
+        atomic_write_text(os.path.join(directory, DP_STATE_NAME), json.dumps(self.dp_state(), indent=1))
+
+    def _save_live_ledger(self) -> None:
+        """``output_dir/ledger.json`` after every release (rank 0; never shrinks)."""
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        self.ledger.save(os.path.join(self.args.output_dir, LEDGER_NAME))
+        self._live_written = True
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` plus ``ledger.json`` and ``dp_state.json`` (checkpoints too)."""
+        super().save_model(output_dir, _internal_call)
+        self._write_dp_files(output_dir if output_dir is not None else self.args.output_dir)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """``Trainer.log`` with ``epsilon`` added and the un-noised loss and ``grad_norm`` removed."""
+        logs = dict(logs)
+        if not self.dp_args.log_private_train_loss:
+            for k in _LOSS_KEYS:
+                logs.pop(k, None)
+        logs.pop("grad_norm", None)
+        if self.ledger.certified:
+            logs["epsilon"] = self.get_epsilon()
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ train / resume
+    def train(self, resume_from_checkpoint: Optional[str | bool] = None, trial=None,
+              ignore_keys_for_eval: Optional[list[str]] = None, **kwargs) -> TrainOutput:
+        """``Trainer.train`` with the ledger continued on resume. The returned ``training_loss``
+        is NaN unless ``log_private_train_loss`` (the un-noised loss is private)."""
+        if trial is not None:
+            _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
+                    "releases compose; it is not supported")
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            self._resume_dp_state(str(resume_from_checkpoint))
+        else:
+            self._check_fresh_output_dir()
+        out = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=None,
+                            ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        self._save_live_ledger()
+        if not self.dp_args.log_private_train_loss:
+            metrics = {k: v for k, v in out.metrics.items() if k not in _LOSS_KEYS}
+            out = TrainOutput(out.global_step, float("nan"), metrics)
+        return out
+
+    def hyperparameter_search(self, *args, **kwargs):
+        _refuse("hyperparameter search trains on the private data once per trial, and the trials' releases "
+                "compose; it is not supported")
+
+    def _check_fresh_output_dir(self) -> None:
+        live = os.path.join(self.args.output_dir, LEDGER_NAME)
+        if os.path.isfile(live) and not self._live_written:
+            _refuse(f"{live} holds the privacy ledger of an earlier run in this output_dir. Pass "
+                    "train(resume_from_checkpoint=True) to continue that run (its releases stay in the ledger), "
+                    "or choose a new output_dir. Nothing was overwritten")
+        if self.ledger.steps and any(e.phase == "train" for e in self.ledger.entries):
+            warnings.warn(f"this DPTrainer already released {self.ledger.steps} noisy steps; a new train() adds "
+                          "its releases to the same ledger, so ε will exceed the target it was calibrated for",
+                          stacklevel=3)
+
+    def _resume_dp_state(self, ckpt: str) -> None:
+        path = os.path.join(ckpt, DP_STATE_NAME)
+        if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt, LEDGER_NAME)):
+            _refuse(f"{ckpt} holds no {DP_STATE_NAME}/{LEDGER_NAME}: it was not written by DPTrainer, so what "
+                    "it released is unknown; start from the model weights with a new DPTrainer instead")
+        with open(path) as f:
+            st = json.load(f)
+        ours = self.dp_state()
+        diff = [k for k in ("n", "q", "total_steps") if st.get(k) != ours[k]]
+        if not math.isclose(float(st.get("sigma", -1)), self.sigma, rel_tol=1e-9, abs_tol=1e-12):
+            diff.append("sigma")
+        for k in ("max_grad_norm", "clipping", "target_delta", "expected_batch_size"):
+            if st.get("dp_args", {}).get(k) != ours["dp_args"][k]:
+                diff.append(f"dp_args.{k}")
+        if diff:
+            _refuse(f"resume_from_checkpoint: {ckpt} was written with other privacy settings ({', '.join(diff)} "
+                    "differ); resume with the same DPArguments, max_steps / num_train_epochs and train_dataset, "
+                    "or start a new output_dir")
+        ck_ledger = PrivacyLedger.load(os.path.join(ckpt, LEDGER_NAME))
+        live = os.path.join(self.args.output_dir, LEDGER_NAME)
+        ledger = ck_ledger
+        if os.path.isfile(live):
+            live_ledger = PrivacyLedger.load(live)
+            # The live ledger holds every release made in this directory, including the steps after
+            # the checkpoint that the resumed run replays (with fresh randomness: new releases).
+            if live_ledger.steps >= ck_ledger.steps:
+                ledger = live_ledger
+        if not ck_ledger.certified:
+            ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
+        self.ledger = ledger
+        self.dp_step.ledger = ledger
+        self._live_written = True
