@@ -286,3 +286,13 @@ def test_snippet_runs(tmp_path):
     saved = Path(tmp_path / "run")
     assert PrivacyLedger.load(saved / "ledger.json").steps == 15
     assert (saved / "adapter_model.safetensors").is_file()
+
+
+def test_readme_hf_section_is_the_snippet():
+    """The README's "With the Hugging Face Trainer" example is the file the suite runs."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("## With the Hugging Face Trainer", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert block == (root / "docs" / "snippets" / "with_hf_trainer.py").read_text()

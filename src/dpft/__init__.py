@@ -31,6 +31,8 @@ _NAMES = {
     "register_layer": "dpft.grads.registry",
     "unregister_layer": "dpft.grads.registry",
     "Randomness": "dpft.privacy.randomness",
+    "DPTrainer": "dpft.integrations.hf",
+    "DPArguments": "dpft.integrations.hf",
 }
 
 __all__ = ["__version__", "train", *_NAMES]
