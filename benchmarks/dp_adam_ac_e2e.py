@@ -117,13 +117,17 @@ def main() -> None:
                 import shutil
 
                 shutil.rmtree(rd)
-            ov = {**base, **METHODS[method], "privacy.noise_multiplier": sigma, "name": name}
+            # the training loss is a private statistic: kept in the run's 0600 diagnostics file
+            ov = {**base, **METHODS[method], "privacy.noise_multiplier": sigma, "name": name,
+                  "log.private_diagnostics": True}
             t0 = time.time()
             tr = Trainer(load_recipe(None, ov), rd, progress=False)
             init = tr.evaluate()
             rep = tr.run()
             m = rep["metrics"]
-            hist = rep["history"]
+            from dpft.run.release import read_diagnostics
+
+            hist = read_diagnostics(rd)
             tail = [h["train_loss_per_token"] for h in hist[-10:]]
             results.append({
                 "method": method, "sigma": sigma, "epsilon": rep["privacy"].get("epsilon"),

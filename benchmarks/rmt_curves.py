@@ -37,8 +37,13 @@ def load_run(d: Path) -> dict:
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rep = json.loads((d / "report.json").read_text())
     evals = [(r["step"], r["dev_accuracy"]) for r in rows if "dev_accuracy" in r]
-    steps = [r["step_seconds"] for r in rows if "step_seconds" in r]
-    tfs = [r["transform_seconds"] for r in rows if "transform_seconds" in r]
+    from dpft.run.release import read_diagnostics
+
+    # step times are private (they grow with the batch size): the run's diagnostics file
+    # (recipes with log.private_diagnostics: true); older runs logged them in metrics.jsonl
+    timed = read_diagnostics(d) or rows
+    steps = [r["step_seconds"] for r in timed if "step_seconds" in r]
+    tfs = [r["transform_seconds"] for r in timed if "transform_seconds" in r]
     touched = [r["rmt/touched"] for r in rows if "rmt/touched" in r]
     layers = [r["rmt/layers"] for r in rows if "rmt/layers" in r]
     return {"dir": str(d), "evals": evals, "step_s": sum(steps) / max(len(steps), 1),

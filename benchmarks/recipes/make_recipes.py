@@ -27,6 +27,8 @@ base = {
  "batch": {"expected_batch_size": 512, "max_physical_batch_size": 64},
  "eval": {"every_steps": 5, "batch_size": 256},
  "checkpoint_every": 10,
+ # step times and training loss for the overhead columns: the 0600 diagnostics file (not covered)
+ "log": {"private_diagnostics": True},
 }
 def mk(name, **upd):
     d = copy.deepcopy(base); d["name"] = name

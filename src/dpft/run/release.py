@@ -84,3 +84,14 @@ def dev_statement(dev_public: bool, dev_source: str) -> str:
     return (f"Dev metrics are computed on {dev_source}, which is your data and not part of training: "
             "they are exact statistics of those dev examples and are NOT covered by ε. Share them only if "
             "the dev examples may be disclosed, or evaluate on public data.")
+
+
+def read_diagnostics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The private rows of a run (``private_diagnostics.jsonl`` without its header); [] if absent.
+
+    For the data holder's own analysis (benchmarks); never part of a release."""
+    path = Path(run_dir) / DIAGNOSTICS_FILE
+    if not path.is_file():
+        return []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r for r in rows if "NOT_COVERED" not in r]
