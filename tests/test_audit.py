@@ -120,3 +120,12 @@ def test_secure_mode_auditor_with_a_guessed_seed_learns_nothing():
     """Honest secret randomness: an auditor who subtracts the noise of a guessed seed gains nothing."""
     r = one_step_game(CanarySetup(sigma=SIGMA, known_seed=KNOWN_SEED, slots=1024), rounds=4)
     assert r.passed
+
+
+def test_cli_registers_audit():
+    from typer.testing import CliRunner
+
+    from dpft.cli import app
+
+    res = CliRunner().invoke(app, ["audit", "--help"])
+    assert res.exit_code == 0 and "--quick" in res.output
