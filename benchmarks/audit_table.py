@@ -50,11 +50,11 @@ def main(quick: bool = True) -> None:
              "The cap is the largest ε̂ the trial count can certify; ε̂ ≤ ε below the cap is no evidence of tightness, and "
              "when certified ε > cap a violation cannot be shown by that audit at all. "
              "'caught by' lists the failing white-box checks (any of them fails the audit).", "",
-             "| target ε | variant | test | σ | certified ε | ε̂ (95 %) | cap | trials | verdict | caught by white-box |",
+             "| target ε | variant | test | σ | certified ε | ε̂ (95 %) | cap | trials | ε̂ verdict | caught by white-box |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for eps, bug, r, wb_fail, _ in rows:
         lines.append(f"| {eps:g} | {bug} | {r.name} | {r.sigma:.3f} | {r.certified_eps:.3f} | {r.eps_hat:.3f} | "
-                     f"{r.cap:.2f} | {r.trials} | {'pass' if r.passed else 'FAIL (ε̂ > ε)'} | "
+                     f"{r.cap:.2f} | {r.trials} | {('pass' if r.eps_hat <= r.certified_eps and r.cap > r.certified_eps else 'inconclusive (ε > cap)') if r.passed else 'FAIL (ε̂ > ε)'} | "
                      f"{', '.join(wb_fail) if wb_fail else '—'} |")
     out.write_text("\n".join(lines) + "\n")
     print(out)
