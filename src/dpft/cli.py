@@ -14,6 +14,10 @@ from dpft import config as _cfg
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Differentially private fine-tuning of language models.")
 
+from dpft.audit.cli import audit as _audit  # noqa: E402
+
+app.command("audit")(_audit)
+
 
 def _fail(msg: str, code: int = 2) -> None:
     typer.secho(f"error: {msg}", fg="red", err=True)

@@ -1,0 +1,15 @@
+"""Empirical privacy auditing of the DP step (issue 14).
+
+* :mod:`dpft.audit.whitebox` — mechanism checks through the real :class:`~dpft.step.DPStep`
+  and engines: leave-one-out sensitivity, the noise law, Poisson sampling.
+* :mod:`dpft.audit.blackbox` — canary audits giving an empirical lower bound ε̂ at 95 %
+  confidence: the one-step distinguishing game (Nasr et al. 2021), the one-run audit
+  (Steinke, Nasr & Jagielski 2023) and a multi-step game that detects a missing subsampling.
+* :mod:`dpft.audit.stats` — Clopper–Pearson bounds and the two ε̂ estimators.
+* :mod:`dpft.audit.cli` — ``dpft audit RECIPE``.
+
+An ε̂ below the certified ε is *not* evidence of tightness: every row carries the cap, the
+largest ε̂ its trial count could have certified.
+"""
+
+from dpft.audit.stats import clopper_pearson_upper, eps_from_error_rates, one_run_epsilon  # noqa: F401
