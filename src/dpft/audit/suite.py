@@ -50,12 +50,16 @@ def multi_step_plan(sigma: float, q: float) -> tuple[float, int]:
 def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5, style: str = "flat",
               family: str = "bert", quick: bool = True, known_seed: Optional[int] = None,
               rng_factory=None, hardened: bool = True, whitebox: bool = True, progress=None,
-              which: tuple = ("one-step game", "one-run audit", "multi-step game")) -> AuditReport:
-    """Run the audit; ``progress`` is a tqdm-like bar (``update(n)``) or None."""
+              which: tuple = ("one-step game", "one-run audit", "multi-step game"),
+              styles: tuple = wb.STYLES) -> AuditReport:
+    """Run the audit; ``progress`` is a tqdm-like bar (``update(n)``) or None. ``which`` and
+    ``styles`` (clip styles of the sensitivity sweep; () skips it) select parts of it."""
     sz = sizes(quick)
     rep = AuditReport(sigma, c, q, delta)
     if whitebox:
-        rep.checks += wb.all_sensitivity_checks(c, family, engines=sz["engines"], progress=progress)
+        if styles:
+            rep.checks += wb.all_sensitivity_checks(c, family, styles=styles, engines=sz["engines"],
+                                                    progress=progress)
         rep.checks += wb.noise_check(max(sigma, 1e-3), c, draws=sz["noise_draws"], hardened=hardened)
         rep.checks += wb.sampling_check(q=min(max(q, 0.01), 0.5), steps=sz["sampling_steps"])
     kw = dict(sigma=sigma, c=c, delta=delta, style=style if style != "adaptive" else "flat",
