@@ -3,8 +3,9 @@
 Source: Zheng et al., "Differentially Private Subspace Fine-Tuning for Large Language Models"
 (AAAI 2026), Algorithm 2 lines 5-10 (project, clip in R^k, aggregate). dpft's version of
 line 10-11: the clipped coordinates are *summed* here and the Gaussian mechanism adds
-``N(0, σ²C² I_k)`` to the sum (the paper adds it after averaging, which under-noises by a
-factor B); the loop then divides by the expected batch size.
+``N(0, σ²C² I_k)`` to the sum (the paper adds σC after averaging: an effective noise
+multiplier σB, B times more noise than its stated σ needs); the loop then divides by the
+expected batch size.
 
 How: the book-keeping capture (``_hooks.Capture``; one forward, one backward of activation
 gradients only) hands each trainable layer's per-example gradient in factored form. Layer by
