@@ -53,6 +53,13 @@ Algorithm 1, with Poisson sampling and the book-keeping per-example engine of Bu
   :class:`~dpft.step.StepOutput`. Step an LR scheduler with ``if optimizer.step():
   scheduler.step()``.
 
+Device and precision: move the module to its device before ``make_private`` (or after; nothing is
+moved to the CPU): the clipped sums are accumulated in fp32 on each parameter's device and the
+noise is drawn there from a generator of that device seeded by the secret randomness. Batches
+come from the user's collate function, so move them as usual (``x.to(device)``). bf16 autocast
+around the forward works (norms and sums stay fp32); fp16 with ``torch.amp.GradScaler`` does not
+(``dpft.grads.live``). Activation checkpointing works with the module's hooks.
+
 ``engine.ledger`` is the :class:`~dpft.accounting.ledger.PrivacyLedger` the CLI uses (PLD of
 ``dp-accounting``); ``engine.get_epsilon(delta)`` is its ε. With a target ε the loader yields no
 more than the planned number of logical steps (``epochs × len(data_loader)`` or ``steps``), so

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -150,6 +151,9 @@ def train(
     batch_size: Optional[int] = typer.Option(None, help="batch.expected_batch_size (q·N)."),
     max_physical_batch_size: Optional[int] = typer.Option(None, help="batch.max_physical_batch_size."),
     max_length: Optional[int] = typer.Option(None, help="model.max_length."),
+    device: Optional[str] = typer.Option(None, help="perf.device: auto (CUDA when present), cpu, cuda or cuda:N."),
+    dtype: Optional[str] = typer.Option(None, help=f"perf.dtype: {_choices(_cfg.PerfCfg, 'dtype')} (autocast; "
+                                        "norms, clipped sums and noise stay fp32)."),
     eval_every: Optional[int] = typer.Option(None, help="eval.every_steps."),
     checkpoint_every: Optional[int] = typer.Option(None, help="checkpoint_every: write a checkpoint every N steps "
                                                    "(and at the end)."),
@@ -184,6 +188,7 @@ def train(
         ("--batch-size", "batch.expected_batch_size", batch_size),
         ("--max-physical-batch-size", "batch.max_physical_batch_size", max_physical_batch_size),
         ("--max-length", "model.max_length", max_length), ("--eval-every", "eval.every_steps", eval_every),
+        ("--device", "perf.device", device), ("--dtype", "perf.dtype", dtype),
         ("--checkpoint-every", "checkpoint_every", checkpoint_every), ("--seed", "seed", seed), ("--name", "name", name),
         ("--output-dir", "output_dir", str(output_dir) if output_dir else None),
     ), set)
@@ -201,15 +206,17 @@ def train(
         _name_run(rec, ov)
         run_dir = Path(rec.output_dir or f"runs/{rec.name}{'-nodp' if no_dp else ''}")
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
-        if trainer.private:
+        main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
+        quiet = quiet or not main
+        if main and trainer.private:
             typer.echo(f"σ = {trainer.sigma:.4f} for target ε = {rec.privacy.target_epsilon} at δ = "
                        f"{rec.privacy.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps, "
                        f"N = {trainer.n}, C = {rec.privacy.clipping.max_norm:g}", err=True)
-        elif trainer.ldp is not None:
+        elif main and trainer.ldp is not None:
             typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {trainer.ldp.schedule.sigmas} "
                        f"({trainer.ldp.schedule.method}) for ε = {trainer.ldp.schedule.epsilon:.4g} at δ = "
                        f"{rec.ldp.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps", err=True)
-        else:
+        elif main:
             typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)
         if not quiet:
             typer.echo(_plan_line(trainer), err=True)
@@ -217,6 +224,8 @@ def train(
         rep = trainer.run()
     except (ValueError, TrainingError, FileNotFoundError) as exc:  # RecipeError, DataError, ModelError, CalibrationError are ValueErrors
         _fail(str(exc))
+    if not main:
+        return
     typer.echo(f"run directory: {run_dir}")
     if "dev_accuracy" in rep["metrics"]:
         typer.echo(f"dev accuracy: {rep['metrics']['dev_accuracy']:.4f}")
@@ -380,6 +389,8 @@ def selft(
                                        build_candidate_pool)
     from dpft.run.loop import TrainingError
 
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # DDP: selection draws its own key on each rank
+        _fail("dpft selft runs in one process; run it without torchrun (dpft train runs across processes)")
     try:
         ov, origins = _overrides((("--output-dir", "output_dir", str(output_dir) if output_dir else None),), set)
         rec = load_recipe(recipe, ov, origins)

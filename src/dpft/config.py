@@ -161,6 +161,51 @@ class BatchCfg(_Strict):
     schedule: Optional[list[tuple[int, int]]] = None
 
 
+# ---- perf: performance settings (issue 16). Speed and memory only: nothing here can change
+# the guarantee, which privacy: alone defines (DESIGN.md "Performance settings are not privacy
+# settings"; dpft/perf.py).
+class PerfCfg(_Strict):
+    """Where and in which number format the DP step runs (dpft/perf.py)."""
+
+    #: ``auto`` (CUDA when torch sees a GPU, else CPU) · ``cpu`` · ``cuda`` · ``cuda:N``.
+    device: str = "auto"
+    #: Autocast dtype of forward and backward: ``fp32`` (none) · ``bf16`` · ``fp16`` (with a
+    #: static loss scale). Weights, optimizer state, per-example norms, clip factors, the
+    #: clipped sum and the noise stay fp32.
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    #: Static loss scale S for fp16 (default 1024); refused with fp32/bf16. Static because a
+    #: dynamic scaler's scale follows which private examples overflowed (dpft/perf.py).
+    loss_scale: Optional[float] = Field(None, gt=0)
+    #: Hugging Face activation (gradient) checkpointing of the transformer blocks (book-keeping
+    #: engine only): less activation memory for one more forward per step.
+    activation_checkpointing: bool = False
+    #: ``torch.compile`` the model; allowed for non-private (--no-dp) runs only: it cannot work
+    #: with the per-example engines' hooks (dpft/perf.py ``COMPILE_REFUSAL``).
+    compile: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelling(cls, v: str) -> str:
+        import re
+
+        s = str(v).strip().lower()
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", s):
+            raise ValueError(f"perf.device must be auto, cpu, cuda or cuda:N (got {v!r})")
+        return s
+
+    @model_validator(mode="after")
+    def _loss_scale_fp16_only(self):
+        import math
+
+        if self.loss_scale is not None:
+            if self.dtype != "fp16":
+                raise ValueError(f"perf.loss_scale applies to dtype fp16 only ({self.dtype} needs no loss "
+                                 "scaling); remove it or set perf.dtype: fp16")
+            if not math.isfinite(self.loss_scale):
+                raise ValueError("perf.loss_scale must be finite")
+        return self
+
+
 class EvalCfg(_Strict):
     every_steps: int = Field(50, ge=1)
     batch_size: int = Field(128, ge=1)
@@ -191,6 +236,8 @@ class Recipe(_Strict):
     optimizer: OptimizerCfg = OptimizerCfg()
     schedule: ScheduleCfg = ScheduleCfg(steps=100)
     batch: BatchCfg = BatchCfg()
+    #: Device, precision, activation checkpointing, compile: never the guarantee.
+    perf: PerfCfg = PerfCfg()
     eval: EvalCfg = EvalCfg()
     log: LogCfg = LogCfg()
     #: The run's methods (methods/base.py): a list of ``{name: <registered method>, <its keys>}``,
@@ -226,6 +273,28 @@ class Recipe(_Strict):
                     raise ValueError(f"method {name!r} given both as {section}: and in methods:; keep one")
                 methods.append({"name": name, **body})
         data["methods"] = methods
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _perf_alias(cls, data: Any) -> Any:
+        """``perf.max_physical_batch_size`` is accepted and moved to
+        ``batch.max_physical_batch_size`` (where existing recipes keep it): the physical batch
+        is a performance setting, but one key holds it."""
+        if not isinstance(data, dict) or not isinstance(data.get("perf"), dict):
+            return data
+        if "max_physical_batch_size" not in data["perf"]:
+            return data
+        data = dict(data)
+        perf = dict(data["perf"])
+        v = perf.pop("max_physical_batch_size")
+        batch = data.get("batch")
+        batch = dict(batch) if isinstance(batch, dict) else (batch.model_dump() if isinstance(batch, BaseModel) else {})
+        if "max_physical_batch_size" in batch and batch["max_physical_batch_size"] != v:
+            raise ValueError(f"perf.max_physical_batch_size = {v!r} and batch.max_physical_batch_size = "
+                             f"{batch['max_physical_batch_size']!r} disagree; keep one (it lives in batch:)")
+        batch["max_physical_batch_size"] = v
+        data["perf"], data["batch"] = perf, batch
         return data
 
     @field_validator("methods", mode="before")

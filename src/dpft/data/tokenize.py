@@ -113,8 +113,10 @@ def tokenize_task(task, tokenizer, max_length: int, private: bool = True) -> tup
     return train_tok, dev_tok
 
 
-def collate(rows: Sequence[dict], pad_id: int, with_token_types: bool = True) -> dict[str, torch.Tensor]:
-    """Pad a list of tokenised rows into a batch dict of ``(B, T)`` tensors plus ``labels (B,)``."""
+def collate(rows: Sequence[dict], pad_id: int, with_token_types: bool = True,
+            device: Optional[torch.device | str] = None) -> dict[str, torch.Tensor]:
+    """Pad a list of tokenised rows into a batch dict of ``(B, T)`` tensors plus ``labels (B,)``,
+    built on the CPU and moved to ``device`` when given (the run's ``perf.device``)."""
     b = len(rows)
     t = max(len(r["input_ids"]) for r in rows) if b else 1
     ids = torch.full((b, t), pad_id, dtype=torch.long)
@@ -135,4 +137,6 @@ def collate(rows: Sequence[dict], pad_id: int, with_token_types: bool = True) ->
         out["token_type_ids"] = tt
     if rows and "label" in rows[0]:
         out["labels"] = torch.tensor([int(r["label"]) for r in rows], dtype=torch.long)
+    if device is not None and torch.device(device).type != "cpu":
+        out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     return out

@@ -25,8 +25,9 @@ def lm_eval(model, rows: Sequence[dict], pad_id: int, batch_size: int = 64) -> d
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    device = next(model.parameters()).device  # perf.device: batches go where the model is
     for k in range(0, len(rows), batch_size):
-        batch = collate(list(rows[k:k + batch_size]), pad_id, with_token_types=False)
+        batch = collate(list(rows[k:k + batch_size]), pad_id, with_token_types=False, device=device)
         logits = model(**model_inputs(batch)).logits.float()
         tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
         mask = batch["attention_mask"][:, 1:].to(tok.dtype)
@@ -49,7 +50,7 @@ def sample_generations(model, tokenizer, prompts: Sequence[str], max_new_tokens:
     out = []
     for i, p in enumerate(prompts):
         torch.manual_seed(seed + i)
-        enc = tokenizer(p, return_tensors="pt")
+        enc = tokenizer(p, return_tensors="pt").to(next(model.parameters()).device)
         gen = model.generate(**enc, do_sample=True, temperature=temperature, top_k=top_k,
                              max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
         text = tokenizer.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)

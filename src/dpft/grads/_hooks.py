@@ -37,8 +37,9 @@ hooks, where each layer immediately reduces them to its contributions.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -53,6 +54,30 @@ NORM_MODES = ("auto", "ghost", "instantiate")
 
 class BatchLayoutError(RuntimeError):
     """A hooked module saw a tensor whose leading dimension is not the example dimension."""
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """Autocast off (CPU and CUDA) for the engine's own arithmetic.
+
+    Norms, clip factors and the clipped sum decide the sensitivity, so they are computed in
+    fp32 even when the caller's backward (or a user's ``loss.backward()`` inside
+    ``torch.autocast``) runs under autocast, which would otherwise turn the fp32 ``bmm``/``mm``
+    below into bf16/fp16 products.
+    """
+    with contextlib.ExitStack() as stack:
+        if torch.is_autocast_enabled("cpu"):
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available() and torch.is_autocast_enabled("cuda"):
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
+
+
+def in_backward() -> bool:
+    """Whether the calling thread is running an autograd backward (a forward hook that fires
+    now belongs to a forward re-run by activation checkpointing)."""
+    f = getattr(torch._C, "_current_graph_task_id", None)
+    return True if f is None else f() != -1
 
 
 # --------------------------------------------------------------------------- contributions
@@ -275,23 +300,27 @@ def merge(contribs: list[Contribution]) -> list[Contribution]:
 
 def sq_norm(items: list[Contribution], batch: int, mode: str = "auto",
             cache: GramCache | None = None, device=None) -> torch.Tensor:
-    """``(B,)`` float32 squared norm of the sum of merged contributions, with cross terms."""
+    """``(B,)`` float32 squared norm of the sum of merged contributions, with cross terms.
+
+    Every factor is upcast to fp32 before any product (and autocast is switched off), so a
+    bf16/fp16 capture still gets fp32 norms."""
     total: Optional[torch.Tensor] = None
-    for k, a in enumerate(items):
-        if isinstance(a, PerExample):
-            s = a.g.reshape(a.g.shape[0], -1).float().pow(2).sum(1)
-        else:
-            s = outer_sq_norm(a, mode, cache)  # type: ignore[arg-type]
-        for b in items[k + 1 :]:
-            s = s + 2.0 * cross(a, b, cache)
-        total = s if total is None else total + s
+    with full_precision():
+        for k, a in enumerate(items):
+            if isinstance(a, PerExample):
+                s = a.g.reshape(a.g.shape[0], -1).float().pow(2).sum(1)
+            else:
+                s = outer_sq_norm(a, mode, cache)  # type: ignore[arg-type]
+            for b in items[k + 1 :]:
+                s = s + 2.0 * cross(a, b, cache)
+            total = s if total is None else total + s
     if total is None:
         return torch.zeros(batch, device=device)
     return total
 
 
 class ScaledCache(_UseCountedCache):
-    """Per-step cache of scaled factors ``c_i * X_i`` read by several layers.
+    """Per-step cache of scaled factors ``c_i * X_i`` (fp32) read by several layers.
 
     Query, key and value read the same input ``A``; when their clip factors are equal (flat
     or automatic clipping) the scaled input is built once for the three clipped sums.
@@ -302,52 +331,86 @@ class ScaledCache(_UseCountedCache):
 
     def scaled(self, x: torch.Tensor, c: torch.Tensor, ckey: object) -> torch.Tensor:
         k = _key(x)
-        return self._take(k, (k, ckey), lambda: x * c.to(x.dtype)[:, None, None])
+        return self._take(k, (k, ckey), lambda: _scale(x, c))
+
+
+def _scale(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``c_i * x_i`` in fp32 for ``x: (B, ...)``, ``c: (B,)``."""
+    return x.float() * c.float().reshape(-1, *([1] * (x.dim() - 1)))
 
 
 def weighted_sum(items: list[Contribution], c: torch.Tensor, like: torch.Tensor,
                  cache: ScaledCache | None = None, ckey: object = None) -> torch.Tensor:
-    """``sum_i c_i g_i`` shaped like the parameter ``like`` (zeros if no contribution).
+    """``sum_i c_i g_i`` shaped like the parameter ``like``, in fp32 (zeros if no contribution).
 
     For a factored contribution this is one ``(R, B*T) @ (B*T, C)`` product with the factor
     scaled by ``c`` (a factor shared with other layers if ``cache`` knows one, else the
     smaller side), or one ``index_add_`` for an embedding (index) side. ``ckey`` names the
     clip factors for the cache: equal keys promise equal ``c``.
+
+    Precision: whatever dtype the factors were captured in (bf16/fp16 under autocast, often
+    mixed: a bf16 output gradient against an fp32 LayerNorm output), both sides are upcast to
+    fp32 and the scaling and the product are done in fp32. The per-example norm is taken of
+    the same captured factors in fp32 (:func:`sq_norm`), so each example's summed contribution
+    ``c_i U_i^T V_i`` has norm ``c_i ||U_i^T V_i|| <= C`` up to fp32 rounding; rounding the
+    scaled factor to bf16 would break that bound by up to ~2^-8 relative per element.
     """
     out: Optional[torch.Tensor] = None
     # Dense terms first, so that index (embedding) terms are added in place into their sum.
     order = sorted(items, key=lambda it: isinstance(it, Outer) and (it.left_index or it.right_index))
-    for it in order:
+    with full_precision():
+        for it in order:
+            if isinstance(it, PerExample):
+                s = torch.tensordot(c.float(), it.g.float(), dims=1)
+            else:
+                assert isinstance(it, Outer)
+                r, cc = it.shape
+                if it.left_index or it.right_index:
+                    if it.left_index:
+                        idx, dense, rows, cols = it.left, it.right, r, cc
+                    else:
+                        idx, dense, rows, cols = it.right, it.left, cc, r
+                    v = _scale(dense, c).reshape(-1, cols)
+                    if out is None:
+                        out = torch.zeros(r, cc, dtype=torch.float32, device=v.device)
+                    target = out if it.left_index else out.t()  # (rows, cols) view of the sum
+                    target.index_add_(0, idx.reshape(-1), v)
+                    continue
+                u, v = it.left, it.right
+                if cache is not None and cache.shared(v):
+                    v = cache.scaled(v, c, ckey)
+                elif cache is not None and cache.shared(u):
+                    u = cache.scaled(u, c, ckey)
+                elif r <= cc:
+                    u = _scale(u, c)
+                else:
+                    v = _scale(v, c)
+                s = torch.mm(u.reshape(-1, r).float().t(), v.reshape(-1, cc).float())
+            out = s if out is None else out.add_(s)
+    if out is None:
+        return torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    return out.reshape(like.shape)
+
+
+def zero_examples(items: list[Contribution], bad: torch.Tensor) -> list[Contribution]:
+    """The contributions with the rows of the examples flagged in ``bad: (B,) bool`` set to 0
+    (an fp16 overflow: that example contributes nothing; index sides are kept, their dense
+    side is zeroed)."""
+    out: list[Contribution] = []
+
+    def z(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        m = bad.reshape(-1, *([1] * (t.dim() - 1)))
+        return torch.where(m, torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+    for it in items:
         if isinstance(it, PerExample):
-            s = torch.tensordot(c.to(it.g.dtype), it.g, dims=1)
+            out.append(PerExample(z(it.g)))
         else:
             assert isinstance(it, Outer)
-            r, cc = it.shape
-            if it.left_index or it.right_index:
-                if it.left_index:
-                    idx, dense, rows, cols = it.left, it.right, r, cc
-                else:
-                    idx, dense, rows, cols = it.right, it.left, cc, r
-                v = (dense * c.to(dense.dtype)[:, None, None]).reshape(-1, cols)
-                if out is None:
-                    out = torch.zeros(r, cc, dtype=v.dtype, device=v.device)
-                target = out if it.left_index else out.t()  # (rows, cols) view of the sum
-                target.index_add_(0, idx.reshape(-1), v.to(target.dtype))
-                continue
-            u, v = it.left, it.right
-            if cache is not None and cache.shared(v):
-                v = cache.scaled(v, c, ckey)
-            elif cache is not None and cache.shared(u):
-                u = cache.scaled(u, c, ckey)
-            elif r <= cc:
-                u = u * c.to(u.dtype)[:, None, None]
-            else:
-                v = v * c.to(v.dtype)[:, None, None]
-            s = torch.mm(u.reshape(-1, r).t(), v.reshape(-1, cc))
-        out = s if out is None else out.add_(s)
-    if out is None:
-        return torch.zeros_like(like)
-    return out.to(like.dtype).reshape(like.shape)
+            out.append(Outer(z(it.left), z(it.right), it.shape))
+    return out
 
 
 # --------------------------------------------------------------------------- layer kinds
@@ -447,6 +510,24 @@ class Capture:
     ``mode="main"``: records activations, makes outputs differentiable leaves where needed,
     and collects contributions (``self.contribs``: parameter name -> list) as gradients
     arrive. ``mode="probe"``: only counts calls and watches in-place modifications.
+
+    Activation checkpointing (``torch.utils.checkpoint``, Hugging Face
+    ``gradient_checkpointing_enable``) re-runs forwards inside the backward, and the unit hooks
+    fire again there. :meth:`backward` keeps them registered for that, and every call is
+    counted exactly once:
+
+    * **non-reentrant** checkpointing (``use_reentrant=False``, PyTorch's default) runs the
+      original forward with grad enabled and builds the real graph; the call is recorded then.
+      The recomputation only refills saved tensors; there the hook only *replays* what it did
+      to the graph (marking an output a leaf) so the recomputed graph has the same saved
+      tensors, and records nothing.
+    * **reentrant** checkpointing runs the original forward under ``no_grad`` (no graph, so
+      nothing can be recorded) and the recomputation inside the backward builds the graph the
+      gradients flow through; the call is recorded there, once. A unit call under ``no_grad``
+      is counted as pending, and only a pending call is recorded when it is re-run.
+
+    A record whose outputs never receive a gradient contributes nothing, so even a
+    misclassified re-run cannot add an activation twice.
     """
 
     def __init__(self, units: list[Unit], batch: int, mode: str = "main",
@@ -460,6 +541,8 @@ class Capture:
         #: Main mode: also keep fallback modules' saved inputs in ``probe_inputs`` (usage check).
         self.keep_fallback_inputs = keep_fallback_inputs
         self.active = False
+        #: ``forward`` inside ``with capture``; ``backward`` while re-run forwards are expected.
+        self.phase = "forward"
         self.handles: list = []
         self.leaves: list[tuple[torch.Tensor, _Record, int]] = []
         self.records: list[_Record] = []
@@ -467,31 +550,58 @@ class Capture:
         self.versions: list[tuple[torch.Tensor, int, Unit]] = []
         self.calls: dict[int, int] = {}  # id(unit) -> number of calls
         self.probe_inputs: dict[int, list] = {}  # id(unit) -> saved states (probe mode)
+        #: id(unit) -> calls made under no_grad in the forward, not yet re-run (reentrant
+        #: checkpointing re-runs them in the backward, where they are recorded).
+        self.pending: dict[int, int] = {}
+        #: A forward was re-run inside the backward (activation checkpointing in use).
+        self.recomputed = False
+
+    def _register(self) -> None:
+        if not self.handles:
+            for u in self.units:
+                self.handles.append(
+                    u.module.register_forward_hook(self._make_hook(u), with_kwargs=True)
+                )
+
+    def _remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
     def __enter__(self) -> "Capture":
-        for u in self.units:
-            self.handles.append(
-                u.module.register_forward_hook(self._make_hook(u), with_kwargs=True)
-            )
+        self.phase = "forward"
+        self._register()
         self.active = True
         return self
 
     def __exit__(self, *exc) -> None:
         self.active = False
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        self._remove()
+
+    def open_backward(self) -> None:
+        """Keep the hooks on while the backward runs (forwards re-run by checkpointing)."""
+        self.phase = "backward"
+        self.active = True
+        self._register()
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        self.active = False
+        self._remove()
 
     def _make_hook(self, unit: Unit) -> Callable:
         def hook(module, args, kwargs, output):
             if not self.active:
                 return None
+            if self.phase == "backward":
+                if not in_backward():  # a forward of a submodule after the pass: not ours
+                    return None
+                return self._on_recompute(unit, args, kwargs, output)
             return self._on_forward(unit, args, kwargs, output)
 
         return hook
 
-    def _on_forward(self, unit: Unit, args, kwargs, output):
-        self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
+    def _save(self, unit: Unit, args, kwargs, output):
         state, new_out, watched = unit.kind.save(unit.module, args, kwargs, output, self.batch)
         if unit.clone_input or self.clone_all:  # the model modifies this input in place later
             state = torch.utils._pytree.tree_map(
@@ -499,6 +609,17 @@ class Capture:
             )
             if unit.clone_input:
                 watched = []
+        return state, new_out, watched
+
+    def _on_forward(self, unit: Unit, args, kwargs, output):
+        self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
+        if self.mode != "probe" and not torch.is_grad_enabled():
+            # No graph is built (a reentrant checkpoint's first pass, or a no_grad region):
+            # this call's output cannot receive a gradient here. Reentrant checkpointing
+            # re-runs it inside the backward, where it is recorded.
+            self.pending[id(unit)] = self.pending.get(id(unit), 0) + 1
+            return None
+        state, new_out, watched = self._save(unit, args, kwargs, output)
         for t in watched:
             self.versions.append((t, t._version, unit))
         if self.mode == "probe":
@@ -506,6 +627,9 @@ class Capture:
             return None
         if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
             self.probe_inputs.setdefault(id(unit), []).append(state)
+        return self._record(unit, state, new_out, output, leaves=True)
+
+    def _record(self, unit: Unit, state, new_out, output, leaves: bool):
         out = new_out if new_out is not None else output
         flat, spec = torch.utils._pytree.tree_flatten(out)
         rec = _Record(unit, state)
@@ -522,7 +646,30 @@ class Capture:
                 # No trainable input upstream and the weights are switched off: make the output
                 # a graph leaf so its gradient (the layer's "B") is computed.
                 t.requires_grad_(True)
-                self.leaves.append((t, rec, slot))
+                if leaves:
+                    self.leaves.append((t, rec, slot))
+                else:
+                    t.register_hook(self._grad_hook(rec, slot))
+        return new_out
+
+    def _on_recompute(self, unit: Unit, args, kwargs, output):
+        """A unit's forward re-run inside the backward by activation checkpointing."""
+        self.recomputed = True
+        if self.mode == "probe":
+            return None
+        if self.pending.get(id(unit), 0) > 0:
+            # Reentrant: the original call ran without a graph; this one's graph is the one
+            # the gradients flow through.
+            self.pending[id(unit)] -= 1
+            state, new_out, _ = self._save(unit, args, kwargs, output)
+            return self._record(unit, state, new_out, output, leaves=False)
+        # Non-reentrant: already recorded in the forward. Replay the graph change only (the
+        # recomputed graph must save the same tensors as the original one).
+        _, new_out, _ = unit.kind.save(unit.module, args, kwargs, output, self.batch)
+        out = new_out if new_out is not None else output
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
+                t.requires_grad_(True)
         return new_out
 
     def _grad_hook(self, rec: _Record, slot: int) -> Callable:
@@ -546,7 +693,14 @@ class Capture:
             rec.state = None
             return
         u = rec.unit
-        out = u.kind.contributions(u.module, rec.state, rec.grads, tuple(u.roles))
+        # A fallback rule re-runs its module here (inside the backward): that is no
+        # checkpoint recomputation, so the unit hooks stay quiet meanwhile.
+        active, self.active = self.active, False
+        try:
+            with full_precision():
+                out = u.kind.contributions(u.module, rec.state, rec.grads, tuple(u.roles))
+        finally:
+            self.active = active
         rec.state = None
         rec.grads = []
         for role, c in out.items():
@@ -558,12 +712,22 @@ class Capture:
         return [u for t, v, u in self.versions if t._version != v]
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Propagate activation gradients only; deliver the leaves' gradients; flush."""
-        if loss.requires_grad and self.leaves:
-            tensors = [t for t, _, _ in self.leaves]
-            grads = torch.autograd.grad(loss, tensors, allow_unused=True)
-            for (_, rec, slot), g in zip(self.leaves, grads):
-                self._deliver(rec, slot, g)
+        """Propagate activation gradients only; deliver the leaves' gradients; flush.
+
+        ``loss.backward()`` with tensor hooks on the leaves (not ``torch.autograd.grad`` on
+        them: reentrant checkpointing refuses ``autograd.grad``, and an output made to
+        require grad by someone else, e.g. Hugging Face's ``enable_input_require_grads``, is a
+        leaf this capture did not create). The leaves are this pass's own temporaries; no
+        parameter requires grad during the pass, so no ``p.grad`` is written.
+        """
+        if loss.requires_grad:
+            for t, rec, slot in self.leaves:
+                t.register_hook(self._grad_hook(rec, slot))
+            self.open_backward()
+            try:
+                loss.backward()
+            finally:
+                self.close()
         for rec in self.records:  # outputs that never received a gradient count as zero
             if not rec.done:
                 self._finish(rec)

@@ -33,6 +33,14 @@ that every use of a trainable parameter in the autograd graph is accounted for b
 module call (a weight used outside its module's forward, e.g. ``F.linear(h, emb.weight)``,
 cannot be attributed and is refused) and which modules' inputs the model later modifies in
 place (those inputs are then copied).
+
+Activation checkpointing (Hugging Face ``gradient_checkpointing_enable``, reentrant or not, and
+plain ``torch.utils.checkpoint``) is supported: forwards re-run inside the backward are told
+apart from the original calls (``_hooks.Capture``), so each module call is recorded once. Mixed
+precision (``engine.precision``, :class:`dpft.perf.Precision`): the forward runs under autocast,
+the backward outside it, and norms, clip factors and the clipped sum are computed in fp32 from
+the captured (bf16/fp16) factors; under fp16 a static loss scale is divided out before the
+norms and an example that overflows contributes 0.
 """
 
 from __future__ import annotations
@@ -55,10 +63,12 @@ from dpft.grads._hooks import (
     PerExample,
     ScaledCache,
     Unit,
+    full_precision,
     merge,
     sq_norm,
     use_ghost,
     weighted_sum,
+    zero_examples,
 )
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
 from dpft.grads.registry import KINDS as _KINDS_VIEW
@@ -227,15 +237,17 @@ class BookKeepingEngine(PerExampleEngine):
 
     Args:
         model: the network; trainable parameters are those with ``requires_grad``. The model
-            must keep the example dimension first in every hooked module's input and output,
-            must not use gradient checkpointing, and must not take inputs that require grad.
+            must keep the example dimension first in every hooked module's input and output
+            and must not take inputs that require grad. Activation checkpointing is fine.
         loss_fn: per-example loss ``(B,)`` (nats), see :data:`dpft.grads.base.PerExampleLoss`.
         clip: clip policy; it sees only the ``(B, G)`` squared norms.
         norm_mode: ``"auto"`` (per layer, the cheaper of ghost norm and instantiation),
             ``"ghost"`` or ``"instantiate"`` (forced; for tests and benchmarks).
 
     ``clipped_sum`` returns the same :class:`ClippedBatch` as ``ReferenceEngine`` (``grad_sum``
-    per trainable parameter, ``sq_norms``/``scales`` ``(B, G)``) and never touches ``p.grad``.
+    per trainable parameter in fp32, ``sq_norms``/``scales`` ``(B, G)``) and never touches
+    ``p.grad``. ``engine.precision`` (set by the caller; fp32 by default) puts the forward under
+    autocast and, for fp16, scales the loss by a static factor.
 
     Raises:
         ValueError: no trainable parameter, or unknown ``norm_mode``.
@@ -249,14 +261,13 @@ class BookKeepingEngine(PerExampleEngine):
         super().__init__(model, loss_fn, clip)
         if norm_mode not in NORM_MODES:
             raise ValueError(f"norm_mode must be one of {NORM_MODES}, got {norm_mode!r}")
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-            raise ValueError(
-                "gradient checkpointing re-runs forwards inside the backward, which the "
-                "book-keeping hooks cannot tell apart; disable it or use ReferenceEngine"
-            )
         self.norm_mode = norm_mode
         self.units = discover_units(model, self.params)
         self._checked = False
+        #: A forward was seen re-run inside the backward (activation checkpointing).
+        self.recomputes = False
+
+    supports_precision = True
 
     # ------------------------------------------------------------------ first-call check
     def _forward(self):
@@ -324,17 +335,18 @@ class BookKeepingEngine(PerExampleEngine):
         if not self._checked:
             # The probe runs a forward (dropout draws): fork the RNG so that a resumed run, whose
             # first call comes at a later step, draws the same masks as an uninterrupted one.
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=_rng_devices(self.params.values())):
                 self.check_usage(batch)
         b = _batch_size(batch)
         params = list(self.params.values())
         flags = [p.requires_grad for p in params]
         cap = Capture(self.units, b, mode="main")
+        s = float(self.precision.loss_scale)
         try:
             for p in params:
                 p.requires_grad_(False)
             with torch.enable_grad():
-                with cap:
+                with cap, self.precision.autocast():
                     losses = self.loss_fn(self._forward(), batch)
                 if losses.shape != (b,):
                     raise ValueError(
@@ -348,16 +360,24 @@ class BookKeepingEngine(PerExampleEngine):
                         + " were modified in place after the module ran (not seen on the "
                         "first batch); the stored activations are stale"
                     )
-                cap.backward(losses.sum())
+                # Backward outside autocast (each op runs in the dtype its forward chose). A
+                # static fp16 loss scale S multiplies every example's gradient by S; it is
+                # divided out (grad_scale = 1/S) before norms are taken.
+                cap.backward(losses.sum() * s if s != 1.0 else losses.sum())
         finally:
+            cap.close()
             for p, f in zip(params, flags):
                 p.requires_grad_(f)
-        return self.reduce(cap.contribs, b, float(losses.detach().sum()), losses.device)
+        if cap.recomputed:
+            self.recomputes = True
+        return self.reduce(cap.contribs, b, float(losses.detach().sum()), losses.device,
+                           grad_scale=1.0 / s, losses=losses)
 
     def reduce(self, contribs: dict[str, list], b: int, loss_sum: float, device=None,
-               grad_scale: float = 1.0) -> ClippedBatch:
+               grad_scale: float = 1.0, losses: torch.Tensor | None = None) -> ClippedBatch:
         """Norms, clip factors and the clipped sum from one micro-batch's captured
-        contributions (``Capture.contribs``: parameter name -> list; consumed).
+        contributions (``Capture.contribs``: parameter name -> list; consumed). All in fp32,
+        with autocast off, whatever dtype the factors were captured in.
 
         Args:
             contribs: the contributions of the micro-batch's ``b`` examples.
@@ -365,11 +385,18 @@ class BookKeepingEngine(PerExampleEngine):
             loss_sum: summed per-example loss (nats; private statistic).
             device: where empty results live.
             grad_scale: the true per-example gradient is ``grad_scale`` times the captured one
-                (a loss that was a batch *mean*: ``grad_scale = B``); norms and sums are scaled
-                before clipping so the clip sees each example's own gradient.
+                (a loss that was a batch *mean*: ``grad_scale = B``; an fp16 loss scale S:
+                ``1/S``); norms and sums are scaled before clipping so the clip sees each
+                example's own gradient.
+            losses: the ``(B,)`` per-example losses, if known (fp16: a non-finite one marks an
+                overflowed example).
 
         Returns: the :class:`ClippedBatch` of ``clipped_sum``.
         """
+        with full_precision():
+            return self._reduce(contribs, b, loss_sum, device, grad_scale, losses)
+
+    def _reduce(self, contribs, b, loss_sum, device, grad_scale, losses) -> ClippedBatch:
         names = self.param_names
         merged = {n: merge(contribs.pop(n, [])) for n in names}
         cache = GramCache()
@@ -384,8 +411,17 @@ class BookKeepingEngine(PerExampleEngine):
         del cache
         if grad_scale != 1.0:
             sq = sq * float(grad_scale) ** 2
+        sq, bad = self.screen_overflow(sq, losses)
+        overflowed = 0
+        if bad is not None:  # fp16 overflow: these examples contribute 0
+            merged = {n: zero_examples(items, bad) for n, items in merged.items()}
+            overflowed = int(bad.sum())
+            if losses is not None:
+                loss_sum = float(losses.detach()[~bad].sum())
         check_finite_norms(sq)
         scales = self.clip.scales(sq)
+        if bad is not None:
+            scales = scales.masked_fill(bad[:, None], 0.0)
         # Equal factors in every group (flat, automatic clipping): layers reading the same
         # input (q/k/v) share one scaled copy of it.
         uniform = bool((scales == scales[:, :1]).all())
@@ -400,7 +436,12 @@ class BookKeepingEngine(PerExampleEngine):
         for j, n in enumerate(names):
             grad_sum[n] = weighted_sum(merged.pop(n), weights[:, j], self.params[n], scaled,
                                        0 if uniform else j).detach()
-        return ClippedBatch(grad_sum, sq.detach(), scales.detach(), float(loss_sum), b)
+        return ClippedBatch(grad_sum, sq.detach(), scales.detach(), float(loss_sum), b, overflowed)
+
+
+def _rng_devices(params) -> list[int]:
+    """CUDA device indices the model's parameters live on (for ``fork_rng``)."""
+    return sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
 
 
 __all__ = ["BookKeepingEngine", "FallbackKind", "KINDS", "UnattributedUseError",

@@ -24,6 +24,20 @@ graph of the per-example losses, and with every saved input copied while the ori
 watched for in-place changes; the non-private ``p.grad`` its backward accumulates is dropped as
 soon as it lands (a post-accumulate-grad hook), so ``p.grad`` never holds it.
 
+Activation checkpointing (Hugging Face ``gradient_checkpointing_enable`` or
+``torch.utils.checkpoint``, reentrant or not) re-runs forwards inside the user's backward: the
+unit hooks stay registered until :meth:`LiveBookKeeping.flush` so that those re-runs are seen,
+and each module call is recorded once (``Capture``). Once checkpointing is seen (or switched on
+in a Hugging Face module), the trainable parameters keep ``requires_grad=False`` from the
+training forward until the flush (the next ``optimizer.step()`` or training forward), so the
+re-run forwards build the same graph as the original ones.
+
+Mixed precision: run the forward under ``torch.autocast`` as usual (bf16; the backward may be
+inside or outside it). Whatever dtype the layers' inputs and output gradients have, norms, clip
+factors and the clipped sum are computed in fp32 with autocast off. fp16 with
+``torch.amp.GradScaler`` is not supported: its dynamic scale multiplies the per-example
+gradients the clip sees, and its scale follows the private examples' overflows (dpft/perf.py).
+
 Per-example losses: the criterion returned by ``make_private`` calls :meth:`on_loss` with the
 ``(B,)`` per-example losses; their gradient reaches the hooks unscaled (a ``mean`` criterion's
 gradient is scaled back by ``B``). A loss not made by that criterion cannot be inspected: its
@@ -145,6 +159,9 @@ class LiveBookKeeping:
         self._busy = False
         self._grad_drops: list = []
         self._warned: set[str] = set()
+        #: requires_grad flags to restore at :meth:`flush` (activation checkpointing: the
+        #: re-run forwards in the user's backward must see the flags the forward saw).
+        self._restore_at_flush: Optional[list[bool]] = None
         root = engine.model
         self._pre_handle = root.register_forward_pre_hook(_RootHook(self._pre), with_kwargs=True)
 
@@ -183,19 +200,43 @@ class LiveBookKeeping:
         cap = self._cap
         if cap is not None:
             cap.__exit__(None, None, None)
+            # The unit hooks stay on through the user's backward: activation checkpointing
+            # re-runs forwards there (Capture tells re-runs from new calls).
+            cap.open_backward()
         if self._flags is not None:
-            for p, f in zip(self.engine.params.values(), self._flags):
-                p.requires_grad_(f)
-            self._flags = None
+            flags, self._flags = self._flags, None
+            if cap is not None and not cap.first and self._checkpointing():
+                # Re-run forwards in the backward must see requires_grad as the forward did
+                # (else their saved tensors differ and the weights' gradients get computed).
+                self._restore_at_flush = flags
+            else:
+                self._restore_flags(flags)
         if cap is not None and not cap.first and cap.changed_inputs():
             names = ", ".join(sorted({u.label for u in cap.changed_inputs()}))
             self._cap = None
             cap.closed = True
+            cap.close()
+            if self._restore_at_flush is not None:
+                self._restore_flags(self._restore_at_flush)
+                self._restore_at_flush = None
             raise RuntimeError(
                 f"inputs of {names} were modified in place after the module ran (not seen on the "
                 "first micro-batch); the stored activations are stale"
             )
         return None
+
+    def _restore_flags(self, flags: list[bool]) -> None:
+        for p, f in zip(self.engine.params.values(), flags):
+            p.requires_grad_(f)
+
+    def _checkpointing(self) -> bool:
+        """Activation checkpointing is in use: seen re-running a forward, or switched on in a
+        Hugging Face module."""
+        if getattr(self.engine, "recomputes", False):
+            return True
+        from dpft.perf import uses_activation_checkpointing
+
+        return uses_activation_checkpointing(self.engine.model)
 
     # ------------------------------------------------------------------ losses
     def on_loss(self, per_example: torch.Tensor) -> None:
@@ -247,6 +288,13 @@ class LiveBookKeeping:
         """Reduce the open capture (if its backward ran) and hand the clipped sum on."""
         cap = self._cap
         self._cap = None
+        if cap is not None:
+            cap.close()
+            if cap.recomputed:
+                self.engine.recomputes = True
+        if self._restore_at_flush is not None:
+            self._restore_flags(self._restore_at_flush)
+            self._restore_at_flush = None
         self.discard_param_grads()
         if cap is None:
             return

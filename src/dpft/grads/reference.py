@@ -26,20 +26,35 @@ class ReferenceEngine(PerExampleEngine):
     BERT's ``position_ids`` are per example by construction. If the model's forward cannot be
     vmapped (data-dependent control flow), it falls back to a Python loop over examples with
     the same ``grad`` function and says so once.
+
+    :attr:`precision` applies: the forward runs under its autocast; under fp16 each example's
+    loss is multiplied by the static loss scale S and its gradient divided by S in fp32, and
+    an example that overflows contributes 0 (``PerExampleEngine.screen_overflow``).
+    Hugging Face activation checkpointing is not supported (its input-gradient hook calls
+    ``requires_grad_`` inside the ``torch.func`` transform); use the book-keeping engine.
     """
+
+    supports_precision = True
 
     def _single_loss(self, params, buffers, example):
         batch1 = {k: v.unsqueeze(0) for k, v in example.items()}
         fwd = lambda **kw: functional_call(  # noqa: E731
             self.model, (params, buffers), args=(), kwargs=kw, tie_weights=True, strict=False
         )
-        loss = self.loss_fn(fwd, batch1)
-        return loss.sum(), loss.detach().sum()
+        with self.precision.autocast():
+            loss = self.loss_fn(fwd, batch1)
+        s = float(self.precision.loss_scale)
+        return (loss.sum() * s if s != 1.0 else loss.sum()), loss.detach().sum()
 
     def per_example_grads(
         self, batch: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], float]:
         """Per-example gradients ``name -> (B, *param.shape)`` and the summed loss."""
+        grads, losses = self._per_example(batch)
+        return grads, float(losses.sum())
+
+    def _per_example(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Per-example gradients (loss scale divided out, fp32 when scaled) and ``(B,)`` losses."""
         global _warned_loop
         params = {n: p.detach() for n, p in self.params.items()}
         buffers = {n: b for n, b in self.model.named_buffers()}
@@ -64,8 +79,11 @@ class ReferenceEngine(PerExampleEngine):
             outs = [g(params, buffers, {k: v[i] for k, v in batch.items()}) for i in range(b)]
             grads = {n: torch.stack([o[0][n] for o in outs]) for n in params}
             losses = torch.stack([o[1] for o in outs])
-        return grads, float(losses.sum())
+        s = float(self.precision.loss_scale)
+        if s != 1.0:
+            grads = {n: g.float() / s for n, g in grads.items()}
+        return grads, losses
 
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
-        grads, loss_sum = self.per_example_grads(batch)
-        return self._finish(grads, loss_sum)
+        grads, losses = self._per_example(batch)
+        return self._finish(grads, float(losses.sum()), losses)

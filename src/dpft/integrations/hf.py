@@ -50,8 +50,9 @@ What changes inside ``Trainer`` (DESIGN.md "The DP step, as data flows"):
 
 Refused, with a message naming the fix: gradient accumulation, ``TrainingArguments.
 max_grad_norm`` other than its default, non-random ``train_sampling_strategy`` or a subclass's
-own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16/bf16 autocast (load
-the model in bfloat16 instead), activation checkpointing, label smoothing or
+own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16 (its dynamic gradient
+scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer state), activation
+checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
 ``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP and more than
 one device or process (use the ``dpft`` CLI for DDP).
@@ -395,15 +396,15 @@ class DPTrainer(Trainer):
         if tokens not in (None, False, "no"):
             _refuse("include_num_input_tokens_seen counts the tokens of the private sampled batches (not "
                     "covered by ε); leave it off")
-        if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-            _refuse("fp16/bf16 mixed precision (autocast) is not supported: the per-example engine needs one "
-                    "dtype per layer, and fp16's gradient scaler would rescale the noisy gradient. Leave "
-                    "fp16/bf16 off and train in fp32, or load the model in bfloat16 "
-                    "(from_pretrained(..., dtype=torch.bfloat16))")
-        if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-            _refuse("activation (gradient) checkpointing re-runs forwards inside the backward, which the "
-                    "per-example engine cannot follow; turn it off and lower "
-                    "DPArguments.max_physical_batch_size to save memory")
+        if getattr(args, "fp16", False):
+            # accelerate's fp16 path wraps the optimizer in a *dynamic* GradScaler: its step()
+            # divides p.grad (here the already-unscaled noisy gradient) by the scale and skips
+            # steps after overflows, and the scale it keeps is a function of which private
+            # examples overflowed (dpft/perf.py). bf16 needs no scaler.
+            _refuse("fp16=True: Trainer's fp16 uses a dynamic GradScaler, whose optimizer step would divide the "
+                    "noisy gradient by its scale and skip steps on overflow, and whose scale follows the private "
+                    "examples' overflow history (not covered by ε). Use bf16=True, or the dpft CLI with "
+                    "perf.dtype: fp16 and a static perf.loss_scale")
         if getattr(args, "auto_find_batch_size", False):
             _refuse("auto_find_batch_size restarts training after an out-of-memory error, releasing noisy "
                     "gradients again; set DPArguments.max_physical_batch_size instead")
@@ -444,13 +445,26 @@ class DPTrainer(Trainer):
             _refuse("train_dataset is empty")
 
     def _make_engine(self) -> PerExampleEngine:
+        from dpft.perf import Precision
+
+        ckpt = bool(getattr(self.args, "activation_checkpointing", False) or getattr(self.args, "gradient_checkpointing", False))
         if self.dp_args.engine == "reference":
+            if ckpt:
+                _refuse("activation (gradient) checkpointing needs DPArguments.engine='bookkeeping': the reference "
+                        "engine's torch.func transforms cannot run Hugging Face's checkpointing hooks")
             from dpft.grads.reference import ReferenceEngine
 
-            return ReferenceEngine(self.model, self.loss_fn, self.clip)
-        from dpft.grads.bookkeeping import BookKeepingEngine
+            engine: PerExampleEngine = ReferenceEngine(self.model, self.loss_fn, self.clip)
+        else:
+            from dpft.grads.bookkeeping import BookKeepingEngine
 
-        return BookKeepingEngine(self.model, self.loss_fn, self.clip)
+            engine = BookKeepingEngine(self.model, self.loss_fn, self.clip)
+        if getattr(self.args, "bf16", False):
+            # bf16 autocast around the forward (accelerate also wraps the model's forward; nested
+            # autocast of one dtype is the same). Norms, clipped sums, noise and the optimizer
+            # state stay fp32 (dpft/perf.py).
+            engine.precision = Precision("bf16", device_type=self.args.device.type)
+        return engine
 
     def _check_params(self) -> None:
         """The engine's parameters must still be the model's trainable parameters."""

@@ -57,7 +57,26 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
             raise FileNotFoundError(f"no checkpoint in {run_dir}; run without --resume to start fresh")
     return {
         "params": load_file(str(d / "trainable.safetensors")),
-        "optim": torch.load(d / "optim.pt", weights_only=True),  # tensors and plain containers only
+        # map_location cpu: a GPU checkpoint resumes anywhere (load_state_dict moves state to the params).
+        "optim": torch.load(d / "optim.pt", weights_only=True, map_location="cpu"),  # tensors and containers only
         "ledger": json.loads((d / "ledger.json").read_text()),
         "state": json.loads((d / "state.json").read_text()),
     }
+
+
+def check_world_size(state: dict[str, Any], world_size: int, run_dir: Path) -> str | None:
+    """Why a checkpoint cannot be resumed by ``world_size`` processes (None = it can).
+
+    A checkpoint records the number of processes that wrote it (``world_size``; absent in
+    checkpoints written before DDP = 1). A resumed run must have as many: each rank's share of
+    a logical batch, its dropout stream and the order of the all-reduced sums depend on it, so
+    only the same world replays a reproducible run's steps as they were.
+    """
+    was = int(state.get("world_size", 1))
+    if was == world_size:
+        return None
+    how = ("without torchrun (one process)" if was == 1 else
+           f"with {was} processes in all (torchrun --nproc_per_node={was} -m dpft train … --resume on one machine, "
+           f"or --nnodes × --nproc_per_node = {was})")
+    return (f"--resume: {run_dir}/checkpoint was written by {was} process(es) but this run has {world_size}; "
+            f"resume it {how}, or start a new --output-dir")

@@ -36,7 +36,10 @@ from dpft.step.sample import PoissonSampler
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.noise import GaussianMechanism
 from dpft.methods.base import Run, active_methods
+from dpft.perf import (COMPILE_REFUSAL, DEFAULT_FP16_LOSS_SCALE, Precision, check_dtype_on,
+                       enable_activation_checkpointing, resolve_device)
 from dpft.privacy.randomness import Randomness
+from dpft.run import distributed as ddp
 from dpft.run.release import DiagnosticsLog, split_row
 
 
@@ -92,12 +95,21 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.resume = resume
         self._user_transforms = list(transforms or [])
+        # --- DDP (run/distributed.py): this process's rank; rank 0 alone shows progress ---
+        #: This process's place in a torchrun world (rank 0 of 1 without one).
+        self.world = ddp.init_from_env()
+        ddp.check_same_recipe(self.world, r.model_dump(mode="json"))
+        progress = progress and self.world.is_main
+        # --- end DDP ---
         self.progress = progress
         self.private = r.privacy.enabled
         t0 = time.time()
         #: The run's one secret randomness source (privacy/randomness.py): secret unless
-        #: privacy.reproducible, in which case it is derived from the recorded seed.
-        self.rng = rng if rng is not None else Randomness(r.seed if r.privacy.reproducible else None)
+        #: privacy.reproducible, in which case it is derived from the recorded seed. Under DDP
+        #: rank 0 draws the key and broadcasts it, so the world draws one logical batch.
+        self.rng = rng if rng is not None else ddp.shared_randomness(self.world, r.seed if r.privacy.reproducible
+                                                                     else None)
+        ddp.check_same_randomness(self.world, self.rng)  # DDP: a caller's rng must be the world's
         #: The ledger is appended to, never replaced: it starts from the phases a caller already
         #: spent (e.g. a synthetic-data phase) and from any releases a crashed run of this
         #: directory recorded before its first checkpoint (``ledger.json`` is written live).
@@ -107,8 +119,15 @@ class Trainer:
         self.phase = phase
         self.live_ledger_path = Path(live_ledger_path) if live_ledger_path else self.run_dir / "ledger.json"
         live = self.live_ledger_path
-        if not resume and live.is_file() and not (self.run_dir / "checkpoint").exists():
-            earlier = PrivacyLedger.load(live)
+
+        def earlier_ledger():  # DDP: rank 0 reads the run directory, every rank gets its answer
+            if not resume and live.is_file() and not (self.run_dir / "checkpoint").exists():
+                return PrivacyLedger.load(live).to_json()
+            return None
+
+        earlier_json = ddp.on_rank0(self.world, earlier_ledger)
+        if earlier_json is not None:
+            earlier = PrivacyLedger.from_json(earlier_json)
             self.ledger = PrivacyLedger(earlier.entries + self.ledger.entries,
                                         certified=earlier.certified and self.ledger.certified,
                                         not_certified_reason=earlier.not_certified_reason or self.ledger.not_certified_reason)
@@ -116,6 +135,16 @@ class Trainer:
                                  "directory (crashed before its first checkpoint); they are carried in this ledger"]
         else:
             self.ledger_notes = []
+
+        # ---- perf (issue 16): where the step runs; checked before any data or model is loaded.
+        #: The device of the model, the batches, the clipped sums and the noise.
+        self.device = resolve_device(r.perf.device,
+                                     local_rank=self.world.local_rank if self.world.distributed else None)
+        check_dtype_on(r.perf.dtype, self.device)
+        #: Autocast dtype and static fp16 loss scale of the per-example engine.
+        scale = r.perf.loss_scale or (DEFAULT_FP16_LOSS_SCALE if r.perf.dtype == "fp16" else 1.0)
+        self.precision = Precision(r.perf.dtype, float(scale), self.device.type)
+        self._check_perf()
 
         #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
         self.causal = r.task.name == "text"
@@ -135,6 +164,7 @@ class Trainer:
         if r.model.dropout is not None:
             set_dropout(model, r.model.dropout)
         self.model = select_trainable(model, r.trainable)
+        self._place_model()
         self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names and not self.causal
         if not self.causal:
             # Dev truncation count goes in the report's notes; the training count is private.
@@ -164,6 +194,7 @@ class Trainer:
         self.sigma = 0.0
         #: The recipe's methods (methods/base.py), composed in order; the driver names none.
         self.methods = active_methods(r)
+        ddp.check_methods(self.world, self.methods)  # DDP: only methods correct across ranks
         #: What the methods see of this run (methods/base.py ``Run``).
         self.ctx = Run(recipe=r, run_dir=self.run_dir, resume=resume, progress=progress, private=self.private,
                        rng=self.rng, ledger=self.ledger, live_ledger_path=self.live_ledger_path, task=self.task,
@@ -173,14 +204,16 @@ class Trainer:
         for m in self.methods:  # earlier private phases; model / loss / data wrapping
             m.prepare(self.ctx)
         self.model, self.loss_fn, self.train_tok = self.ctx.model, self.ctx.loss_fn, self.ctx.train_tok
+        ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
         self.total_steps = self.ctx.total_steps
         if self.private:
             check_delta(r.privacy.delta, self.n)
             if r.privacy.noise_multiplier is not None:
                 self.sigma = float(r.privacy.noise_multiplier)
             else:
-                self.sigma = calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, self.q, self.total_steps,
-                                             prior=self.prior_events())
+                # DDP: rank 0 calibrates and every rank gets its σ (one value for the world).
+                self.sigma = ddp.on_rank0(self.world, lambda: calibrate_sigma(
+                    r.privacy.target_epsilon, r.privacy.delta, self.q, self.total_steps, prior=self.prior_events()))
             clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma,
                                     r.privacy.clipping.head_fraction)
             engine = make_engine(r.privacy.engine, self.model, self.loss_fn, clip)
@@ -196,16 +229,66 @@ class Trainer:
                         params=engine.params, phase=self.phase)
         for m in self.methods:  # each returns a changed copy of the step's parts
             spec = m.build(spec, self.ctx)
+        self._set_precision(spec.engine)
+        ddp.check_methods(self.world, [], keep_norms=spec.keep_norms)  # DDP: no raw norms across ranks
         self.params = spec.params if spec.params is not None else spec.engine.params
         self.optimizer = spec.optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
-        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self.save_live_ledger)
+        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self.save_live_ledger,
+                              world_group=self.world.group)
         self.start_step = 0
         self.diagnostics: Optional[DiagnosticsLog] = None
         self.history = History()
         self.elapsed_before = 0.0
         self.setup_seconds = time.time() - t0
+
+    # ------------------------------------------------------------------ perf (issue 16)
+    def _check_perf(self) -> None:
+        """Refuse perf settings this run cannot honour (before anything is loaded)."""
+        r = self.recipe
+        p = r.perf
+        if p.compile and r.privacy.enabled:
+            raise TrainingError(COMPILE_REFUSAL)
+        if p.activation_checkpointing and r.privacy.enabled and r.privacy.engine == "reference":
+            raise TrainingError("perf.activation_checkpointing needs privacy.engine: bookkeeping (or auto): the "
+                                "reference engine's torch.func transforms cannot run Hugging Face's checkpointing "
+                                "hooks (they call requires_grad_ inside the transform)")
+        if self.device.type != "cpu":
+            # A method that runs its own forwards (scoring, split forward noise, stage-1 sub-runs) must say
+            # it moves its tensors to the model's device; the driver names no method.
+            from dpft.methods.base import get_method, method_name
+
+            names = [method_name(c) for c in r.methods]
+            bad = [n for n, c in zip(names, r.methods)
+                   if get_method(n).enabled(c) and not getattr(get_method(n), "supports_device", False)]
+            if bad and r.perf.device == "auto":  # auto: the best device this run supports
+                self.device = torch.device("cpu")
+                self.precision = Precision(self.precision.dtype, self.precision.loss_scale, "cpu")
+                if self.progress:
+                    print(f"perf.device auto: CPU, because methods {bad} are not device-aware yet", file=sys.stderr)
+            elif bad:
+                raise TrainingError(f"methods {bad} have not been made device-aware; run them with "
+                                    "--device cpu (perf.device: cpu)")
+
+    def _place_model(self) -> None:
+        """Move the model to the device; activation checkpointing; compile (no-dp only)."""
+        p = self.recipe.perf
+        self.model.to(self.device)
+        if p.activation_checkpointing:
+            try:
+                enable_activation_checkpointing(self.model)
+            except ValueError as exc:
+                raise TrainingError(str(exc)) from None
+        if p.compile:
+            self.model.compile()
+
+    def _set_precision(self, engine) -> None:
+        """Give the step's final engine the run's precision (refused if it cannot apply it)."""
+        if self.precision.mixed and not getattr(engine, "supports_precision", False):
+            raise TrainingError(f"perf.dtype {self.precision.dtype}: the {type(engine).__name__} of this recipe "
+                                "does not apply autocast; use perf.dtype: fp32")
+        engine.precision = self.precision
 
     # ------------------------------------------------------------------ parts
     def method(self, name: str):
@@ -268,7 +351,14 @@ class Trainer:
         if self.causal:
             from dpft.eval.lm import lm_eval
 
-            return lm_eval(self.model, list(self.dev_tok), self.pad_id, self.recipe.eval.batch_size)
+            w = self.world  # DDP: each rank evaluates every K-th dev row; the sums are all-reduced
+            out = lm_eval(self.model, list(self.dev_tok)[w.rank::w.world_size], self.pad_id,
+                          self.recipe.eval.batch_size)
+            if w.distributed:
+                total, count = ddp.all_sum(w, [out["dev_loss"] * out["dev_tokens"], out["dev_tokens"]])
+                loss = total / max(count, 1)
+                out = {"dev_loss": loss, "dev_perplexity": math.exp(min(loss, 50.0)), "dev_tokens": int(count)}
+            return out
         return self._evaluate_classifier()
 
     @torch.no_grad()
@@ -276,14 +366,19 @@ class Trainer:
         self.model.eval()
         bs = self.recipe.eval.batch_size
         order = sorted(range(len(self.dev_tok)), key=lambda i: len(self.dev_tok[i]["input_ids"]))
+        order = order[self.world.rank::self.world.world_size]  # DDP: this rank's share of the dev set
         correct, loss, n = 0, 0.0, 0
         for k in range(0, len(order), bs):
             rows = self.dev_tok.select(order[k:k + bs])
-            batch = collate(list(rows), self.pad_id, self.with_token_types)
-            logits = self.model(**model_inputs(batch)).logits.float()
+            batch = collate(list(rows), self.pad_id, self.with_token_types, device=self.device)
+            with self.precision.autocast():
+                logits = self.model(**model_inputs(batch)).logits.float()
             loss += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
             correct += int((logits.argmax(-1) == batch["labels"]).sum())
             n += len(rows)
+        if self.world.distributed:  # DDP: the world's sums, the same on every rank
+            c, loss, m = ddp.all_sum(self.world, [correct, loss, n])
+            correct, n = int(c), int(m)
         self.model.train()
         return {"dev_accuracy": correct / n, "dev_loss": loss / n}
 
@@ -292,7 +387,7 @@ class Trainer:
         """One logical step through :class:`~dpft.step.DPStep`. Returns the row's fields (the
         private ones are split off by run/release.py before anything is written)."""
         r = self.recipe
-        torch.manual_seed(self.rng.seed_for("dropout", step))  # dropout masks: per step, secret
+        torch.manual_seed(ddp.dropout_seed(self.rng, step, self.world))  # dropout masks: per step (and rank), secret
         idx = self.dp_step.indices(step)
         for m in self.methods:
             m.before_step(step, self.ctx)
@@ -300,10 +395,12 @@ class Trainer:
         # Order the logical batch by length so micro-batches carry little padding; the set of
         # examples (all that privacy depends on) is unchanged.
         idx = idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
+        mine = ddp.shard(idx, self.world)  # DDP: this rank's share of the world's logical batch
 
         def micro_batches():
-            for micro in PoissonSampler.micro_batches(idx, r.batch.max_physical_batch_size):
-                yield collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types)
+            for micro in PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size):
+                yield collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
+                              device=self.device)
 
         try:
             res = self.dp_step.run(step, micro_batches())
@@ -321,7 +418,9 @@ class Trainer:
         return out
 
     def save_live_ledger(self) -> None:
-        """Write the ledger to its live file (after every release; never shrinks it)."""
+        """Write the ledger to its live file (after every release; never shrinks it). Rank 0 only."""
+        if not self.world.is_main:
+            return
         self.live_ledger_path.parent.mkdir(parents=True, exist_ok=True)
         self.ledger.save(self.live_ledger_path)
 
@@ -330,28 +429,42 @@ class Trainer:
         return {"sigma": self.sigma, "q": self.q, "n": self.n, "total_steps": self.total_steps,
                 "recipe": json.loads(json.dumps(self.recipe.model_dump(mode="json"))),
                 "elapsed": self.elapsed_before + (time.time() - self._t_run),
-                "history": self.history.rows}
+                "history": self.history.rows, "world_size": self.world.world_size}
 
     def save(self, step: int) -> None:
         from dpft.run.checkpoint import save_checkpoint
 
+        ddp.check_in_sync(self.world, self.params)  # DDP: the ranks still hold one set of weights
+        if not self.world.is_main:  # DDP: rank 0 alone writes the checkpoint
+            return
         save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
                         scheduler=self.scheduler, ledger_json=self.ledger.to_json(), state=self._state())
 
     def _comparable(self, d: dict) -> dict:
         d = json.loads(json.dumps(d))
         d.pop("output_dir", None)
+        d.pop("perf", None)  # device/precision may change on resume: they never change the guarantee
         return d
 
     def load(self) -> None:
-        from dpft.run.checkpoint import load_checkpoint
+        from dpft.run.checkpoint import check_world_size, load_checkpoint
 
-        ck = load_checkpoint(self.run_dir)
+        live = self.live_ledger_path
+
+        def read():  # DDP: rank 0 reads checkpoint and live ledger; every rank gets them
+            ck = load_checkpoint(self.run_dir)
+            ck["live_ledger"] = PrivacyLedger.load(live).to_json() if live.is_file() else None
+            return ck
+
+        ck = ddp.on_rank0(self.world, read)
         st = ck["state"]
         if self._comparable(st["recipe"]) != self._comparable(self.recipe.model_dump(mode="json")):
             raise TrainingError(
                 f"--resume: the recipe differs from the one that wrote {self.run_dir}/checkpoint; "
                 "resume with the same recipe and flags, or use a new --output-dir")
+        problem = check_world_size(st, self.world.world_size, self.run_dir)
+        if problem:
+            raise TrainingError(problem)
         missing = set(self.params) - set(ck["params"])
         if missing:
             raise TrainingError(f"--resume: checkpoint lacks parameters {sorted(missing)[:3]}…")
@@ -362,11 +475,10 @@ class Trainer:
         self.scheduler.load_state_dict(ck["optim"]["scheduler"])
         self.sigma = st["sigma"]
         ck_ledger = PrivacyLedger.from_json(ck["ledger"])
-        live = self.live_ledger_path
         # The live ledger holds every release ever made in this directory, including steps past
         # the checkpoint that the resumed run replays with fresh secret randomness (new
         # releases). It is continued, never replaced; the checkpoint's copy is a fallback.
-        self.ledger = PrivacyLedger.load(live) if live.is_file() else ck_ledger
+        self.ledger = PrivacyLedger.from_json(ck["live_ledger"]) if ck["live_ledger"] is not None else ck_ledger
         if not ck_ledger.certified:
             self.ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
         self.dp_step.ledger = self.ctx.ledger = self.ledger
@@ -379,6 +491,8 @@ class Trainer:
         """Released part of a row → history and metrics.jsonl; private part → diagnostics only."""
         released, private = split_row(row)
         self.history.rows.append(released)
+        if not self.world.is_main:  # DDP: rank 0 alone writes
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(released) + "\n")
         if self.diagnostics is not None:
@@ -398,19 +512,25 @@ class Trainer:
         from dpft.report.report import write_report
 
         r = self.recipe
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        main = self.world.is_main  # DDP: rank 0 alone reads and writes the run directory
+        if main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self._t_run = time.time()
         if self.resume:
             self.load()
             # metrics.jsonl may hold rows past the checkpoint: rewrite it from the checkpoint.
-            atomic_write_text(self.run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in self.history.rows))
+            if main:
+                atomic_write_text(self.run_dir / "metrics.jsonl",
+                                  "".join(json.dumps(x) + "\n" for x in self.history.rows))
         else:
-            if (self.run_dir / "checkpoint").exists():
+            if ddp.on_rank0(self.world, lambda: (self.run_dir / "checkpoint").exists()):
                 raise TrainingError(f"{self.run_dir} already holds a run; pass --resume to continue it "
                                     "or choose another --output-dir (nothing was overwritten)")
-            atomic_write_text(self.run_dir / "metrics.jsonl", "")
-        atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
-        self.diagnostics = DiagnosticsLog(self.run_dir) if r.log.private_diagnostics else None
+            if main:
+                atomic_write_text(self.run_dir / "metrics.jsonl", "")
+        if main:
+            atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
+        self.diagnostics = DiagnosticsLog(self.run_dir) if r.log.private_diagnostics and main else None
         if self.private or self.ledger.entries:
             self.save_live_ledger()  # phases spent before training (stage 1, synthetic data)
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc=r.name, disable=not self.progress,
@@ -423,7 +543,7 @@ class Trainer:
             if done % r.eval.every_steps == 0 or done == self.total_steps:
                 last_eval = self.evaluate()
                 row.update(last_eval)
-                row["epsilon"] = self.epsilon_now()
+                row["epsilon"] = self.epsilon_now() if self.world.is_main else None  # DDP: rank 0 reports ε
             self._emit(row)
             post = {}  # released quantities only: no train loss or batch size on the screen either
             if last_eval and "dev_accuracy" in last_eval:
@@ -439,18 +559,22 @@ class Trainer:
             self.save_live_ledger()
         if not last_eval:
             last_eval = self.evaluate()
-        if self.causal and r.eval.prompts:
-            from dpft.eval.lm import sample_generations
 
-            e = r.eval
-            with contextlib.ExitStack() as stack:  # a method's weights of record (e.g. the EMA)
-                for m in self.methods:
-                    stack.enter_context(m.weights())
-                self.samples = sample_generations(self.model, self.tokenizer, e.prompts, e.max_new_tokens,
-                                                  seed=r.seed)
-        elapsed = self.elapsed_before + (time.time() - self._t_run)
-        self.save_model()
-        return write_report(self, last_eval, elapsed)
+        def finish() -> dict[str, Any]:  # DDP: rank 0 alone; every rank returns its report
+            if self.causal and r.eval.prompts:
+                from dpft.eval.lm import sample_generations
+
+                e = r.eval
+                with contextlib.ExitStack() as stack:  # a method's weights of record (e.g. the EMA)
+                    for m in self.methods:
+                        stack.enter_context(m.weights())
+                    self.samples = sample_generations(self.model, self.tokenizer, e.prompts, e.max_new_tokens,
+                                                      seed=r.seed)
+            elapsed = self.elapsed_before + (time.time() - self._t_run)
+            self.save_model()
+            return write_report(self, last_eval, elapsed)
+
+        return ddp.on_rank0(self.world, finish)
 
     def save_model(self) -> None:
         """Full fine-tuned model (safetensors via ``save_pretrained``) and tokenizer in ``model/``."""

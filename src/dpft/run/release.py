@@ -48,7 +48,7 @@ DIAGNOSTICS_HEADER = {
 #: Row keys that are private (un-noised functions of the training data or of the secret sampling).
 PRIVATE_KEYS = frozenset({
     "train_loss", "train_loss_per_token", "batch_size", "clip_fraction", "step_seconds",
-    "transform_seconds", "clip_rate_raw",
+    "transform_seconds", "clip_rate_raw", "overflowed",
 })
 
 

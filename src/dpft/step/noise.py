@@ -52,7 +52,10 @@ class GaussianMechanism:
     def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
         """Return ``{name: sum + N(0, (σC)²)}`` (new fp32-noised tensors; parameters in name order).
 
-        The noise is drawn on each tensor's own device from a generator of that device."""
+        The noise is drawn on each tensor's own device from a generator of that device: on CUDA a
+        ``torch.Generator(device="cuda:N")`` (Philox) seeded on the host from the secret stream
+        seed, then ``torch.randn(..., device="cuda:N")``; nothing is drawn on the CPU or copied.
+        Drawn and added in fp32 whatever the autocast dtype of the step (the sums are fp32)."""
         gens: dict[str, torch.Generator] = {}
         out = {}
         for name, t in grad_sum.items():

@@ -21,7 +21,7 @@ import torch
 
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.step.aggregate import Aggregator
-from dpft.step.clip import ClipPolicy
+from dpft.step.clip import ClipPolicy, NonFiniteGradientError
 from dpft.step.noise import GaussianMechanism
 from dpft.step.postprocess import Transform, divide
 from dpft.step.sample import PoissonSampler
@@ -126,9 +126,17 @@ class DPStep:
         t0 = time.perf_counter()
         sp.engine.clip = sp.clip  # the spec's clip policy is the one in force (methods may swap it)
         agg = Aggregator(sp.engine.params, keep_norms=sp.keep_norms)
-        for batch in micro_batches:
-            agg.add(sp.engine.clipped_sum(batch))
-        agg.all_reduce(self.world_group)
+        failure: Optional[NonFiniteGradientError] = None
+        try:
+            for batch in micro_batches:
+                agg.add(sp.engine.clipped_sum(batch))
+        except NonFiniteGradientError as exc:
+            if not Aggregator.distributed(self.world_group):
+                raise
+            failure = exc  # DDP: the other ranks must hear of it before anyone releases the step
+        if agg.all_reduce(self.world_group, failed=failure is not None):
+            raise failure or NonFiniteGradientError(
+                "non-finite training loss on another rank; lower optimizer.lr or check the data")
         return self.release_and_update(step, agg, t0)
 
     def release_and_update(self, step: int, agg: Aggregator, t0: Optional[float] = None) -> StepOutput:
@@ -166,5 +174,6 @@ class DPStep:
                    "step_seconds": time.perf_counter() - t0, "transform_seconds": t_tf}
         if sp.mechanism is not None:
             private["clip_fraction"] = agg.clipped / max(agg.batch_size, 1)
+        private["overflowed"] = agg.overflowed  # fp16 examples that contributed 0 (dpft/perf.py)
         norms = torch.cat(agg.norms) if agg.norms else None
         return StepOutput(step, q, released, private, norms)

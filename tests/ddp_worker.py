@@ -1,0 +1,118 @@
+"""One rank of a ``dpft.train`` run under ``torchrun``, for tests/test_ddp.py (not a test file).
+
+Usage: ``python -m torch.distributed.run --standalone --nproc_per_node=K tests/ddp_worker.py CFG.json``,
+or :func:`run_rank` in processes forked with the same environment (tests/test_ddp.py).
+
+CFG keys: ``recipe`` (dict of dotted recipe keys), ``output_dir`` (relative to the rank's
+working directory), ``cwds`` (one working directory per rank: the run directory of a rank
+other than 0 must stay empty, which shows that only rank 0 writes), ``log_dir`` (where each
+rank writes ``rank<r>.json``: the logical batch and the rank's share of every step, a digest of
+its final weights, its report's ε), ``resume`` (bool), ``kill`` (``{"rank": r, "step": t}``:
+that rank SIGKILLs itself at the start of logical step t, a crash nobody can catch), ``probe``
+(after the run, check that per-rank ``Randomness()`` objects are refused and that a
+weight changed on rank 1 is found and replaced by rank 0's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def run_rank(cfg: dict, rank: int) -> None:
+    """Rank ``rank``'s part of the run ``cfg`` describes (the torchrun environment is set)."""
+    log_path = Path(cfg["log_dir"]) / f"rank{rank}.json"
+    cwd = Path(cfg["cwds"][rank])
+    cwd.mkdir(parents=True, exist_ok=True)
+    os.chdir(cwd)
+
+    import dpft
+    from dpft.run import distributed as ddp
+    from dpft.run.loop import Trainer
+
+    log: dict = {"rank": rank, "batches": {}, "shares": {}}
+
+    def flush() -> None:
+        log_path.write_text(json.dumps(log))
+
+    real_shard, real_step, real_run = ddp.shard, Trainer.step, Trainer.run
+    current = {"step": -1, "trainer": None}
+
+    def shard(idx, world):
+        mine = real_shard(idx, world)
+        log["world_size"] = world.world_size
+        log["batches"][str(current["step"])] = sorted(int(i) for i in idx)
+        log["shares"][str(current["step"])] = [int(i) for i in mine]
+        # Written before this step's all-reduce: a rank SIGKILLed at the next step cannot
+        # race the other rank's flush (its agent terminates it at once).
+        flush()
+        return mine
+
+    def step(self, t):
+        kill = cfg.get("kill")
+        if kill and kill["rank"] == rank and kill["step"] == t:
+            flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        current["step"] = t
+        out = real_step(self, t)
+        flush()
+        return out
+
+    def run(self):
+        current["trainer"] = self
+        return real_run(self)
+
+    ddp.shard, Trainer.step, Trainer.run = shard, step, run
+    try:
+        rep = dpft.train(cfg["recipe"], cfg["output_dir"], resume=cfg.get("resume", False), progress=False)
+    except Exception as exc:
+        log["error"] = f"{type(exc).__name__}: {exc}"
+        flush()
+        raise
+    t = current["trainer"]
+    h = hashlib.sha256()
+    for n in sorted(t.params):
+        h.update(t.params[n].detach().float().contiguous().numpy().tobytes())
+    log["digest"] = h.hexdigest()
+    log["epsilon"] = rep["privacy"]["epsilon"]
+    log["ledger_steps"] = t.ledger.steps
+    if cfg.get("probe"):  # a Randomness made on each rank (K keys) must be refused on every rank
+        from dpft.privacy.randomness import Randomness
+
+        try:
+            ddp.check_same_randomness(t.world, Randomness())
+            log["own_rng"] = "accepted"
+        except ddp.DistributedError as exc:
+            log["own_rng"] = str(exc)
+        # Weights that drifted on one rank are found at a checkpoint and replaced by rank 0's.
+        import torch
+
+        name = sorted(t.params)[0]
+        before = t.params[name].detach().clone()
+        if rank == 1:
+            with torch.no_grad():
+                t.params[name].view(-1)[0] += 1e-3
+        log["in_sync"] = [ddp.check_in_sync(t.world, t.params), bool(torch.equal(t.params[name], before)),
+                          ddp.check_in_sync(t.world, t.params)]
+    flush()
+    ddp.shutdown()
+
+
+def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
+    """Entry of rank ``i`` started by ``torch.multiprocessing.start_processes``: sets what
+    torchrun sets for each worker (run/distributed.py reads nothing else), then runs."""
+    os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run_rank(cfg, i)
+
+
+def main() -> None:
+    run_rank(json.loads(Path(sys.argv[1]).read_text()), int(os.environ.get("RANK", "0")))
+
+
+if __name__ == "__main__":
+    main()
