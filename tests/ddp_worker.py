@@ -37,7 +37,10 @@ def run_rank(cfg: dict, rank: int) -> None:
     log: dict = {"rank": rank, "batches": {}, "shares": {}}
 
     def flush() -> None:
-        log_path.write_text(json.dumps(log))
+        # Atomic: a rank terminated by its agent mid-write must not leave half a file.
+        tmp = log_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(log))
+        os.replace(tmp, log_path)
 
     real_shard, real_step, real_run = ddp.shard, Trainer.step, Trainer.run
     current = {"step": -1, "trainer": None}
