@@ -578,7 +578,7 @@ def summary_table(results: list[dict]) -> list[str]:
         tm, pk = r["times"], r["peaks"]
         if "dpft-bk" not in tm:
             lines.append(f"| {r['name']} | {r['b']}×{r['t']} | {r['dtype']} | "
-                         f"{r["n_train"] / 1e6:.3g}M | — | — | — | — | — | — | — | "
+                         f"{r['n_train'] / 1e6:.3g}M | — | — | — | — | — | — | — | "
                          f"dpft-bk did not run: {r['notes'].get('dpft-bk', '')} |")
             continue
         tps = r["b"] * r["t"] / statistics.median(tm["dpft-bk"])
@@ -588,7 +588,7 @@ def summary_table(results: list[dict]) -> list[str]:
         hooks = _x(r.get("vs_hooks")) if "vs_hooks" in r else (
             "failed" if "opacus-hooks" in r["notes"] else "—")
         lines.append(
-            f"| {r['name']} | {r['b']}×{r['t']} | {r['dtype']} | {r["n_train"] / 1e6:.3g}M "
+            f"| {r['name']} | {r['b']}×{r['t']} | {r['dtype']} | {r['n_train'] / 1e6:.3g}M "
             f"| {tps:.0f} | {_x(peak, '{:.0f}')} | {_x(r.get('x_np_time'))} "
             f"| {_x(r.get('x_np_mem'))} | {ghost} | {hooks} | {_x(r.get('vs_ghost_mem'))} "
             f"| {', '.join(r['missed']) or 'none'} |")
