@@ -25,17 +25,30 @@ the returned gradient sum, not the model or batch that existed before it). "Tota
 the resident model (parameters + buffers) and the batch, which is what a device's peak
 allocation would read for one model. Ratios are to the non-private step.
 
-Cases: ``minilm-full`` / ``minilm-lora`` (the real all-MiniLM-L6-v2, BERT 22.7M, sequence
+Causal-LM cases (the default set; issue 16): the shapes users fine-tune, random-initialised from
+configs built in code (no download): GPT-2 small and medium (full fine-tuning), Qwen2-0.5B and
+Llama-3.2-1B (full and LoRA r=16 on q/k/v/o), each at B x T = 8 x 512 and 32 x 128, named
+``<arch>-<full|lora>-<B>x<T>``. The LM head is untied in every method (Opacus ghost clipping
+refuses tied parameters) and HF RMSNorm runs as ``torch.nn.RMSNorm``. ``--preset`` scales them:
+``gpu`` (default with CUDA) = the full shapes in bf16 autocast; ``cpu`` (default without) = 2
+transformer blocks, vocabulary 8192, B and T divided by 8, fp32 (minutes on one thread);
+``tiny`` = toy widths for the smoke tests. The results header states the preset's scaling.
+
+Older cases: ``minilm-full`` / ``minilm-lora`` (the real all-MiniLM-L6-v2, BERT 22.7M, sequence
 classification, B=32, T=64), ``gpt2-full`` (random-initialised GPT-2 small shape, 124M, causal
 LM with tied head, B=4, T=128; Opacus ghost clipping refuses tied parameters, so
 ``gpt2-untied-full`` unties the head to compare with it), ``tiny-bert`` / ``tiny-gpt2``
-(seconds; smoke tests of this script).
+(seconds). Their table: ``results/step_speed_cpu_minilm.md``.
+
+Ratios are paired: in each round every method runs one step (rotating start), and a ratio is the
+median over rounds of the ratio within the round, so the machine's drift cancels.
 
 Usage::
 
-    python benchmarks/step_speed.py                       # all real cases, 20 repeats
-    python benchmarks/step_speed.py --cases tiny-bert --repeats 3 --warmup 1   # quick check
-    python benchmarks/step_speed.py --cases minilm-full --profile   # + where the time goes
+    python benchmarks/step_speed.py --threads 1 --profile-missed --verbose     # CPU preset
+    python benchmarks/step_speed.py --preset gpu --profile-missed --verbose --out benchmarks/results/step_speed_cuda.md
+    python benchmarks/step_speed.py --cases minilm-full minilm-lora gpt2-full --threads 1
+    python benchmarks/step_speed.py --preset tiny --cases gpt2-full-8x512 --repeats 1   # seconds
 
 Writes ``benchmarks/results/step_speed_<device>.md`` and prints it.
 """
