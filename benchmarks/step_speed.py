@@ -159,7 +159,7 @@ class Preset:
 
 PRESETS = {
     "gpu": Preset("gpu", None, None, 1, "bf16", repeats=10, warmup=3),
-    "cpu": Preset("cpu", 2, 8192, 8, "fp32", repeats=5, warmup=1),
+    "cpu": Preset("cpu", 2, 8192, 8, "fp32", repeats=9, warmup=1),
     "tiny": Preset("tiny", 1, 256, 32, "fp32", repeats=1, warmup=0, hidden=32),  # smoke tests
 }
 
