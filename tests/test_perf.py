@@ -256,6 +256,40 @@ def test_per_example_contribution_bound_in_mixed_precision(dtype, style):
             assert total >= C * 0.97
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_reference_engine_bf16_with_attention_dropout(arch):
+    """The known bug: the reference engine under bf16 on a model in train mode with attention
+    dropout (SDPA, dropout_p > 0) failed in torch.func's backward with "expected m1 and m2 to
+    have the same dtype" (fp32 dropout product × bf16). Now it runs, returns fp32 sums, and every
+    example's clipped contribution stays within C."""
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=16, tie_word_embeddings=False,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.1))
+        from dpft.models.losses import causal_lm_loss as loss
+        batch = {"input_ids": torch.randint(5, 100, (3, 8)), "attention_mask": torch.ones(3, 8, dtype=torch.long)}
+    else:
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.1))
+        from dpft.models.losses import classification_loss as loss
+        batch = {"input_ids": torch.randint(5, 100, (3, 8)), "attention_mask": torch.ones(3, 8, dtype=torch.long),
+                 "labels": torch.tensor([0, 1, 0])}
+    model.train()
+    C = 1e-3
+    for i in range(3):
+        eng = ReferenceEngine(model, loss, _OnlyExample(make_clip_policy("flat", C), i))
+        eng.precision = Precision("bf16")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # BERT's mask helpers make vmap fall back to the loop
+            out = eng.clipped_sum(batch)
+        assert all(g.dtype == torch.float32 for g in out.grad_sum.values())
+        assert bool(torch.isfinite(out.norms).all()) and float(out.norms[i]) > 10 * C
+        total = sum(float(g.double().pow(2).sum()) for g in out.grad_sum.values()) ** 0.5
+        assert C * 0.97 <= total <= C * (1 + 1e-5), (arch, i, total / C)
+
+
 class _Blowup(nn.Module):
     """Two linear layers; an example with huge inputs overflows fp16 in the forward."""
 

@@ -61,9 +61,15 @@ class ReferenceEngine(PerExampleEngine):
         g = grad(self._single_loss, has_aux=True)
         batch = {k: v for k, v in batch.items()}
         try:
-            grads, losses = vmap(g, in_dims=(None, None, 0), randomness="different")(
-                params, buffers, batch
-            )
+            # The transform's backward runs inside the forward's autocast too: under torch.func,
+            # SDPA with dropout (attention dropout in train mode) saves an fp32 mask product and
+            # its backward then multiplies fp32 by bf16 ("expected m1 and m2 to have the same
+            # dtype"); plain autograd does not hit this. Autocast casts those matmul inputs as
+            # the forward did; parameter gradients stay fp32 (the casts' backward).
+            with self.precision.autocast():
+                grads, losses = vmap(g, in_dims=(None, None, 0), randomness="different")(
+                    params, buffers, batch
+                )
         except Exception as exc:  # noqa: BLE001 - any vmap incompatibility
             if not _warned_loop:
                 # Hugging Face's mask helpers inspect mask values (data-dependent control
@@ -76,7 +82,8 @@ class ReferenceEngine(PerExampleEngine):
                 )
                 _warned_loop = True
             b = next(iter(batch.values())).shape[0]
-            outs = [g(params, buffers, {k: v[i] for k, v in batch.items()}) for i in range(b)]
+            with self.precision.autocast():  # as above
+                outs = [g(params, buffers, {k: v[i] for k, v in batch.items()}) for i in range(b)]
             grads = {n: torch.stack([o[0][n] for o in outs]) for n in params}
             losses = torch.stack([o[1] for o in outs])
         s = float(self.precision.loss_scale)
