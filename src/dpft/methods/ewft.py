@@ -426,7 +426,7 @@ class ForwardLDP(Method):
         self._n_eval = getattr(self, "_n_eval", 0) + 1
         out: dict = {}
         try:
-            for noisy in (True, False):
+            for noisy in (not keep, keep):  # the headline last (its predictions are the ones kept)
                 layer.eval_noise = noisy
                 layer.generator = run.rng.generator("ldp_eval", self._n_eval)
                 res = evaluate()
