@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:  # this checkout's dpft, as the subprocesses use (PYTHONPATH)
@@ -47,6 +47,8 @@ class Arm:
     args: list[str] = field(default_factory=list)
     #: report.json metric this arm is judged on (e.g. dev_accuracy_noisy_inference).
     metric: str = "dev_accuracy"
+    #: overrides that depend on the seed (e.g. the model another arm's seed-S run produced).
+    per_seed: Optional[Callable[[int], dict[str, Any]]] = None
 
 
 def _fmt_value(v: Any) -> str:
@@ -61,7 +63,8 @@ def _fmt_value(v: Any) -> str:
 
 def command(arm: Arm, seed: int, run_dir: Path, common: dict[str, Any], common_args: list[str]) -> list[str]:
     """The ``dpft train`` command line of one (arm, seed)."""
-    sets = {**common, **arm.overrides, "seed": seed, "eval.save_predictions": True}
+    sets = {**common, **arm.overrides, **(arm.per_seed(seed) if arm.per_seed else {}), "seed": seed,
+            "eval.save_predictions": True}
     cmd = [sys.executable, "-m", "dpft.cli", "train", arm.recipe, "-o", str(run_dir), "--quiet",
            *common_args, *arm.args]
     for k, v in sets.items():
