@@ -103,3 +103,10 @@ def test_dp_forward_code_reproduction_is_not_certified(tiny_model_dir, sst_like_
     assert "NOT CERTIFIED" in md
     saved = json.loads((tmp_path / "r" / "report.json").read_text())
     assert saved["privacy"]["guarantee"] == "NOT CERTIFIED"
+
+
+def test_split_deployment_refuses_the_reproduction(tiny_model_dir, sst_like_files, tmp_path):
+    from test_ldp_split import _client
+
+    with pytest.raises(LDPError, match="reproduce"):
+        _client(tiny_model_dir, sst_like_files, tmp_path, recipe={"ldp.reproduce": "dp_forward_code"})
