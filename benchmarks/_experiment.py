@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -88,12 +89,12 @@ def run_one(arm: Arm, seed: int, out: Path, common: dict[str, Any], common_args:
         p = subprocess.run(["nice", "-n", "5", *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=timeout)
         wall = time.time() - t0
-        (d.parent / f"seed{seed}.log").write_text(" ".join(cmd) + "\n\n" + p.stdout + p.stderr)
+        (d.parent / f"seed{seed}.log").write_text(shlex.join(cmd) + "\n\n" + p.stdout + p.stderr)
         if p.returncode != 0:
             return {"arm": arm.name, "seed": seed, "dir": str(d), "error": (p.stderr or p.stdout)[-2000:],
-                    "command": " ".join(cmd)}
+                    "command": shlex.join(cmd)}
         (d / "wall_seconds.txt").write_text(f"{wall:.1f}\n")
-    return collect(d, arm, seed, " ".join(cmd))
+    return collect(d, arm, seed, shlex.join(cmd))
 
 
 def collect(d: Path, arm: Arm, seed: int, cmd: str = "") -> dict[str, Any]:

@@ -25,11 +25,11 @@ from _experiment import Arm, run_experiment, seeds_arg, smoke_assets, smoke_over
 RECIPE = "recipes/sst2-minilm-dpforward.yaml"
 
 
-def arms_for(eps: float, extra: dict) -> list[Arm]:
+def arms_for(eps: float, extra: dict, code_lr: float | None = None) -> list[Arm]:
     base = {"ldp.target_epsilon": eps, **extra}
+    code = {**base, "ldp.reproduce": "dp_forward_code", **({"optimizer.lr": code_lr} if code_lr else {})}
     return [Arm(f"certified-eps{eps:g}", RECIPE, dict(base), metric="dev_accuracy_noisy_inference"),
-            Arm(f"code-eps{eps:g}", RECIPE, {**base, "ldp.reproduce": "dp_forward_code"},
-                metric="dev_accuracy_clean_inference")]
+            Arm(f"code-eps{eps:g}", RECIPE, code, metric="dev_accuracy_clean_inference")]
 
 
 def main() -> None:
@@ -38,7 +38,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="3", help="'3' = seeds 0,1,2; or '0,5,7'")
     ap.add_argument("--n", type=int, default=None, help="task.max_train_examples (default: all)")
     ap.add_argument("--position", default=None, help="ldp.position override (default: the recipe's)")
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=5e-4, help="optimizer.lr of the certified arm (post(·) only)")
+    ap.add_argument("--code-lr", type=float, default=None,
+                    help="optimizer.lr of the reproduction, which trains the whole model (default: --lr)")
     ap.add_argument("--out", default="runs/ewft_repro")
     ap.add_argument("--md", default=None)
     ap.add_argument("--jobs", type=int, default=2)
@@ -54,7 +56,7 @@ def main() -> None:
         extra.update(smoke_overrides(assets))
         extra.update({"ldp.delta": 1e-3, "schedule.epochs": 1, "batch.expected_batch_size": 16,
                       "ldp.position": a.position or "encoder:1"})
-    arms = [arm for e in a.eps.split(",") for arm in arms_for(float(e), extra)]
+    arms = [arm for e in a.eps.split(",") for arm in arms_for(float(e), extra, a.code_lr)]
     rows = run_experiment(arms, seeds_arg(a.seeds), a.out, jobs=a.jobs)
     md = []
     for e in a.eps.split(","):
