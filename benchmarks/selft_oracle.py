@@ -64,17 +64,23 @@ def split_data(task_cfg, oracle: int, n: int | None, out: Path, seed: int = 0):
     return orc, out / "private_train.csv", out / "dev.csv", task.num_labels, len(rest)
 
 
-def score_all(model_name: str, num_labels: int, orc, max_length: int, sigma: float, c: float, b: int,
-              lr: float, update: str, granularity: str, seed: int) -> dict[str, dict[str, float]]:
-    """{scorer: {unit: score}} (higher = better) on the oracle set."""
+def score_all(rec, num_labels: int, orc, sigma: float, update: str,
+              granularity: str) -> dict[str, dict[str, float]]:
+    """{scorer: {unit: score}} (higher = better) on the oracle set, with the model, clipping and
+    learning rates of the ground-truth recipe ``rec`` (as DP-SelFT scores: methods/selft.py)."""
     import datasets
 
     from dpft.data.tokenize import tokenize_split
-    from dpft.models.load import load_classifier
+    from dpft.models.load import load_classifier, set_dropout
     from dpft.models.units import unit_map
     from dpft.selection.scoring import ScoreSettings, score_units
 
-    tok, model = load_classifier(model_name, num_labels, seed=seed)
+    seed, max_length = rec.seed, rec.model.max_length
+    tok, model = load_classifier(rec.model.name, num_labels, seed=seed, pooling=rec.model.pooling,
+                                 head_dropout=rec.model.head_dropout)
+    if rec.model.dropout is not None:
+        set_dropout(model, rec.model.dropout)
+    clip = rec.privacy.clipping
     k = int(0.7 * len(orc))
 
     def rows(pairs):
@@ -87,8 +93,9 @@ def score_all(model_name: str, num_labels: int, orc, max_length: int, sigma: flo
     out: dict[str, dict[str, float]] = {}
     cache: dict[str, dict] = {}
     for pert in ("none", "random", "worst"):
-        s = ScoreSettings(perturbation=pert, update=update, lr=lr, clip_norm=c, sigma=sigma, downstream_batch=b,
-                          max_length=max_length, seed=seed)
+        s = ScoreSettings(perturbation=pert, update=update, lr=rec.optimizer.lr, clip_norm=clip.max_norm, sigma=sigma,
+                          downstream_batch=rec.batch.expected_batch_size, max_length=max_length, seed=seed,
+                          clip_style=clip.style, head_fraction=clip.head_fraction, head_lr=rec.optimizer.head_lr)
         cache[pert] = score_units(model, tr, va, s, granularity, units=units, pad_id=tok.pad_token_id or 0,
                                   with_token_types=wtt)
     for pert in ("none", "random", "worst"):  # accuracy, ties broken by lower val loss
@@ -131,8 +138,7 @@ def main() -> None:
     b, steps = rec.batch.expected_batch_size, rec.schedule.steps
     sigma = calibrate_sigma(a.eps, rec.privacy.delta, b / n_priv, steps)
     t0 = time.time()
-    scores = score_all(rec.model.name, k_labels, orc, rec.model.max_length, sigma, rec.privacy.clipping.max_norm, b,
-                       rec.optimizer.lr, a.score_update, a.granularity, rec.seed)
+    scores = score_all(rec, k_labels, orc, sigma, a.score_update, a.granularity)
     t_score = time.time() - t0
     units = list(scores["none"])
     arms = [Arm(f"unit-{u}", RECIPE, {"trainable.mode": "units", "trainable.units": [u]}) for u in units]
