@@ -522,6 +522,8 @@ class Trainer:
         from dpft.report.report import write_report
 
         r = self.recipe
+        if r.eval.save_predictions and self.world.distributed:  # refused before training, not after
+            raise TrainingError("eval.save_predictions is not supported with DDP yet; run on one process")
         main = self.world.is_main  # DDP: rank 0 alone reads and writes the run directory
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
