@@ -87,7 +87,7 @@ def test_score_unit_updates_only_the_unit_and_restores_theta0():
         assert set(g) == unit_names == set(xi)
         seen.append({n: p.detach().clone() for n, p in m.named_parameters()})
 
-    s = ScoreSettings(steps=4, batch_size=8, lr=1e-2, sigma=1.0, downstream_batch=8)
+    s = ScoreSettings(steps=4, batch_size=8, lr=1e-2, sigma=1.0, downstream_batch=8, update="adamw")
     sc = score_unit(m, "block.0", rows, val, s, on_step=on_step)
     assert len(seen) == 4
     moved = {n for n in theta0 if not torch.equal(seen[-1][n], seen[0][n])}
@@ -147,7 +147,7 @@ def test_score_unit_uses_the_downstream_head_body_clip_and_head_lr():
     theta0 = {n: p.detach().clone() for n, p in m.named_parameters()}
     rows, val = _rows(24), _rows(12, seed=1)
     grads = []
-    s = ScoreSettings(steps=2, batch_size=8, lr=1e-3, sigma=1.0, downstream_batch=8, perturbation="none",
+    s = ScoreSettings(steps=2, batch_size=8, lr=1e-3, sigma=1.0, downstream_batch=8, perturbation="none", update="adamw",
                       clip_norm=0.01, clip_style="head_body", head_fraction=0.25, head_lr=1e-1)
     score_unit(m, "block.0", rows, val, s, on_step=lambda step, g, xi: grads.append(g))
     for g in grads:  # mean of per-example clipped grads: each part within its budget
@@ -172,7 +172,7 @@ def test_score_unit_head_lr_moves_the_head_further():
                 moved.append(sum(float((p - h0[n]).norm()) for n, p in m.named_parameters() if n in h0))
 
         s = ScoreSettings(steps=2, batch_size=8, lr=1e-4, sigma=1.0, downstream_batch=8, perturbation="none",
-                          clip_style="head_body", head_lr=head_lr)
+                          clip_style="head_body", head_lr=head_lr, update="adamw")
         score_unit(m, "block.0", _rows(24), _rows(12, seed=1), s, on_step=on_step)
         return moved[0]
 

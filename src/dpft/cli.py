@@ -212,9 +212,12 @@ def train(
             typer.echo(f"σ = {trainer.sigma:.4f} for target ε = {rec.privacy.target_epsilon} at δ = "
                        f"{rec.privacy.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps, "
                        f"N = {trainer.n}, C = {rec.privacy.clipping.max_norm:g}", err=True)
-        elif main and trainer.ldp is not None:
-            typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {trainer.ldp.schedule.sigmas} "
-                       f"({trainer.ldp.schedule.method}) for ε = {trainer.ldp.schedule.epsilon:.4g} at δ = "
+        elif main and (ldp := next((m.ldp for m in trainer.methods if getattr(m, "ldp", None) is not None),
+                                   None)) is not None:
+            claim = (f"for ε = {ldp.schedule.epsilon:.4g}" if trainer.ledger.certified
+                     else "NOT CERTIFIED (see the report)")
+            typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {ldp.schedule.sigmas} "
+                       f"({ldp.schedule.method}) {claim} at δ = "
                        f"{rec.ldp.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps", err=True)
         elif main:
             typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)

@@ -212,6 +212,11 @@ class EvalCfg(_Strict):
     #: ``text`` task: prompts whose sampled continuations go in the report.
     prompts: list[str] = []
     max_new_tokens: int = Field(40, ge=1)
+    #: Write the final dev predictions, one JSON line per dev example (``index`` in the dev
+    #: split, ``prediction``, ``correct``), to ``<run>/dev_predictions.jsonl`` for paired tests
+    #: between runs (``dpft.eval.paired``). Classification only; not with DDP. A function of the
+    #: dev data: not in the release set (like the dev metrics, covered only if the dev split is).
+    save_predictions: bool = False
 
 
 class LogCfg(_Strict):

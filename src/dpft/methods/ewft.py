@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal, Optional
 
+import dp_accounting as dpa
 import torch
 from pydantic import Field
 
@@ -84,6 +85,15 @@ class LdpCfg(_Strict):
     #: With ``label_epsilon``: train on the forward-corrected loss −log (softmax·T)[ỹ] with the
     #: known RR transition matrix T (Patrini et al. 2017) instead of cross-entropy on ỹ.
     label_loss_correction: bool = True
+    #: Give post(·) the attention mask of the padded input (after the noise). The mask is not
+    #: noised: it releases each example's token count in the clear, so the ε then covers the
+    #: text of inputs of equal token count (the report's scope says so). False = post(·)
+    #: attends to every position and the token count is protected too (the split deployment
+    #: never sends a mask).
+    mask_after_noise: bool = True
+    #: REPRODUCTION ONLY, NOT CERTIFIED: ``dp_forward_code`` does what DP-Forward's official
+    #: code does (REPRO_FLAWS (i)–(vii)); the run reports NOT CERTIFIED with each flaw.
+    reproduce: Optional[Literal["dp_forward_code"]] = None
 
 
 
@@ -120,6 +130,36 @@ COMBINED_STATEMENT = (
     "guarantees use different neighbouring relations: add/remove and replace-one).")
 
 
+#: What ``ldp.reproduce: dp_forward_code`` does as DP-Forward's official code does
+#: (github xiangyue9607/DP-Forward), each a reason the run is NOT CERTIFIED or not comparable.
+REPRO_FLAWS = {
+    "i": "the layers before the noise (pre(·), and the projection) are trained through the noise, non-privately "
+         "(add_noise does not detach; freeze_pre_noise_layers never runs): gradients of clean inputs reach "
+         "the user-side weights",
+    "ii": "noise std σ·C instead of σ·2C (sensitivity hard-coded to 1, but the replace-one sensitivity of a "
+          "matrix clipped to C is 2C)",
+    "iii": "σ calibrated with sampling rate q = 1/N over N·E compositions although training uses batches of "
+           "B > 1 (q = B/N): the claimed ε does not describe the releases made",
+    "iv": "at `output` the pooled [CLS] vector (after the pooler) is noised",
+    "v": "the attention mask is passed to the layers after the noise (token count released in the clear)",
+    "vi": "the projection (autoencoder) is trained from random initialisation end to end, with no public "
+          "pre-training",
+    "vii": "no noise at inference (dev inputs unprotected)",
+}
+REPRO_REASON = ("ldp.reproduce: dp_forward_code reproduces DP-Forward's official code: "
+                + "; ".join(f"({k}) {v}" for k, v in REPRO_FLAWS.items()))
+
+
+def dp_forward_code_sigma(target_epsilon: float, delta: float, n: int, epochs: int) -> float:
+    """σ as DP-Forward's code calibrates it (flaw iii): ``PoissonSampled(1/N, Gaussian(σ))``
+    composed N·E times to ``target_epsilon`` at ``delta`` (PLD, dp_accounting), σ relative to a
+    sensitivity of 1 (noise std σ·C, flaw ii). SST-2 (N = 67,349, E = 3, δ = 1e-5):
+    σ = 0.4216 / 0.3745 / 0.3195 at ε = 2 / 4 / 8. NOT a certified calibration."""
+    from dpft.accounting.calibrate import calibrate_sigma
+
+    return calibrate_sigma(target_epsilon, delta, 1.0 / n, n * epochs)
+
+
 class LDPRun:
     """The forward-LDP part of one Trainer run (built by ``Trainer.__init__`` when ``ldp.enabled``).
 
@@ -154,7 +194,17 @@ class LDPRun:
         trainer.total_steps = self.epochs * self.steps_per_epoch
         check_delta(c.delta, trainer.n)
         q = trainer.q
-        if c.noise_multiplier is not None:
+        self.repro = c.reproduce == "dp_forward_code"
+        if self.repro and c.noise_multiplier is None:
+            if c.target_epsilon is None:
+                raise LDPError("ldp.reproduce needs target_epsilon (σ is calibrated as the code does) or "
+                               "noise_multiplier")
+            s = [dp_forward_code_sigma(c.target_epsilon, c.delta, trainer.n, self.epochs)] * self.epochs
+            self.schedule = NoiseSchedule(s, q, self.steps_per_epoch, c.delta, c.target_epsilon, c.target_epsilon,
+                                          "dp_forward_code",
+                                          notes=["σ calibrated as DP-Forward's code: q = 1/N over N·E "
+                                                 "compositions (NOT CERTIFIED)"])
+        elif c.noise_multiplier is not None:
             s = [float(c.noise_multiplier)] * self.epochs
             eps = schedule_epsilon(s, q, self.steps_per_epoch, c.delta) if s[0] > 0 else math.inf
             self.schedule = NoiseSchedule(s, q, self.steps_per_epoch, c.delta, eps, eps, "fixed")
@@ -172,13 +222,24 @@ class LDPRun:
                                f"{c.autoencoder.sizes} (e.g. [{hidden}, 64])")
             torch.manual_seed(r.seed)
             ae = StackedAutoencoder(c.autoencoder.sizes)
-        self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
-                                 eval_noise=c.eval_noise)
-        self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length)
-        self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
+        at_output = c.position == "output"
+        if self.repro:
+            # (i) no detach, (ii) std σ·C, (iv) pooled vector, (v) mask, (vi) no public
+            # pre-training, (vii) no inference noise; (iii) is the σ above.
+            self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
+                                     eval_noise=False, std_factor=1.0, detach=False)
+            self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length, pass_mask=True,
+                                         pooled_release=at_output, train_pre=True)
+            trainer.ledger.mark_not_certified(REPRO_REASON)
+        else:
+            self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
+                                     eval_noise=c.eval_noise)
+            self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length,
+                                         pass_mask=c.mask_after_noise, release_cls=at_output)
+            self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
         self.pretrain_loss: list[float] = []
         self.pretrain_baseline: float | None = None
-        if ae is not None and c.autoencoder.pretrain_epochs > 0:
+        if ae is not None and c.autoencoder.pretrain_epochs > 0 and not self.repro:
             self.pretrain_loss = self._pretrain(ae)
         trainer.model = self.split
         #: Label privacy (ldp.label_epsilon): RR labels drawn once here, before training.
@@ -223,6 +284,12 @@ class LDPRun:
 
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
+        if self.repro:
+            # what was actually released: std σ·C against sensitivity 2C, i.e. multiplier σ/2
+            # (the ledger is marked NOT CERTIFIED anyway: flaw i)
+            ev = dpa.PoissonSampledDpEvent(self.schedule.q, dpa.GaussianDpEvent(self.schedule.sigma_at(step) / 2))
+            self.trainer.record(PHASE, ev)
+            return
         self.trainer.record(PHASE, self.schedule.step_event(step))
 
     def _below_floor(self) -> bool:
@@ -230,7 +297,9 @@ class LDPRun:
         # meaningless anyway; report ∞ (an upper bound: never in the user's favour).
         return 0 < min(self.schedule.sigmas) < SIGMA_FLOOR
 
-    def epsilon(self) -> float:
+    def epsilon(self) -> float | None:
+        if self.repro:
+            return None  # NOT CERTIFIED: no ε is shown
         if self._below_floor():
             return math.inf
         return self.trainer.ledger.epsilon(self.cfg.delta).epsilon
@@ -245,6 +314,14 @@ class LDPRun:
     def privacy_section(self, steps_done: int) -> dict[str, Any]:
         """The two guarantees, each with its statement; ε's from the ledger / dp_accounting."""
         d = self.cfg.delta
+        if self.repro:
+            return {"guarantee": "NOT CERTIFIED", "reason": REPRO_REASON, "epsilon": None,
+                    "reproduce": "dp_forward_code", "flaws": dict(REPRO_FLAWS),
+                    "claimed_by_the_code": {"epsilon": self.cfg.target_epsilon, "delta": d,
+                                            "sigma": self.schedule.sigmas[0],
+                                            "calibration": "q = 1/N over N·E compositions, sensitivity 1"},
+                    "ledger": [{"phase": e.phase, "count": e.count, "event": repr(e.event)}
+                               for e in self.trainer.ledger.entries]}
         if self._below_floor():
             from dpft.accounting.ledger import PrivacyReport
 
@@ -253,10 +330,14 @@ class LDPRun:
             rep = self.trainer.ledger.epsilon(d)
         per_epoch = self.max_releases_per_epoch(steps_done)
         seq = [s for s, k in zip(self.schedule.sigmas, per_epoch) for _ in range(k)]
+        scope = [] if self.cfg.label_epsilon is not None else [LABELS_NOT_PROTECTED]
+        if self.cfg.mask_after_noise:
+            scope.append(LENGTH_NOT_PROTECTED)
         return {
             "guarantee": "certified", **rep.as_dict(),
-            # Without label RR the labels are used in the clear: the ε covers the inputs only.
-            "scope": None if self.cfg.label_epsilon is not None else LABELS_NOT_PROTECTED,
+            # Without label RR the labels are used in the clear: the ε covers the inputs only;
+            # with the mask after the noise, the token counts are in the clear too.
+            "scope": "; ".join(scope) or None,
             "statement": STREAM_STATEMENT,
             "ledger": [{"phase": e.phase, "count": e.count, "event": repr(e.event)}
                        for e in self.trainer.ledger.entries],
@@ -275,19 +356,35 @@ class LDPRun:
     def summary(self) -> dict[str, Any]:
         c = self.cfg
         return {"position": c.position, "max_norm": c.max_norm, "sensitivity": self.layer.sensitivity,
+                "reproduce": c.reproduce, "mask_after_noise": bool(self.split.pass_mask),
+                "release": ("pooled [CLS] vector" if self.split.pooled_release else
+                            "[CLS] row of the last block" if self.split.release_cls else "hidden matrix"),
+                "inference": INFERENCE_STATEMENT,
                 "noise_std_by_epoch": [s * self.layer.sensitivity for s in self.schedule.sigmas],
                 "autoencoder": c.autoencoder.sizes or None, "pretrain_loss": self.pretrain_loss,
                 "pretrain_mse_of_zero": self.pretrain_baseline,
-                "eval_noise": c.eval_noise, **self.schedule.as_dict(),
+                "eval_noise": self.layer.eval_noise, **self.schedule.as_dict(),
                 "label_epsilon": c.label_epsilon,
                 "label_loss_correction": bool(c.label_epsilon is not None and c.label_loss_correction),
-                "release_shape": [self.trainer.recipe.model.max_length,
+                "release_shape": [1 if self.split.release_cls else self.trainer.recipe.model.max_length,
                                   (c.autoencoder.sizes[-1] if c.autoencoder.sizes
                                    else int(self.split.model.config.hidden_size))]}
 
 
 #: Headline qualifier of a forward-LDP run without label privacy (issue 13).
 LABELS_NOT_PROTECTED = "ε covers the inputs only; labels are not protected (set ldp.label_epsilon)"
+#: Qualifier of ``ldp.mask_after_noise`` (issue 18): the mask is an un-noised function of the length.
+LENGTH_NOT_PROTECTED = ("token counts are not protected: the attention mask given to post(·) is not noised, "
+                        "so ε covers the text of inputs of equal token count (set ldp.mask_after_noise: false "
+                        "to protect the count too)")
+#: Which dev accuracy the inference-time guarantee covers.
+INFERENCE_STATEMENT = (
+    "dev_accuracy_noisy_inference: every dev input is clipped and noised at the last epoch's σ before post(·) "
+    "sees it, so each dev prediction is a post-processing of one (ε_loc, δ)-LDP release of that input (local "
+    "guarantee, 'epsilon_per_release_by_epoch'[-1]; with ldp.mask_after_noise its token count is in the clear). "
+    "dev_accuracy_clean_inference: the same model on un-noised inputs — no inference-time protection of the "
+    "dev input (the model itself still carries the training guarantee). dev_accuracy is the one ldp.eval_noise "
+    "selects.")
 
 
 @register_method
@@ -319,6 +416,28 @@ class ForwardLDP(Method):
     def epsilon(self, run):
         return self.ldp.epsilon()
 
+    def evaluate(self, run, evaluate):
+        """Dev metrics with and without inference noise (``*_noisy_inference`` /
+        ``*_clean_inference``); ``dev_accuracy`` / ``dev_loss`` are the ones ``ldp.eval_noise``
+        selects (always clean in the reproduction, as the code). Eval noise comes from its own
+        secret stream ``ldp_eval`` (never a training step's)."""
+        layer = self.ldp.layer
+        keep, gen = layer.eval_noise, layer.generator
+        self._n_eval = getattr(self, "_n_eval", 0) + 1
+        out: dict = {}
+        try:
+            for noisy in (not keep, keep):  # the headline last (its predictions are the ones kept)
+                layer.eval_noise = noisy
+                layer.generator = run.rng.generator("ldp_eval", self._n_eval)
+                res = evaluate()
+                tag = "noisy" if noisy else "clean"
+                out.update({f"{k}_{tag}_inference": v for k, v in res.items()})
+                if noisy == keep:
+                    out.update(res)
+        finally:
+            layer.eval_noise, layer.generator = keep, gen
+        return out
+
     def privacy_section(self, run):
         return self.ldp.privacy_section(run.total_steps)
 
@@ -329,7 +448,17 @@ class ForwardLDP(Method):
     def markdown(cls, rep) -> list[str]:
         from dpft.report.report import ldp_markdown
 
-        return ldp_markdown(rep)
+        x, p, met = rep["ldp"], rep["privacy"], rep.get("metrics", {})
+        acc = [f"- Dev accuracy with inference noise {met['dev_accuracy_noisy_inference']:.4f}, without "
+               f"{met['dev_accuracy_clean_inference']:.4f}. {x.get('inference', '')}"] \
+            if "dev_accuracy_noisy_inference" in met else []
+        if p.get("guarantee") == "NOT CERTIFIED":  # ldp.reproduce: no ε, each flaw named
+            return ["## Forward-pass LDP: NOT CERTIFIED reproduction of DP-Forward's code", "",
+                    f"- σ = {x['sigmas'][0]:.4g} (noise std σ·C = {x['noise_std_by_epoch'][0]:.4g}); the code "
+                    f"claims ε = {p['claimed_by_the_code']['epsilon']} at δ = {p['claimed_by_the_code']['delta']:g}, "
+                    "which does not hold:",
+                    *[f"  - ({k}) {v}" for k, v in p["flaws"].items()], *acc, ""]
+        return ldp_markdown(rep)[:-1] + acc + [""]
 
 
 # ---------------------------------------------------------------------------- shared helpers

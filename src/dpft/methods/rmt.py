@@ -2,16 +2,30 @@
 after the noise (post-processing, no ε cost; transforms/rmt.py holds the maths).
 
 Recipe: ``denoise: {method: rmt, kappa: 1.05}`` or ``methods: [{name: rmt, method: rmt}]``.
+
+``denoise.diagnostics`` (research runs only, NOT CERTIFIED): keeps each step's *clean* clipped
+sum and writes, per step, the per-layer spike strength of the clean gradient against the BBP
+threshold and the detection threshold, and the cosine of the noisy and the denoised gradient
+to the clean one (``<run>/rmt_diagnostics.jsonl``). The clean gradient is not protected by
+the noise, so such a run is marked NOT CERTIFIED and prints no ε.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Literal, Optional
 
 from pydantic import Field
 
 from dpft.config import _Strict
 from dpft.methods.base import Method, register_method
+
+#: Why a diagnostics run cannot be certified.
+DIAGNOSTICS_REASON = ("denoise.diagnostics: the run reads each step's clean (un-noised) clipped gradient and writes "
+                      "statistics of it (spike strength, cosines) to rmt_diagnostics.jsonl; they are not covered by "
+                      "the noise, so nothing this run writes is under a proven ε (research on the ledger's "
+                      "mechanism only; run the same recipe without diagnostics for a certified release)")
+DIAGNOSTICS_FILE = "rmt_diagnostics.jsonl"
 
 
 class DenoiseCfg(_Strict):
@@ -23,6 +37,28 @@ class DenoiseCfg(_Strict):
     kappa: float = Field(1.05, ge=1.0)  # from benchmarks/results/rmt_kappa_sweep.md
     #: Randomized top-r SVD instead of a full SVD (None = full).
     rank: Optional[int] = Field(None, ge=1)
+    #: Leave matrices with min(m, n) < min_dim alone: Marchenko–Pastur asymptotics need both
+    #: dimensions large (the 2 × 384 classifier head of a binary task is excluded by default).
+    min_dim: int = Field(8, ge=1)
+    #: NOT CERTIFIED research runs: log per-layer spike strength of the clean gradient and the
+    #: cosines to it (module doc).
+    diagnostics: bool = False
+
+
+class _CleanCapture:
+    """The step's Gaussian mechanism, keeping a copy of the clean clipped sum it is given
+    (diagnostics only; everything else is the wrapped mechanism's)."""
+
+    def __init__(self, mech):
+        self.mech = mech
+        self.clean = None
+
+    def release(self, grad_sum, sensitivity, q, step):
+        self.clean = {k: v.detach().clone() for k, v in grad_sum.items()}
+        return self.mech.release(grad_sum, sensitivity, q, step)
+
+    def __getattr__(self, name):
+        return getattr(self.mech, name)
 
 
 @register_method
@@ -38,10 +74,52 @@ class RMTDenoise(Method):
     def enabled(cls, cfg: DenoiseCfg) -> bool:
         return cfg.method == "rmt"
 
+    def prepare(self, run) -> None:
+        if self.cfg.diagnostics and run.private:
+            run.ledger.mark_not_certified(DIAGNOSTICS_REASON)
+
     def build(self, spec, run):
         if not run.private:
             return spec
         from dpft.step.postprocess import rmt_transform
 
         params = spec.params if spec.params is not None else spec.engine.params
-        return spec.replace(transforms=[*spec.transforms, rmt_transform(run.model, list(params), self.cfg)])
+        if not self.cfg.diagnostics:
+            return spec.replace(transforms=[*spec.transforms, rmt_transform(run.model, list(params), self.cfg)])
+        cap = _CleanCapture(spec.mechanism)
+        return spec.replace(mechanism=cap, transforms=[*spec.transforms, self._diagnostic_transform(run, params, cap)])
+
+    def _diagnostic_transform(self, run, params, cap):
+        from dpft.transforms.rmt import RMTDenoiser, matrix_param_names, spike_report
+
+        c = self.cfg
+        den = RMTDenoiser(kappa=c.kappa, rank=c.rank, min_dim=c.min_dim, diagnostics=True)
+        names = matrix_param_names(run.model, list(params))
+        path = run.run_dir / DIAGNOSTICS_FILE
+
+        def apply(grads, ctx):
+            denom = ctx["q"] * run.n  # as the step divides the noisy sum
+            clean = {k: v.float() / denom for k, v in cap.clean.items() if k in grads}
+            out = den(grads, ctx["noise_std"], names, clean_grads=clean)
+            spikes = spike_report(clean, ctx["noise_std"], c.kappa, names=list(den.last_stats))
+            cos = den.last_cosine_report or {"layers": {}, "total": {}}
+            layers = {k: {**spikes.get(k, {}), "y1_observed": st.top_sv, "touched": st.touched,
+                          **{f"cos_{a}": b for a, b in cos["layers"].get(k, {}).items()}}
+                      for k, st in den.last_stats.items()}
+            row = {"step": ctx["step"], "noise_std": ctx["noise_std"], "excluded_min_dim": den.last_excluded,
+                   "cos_total": cos["total"], "layers": layers}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            return out
+
+        apply.denoiser = den  # type: ignore[attr-defined]
+        return apply
+
+    def report(self, run) -> dict:
+        out = {"kappa": self.cfg.kappa, "rank": self.cfg.rank, "min_dim": self.cfg.min_dim,
+               "diagnostics": self.cfg.diagnostics}
+        if self.cfg.diagnostics:
+            out["diagnostics_file"] = DIAGNOSTICS_FILE
+            out["not_certified"] = DIAGNOSTICS_REASON
+        return out

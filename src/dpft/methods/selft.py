@@ -59,6 +59,12 @@ class SelFTCfg(BaseModel):
     top_k: int = Field(3, ge=1)
     #: the (new) classification head trains in every scored subset and in the final run.
     with_head: bool = True
+    #: ``eq21``: the paper's scorer (head warm-up without ξ, then one SGD step on Λ with ξ on Λ
+    #: only; selection/scoring.py). ``adamw``: the pre-issue-18 scorer, for comparison only.
+    score_update: Literal["eq21", "adamw"] = "eq21"
+    #: ``eq21``: AdamW steps of the shared head's warm-up on the synthetic train split.
+    head_warmup_steps: int = Field(50, ge=0)
+    #: ``adamw`` only: temporary-training steps per unit.
     score_steps: int = Field(30, ge=1)
     score_batch_size: int = Field(32, ge=1)
     #: temporary-training learning rate (default: the recipe's optimizer.lr).
@@ -71,7 +77,7 @@ class SelFTCfg(BaseModel):
 def _score_settings(cfg: SelFTCfg, recipe: Recipe, sigma: float) -> ScoreSettings:
     pert = {"selft": "worst", "random_noise": "random"}.get(cfg.selector, "none")
     return ScoreSettings(
-        perturbation=pert, steps=cfg.score_steps, batch_size=cfg.score_batch_size,
+        perturbation=pert, update=cfg.score_update, head_warmup_steps=cfg.head_warmup_steps, steps=cfg.score_steps, batch_size=cfg.score_batch_size,
         lr=cfg.score_lr or recipe.optimizer.lr, clip_norm=recipe.privacy.clipping.max_norm, sigma=sigma,
         downstream_batch=recipe.batch.expected_batch_size, with_head=cfg.with_head,
         clip=cfg.selector not in ("no_noise", "loss"), max_length=recipe.model.max_length, seed=recipe.seed,

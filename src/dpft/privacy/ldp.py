@@ -134,21 +134,31 @@ class GaussianLDP(nn.Module):
     """
 
     def __init__(self, max_norm: float = 1.0, sigma: float = 0.0, autoencoder: Optional[StackedAutoencoder] = None,
-                 normalize: bool = False, eval_noise: bool = True, generator: Optional[torch.Generator] = None):
+                 normalize: bool = False, eval_noise: bool = True, generator: Optional[torch.Generator] = None,
+                 std_factor: float = 2.0, detach: bool = True):
         super().__init__()
         if not max_norm > 0:
             raise LDPError(f"ldp.max_norm (C) must be > 0, got {max_norm}")
+        if std_factor not in (1.0, 2.0):
+            raise LDPError(f"std_factor must be 2 (certified: replace-one sensitivity 2C) or 1 (the "
+                           f"NOT CERTIFIED DP-Forward code reproduction), got {std_factor}")
         self.max_norm = float(max_norm)
         self.sigma = float(sigma)
         self.autoencoder = autoencoder
         self.normalize = normalize
         self.eval_noise = eval_noise
         self.generator = generator
+        #: 2 = certified (std σ·2C). 1 = DP-Forward's code (std σ·C: sensitivity hard-coded to 1).
+        self.std_factor = float(std_factor)
+        #: True = certified (nothing flows back into the user's side). False = DP-Forward's code:
+        #: the layers before the noise are trained *through* the noise, non-privately.
+        self.detach = bool(detach)
 
     @property
     def sensitivity(self) -> float:
-        """Replace-one L2 (Frobenius) sensitivity of the clipped matrix: 2C."""
-        return 2.0 * self.max_norm
+        """Replace-one L2 (Frobenius) sensitivity of the clipped matrix: 2C (the std unit of the
+        noise; C in the NOT CERTIFIED ``std_factor = 1`` reproduction)."""
+        return self.std_factor * self.max_norm
 
     def set_sigma(self, sigma: float) -> None:
         if sigma < 0:
@@ -164,14 +174,16 @@ class GaussianLDP(nn.Module):
     def release(self, h: torch.Tensor) -> torch.Tensor:
         """User side: ``(B, T, d)`` hidden matrices → ``(B, T, k)`` noisy (clipped) codes.
 
-        The output is detached: nothing computed from the clean input flows back.
+        The output is detached: nothing computed from the clean input flows back (with
+        ``detach=False``, the NOT CERTIFIED reproduction, gradients flow through the noise into
+        the encoder and whatever computed ``h``).
         """
-        with torch.no_grad():
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.detach):
             z = self.autoencoder.encode(h) if self.autoencoder is not None else h
             z = clip_frobenius(z, self.max_norm, self.normalize)
             if self.training or self.eval_noise:
                 z = z + self.noise_like(z)
-        return z.detach()
+        return z.detach() if self.detach else z
 
     def reconstruct(self, z: torch.Tensor) -> torch.Tensor:
         """Server side: noisy code → hidden matrix for post(·) (decoder, trainable)."""
@@ -225,14 +237,28 @@ class SplitClassifier(nn.Module):
 
     pre(·) and the autoencoder encoder are frozen (the user's side; trained only on public
     data); post(·), decoder, pooler and classifier train. Inputs are padded to the fixed
-    length ``max_length`` so the release is always ``(T = max_length) × k``, and post(·)
-    attends to every position (no attention mask crosses the wire: the token count is not
-    released).
+    length ``max_length`` so the release is always ``(T = max_length) × k``.
+
+    Args:
+        pass_mask: give post(·) the attention mask of the padded input (``ldp.mask_after_noise``).
+            The mask is a function of the token count only; it is *not* noised, so with it the
+            token count of each example is released in the clear and the guarantee covers the
+            text of inputs of equal token count. False: post(·) attends to every position and
+            nothing but the noisy matrix leaves the user (the split deployment's choice).
+        release_cls: at ``output``, release only the [CLS] row of the last block, ``(B, 1, h)``
+            (DP-Forward noises the pooled [CLS] vector there); the pooler trains on the server.
+        pooled_release: NOT CERTIFIED reproduction of DP-Forward's code at ``output``: the
+            pooler runs on the user side and its ``(B, 1, h)`` output is released.
+        train_pre: NOT CERTIFIED reproduction: pre(·) (and the encoder) stay trainable, run
+            with dropout in train mode and get gradients through the noise (with a
+            ``noise.detach = False`` layer); the cache of pre(·) is refused.
 
     ``forward(input_ids, attention_mask, token_type_ids)`` → object with ``.logits`` ``(B, labels)``.
     """
 
-    def __init__(self, model: nn.Module, position: str, noise: GaussianLDP, max_length: int):
+    def __init__(self, model: nn.Module, position: str, noise: GaussianLDP, max_length: int,
+                 pass_mask: bool = False, release_cls: bool = False, pooled_release: bool = False,
+                 train_pre: bool = False):
         super().__init__()
         base = getattr(model, "bert", None)
         if base is None or not hasattr(model, "classifier"):
@@ -245,18 +271,33 @@ class SplitClassifier(nn.Module):
         self.cut = parse_position(position, len(blocks))
         self.position = position
         self.pad_id = model.config.pad_token_id or 0
+        self.pass_mask = bool(pass_mask)
+        at_output = self.cut == len(blocks)
+        if (release_cls or pooled_release) and not at_output:
+            raise LDPError("releasing the [CLS] / pooled vector needs ldp.position: output")
+        if pooled_release and base.pooler is None:
+            raise LDPError("pooled_release needs a model with a pooler")
+        self.release_cls = bool(release_cls or pooled_release)
+        self.pooled_release = bool(pooled_release)
+        self.train_pre = bool(train_pre)
+        if self.train_pre and noise.detach:
+            raise LDPError("train_pre (reproduction) needs a noise layer with detach=False")
         #: Per-example cache of pre(·) outputs (pre(·) is frozen and deterministic and every
         #: example is padded to max_length on its own, so a row depends only on its tokens).
         #: A speed-up only: the noise is drawn fresh at every release. None = off.
         self.pre_cache: Optional[dict] = None
-        for p in base.embeddings.parameters():
-            p.requires_grad_(False)
-        for blk in list(blocks)[: self.cut]:
-            for p in blk.parameters():
+        if not self.train_pre:
+            for p in base.embeddings.parameters():
                 p.requires_grad_(False)
-        if noise.autoencoder is not None:
-            for p in noise.autoencoder.encoder.parameters():
-                p.requires_grad_(False)
+            for blk in list(blocks)[: self.cut]:
+                for p in blk.parameters():
+                    p.requires_grad_(False)
+            if self.pooled_release:
+                for p in base.pooler.parameters():
+                    p.requires_grad_(False)
+            if noise.autoencoder is not None:
+                for p in noise.autoencoder.encoder.parameters():
+                    p.requires_grad_(False)
 
     # -- user side
     def _pad(self, input_ids, attention_mask, token_type_ids):
@@ -274,28 +315,33 @@ class SplitClassifier(nn.Module):
             token_type_ids = torch.cat([token_type_ids, token_type_ids.new_zeros((b, extra))], 1)
         return input_ids, attention_mask, token_type_ids
 
-    @torch.no_grad()
     def pre(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
-        """pre(·): ``(B, T')`` token ids → ``(B, max_length, h)`` clean hidden states (user side)."""
-        if self.pre_cache is None:
+        """pre(·): ``(B, T')`` token ids → ``(B, max_length, h)`` clean hidden states (user side;
+        ``(B, 1, h)`` with ``release_cls``). No gradient unless ``train_pre`` (reproduction)."""
+        if self.train_pre:
+            if self.pre_cache is not None:
+                raise LDPError("train_pre: pre(·) changes during training, its cache must be off")
             return self._pre(input_ids, attention_mask, token_type_ids)
-        ids, mask, tt = self._pad(input_ids, attention_mask, token_type_ids)
-        keys = [(r.tolist(), m.tolist(), t.tolist()) for r, m, t in zip(ids, mask, tt)]
-        keys = [repr(k) for k in keys]
-        miss = [i for i, k in enumerate(keys) if k not in self.pre_cache]
-        if miss:
-            h = self._pre(ids[miss], mask[miss], tt[miss])
-            for j, i in enumerate(miss):
-                self.pre_cache[keys[i]] = h[j].clone()
-        return torch.stack([self.pre_cache[k] for k in keys])
+        with torch.no_grad():
+            if self.pre_cache is None:
+                return self._pre(input_ids, attention_mask, token_type_ids)
+            ids, mask, tt = self._pad(input_ids, attention_mask, token_type_ids)
+            keys = [(r.tolist(), m.tolist(), t.tolist()) for r, m, t in zip(ids, mask, tt)]
+            keys = [repr(k) for k in keys]
+            miss = [i for i, k in enumerate(keys) if k not in self.pre_cache]
+            if miss:
+                h = self._pre(ids[miss], mask[miss], tt[miss])
+                for j, i in enumerate(miss):
+                    self.pre_cache[keys[i]] = h[j].clone()
+            return torch.stack([self.pre_cache[k] for k in keys])
 
-    @torch.no_grad()
     def _pre(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
         from transformers.masking_utils import create_bidirectional_mask
 
         base = self.model.bert
         was = base.training
-        base.eval()  # the user's frozen part: deterministic (no dropout)
+        if not self.train_pre:
+            base.eval()  # the user's frozen part: deterministic (no dropout)
         try:
             ids, mask, tt = self._pad(input_ids, attention_mask, token_type_ids)
             h = base.embeddings(input_ids=ids, token_type_ids=tt)
@@ -304,21 +350,40 @@ class SplitClassifier(nn.Module):
                 for blk in base.encoder.layer[: self.cut]:
                     h = blk(h, attention_mask=m)
                     h = h[0] if isinstance(h, tuple) else h
+            if self.pooled_release:
+                h = base.pooler(h).unsqueeze(1)  # DP-Forward's code: the pooled [CLS] vector
+            elif self.release_cls:
+                h = h[:, :1]  # the [CLS] row: all the head reads at `output`
         finally:
             base.train(was)
         return h
 
     def release(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
-        """Everything the user sends: the noisy (clipped, encoded) ``(B, max_length, k)`` matrix."""
+        """Everything the user sends: the noisy (clipped, encoded) ``(B, max_length, k)`` matrix
+        (``(B, 1, k)`` with ``release_cls``)."""
         return self.noise.release(self.pre(input_ids, attention_mask, token_type_ids))
 
+    def padded_mask(self, input_ids, attention_mask=None) -> torch.Tensor:
+        """``(B, max_length)`` attention mask of the padded input (a function of the token count)."""
+        return self._pad(input_ids, attention_mask, None)[1]
+
     # -- server side
-    def post(self, z: torch.Tensor) -> torch.Tensor:
-        """post(·) and the head: noisy code ``(B, T, k)`` → logits ``(B, labels)``."""
+    def post(self, z: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """post(·) and the head: noisy code ``(B, T, k)`` → logits ``(B, labels)``.
+
+        ``mask`` ``(B, T)``: attention mask for the blocks after the noise (None = attend to
+        every position)."""
         base = self.model.bert
         h = self.noise.reconstruct(z)
+        if self.pooled_release:
+            return self.model.classifier(self.model.dropout(h[:, 0]))
+        m = None
+        if mask is not None and self.cut < len(base.encoder.layer):
+            from transformers.masking_utils import create_bidirectional_mask
+
+            m = create_bidirectional_mask(config=base.config, inputs_embeds=h, attention_mask=mask)
         for blk in base.encoder.layer[self.cut:]:
-            h = blk(h, attention_mask=None)  # all positions: no mask crosses the wire
+            h = blk(h, attention_mask=m)
             h = h[0] if isinstance(h, tuple) else h
         pooled = base.pooler(h) if base.pooler is not None else h[:, 0]
         return self.model.classifier(self.model.dropout(pooled))
@@ -326,7 +391,9 @@ class SplitClassifier(nn.Module):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, **_):
         from transformers.modeling_outputs import SequenceClassifierOutput
 
-        return SequenceClassifierOutput(logits=self.post(self.release(input_ids, attention_mask, token_type_ids)))
+        z = self.release(input_ids, attention_mask, token_type_ids)
+        mask = self.padded_mask(input_ids, attention_mask) if self.pass_mask else None
+        return SequenceClassifierOutput(logits=self.post(z, mask))
 
     def save_pretrained(self, out) -> None:
         """The inner model (``save_pretrained``) and the autoencoder (``autoencoder.safetensors``)."""

@@ -368,14 +368,24 @@ class Trainer:
         order = sorted(range(len(self.dev_tok)), key=lambda i: len(self.dev_tok[i]["input_ids"]))
         order = order[self.world.rank::self.world.world_size]  # DDP: this rank's share of the dev set
         correct, loss, n = 0, 0.0, 0
+        keep = self.recipe.eval.save_predictions
+        if keep and self.world.distributed:
+            raise TrainingError("eval.save_predictions is not supported with DDP yet; run on one process")
+        preds: dict[int, tuple[int, bool]] = {}
         for k in range(0, len(order), bs):
             rows = self.dev_tok.select(order[k:k + bs])
             batch = collate(list(rows), self.pad_id, self.with_token_types, device=self.device)
             with self.precision.autocast():
                 logits = self.model(**model_inputs(batch)).logits.float()
             loss += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-            correct += int((logits.argmax(-1) == batch["labels"]).sum())
+            hit = logits.argmax(-1) == batch["labels"]
+            correct += int(hit.sum())
             n += len(rows)
+            if keep:
+                for i, p, h in zip(order[k:k + bs], logits.argmax(-1).tolist(), hit.tolist()):
+                    preds[int(i)] = (int(p), bool(h))
+        if keep:  # the latest evaluation's (a method evaluating twice runs its headline last)
+            self.dev_predictions = [{"index": i, "prediction": p, "correct": h} for i, (p, h) in sorted(preds.items())]
         if self.world.distributed:  # DDP: the world's sums, the same on every rank
             c, loss, m = ddp.all_sum(self.world, [correct, loss, n])
             correct, n = int(c), int(m)
@@ -512,6 +522,8 @@ class Trainer:
         from dpft.report.report import write_report
 
         r = self.recipe
+        if r.eval.save_predictions and self.world.distributed:  # refused before training, not after
+            raise TrainingError("eval.save_predictions is not supported with DDP yet; run on one process")
         main = self.world.is_main  # DDP: rank 0 alone reads and writes the run directory
         if main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -572,6 +584,10 @@ class Trainer:
                                                       seed=r.seed)
             elapsed = self.elapsed_before + (time.time() - self._t_run)
             self.save_model()
+            if r.eval.save_predictions and getattr(self, "dev_predictions", None):
+                from dpft.eval.paired import write_predictions
+
+                write_predictions(self.run_dir / "dev_predictions.jsonl", self.dev_predictions)
             return write_report(self, last_eval, elapsed)
 
         return ddp.on_rank0(self.world, finish)

@@ -1,10 +1,12 @@
 """Perturbation-aware unit scoring of DP-SelFT (Sha et al., Section 4.3 Eq. 17–23; Algorithm 1
 lines 6–14; Appendix B: each unit scored alone, top-k kept).
 
-For each unit Λ, from θ⁽⁰⁾: train only Λ (plus the head when ``with_head``) on the synthetic
-training split with per-example clipping to C, and at each step replace the DP noise by a
-perturbation ξ of the downstream noise scale; score = accuracy on the synthetic validation
-split (Eq. 22). Runs on public (DP synthetic) data only, so it costs no privacy budget.
+For each unit Λ, from θ⁽⁰⁾ with the shared head warmed up on the synthetic train split
+(no ξ): one SGD step on Λ only, θ′_Λ = θ_Λ − η(g_Λ + ξ*) (Eq. 21), g_Λ the mean per-example
+clipped gradient, ξ* the worst-case perturbation of the downstream noise scale on Λ only;
+score = accuracy on the synthetic validation split (Eq. 22). ``ScoreSettings.update = "adamw"``
+keeps the pre-issue-18 scorer (many AdamW steps on Λ and the fresh head, ξ on both). Runs on
+public (DP synthetic) data only, so it costs no privacy budget.
 
 Worst-case perturbation (Eq. 20, first order). The update is ``θ' = θ − η(g + ξ)`` and
 ``ξ* = argmax_{‖ξ‖≤ρ} L(θ − η(g + ξ))``. Expanding around ``θ̃ = θ − ηg``:
@@ -61,12 +63,14 @@ def mean_loss(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tens
     return classification_loss(lambda **kw: model(**kw), batch).mean()
 
 
-def worst_case_perturbation(model: nn.Module, params: Mapping[str, nn.Parameter], batch: Mapping[str, torch.Tensor],
+def worst_case_perturbation(model: nn.Module, params: Mapping[str, nn.Parameter],
+                            batch: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
                             g: Grads, lr: float, rho: float) -> Grads:
     """ξ* = −ρ·∇L(θ − ηg)/‖∇L(θ − ηg)‖ restricted to ``params`` (Eq. 20, first order).
 
-    The parameters are moved to θ − ηg for one forward/backward of the batch's mean loss and
-    restored exactly. A zero gradient gives ξ = 0.
+    The parameters are moved to θ − ηg for one forward/backward of the mean loss of ``batch``
+    (one batch, or a list of batches: the example-weighted mean over all) and restored
+    exactly. A zero gradient gives ξ = 0.
 
     Returns:
         ``{name: tensor}`` with ``‖ξ‖₂ = ρ`` (all of ``params`` together).
@@ -76,8 +80,15 @@ def worst_case_perturbation(model: nn.Module, params: Mapping[str, nn.Parameter]
         with torch.no_grad():
             for n, p in params.items():
                 p.sub_(lr * g[n].to(p.dtype))
+        batches = [batch] if isinstance(batch, Mapping) else list(batch)
+        total = sum(len(b["labels"]) for b in batches)
+        grads = None
         with torch.enable_grad():
-            grads = torch.autograd.grad(mean_loss(model, batch), list(params.values()), allow_unused=True)
+            for b in batches:
+                w = len(b["labels"]) / total
+                part = torch.autograd.grad(w * mean_loss(model, b), list(params.values()), allow_unused=True)
+                grads = part if grads is None else [
+                    x if y is None else (y if x is None else x + y) for x, y in zip(grads, part)]
     finally:
         with torch.no_grad():
             for n, p in params.items():
@@ -99,6 +110,13 @@ class ScoreSettings:
     """What a unit score depends on besides model and data (part of the cache key)."""
 
     perturbation: str = "worst"  # worst · random · none
+    #: ``eq21`` (the paper, Eq. 21): the shared head is first warmed up on the synthetic train
+    #: split without ξ (``head_warmup_steps``), then ONE SGD step θ′_Λ = θ_Λ − η(g_Λ + ξ*_Λ) on the
+    #: unit Λ only, g_Λ the mean clipped gradient over the whole synthetic train split.
+    #: ``adamw``: the pre-issue-18 scorer (``steps`` AdamW steps on Λ and the fresh head, ξ on
+    #: both) — kept for comparison only: with ρ_Λ ≫ ‖g‖ Adam turns it into sign ascent.
+    update: str = "eq21"
+    head_warmup_steps: int = 50
     steps: int = 30
     batch_size: int = 32
     lr: float = 5e-4
@@ -121,6 +139,10 @@ class ScoreSettings:
             raise ValueError(f"perturbation must be one of {PERTURBATIONS}, got {self.perturbation!r}")
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError("scoring needs steps ≥ 1 and batch_size ≥ 1")
+        if self.update not in ("eq21", "adamw"):
+            raise ValueError(f"update must be 'eq21' (the paper) or 'adamw' (old scorer), got {self.update!r}")
+        if self.head_warmup_steps < 0:
+            raise ValueError("head_warmup_steps must be ≥ 0")
 
 
 @dataclass
@@ -166,22 +188,114 @@ def evaluate(model: nn.Module, rows: Sequence[dict], pad_id: int, with_token_typ
     return correct / len(rows), loss / len(rows)
 
 
+def warm_up_head(model: nn.Module, train_rows: Sequence[dict], s: ScoreSettings, pad_id: int = 0,
+                 with_token_types: bool = True) -> dict[str, torch.Tensor]:
+    """The shared head trained alone on the synthetic train split, without ξ (clean AdamW,
+    ``s.head_warmup_steps`` mini-batches of ``s.batch_size`` at ``s.head_lr`` or ``s.lr``), so
+    Eq. 21's one step on Λ is read against a head that already fits θ⁽⁰⁾. Returns the warmed
+    head's ``{name: tensor}``; ``model`` is left unchanged (head and flags restored)."""
+    head = {n: p for n, p in model.named_parameters() if is_head_param(n)}
+    saved = {n: p.detach().clone() for n, p in head.items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    try:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in head)
+        opt = torch.optim.AdamW(list(head.values()), lr=s.head_lr or s.lr, weight_decay=0.0)
+        model.eval()
+        for _ in range(s.head_warmup_steps):
+            idx = torch.randint(0, len(train_rows), (min(s.batch_size, len(train_rows)),), generator=gen)
+            batch = collate([train_rows[int(i)] for i in idx], pad_id, with_token_types)
+            with torch.enable_grad():
+                loss = mean_loss(model, batch)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            opt.step()
+        return {n: p.detach().clone() for n, p in head.items()}
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in saved:
+                    p.copy_(saved[n])
+                p.requires_grad_(flags[n])
+                p.grad = None
+
+
+def _score_unit_eq21(model: nn.Module, unit: str, train_rows: Sequence[dict], val_rows: Sequence[dict],
+                     s: ScoreSettings, pad_id: int, with_token_types: bool, on_step,
+                     head_state: Optional[Mapping[str, torch.Tensor]]) -> UnitScore:
+    own = list(resolve_units(model, [unit], with_head=False))
+    if s.with_head and head_state is None and s.head_warmup_steps > 0:
+        head_state = warm_up_head(model, train_rows, s, pad_id, with_token_types)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    touched = set(own) | set(head_state or {})
+    theta0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in touched}
+    try:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if head_state and n in head_state:
+                    p.copy_(head_state[n])
+                p.requires_grad_(n in own)
+        engine = _engine(model, s.clip_norm, s.clip, s.clip_style, s.head_fraction)
+        params = engine.params
+        dim = sum(p.numel() for p in params.values())
+        rho = noise_scale(s.sigma, s.clip_norm, dim, s.downstream_batch)
+        model.eval()
+        batches = [collate(list(train_rows[k:k + s.batch_size]), pad_id, with_token_types)
+                   for k in range(0, len(train_rows), s.batch_size)]
+        g = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
+        for b in batches:  # g_Λ: mean clipped per-example gradient over the synthetic train split
+            res = engine.clipped_sum(b)
+            for n, t in res.grad_sum.items():
+                g[n] += t.float()
+        g = {n: t / len(train_rows) for n, t in g.items()}
+        if s.perturbation == "worst":
+            xi = worst_case_perturbation(model, params, batches, g, s.lr, rho)
+        elif s.perturbation == "random":
+            xi = random_perturbation(params, s.sigma * s.clip_norm / s.downstream_batch,
+                                     torch.Generator().manual_seed(s.seed))
+        else:
+            xi = {n: torch.zeros_like(t) for n, t in g.items()}
+        if on_step is not None:
+            on_step(0, g, xi)
+        with torch.no_grad():  # Eq. 21: θ′ = θ − η(g_Λ + ξ*), one SGD step on Λ only
+            for n, p in params.items():
+                p.sub_((s.lr * (g[n] + xi[n])).to(p.dtype))
+        acc, loss = evaluate(model, list(val_rows), pad_id, with_token_types)
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in theta0:
+                    p.copy_(theta0[n])
+                p.requires_grad_(flags[n])
+                p.grad = None
+    return UnitScore(unit, acc, loss, dim, rho, float(_norm(g)))
+
+
 def score_unit(model: nn.Module, unit: str, train_rows: Sequence[dict], val_rows: Sequence[dict],
                s: ScoreSettings, pad_id: int = 0, with_token_types: bool = True,
-               on_step: Optional[Callable[[int, Grads, Grads], None]] = None) -> UnitScore:
-    """Score one unit (Algorithm 1 lines 8–12): temporary clipped training of Λ only with ξ,
-    then synthetic-validation accuracy. ``model`` is restored to θ⁽⁰⁾ and its ``requires_grad``
-    flags to what they were before returning.
+               on_step: Optional[Callable[[int, Grads, Grads], None]] = None,
+               head_state: Optional[Mapping[str, torch.Tensor]] = None) -> UnitScore:
+    """Score one unit (Algorithm 1 lines 8–12), then synthetic-validation accuracy.
+
+    ``s.update == "eq21"`` (default, the paper's Eq. 21): head warmed up without ξ
+    (:func:`warm_up_head`, or ``head_state`` when given, e.g. shared by :func:`score_units`),
+    then one SGD step ``θ′_Λ = θ_Λ − η(g_Λ + ξ*_Λ)`` with ``‖ξ*_Λ‖ = ρ_Λ = σC√d_Λ/B`` on Λ only
+    (η = ``s.lr``: use the downstream learning rate). ``"adamw"``: the old scorer (``s.steps``
+    AdamW steps on Λ and the head, ξ on both). ``model`` is restored to θ⁽⁰⁾ and its
+    ``requires_grad`` flags to what they were before returning.
 
     Args:
         train_rows, val_rows: tokenised rows (``input_ids`` [, ``token_type_ids``], ``label``).
-        on_step: test hook ``fn(step, g, ξ)``.
+        on_step: test hook ``fn(step, g, ξ)`` (once, step 0, with ``eq21``).
 
     Raises:
         ValueError: empty splits; dpft.models.load.ModelError: unknown unit.
     """
     if not train_rows or not val_rows:
         raise ValueError("scoring needs non-empty synthetic train and validation splits")
+    if s.update == "eq21":
+        return _score_unit_eq21(model, unit, train_rows, val_rows, s, pad_id, with_token_types, on_step, head_state)
     names = set(resolve_units(model, [unit], with_head=s.with_head))
     own = set(resolve_units(model, [unit], with_head=False))  # Λ itself, for the gradient baseline
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
@@ -266,12 +380,15 @@ def score_units(model: nn.Module, train_rows: Sequence[dict], val_rows: Sequence
     key = ScoreCache.key(model_name, data_digest, s, granularity) if cache else ""
     done = cache.load(key) if cache else {}
     out: dict[str, UnitScore] = {}
+    head_state = None
     for u in units:
         if u in done:
             out[u] = UnitScore(**done[u])
             log(f"{u}: cached acc {out[u].accuracy:.3f}")
             continue
-        out[u] = score_unit(model, u, train_rows, val_rows, s, pad_id, with_token_types)
+        if s.update == "eq21" and s.with_head and s.head_warmup_steps > 0 and head_state is None:
+            head_state = warm_up_head(model, train_rows, s, pad_id, with_token_types)  # once, shared
+        out[u] = score_unit(model, u, train_rows, val_rows, s, pad_id, with_token_types, head_state=head_state)
         log(f"{u}: acc {out[u].accuracy:.3f} loss {out[u].val_loss:.3f} d={out[u].dim} ρ={out[u].rho:.3g}")
         if cache:
             done[u] = asdict(out[u])

@@ -30,7 +30,7 @@ def rmt_transform(model, trainable_names: list[str], cfg) -> Transform:
     noise std σC/(qN) of the averaged gradient (Marchenko–Pastur; post-processing)."""
     from dpft.transforms.rmt import RMTDenoiser, matrix_param_names
 
-    den = RMTDenoiser(kappa=cfg.kappa, rank=cfg.rank)
+    den = RMTDenoiser(kappa=cfg.kappa, rank=cfg.rank, min_dim=getattr(cfg, "min_dim", 1))
     names = matrix_param_names(model, trainable_names)
 
     def apply(grads, ctx):

@@ -67,6 +67,7 @@ __all__ = [
     "cosine_report",
     "matrix_param_names",
     "optimal_shrinkage",
+    "spike_report",
 ]
 
 #: Default threshold multiplier κ (denoise a layer only if ``y_1 > κ (1 + √β)``). The paper
@@ -311,6 +312,9 @@ class RMTDenoiser:
         oversample, niter, seed: randomized-SVD settings; the Gaussian sketch uses a private
             ``torch.Generator`` seeded with ``seed`` (the global RNG is not touched).
         compute_dtype: dtype of the SVD; default float32 (float64 if the input is float64).
+        min_dim: leave matrices with ``min(m, n) < min_dim`` unchanged (the MP law is an
+            asymptotic statement for m, n → ∞ at fixed β; for m = 2 the "bulk edge" means
+            nothing). They are listed in ``last_excluded``.
 
     Raises:
         ValueError: on ``kappa < 1`` (the estimator could return a zero matrix that cannot be
@@ -329,7 +333,10 @@ class RMTDenoiser:
         niter: int = 6,
         seed: int = 0,
         compute_dtype: torch.dtype | None = None,
+        min_dim: int = 1,
     ):
+        if int(min_dim) < 1:
+            raise ValueError(f"min_dim must be >= 1, got {min_dim}")
         if not (math.isfinite(kappa) and kappa >= 1.0):
             raise ValueError(
                 f"kappa must be a finite number >= 1 (threshold at or above the bulk edge), "
@@ -353,6 +360,11 @@ class RMTDenoiser:
         self.niter = int(niter)
         self.seed = int(seed)
         self.compute_dtype = compute_dtype
+        #: Matrices with min(m, n) < min_dim are left alone (Marchenko–Pastur asymptotics need
+        #: both dimensions large: a 2 × 384 head has a 2-point "spectrum").
+        self.min_dim = int(min_dim)
+        #: Names skipped by ``min_dim`` at the last call.
+        self.last_excluded: list[str] = []
         self._generators: dict[torch.device, torch.Generator] = {}
         #: Per-layer stats of the last call, ``{name: LayerStats}`` (selected layers only).
         self.last_stats: dict[str, LayerStats] = {}
@@ -486,7 +498,8 @@ class RMTDenoiser:
                     f"{k!r} selected for RMT denoising has shape {tuple(grads[k].shape)}, "
                     f"expected a 2-D matrix"
                 )
-        return names
+        self.last_excluded = [k for k in names if min(grads[k].shape) < self.min_dim]
+        return [k for k in names if min(grads[k].shape) >= self.min_dim]
 
     def _generator(self, device: torch.device) -> torch.Generator:
         g = self._generators.get(device)
@@ -561,6 +574,35 @@ class RMTDenoiser:
 # --------------------------------------------------------------------------------------------
 # Diagnostics (NON-PRIVATE)
 # --------------------------------------------------------------------------------------------
+
+
+def spike_report(clean: Mapping[str, Tensor], noise_std: float, kappa: float = DEFAULT_KAPPA,
+                 names: Collection[str] | None = None) -> dict[str, dict[str, float]]:
+    """Per-layer spike strength of the *clean* gradient against the detection thresholds.
+
+    For an oriented ``m × n`` clean gradient ``G`` (m ≤ n, β = m/n) and per-entry noise std
+    ``s``: ``x = ‖G‖₂ / (s √n)`` (top singular value in the normalised units of the module
+    doc). The noisy matrix shows an outlier above the MP bulk iff ``x > β^{1/4}`` (BBP), at
+    ``y(x) = √((1 + x²)(β + x²)) / x``; the denoiser touches the layer iff the observed
+    ``y_1 > κ (1 + √β)``. Returns ``{name: {"x", "bbp", "y_pred", "threshold", "above_bbp",
+    "detectable"}}`` (floats and bools).
+
+    NON-PRIVATE: reads the clean gradient (see :func:`cosine_report`); diagnostics runs only.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for k in (names if names is not None else clean):
+        g = clean[k]
+        if g.ndim != 2 or noise_std <= 0:
+            continue
+        m, n = sorted(g.shape)
+        beta = m / n
+        x = float(torch.linalg.matrix_norm(g.detach().double(), ord=2)) / (noise_std * math.sqrt(n))
+        bbp = beta ** 0.25
+        y = math.sqrt((1 + x * x) * (beta + x * x)) / x if x > 0 else math.inf
+        thr = kappa * bulk_edge(beta)
+        out[k] = {"x": x, "bbp": bbp, "y_pred": y if x > bbp else bulk_edge(beta), "threshold": thr,
+                  "above_bbp": x > bbp, "detectable": x > bbp and y > thr}
+    return out
 
 
 def _cos(dot: float, na: float, nb: float) -> float:
