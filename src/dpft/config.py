@@ -53,6 +53,17 @@ class TaskCfg(_Strict):
     #: ``document`` = one text row is one example (its tokens never share a row with another
     #: row's, truncated to model.max_length). See data/text.py.
     unit: Literal["block", "document"] = "block"
+    # ---- user-level privacy (issue 17 item 2; step/sample.py UserPoissonSampler, grads/groups.py)
+    #: Column naming each row's user (person). Set: the privacy unit is the user, not the row —
+    #: Poisson sampling over users (batch.expected_batch_size = expected *users* per step), at
+    #: most ``max_rows_per_user`` rows of a sampled user per step, the user's summed gradient
+    #: clipped to C. None (default): example-level DP.
+    user_column: Optional[str] = None
+    #: k: rows a sampled user contributes per step at most (a fresh random subset each time).
+    max_rows_per_user: int = Field(4, ge=1)
+    #: ``group``: the user's summed gradient clipped to C exactly (group norm from book-keeping
+    #: quantities); ``per_example_over_k``: each row clipped to C/k, then summed (conservative).
+    user_clipping: Literal["group", "per_example_over_k"] = "group"
 
 
 class LoraCfg(_Strict):

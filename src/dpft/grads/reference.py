@@ -85,5 +85,10 @@ class ReferenceEngine(PerExampleEngine):
         return grads, losses
 
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
+        """Per-example clipped sum; with ``batch[GROUP_KEY]`` each group's summed gradient is
+        clipped as one unit (user-level DP, grads/groups.py)."""
+        from dpft.grads.groups import split_groups
+
+        batch, groups = split_groups(batch)
         grads, losses = self._per_example(batch)
-        return self._finish(grads, float(losses.sum()), losses)
+        return self._finish(grads, float(losses.sum()), losses, groups)
