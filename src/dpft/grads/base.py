@@ -77,6 +77,8 @@ class PerExampleEngine(ABC):
 
     #: Whether :attr:`precision` is applied by this engine's ``clipped_sum``.
     supports_precision = False
+    #: Whether ``clipped_sum`` clips groups of rows as one (``batch[GROUP_KEY]``, grads/groups.py).
+    supports_groups = False
 
     def __init__(self, model: nn.Module, loss_fn: PerExampleLoss, clip: ClipPolicy):
         self.model = model

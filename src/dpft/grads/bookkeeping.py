@@ -269,6 +269,8 @@ class BookKeepingEngine(PerExampleEngine):
         self.recomputes = False
 
     supports_precision = True
+    #: ``clipped_sum`` honours ``batch[GROUP_KEY]`` (user-level group clipping, grads/groups.py).
+    supports_groups = True
 
     # ------------------------------------------------------------------ first-call check
     def _forward(self):

@@ -35,6 +35,8 @@ class ReferenceEngine(PerExampleEngine):
     """
 
     supports_precision = True
+    #: ``clipped_sum`` honours ``batch[GROUP_KEY]`` (user-level group clipping, grads/groups.py).
+    supports_groups = True
 
     def _single_loss(self, params, buffers, example):
         batch1 = {k: v.unsqueeze(0) for k, v in example.items()}
