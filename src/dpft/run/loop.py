@@ -342,11 +342,16 @@ class Trainer:
         from dpft.step.sample import UserPoissonSampler, user_index
 
         r = self.recipe
-        if USER_COLUMN not in self.train_tok.column_names:
+        # A loader renames the column to USER_COLUMN (classification, text) or keeps it under its
+        # own name (instruction data keeps every extra column per row).
+        cols = self.train_tok.column_names
+        col = r.task.user_column if r.task.user_column in cols else USER_COLUMN
+        if col not in cols:
             raise DataError(f"task.user_column {r.task.user_column!r}: the training rows carry no user id (this "
-                            f"task's loader keeps no {USER_COLUMN!r} column); give a file with that column")
+                            f"task's loader kept no {USER_COLUMN!r} or {r.task.user_column!r} column); give a file "
+                            "with that column")
         try:
-            users, _ = user_index(_col(self.train_tok, USER_COLUMN))
+            users, _ = user_index(_col(self.train_tok, col))
             return UserPoissonSampler(users, r.batch.expected_batch_size, r.task.max_rows_per_user, self.rng)
         except ValueError as exc:
             raise DataError(f"user-level privacy (task.user_column {r.task.user_column!r}): {exc}") from None
