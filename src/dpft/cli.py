@@ -93,7 +93,11 @@ def _plan_line(trainer) -> str:
     else:
         per = f"{trainer.q * trainer.n:.4g} expected examples per step (q·N, q = {trainer.q:.4g})"
         epochs = trainer.q * t
-    return (f"plan: {t} logical steps × {per} from N = {trainer.n} training examples "
+    unit = "examples"
+    if getattr(trainer, "user_level", False):  # issue 17: q, N and epochs count users
+        per = per.replace("examples", "users") + f", ≤ {sampler.k} rows each"
+        unit = "users"
+    return (f"plan: {t} logical steps × {per} from N = {trainer.n} training {unit} "
             f"(≈ {epochs:.3g} epochs); time estimate after the first step")
 
 
