@@ -11,8 +11,8 @@ run() {  # run NAME RECIPE FLAGS...
   echo "$name rc=$? wall_s=$(( $(date +%s) - t0 ))" >> $O/walltimes.txt
 }
 mkdir -p $O
-( run full-eps8 recipes/e2e-instruct-stories260k.yaml --epsilon 8
-  run full-eps3 recipes/e2e-instruct-stories260k.yaml --epsilon 3
+( run full-eps3 recipes/e2e-instruct-stories260k.yaml --epsilon 3
+  run full-eps8 recipes/e2e-instruct-stories260k.yaml --epsilon 8
   run full-nodp recipes/e2e-instruct-stories260k.yaml --no-dp ) &
 ( run lora-eps8 recipes/e2e-instruct-stories260k-lora.yaml --epsilon 8
   run lora-eps3 recipes/e2e-instruct-stories260k-lora.yaml --epsilon 3
