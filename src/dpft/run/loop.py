@@ -148,14 +148,24 @@ class Trainer:
         self._check_perf()
 
         #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
-        self.causal = r.task.name == "text"
+        #: ``instruct`` task: prompt/completion or chat rows, completion-only loss (data/instruct.py).
+        self.causal = r.task.name in ("text", "instruct")
         self.loss_fn = causal_lm_loss if self.causal else classification_loss
         if self.causal:
+            from dpft.data.instruct import load_instruct_task
             from dpft.data.text import load_text_task
             from dpft.models.causal import load_causal_lm
 
             self.tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
-            self.task = load_text_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed)
+            if r.task.name == "instruct":
+                hide = self.private or bool(active_methods(r))  # the training count is private
+                self.task = load_instruct_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed, private=hide)
+                if hide and self.task.truncated["train"] and progress:
+                    print(f"{self.task.truncated['train']} training rows were truncated to model.max_length = "
+                          f"{r.model.max_length} tokens (private statistic: shown here only, not written to the "
+                          "run directory)", file=sys.stderr)
+            else:
+                self.task = load_text_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed)
             self.train_tok, self.dev_tok = self.task.train, self.task.dev
         else:
             self.task = load_task(r.task, seed=r.seed)
@@ -646,6 +656,17 @@ class Trainer:
                         stack.enter_context(m.weights())
                     self.samples = sample_generations(self.model, self.tokenizer, e.prompts, e.max_new_tokens,
                                                       seed=r.seed)
+            if getattr(self.task, "groups", None) and r.eval.generate:  # instruct: BLEU/ROUGE-L on dev prompts
+                from dpft.eval.generate import generation_eval
+
+                e = r.eval
+                with contextlib.ExitStack() as stack:
+                    for m in self.methods:
+                        stack.enter_context(m.weights())
+                    self.generation = generation_eval(self.model, self.tokenizer, self.task.groups, e.max_new_tokens,
+                                                      e.num_beams, e.batch_size, e.max_generate_prompts,
+                                                      e.num_samples)
+                last_eval.update(self.generation["metrics"])
             elapsed = self.elapsed_before + (time.time() - self._t_run)
             self.save_model()
             return write_report(self, last_eval, elapsed)
