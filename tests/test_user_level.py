@@ -355,3 +355,40 @@ def test_text_task_blocks_never_mix_users():
     assert out["user"] == ["a", "a", "a", "b"]
     doc = chunk_blocks_by_user(docs, users, block_size=3, unit="document")
     assert doc["user"] == users and doc["input_ids"][0] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- instruction data
+
+
+def test_user_level_on_instruction_data(tmp_path, monkeypatch):
+    """The instruct path (data/instruct.py keeps the ``user`` column per row) plugs in the same
+    way: N = users of the chat example, completion-only loss, group clipping equal to the
+    reference on a collated batch with per-token labels."""
+    from test_instruct import ROOT, _tiny_model_dir
+
+    from dpft.config import load_recipe
+    from dpft.data.tokenize import collate
+    from dpft.run.loop import Trainer
+
+    monkeypatch.chdir(ROOT)
+    model_dir = _tiny_model_dir(tmp_path)
+    rec = load_recipe(ROOT / "examples/chat-support/recipe.yaml", {
+        "model.name": str(model_dir), "model.max_length": 48, "task.max_train_examples": 64,
+        "task.user_column": "user", "task.max_rows_per_user": 2,
+        "privacy.target_epsilon": None, "privacy.noise_multiplier": 1.0, "schedule.steps": 2,
+        "schedule.epochs": None, "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 8,
+        "eval.every_steps": 2, "eval.max_new_tokens": 2, "eval.max_generate_prompts": 2})
+    tr = Trainer(rec, tmp_path / "run", progress=False)
+    users = pd.Series(tr.train_tok["user"])
+    assert tr.user_level and tr.n == users.nunique() < len(users)
+    # completion-only loss with group clipping equals the reference on a real batch of this data
+    rows = tr.sampler.indices(0)[:6]
+    batch = collate(list(tr.train_tok.select(rows.tolist())), tr.pad_id, False)
+    assert batch["labels"].dim() == 2 and bool((batch["labels"] == -100).any())
+    g = tr.sampler.groups(rows)
+    per_row = _per_row(tr.model, tr.loss_fn, batch)
+    want = _reference_group_clip(per_row, g, 0.01)
+    got = BookKeepingEngine(tr.model, tr.loss_fn, make_clip_policy("flat", 0.01)).clipped_sum({**batch, GROUP_KEY: g})
+    _close(got.grad_sum, want)
+    rep = tr.run()
+    assert rep["dp"]["privacy_unit"]["n_units"] == tr.n and "bleu" in json.dumps(rep["metrics"]).lower()
