@@ -93,7 +93,11 @@ def _plan_line(trainer) -> str:
     else:
         per = f"{trainer.q * trainer.n:.4g} expected examples per step (q·N, q = {trainer.q:.4g})"
         epochs = trainer.q * t
-    return (f"plan: {t} logical steps × {per} from N = {trainer.n} training examples "
+    unit = "examples"
+    if getattr(trainer, "user_level", False):  # issue 17: q, N and epochs count users
+        per = per.replace("examples", "users") + f", ≤ {sampler.k} rows each"
+        unit = "users"
+    return (f"plan: {t} logical steps × {per} from N = {trainer.n} training {unit} "
             f"(≈ {epochs:.3g} epochs); time estimate after the first step")
 
 
@@ -132,6 +136,10 @@ def train(
     text_column: Optional[str] = typer.Option(None, help="task.text_column."),
     text_pair_column: Optional[str] = typer.Option(None, help="task.text_pair_column."),
     label_column: Optional[str] = typer.Option(None, help="task.label_column."),
+    user_column: Optional[str] = typer.Option(
+        None, help="task.user_column: privacy unit = user (Poisson sampling over users, ≤ k rows each, "
+                   "a user's summed gradient clipped to C); --batch-size then counts users."),
+    max_rows_per_user: Optional[int] = typer.Option(None, help="task.max_rows_per_user (k, user level)."),
     max_train_examples: Optional[int] = typer.Option(None, help="task.max_train_examples."),
     max_dev_examples: Optional[int] = typer.Option(None, help="task.max_dev_examples."),
     trainable: Optional[str] = typer.Option(None, help=f"trainable.mode: {_choices(_cfg.TrainableCfg, 'mode')}."),
@@ -178,6 +186,8 @@ def train(
         ("--dev-file", "task.dev_file", dev_file), ("--text-column", "task.text_column", text_column),
         ("--text-pair-column", "task.text_pair_column", text_pair_column),
         ("--label-column", "task.label_column", label_column),
+        ("--user-column", "task.user_column", user_column),
+        ("--max-rows-per-user", "task.max_rows_per_user", max_rows_per_user),
         ("--max-train-examples", "task.max_train_examples", max_train_examples),
         ("--max-dev-examples", "task.max_dev_examples", max_dev_examples), ("--trainable", "trainable.mode", trainable),
         ("--epsilon", "privacy.target_epsilon", epsilon), ("--delta", "privacy.delta", delta),

@@ -36,7 +36,8 @@ class ModelCfg(_Strict):
 
 
 class TaskCfg(_Strict):
-    #: Registered task (sst2, sst5, imdb, qnli) or ``files`` for your own CSV/TSV/JSONL/Parquet.
+    #: Registered task (sst2, sst5, imdb, qnli), ``files`` for your own CSV/TSV/JSONL/Parquet,
+    #: ``text`` (causal-LM corpus) or ``instruct`` (prompt/completion or chat, causal LM).
     name: str = "sst2"
     train_file: Optional[str] = None
     dev_file: Optional[str] = None
@@ -53,6 +54,28 @@ class TaskCfg(_Strict):
     #: ``document`` = one text row is one example (its tokens never share a row with another
     #: row's, truncated to model.max_length). See data/text.py.
     unit: Literal["block", "document"] = "block"
+    # ---- user-level privacy (issue 17 item 2; step/sample.py UserPoissonSampler, grads/groups.py)
+    #: Column naming each row's user (person). Set: the privacy unit is the user, not the row —
+    #: Poisson sampling over users (batch.expected_batch_size = expected *users* per step), at
+    #: most ``max_rows_per_user`` rows of a sampled user per step, the user's summed gradient
+    #: clipped to C. None (default): example-level DP.
+    user_column: Optional[str] = None
+    #: k: rows a sampled user contributes per step at most (a fresh random subset each time).
+    max_rows_per_user: int = Field(4, ge=1)
+    #: ``group``: the user's summed gradient clipped to C exactly (group norm from book-keeping
+    #: quantities); ``per_example_over_k``: each row clipped to C/k, then summed (conservative).
+    user_clipping: Literal["group", "per_example_over_k"] = "group"
+    # ---- ``instruct`` task (issue 17; data/instruct.py): prompt/completion or chat rows, loss on
+    # the completion / assistant tokens only. Columns not named here are kept (e.g. a user id).
+    #: Prompt and completion columns (used when the file has no ``messages_column``).
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    #: Column holding a list of ``{role, content}`` messages (chat data).
+    messages_column: str = "messages"
+    #: ``auto`` = the tokenizer's chat template when it has one, else ``simple`` (data/instruct.py).
+    template: Literal["auto", "chat", "simple"] = "auto"
+    #: ``simple`` template: text between a prompt and its completion.
+    separator: str = "\n"
 
 
 class LoraCfg(_Strict):
@@ -217,6 +240,15 @@ class EvalCfg(_Strict):
     #: between runs (``dpft.eval.paired``). Classification only; not with DDP. A function of the
     #: dev data: not in the release set (like the dev metrics, covered only if the dev split is).
     save_predictions: bool = False
+    # ---- ``instruct`` task (issue 17; eval/generate.py): after training, decode the dev prompts
+    # (dev rows grouped by prompt: multi-reference) and score BLEU, ROUGE-L and exact match.
+    generate: bool = True
+    #: 1 = greedy decoding; > 1 = beam search with this many beams.
+    num_beams: int = Field(1, ge=1)
+    #: Decode at most this many distinct dev prompts (the first in file order); None = all.
+    max_generate_prompts: Optional[int] = Field(None, ge=1)
+    #: Generations shown in the report.
+    num_samples: int = Field(3, ge=0)
 
 
 class LogCfg(_Strict):

@@ -101,6 +101,10 @@ def _load_by_type(p: Path, name: str) -> datasets.Dataset:
 #: Column holding each row's 1-based position in its file, so that errors found after a
 #: train/dev split still name the row (dropped before the data leave this module).
 _ROW = "__dpft_row__"
+#: Column of a split that names each row's user (privacy unit at user level, ``task.user_column``).
+#: Any data path (classification, ``text``, instruction data) keeps it per row through
+#: tokenisation; the trainer's user-level sampler reads it (step/sample.py ``UserPoissonSampler``).
+USER_COLUMN = "user"
 
 
 def _col(ds: datasets.Dataset, name: str) -> list:
@@ -115,15 +119,16 @@ def _rows(rows: list[int], shown: int = 5) -> str:
     return f"data row{'s' if len(rows) > 1 else ''} {head}{more} (counting from 1, header excluded)"
 
 
-def _standardise(ds: datasets.Dataset, text: str, pair: Optional[str], label: str, where: str) -> datasets.Dataset:
-    """Keep and rename the text/[pair]/label columns, check that no text is empty, and tag each
-    row with its position in the file (column ``_ROW``).
+def _standardise(ds: datasets.Dataset, text: str, pair: Optional[str], label: str, where: str,
+                 user: Optional[str] = None) -> datasets.Dataset:
+    """Keep and rename the text/[pair]/label (and, at user level, user) columns, check that no
+    text is empty, and tag each row with its position in the file (column ``_ROW``).
 
     Raises:
         DataError: a missing column, or empty texts (the message names ``where`` and the rows).
     """
     cols = ds.column_names
-    for role, c in (("text", text), ("text pair", pair), ("label", label)):
+    for role, c in (("text", text), ("text pair", pair), ("label", label), ("user", user)):
         if c is not None and c not in cols:
             raise DataError(
                 f"{where}: no {role} column {c!r}; columns are {cols}. "
@@ -132,6 +137,8 @@ def _standardise(ds: datasets.Dataset, text: str, pair: Optional[str], label: st
     keep = {text: "text", label: "label"}
     if pair:
         keep[pair] = "text_pair"
+    if user:
+        keep[user] = USER_COLUMN
     ds = ds.select_columns(list(keep)).rename_columns({k: v for k, v in keep.items() if k != v})
     for std, c in (("text", text), ("text_pair", pair)):
         if c is None:
@@ -143,6 +150,11 @@ def _standardise(ds: datasets.Dataset, text: str, pair: Optional[str], label: st
         feat = ds.features[std]
         if not (isinstance(feat, datasets.Value) and feat.dtype in ("string", "large_string")):
             ds = ds.cast_column(std, datasets.Value("string"))  # e.g. a column of numbers
+    if user:
+        missing = [i + 1 for i, u in enumerate(_col(ds, USER_COLUMN)) if u is None or not str(u).strip()]
+        if missing:
+            raise DataError(f"{where}: no user id in column {user!r} at {_rows(missing)}; every row needs its "
+                            "user (person) at user-level privacy: fill those rows or drop them")
     return ds.add_column(_ROW, list(range(1, len(ds) + 1)))
 
 
@@ -273,9 +285,10 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
             raise DataError("task 'files' needs --train-file (CSV, TSV, JSONL or Parquet)")
         text = cfg.text_column or "text"
         label = cfg.label_column or "label"
-        train = _standardise(_load_file(cfg.train_file), text, cfg.text_pair_column, label, cfg.train_file)
+        train = _standardise(_load_file(cfg.train_file), text, cfg.text_pair_column, label, cfg.train_file,
+                             user=cfg.user_column)
         dev_where = cfg.dev_file or f"{cfg.train_file} (held-out dev rows)"
-        if cfg.dev_file:
+        if cfg.dev_file:  # the dev set needs no user column
             dev = _standardise(_load_file(cfg.dev_file), text, cfg.text_pair_column, label, cfg.dev_file)
         else:
             if len(train) < 2:
@@ -291,19 +304,20 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
         spec = REGISTRY[cfg.name]
         root = data_dir()
         if root is not None:
-            data = _load_local(spec, root, seed)
+            data = _load_local(spec, root, seed, cfg.user_column)
         else:
-            data = _load_hub(spec)
+            data = _load_hub(spec, cfg.user_column)
     data = _subsample(data, cfg, seed)
     return data
 
 
-def _load_local(spec: TaskSpec, root: Path, seed: int) -> TaskData:
+def _load_local(spec: TaskSpec, root: Path, seed: int, user: Optional[str] = None) -> TaskData:
     where = f"DPFT_DATA_DIR={root} ({spec.name})"
     dev_path = root / spec.dev_file
     if not dev_path.is_file():
         raise DataError(f"{where}: missing {dev_path}; point DPFT_DATA_DIR at a folder laid out like ../shared/data")
-    dev = _standardise(_load_file(dev_path), spec.text, spec.pair, spec.label, str(dev_path))
+    dev = _standardise(_load_file(dev_path), spec.text, spec.pair, spec.label, str(dev_path),
+                       user=user if spec.train_file is None else None)
     notes = [spec.note] if spec.note else []
     if spec.train_file is None:
         split = dev.train_test_split(train_size=4000, seed=seed, shuffle=True)
@@ -311,13 +325,13 @@ def _load_local(spec: TaskSpec, root: Path, seed: int) -> TaskData:
         train_where = f"{dev_path} (rows used for training)"
     else:
         train_path = root / spec.train_file
-        train = _standardise(_load_file(train_path), spec.text, spec.pair, spec.label, str(train_path))
+        train = _standardise(_load_file(train_path), spec.text, spec.pair, spec.label, str(train_path), user=user)
         train_where = str(train_path)
     train, dev, names = _encode_labels(train, dev, train_where, str(dev_path), spec.label, spec.label_names)
     return TaskData(spec.name, train, dev, names, f"local files under {root}", notes)
 
 
-def _load_hub(spec: TaskSpec) -> TaskData:
+def _load_hub(spec: TaskSpec, user: Optional[str] = None) -> TaskData:
     try:
         ds = datasets.load_dataset(*spec.hub)
     except Exception as exc:  # noqa: BLE001 - offline, missing, renamed…
@@ -326,7 +340,7 @@ def _load_hub(spec: TaskSpec) -> TaskData:
             "Offline? Set DPFT_DATA_DIR to a folder with the task files (e.g. ../shared/data)"
         ) from None
     tw, dw = f"{spec.name} (hub train split)", f"{spec.name} (hub {spec.hub_dev_split} split)"
-    train = _standardise(ds["train"], spec.text, spec.pair, spec.label, tw)
+    train = _standardise(ds["train"], spec.text, spec.pair, spec.label, tw, user=user)
     dev = _standardise(ds[spec.hub_dev_split], spec.text, spec.pair, spec.label, dw)
     train, dev, names = _encode_labels(train, dev, tw, dw, spec.label, spec.label_names)
     return TaskData(spec.name, train, dev, names, "hub: " + "/".join(spec.hub), [spec.note] if spec.note else [])

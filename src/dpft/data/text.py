@@ -83,6 +83,59 @@ def read_texts(path: str | Path, column: Optional[str]) -> list[str]:
     return texts
 
 
+def read_texts_users(path: str | Path, column: Optional[str], user_column: str) -> tuple[list[str], list]:
+    """Texts and their users (``task.user_column``) of a table corpus, empty texts dropped.
+
+    Raises:
+        DataError: a ``.txt`` corpus (no columns), a missing text/user column, a row without user.
+    """
+    p = Path(path)
+    if p.suffix.lower() == ".txt":
+        raise DataError(f"{p}: a .txt corpus has no user column; give a CSV/TSV/JSONL/Parquet file with "
+                        f"a {user_column!r} column, or drop --user-column")
+    ds = _load_file(p)
+    col = column or "text"
+    for role, c in (("text", col), ("user", user_column)):
+        if c not in ds.column_names:
+            raise DataError(f"{p}: no {role} column {c!r}; columns are {ds.column_names}. "
+                            f"Pass --{role}-column with one of them")
+    texts = [("" if t is None else str(t)).strip() for t in ds[col]]
+    users = list(ds[user_column])
+    missing = [i + 1 for i, u in enumerate(users) if u is None or not str(u).strip()]
+    if missing:
+        raise DataError(f"{p}: no user id in column {user_column!r} at rows {missing[:5]} (counting from 1); "
+                        "every row needs its user at user-level privacy: fill those rows or drop them")
+    keep = [(t, str(u)) for t, u in zip(texts, users) if t]
+    if not keep:
+        raise DataError(f"{p}: no non-empty text rows")
+    return [t for t, _ in keep], [u for _, u in keep]
+
+
+def chunk_blocks_by_user(docs: Sequence[Sequence[int]], users: Sequence, block_size: int,
+                         unit: str = "block") -> dict[str, list]:
+    """:func:`chunk_blocks` at user level: every example carries its ``user``, and in ``block``
+    mode a user's documents are concatenated and cut *on their own* (a block never holds two
+    users' tokens; each user's last partial block is dropped), so a block has one owner.
+
+    Returns:
+        ``{"input_ids", "doc_id", "user"}``.
+    """
+    if unit == "document":
+        out = chunk_blocks(docs, block_size, unit)
+        out["user"] = [users[i] for i in out["doc_id"]]
+        return out
+    by_user: dict = {}
+    for i, u in enumerate(users):
+        by_user.setdefault(u, []).append(i)
+    out = {"input_ids": [], "doc_id": [], "user": []}
+    for u, idx in by_user.items():
+        part = chunk_blocks([docs[i] for i in idx], block_size, unit)
+        out["input_ids"] += part["input_ids"]
+        out["doc_id"] += [idx[j] for j in part["doc_id"]]
+        out["user"] += [u] * len(part["input_ids"])
+    return out
+
+
 def _pieces(text: str, size: int) -> list[str]:
     """``text`` cut into pieces of about ``size`` characters, each cut made just before a
     whitespace character that precedes a non-space (the start of a word)."""
@@ -163,14 +216,21 @@ def load_text_task(cfg: TaskCfg, tokenizer, block_size: int, seed: int = 0) -> T
         raise DataError("task 'text' needs --train-file (a .txt file with one text per line, "
                         "or a CSV/TSV/JSONL/Parquet file with --text-column)")
     notes: list[str] = []
-    train_texts = read_texts(cfg.train_file, cfg.text_column)
+    train_users = None
+    if cfg.user_column:  # user level: each document keeps its user (the privacy unit)
+        train_texts, train_users = read_texts_users(cfg.train_file, cfg.text_column, cfg.user_column)
+    else:
+        train_texts = read_texts(cfg.train_file, cfg.text_column)
     if cfg.dev_file:
         dev_texts = read_texts(cfg.dev_file, cfg.text_column)
     else:
         if len(train_texts) < 2:
             raise DataError(f"{cfg.train_file}: too few texts to hold out a dev split; give --dev-file")
-        split = datasets.Dataset.from_dict({"t": train_texts}).train_test_split(test_size=cfg.dev_fraction, seed=seed)
+        cols = {"t": train_texts, **({"u": train_users} if train_users is not None else {})}
+        split = datasets.Dataset.from_dict(cols).train_test_split(test_size=cfg.dev_fraction, seed=seed)
         train_texts, dev_texts = split["train"]["t"], split["test"]["t"]
+        if train_users is not None:
+            train_users = split["train"]["u"]
         notes.append(f"dev = {cfg.dev_fraction:.0%} of the documents of {cfg.train_file} held out (seed {seed})")
     max_chars = block_size * CHARS_PER_TOKEN if cfg.unit == "document" else None
     tr_docs, dv_docs = _encode(train_texts, tokenizer, max_chars), _encode(dev_texts, tokenizer, max_chars)
@@ -183,7 +243,8 @@ def load_text_task(cfg: TaskCfg, tokenizer, block_size: int, seed: int = 0) -> T
             notes.append(f"truncated to {block_size} tokens: {truncated['dev']} of {len(dev_texts)} dev documents "
                          "(raise model.max_length to keep more text; the count for the private training set "
                          "is not released)")
-    tr = chunk_blocks(tr_docs, block_size, cfg.unit)
+    tr = (chunk_blocks(tr_docs, block_size, cfg.unit) if train_users is None
+          else chunk_blocks_by_user(tr_docs, train_users, block_size, cfg.unit))
     dv = chunk_blocks(dv_docs, block_size, cfg.unit)
     if not tr["input_ids"]:
         raise DataError(f"{cfg.train_file}: fewer than {block_size} tokens in all; lower model.max_length")
@@ -191,7 +252,10 @@ def load_text_task(cfg: TaskCfg, tokenizer, block_size: int, seed: int = 0) -> T
         raise DataError("the dev split has fewer tokens than one block; give a larger --dev-file or dev_fraction")
     train = datasets.Dataset.from_dict(tr)
     dev = datasets.Dataset.from_dict(dv)
-    if cfg.unit == "block":
+    if cfg.user_column:
+        notes.append(f"privacy unit: one user (column {cfg.user_column!r}); a user's documents are chunked on "
+                     f"their own ({cfg.unit} mode), so no example holds two users' tokens")
+    elif cfg.unit == "block":
         notes.append(f"privacy unit: one block of {block_size} tokens (documents concatenated with BOS/EOS "
                      f"and cut; a document spanning k blocks is protected at group size k)")
     else:

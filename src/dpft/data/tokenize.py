@@ -137,6 +137,11 @@ def collate(rows: Sequence[dict], pad_id: int, with_token_types: bool = True,
         out["token_type_ids"] = tt
     if rows and "label" in rows[0]:
         out["labels"] = torch.tensor([int(r["label"]) for r in rows], dtype=torch.long)
+    elif rows and "labels" in rows[0]:  # instruct task: per-token targets, -100 = no loss (padding too)
+        lab = torch.full((b, t), -100, dtype=torch.long)
+        for i, r in enumerate(rows):
+            lab[i, :len(r["labels"])] = torch.tensor(r["labels"], dtype=torch.long)
+        out["labels"] = lab
     if device is not None and torch.device(device).type != "cpu":
         out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     return out

@@ -17,7 +17,9 @@ def lm_eval(model, rows: Sequence[dict], pad_id: int, batch_size: int = 64) -> d
     """Mean next-token cross-entropy over every predicted token of ``rows`` and its exp.
 
     Args:
-        rows: dicts with ``input_ids`` (list of int); padding is masked out.
+        rows: dicts with ``input_ids`` (list of int) and optionally ``labels`` (same length,
+            -100 = not scored: the instruct task scores completion tokens only); padding is
+            masked out.
 
     Returns:
         ``{"dev_loss": nats/token, "dev_perplexity": exp(dev_loss), "dev_tokens": count}``.
@@ -29,8 +31,14 @@ def lm_eval(model, rows: Sequence[dict], pad_id: int, batch_size: int = 64) -> d
     for k in range(0, len(rows), batch_size):
         batch = collate(list(rows[k:k + batch_size]), pad_id, with_token_types=False, device=device)
         logits = model(**model_inputs(batch)).logits.float()
-        tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
-        mask = batch["attention_mask"][:, 1:].to(tok.dtype)
+        if "labels" in batch:  # instruct task: completion tokens only (-100 elsewhere)
+            targets = batch["labels"][:, 1:]
+            mask = ((targets != -100) & batch["attention_mask"][:, 1:].bool()).float()
+            targets = targets.clamp(min=0)
+        else:
+            targets = batch["input_ids"][:, 1:]
+            mask = batch["attention_mask"][:, 1:].float()
+        tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets, reduction="none")
         total += float((tok * mask).sum())
         count += int(mask.sum())
     model.train(was_training)

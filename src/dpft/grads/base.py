@@ -77,6 +77,8 @@ class PerExampleEngine(ABC):
 
     #: Whether :attr:`precision` is applied by this engine's ``clipped_sum``.
     supports_precision = False
+    #: Whether ``clipped_sum`` clips groups of rows as one (``batch[GROUP_KEY]``, grads/groups.py).
+    supports_groups = False
 
     def __init__(self, model: nn.Module, loss_fn: PerExampleLoss, clip: ClipPolicy):
         self.model = model
@@ -113,11 +115,29 @@ class PerExampleEngine(ABC):
         return sq.masked_fill(bad[:, None], 0.0), bad
 
     def _finish(self, per_ex: dict[str, torch.Tensor], loss_sum: float,
-                losses: torch.Tensor | None = None) -> ClippedBatch:
+                losses: torch.Tensor | None = None, groups: torch.Tensor | None = None) -> ClippedBatch:
         """Shared tail for engines that hold per-example grads ``name -> (B, *shape)``
-        (true gradients, loss scale already divided out). Norms, factors and sums in fp32."""
+        (true gradients, loss scale already divided out). Norms, factors and sums in fp32.
+
+        ``groups``: ``(B,)`` int64 group ids 0..G-1 (user-level DP, grads/groups.py): the norm
+        clipped is each group's summed gradient; each row gets its group's factor."""
         names = self.param_names
         b = next(iter(per_ex.values())).shape[0]
+        if groups is not None:
+            from dpft.grads.groups import group_sum, n_groups
+
+            if self.precision.zero_nonfinite:
+                raise ValueError("user-level (group) clipping does not support fp16; use perf.dtype: bf16 or fp32")
+            ng = n_groups(groups)
+            with full_precision():
+                sq_g = torch.stack([group_sum(per_ex[n].reshape(b, -1), groups, ng).pow(2).sum(1)
+                                    for n in names], dim=1)
+                check_finite_norms(sq_g)
+                sq = sq_g[groups.to(sq_g.device)]
+                scales = self.clip.scales(sq)
+                grad_sum = {n: torch.einsum("b,b...->...", scales[:, j].float(), per_ex[n].float())
+                            for j, n in enumerate(names)}
+            return ClippedBatch(grad_sum, sq.detach(), scales.detach(), loss_sum, b, 0)
         with full_precision():
             sq = torch.stack([per_ex[n].reshape(b, -1).float().pow(2).sum(1) for n in names], dim=1)
             sq, bad = self.screen_overflow(sq, losses)

@@ -71,6 +71,7 @@ from dpft.grads._hooks import (
     zero_examples,
 )
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
+from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW
 from dpft.grads.registry import register_layer, rule_for
 from dpft.step.clip import ClipPolicy, check_finite_norms
@@ -268,6 +269,8 @@ class BookKeepingEngine(PerExampleEngine):
         self.recomputes = False
 
     supports_precision = True
+    #: ``clipped_sum`` honours ``batch[GROUP_KEY]`` (user-level group clipping, grads/groups.py).
+    supports_groups = True
 
     # ------------------------------------------------------------------ first-call check
     def _forward(self):
@@ -332,6 +335,9 @@ class BookKeepingEngine(PerExampleEngine):
 
     # ------------------------------------------------------------------ the step
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
+        """Per-example clipped sum; with ``batch[GROUP_KEY]`` (grads/groups.py) each group's
+        summed gradient is clipped as one unit (user-level DP)."""
+        batch, groups = split_groups(batch)
         if not self._checked:
             # The probe runs a forward (dropout draws): fork the RNG so that a resumed run, whose
             # first call comes at a later step, draws the same masks as an uninterrupted one.
@@ -371,10 +377,11 @@ class BookKeepingEngine(PerExampleEngine):
         if cap.recomputed:
             self.recomputes = True
         return self.reduce(cap.contribs, b, float(losses.detach().sum()), losses.device,
-                           grad_scale=1.0 / s, losses=losses)
+                           grad_scale=1.0 / s, losses=losses, groups=groups)
 
     def reduce(self, contribs: dict[str, list], b: int, loss_sum: float, device=None,
-               grad_scale: float = 1.0, losses: torch.Tensor | None = None) -> ClippedBatch:
+               grad_scale: float = 1.0, losses: torch.Tensor | None = None,
+               groups: torch.Tensor | None = None) -> ClippedBatch:
         """Norms, clip factors and the clipped sum from one micro-batch's captured
         contributions (``Capture.contribs``: parameter name -> list; consumed). All in fp32,
         with autocast off, whatever dtype the factors were captured in.
@@ -390,15 +397,42 @@ class BookKeepingEngine(PerExampleEngine):
                 example's own gradient.
             losses: the ``(B,)`` per-example losses, if known (fp16: a non-finite one marks an
                 overflowed example).
+            groups: ``(B,)`` int64 group ids 0..G-1, or None. Given: the norm clipped is each
+                group's summed gradient, exactly (``grads/groups.py``), and every row of a group
+                gets the group's clip factor; ``sq_norms``/``scales`` are the group's, per row.
 
         Returns: the :class:`ClippedBatch` of ``clipped_sum``.
         """
         with full_precision():
-            return self._reduce(contribs, b, loss_sum, device, grad_scale, losses)
+            return self._reduce(contribs, b, loss_sum, device, grad_scale, losses, groups)
 
-    def _reduce(self, contribs, b, loss_sum, device, grad_scale, losses) -> ClippedBatch:
+    def _group_norms(self, merged, groups, device, grad_scale) -> torch.Tensor:
+        """``(B, G)`` squared norms of each row's *group* summed gradient (grads/groups.py)."""
+        if self.precision.zero_nonfinite:
+            raise ValueError("user-level (group) clipping does not support fp16 (an overflowed row would "
+                             "change its user's norm); use perf.dtype: bf16 or fp32")
+        gm = group_contributions(merged, groups)
+        ng = n_groups(groups)
+        cache = GramCache()
+        for items in gm.values():
+            for it in items:
+                if isinstance(it, Outer) and use_ghost(it, self.norm_mode):
+                    cache.expect(it.left)
+                    cache.expect(it.right)
+        sq = torch.stack([sq_norm(gm[n], ng, self.norm_mode, cache, device) for n in self.param_names], dim=1)
+        if grad_scale != 1.0:
+            sq = sq * float(grad_scale) ** 2
+        check_finite_norms(sq)
+        return sq[groups.to(sq.device)]
+
+    def _reduce(self, contribs, b, loss_sum, device, grad_scale, losses, groups=None) -> ClippedBatch:
         names = self.param_names
         merged = {n: merge(contribs.pop(n, [])) for n in names}
+        if groups is not None:
+            # Group clipping: each row's "norm" is its group's; the clip factor of a group is then
+            # the same for all its rows and Σ_i c_{u(i)} g_i = Σ_u c_u g_u (exact).
+            sq = self._group_norms(merged, groups, device, grad_scale)
+            return self._finish_reduce(merged, sq, None, b, loss_sum, grad_scale)
         cache = GramCache()
         for items in merged.values():
             for it in items:
@@ -419,6 +453,11 @@ class BookKeepingEngine(PerExampleEngine):
             if losses is not None:
                 loss_sum = float(losses.detach()[~bad].sum())
         check_finite_norms(sq)
+        return self._finish_reduce(merged, sq, bad, b, loss_sum, grad_scale, overflowed)
+
+    def _finish_reduce(self, merged, sq, bad, b, loss_sum, grad_scale=1.0, overflowed=0) -> ClippedBatch:
+        """Clip factors from ``sq: (B, G)`` and the clipped sum of the merged contributions."""
+        names = self.param_names
         scales = self.clip.scales(sq)
         if bad is not None:
             scales = scales.masked_fill(bad[:, None], 0.0)

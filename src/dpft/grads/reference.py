@@ -35,6 +35,8 @@ class ReferenceEngine(PerExampleEngine):
     """
 
     supports_precision = True
+    #: ``clipped_sum`` honours ``batch[GROUP_KEY]`` (user-level group clipping, grads/groups.py).
+    supports_groups = True
 
     def _single_loss(self, params, buffers, example):
         batch1 = {k: v.unsqueeze(0) for k, v in example.items()}
@@ -92,5 +94,10 @@ class ReferenceEngine(PerExampleEngine):
         return grads, losses
 
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
+        """Per-example clipped sum; with ``batch[GROUP_KEY]`` each group's summed gradient is
+        clipped as one unit (user-level DP, grads/groups.py)."""
+        from dpft.grads.groups import split_groups
+
+        batch, groups = split_groups(batch)
         grads, losses = self._per_example(batch)
-        return self._finish(grads, float(losses.sum()), losses)
+        return self._finish(grads, float(losses.sum()), losses, groups)

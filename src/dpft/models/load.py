@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -182,10 +181,14 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
             linear_names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ModelError(f"LoRA target modules {missing} not in this model; choose from {linear_names}")
         custom = isinstance(model, MeanPoolClassifier)
+        # A causal LM (text / instruct tasks) gets peft's CAUSAL_LM wrapper: LoRA only, its
+        # (often tied) LM head stays frozen.
+        causal = type(model).__name__.endswith("ForCausalLM")
         lcfg = LoraConfig(
             # peft's SEQ_CLS wrapper assumes a transformers head; our mean-pool head is kept
             # trainable by hand instead (below).
-            task_type=None if custom else TaskType.SEQ_CLS, r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+            task_type=None if custom else (TaskType.CAUSAL_LM if causal else TaskType.SEQ_CLS),
+            r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout, target_modules=list(cfg.lora.target_modules),
         )
         model = get_peft_model(model, lcfg)

@@ -30,10 +30,22 @@ def causal_lm_loss(forward: Callable[..., object], batch: Mapping[str, torch.Ten
 
     Positions with ``attention_mask == 0`` (padding) do not count. Summing (not averaging)
     keeps every token of the privacy unit in its one example's gradient.
+
+    With ``batch["labels"]`` of shape ``(B, T)`` (the ``instruct`` task, data/instruct.py) the
+    targets are ``labels[:, 1:]`` and positions labelled ``-100`` (prompt, other roles,
+    padding) do not count: completion-only loss, per example.
     """
     out = forward(**model_inputs(batch))
     logits = out.logits if hasattr(out, "logits") else out
     shift_logits = logits[:, :-1].float()
+    labels = batch.get("labels")
+    if labels is not None and labels.dim() == 2:
+        targets = labels[:, 1:]
+        keep = targets != -100
+        if "attention_mask" in batch:
+            keep = keep & batch["attention_mask"][:, 1:].bool()
+        tok = F.cross_entropy(shift_logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+        return (tok * keep.to(tok.dtype)).sum(dim=1)
     targets = batch["input_ids"][:, 1:]
     tok = F.cross_entropy(shift_logits.transpose(1, 2), targets, reduction="none")
     if "attention_mask" in batch:

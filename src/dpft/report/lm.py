@@ -11,6 +11,8 @@ def extra_sections(trainer) -> dict[str, Any]:
     if getattr(trainer, "causal", False):
         out["lm"] = {"unit": trainer.task.unit, "block_size": trainer.task.block_size,
                      "samples": getattr(trainer, "samples", [])}
+        if getattr(trainer, "generation", None):  # instruct task: eval/generate.py
+            out["generation"] = trainer.generation
     return out
 
 
@@ -43,12 +45,26 @@ def render_extra(rep: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     lm = rep.get("lm")
     if lm:
-        unit = (f"one block of {lm['block_size']} tokens" if lm["unit"] == "block"
-                else f"one document (≤ {lm['block_size']} tokens)")
+        unit = {"block": f"one block of {lm['block_size']} tokens",
+                "example": f"one row: a prompt/completion pair or a conversation (≤ {lm['block_size']} tokens), "
+                           "loss on completion tokens only"}.get(lm["unit"], f"one document (≤ {lm['block_size']} tokens)")
         lines += ["## Causal language model", "", f"- privacy unit: {unit}", ""]
         if lm["samples"]:
             lines += ["### Sampled generations", ""]
             for s in lm["samples"]:
                 lines += [f"- **{s['prompt']}** {s['completion']}"]
+            lines.append("")
+    g = rep.get("generation")
+    if g:
+        m, st = g["metrics"], g["settings"]
+        lines += ["## Generation on the dev prompts", "",
+                  f"{st['decoding']}, at most {st['max_new_tokens']} new tokens; {st['prompts']} prompts scored "
+                  f"against {st['references']} references (multi-reference; eval/metrics.py)", "",
+                  "| BLEU (sacrebleu) | ROUGE-L F (rouge-score) | exact match |", "|---|---|---|",
+                  f"| {m['dev_bleu']:.2f} | {m['dev_rouge_l']:.2f} | {m['dev_exact_match']:.1f} % |", ""]
+        if g["samples"]:
+            lines += ["### Generations", ""]
+            for s in g["samples"]:
+                lines += [f"- **{s['prompt']}** → {s['generation']}", f"  - reference: {s['references'][0]}"]
             lines.append("")
     return lines

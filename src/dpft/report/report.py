@@ -50,6 +50,8 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
                "expected_batch_size": r.batch.expected_batch_size, "steps": trainer.total_steps,
                "clipping": r.privacy.clipping.model_dump() if trainer.private else None,
                "engine": type(trainer.dp_step.spec.engine).__name__, "sampling": "Poisson",
+               # issue 17: what one "unit" of the guarantee is, and N of them (users at user level)
+               "privacy_unit": getattr(trainer, "privacy_unit", {"unit": "example", "n_units": trainer.n}),
                "randomness": "reproducible (from the recorded seed)" if r.privacy.reproducible
                else "secret (OS CSPRNG key, never written)"},
         "optimizer": r.optimizer.model_dump(mode="json"),
@@ -83,6 +85,18 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
     return rep
 
 
+def unit_line(dp: dict[str, Any]) -> str:
+    """The report's privacy-unit row: what one unit of the (ε, δ) guarantee is, and N."""
+    u = dp.get("privacy_unit") or {}
+    if u.get("unit") == "user":
+        clip = ("the user's summed gradient clipped to C (exact group clipping)" if u["user_clipping"] == "group"
+                else "each row clipped to C/k, so a user's sum is ≤ C (conservative)")
+        return (f"user (column {u['column']!r}): N = {u['n_units']} users; Poisson sampling over users, at most "
+                f"k = {u['max_rows_per_user']} rows per sampled user per step; {clip}; the guarantee protects "
+                "each user, whatever the number of rows")
+    return f"example (one training row): N = {u.get('n_units', dp.get('n_units', '?'))}"
+
+
 def epsilon_line(rep: dict[str, Any]) -> str:
     p = rep["privacy"]
     if p["guarantee"] == "certified":
@@ -90,6 +104,9 @@ def epsilon_line(rep: dict[str, Any]) -> str:
                 f"RDP cross-check ε = {p['epsilon_rdp']:.4g})")
         if p.get("scope"):
             line += f" — {p['scope']}"
+        u = (rep.get("dp") or {}).get("privacy_unit") or {}
+        if u.get("unit") == "user":
+            line += f" — privacy unit: user (N = {u['n_units']} users)"
         if p.get("reproducible"):
             line += f" — {REPRODUCIBLE_WARNING}"
         return line
@@ -111,7 +128,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "",
         "| item | value |",
         "|---|---|",
-        f"| task | {t['name']} ({t['source']}), N = {t['n_train']} training examples |",
+        f"| task | {t['name']} ({t['source']}), N = {t['n_train']} "
+        f"{'users' if dp.get('privacy_unit', {}).get('unit') == 'user' else 'training examples'} |",
         f"| model | {mod['name']} — trainable: {mod['trainable']}, {mod['trainable_parameters']:,} of {mod['total_parameters']:,} parameters |",
     ]
     if dp["private"]:
@@ -121,6 +139,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
             f"| sampling | Poisson, q = {dp['sampling_rate']:.5f} (expected batch {dp['expected_batch_size']}) |",
             f"| steps | {dp['steps']} |",
             f"| clipping | {c['style']}, C = {c['max_norm']:g} |",
+            f"| privacy unit | {unit_line(dp)} |",
             f"| per-example engine | {dp['engine']} |",
         ]
     elif rep.get("ldp"):
@@ -175,6 +194,16 @@ def coverage_section(trainer) -> dict[str, Any]:
         out["statement"] = "This run has no privacy guarantee: nothing it writes is covered."
     elif not trainer.ledger.certified:
         out["statement"] = "This run is NOT CERTIFIED: nothing it writes is covered by a proven ε."
+    elif getattr(trainer, "user_level", False):
+        u = trainer.privacy_unit
+        out["statement"] = (
+            f"For any one user (column {u['column']!r}), the probability of any outcome of this run — the model, "
+            "every checkpoint, the ledger and the released metrics — changes by at most a factor e^ε between the "
+            "training data with and without all of that user's rows, however many they are, except with "
+            f"probability δ (add/remove-one-user neighbouring datasets, user-level privacy over N = {u['n_units']} "
+            f"users; each sampled user contributes at most k = {u['max_rows_per_user']} rows per step).")
+        out["public"] = ("The pre-trained model, the recipe's settings and the number of users N are treated as "
+                         "public.")
     else:
         out["statement"] = (
             "For any one training example, the probability of any outcome of this run — the model, every "

@@ -33,6 +33,7 @@ from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
 from dpft.step import DPStep, StepSpec
 from dpft.step.postprocess import Transform, rmt_transform  # noqa: F401 (Transform: public type)
 from dpft.step.sample import PoissonSampler
+from dpft.grads.groups import GROUP_KEY, PerExampleOverK
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.noise import GaussianMechanism
 from dpft.methods.base import Run, active_methods
@@ -147,14 +148,24 @@ class Trainer:
         self._check_perf()
 
         #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
-        self.causal = r.task.name == "text"
+        #: ``instruct`` task: prompt/completion or chat rows, completion-only loss (data/instruct.py).
+        self.causal = r.task.name in ("text", "instruct")
         self.loss_fn = causal_lm_loss if self.causal else classification_loss
         if self.causal:
+            from dpft.data.instruct import load_instruct_task
             from dpft.data.text import load_text_task
             from dpft.models.causal import load_causal_lm
 
             self.tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
-            self.task = load_text_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed)
+            if r.task.name == "instruct":
+                hide = self.private or bool(active_methods(r))  # the training count is private
+                self.task = load_instruct_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed, private=hide)
+                if hide and self.task.truncated["train"] and progress:
+                    print(f"{self.task.truncated['train']} training rows were truncated to model.max_length = "
+                          f"{r.model.max_length} tokens (private statistic: shown here only, not written to the "
+                          "run directory)", file=sys.stderr)
+            else:
+                self.task = load_text_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed)
             self.train_tok, self.dev_tok = self.task.train, self.task.dev
         else:
             self.task = load_task(r.task, seed=r.seed)
@@ -178,7 +189,20 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.train_lengths = torch.tensor([len(x) for x in self.train_tok["input_ids"]])
 
-        if r.batch.schedule:
+        #: Privacy unit (issue 17): ``example`` (a row) by default; ``user`` with task.user_column
+        #: — Poisson sampling over users, ≤ k rows per sampled user, a user's summed gradient
+        #: clipped to C (step/sample.py UserPoissonSampler, grads/groups.py).
+        self.user_level = bool(r.task.user_column) and self.private
+        if r.task.user_column and not self.private:
+            self.task.notes.append(f"task.user_column {r.task.user_column!r} ignored: a non-private run has no "
+                                   "privacy unit")
+        if self.user_level:
+            self._check_user_level()
+            self.sampler = self._user_sampler()
+            self.n = self.sampler.n  # N = number of users: the ledger's q, δ check and epochs count users
+            self.privacy_unit = {"unit": "user", "column": r.task.user_column, "n_units": self.n,
+                                 "max_rows_per_user": self.sampler.k, "user_clipping": r.task.user_clipping}
+        elif r.batch.schedule:
             from dpft.data.schedule import ScheduledPoissonSampler
 
             self.sampler = ScheduledPoissonSampler(self.n, r.batch.schedule, self.rng)
@@ -187,6 +211,8 @@ class Trainer:
                                     "variable q is not implemented; `dpft report` gives the certified ε)")
         else:
             self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, self.rng)
+        if not self.user_level:
+            self.privacy_unit = {"unit": "example", "n_units": self.n}
         self.q = self.sampler.q
         s = r.schedule
         self.total_steps = s.steps or max(1, math.ceil(s.epochs * self.n / r.batch.expected_batch_size))
@@ -216,6 +242,11 @@ class Trainer:
                     r.privacy.target_epsilon, r.privacy.delta, self.q, self.total_steps, prior=self.prior_events()))
             clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma,
                                     r.privacy.clipping.head_fraction)
+            if self.user_level and r.task.user_clipping == "per_example_over_k":
+                # Conservative user-level clipping: each row to C/k; ≤ k rows per user ⇒ ≤ C per user.
+                k = r.task.max_rows_per_user
+                clip = PerExampleOverK(make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm / k,
+                                                        r.privacy.clipping.gamma, r.privacy.clipping.head_fraction), k)
             engine = make_engine(r.privacy.engine, self.model, self.loss_fn, clip)
             if hasattr(clip, "set_head_mask"):
                 clip.set_head_mask([is_head_param(n) for n in engine.params])
@@ -230,6 +261,9 @@ class Trainer:
         for m in self.methods:  # each returns a changed copy of the step's parts
             spec = m.build(spec, self.ctx)
         self._set_precision(spec.engine)
+        if self.user_level and r.task.user_clipping == "group" and not getattr(spec.engine, "supports_groups", False):
+            raise TrainingError(f"user-level group clipping needs privacy.engine: bookkeeping or reference "
+                                f"(got {type(spec.engine).__name__}); or set task.user_clipping: per_example_over_k")
         ddp.check_methods(self.world, [], keep_norms=spec.keep_norms)  # DDP: no raw norms across ranks
         self.params = spec.params if spec.params is not None else spec.engine.params
         self.optimizer = spec.optimizer
@@ -289,6 +323,48 @@ class Trainer:
             raise TrainingError(f"perf.dtype {self.precision.dtype}: the {type(engine).__name__} of this recipe "
                                 "does not apply autocast; use perf.dtype: fp32")
         engine.precision = self.precision
+
+    # ------------------------------------------------------------------ user level (issue 17)
+    def _check_user_level(self) -> None:
+        """Refuse what user-level DP does not support yet, each with the reason and the fix."""
+        r = self.recipe
+        why = []
+        if active_methods(r):
+            names = [m.name for m in active_methods(r)]
+            why.append(f"methods {names} assume example-level privacy (their phases, statistics and accounting "
+                       "count rows); run them without task.user_column")
+        if r.batch.schedule:
+            why.append("batch.schedule (a variable q) is not supported over users; use batch.expected_batch_size")
+        if self.world.distributed:
+            why.append("DDP: the world's logical batch is sharded by row, which would split a user's rows across "
+                       "ranks; run user level in one process")
+        if r.perf.dtype == "fp16":
+            why.append("perf.dtype fp16: an overflowed row would change its user's clipped contribution; use bf16 "
+                       "or fp32")
+        if getattr(r.task, "packing", False):
+            why.append("task.packing mixes privacy units in one row; turn packing off")
+        if why:
+            raise TrainingError("user-level privacy (task.user_column) cannot run this recipe: " + "; ".join(why))
+
+    def _user_sampler(self):
+        """The :class:`~dpft.step.sample.UserPoissonSampler` over the users of the training rows."""
+        from dpft.data.tasks import USER_COLUMN, DataError, _col
+        from dpft.step.sample import UserPoissonSampler, user_index
+
+        r = self.recipe
+        # A loader renames the column to USER_COLUMN (classification, text) or keeps it under its
+        # own name (instruction data keeps every extra column per row).
+        cols = self.train_tok.column_names
+        col = r.task.user_column if r.task.user_column in cols else USER_COLUMN
+        if col not in cols:
+            raise DataError(f"task.user_column {r.task.user_column!r}: the training rows carry no user id (this "
+                            f"task's loader kept no {USER_COLUMN!r} or {r.task.user_column!r} column); give a file "
+                            "with that column")
+        try:
+            users, _ = user_index(_col(self.train_tok, col))
+            return UserPoissonSampler(users, r.batch.expected_batch_size, r.task.max_rows_per_user, self.rng)
+        except ValueError as exc:
+            raise DataError(f"user-level privacy (task.user_column {r.task.user_column!r}): {exc}") from None
 
     # ------------------------------------------------------------------ parts
     def method(self, name: str):
@@ -402,15 +478,25 @@ class Trainer:
         for m in self.methods:
             m.before_step(step, self.ctx)
         self.model.train()
-        # Order the logical batch by length so micro-batches carry little padding; the set of
-        # examples (all that privacy depends on) is unchanged.
-        idx = idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
-        mine = ddp.shard(idx, self.world)  # DDP: this rank's share of the world's logical batch
+        if self.user_level:
+            # Micro-batches of whole users (grouped by the sampler); with group clipping each
+            # carries its rows' local user ids, so a user's summed gradient is clipped as one.
+            micros = self.sampler.micro_batches(idx, r.batch.max_physical_batch_size)
+        else:
+            # Order the logical batch by length so micro-batches carry little padding; the set of
+            # examples (all that privacy depends on) is unchanged.
+            idx = idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
+            mine = ddp.shard(idx, self.world)  # DDP: this rank's share of the world's logical batch
+            micros = PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size)
+        groups = self.user_level and r.task.user_clipping == "group"
 
         def micro_batches():
-            for micro in PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size):
-                yield collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
-                              device=self.device)
+            for micro in micros:
+                batch = collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
+                                device=self.device)
+                if groups:
+                    batch[GROUP_KEY] = self.sampler.groups(micro).to(self.device)
+                yield batch
 
         try:
             res = self.dp_step.run(step, micro_batches())
@@ -582,6 +668,17 @@ class Trainer:
                         stack.enter_context(m.weights())
                     self.samples = sample_generations(self.model, self.tokenizer, e.prompts, e.max_new_tokens,
                                                       seed=r.seed)
+            if getattr(self.task, "groups", None) and r.eval.generate:  # instruct: BLEU/ROUGE-L on dev prompts
+                from dpft.eval.generate import generation_eval
+
+                e = r.eval
+                with contextlib.ExitStack() as stack:
+                    for m in self.methods:
+                        stack.enter_context(m.weights())
+                    self.generation = generation_eval(self.model, self.tokenizer, self.task.groups, e.max_new_tokens,
+                                                      e.num_beams, e.batch_size, e.max_generate_prompts,
+                                                      e.num_samples)
+                last_eval.update(self.generation["metrics"])
             elapsed = self.elapsed_before + (time.time() - self._t_run)
             self.save_model()
             if r.eval.save_predictions and getattr(self, "dev_predictions", None):

@@ -1,0 +1,78 @@
+"""Decoding the dev prompts of an ``instruct`` run and scoring them (eval/metrics.py).
+
+Greedy decoding by default, beam search with ``eval.num_beams`` > 1 (Hugging Face
+``generate``; deterministic, so no randomness is drawn). Prompts are batched with left
+padding; a generation ends at the tokenizer's EOS or after ``eval.max_new_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from dpft.eval.metrics import score_generations
+
+
+@torch.no_grad()
+def generate_ids(model, prompts: Sequence[Sequence[int]], pad_id: int, eos_id: Optional[int],
+                 max_new_tokens: int = 64, num_beams: int = 1, batch_size: int = 32) -> list[list[int]]:
+    """New tokens of each prompt (EOS and what follows removed).
+
+    Args:
+        prompts: token ids per prompt (at least one token each).
+
+    Returns:
+        One list of generated token ids per prompt, in order.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out: list[list[int]] = []
+    for k in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[k:k + batch_size]]
+        t = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), t), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), t), dtype=torch.long)
+        for i, p in enumerate(chunk):  # left padding: every prompt ends where generation starts
+            ids[i, t - len(p):] = torch.tensor(p)
+            mask[i, t - len(p):] = 1
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             num_beams=num_beams, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                             eos_token_id=eos_id, top_k=None, top_p=None, temperature=None)
+        for row in gen[:, t:].tolist():
+            if eos_id is not None and eos_id in row:
+                row = row[:row.index(eos_id)]
+            out.append(row)
+    model.train(was_training)
+    return out
+
+
+def generation_eval(model, tokenizer, groups: Sequence[dict], max_new_tokens: int = 64, num_beams: int = 1,
+                    batch_size: int = 32, max_prompts: Optional[int] = None, num_samples: int = 3) -> dict[str, Any]:
+    """Decode each group's prompt and score it against all its references.
+
+    Args:
+        groups: ``[{"prompt_ids", "prompt", "references"}]`` (data/instruct.py
+            ``group_references``); the first ``max_prompts`` are used.
+
+    Returns:
+        ``{"metrics": {"dev_bleu", "dev_rouge_l", "dev_exact_match", "dev_generated"},
+        "samples": [{"prompt", "generation", "references"}] (the first ``num_samples``),
+        "settings": {...}}``.
+    """
+    groups = list(groups)[:max_prompts] if max_prompts else list(groups)
+    if not groups:
+        raise ValueError("no dev prompts to generate from")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    new = generate_ids(model, [g["prompt_ids"] for g in groups], pad, tokenizer.eos_token_id,
+                       max_new_tokens, num_beams, batch_size)
+    hyps = [tokenizer.decode(x, skip_special_tokens=True).strip() for x in new]
+    refs = [g["references"] for g in groups]
+    metrics = {**score_generations(hyps, refs), "dev_generated": len(hyps)}
+    samples = [{"prompt": g["prompt"], "generation": h, "references": g["references"][:3]}
+               for g, h in zip(groups[:num_samples], hyps)]
+    return {"metrics": metrics, "samples": samples,
+            "settings": {"decoding": "greedy" if num_beams == 1 else f"beam search ({num_beams} beams)",
+                         "max_new_tokens": max_new_tokens, "prompts": len(groups),
+                         "references": sum(len(r) for r in refs)}}
