@@ -370,3 +370,19 @@ def test_dpft_train_lora_on_a_causal_lm_trains_adapters_only(tmp_path, monkeypat
     led = PrivacyLedger.load(tmp_path / "run" / "ledger.json")
     assert led.steps == 2 and rep["privacy"]["epsilon"] == pytest.approx(led.epsilon(rep["privacy"]["delta"]).epsilon)
     assert rep["privacy"]["epsilon"] <= 3.0 + 1e-6 and rep["metrics"]["dev_generated"] == 4
+
+
+def test_cli_no_dp_run_of_an_instruct_recipe(tmp_path, monkeypatch):
+    """``dpft train … --no-dp`` (the CLI looked for a forward-LDP run on the Trainer and crashed)."""
+    from typer.testing import CliRunner
+
+    from dpft.cli import app
+
+    monkeypatch.chdir(ROOT)
+    res = CliRunner().invoke(app, [
+        "train", "examples/chat-support/recipe.yaml", "--no-dp", "--quiet", "-o", str(tmp_path / "run"),
+        "--model", str(_tiny_model_dir(tmp_path)), "--steps", "2", "--set", "task.max_train_examples=16", "--set", "batch.expected_batch_size=8",
+        "--set", "model.max_length=32", "--set", "eval.max_new_tokens=2", "--set", "eval.max_generate_prompts=2"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert rep["privacy"]["guarantee"].startswith("NONE") and rep["metrics"]["dev_generated"] == 2

@@ -208,13 +208,15 @@ def train(
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
         main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
         quiet = quiet or not main
+        # A forward-LDP method's run (methods/ewft.py ``LDPRun``) lives on the method, not the Trainer.
+        ldp = next((m.ldp for m in trainer.methods if getattr(m, "ldp", None) is not None), None)
         if main and trainer.private:
             typer.echo(f"σ = {trainer.sigma:.4f} for target ε = {rec.privacy.target_epsilon} at δ = "
                        f"{rec.privacy.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps, "
                        f"N = {trainer.n}, C = {rec.privacy.clipping.max_norm:g}", err=True)
-        elif main and trainer.ldp is not None:
-            typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {trainer.ldp.schedule.sigmas} "
-                       f"({trainer.ldp.schedule.method}) for ε = {trainer.ldp.schedule.epsilon:.4g} at δ = "
+        elif main and ldp is not None:
+            typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {ldp.schedule.sigmas} "
+                       f"({ldp.schedule.method}) for ε = {ldp.schedule.epsilon:.4g} at δ = "
                        f"{rec.ldp.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps", err=True)
         elif main:
             typer.secho("WARNING: --no-dp: this run has NO privacy guarantee", fg="yellow", err=True)
