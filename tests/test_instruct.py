@@ -351,20 +351,38 @@ def test_e2e_recipes_validate():
     assert load_recipe(ROOT / "recipes/e2e-instruct-stories260k-lora.yaml").trainable.mode == "lora"
 
 
-def test_lora_on_a_causal_lm_trains_adapters_only(tmp_path, monkeypatch):
-    from dpft.run.loop import Trainer
+def test_dpft_train_lora_on_a_causal_lm_trains_adapters_only(tmp_path, monkeypatch):
+    """``dpft.train`` on the E2E LoRA recipe (tiny model, the chat example's files): only the
+    LoRA matrices train (the tied LM head stays frozen), ε comes from ledger.json."""
+    import dpft
+    from dpft.accounting.ledger import PrivacyLedger
 
     monkeypatch.chdir(ROOT)
-    rec = load_recipe(ROOT / "recipes/e2e-instruct-stories260k-lora.yaml", {
+    rep = dpft.train(ROOT / "recipes/e2e-instruct-stories260k-lora.yaml", tmp_path / "run", progress=False, overrides={
         "model.name": str(_tiny_model_dir(tmp_path)), "model.max_length": 32,
         "task.train_file": "examples/chat-support/train.jsonl", "task.dev_file": "examples/chat-support/dev.jsonl",
         "task.max_train_examples": 32, "task.max_dev_examples": 8, "trainable.lora.target_modules": ["q_proj", "v_proj"],
         "privacy.target_epsilon": 3.0, "schedule.epochs": None, "schedule.steps": 2,
         "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 8, "eval.max_new_tokens": 3,
         "eval.max_generate_prompts": 4})
-    tr = Trainer(rec, tmp_path / "run", progress=False)
-    assert tr.params and all("lora_" in n for n in tr.params)  # the (tied) LM head stays frozen
-    before = {n: p.detach().clone() for n, p in tr.params.items()}
-    rep = tr.run()
-    assert any(not torch.equal(before[n], p) for n, p in tr.params.items())
+    # r = 8 on q_proj (16 -> 16) and v_proj (16 -> 8: one KV head of 8) of the one block
+    assert rep["model"]["trainable"] == "lora" and rep["model"]["trainable_parameters"] == (16 * 8 + 8 * 16) + (16 * 8 + 8 * 8)
+    led = PrivacyLedger.load(tmp_path / "run" / "ledger.json")
+    assert led.steps == 2 and rep["privacy"]["epsilon"] == pytest.approx(led.epsilon(rep["privacy"]["delta"]).epsilon)
     assert rep["privacy"]["epsilon"] <= 3.0 + 1e-6 and rep["metrics"]["dev_generated"] == 4
+
+
+def test_cli_no_dp_run_of_an_instruct_recipe(tmp_path, monkeypatch):
+    """``dpft train … --no-dp`` (the CLI looked for a forward-LDP run on the Trainer and crashed)."""
+    from typer.testing import CliRunner
+
+    from dpft.cli import app
+
+    monkeypatch.chdir(ROOT)
+    res = CliRunner().invoke(app, [
+        "train", "examples/chat-support/recipe.yaml", "--no-dp", "--quiet", "-o", str(tmp_path / "run"),
+        "--model", str(_tiny_model_dir(tmp_path)), "--steps", "2", "--set", "task.max_train_examples=16", "--set", "batch.expected_batch_size=8",
+        "--set", "model.max_length=32", "--set", "eval.max_new_tokens=2", "--set", "eval.max_generate_prompts=2"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert rep["privacy"]["guarantee"].startswith("NONE") and rep["metrics"]["dev_generated"] == 2

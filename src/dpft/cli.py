@@ -218,12 +218,13 @@ def train(
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
         main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
         quiet = quiet or not main
+        # A forward-LDP method's run (methods/ewft.py ``LDPRun``) lives on the method, not the Trainer.
+        ldp = next((m.ldp for m in trainer.methods if getattr(m, "ldp", None) is not None), None)
         if main and trainer.private:
             typer.echo(f"σ = {trainer.sigma:.4f} for target ε = {rec.privacy.target_epsilon} at δ = "
                        f"{rec.privacy.delta:g}: q = {trainer.q:.5f}, {trainer.total_steps} steps, "
                        f"N = {trainer.n}, C = {rec.privacy.clipping.max_norm:g}", err=True)
-        elif main and (ldp := next((m.ldp for m in trainer.methods if getattr(m, "ldp", None) is not None),
-                                   None)) is not None:
+        elif main and ldp is not None:
             claim = (f"for ε = {ldp.schedule.epsilon:.4g}" if trainer.ledger.certified
                      else "NOT CERTIFIED (see the report)")
             typer.echo(f"forward LDP at {rec.ldp.position}: σ_e = {ldp.schedule.sigmas} "
