@@ -221,6 +221,16 @@ def warm_up_head(model: nn.Module, train_rows: Sequence[dict], s: ScoreSettings,
                 p.grad = None
 
 
+def _restore(model: nn.Module, theta0: dict, flags: dict) -> None:
+    """Put back a scored model: the unit's weights θ₀, every parameter's requires_grad, no grads."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in theta0:
+                p.copy_(theta0[n])
+            p.requires_grad_(flags[n])
+            p.grad = None
+
+
 def _score_unit_eq21(model: nn.Module, unit: str, train_rows: Sequence[dict], val_rows: Sequence[dict],
                      s: ScoreSettings, pad_id: int, with_token_types: bool, on_step,
                      head_state: Optional[Mapping[str, torch.Tensor]]) -> UnitScore:
@@ -263,12 +273,7 @@ def _score_unit_eq21(model: nn.Module, unit: str, train_rows: Sequence[dict], va
                 p.sub_((s.lr * (g[n] + xi[n])).to(p.dtype))
         acc, loss = evaluate(model, list(val_rows), pad_id, with_token_types)
     finally:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in theta0:
-                    p.copy_(theta0[n])
-                p.requires_grad_(flags[n])
-                p.grad = None
+        _restore(model, theta0, flags)
     return UnitScore(unit, acc, loss, dim, rho, float(_norm(g)))
 
 
@@ -331,12 +336,7 @@ def score_unit(model: nn.Module, unit: str, train_rows: Sequence[dict], val_rows
             opt.zero_grad(set_to_none=True)
         acc, loss = evaluate(model, list(val_rows), pad_id, with_token_types)
     finally:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in theta0:
-                    p.copy_(theta0[n])
-                p.requires_grad_(flags[n])
-                p.grad = None
+        _restore(model, theta0, flags)
     return UnitScore(unit, acc, loss, dim, rho, sum(gnorms) / len(gnorms))
 
 
