@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--eps", type=float, default=5.0)
     ap.add_argument("--oracle", type=int, default=600)
     ap.add_argument("--n", type=int, default=None, help="private training rows (default: all the rest)")
+    ap.add_argument("--steps", type=int, default=None, help="schedule.steps of the ground-truth runs (default: recipe's)")
+    ap.add_argument("--batch", type=int, default=None, help="expected batch of the ground-truth runs (default: recipe's)")
     ap.add_argument("--granularity", default="block")
     ap.add_argument("--score-update", default="eq21", choices=["eq21", "adamw"])
     ap.add_argument("--out", default="runs/selft_oracle")
@@ -125,6 +127,10 @@ def main() -> None:
 
     out = Path(a.out)
     common: dict = {"privacy.target_epsilon": a.eps}
+    if a.steps:
+        common.update({"schedule.steps": a.steps, "eval.every_steps": a.steps, "checkpoint_every": a.steps})
+    if a.batch:
+        common["batch.expected_batch_size"] = a.batch
     if a.smoke:
         assets = smoke_assets(Path(tempfile.gettempdir()) / "dpft_smoke")
         common.update(smoke_overrides(assets))

@@ -216,6 +216,15 @@ def test_truncation_counts_reported_for_dev_only_when_private(tmp_path):
     assert d.train.column_names == ["input_ids", "labels", "user"] and d.train[4]["user"] == "u1"
 
 
+def test_user_column_that_is_also_the_prompt_is_kept_per_row(tmp_path):
+    # e.g. user level over a chat log whose prompt column names the customer's account
+    rows = [{"who": f"acct{i % 3}", "completion": "restart it"} for i in range(6)]
+    f = _write_jsonl(tmp_path / "t.jsonl", rows)
+    cfg = TaskCfg(name="instruct", train_file=str(f), dev_file=str(f), prompt_column="who", user_column="who")
+    d = load_instruct_task(cfg, tiny_tokenizer(), 16)
+    assert "who" in d.train.column_names and d.train["who"] == [r["who"] for r in rows]
+
+
 # ------------------------------------------------------------------ errors
 def test_clear_errors_for_bad_data(tmp_path):
     tok = tiny_tokenizer()

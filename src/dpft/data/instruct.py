@@ -305,9 +305,11 @@ def _shown_prompt(conv: list[dict]) -> str:
     return before[-1] if before else ""
 
 
-def _tokenised(ds: datasets.Dataset, used: list[str], enc: dict[str, list]) -> datasets.Dataset:
-    """The tokenised split: ``input_ids``, ``labels`` and every column not read (kept per row)."""
-    extra = {c: ds[c] for c in ds.column_names if c not in used}
+def _tokenised(ds: datasets.Dataset, used: list[str], enc: dict[str, list],
+               keep: Optional[str] = None) -> datasets.Dataset:
+    """The tokenised split: ``input_ids``, ``labels``, every column not read and ``keep`` (the
+    user column, kept per row even when it is also read, e.g. as the prompt)."""
+    extra = {c: ds[c] for c in ds.column_names if c not in used or c == keep}
     return datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "labels": enc["labels"], **extra})
 
 
@@ -352,8 +354,8 @@ def load_instruct_task(cfg: TaskCfg, tokenizer, max_length: int, seed: int = 0,
     tr = encode(tr_conv, tokenizer, template, max_length, cfg.separator, pc_tr)
     dv = encode(dv_conv, tokenizer, template, max_length, cfg.separator, pc_dv)
     groups = group_references(dv, dv_conv, [_shown_prompt(c) for c in dv_conv])
-    train = _tokenised(train_ds, tr_used, tr)
-    dev = _tokenised(dev_ds, dv_used, dv)
+    train = _tokenised(train_ds, tr_used, tr, keep=cfg.user_column)
+    dev = _tokenised(dev_ds, dv_used, dv, keep=cfg.user_column)
     if cfg.max_dev_examples and cfg.max_dev_examples < len(dev):
         dev = dev.shuffle(seed=seed).select(range(cfg.max_dev_examples))
         notes.append(f"dev loss: a seeded random subset of {cfg.max_dev_examples} dev rows (generation uses "
