@@ -25,11 +25,20 @@ from _experiment import Arm, run_experiment, seeds_arg, smoke_assets, smoke_over
 RECIPE = "recipes/sst2-minilm-dpforward.yaml"
 
 
-def arms_for(eps: float, extra: dict, code_lr: float | None = None) -> list[Arm]:
+def arms_for(eps: float, extra: dict, code_lr: float | None = None, ablate: tuple[str, ...] = ()) -> list[Arm]:
+    """The certified and code arms at ``eps``, plus one ``flaws-…`` arm per flaw subset in
+    ``ablate`` (each e.g. ``"i"`` or ``"ii,iii"``: ``ldp.reproduce_flaws``, NOT CERTIFIED), judged
+    on ``dev_accuracy`` (noisy inference unless the subset has (vii))."""
     base = {"ldp.target_epsilon": eps, **extra}
-    code = {**base, "ldp.reproduce": "dp_forward_code", **({"optimizer.lr": code_lr} if code_lr else {})}
-    return [Arm(f"certified-eps{eps:g}", RECIPE, dict(base), metric="dev_accuracy_noisy_inference"),
+    lr = {"optimizer.lr": code_lr} if code_lr else {}
+    code = {**base, "ldp.reproduce": "dp_forward_code", **lr}
+    arms = [Arm(f"certified-eps{eps:g}", RECIPE, dict(base), metric="dev_accuracy_noisy_inference"),
             Arm(f"code-eps{eps:g}", RECIPE, code, metric="dev_accuracy_clean_inference")]
+    for sub in ablate:
+        ids = sub.split(",")
+        arms.append(Arm(f"flaws-{'+'.join(ids)}-eps{eps:g}", RECIPE,
+                        {**base, "ldp.reproduce_flaws": ids, **(lr if "i" in ids else {})}))
+    return arms
 
 
 def main() -> None:
@@ -41,6 +50,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4, help="optimizer.lr of the certified arm (post(·) only)")
     ap.add_argument("--code-lr", type=float, default=None,
                     help="optimizer.lr of the reproduction, which trains the whole model (default: --lr)")
+    ap.add_argument("--ablate", default="", help="flaw subsets, ';'-separated, one arm each (e.g. 'i;ii,iii,iv,v,vi,vii')")
     ap.add_argument("--out", default="runs/ewft_repro")
     ap.add_argument("--md", default=None)
     ap.add_argument("--jobs", type=int, default=2)
@@ -56,7 +66,8 @@ def main() -> None:
         extra.update(smoke_overrides(assets))
         extra.update({"ldp.delta": 1e-3, "schedule.epochs": 1, "batch.expected_batch_size": 16,
                       "ldp.position": a.position or "encoder:1"})
-    arms = [arm for e in a.eps.split(",") for arm in arms_for(float(e), extra, a.code_lr)]
+    ablate = tuple(x.strip() for x in a.ablate.split(";") if x.strip())
+    arms = [arm for e in a.eps.split(",") for arm in arms_for(float(e), extra, a.code_lr, ablate)]
     rows = run_experiment(arms, seeds_arg(a.seeds), a.out, jobs=a.jobs)
     md = []
     for e in a.eps.split(","):

@@ -105,6 +105,40 @@ def test_dp_forward_code_reproduction_is_not_certified(tiny_model_dir, sst_like_
     assert saved["privacy"]["guarantee"] == "NOT CERTIFIED"
 
 
+def test_single_flaw_ablation_changes_only_that_choice_and_is_not_certified(tiny_model_dir, sst_like_files, tmp_path):
+    base = {"schedule.epochs": 1, "ldp.position": "output", "ldp.autoencoder.sizes": []}
+    t = Trainer(ldp_recipe(tiny_model_dir, sst_like_files, **base, **{"ldp.reproduce_flaws": ["i"]}),
+                tmp_path / "i", progress=False)
+    ldp = t.method("ewft").ldp
+    emb = ldp.split.model.bert.embeddings.word_embeddings.weight
+    # (i) only: pre(·) trains through the noise; the rest is the certified mechanism
+    assert emb.requires_grad and not ldp.layer.detach and ldp.split.pre_cache is None
+    assert ldp.layer.sensitivity == pytest.approx(2 * t.recipe.ldp.max_norm) and ldp.layer.eval_noise
+    assert ldp.split.release_cls and not ldp.split.pooled_release
+    certified = Trainer(ldp_recipe(tiny_model_dir, sst_like_files, **base), tmp_path / "c", progress=False)
+    assert ldp.schedule.sigmas == certified.method("ewft").ldp.schedule.sigmas  # (iii) not taken: same σ
+    before = emb.detach().clone()
+    rep = t.run()
+    assert not torch.equal(before, emb.detach())
+    p = rep["privacy"]
+    assert p["guarantee"] == "NOT CERTIFIED" and p["epsilon"] is None and set(p["flaws"]) == {"i"}
+    assert "(i)" in t.ledger.not_certified_reason and "(ii)" not in t.ledger.not_certified_reason
+    assert rep["ldp"]["reproduce_flaws"] == ["i"]
+    # (ii) + (iii): frozen pre(·) with the code's smaller noise
+    t2 = Trainer(ldp_recipe(tiny_model_dir, sst_like_files, **base, **{"ldp.reproduce_flaws": ["ii", "iii"]}),
+                 tmp_path / "ii", progress=False)
+    l2 = t2.method("ewft").ldp
+    assert l2.layer.sensitivity == pytest.approx(t2.recipe.ldp.max_norm) and l2.layer.detach
+    assert not l2.split.model.bert.embeddings.word_embeddings.weight.requires_grad
+    assert l2.schedule.sigmas[0] == pytest.approx(dp_forward_code_sigma(t2.recipe.ldp.target_epsilon,
+                                                                       t2.recipe.ldp.delta, t2.n, 1))
+    assert not t2.ledger.certified
+    with pytest.raises(LDPError, match="not both"):
+        Trainer(ldp_recipe(tiny_model_dir, sst_like_files, **base, **{"ldp.reproduce_flaws": ["i"],
+                                                                       "ldp.reproduce": "dp_forward_code"}),
+                tmp_path / "both", progress=False)
+
+
 def test_split_deployment_refuses_the_reproduction(tiny_model_dir, sst_like_files, tmp_path):
     from test_ldp_split import _client
 

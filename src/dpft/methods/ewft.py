@@ -94,6 +94,10 @@ class LdpCfg(_Strict):
     #: REPRODUCTION ONLY, NOT CERTIFIED: ``dp_forward_code`` does what DP-Forward's official
     #: code does (REPRO_FLAWS (i)–(vii)); the run reports NOT CERTIFIED with each flaw.
     reproduce: Optional[Literal["dp_forward_code"]] = None
+    #: ABLATION ONLY, NOT CERTIFIED: a subset of REPRO_FLAWS' ids (e.g. ``["i"]``) applied to
+    #: the certified mechanism, to find which of DP-Forward's choices carries its accuracy;
+    #: ``reproduce: dp_forward_code`` is all of them.
+    reproduce_flaws: Optional[list[Literal["i", "ii", "iii", "iv", "v", "vi", "vii"]]] = None
 
 
 
@@ -194,8 +198,12 @@ class LDPRun:
         trainer.total_steps = self.epochs * self.steps_per_epoch
         check_delta(c.delta, trainer.n)
         q = trainer.q
-        self.repro = c.reproduce == "dp_forward_code"
-        if self.repro and c.noise_multiplier is None:
+        if c.reproduce and c.reproduce_flaws:
+            raise LDPError("set one of ldp.reproduce (every flaw) or ldp.reproduce_flaws (a subset), not both")
+        #: The NOT CERTIFIED deviations this run makes (REPRO_FLAWS ids); empty = certified.
+        self.flaws = set(REPRO_FLAWS) if c.reproduce == "dp_forward_code" else set(c.reproduce_flaws or ())
+        self.repro = bool(self.flaws)
+        if "iii" in self.flaws and c.noise_multiplier is None:
             if c.target_epsilon is None:
                 raise LDPError("ldp.reproduce needs target_epsilon (σ is calibrated as the code does) or "
                                "noise_multiplier")
@@ -226,11 +234,17 @@ class LDPRun:
         if self.repro:
             # (i) no detach, (ii) std σ·C, (iv) pooled vector, (v) mask, (vi) no public
             # pre-training, (vii) no inference noise; (iii) is the σ above.
+            f = self.flaws
             self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
-                                     eval_noise=False, std_factor=1.0, detach=False)
-            self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length, pass_mask=True,
-                                         pooled_release=at_output, train_pre=True)
-            trainer.ledger.mark_not_certified(REPRO_REASON)
+                                     eval_noise=c.eval_noise and "vii" not in f,
+                                     std_factor=1.0 if "ii" in f else 2.0, detach="i" not in f)
+            pooled = at_output and "iv" in f
+            self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length,
+                                         pass_mask=c.mask_after_noise or "v" in f, pooled_release=pooled,
+                                         release_cls=at_output and not pooled, train_pre="i" in f)
+            if "i" not in f:
+                self.split.pre_cache = {}
+            trainer.ledger.mark_not_certified(self.repro_reason())
         else:
             self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
                                      eval_noise=c.eval_noise)
@@ -239,7 +253,7 @@ class LDPRun:
             self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
         self.pretrain_loss: list[float] = []
         self.pretrain_baseline: float | None = None
-        if ae is not None and c.autoencoder.pretrain_epochs > 0 and not self.repro:
+        if ae is not None and c.autoencoder.pretrain_epochs > 0 and "vi" not in self.flaws:
             self.pretrain_loss = self._pretrain(ae)
         trainer.model = self.split
         #: Label privacy (ldp.label_epsilon): RR labels drawn once here, before training.
@@ -253,6 +267,13 @@ class LDPRun:
                 # the Trainer builds its engine from trainer.loss_fn after this constructor
                 trainer.loss_fn = make_corrected_classification_loss(
                     rr_transition_matrix(c.label_epsilon, self.num_labels))
+
+    def repro_reason(self) -> str:
+        """Why the run is NOT CERTIFIED: the flaws it makes, each named."""
+        if self.flaws == set(REPRO_FLAWS):
+            return REPRO_REASON
+        return ("ldp.reproduce_flaws (ablation of DP-Forward's code, NOT CERTIFIED): "
+                + "; ".join(f"({k}) {v}" for k, v in REPRO_FLAWS.items() if k in self.flaws))
 
     # ------------------------------------------------------------------ public pre-training
     def _pretrain(self, ae: StackedAutoencoder) -> list[float]:
@@ -285,9 +306,10 @@ class LDPRun:
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
         if self.repro:
-            # what was actually released: std σ·C against sensitivity 2C, i.e. multiplier σ/2
-            # (the ledger is marked NOT CERTIFIED anyway: flaw i)
-            ev = dpa.PoissonSampledDpEvent(self.schedule.q, dpa.GaussianDpEvent(self.schedule.sigma_at(step) / 2))
+            # what was actually released: std σ·C (flaw ii) or σ·2C against sensitivity 2C, i.e.
+            # multiplier σ/2 or σ (the ledger is marked NOT CERTIFIED anyway)
+            mult = self.schedule.sigma_at(step) * self.layer.std_factor / 2
+            ev = dpa.PoissonSampledDpEvent(self.schedule.q, dpa.GaussianDpEvent(mult))
             self.trainer.record(PHASE, ev)
             return
         self.trainer.record(PHASE, self.schedule.step_event(step))
@@ -315,11 +337,15 @@ class LDPRun:
         """The two guarantees, each with its statement; ε's from the ledger / dp_accounting."""
         d = self.cfg.delta
         if self.repro:
-            return {"guarantee": "NOT CERTIFIED", "reason": REPRO_REASON, "epsilon": None,
-                    "reproduce": "dp_forward_code", "flaws": dict(REPRO_FLAWS),
+            every = self.flaws == set(REPRO_FLAWS)
+            return {"guarantee": "NOT CERTIFIED", "reason": self.repro_reason(), "epsilon": None,
+                    "reproduce": "dp_forward_code" if every else "flaws " + ",".join(sorted(self.flaws)),
+                    "flaws": {k: v for k, v in REPRO_FLAWS.items() if k in self.flaws},
                     "claimed_by_the_code": {"epsilon": self.cfg.target_epsilon, "delta": d,
                                             "sigma": self.schedule.sigmas[0],
-                                            "calibration": "q = 1/N over N·E compositions, sensitivity 1"},
+                                            "calibration": ("q = 1/N over N·E compositions" if "iii" in self.flaws
+                                                            else "the certified calibration (q = B/N, PLD)")
+                                            + (", sensitivity 1" if "ii" in self.flaws else ", sensitivity 2C")},
                     "ledger": [{"phase": e.phase, "count": e.count, "event": repr(e.event)}
                                for e in self.trainer.ledger.entries]}
         if self._below_floor():
@@ -356,7 +382,8 @@ class LDPRun:
     def summary(self) -> dict[str, Any]:
         c = self.cfg
         return {"position": c.position, "max_norm": c.max_norm, "sensitivity": self.layer.sensitivity,
-                "reproduce": c.reproduce, "mask_after_noise": bool(self.split.pass_mask),
+                "reproduce": c.reproduce, "reproduce_flaws": sorted(self.flaws) or None,
+                "mask_after_noise": bool(self.split.pass_mask),
                 "release": ("pooled [CLS] vector" if self.split.pooled_release else
                             "[CLS] row of the last block" if self.split.release_cls else "hidden matrix"),
                 "inference": INFERENCE_STATEMENT,
@@ -454,7 +481,7 @@ class ForwardLDP(Method):
             if "dev_accuracy_noisy_inference" in met else []
         if p.get("guarantee") == "NOT CERTIFIED":  # ldp.reproduce: no ε, each flaw named
             return ["## Forward-pass LDP: NOT CERTIFIED reproduction of DP-Forward's code", "",
-                    f"- σ = {x['sigmas'][0]:.4g} (noise std σ·C = {x['noise_std_by_epoch'][0]:.4g}); the code "
+                    f"- σ = {x['sigmas'][0]:.4g} (noise std {x['noise_std_by_epoch'][0]:.4g}); the code "
                     f"claims ε = {p['claimed_by_the_code']['epsilon']} at δ = {p['claimed_by_the_code']['delta']:g}, "
                     "which does not hold:",
                     *[f"  - ({k}) {v}" for k, v in p["flaws"].items()], *acc, ""]

@@ -688,7 +688,7 @@ class LDPClient:
         if not c.eval_noise:
             raise LDPError("ldp-client: ldp.eval_noise: false would send the clean dev codes to the server; "
                            "the split deployment always noises /eval — remove that setting")
-        if c.reproduce is not None:
+        if c.reproduce is not None or c.reproduce_flaws:
             raise LDPError("ldp-client: ldp.reproduce (a NOT CERTIFIED in-process reproduction) is not available "
                            "in the split deployment; remove it")
         # ldp.mask_after_noise is an in-process option: this deployment never sends a mask (the
