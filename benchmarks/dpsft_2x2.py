@@ -12,7 +12,12 @@ Arms (recipes/sst2-minilm-dpsft.yaml for all, so every arm trains the same param
   placement (σC after averaging = σB on the sum, ``subspace.paper_noise_placement``; certified
   as an upper bound, see methods/dpsft.py) — does it explain the paper's weak Full-DP baseline?
 
-Every arm is paired against ``theta0-full``; the ledger's ε is in every row.
+* with ``--tuned``: ``theta0-full-tuned`` / ``imdb-full-tuned`` (and ``*-tuned-paper`` with
+  ``--paper-noise``): Full-DP with the demo's fix for a fresh head (head_body clipping, head lr
+  1e-2, body lr 3e-4), so the Full-DP baseline is not lost to the shared recipe's flat clip.
+Every arm is paired against ``theta0-full``; the ledger's ε is in every row. Further paired
+tables: each cell of the 2 × 2 against its neighbour (``imdb-sft`` vs ``imdb-full``,
+``theta0-sft`` vs ``theta0-full-tuned`` …) and each paper-noise arm against its certified twin.
 
     python benchmarks/dpsft_2x2.py --seeds 3 --n 4000 --out runs/dpsft2x2 --md benchmarks/results/dpsft_2x2.md
     python benchmarks/dpsft_2x2.py --smoke --seeds 2       # tiny model and data: plumbing only
@@ -37,6 +42,7 @@ def main() -> None:
     ap.add_argument("--eps", type=float, default=4.0)
     ap.add_argument("--n", type=int, default=None, help="task.max_train_examples")
     ap.add_argument("--paper-noise", action="store_true", help="add the paper's noise placement arms")
+    ap.add_argument("--tuned", action="store_true", help="add Full-DP arms with head_body clipping and a head lr")
     ap.add_argument("--out", default="runs/dpsft2x2")
     ap.add_argument("--md", default=None)
     ap.add_argument("--jobs", type=int, default=2)
@@ -66,10 +72,23 @@ def main() -> None:
     if a.paper_noise:
         second.append(Arm("imdb-full-paper", RECIPE, {**full, "subspace.paper_noise_placement": True},
                           per_seed=stage1))
+    tuned = {**full, "privacy.clipping.style": "head_body", "privacy.clipping.head_fraction": 0.5,
+             "optimizer.lr": 3e-4, "optimizer.head_lr": 1e-2}
+    if a.tuned:
+        second += [Arm("theta0-full-tuned", RECIPE, dict(tuned)),
+                   Arm("imdb-full-tuned", RECIPE, dict(tuned), per_seed=stage1)]
+        if a.paper_noise:
+            second += [Arm("theta0-full-tuned-paper", RECIPE, {**tuned, "subspace.paper_noise_placement": True})]
     rows += run_experiment(second, seeds, out, common=common, jobs=a.jobs)
     md = table(rows, reference="theta0-full", title=f"DP-SFT 2 × 2 at ε = {a.eps:g}",
                note="Θ* = stage 1 of imdb-sft (non-private fine-tuning on public IMDB; no privacy cost). "
                     "`*-paper`: noise σ·C·B on the sum (σC after averaging), ledger at σ (an upper bound).")
+    have = {r["arm"] for r in rows}
+    for ref, arm in (("imdb-full", "imdb-sft"), ("theta0-full-tuned", "theta0-sft"), ("imdb-full-tuned", "imdb-sft"),
+                     ("theta0-full-tuned", "imdb-full-tuned"), ("imdb-full", "imdb-full-paper"),
+                     ("theta0-full", "theta0-full-paper"), ("theta0-full-tuned", "theta0-full-tuned-paper")):
+        if ref in have and arm in have:
+            md += "\n" + table([r for r in rows if r["arm"] in (ref, arm)], reference=ref, title=f"{arm} vs {ref}")
     print(md)
     if a.md:
         write(md, a.md)
