@@ -231,26 +231,21 @@ class LDPRun:
             torch.manual_seed(r.seed)
             ae = StackedAutoencoder(c.autoencoder.sizes)
         at_output = c.position == "output"
-        if self.repro:
-            # (i) no detach, (ii) std σ·C, (iv) pooled vector, (v) mask, (vi) no public
-            # pre-training, (vii) no inference noise; (iii) is the σ above.
-            f = self.flaws
-            self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
-                                     eval_noise=c.eval_noise and "vii" not in f,
-                                     std_factor=1.0 if "ii" in f else 2.0, detach="i" not in f)
-            pooled = at_output and "iv" in f
-            self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length,
-                                         pass_mask=c.mask_after_noise or "v" in f, pooled_release=pooled,
-                                         release_cls=at_output and not pooled, train_pre="i" in f)
-            if "i" not in f:
-                self.split.pre_cache = {}
-            trainer.ledger.mark_not_certified(self.repro_reason())
-        else:
-            self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
-                                     eval_noise=c.eval_noise)
-            self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length,
-                                         pass_mask=c.mask_after_noise, release_cls=at_output)
+        # The certified mechanism, with each NOT CERTIFIED flaw of the run (self.flaws) swapped in:
+        # (i) no detach, (ii) std σ·C, (iv) pooled vector, (v) mask, (vii) no inference noise;
+        # (iii) is the σ above, (vi) the skipped pre-training below. No flaws = certified.
+        f = self.flaws
+        self.layer = GaussianLDP(c.max_norm, self.schedule.sigmas[0], ae, normalize=c.normalize,
+                                 eval_noise=c.eval_noise and "vii" not in f,
+                                 std_factor=1.0 if "ii" in f else 2.0, detach="i" not in f)
+        pooled = at_output and "iv" in f
+        self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length,
+                                     pass_mask=c.mask_after_noise or "v" in f, pooled_release=pooled,
+                                     release_cls=at_output and not pooled, train_pre="i" in f)
+        if "i" not in f:
             self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
+        if self.repro:
+            trainer.ledger.mark_not_certified(self.repro_reason())
         self.pretrain_loss: list[float] = []
         self.pretrain_baseline: float | None = None
         if ae is not None and c.autoencoder.pretrain_epochs > 0 and "vi" not in self.flaws:
