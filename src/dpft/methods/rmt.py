@@ -1,5 +1,5 @@
 """RMT gradient denoising as a plug-in: singular-value shrinkage of each 2-D weight gradient
-after the noise (post-processing, no ε cost; transforms/rmt.py holds the maths).
+after the noise (post-processing, no ε cost; transforms/rmt/ holds the maths).
 
 Recipe: ``denoise: {method: rmt, kappa: 1.05}`` or ``methods: [{name: rmt, method: rmt}]``.
 
@@ -30,7 +30,7 @@ DIAGNOSTICS_FILE = "rmt_diagnostics.jsonl"
 
 class DenoiseCfg(_Strict):
     """Post-processing of the noisy gradient (free under DP): ``rmt`` = singular-value
-    shrinkage of each 2-D weight gradient (transforms/rmt.py)."""
+    shrinkage of each 2-D weight gradient (transforms/rmt/)."""
 
     method: Literal["none", "rmt"] = "none"
     #: Denoise a layer only if its top normalised singular value exceeds κ·(1 + √β).

@@ -2,7 +2,7 @@
 
 Order in :class:`~dpft.step.pipeline.DPStep`: the noisy sum is divided by the *expected*
 logical batch size qN (the realised size is private), then each :data:`Transform` runs in
-turn — e.g. RMT singular-value shrinkage (Marchenko–Pastur, ``transforms/rmt.py``) or the
+turn — e.g. RMT singular-value shrinkage (Marchenko–Pastur, ``transforms/rmt/``) or the
 unprojection ``P·s̃`` from a DP-SFT subspace (``transforms/subspace.py``).
 
 A transform sees only released quantities: the noisy averaged gradient and the context keys
