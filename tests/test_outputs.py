@@ -284,3 +284,42 @@ def test_model_folder_of_an_older_run_still_loads(tiny_model_dir, tmp_path):
     e = tok(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
         torch.testing.assert_close(loaded(**e).logits, m(**e).logits, atol=1e-6, rtol=0)
+
+
+def test_tracking_sends_only_released_quantities(tiny_model_dir, labelled_files, tmp_path, monkeypatch):
+    """log.report_to: tensorboard (mocked: the package is an optional extra) gets ε, lr and dev/test
+    metrics, never the training loss, batch size or clip fraction."""
+    import sys
+    import types
+
+    calls = []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            calls.append(("init", log_dir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    rec = tiny_recipe(tiny_model_dir, labelled_files, **{
+        "log.report_to": ["tensorboard"], "log.private_diagnostics": True, "eval.every_steps": 1,
+        "task.test_file": str(labelled_files["test"])})
+    Trainer(rec, tmp_path / "run", progress=False).run()
+    tags = {c[0] for c in calls if len(c) == 3}
+    assert {"epsilon", "lr", "dev_accuracy", "dev_loss", "test_accuracy", "test_loss"} <= tags
+    assert not tags & {"train_loss", "batch_size", "clip_fraction", "step_seconds"}
+    assert calls[0] == ("init", str(tmp_path / "run" / "tensorboard")) and calls[-1] == ("close",)
+    from dpft.run.tracking import trackable
+
+    assert trackable({"step": 1, "train_loss": 0.3, "batch_size": 9, "epsilon": 1.0, "dev_accuracy": 0.5,
+                      "lr": 0.1, "clip_rate": 0.4}) == {"epsilon": 1.0, "dev_accuracy": 0.5, "lr": 0.1}
+    with monkeypatch.context() as mp:
+        mp.setitem(sys.modules, "wandb", None)  # not installed
+        from dpft.run.tracking import Trackers, TrackingError
+
+        with pytest.raises(TrackingError, match="pip install wandb"):
+            Trackers(["wandb"], tmp_path, "x", {})

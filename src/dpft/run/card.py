@@ -108,6 +108,11 @@ def _usage(model_dir: Path) -> list[str]:
                ""] if pre else [])]
 
 
+_LDP_USAGE = ["This run's model has a forward-pass noise layer (EW-FT / DP-Forward) between its blocks: the folder "
+              "holds the inner model and the autoencoder, which a plain `pipeline` would run without that layer. "
+              "Serve it with dpft's split deployment (`dpft ldp-server` / `dpft ldp-client`).", ""]
+
+
 def build_card(rep: dict[str, Any], model_dir: Path):
     """The ``huggingface_hub.ModelCard`` of a run from its report dict."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -158,7 +163,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         lines += [f"- {cov.get('not_released', '')}", f"- {cov.get('timing', '')}", f"- {cov.get('public', '')}",
                   "- The pre-training data of the base model: its privacy is whatever the base model's is.", ""]
     lines += ["## Results", "", *(_metric_lines(rep) or ["- (none recorded)"]), "",
-              "## Use", "", *_usage(model_dir),
+              "## Use", "", *(_LDP_USAGE if rep.get("ldp") else _usage(model_dir)),
               "## Training", "",
               f"- base model: `{base}`; trainable: {mod['trainable']} ({mod['trainable_parameters']:,} of "
               f"{mod['total_parameters']:,} parameters); inputs truncated to {mod['max_length']} tokens",

@@ -591,6 +591,8 @@ class Trainer:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(released) + "\n")
+        if getattr(self, "trackers", None) is not None:
+            self.trackers.log(released)
         if self.diagnostics is not None:
             self.diagnostics.write(private)
 
@@ -629,6 +631,10 @@ class Trainer:
         if main:
             atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
         self.diagnostics = DiagnosticsLog(self.run_dir) if r.log.private_diagnostics and main else None
+        if r.log.report_to and main:  # log.report_to: released quantities only (run/tracking.py)
+            from dpft.run.tracking import Trackers, public_config
+
+            self.trackers = Trackers(r.log.report_to, self.run_dir, r.name, public_config(r))
         if self.private or self.ledger.entries:
             self.save_live_ledger()  # phases spent before training (stage 1, synthetic data)
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc=r.name, disable=not self.progress,

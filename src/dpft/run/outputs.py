@@ -21,7 +21,13 @@ def save_run_model(trainer) -> dict[str, str]:
 
 
 def after_report(trainer, rep: dict[str, Any]) -> None:
-    """Model cards from the written report (``output.model_card``)."""
+    """Model cards from the written report (``output.model_card``); the test metrics to the
+    trackers (``log.report_to``), which are then closed."""
+    tr = getattr(trainer, "trackers", None)
+    if tr is not None:
+        if rep.get("test"):
+            tr.log({**rep["test"], "step": trainer.total_steps})
+        tr.close()
     if trainer.recipe.output.model_card:
         from dpft.run.card import write_model_cards
 
