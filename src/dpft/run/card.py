@@ -54,7 +54,9 @@ def _mechanism_rows(rep: dict[str, Any]) -> list[str]:
         f"| privacy unit | {unit_line(dp)} |",
     ]
     if p.get("guarantee") == "certified":
-        rows.append(f"| accountant | {p.get('accountant', 'PLD')} (dp-accounting) over the run's ledger; "
+        acc = p.get("accountant", "PLD")
+        acc = acc if "dp-accounting" in acc else f"{acc} (dp-accounting)"
+        rows.append(f"| accountant | {acc} over the run's ledger; "
                     f"RDP cross-check ε = {p['epsilon_rdp']:.4g} |")
     rows.append(f"| randomness | {dp.get('randomness')} |")
     return rows
@@ -156,7 +158,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         if cov.get("reproducible"):
             lines += [f"**{cov['reproducible']}**", ""]
         lines += ["It covers the files the run releases: the model (and its checkpoints), the ledger, the "
-                  "released metrics and the report.", "", "### What it does not cover", "",
+                  "released metrics and the report.", "", "### What it does not cover (and what is public)", "",
                   f"- {cov.get('dev', '')}"]
         if rep.get("test"):
             lines.append(f"- {rep['test'].get('statement', '')}")
