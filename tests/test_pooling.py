@@ -4,6 +4,8 @@ selections and saving work on it."""
 
 from __future__ import annotations
 
+import json
+
 import warnings
 
 import pytest
@@ -71,7 +73,7 @@ def test_load_classifier_mean_pooling_and_save(tiny_model_dir, tmp_path):
     assert not any("pooler" in n for n, _ in m.named_parameters())  # the unused [CLS] pooler is not loaded
     m.save_pretrained(tmp_path / "out")
     assert (tmp_path / "out" / "config.json").is_file()
-    assert (tmp_path / "out" / "dpft_head.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "dpft_mean_pool"  # issue 24
     tok.save_pretrained(tmp_path / "out")
     with torch.no_grad():
         m.classifier.weight.add_(1.0)  # differs from any fresh initialisation

@@ -1,4 +1,4 @@
-"""The ``dpft`` command: ``train`` · ``account`` · ``report`` · ``selft``."""
+"""The ``dpft`` command: ``train`` · ``predict`` · ``push`` · ``account`` · ``report`` · ``selft``."""
 
 from __future__ import annotations
 
@@ -133,6 +133,8 @@ def train(
     task: Optional[str] = typer.Option(None, help="task.name (sst2, sst5, imdb, qnli, files)."),
     train_file: Optional[str] = typer.Option(None, help="task.train_file (CSV/TSV/JSONL/Parquet)."),
     dev_file: Optional[str] = typer.Option(None, help="task.dev_file."),
+    test_file: Optional[str] = typer.Option(
+        None, help="task.test_file: labelled file evaluated once after training, reported apart from dev."),
     text_column: Optional[str] = typer.Option(None, help="task.text_column."),
     text_pair_column: Optional[str] = typer.Option(None, help="task.text_pair_column."),
     label_column: Optional[str] = typer.Option(None, help="task.label_column."),
@@ -183,7 +185,8 @@ def train(
         _fail("give --steps or --epochs, not both")
     ov, origins = _overrides((
         ("--model", "model.name", model), ("--task", "task.name", task), ("--train-file", "task.train_file", train_file),
-        ("--dev-file", "task.dev_file", dev_file), ("--text-column", "task.text_column", text_column),
+        ("--dev-file", "task.dev_file", dev_file), ("--test-file", "task.test_file", test_file),
+        ("--text-column", "task.text_column", text_column),
         ("--text-pair-column", "task.text_pair_column", text_pair_column),
         ("--label-column", "task.label_column", label_column),
         ("--user-column", "task.user_column", user_column),
@@ -214,6 +217,8 @@ def train(
         if train_file and not task and rec.task.name != "text":  # a causal-LM corpus stays a text task
             rec.task.name = "files"
         _name_run(rec, ov)
+        if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading
+            _fail(f"test file not found: {rec.task.test_file}")
         run_dir = Path(rec.output_dir or f"runs/{rec.name}{'-nodp' if no_dp else ''}")
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
         main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
@@ -245,7 +250,53 @@ def train(
         typer.echo(f"dev accuracy: {rep['metrics']['dev_accuracy']:.4f}")
     else:
         typer.echo(f"dev loss: {rep['metrics']['dev_loss']:.4f} nats/token, perplexity {rep['metrics']['dev_perplexity']:.3f}")
+    if rep.get("test"):
+        typer.echo(f"test accuracy: {rep['test']['test_accuracy']:.4f} ({rep['test']['n']} examples; once, after training)")
     typer.echo(epsilon_line(rep))
+
+
+@app.command()
+def predict(
+    run_dir: Path = typer.Argument(..., help="A finished run directory."),
+    file: Path = typer.Option(..., "--file", "-f", help="Rows to predict (CSV/TSV/JSONL/Parquet, the training "
+                              "file's columns; labels optional)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="JSON-lines output (default: "
+                                          "<file>.predictions.jsonl)."),
+    batch_size: int = typer.Option(64, help="Rows per batch."),
+    max_new_tokens: int = typer.Option(40, help="Causal LM: tokens generated per row."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+):
+    """Labels (classifier) or generations (causal LM) for each row of --file; accuracy when it has labels."""
+    from dpft.run.predict import predict as _predict
+
+    if not file.is_file():
+        _fail(f"file not found: {file}")
+    try:
+        out = _predict(run_dir, file, output, batch_size=batch_size, max_new_tokens=max_new_tokens, device=device,
+                       progress=not quiet)
+    except (ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    typer.echo(f"{out['n']} predictions written to {out['output']}")
+    if "accuracy" in out:
+        typer.echo(f"accuracy: {out['accuracy']:.4f} ({out['n']} rows)")
+
+
+@app.command()
+def push(
+    run_dir: Path = typer.Argument(..., help="A finished run directory."),
+    repo_id: str = typer.Argument(..., help="Hugging Face model repository, e.g. you/sst2-dp."),
+    public: bool = typer.Option(False, "--public", help="Create the repository public (default: private)."),
+    token: Optional[str] = typer.Option(None, help="Hub token (default: your `hf auth login` token)."),
+):
+    """Upload the run's release set (model at the root, model card, report, ledger) to the Hub."""
+    from dpft.run.hub import push as _push
+
+    try:
+        url = _push(run_dir, repo_id, private=not public, token=token)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+    typer.echo(f"pushed {run_dir} to {repo_id}: {url}")
 
 
 @app.command()
@@ -409,6 +460,8 @@ def selft(
         ov, origins = _overrides((("--output-dir", "output_dir", str(output_dir) if output_dir else None),), set)
         rec = load_recipe(recipe, ov, origins)
         _name_run(rec, ov)
+        if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading
+            _fail(f"test file not found: {rec.task.test_file}")
         pool = None
         if generate:
             kind, _, arg = generate.partition(":")

@@ -41,6 +41,11 @@ class TaskCfg(_Strict):
     name: str = "sst2"
     train_file: Optional[str] = None
     dev_file: Optional[str] = None
+    #: A labelled test file (same columns and format as the training file; registered tasks:
+    #: their own column names), evaluated ONCE after the last step with the final weights and
+    #: reported apart from dev (report.json ``test``). Never used for selection or stopping.
+    #: Classification tasks only.
+    test_file: Optional[str] = None
     text_column: Optional[str] = None
     text_pair_column: Optional[str] = None
     label_column: Optional[str] = None
@@ -76,6 +81,13 @@ class TaskCfg(_Strict):
     template: Literal["auto", "chat", "simple"] = "auto"
     #: ``simple`` template: text between a prompt and its completion.
     separator: str = "\n"
+
+    @model_validator(mode="after")
+    def _test_file_classification(self):
+        if self.test_file and self.name in ("text", "instruct"):
+            raise ValueError(f"task.test_file is evaluated for classification tasks only (task {self.name!r}); "
+                             "use `dpft predict RUN_DIR --file F` for generations")
+        return self
 
 
 class LoraCfg(_Strict):
@@ -257,6 +269,20 @@ class LogCfg(_Strict):
     #: Write per-step private statistics (un-noised train loss, batch size, clip fraction, step
     #: times) to private_diagnostics.jsonl (mode 0600). NOT covered by ε: for the data holder only.
     private_diagnostics: bool = False
+    #: Experiment trackers to send the run's *released* quantities to (ε, dev metrics, learning
+    #: rate; never the training loss or batch sizes): ``tensorboard`` · ``wandb`` · ``mlflow``
+    #: (optional extras: ``pip install dpft[tracking]``).
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+
+
+class OutputCfg(_Strict):
+    """What ``model/`` holds beyond the model (models/export.py)."""
+
+    #: LoRA runs: also write the merged model (adapter folded into the weights) to
+    #: ``model_merged/``, loadable without peft. ``model/`` always holds the adapter.
+    merge_lora: bool = False
+    #: Write a Hugging Face model card (``README.md``) stating the guarantee into ``model/``.
+    model_card: bool = True
 
 
 class Recipe(_Strict):
@@ -277,6 +303,7 @@ class Recipe(_Strict):
     perf: PerfCfg = PerfCfg()
     eval: EvalCfg = EvalCfg()
     log: LogCfg = LogCfg()
+    output: OutputCfg = OutputCfg()
     #: The run's methods (methods/base.py): a list of ``{name: <registered method>, <its keys>}``,
     #: each validated by the registered method's own config model. The built-ins' historical
     #: sections ``subspace:`` (DP-SFT), ``ldp:`` (EW-FT / DP-Forward), ``adam_ac:`` (DP-Adam-AC)

@@ -63,17 +63,13 @@ class MeanPoolClassifier(nn.Module):
             pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
         return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
 
-    def save_pretrained(self, out, **kwargs) -> None:
-        """The encoder as a Hugging Face folder, the head beside it (``dpft_head.safetensors``)."""
-        import json
+    def save_pretrained(self, out, labels=None, **kwargs) -> None:
+        """A standard Hugging Face folder that ``AutoModelForSequenceClassification`` and
+        ``pipeline`` load as this model (``DpftMeanPoolForSequenceClassification``, models/export.py),
+        with ``id2label`` from ``labels`` (names, in label order) when given."""
+        from dpft.models.export import to_standard
 
-        from safetensors.torch import save_file
-
-        out = Path(out)
-        self.encoder.save_pretrained(out, **kwargs)
-        save_file({k: v.detach().contiguous() for k, v in self.classifier.state_dict().items()},
-                  str(out / "dpft_head.safetensors"))
-        (out / "dpft_head.json").write_text(json.dumps({"pooling": "mean", "num_labels": self.classifier.out_features}))
+        to_standard(self, labels).save_pretrained(out, **kwargs)
 
 
 def set_dropout(model: nn.Module, p: float) -> int:
@@ -104,7 +100,10 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
     hf_logging.set_verbosity_error()  # "classifier newly initialised" is expected here
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        if pooling == "mean":
+        exported = _exported_mean_pool(Path(path))
+        if exported is not None:  # a dpft run's model/ (models/export.py): encoder and trained head
+            model = _from_exported(exported, num_labels, pooling, head_dropout)
+        elif pooling == "mean":
             try:  # BERT-likes: skip the unused [CLS] pooler so no trainable weight is left gradient-free
                 encoder = AutoModel.from_pretrained(path, add_pooling_layer=False)
             except TypeError:
@@ -126,6 +125,37 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
         tok.pad_token = tok.eos_token
         model.config.pad_token_id = tok.pad_token_id
     return tok, model
+
+
+def _exported_mean_pool(path: Path):
+    """The :class:`DpftMeanPoolForSequenceClassification` saved in ``path`` (a dpft run's
+    ``model/``), or None when ``path`` holds another model."""
+    import json
+
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return None
+    from dpft.models.export import MODEL_TYPE, DpftMeanPoolForSequenceClassification
+
+    if json.loads(cfg.read_text()).get("model_type") != MODEL_TYPE:
+        return None
+    return DpftMeanPoolForSequenceClassification.from_pretrained(path)
+
+
+def _from_exported(exported, num_labels: int, pooling: str, head_dropout: float):
+    """Continue from a saved mean-pooling classifier: ``pooling="mean"`` keeps its head when it
+    has ``num_labels`` outputs (else a fresh one, as for any encoder); ``pooling="model"`` puts
+    its encoder under the architecture's own head (fresh)."""
+    from transformers import AutoModelForSequenceClassification
+
+    if pooling == "mean":
+        model = MeanPoolClassifier(exported.encoder, num_labels, head_dropout)
+        if exported.classifier.out_features == num_labels:
+            model.classifier.load_state_dict(exported.classifier.state_dict())
+        return model
+    model = AutoModelForSequenceClassification.from_config(exported.config.encoder_config(), num_labels=num_labels)
+    getattr(model, model.base_model_prefix).load_state_dict(exported.encoder.state_dict(), strict=False)
+    return model
 
 
 def _load_saved_head(model: "MeanPoolClassifier", path: Path) -> None:

@@ -60,6 +60,9 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         "history": trainer.history.rows,
         "coverage": coverage_section(trainer),
     }
+    test = getattr(trainer, "test_metrics", None)
+    if test:  # task.test_file: evaluated once after training, reported apart from dev
+        rep["test"] = {**test, "statement": test_statement(test["file"])}
     rep["task"]["notes"] = list(rep["task"]["notes"]) + list(getattr(trainer, "ledger_notes", []))
     from dpft.report.lm import extra_sections
 
@@ -83,6 +86,22 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
     except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
         rep["plot_error"] = str(exc)
     return rep
+
+
+def test_statement(file: str) -> str:
+    """What the report may say about the test metrics (task.test_file)."""
+    return (f"Test metrics are computed once, after the last step, on your test file {file}, which is not part of "
+            "training and never steered it (no selection, no early stopping): they are exact statistics of those "
+            "test examples and are NOT covered by ε. Share them only if the test examples may be disclosed.")
+
+
+def test_line(rep: dict[str, Any]) -> list[str]:
+    """The report's test-file headline (empty without a test file)."""
+    t = rep.get("test")
+    if not t or "test_accuracy" not in t:
+        return []
+    return [f"**Test accuracy:** {t['test_accuracy']:.4f} ({t['n']} examples of {t['file']}), test loss "
+            f"{t['test_loss']:.4f} nats — evaluated once after training, never used for selection", ""]
 
 
 def unit_line(dp: dict[str, Any]) -> str:
@@ -126,6 +145,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
          if "dev_accuracy" in m else
          f"**Dev loss:** {m['dev_loss']:.4f} nats/token, perplexity {m['dev_perplexity']:.3f} ({t['n_dev']} examples)"),
         "",
+        *test_line(rep),
         "| item | value |",
         "|---|---|",
         f"| task | {t['name']} ({t['source']}), N = {t['n_train']} "
@@ -223,7 +243,7 @@ def coverage_markdown(rep: dict[str, Any]) -> list[str]:
     lines = ["## What the ε covers", "", c["statement"], ""]
     if c.get("reproducible"):
         lines += [f"**{c['reproducible']}**", ""]
-    lines += [f"- {c['dev']}", f"- {c['not_released']}", f"- {c['timing']}", f"- {c['public']}", "",
+    lines += [f"- {c['dev']}", *([f"- {rep['test']['statement']}"] if rep.get("test") else []), f"- {c['not_released']}", f"- {c['timing']}", f"- {c['public']}", "",
               "Files released by this run:", "", "| file | holds |", "|---|---|",
               *[f"| `{k}` | {v} |" for k, v in c["release_set"].items()], ""]
     return lines

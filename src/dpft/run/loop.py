@@ -591,6 +591,8 @@ class Trainer:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(released) + "\n")
+        if getattr(self, "trackers", None) is not None:
+            self.trackers.log(released)
         if self.diagnostics is not None:
             self.diagnostics.write(private)
 
@@ -629,6 +631,10 @@ class Trainer:
         if main:
             atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
         self.diagnostics = DiagnosticsLog(self.run_dir) if r.log.private_diagnostics and main else None
+        if r.log.report_to and main:  # log.report_to: released quantities only (run/tracking.py)
+            from dpft.run.tracking import Trackers, public_config
+
+            self.trackers = Trackers(r.log.report_to, self.run_dir, r.name, public_config(r))
         if self.private or self.ledger.entries:
             self.save_live_ledger()  # phases spent before training (stage 1, synthetic data)
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc=r.name, disable=not self.progress,
@@ -681,18 +687,26 @@ class Trainer:
                 last_eval.update(self.generation["metrics"])
             elapsed = self.elapsed_before + (time.time() - self._t_run)
             self.save_model()
+            from dpft.run.predict import evaluate_test_file
+
+            self.test_metrics = evaluate_test_file(self)  # task.test_file: once, after the last step
             if r.eval.save_predictions and getattr(self, "dev_predictions", None):
                 from dpft.eval.paired import write_predictions
 
                 write_predictions(self.run_dir / "dev_predictions.jsonl", self.dev_predictions)
-            return write_report(self, last_eval, elapsed)
+            rep = write_report(self, last_eval, elapsed)
+            from dpft.run.outputs import after_report
+
+            after_report(self, rep)  # model card from the written report
+            return rep
 
         return ddp.on_rank0(self.world, finish)
 
     def save_model(self) -> None:
-        """Full fine-tuned model (safetensors via ``save_pretrained``) and tokenizer in ``model/``."""
-        out = self.run_dir / "model"
-        self.model.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
+        """The model and tokenizer in ``model/`` as ``AutoModelFor…``/``pipeline`` load them, with
+        ``id2label`` (LoRA: the adapter; ``model_merged/`` on request) — run/outputs.py."""
+        from dpft.run.outputs import save_run_model
+
+        save_run_model(self)
         for m in self.methods:  # e.g. EMA weights beside the raw ones
             m.finish(self.ctx)

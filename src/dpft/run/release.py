@@ -34,6 +34,7 @@ RELEASE_SET: dict[str, str] = {
     "training.png": "dev metric and ε against steps (released quantities only)",
     "recipe.yaml": "the recipe as run (public settings; no mechanism seed unless privacy.reproducible)",
     "subspace/": "DP-SFT basis (covered by the ledger's stage-1 phase, or public)",
+    "model_merged/": "LoRA runs with output.merge_lora: the adapter merged into the weights (post-processing)",
 }
 
 #: The data holder's file of per-step private statistics (off by default).

@@ -1,0 +1,193 @@
+"""The model card (``model/README.md``) of a run, in Hugging Face's format, stating the guarantee.
+
+Built with ``huggingface_hub.ModelCard`` / ``ModelCardData`` from ``report.json`` only (a
+released file), so the card says nothing the report does not: ε and δ from the run's ledger
+(PLD accountant of dp-accounting, RDP cross-check), the privacy unit and N, the mechanism
+(Poisson-subsampled Gaussian: σ, q, steps, C), and what the ε covers and does not cover
+(README "What the printed ε means"; report ``coverage``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from dpft.report.report import epsilon_line, unit_line
+
+#: Registered tasks whose data is a Hugging Face dataset (for the card's ``datasets:``).
+_HUB_DATASETS = {"sst2": "glue", "qnli": "glue", "sst5": "SetFit/sst5", "imdb": "imdb"}
+
+
+def _headline(rep: dict[str, Any]) -> str:
+    p = rep["privacy"]
+    if p.get("guarantee") == "certified":
+        u = (rep.get("dp") or {}).get("privacy_unit") or {}
+        unit = ("each user (all rows of one person)" if u.get("unit") == "user"
+                else "each training example (one row of the training file)")
+        n = u.get("n_units", rep["task"].get("n_train"))
+        return (f"This model was fine-tuned with **({p['epsilon']:.4g}, {p['delta']:g})-differential privacy** for "
+                f"{unit}, N = {n:,} {'users' if u.get('unit') == 'user' else 'examples'} "
+                f"(add/remove-one neighbouring datasets): for any set of outcomes, the probability with one "
+                f"{'user' if u.get('unit') == 'user' else 'example'} in the training set is at most e^ε times the "
+                "probability without it, plus δ.")
+    if p.get("guarantee") == "NOT CERTIFIED":
+        return f"**No certified privacy guarantee.** This run is NOT CERTIFIED: {p.get('reason')}"
+    return "**No privacy guarantee.** This is a non-private reference run (trained without clipping or noise)."
+
+
+def _mechanism_rows(rep: dict[str, Any]) -> list[str]:
+    dp, p = rep["dp"], rep["privacy"]
+    if not dp.get("private"):
+        if rep.get("ldp"):
+            return ["| mechanism | forward-pass local DP (EW-FT / DP-Forward); see `report.md` of the run |"]
+        return ["| mechanism | none (no clipping, no noise) |"]
+    c = dp.get("clipping") or {}
+    rows = [
+        "| mechanism | Poisson-subsampled Gaussian mechanism on per-example clipped gradients (DP-SGD family, "
+        f"{rep['optimizer']['name']}) |",
+        f"| noise multiplier σ | {dp['noise_multiplier']:.4f} (noise N(0, σ²C²) added once per step to the summed "
+        "clipped gradients) |",
+        f"| sampling rate q | {dp['sampling_rate']:.6f} (Poisson; expected batch {dp['expected_batch_size']}) |",
+        f"| steps | {dp['steps']} |",
+        f"| clipping norm C | {c.get('max_norm', float('nan')):g} ({c.get('style')}) |",
+        f"| privacy unit | {unit_line(dp)} |",
+    ]
+    if p.get("guarantee") == "certified":
+        acc = p.get("accountant", "PLD")
+        acc = acc if "dp-accounting" in acc else f"{acc} (dp-accounting)"
+        rows.append(f"| accountant | {acc} over the run's ledger; "
+                    f"RDP cross-check ε = {p['epsilon_rdp']:.4g} |")
+    rows.append(f"| randomness | {dp.get('randomness')} |")
+    return rows
+
+
+def _metric_lines(rep: dict[str, Any]) -> list[str]:
+    m, t = rep.get("metrics") or {}, rep["task"]
+    out = []
+    if "dev_accuracy" in m:
+        out.append(f"- dev accuracy {m['dev_accuracy']:.4f} on {t['n_dev']:,} examples ({t['source']})")
+    elif "dev_loss" in m:
+        out.append(f"- dev loss {m['dev_loss']:.4f} nats/token (perplexity {m.get('dev_perplexity', float('nan')):.3f})")
+    test = rep.get("test")
+    if test and "test_accuracy" in test:
+        out.append(f"- test accuracy {test['test_accuracy']:.4f} on {test['n']:,} examples of `{Path(test['file']).name}` "
+                   "(evaluated once after training; never used for selection)")
+    return out
+
+
+def _usage(model_dir: Path) -> list[str]:
+    cfg_f, ad_f = model_dir / "config.json", model_dir / "adapter_config.json"
+    if ad_f.is_file():
+        meta_f = model_dir / "dpft_adapter.json"
+        meta = json.loads(meta_f.read_text()) if meta_f.is_file() else {}
+        lines = ["This folder holds a LoRA adapter in PEFT's format (the trained head with it). Load it with dpft:", "",
+                 "```python", "from dpft.models.export import load_for_inference",
+                 "tok, model, kind = load_for_inference(\"PATH_TO_THIS_FOLDER\")", "```", ""]
+        if meta.get("pooling") != "mean":
+            lines += ["or with PEFT: `peft.AutoPeftModelFor"
+                      f"{'CausalLM' if meta.get('task') == 'causal_lm' else 'SequenceClassification'}"
+                      ".from_pretrained(PATH)`.", ""]
+        lines += ["A merged model (no peft needed) is written with `output.merge_lora: true`.", ""]
+        return lines
+    if not cfg_f.is_file():
+        return []
+    cfg = json.loads(cfg_f.read_text())
+    archs = cfg.get("architectures") or []
+    if any(a.endswith("ForCausalLM") for a in archs):
+        return ["```python", "from transformers import pipeline",
+                "gen = pipeline(\"text-generation\", model=\"PATH_TO_THIS_FOLDER\")",
+                "print(gen(\"Once upon a time\", max_new_tokens=40))", "```", ""]
+    pre = []
+    if cfg.get("model_type") == "dpft_mean_pool":
+        pre = ["import dpft.models.export  # registers dpft's mean-pooling head with transformers (no remote code)"]
+    return ["```python", *pre, "from transformers import pipeline",
+            "clf = pipeline(\"text-classification\", model=\"PATH_TO_THIS_FOLDER\")",
+            "print(clf([\"a gripping, funny film\", \"dull and far too long\"]))", "```", "",
+            *(["The head is a linear layer on the masked mean of the encoder's last hidden states (how the "
+               "model was trained), not BERT's [CLS] pooler: `model_type: dpft_mean_pool` in `config.json`. "
+               "Without `import dpft.models.export`, transformers refuses the folder rather than load another head.",
+               ""] if pre else [])]
+
+
+_LDP_USAGE = ["This run's model has a forward-pass noise layer (EW-FT / DP-Forward) between its blocks: the folder "
+              "holds the inner model and the autoencoder, which a plain `pipeline` would run without that layer. "
+              "Serve it with dpft's split deployment (`dpft ldp-server` / `dpft ldp-client`).", ""]
+
+
+def build_card(rep: dict[str, Any], model_dir: Path):
+    """The ``huggingface_hub.ModelCard`` of a run from its report dict."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    t, mod, cov = rep["task"], rep["model"], rep.get("coverage") or {}
+    causal = "dev_accuracy" not in (rep.get("metrics") or {}) and "dev_perplexity" in (rep.get("metrics") or {})
+    base = mod["name"]
+    hub_base = base if (base.count("/") == 1 and not Path(base).exists()) else None
+    if base == "minilm":
+        hub_base = "sentence-transformers/all-MiniLM-L6-v2"
+    p = rep["privacy"]
+    tags = ["dpft", "differential-privacy", "dp-sgd"] if rep["dp"].get("private") else ["dpft"]
+    data = ModelCardData(
+        library_name="transformers" if not (model_dir / "adapter_config.json").is_file() else "peft",
+        pipeline_tag="text-generation" if causal else "text-classification",
+        tags=tags,
+        base_model=hub_base,
+        datasets=[_HUB_DATASETS[t["name"]]] if t["name"] in _HUB_DATASETS else None,
+        # machine-readable guarantee (free-form keys are kept in the YAML header)
+        dp_epsilon=round(p["epsilon"], 6) if p.get("guarantee") == "certified" else None,
+        dp_delta=p.get("delta") if p.get("guarantee") == "certified" else None,
+        dp_guarantee=p.get("guarantee"),
+        dp_privacy_unit=((rep["dp"].get("privacy_unit") or {}).get("unit") if rep["dp"].get("private") else None),
+    )
+    lines = [
+        f"# {rep['name']}", "",
+        f"A {'causal language model' if causal else 'text classifier'} fine-tuned from `{base}` on "
+        f"{t['name']} ({t['source']}) with dpft (differentially private fine-tuning).", "",
+        _headline(rep), "",
+        f"**Privacy:** {epsilon_line(rep)}", "",
+        "## Privacy guarantee", "",
+        "| item | value |", "|---|---|", *_mechanism_rows(rep), "",
+    ]
+    if p.get("guarantee") == "certified":
+        lines += ["ε is computed by the PLD accountant of Google's `dp-accounting` from the run's ledger "
+                  "(`ledger.json`), which records every private release of the run (each Poisson-subsampled Gaussian "
+                  "step and any earlier private phase) and is only ever appended to, including across crashes and "
+                  "resumes.", ""]
+    if cov:
+        lines += ["### What the ε covers", "", cov.get("statement", ""), ""]
+        if cov.get("reproducible"):
+            lines += [f"**{cov['reproducible']}**", ""]
+        lines += ["It covers the files the run releases: the model (and its checkpoints), the ledger, the "
+                  "released metrics and the report.", "", "### What it does not cover (and what is public)", "",
+                  f"- {cov.get('dev', '')}"]
+        if rep.get("test"):
+            lines.append(f"- {rep['test'].get('statement', '')}")
+        lines += [f"- {cov.get('not_released', '')}", f"- {cov.get('timing', '')}", f"- {cov.get('public', '')}",
+                  "- The pre-training data of the base model: its privacy is whatever the base model's is.", ""]
+    lines += ["## Results", "", *(_metric_lines(rep) or ["- (none recorded)"]), "",
+              "## Use", "", *(_LDP_USAGE if rep.get("ldp") else _usage(model_dir)),
+              "## Training", "",
+              f"- base model: `{base}`; trainable: {mod['trainable']} ({mod['trainable_parameters']:,} of "
+              f"{mod['total_parameters']:,} parameters); inputs truncated to {mod['max_length']} tokens",
+              f"- optimizer: {rep['optimizer']['name']}, lr {rep['optimizer']['lr']:g}",
+              f"- task labels: {t.get('labels')}" if not causal else "- task: causal language modelling",
+              "", "The run's `report.md` and `ledger.json` give the full record.", ""]
+    content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+    return ModelCard(content)
+
+
+def write_model_cards(run_dir: str | Path, rep: dict[str, Any]) -> list[Path]:
+    """Write ``README.md`` into ``model/`` (and ``model_merged/``) of ``run_dir``; returns the paths."""
+    run_dir = Path(run_dir)
+    out = []
+    for sub in ("model", "model_merged"):
+        d = run_dir / sub
+        if d.is_dir():
+            build_card(rep, d).save(d / "README.md")
+            out.append(d / "README.md")
+    return out
+
+
+def load_report(run_dir: str | Path) -> Optional[dict[str, Any]]:
+    f = Path(run_dir) / "report.json"
+    return json.loads(f.read_text()) if f.is_file() else None

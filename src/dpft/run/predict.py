@@ -1,0 +1,254 @@
+"""Predictions of a finished run, and the test file of ``dpft train`` (issue 24 item 2).
+
+``dpft predict RUN_DIR --file F [--output OUT]`` reads ``F`` (CSV/TSV/JSONL/Parquet, the
+columns of the run's training file), runs the saved ``model/`` in batches (a progress bar)
+and writes one JSON line per row: ``{"row", "label", "label_id", "scores"}`` for a classifier
+(scores = softmax probabilities in label order), ``{"row", "prompt", "generation"}`` for a
+causal LM. When ``F`` has the label column, the accuracy is printed and returned.
+
+``task.test_file`` / ``dpft train --test-file F`` evaluates the final weights on ``F`` once,
+after the last step; its metrics are reported apart from dev and never steer training.
+Like your own dev file, a test file is your data: its metrics are not covered by ε.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import datasets
+import torch
+
+from dpft.data.tasks import REGISTRY, DataError, _col, _int_labels, _is_missing, _load_file, _rows, _ROW
+
+#: Default output name beside the input when ``--output`` is not given.
+SUFFIX = ".predictions.jsonl"
+
+
+def columns_of(task_cfg) -> tuple[str, Optional[str], str]:
+    """``(text, text_pair, label)`` column names of the run's training data."""
+    if task_cfg.name in REGISTRY and not task_cfg.train_file:
+        s = REGISTRY[task_cfg.name]
+        return s.text, s.pair, s.label
+    return task_cfg.text_column or "text", task_cfg.text_pair_column, task_cfg.label_column or "label"
+
+
+def read_rows(path: str | Path, text: str, pair: Optional[str], label: Optional[str], label_names: Sequence[str],
+              require_labels: bool = False) -> datasets.Dataset:
+    """Rows of ``path`` as a dataset with ``text`` [, ``text_pair``] [, ``label`` (int)] columns.
+
+    Labels (when the column is present) are mapped as in training: strings through
+    ``label_names``, integers checked to lie in ``0..K-1``.
+
+    Raises:
+        DataError: a missing column (the label column only with ``require_labels``), an empty
+            text, a missing or unknown label (naming the file and rows).
+    """
+    where = str(path)
+    ds = _load_file(path)
+    cols = ds.column_names
+    for role, c in (("text", text), ("text pair", pair)):
+        if c is not None and c not in cols:
+            raise DataError(f"{where}: no {role} column {c!r}; columns are {cols}. The run was trained on "
+                            f"column {c!r}: rename the column in the file")
+    has_label = label is not None and label in cols
+    if require_labels and not has_label:
+        raise DataError(f"{where}: no label column {label!r}; columns are {cols}. A test file needs the labels "
+                        "in the training file's label column")
+    keep = {text: "text", **({pair: "text_pair"} if pair else {}), **({label: "label"} if has_label else {})}
+    ds = ds.select_columns(list(keep)).rename_columns({k: v for k, v in keep.items() if k != v})
+    ds = ds.add_column(_ROW, list(range(1, len(ds) + 1)))
+    for std, c in (("text", text), ("text_pair", pair)):
+        if c is None:
+            continue
+        empty = [i + 1 for i, t in enumerate(_col(ds, std)) if t is None or not str(t).strip()]
+        if empty:
+            raise DataError(f"{where}: empty text in column {c!r} at {_rows(empty)}; fill those rows or drop them")
+        if ds.features[std].dtype not in ("string", "large_string"):
+            ds = ds.cast_column(std, datasets.Value("string"))
+    if has_label:
+        vals = _col(ds, "label")
+        missing = [r for v, r in zip(vals, _col(ds, _ROW)) if _is_missing(v)]
+        if missing:
+            raise DataError(f"{where}: no label in column {label!r} at {_rows(missing)}; drop those rows or fill "
+                            "the label column")
+        if all(isinstance(v, str) for v in vals):
+            index = {n: i for i, n in enumerate(label_names)}
+            bad = [r for v, r in zip(vals, _col(ds, _ROW)) if v not in index]
+            if bad:
+                raise DataError(f"{where}: labels in column {label!r} at {_rows(bad)} are not in the run's label set "
+                                f"{list(label_names)}")
+            ints = [index[v] for v in vals]
+        else:
+            ints = _int_labels(ds, where, label)
+            bad = [r for v, r in zip(ints, _col(ds, _ROW)) if not 0 <= v < len(label_names)]
+            if bad:
+                raise DataError(f"{where}: labels in column {label!r} at {_rows(bad)} are outside the run's label "
+                                f"set 0..{len(label_names) - 1} ({list(label_names)})")
+        ds = ds.remove_columns("label").add_column("label", ints)
+    return ds.remove_columns(_ROW)
+
+
+@torch.no_grad()
+def classify(model, rows: datasets.Dataset, pad_id: int, with_token_types: bool, batch_size: int,
+             device: torch.device | str = "cpu", autocast: Optional[Callable] = None,
+             progress: bool = False, desc: str = "predict") -> dict[str, Any]:
+    """Logits of a classifier for tokenised ``rows`` (``input_ids`` [, ``token_type_ids``,
+    ``label``]), in batches sorted by length (less padding), returned in row order.
+
+    Returns:
+        ``{"logits": (n, K) float tensor, "accuracy": float?, "loss": float? (mean nats)}``
+        (accuracy and loss only when the rows carry labels).
+    """
+    import contextlib
+
+    from tqdm.auto import tqdm
+
+    from dpft.data.tokenize import collate
+    from dpft.models.losses import model_inputs
+
+    was = model.training
+    model.eval()
+    n = len(rows)
+    order = sorted(range(n), key=lambda i: len(rows[i]["input_ids"]))
+    out: list[Optional[torch.Tensor]] = [None] * n
+    bar = tqdm(total=n, desc=desc, disable=not progress, file=sys.stderr, unit="row")
+    try:
+        for k in range(0, n, batch_size):
+            idx = order[k:k + batch_size]
+            batch = collate(list(rows.select(idx)), pad_id, with_token_types, device=device)
+            with (autocast() if autocast else contextlib.nullcontext()):
+                logits = model(**model_inputs(batch)).logits.float().cpu()
+            for i, row in zip(idx, logits):
+                out[i] = row
+            bar.update(len(idx))
+    finally:
+        bar.close()
+        model.train(was)
+    logits = torch.stack(out) if n else torch.empty(0, 0)
+    res: dict[str, Any] = {"logits": logits}
+    if n and "label" in rows.column_names:
+        y = torch.tensor(rows["label"], dtype=torch.long)
+        res["accuracy"] = float((logits.argmax(-1) == y).float().mean())
+        res["loss"] = float(torch.nn.functional.cross_entropy(logits, y))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# task.test_file at the end of `dpft train`
+
+
+def evaluate_test_file(trainer) -> Optional[dict[str, Any]]:
+    """The final weights on ``task.test_file`` (classification), once; None without one.
+
+    Goes through the methods' evaluation hooks as dev does (e.g. DP-Adam-AC's EMA weights, EW-FT's
+    inference noise), so test and dev describe the same model. Returns ``{"file", "n",
+    "test_accuracy", "test_loss", …}``.
+    """
+    r = trainer.recipe
+    if not r.task.test_file or trainer.causal:
+        return None
+    from dpft.data.tokenize import tokenize_split
+
+    text, pair, label = columns_of(r.task)
+    rows = read_rows(r.task.test_file, text, pair, label, trainer.task.label_names, require_labels=True)
+    tok = tokenize_split(rows, trainer.tokenizer, r.model.max_length)
+
+    def run_once() -> dict[str, float]:
+        res = classify(trainer.model, tok, trainer.pad_id, trainer.with_token_types, r.eval.batch_size,
+                       trainer.device, trainer.precision.autocast)
+        return {"dev_accuracy": res["accuracy"], "dev_loss": res["loss"]}  # the keys methods expect
+
+    out = None
+    for m in trainer.methods:
+        out = m.evaluate(trainer.ctx, run_once)
+        if out is not None:
+            break
+    out = out if out is not None else run_once()
+    return {"file": str(r.task.test_file), "n": len(tok),
+            **{("test_" + k[4:] if k.startswith("dev_") else f"test_{k}"): v for k, v in out.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# dpft predict
+
+
+def predict(run_dir: str | Path, file: str | Path, output: Optional[str | Path] = None,
+            batch_size: int = 64, max_new_tokens: int = 40, device: str = "cpu",
+            progress: bool = True) -> dict[str, Any]:
+    """Predict every row of ``file`` with the run's saved model and write JSON lines to ``output``
+    (default ``<file>.predictions.jsonl``).
+
+    Classification: the run's label names (from ``model/config.json``), softmax scores;
+    causal LM: a greedy continuation of each row's text (``max_new_tokens``).
+
+    Returns:
+        ``{"output", "n", "kind", "accuracy"?}``.
+
+    Raises:
+        FileNotFoundError: no finished run in ``run_dir``. DataError: see :func:`read_rows`.
+    """
+    from dpft.config import load_recipe
+    from dpft.models.export import load_for_inference
+
+    run_dir = Path(run_dir)
+    model_dir = run_dir / "model"
+    if not (run_dir / "recipe.yaml").is_file() or not model_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir} holds no finished run (recipe.yaml and model/): give a dpft run directory")
+    if (run_dir / "model_merged").is_dir():  # the same model without peft
+        model_dir = run_dir / "model_merged"
+    rec = load_recipe(run_dir / "recipe.yaml")
+    tok, model, kind = load_for_inference(model_dir, device)
+    out_path = Path(output) if output else Path(str(file) + SUFFIX)
+    text, pair, label = columns_of(rec.task)
+    if kind == "causal_lm":
+        col = rec.task.prompt_column if rec.task.name == "instruct" else (rec.task.text_column or "text")
+        rows = read_rows(file, col, None, None, [])
+        res = _generate(model, tok, _col(rows, "text"), batch_size, max_new_tokens, progress)
+        lines = [{"row": i + 1, "prompt": p, "generation": g} for i, (p, g) in enumerate(zip(_col(rows, "text"), res))]
+        summary: dict[str, Any] = {"kind": kind}
+    else:
+        from dpft.data.tokenize import tokenize_split
+
+        id2label = {int(k): v for k, v in (getattr(_cfg_of(model), "id2label", None) or {}).items()}
+        names = [id2label[i] for i in sorted(id2label)]
+        rows = read_rows(file, text, pair, label, names)
+        ds = tokenize_split(rows, tok, rec.model.max_length)
+        with_tt = "token_type_ids" in tok.model_input_names
+        res = classify(model, ds, tok.pad_token_id or 0, with_tt, batch_size, device, progress=progress)
+        probs = res["logits"].softmax(-1)
+        lines = [{"row": i + 1, "label": names[int(p.argmax())], "label_id": int(p.argmax()),
+                  "scores": [round(float(x), 6) for x in p]} for i, p in enumerate(probs)]
+        summary = {"kind": kind, "labels": names}
+        if "accuracy" in res:
+            summary["accuracy"] = res["accuracy"]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    return {"output": str(out_path), "n": len(lines), **summary}
+
+
+def _cfg_of(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config
+
+
+@torch.no_grad()
+def _generate(model, tok, prompts: Sequence[str], batch_size: int, max_new_tokens: int, progress: bool) -> list[str]:
+    """Greedy continuations, left-padded batches."""
+    from tqdm.auto import tqdm
+
+    side = tok.padding_side
+    tok.padding_side = "left"
+    outs: list[str] = []
+    device = next(model.parameters()).device
+    try:
+        for k in tqdm(range(0, len(prompts), batch_size), desc="generate", disable=not progress, file=sys.stderr):
+            enc = tok(list(prompts[k:k + batch_size]), return_tensors="pt", padding=True).to(device)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            outs += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tok.padding_side = side
+    return outs
