@@ -270,3 +270,19 @@ def test_audit_randomness_checks_catch_planted_bugs(planted, failing):
     assert failed and all(failing in n for n in failed), failed
     with pytest.raises(ValueError, match="unknown planted"):
         randomness_checks("nope")
+
+
+def test_seed_search_demonstration_small():
+    """benchmarks/seed_search.py at toy width: the old scheme is found, the new one is not, and
+    every key and seed-slice bit changes the new release."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "seed_search.py"
+    spec = importlib.util.spec_from_file_location("seed_search", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = mod.main(["--bits", "6", "--dim", "256", "--batch", "4"])
+    rows = [line for line in text.splitlines() if line.startswith("| old") or line.startswith("| new")]
+    assert "FOUND" in rows[0] and all("nothing" in r for r in rows[1:]), rows
+    assert "256/256 one-bit key flips" in text and "1024/1024 one-bit flips" in text
