@@ -4,8 +4,8 @@ They run the real :class:`~dpft.step.noise.GaussianMechanism`, :class:`~dpft.ste
 and :class:`~dpft.step.sample.UserPoissonSampler` on :class:`~dpft.privacy.randomness.Randomness`
 test doubles that fix the seed material, and check:
 
-* **key-bit dependence** — the noise of one release changes when any one of the 256 key bits
-  is flipped;
+* **key-bit dependence** — the noise of one release and one Poisson batch change when any
+  one of the 256 key bits is flipped;
 * **no 32-bit projection decides a draw** — two sets of per-generator seed slices that agree
   in a 32-bit window of every slice (the low 32 bits: what torch's CPU ``manual_seed`` keeps;
   and every other aligned window) but differ elsewhere give different noise. A stream whose
@@ -110,15 +110,21 @@ def _noise(rng: Randomness, planted: Optional[str], dim: int = 32) -> torch.Tens
 def _key_bits(planted: Optional[str]) -> Check:
     key = hashlib.sha256(b"dpft-audit-randomness-key").digest()
     base = _noise(_keyed(key, planted), planted)
-    same = []
+    base_rows = PoissonSampler(256, 128, _keyed(key, planted)).indices(0)
+    same, same_rows = [], []
     for bit in range(256):
         k = bytearray(key)
         k[bit // 8] ^= 1 << (bit % 8)
-        if torch.equal(_noise(_keyed(bytes(k), planted), planted), base):
+        rng = _keyed(bytes(k), planted)
+        if torch.equal(_noise(rng, planted), base):
             same.append(bit)
-    return Check("randomness: noise depends on every key bit", not same,
-                 f"{256 - len(same)}/256 one-bit key flips changed the noise of a release"
-                 + (f"; unchanged for bits {same[:8]}" if same else ""), {"unchanged_bits": len(same)})
+        if torch.equal(PoissonSampler(256, 128, rng).indices(0), base_rows):
+            same_rows.append(bit)
+    ok = not same and not same_rows
+    return Check("randomness: noise and batches depend on every key bit", ok,
+                 f"{256 - len(same)}/256 one-bit key flips changed the noise of a release, {256 - len(same_rows)}/256 "
+                 "the Poisson batch" + (f"; unchanged for bits {(same + same_rows)[:8]}" if not ok else ""),
+                 {"unchanged_noise_bits": len(same), "unchanged_batch_bits": len(same_rows)})
 
 
 def _projections(planted: Optional[str]) -> Check:
@@ -126,16 +132,18 @@ def _projections(planted: Optional[str]) -> Check:
     a = [hashlib.shake_256(b"dpft-audit-seeds-a" + bytes([j])).digest(width) for j in range(k)]
     other = [hashlib.shake_256(b"dpft-audit-seeds-b" + bytes([j])).digest(width) for j in range(k)]
     base = _noise(_fixed(a, planted), planted)
+    base_rows = PoissonSampler(256, 128, _fixed(a, planted)).indices(0)
     windows, same = list(range(0, width, 4)), []
     for w in windows:  # B agrees with A on bytes [w, w+4) of every slice, differs elsewhere
         b = [o[:w] + s[w:w + 4] + o[w + 4:] for s, o in zip(a, other)]
-        if torch.equal(_noise(_fixed(b, planted), planted), base):
+        if torch.equal(_noise(_fixed(b, planted), planted), base) or \
+                torch.equal(PoissonSampler(256, 128, _fixed(b, planted)).indices(0), base_rows):
             same.append(w * 8)
     ok = not same
     return Check("randomness: no 32-bit projection of the seeds decides a draw", ok,
                  f"seed slices agreeing in one 32-bit window of each of the {k} generators' {8 * width}-bit "
                  f"seeds, differing elsewhere: {len(windows) - len(same)}/{len(windows)} windows gave different "
-                 "noise" + (f"; the SAME noise when agreeing in bits {same[:4]}.. (a generator keeps only "
+                 "noise and Poisson batches" + (f"; the SAME noise when agreeing in bits {same[:4]}.. (a generator keeps only "
                             "32 bits: 2^32 outcomes per draw, a seed search recovers the clean sum)" if same else ""),
                  {"windows": len(windows), "same": len(same), "generators": k, "seed_bits": 8 * width})
 
