@@ -26,7 +26,12 @@ import time
 
 import torch
 
-from dpft.privacy.randomness import Randomness, _FixedSeedStream, _plan, cpu_full_state_ok
+from dpft.privacy.randomness import (
+    Randomness,
+    _FixedSeedStream,
+    _plan,
+    cpu_full_state_ok,
+)
 from dpft.step.noise import GaussianMechanism
 
 

@@ -425,8 +425,6 @@ def test_client_zeroes_nonfinite_codes_and_never_sends_them(tiny_model_dir, sst_
     """A finite but huge encoder weight overflows some codes to inf: those rows are replaced by
     zeros before clipping and noise (no abort tells the server which row); a non-finite z is
     never sent; the secret file is 0600 and holds no seed."""
-    from dpft.privacy.randomness import Randomness
-
     client = _client(tiny_model_dir, sst_like_files, tmp_path)
     sfile = client.run_dir / "client_secret.json"
     assert stat.S_IMODE(sfile.stat().st_mode) == 0o600

@@ -12,7 +12,13 @@ import torch
 from dpft.privacy import randomness as R
 from dpft.privacy.label_rr import randomized_response
 from dpft.privacy.ldp import GaussianLDP
-from dpft.privacy.randomness import Randomness, SecretStream, _FixedSeedStream, _plan, cpu_full_state_ok
+from dpft.privacy.randomness import (
+    Randomness,
+    SecretStream,
+    _FixedSeedStream,
+    _plan,
+    cpu_full_state_ok,
+)
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler, UserPoissonSampler
 
@@ -283,6 +289,6 @@ def test_seed_search_demonstration_small():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     text = mod.main(["--bits", "6", "--dim", "256", "--batch", "4"])
-    rows = [line for line in text.splitlines() if line.startswith("| old") or line.startswith("| new")]
+    rows = [line for line in text.splitlines() if line.startswith(("| old", "| new"))]
     assert "FOUND" in rows[0] and all("nothing" in r for r in rows[1:]), rows
     assert "256/256 one-bit key flips" in text and "1024/1024 one-bit flips" in text

@@ -29,16 +29,21 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
-from typing import Optional
 
 import torch
 
 from dpft.audit.whitebox import Check
-from dpft.privacy.randomness import (Randomness, SecretStream, _FixedSeedStream, _plan, cpu_full_state_ok)
+from dpft.privacy.randomness import (
+    Randomness,
+    SecretStream,
+    _FixedSeedStream,
+    _plan,
+    cpu_full_state_ok,
+)
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler, UserPoissonSampler
 
-__all__ = ["randomness_checks", "PLANTED"]
+__all__ = ["PLANTED", "randomness_checks"]
 
 #: Planted bugs :func:`randomness_checks` must catch.
 PLANTED = ("seed32", "shared_device_noise")
@@ -79,12 +84,12 @@ class _SharedDeviceNoise(GaussianMechanism):
         return cache[key]
 
 
-def _mechanism(rng: Randomness, planted: Optional[str]) -> GaussianMechanism:
+def _mechanism(rng: Randomness, planted: str | None) -> GaussianMechanism:
     cls = _SharedDeviceNoise if planted == "shared_device_noise" else GaussianMechanism
     return cls(1.0, 1.0, rng)
 
 
-def _keyed(key: bytes, planted: Optional[str]) -> Randomness:
+def _keyed(key: bytes, planted: str | None) -> Randomness:
     r = Randomness.from_key(key)
     if planted != "seed32":
         return r
@@ -96,18 +101,18 @@ def _keyed(key: bytes, planted: Optional[str]) -> Randomness:
     return Randomness._with_streams(factory)
 
 
-def _fixed(seeds: list[bytes], planted: Optional[str]) -> Randomness:
+def _fixed(seeds: list[bytes], planted: str | None) -> Randomness:
     """A source whose every stream draws from exactly these per-generator seed slices."""
     cls = _Seed32FixedStream if planted == "seed32" else _FixedSeedStream
     return Randomness._with_streams(lambda name, *parts, device=None: cls(seeds, device))
 
 
-def _noise(rng: Randomness, planted: Optional[str], dim: int = 32) -> torch.Tensor:
+def _noise(rng: Randomness, planted: str | None, dim: int = 32) -> torch.Tensor:
     return _mechanism(rng, planted).add_noise({"w": torch.zeros(dim)}, 0)["w"]
 
 
 # ----------------------------------------------------------------------------------- checks
-def _key_bits(planted: Optional[str]) -> Check:
+def _key_bits(planted: str | None) -> Check:
     key = hashlib.sha256(b"dpft-audit-randomness-key").digest()
     base = _noise(_keyed(key, planted), planted)
     base_rows = PoissonSampler(256, 128, _keyed(key, planted)).indices(0)
@@ -127,7 +132,7 @@ def _key_bits(planted: Optional[str]) -> Check:
                  {"unchanged_noise_bits": len(same), "unchanged_batch_bits": len(same_rows)})
 
 
-def _projections(planted: Optional[str]) -> Check:
+def _projections(planted: str | None) -> Check:
     _, k, width = _plan(torch.device("cpu"))
     a = [hashlib.shake_256(b"dpft-audit-seeds-a" + bytes([j])).digest(width) for j in range(k)]
     other = [hashlib.shake_256(b"dpft-audit-seeds-b" + bytes([j])).digest(width) for j in range(k)]
@@ -148,7 +153,7 @@ def _projections(planted: Optional[str]) -> Check:
                  {"windows": len(windows), "same": len(same), "generators": k, "seed_bits": 8 * width})
 
 
-def _streams(planted: Optional[str]) -> Check:
+def _streams(planted: str | None) -> Check:
     rng = Randomness.from_key(hashlib.sha256(b"dpft-audit-streams").digest())
     mech = _mechanism(rng, planted)
     shape = (64,)
@@ -192,7 +197,7 @@ class _CraftedStream(SecretStream):
         return v.reshape(shape)
 
 
-def _sampler(planted: Optional[str]) -> Check:
+def _sampler(planted: str | None) -> Check:
     n, expected = 64, 19
     q = expected / n
     thr = math.floor(q * 2 ** 53)

@@ -83,7 +83,8 @@ import secrets
 import struct
 import threading
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 import torch
 
@@ -125,8 +126,8 @@ def _init_genrand(seed: int) -> list[int]:
     return mt
 
 
-_TEMPLATE_T: Optional[torch.Tensor] = None
-_CPU_OK: Optional[bool] = None
+_TEMPLATE_T: torch.Tensor | None = None
+_CPU_OK: bool | None = None
 _LOCK = threading.Lock()
 
 
@@ -359,17 +360,17 @@ class Randomness:
     non-mechanism seeds only.
     """
 
-    def __init__(self, seed: Optional[int] = None):
+    def __init__(self, seed: int | None = None):
         if seed is None:
             self._key = secrets.token_bytes(32)
             self.reproducible = False
         else:
             self._key = hashlib.sha256(b"dpft-reproducible-seed:" + str(int(seed)).encode()).digest()
             self.reproducible = True
-        self._stream_factory: Optional[Callable[..., SecretStream]] = None
+        self._stream_factory: Callable[..., SecretStream] | None = None
 
     @classmethod
-    def from_key(cls, key: bytes) -> "Randomness":
+    def from_key(cls, key: bytes) -> Randomness:
         """A source with a given 32-byte key (DDP: rank 0 draws the key and broadcasts it)."""
         if len(key) != 32:
             raise ValueError("Randomness key must be 32 bytes")
@@ -380,14 +381,14 @@ class Randomness:
         return r
 
     @classmethod
-    def _with_streams(cls, factory: Callable[..., SecretStream]) -> "Randomness":
+    def _with_streams(cls, factory: Callable[..., SecretStream]) -> Randomness:
         """A source whose :meth:`stream` returns ``factory(name, *parts, device=device)``.
         Tests and audit checks only (explicit seed material, planted bugs)."""
         r = cls.from_key(b"\x00" * 32)
         r._stream_factory = factory
         return r
 
-    def child(self, name: str) -> "Randomness":
+    def child(self, name: str) -> Randomness:
         """An independent source for a sub-run (e.g. DP-SFT's stage 1): its streams never
         coincide with this source's, in secure and reproducible mode alike."""
         r = Randomness.__new__(Randomness)
@@ -411,7 +412,7 @@ class Randomness:
         raise TypeError("dpft.privacy.Randomness holds the run's secret key and cannot be pickled or saved")
 
     # -- streams ---------------------------------------------------------------------------
-    def stream(self, name: str, *parts: Union[int, str], device: Device = None) -> SecretStream:
+    def stream(self, name: str, *parts: int | str, device: Device = None) -> SecretStream:
         """The secret draws of stream ``(name, *parts)`` (see the module docstring).
 
         Args:
