@@ -257,6 +257,12 @@ def test_mechanisms_refuse_plain_torch_generators():
     a = layer.release(torch.zeros(2, 3, 4))
     torch.manual_seed(0)
     assert not torch.equal(a, GaussianLDP(1.0, 1.0).release(torch.zeros(2, 3, 4)))
+    # a copy or pickle of the layer (model deepcopy, torch.save) never carries its secret stream
+    import copy
+
+    layer.generator = Randomness().stream("ldp")
+    assert copy.deepcopy(layer).generator is None and pickle.loads(pickle.dumps(layer)).generator is None
+    assert layer.generator is not None
 
 
 # ------------------------------------------------------------------------------ the audit checks

@@ -175,6 +175,12 @@ class GaussianLDP(nn.Module):
                             "dpft.privacy.randomness.Randomness().stream('ldp')")
         self._generator = stream
 
+    def __getstate__(self):
+        # A copy or pickle of the layer (deepcopy, torch.save) never carries the noise's secret
+        # stream: the copy draws from a fresh secret source unless given one.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_generator": None}
+
     @property
     def sensitivity(self) -> float:
         """Replace-one L2 (Frobenius) sensitivity of the clipped matrix: 2C (the std unit of the
