@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_classifier
+from dpft.privacy.randomness import Randomness
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, clip_frobenius,
                               local_epsilon, local_epsilon_composed, parse_position, pretrain_autoencoder)
 
@@ -25,7 +26,7 @@ def test_clip_frobenius_bound_and_identity():
 
 
 def test_sensitivity_is_2c_and_noise_std():
-    layer = GaussianLDP(max_norm=0.5, sigma=1.5, generator=torch.Generator().manual_seed(1))
+    layer = GaussianLDP(max_norm=0.5, sigma=1.5, generator=Randomness(1).stream("ldp"))
     assert layer.sensitivity == 1.0
     z = layer.release(torch.zeros(64, 32, 16))
     assert z.std().item() == pytest.approx(1.5 * 2 * 0.5, rel=0.02)

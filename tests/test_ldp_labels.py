@@ -11,6 +11,7 @@ from dpft.privacy.label_rr import (example_epsilon_with_label, forward_corrected
                                    make_corrected_classification_loss, randomized_response, rr_keep_probability,
                                    rr_noise_parameter, rr_transition_matrix)
 from dpft.privacy.ldp import LDPError, local_epsilon_composed
+from dpft.privacy.randomness import Randomness
 
 torch.set_num_threads(1)
 
@@ -19,7 +20,7 @@ def test_rr_frequencies_match_transition_matrix():
     eps, k, n = 1.0, 3, 30000
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, k, (n,), generator=g)
-    noisy = randomized_response(y, eps, k, torch.Generator().manual_seed(1))
+    noisy = randomized_response(y, eps, k, Randomness(1).stream("label_rr"))
     assert noisy.dtype == torch.long and int(noisy.min()) >= 0 and int(noisy.max()) < k
     t = rr_transition_matrix(eps, k)
     assert torch.allclose(t.sum(1), torch.ones(k, dtype=torch.float64))
@@ -29,7 +30,7 @@ def test_rr_frequencies_match_transition_matrix():
         freq = torch.bincount(rows, minlength=k).double() / len(rows)
         assert torch.allclose(freq, t[i], atol=0.02), (i, freq, t[i])
     # same seed, same draw (the draw is made once and recorded)
-    assert torch.equal(noisy, randomized_response(y, eps, k, torch.Generator().manual_seed(1)))
+    assert torch.equal(noisy, randomized_response(y, eps, k, Randomness(1).stream("label_rr")))
     # dp_accounting's noise parameter gives the same keep probability: 1 − p + p/K
     p = rr_noise_parameter(eps, k)
     assert 1 - p + p / k == pytest.approx(rr_keep_probability(eps, k))
@@ -101,7 +102,7 @@ def test_corrected_loss_recovers_clean_classifier_on_toy_problem():
     w_true = torch.tensor([[2.0, -1.0, -1.0], [0.0, 1.5, -1.5]], dtype=torch.float64)
     x = torch.randn(n, 2, generator=g, dtype=torch.float64)
     y = torch.multinomial(torch.softmax(x @ w_true, -1), 1, generator=g).squeeze(1)
-    noisy = randomized_response(y, eps, k, torch.Generator().manual_seed(4))
+    noisy = randomized_response(y, eps, k, Randomness(4).stream("label_rr"))
     t = rr_transition_matrix(eps, k)
     ce = lambda lg, yy: F.cross_entropy(lg, yy, reduction="none")  # noqa: E731
     w_c, b_c = _fit(x, noisy, lambda lg, yy: forward_corrected_loss(lg, yy, t))
@@ -135,7 +136,7 @@ def test_trainer_uses_rr_labels_drawn_once_and_reports_three_guarantees(tiny_mod
     noisy = t.method("ewft").ldp.noisy_labels
     # the training split carries the noisy labels, drawn from the run's randomness (stream label_rr)
     assert torch.equal(torch.tensor(t.train_tok["label"]), noisy)
-    assert torch.equal(noisy, randomized_response(true, 0.2, 2, Randomness(rec.seed).generator("label_rr")))
+    assert torch.equal(noisy, randomized_response(true, 0.2, 2, Randomness(rec.seed).stream("label_rr")))
     assert (noisy != true).any()  # ε₂ = 0.2: keep probability 0.55
     assert t.loss_fn.__name__ == "corrected_classification_loss" and t.engine.loss_fn is t.loss_fn
     rep = t.run()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import ldp_recipe, tiny_classifier
+from dpft.privacy.randomness import Randomness
 from dpft.accounting.calibrate import epsilon_for_sigma
 from dpft.methods.ewft import REPRO_FLAWS, dp_forward_code_sigma
 from dpft.privacy.ldp import GaussianLDP, LDPError, SplitClassifier
@@ -23,11 +24,11 @@ def test_dp_forward_code_sigma_matches_the_codes_calibration():
 def test_code_noise_std_is_sigma_c_and_not_detached():
     h = torch.zeros(4000, 1, 5, requires_grad=True)
     code = GaussianLDP(max_norm=3.0, sigma=0.5, std_factor=1.0, detach=False,
-                       generator=torch.Generator().manual_seed(0)).train()
+                       generator=Randomness(0).stream("ldp")).train()
     z = code.release(h)
     assert z.std().item() == pytest.approx(0.5 * 3.0, rel=0.03)  # σ·C, not σ·2C
     assert z.requires_grad  # flaw (i): gradients reach the user side
-    cert = GaussianLDP(max_norm=3.0, sigma=0.5, generator=torch.Generator().manual_seed(0)).train()
+    cert = GaussianLDP(max_norm=3.0, sigma=0.5, generator=Randomness(0).stream("ldp")).train()
     zc = cert.release(h)
     assert zc.std().item() == pytest.approx(0.5 * 6.0, rel=0.03) and not zc.requires_grad
     with pytest.raises(LDPError, match="std_factor"):

@@ -183,8 +183,7 @@ def test_split_sends_only_randomized_labels(tiny_model_dir, sst_like_files, tmp_
                                      {"noise_multiplier": 1.0, "target_epsilon": None, "label_epsilon": 0.1},
                                      subprocess_server=False)
     true, noisy = client.true_labels, client.noisy_labels
-    rr_gen = torch.Generator().manual_seed(client.rng.seed_for("label_rr"))
-    assert torch.equal(noisy, randomized_response(true, 0.1, 2, rr_gen))
+    assert torch.equal(noisy, randomized_response(true, 0.1, 2, client.rng.stream("label_rr")))
     log = [json.loads(x) for x in (srv_dir / "wire.jsonl").read_text().splitlines()]
     sent_all, true_all = [], []
     steps = [(p, b) for p, b in client.sent if p.startswith("/step")]
@@ -426,23 +425,21 @@ def test_client_zeroes_nonfinite_codes_and_never_sends_them(tiny_model_dir, sst_
     """A finite but huge encoder weight overflows some codes to inf: those rows are replaced by
     zeros before clipping and noise (no abort tells the server which row); a non-finite z is
     never sent; the secret file is 0600 and holds no seed."""
-    from dpft.privacy.randomness import Randomness
-
     client = _client(tiny_model_dir, sst_like_files, tmp_path)
     sfile = client.run_dir / "client_secret.json"
     assert stat.S_IMODE(sfile.stat().st_mode) == 0o600
     assert _no_seed(json.loads(sfile.read_text()))
     h = torch.randn(3, 16, 16)
     h[1, 0, 0] = float("inf")
-    gen = client.rng.generator("ldp", 0)
+    gen = client.rng.stream("ldp", 0)
     z = client.release_codes(h, 0.5, gen)
     assert z.shape == (3, 16, 4) and torch.isfinite(z).all() and client.rows_zeroed == 1
-    noise = Randomness.gaussian((3, 16, 4), client.rng.generator("ldp", 0)) * 0.5 * 2 * client.layer.max_norm
+    noise = client.rng.stream("ldp", 0).normal((3, 16, 4)) * 0.5 * 2 * client.layer.max_norm
     assert torch.allclose(z[1], noise[1])  # row 1: pure noise
     assert not torch.allclose(z[0], noise[0])
     with torch.no_grad():
         client.layer.autoencoder.encoder[0].weight.fill_(3e38)
-    z = client.release_codes(torch.randn(2, 16, 16), 0.5, client.rng.generator("ldp", 1))
+    z = client.release_codes(torch.randn(2, 16, 16), 0.5, client.rng.stream("ldp", 1))
     assert torch.isfinite(z).all() and client.rows_zeroed == 3
     with pytest.raises(LDPError, match="σ must be > 0"):
         client.release_codes(h, 0.0, gen)

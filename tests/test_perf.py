@@ -133,21 +133,23 @@ def test_trainer_cpu_device_plumbing(tiny_model_dir, sst_like_files, tmp_path, m
     assert t.device == torch.device("cpu")
     assert all(p.device == t.device for p in t.model.parameters())
     seen_batches, seen_gens = [], []
-    real_clipped, real_gen = t.engine.clipped_sum, Randomness.generator
+    real_clipped, real_stream = t.engine.clipped_sum, Randomness.stream
 
     def spy_clipped(batch):
         seen_batches.append({k: v.device for k, v in batch.items()})
         return real_clipped(batch)
 
-    def spy_gen(self, stream, *parts, device=None):
-        seen_gens.append((stream, device))
-        return real_gen(self, stream, *parts, device=device)
+    def spy_stream(self, name, *parts, device=None):
+        seen_gens.append((name, device))
+        return real_stream(self, name, *parts, device=device)
 
     monkeypatch.setattr(t.engine, "clipped_sum", spy_clipped)
-    monkeypatch.setattr(Randomness, "generator", spy_gen)
+    monkeypatch.setattr(Randomness, "stream", spy_stream)
     t.run()
     assert seen_batches and all(d == t.device for b in seen_batches for d in b.values())
-    assert [s for s, _ in seen_gens].count("noise") == 2
+    n_noised = len([p for p in t.model.parameters() if p.requires_grad])
+    assert [s for s, _ in seen_gens].count("noise") == 2 * n_noised  # one stream per tensor per step
+    assert all(d == t.device for s, d in seen_gens if s == "noise")
     # Resume with another perf section (and another device spelling): accepted.
     rec2 = rec.model_copy(deep=True)
     rec2.perf.device = "auto"

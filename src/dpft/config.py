@@ -148,8 +148,9 @@ class PrivacyCfg(_Strict):
     #: the key is derived from the recorded ``seed`` — same batches and noise for the same seed,
     #: and the ε holds only while that seed stays secret (the report says so).
     reproducible: bool = False
-    #: Draw Gaussian noise as the sum of four normals / 2 (Opacus secure_mode's defence against
-    #: floating-point attacks on the sampler); costs 4 draws per coordinate per logical step.
+    #: Accepted for compatibility and ignored: every mechanism's normal is always the sum of four
+    #: independent generators' normals / 2 (≥ 128 secret bits per draw, and Opacus secure_mode's
+    #: denser support; privacy/randomness.py).
     hardened_noise: bool = True
 
     @model_validator(mode="after")

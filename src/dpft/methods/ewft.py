@@ -257,7 +257,7 @@ class LDPRun:
         if c.label_epsilon is not None:
             # RR draws from the run's secret randomness (stream label_rr); nothing is recorded.
             trainer.train_tok, self.noisy_labels = privatize_labels(trainer.train_tok, c.label_epsilon,
-                                                                    self.num_labels, trainer.rng.generator("label_rr"))
+                                                                    self.num_labels, trainer.rng.stream("label_rr"))
             if c.label_loss_correction:
                 # the Trainer builds its engine from trainer.loss_fn after this constructor
                 trainer.loss_fn = make_corrected_classification_loss(
@@ -296,7 +296,7 @@ class LDPRun:
     def before_step(self, step: int) -> None:
         self.layer.set_sigma(self.schedule.sigma_at(step))
         # The noise of this step's releases: the run's secret randomness, stream ldp, step.
-        self.layer.generator = self.trainer.rng.generator("ldp", step)
+        self.layer.generator = self.trainer.rng.stream("ldp", step)
 
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
@@ -450,7 +450,7 @@ class ForwardLDP(Method):
         try:
             for noisy in (not keep, keep):  # the headline last (its predictions are the ones kept)
                 layer.eval_noise = noisy
-                layer.generator = run.rng.generator("ldp_eval", self._n_eval)
+                layer.generator = run.rng.stream("ldp_eval", self._n_eval)
                 res = evaluate()
                 tag = "noisy" if noisy else "clean"
                 out.update({f"{k}_{tag}_inference": v for k, v in res.items()})
@@ -484,13 +484,14 @@ class ForwardLDP(Method):
 
 
 # ---------------------------------------------------------------------------- shared helpers
-def privatize_labels(ds, eps: float, num_labels: int, generator: torch.Generator):
+def privatize_labels(ds, eps: float, num_labels: int, generator):
     """Replace the ``label`` column of a tokenised split by K-ary randomized response, drawn once.
 
     Returns ``(dataset with the noisy labels, (N,) int64 noisy labels)``. The same noisy label is
     then used at every step and epoch: post-processing, so the label guarantee is ε₂ however
-    long training runs. ``generator`` must come from the run's secret randomness (stream
-    ``label_rr``): with its seed and the data one could tell which labels were kept.
+    long training runs. ``generator`` is the run's secret stream ``rng.stream("label_rr")``
+    (a :class:`~dpft.privacy.randomness.SecretStream`): with its secret and the data one could
+    tell which labels were kept.
     """
     if "label" not in ds.column_names:
         raise LDPError("ldp.label_epsilon needs a labelled classification task (no 'label' column)")

@@ -76,7 +76,7 @@ from safetensors.torch import save as st_save
 
 from dpft.config import Recipe
 from dpft.privacy.ldp import GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, clip_frobenius
-from dpft.privacy.randomness import Randomness
+from dpft.privacy.randomness import Randomness, SecretStream
 
 #: Tensor names a client may send; anything else is refused by the server.
 ALLOWED = {"z", "labels"}
@@ -762,7 +762,7 @@ class LDPClient:
             from dpft.methods.ewft import privatize_labels
 
             self.train_tok, self.noisy_labels = privatize_labels(self.train_tok, c.label_epsilon,
-                                                                 self.task.num_labels, self.rng.generator("label_rr"))
+                                                                 self.task.num_labels, self.rng.stream("label_rr"))
         self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length)
 
     def _randomness_section(self) -> dict[str, Any]:
@@ -873,13 +873,14 @@ class LDPClient:
         return digest
 
     @torch.no_grad()
-    def release_codes(self, h: torch.Tensor, sigma: float, gen: torch.Generator) -> torch.Tensor:
+    def release_codes(self, h: torch.Tensor, sigma: float, gen: SecretStream) -> torch.Tensor:
         """Clean hidden states ``(b, T, d)`` → noisy codes ``(b, T, k)`` float32 (what is sent).
 
         encoder → rows with any non-finite value replaced by zeros (a data-independent code of
         norm 0 ≤ C: the sensitivity 2C and the guarantee are unchanged, and no abort tells the
-        server which row overflowed) → Frobenius clip to C → + N(0, (σ·2C)²) drawn from ``gen``
-        (:meth:`Randomness.gaussian`, hardened unless ``privacy.hardened_noise: false``).
+        server which row overflowed) → Frobenius clip to C → + N(0, (σ·2C)²): the next draw of the
+        secret stream ``gen`` (:meth:`SecretStream.normal`: four independent generators, ≥ 128
+        bits of secret entropy; ``privacy.hardened_noise`` no longer changes it).
 
         Raises:
             LDPError: σ ≤ 0, or (never expected) a non-finite result.
@@ -891,7 +892,7 @@ class LDPClient:
         z = clip_frobenius(self._zero_nonfinite_rows(z), self.layer.max_norm, self.layer.normalize)
         z = self._zero_nonfinite_rows(z)  # belt and braces: clipping a finite row never makes it non-finite
         std = sigma * self.layer.sensitivity  # σ_e · 2C
-        out = z + Randomness.gaussian(tuple(z.shape), gen, hardened=self.hardened) * std
+        out = z + gen.normal(tuple(z.shape), dtype=torch.float32, device=z.device) * std
         if not bool(torch.isfinite(out).all()):
             raise LDPError("ldp-client: non-finite noisy code: refused")
         return out
@@ -904,7 +905,7 @@ class LDPClient:
             self.rows_zeroed += int(bad.sum())
         return z
 
-    def _release(self, rows, sigma: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _release(self, rows, sigma: float, gen: SecretStream) -> tuple[torch.Tensor, torch.Tensor]:
         from dpft.data.tokenize import collate
 
         b = collate(list(rows), self.pad_id, self.with_tt)
@@ -944,7 +945,7 @@ class LDPClient:
                 raise LDPError(f"step {step}: Poisson batch of {len(idx)} rows exceeds the server's max_batch "
                                f"{max_batch}")
             if len(idx):
-                z, y = self._release(self.train_tok.select(idx.tolist()), sigma, self.rng.generator("ldp", step))
+                z, y = self._release(self.train_tok.select(idx.tolist()), sigma, self.rng.stream("ldp", step))
             else:
                 z, y = torch.zeros(0, *self.code_shape), torch.zeros(0, dtype=torch.long)
             out = self._send_tensors("/step", z, y, params={"step": step})
@@ -957,7 +958,7 @@ class LDPClient:
         bs = max(1, min(r.eval.batch_size, max_batch))
         for i, k in enumerate(range(0, len(self.dev_tok), bs)):
             z, y = self._release(self.dev_tok.select(range(k, min(k + bs, len(self.dev_tok)))), sigma_eval,
-                                 self.rng.generator("ldp_eval", i))
+                                 self.rng.stream("ldp_eval", i))
             if self.noisy_labels is None:
                 out = self._send_tensors("/eval", z, y)
             else:  # label privacy: dev labels stay here; score the returned logits locally

@@ -70,24 +70,36 @@ def randomized_response(labels: torch.Tensor, eps: float, num_labels: int,
         labels: ``(N,)`` int64 in ``[0, K)``.
         eps: ε₂ > 0.
         num_labels: K ≥ 2.
-        generator: torch.Generator (seeded by the caller; the seed is the data holder's secret:
-            whoever has it can recompute which labels were kept).
+        generator: the :class:`~dpft.privacy.randomness.SecretStream` of the draws (the run's
+            ``rng.stream("label_rr")``; its secret is the data holder's: whoever has it can
+            recompute which labels were kept); None = a fresh secret source's stream.
 
     Returns:
         ``(N,)`` int64 noisy labels ỹ: y with probability e^ε/(e^ε + K − 1), else uniform over
         the K − 1 others.
 
+    Keep is decided on 53-bit integers with probability ⌊p·2⁵³⌋/2⁵³ ≤ p (never above the
+    calibrated p: a higher keep probability would exceed ε₂).
+
     Raises:
         LDPError: ε₂ ≤ 0, K < 2, or a label outside ``[0, K)``.
+        TypeError: ``generator`` is a plain ``torch.Generator`` (32-bit CPU seed).
     """
     y = torch.as_tensor(labels, dtype=torch.long)
     k = int(num_labels)
     _check(eps, k)
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= k):
         raise LDPError(f"labels must lie in [0, {k}); got range [{int(y.min())}, {int(y.max())}]")
-    keep = torch.rand(y.shape, generator=generator, dtype=torch.float64) < rr_keep_probability(eps, k)
+    if isinstance(generator, torch.Generator):
+        raise TypeError("randomized_response needs a dpft SecretStream, not a torch.Generator (a CPU generator "
+                        "keeps 32 bits of its seed): pass dpft.privacy.randomness.Randomness().stream('label_rr')")
+    if generator is None:
+        from dpft.privacy.randomness import Randomness
+
+        generator = Randomness().stream("label_rr")
+    keep = generator.bernoulli(tuple(y.shape), rr_keep_probability(eps, k))
     # "one of the other K − 1, uniformly": shift by 1 + U{0, …, K − 2} modulo K
-    shift = 1 + torch.randint(0, k - 1, y.shape, generator=generator)
+    shift = 1 + generator.randint(k - 1, tuple(y.shape))
     return torch.where(keep, y, (y + shift) % k)
 
 

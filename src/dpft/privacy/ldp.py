@@ -130,11 +130,19 @@ class GaussianLDP(nn.Module):
         sigma: noise multiplier relative to the sensitivity 2C.
         autoencoder: optional :class:`StackedAutoencoder` (its encoder runs on the user side).
         normalize: scale to ‖·‖_F = C instead of clipping.
-        generator: torch.Generator for the noise (seeded by the caller).
+        generator: the :class:`~dpft.privacy.randomness.SecretStream` of the noise (the run's
+            ``rng.stream("ldp", step)``); None = a fresh secret source's stream. Every
+            release is the stream's next draw (≥ 128 bits of secret entropy, see
+            privacy/randomness.py).
+
+    Raises:
+        LDPError: C ≤ 0 or a bad ``std_factor``.
+        TypeError: ``generator`` is a plain ``torch.Generator`` (its CPU seed has 32 bits: a
+            seed search recovers the clean codes); pass ``Randomness().stream("ldp")``.
     """
 
     def __init__(self, max_norm: float = 1.0, sigma: float = 0.0, autoencoder: Optional[StackedAutoencoder] = None,
-                 normalize: bool = False, eval_noise: bool = True, generator: Optional[torch.Generator] = None,
+                 normalize: bool = False, eval_noise: bool = True, generator=None,
                  std_factor: float = 2.0, detach: bool = True):
         super().__init__()
         if not max_norm > 0:
@@ -155,6 +163,25 @@ class GaussianLDP(nn.Module):
         self.detach = bool(detach)
 
     @property
+    def generator(self):
+        """The noise's :class:`~dpft.privacy.randomness.SecretStream` (None: made on first use)."""
+        return self._generator
+
+    @generator.setter
+    def generator(self, stream) -> None:
+        if isinstance(stream, torch.Generator):
+            raise TypeError("GaussianLDP needs a dpft SecretStream, not a torch.Generator (a CPU generator keeps "
+                            "32 bits of its seed, so a seed search recovers the clean codes): pass "
+                            "dpft.privacy.randomness.Randomness().stream('ldp')")
+        self._generator = stream
+
+    def __getstate__(self):
+        # A copy or pickle of the layer (deepcopy, torch.save) never carries the noise's secret
+        # stream: the copy draws from a fresh secret source unless given one.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_generator": None}
+
+    @property
     def sensitivity(self) -> float:
         """Replace-one L2 (Frobenius) sensitivity of the clipped matrix: 2C (the std unit of the
         noise; C in the NOT CERTIFIED ``std_factor = 1`` reproduction)."""
@@ -168,7 +195,11 @@ class GaussianLDP(nn.Module):
     @torch.no_grad()
     def noise_like(self, z: torch.Tensor) -> torch.Tensor:
         std = self.sigma * self.sensitivity  # σ_e · 2C: replace-one sensitivity, see module doc
-        n = torch.randn(z.shape, generator=self.generator, dtype=torch.float32, device=z.device)
+        if self.generator is None:
+            from dpft.privacy.randomness import Randomness
+
+            self.generator = Randomness().stream("ldp")  # secret, never the global torch generator
+        n = self.generator.normal(z.shape, dtype=torch.float32, device=z.device)
         return (n * std).to(z.dtype)
 
     def release(self, h: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,8 @@ What the world of K processes computes is *one* DP-SGD run, the same mechanism a
   the *unclipped* batch gradient of every backward).
 - **Noise added once for the world.** After the all-reduce every rank holds the same clipped sum
   S = Σᵢ cᵢgᵢ over the whole logical batch, and every rank draws the *same* noise vector z from
-  the shared key's stream ``noise``, t. Each rank computes S + σC·z, one and the same value: the
+  the shared key's streams ``noise``, (t, tensor name) — the streams depend on the device type,
+  not its index, so ``cuda:r`` on rank r draws what ``cuda:0`` draws on rank 0. Each rank computes S + σC·z, one and the same value: the
   world releases one draw of the Gaussian mechanism N(S, σ²C²I), exactly what one process
   releases, so the ledger records one ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))`` per step.
   (Independent noise on each rank, summed, would be a different mechanism; rank 0 adding the
@@ -31,8 +32,9 @@ What the world of K processes computes is *one* DP-SGD run, the same mechanism a
   on rank 0 and sent to every rank (:func:`on_rank0`), so every rank raises the same error.
 - **Evaluation is sharded:** each rank evaluates every K-th dev example and the sums (loss,
   correct, count) are all-reduced (:func:`all_sum`), so every rank returns the same metrics.
-- **Dropout masks** come from the secret stream ``dropout``, (t, rank): secret, different on
-  each rank and each step.
+- **Dropout masks** come from the secret seed ``dropout``, (t, rank): secret, different on
+  each rank and each step (not a mechanism, so a plain ``seed_for`` seed; every mechanism's
+  draw uses ``Randomness.stream``, ≥ 128 bits per draw).
 
 Backends: ``gloo`` on CPU; on a machine with CUDA the group is created as
 ``cpu:gloo,cuda:nccl``, so collectives on CUDA tensors use NCCL and those on CPU tensors gloo.

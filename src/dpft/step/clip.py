@@ -259,8 +259,7 @@ class AdaptiveQuantileClip(FlatClip):
             batch_size: realised logical batch size |B| (enters only inside the private sum).
             expected_batch: qN.
         """
-        g = self.rng.generator("count", step)
-        z = float(torch.randn((), generator=g, dtype=torch.float64)) * self.count_noise
+        z = float(self.rng.stream("count", step).normal((), dtype=torch.float64)) * self.count_noise
         centred = unclipped - 0.5 * batch_size
         return (centred + z) / expected_batch + 0.5
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dp_accounting as dpa
 import torch
 
-from dpft.privacy.randomness import Randomness
+from dpft.privacy.randomness import Randomness, SecretStream
 
 
 class GaussianMechanism:
@@ -19,11 +19,13 @@ class GaussianMechanism:
     Args:
         sigma: noise multiplier σ ≥ 0.
         sensitivity: clipping norm C.
-        rng: the run's secret randomness; step t's noise comes from its stream ``noise``, t
-            (secret by default, so nobody can regenerate and subtract it; in reproducible mode
-            a resumed run redraws the same noise for the same step).
-        hardened: draw each coordinate as the sum of four normals / 2 (Opacus ``secure_mode``;
-            see privacy/randomness.py).
+        rng: the run's secret randomness; the noise of tensor ``name`` at step t comes from
+            its stream ``noise``, (t, name) (secret by default, so nobody can regenerate and
+            subtract it; in reproducible mode a resumed run redraws the same noise for the same
+            step). Every tensor has its own stream, so no two tensors of a release — on one
+            device or on several — get the same noise.
+        hardened: accepted for compatibility and ignored: every draw is the sum of four
+            independent generators' normals / 2 (privacy/randomness.py states its entropy).
         accounted_sigma: σ recorded in the ledger when it differs from the noise σ (adaptive
             clipping).
 
@@ -49,20 +51,24 @@ class GaussianMechanism:
         """Noise standard deviation per coordinate of the sum: σ·C."""
         return self.sigma * self.sensitivity
 
+    def noise_stream(self, step: int, name: str, device: torch.device) -> SecretStream:
+        """The secret stream of tensor ``name``'s noise at step ``step``: ``noise``, (step, name),
+        drawn on ``device``. The device *index* is not part of it, so DDP ranks (each holding
+        the tensor on its own ``cuda:r``) draw the same noise; the name keeps the tensors of one
+        release apart whatever device each lives on."""
+        return self.rng.stream("noise", int(step), str(name), device=device)
+
     def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
         """Return ``{name: sum + N(0, (σC)²)}`` (new fp32-noised tensors; parameters in name order).
 
-        The noise is drawn on each tensor's own device from a generator of that device: on CUDA a
-        ``torch.Generator(device="cuda:N")`` (Philox) seeded on the host from the secret stream
-        seed, then ``torch.randn(..., device="cuda:N")``; nothing is drawn on the CPU or copied.
-        Drawn and added in fp32 whatever the autocast dtype of the step (the sums are fp32)."""
-        gens: dict[str, torch.Generator] = {}
+        The noise of each tensor is drawn on the tensor's own device from its own stream
+        (:meth:`noise_stream`): on CUDA four ``torch.Generator(device="cuda:N")`` (Philox)
+        seeded on the host from different 64-bit slices of the secret stream; nothing is
+        drawn on the CPU or copied. Drawn and added in fp32 whatever the autocast dtype of
+        the step (the sums are fp32)."""
         out = {}
         for name, t in grad_sum.items():
-            key = str(t.device)
-            if key not in gens:
-                gens[key] = self.rng.generator("noise", step, device=t.device if t.device.type != "cpu" else None)
-            noise = Randomness.gaussian(t.shape, gens[key], self.hardened, device=t.device)
+            noise = self.noise_stream(step, name, t.device).normal(t.shape, dtype=torch.float32, device=t.device)
             out[name] = (t.float() + self.std * noise).to(t.dtype)
         return out
 

@@ -198,12 +198,12 @@ class SyntheticData:
         return hashlib.sha256(json.dumps([self.train, self.val]).encode()).hexdigest()[:16]
 
 
-def _generator(rng) -> torch.Generator:
+def _stream(rng):
     """The histograms' noise: the run's secret randomness, stream ``synth`` (a fresh secret
-    source when the caller passes none)."""
+    source when the caller passes none); two draws, one per histogram."""
     from dpft.privacy.randomness import Randomness
 
-    return (rng if rng is not None else Randomness()).generator("synth")
+    return (rng if rng is not None else Randomness()).stream("synth")
 
 
 def dp_select_and_label(
@@ -259,13 +259,13 @@ def dp_select_and_label(
     nn_idx = nearest_candidate(private_emb, cand_emb)
     labels = torch.as_tensor(list(private_labels), dtype=torch.long)
 
-    g = _generator(rng)
+    g = _stream(rng)
     # Release 1 (Eq. 7): sensitivity 1 (add/remove one example moves one vote) → std σ_sel·1.
-    noisy = vote_histogram(nn_idx, m) + sigma_sel * torch.randn(m, generator=g, dtype=torch.float64)
+    noisy = vote_histogram(nn_idx, m) + sigma_sel * g.normal((m,), dtype=torch.float64)
     # Release 2 (Eq. 9): sensitivity 1 (one example is one cell) → std σ_lab·1. Drawn for all
     # m rows so the release does not depend on which rows were selected.
     noisy_cls = class_vote_histogram(nn_idx, labels, m, num_labels) + \
-        sigma_lab * torch.randn(m, num_labels, generator=g, dtype=torch.float64)
+        sigma_lab * g.normal((m, num_labels), dtype=torch.float64)
     events = select_label_events(sigma_sel, sigma_lab)
     if ledger is not None:
         ledger.record(PHASE_SELECT, events[0])
