@@ -1,5 +1,5 @@
 """Split deployment: ldp-server in its own process on loopback, ldp-client in-process; what
-crosses the wire is inspected on both sides (methods/ldp_split.py)."""
+crosses the wire is inspected on both sides (methods/ldp_split/)."""
 
 import json
 import os
