@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
@@ -48,6 +48,11 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         "privacy": priv,
         "dp": {"private": trainer.private, "noise_multiplier": trainer.sigma, "sampling_rate": trainer.q,
                "expected_batch_size": r.batch.expected_batch_size, "steps": trainer.total_steps,
+               # every release of the training phase in the ledger (more than the plan's steps
+               # when a resume released steps again) and those repeats (run/loop.py ``replays``)
+               "released_steps": released_steps(trainer), "replays": list(getattr(trainer, "replays", [])),
+               "target_epsilon": (r.privacy.target_epsilon if trainer.private and r.privacy.noise_multiplier is None
+                                  else None),
                "clipping": r.privacy.clipping.model_dump() if trainer.private else None,
                "engine": type(trainer.dp_step.spec.engine).__name__, "sampling": "Poisson",
                # issue 17: what one "unit" of the guarantee is, and N of them (users at user level)
@@ -85,6 +90,39 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
     return rep
 
 
+def released_steps(trainer) -> Optional[int]:
+    """Noisy releases of the training loop's phase in the run's ledger (None: not private)."""
+    if not trainer.private:
+        return None
+    phase = getattr(trainer, "phase", "train")
+    return sum(e.count for e in trainer.ledger.entries if e.phase == phase)
+
+
+def overspend_line(rep: dict[str, Any]) -> Optional[str]:
+    """``ε = X exceeds the target Y: …`` when the certified ε is above the recipe's target, with
+    the reason the ledger shows (steps released twice after an interrupt); else None."""
+    p, dp = rep["privacy"], rep.get("dp") or {}
+    target = dp.get("target_epsilon")
+    if p.get("guarantee") != "certified" or target is None or p.get("epsilon") is None:
+        return None
+    if p["epsilon"] <= target * (1 + 1e-9):
+        return None
+    line = f"ε = {p['epsilon']:.4g} exceeds the target {target:g}"
+    reps = dp.get("replays") or []
+    if reps:
+        spans = ", ".join(f"{x['from_step']}–{x['to_step']}" if x["to_step"] > x["from_step"] else str(x["from_step"])
+                          for x in reps)
+        n = sum(x["releases"] for x in reps)
+        line += (f": steps {spans} were released twice ({n} extra release{'s' if n != 1 else ''}: the run was "
+                 f"stopped after releasing them and resumed from an earlier checkpoint); the ledger counts "
+                 f"{dp.get('released_steps')} releases for {dp['steps']} planned steps")
+    elif dp.get("released_steps") is not None and dp["released_steps"] > dp["steps"]:
+        line += f": the ledger counts {dp['released_steps']} releases for {dp['steps']} planned steps"
+    else:
+        line += " (releases recorded before training, e.g. an earlier attempt in this directory; see the ledger)"
+    return line
+
+
 def unit_line(dp: dict[str, Any]) -> str:
     """The report's privacy-unit row: what one unit of the (ε, δ) guarantee is, and N."""
     u = dp.get("privacy_unit") or {}
@@ -102,6 +140,9 @@ def epsilon_line(rep: dict[str, Any]) -> str:
     if p["guarantee"] == "certified":
         line = (f"ε = {p['epsilon']:.4g} at δ = {p['delta']:g} ({p['accountant']}; "
                 f"RDP cross-check ε = {p['epsilon_rdp']:.4g})")
+        over = overspend_line(rep)
+        if over:
+            line = f"{over} — {line}"
         if p.get("scope"):
             line += f" — {p['scope']}"
         u = (rep.get("dp") or {}).get("privacy_unit") or {}
@@ -113,6 +154,15 @@ def epsilon_line(rep: dict[str, Any]) -> str:
     if p["guarantee"] == "NOT CERTIFIED":
         return f"ε: NOT CERTIFIED — {p['reason']}"
     return f"ε: {p['guarantee']}"
+
+
+def steps_cell(dp: dict[str, Any]) -> str:
+    """The table's steps: the ledger's count of releases, and the plan when they differ."""
+    rel = dp.get("released_steps")
+    if rel is None or rel == dp["steps"]:
+        return f"{dp['steps'] if rel is None else rel}"
+    why = " (steps released twice after an interrupt: see the headline)" if dp.get("replays") else ""
+    return f"{rel} released (ledger), {dp['steps']} planned{why}"
 
 
 def render_markdown(rep: dict[str, Any]) -> str:
@@ -137,7 +187,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
         lines += [
             f"| noise multiplier σ | {dp['noise_multiplier']:.4f} |",
             f"| sampling | Poisson, q = {dp['sampling_rate']:.5f} (expected batch {dp['expected_batch_size']}) |",
-            f"| steps | {dp['steps']} |",
+            f"| steps | {steps_cell(dp)} |",
             f"| clipping | {c['style']}, C = {c['max_norm']:g} |",
             f"| privacy unit | {unit_line(dp)} |",
             f"| per-example engine | {dp['engine']} |",
