@@ -147,6 +147,8 @@ class Trainer:
         scale = r.perf.loss_scale or (DEFAULT_FP16_LOSS_SCALE if r.perf.dtype == "fp16" else 1.0)
         self.precision = Precision(r.perf.dtype, float(scale), self.device.type)
         self._check_perf()
+        if r.task.user_column and self.private:  # refusals that need no data, before any loading
+            self._check_user_level()
 
         #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
         #: ``instruct`` task: prompt/completion or chat rows, completion-only loss (data/instruct.py).
@@ -170,6 +172,8 @@ class Trainer:
             self.train_tok, self.dev_tok = self.task.train, self.task.dev
         else:
             self.task = load_task(r.task, seed=r.seed)
+            if self.private:  # δ < 1/N before the model is loaded (N users ≤ rows: necessary at user level too)
+                check_delta(r.privacy.delta, len(self.task.train))
             self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed,
                                                     pooling=r.model.pooling, head_dropout=r.model.head_dropout)
         self.n = len(self.task.train)
