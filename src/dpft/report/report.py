@@ -459,8 +459,10 @@ def reprint_hf(d: Path) -> str:
 
 
 def _last_eval(d: Path, state_file: Optional[Path]) -> dict[str, Any]:
-    """The last ``eval_*`` entry of ``trainer_state.json`` (top folder or the checkpoint's)."""
-    for f in (d / "trainer_state.json", state_file.parent / "trainer_state.json" if state_file else None):
+    """The last ``eval_*`` entry of ``trainer_state.json`` (top folder, else the latest checkpoint's)."""
+    cks = sorted((p for p in d.glob("checkpoint-*/trainer_state.json")),
+                 key=lambda p: int(p.parent.name.split("-")[-1]) if p.parent.name.split("-")[-1].isdigit() else -1)
+    for f in (d / "trainer_state.json", cks[-1] if cks else None):
         if f is not None and f.is_file():
             hist = json.loads(f.read_text()).get("log_history", [])
             evs = [h for h in hist if any(k.startswith("eval_") for k in h)]
