@@ -309,8 +309,17 @@ def train(
     except TrainingInterrupted as exc:
         typer.secho(f"{exc.describe()}; resume with: {_resume_command(run_dir)}", fg="yellow", err=True)
         raise typer.Exit(exc.exit_code)
-    except KeyboardInterrupt:  # a signal before training started: nothing was released
-        typer.secho("interrupted before training started: nothing was released", fg="yellow", err=True)
+    except KeyboardInterrupt:  # outside the training loop's own handling (loading, or writing the report)
+        t, d = locals().get("trainer"), locals().get("run_dir")
+        ck = getattr(t, "_last_checkpoint", None)
+        if t is None or ck is None:
+            live = d / "ledger.json" if d is not None else None
+            said = (f"{live} holds every release so far (e.g. an earlier phase)" if live is not None and live.is_file()
+                    else "nothing was released")
+            typer.secho(f"interrupted before training started: {said}", fg="yellow", err=True)
+        else:
+            typer.secho(f"interrupted after training; checkpoint at step {ck}; resume with: "
+                        f"{_resume_command(run_dir)} (it writes the model and the report)", fg="yellow", err=True)
         raise typer.Exit(130)
     except (ValueError, TrainingError, FileNotFoundError) as exc:  # RecipeError, DataError, ModelError, CalibrationError are ValueErrors
         _fail(str(exc))
