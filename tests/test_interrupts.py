@@ -151,7 +151,9 @@ def test_overspend_after_resume_from_an_earlier_checkpoint_is_in_the_headline(ti
     head = next(x for x in (out / "report.md").read_text().splitlines() if x.startswith("**Privacy:**"))
     assert f"ε = {eps:.4g} exceeds the target 6: steps 7–8 were released twice" in head
     assert "the ledger counts 10 releases for 8 planned steps" in head
-    assert "| steps | 10 released (ledger), 8 planned" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "| steps | 10 released (ledger), 8 planned" in md
+    assert "`model/`" in md and "`model_ema/`" not in md and "`subspace/`" not in md  # files present only
     assert "exceeds the target 6" in r.output  # the final line printed by dpft train too
 
 
