@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -138,3 +140,174 @@ def test_checkpoint_every_sets_the_cadence_and_quiet_is_quiet(tiny_model_dir, ss
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 5
     assert "checkpoint_every: 2" in (out / "recipe.yaml").read_text()
     assert "plan: " not in r.output and "first step" not in r.output
+
+
+# issue 24 item 6: rough edges a new user hit ------------------------------------------------------
+
+def test_readme_own_instruction_data_command_keeps_the_instruct_task(tmp_path, monkeypatch):
+    """The README's own-data instruction command (`--train-file … --set task.prompt_column=…`)
+    used to switch the task to classification ("no text column 'text'")."""
+    from conftest import ROOT, SHARED_DATA
+
+    model = SHARED_DATA / "models" / "stories260K"
+    if not model.is_dir():
+        pytest.skip("stories260K not present")
+    readme = (ROOT / "README.md").read_text()
+    cmd = re.search(r"dpft train (recipes/e2e-instruct-stories260k\.yaml --train-file tickets\.jsonl.*?)#", readme,
+                    re.S)
+    assert cmd, "the README's own-data instruction command moved"
+    args = [a for a in cmd.group(1).replace("\\\n", " ").split()]
+    args[args.index("--model") + 1] = str(model)  # offline: the local tiny Llama instead of the hub's Qwen
+    (tmp_path / "tickets.jsonl").write_text("".join(f'{{"question": "where is order {i}?", "answer": "it ships on '
+                                                    f'day {i % 5}"}}\n' for i in range(24)))
+    (tmp_path / "dev.jsonl").write_text("".join(f'{{"question": "q{i}", "answer": "a{i}"}}\n' for i in range(4)))
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(ROOT / "recipes", tmp_path / "recipes")
+    r = CliRunner().invoke(app, ["train", *args, "--steps", "2", "--batch-size", "8", "--max-length", "32",
+                                 "--set", "eval.max_new_tokens=2", "--quiet", "-o", "out"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["task"]["name"] == "instruct" and rep["task"]["n_train"] == 24  # max_train_examples=null: all rows
+    assert rep["metrics"]["dev_generated"] == 4
+
+
+def _no_loading(monkeypatch):
+    """Make any model or data loading fail the test: checks must come first."""
+    import dpft.run.loop as loop
+
+    def boom(*a, **k):
+        raise AssertionError("loaded data or a model before the checks")
+
+    monkeypatch.setattr(loop, "load_task", boom)
+    monkeypatch.setattr(loop, "load_classifier", boom)
+
+
+def test_read_only_output_folder_is_refused_before_loading(tmp_path, monkeypatch, sst_like_files):
+    import dpft.cli as cli
+
+    _no_loading(monkeypatch)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(cli.os, "access", lambda p, m: False if Path(p) == ro else real(p, m))  # root ignores 0o500
+    r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "-o", str(ro / "run")])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert f"cannot write to the folder {ro} (where the output folder {ro / 'run'} would go): permission denied" \
+        in _flat(r.output)
+    # an OSError during the run (disk full, folder made read-only meanwhile): one line, no traceback
+    monkeypatch.setattr(cli.os, "access", real)
+
+    class Fails:
+        def __init__(self, *a, **k):
+            raise PermissionError(13, "Permission denied", str(tmp_path / "x" / "metrics.jsonl"))
+
+    monkeypatch.setattr("dpft.run.loop.Trainer", Fails)
+    r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and r.exception is None or isinstance(r.exception, SystemExit)
+    assert f"error: cannot write {tmp_path / 'x' / 'metrics.jsonl'}: Permission denied" in _flat(r.output)
+
+
+def test_output_folder_and_delta_are_checked_before_the_model_is_loaded(tmp_path, monkeypatch, sst_like_files,
+                                                                        tiny_model_dir):
+    import dpft.run.loop as loop
+
+    out = tmp_path / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.json").write_text("{}")
+    _no_loading(monkeypatch)
+    r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "-o", str(out)])
+    assert r.exit_code == 2 and "already holds a run; pass --resume" in r.output
+    r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "-o", str(tmp_path / "new"),
+                                 "--resume"])
+    assert r.exit_code == 2 and "--resume: no checkpoint in" in r.output
+    monkeypatch.undo()
+    loaded = []
+    monkeypatch.setattr(loop, "load_classifier", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(
+        AssertionError("model loaded before the δ check")))
+    r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "--model", str(tiny_model_dir),
+                                 "--delta", "0.1", "-o", str(tmp_path / "d")])
+    assert r.exit_code == 2 and "δ = 0.1 is not below 1/N" in r.output and not loaded
+
+
+def test_default_run_dirs_are_unique_without_a_double_suffix(tmp_path, monkeypatch):
+    from dpft.cli import _default_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert _default_run_dir("notes", False, False) == (Path("runs/notes"), None)
+    (tmp_path / "runs" / "notes").mkdir(parents=True)
+    (tmp_path / "runs" / "notes" / "report.json").write_text("{}")
+    assert _default_run_dir("notes", False, False) == (Path("runs/notes-2"), Path("runs/notes"))
+    (tmp_path / "runs" / "notes-2" / "checkpoint").mkdir(parents=True)
+    assert _default_run_dir("notes", False, False)[0] == Path("runs/notes-3")
+    assert _default_run_dir("notes", False, True)[0] == Path("runs/notes-2")  # --resume: the latest with a run
+    assert _default_run_dir("notes", True, False)[0] == Path("runs/notes-nodp")
+    assert _default_run_dir("notes-nodp", True, False)[0] == Path("runs/notes-nodp")  # --name notes-nodp --no-dp
+    # a folder an attempt left without a checkpoint (its ledger is carried) is reused
+    (tmp_path / "runs" / "x").mkdir()
+    (tmp_path / "runs" / "x" / "ledger.json").write_text("{}")
+    assert _default_run_dir("x", False, False) == (Path("runs/x"), None)
+
+
+def test_report_md_lists_only_files_present(tmp_path):
+    from dpft.report.report import present_files
+    from dpft.run.release import RELEASE_SET
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "ledger.json").write_text("{}")
+    got = present_files(tmp_path, RELEASE_SET)
+    assert set(got) == {"model/", "ledger.json", "report.json", "report.md"}
+
+
+def _hf_folder(d: Path, steps: int = 30, target: float = 3.0) -> float:
+    """A DPTrainer output_dir as integrations/hf.py writes it: ledger.json (live) and
+    dp_state.json (save_model), a checkpoint-K/ with both and trainer_state.json."""
+    from dpft.accounting.calibrate import dp_sgd_event
+    from dpft.accounting.ledger import PrivacyLedger
+
+    led = PrivacyLedger()
+    led.record("train", dp_sgd_event(1.1, 0.05, 1), count=steps)
+    d.mkdir(parents=True)
+    led.save(d / "ledger.json")
+    eps = led.epsilon(1e-5).epsilon
+    state = {"sigma": 1.1, "q": 0.05, "n": 2000, "total_steps": steps, "global_step": steps, "ledger_steps": steps,
+             "epsilon": eps, "accountant": "PLD (dp-accounting), add/remove-one",
+             "dp_args": {"target_delta": 1e-5, "expected_batch_size": 100, "target_epsilon": target,
+                         "noise_multiplier": None, "max_grad_norm": 1.0, "clipping": "flat", "engine": "bookkeeping",
+                         "reproducible": False}}
+    (d / "dp_state.json").write_text(json.dumps(state))
+    ck = d / f"checkpoint-{steps}"
+    ck.mkdir()
+    (ck / "dp_state.json").write_text(json.dumps(state))
+    led.save(ck / "ledger.json")
+    (ck / "trainer_state.json").write_text(json.dumps({"log_history": [
+        {"eval_accuracy": 0.8125, "eval_loss": 0.44, "epsilon": eps, "step": steps}]}))
+    return eps
+
+
+def test_dpft_report_reads_a_dptrainer_output_folder(tmp_path):
+    eps = _hf_folder(tmp_path / "hf")
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "hf")])
+    assert r.exit_code == 0, r.output
+    assert f"**Privacy:** ε = {eps:.4g} at δ = 1e-05" in r.output and "exceeds" not in r.output
+    assert "| noise multiplier σ | 1.1000 |" in r.output and "| steps | 30 (optimizer steps done: 30) |" in r.output
+    assert "eval_accuracy 0.8125" in r.output and "| train | 30 |" in r.output
+    # a folder of neither kind names both
+    (tmp_path / "empty").mkdir()
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "empty")])
+    assert r.exit_code == 2 and "no report.json" in r.output and "DPTrainer" in r.output
+
+
+def test_audit_takes_output_dir_like_train_and_fails_clearly_offline(tmp_path, monkeypatch):
+    from conftest import ROOT
+
+    from dpft.data import tasks
+
+    r = CliRunner().invoke(app, ["audit", "--help"], env={"COLUMNS": "240", "TERMINAL_WIDTH": "240"})
+    assert "--output-dir" in r.output and "-o" in r.output and "--out" in r.output
+    monkeypatch.delenv("DPFT_DATA_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(tasks, "_PROJECT", tmp_path)  # no ../shared/data beside the project or here
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["audit", str(ROOT / "recipes" / "sst2-minilm.yaml"), "-o", str(tmp_path / "a")])
+    assert r.exit_code == 2 and r.exception is None or isinstance(r.exception, SystemExit)
+    assert "error: task sst2: no local task files" in r.output and "DPFT_DATA_DIR" in r.output

@@ -296,3 +296,107 @@ def test_trainer_refuses_the_private_file_as_public_subspace(tiny_model_dir, sst
     with pytest.raises(SubspaceError, match="public subspace would be built on the private data"):
         Trainer(rec, tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "subspace" / "stage1").exists()
+
+
+# issue 24: a new user's rough edges ----------------------------------------------------------------
+
+def test_missing_labels_in_a_held_out_split_are_counted_once_in_file_order(tmp_path):
+    """NaN labels spread over train and the held-out dev rows: every one is named, in file order,
+    counted over the whole file (the split used to name only its train share, shuffled)."""
+    rows = [f"t{i},{'' if i + 1 in (3, 11, 17, 18, 19, 20) else i % 2}" for i in range(24)]
+    cfg = TaskCfg(name="files", train_file=_csv(tmp_path / "all.csv", rows), dev_fraction=0.5)
+    with pytest.raises(DataError) as e:
+        load_task(cfg, seed=1)
+    msg = str(e.value)
+    assert msg.startswith(cfg.train_file) and "held-out" not in msg
+    assert "data rows 3, 11, 17, 18, 19, … (6 in all)" in msg
+
+
+def test_row_lists_are_sorted():
+    from dpft.data.tasks import _rows
+
+    assert _rows([9, 2, 5]) == "data rows 2, 5, 9 (counting from 1, header excluded)"
+
+
+@pytest.mark.parametrize("labels", [["pos"] * 6, [1] * 6, [0] * 6])
+def test_one_class_training_file_is_refused_with_the_fix(tmp_path, labels):
+    rows = [f"r{i},{v}" for i, v in enumerate(labels)]
+    cfg = _files(tmp_path, rows, ["e,pos" if isinstance(labels[0], str) else "e,0"])
+    with pytest.raises(DataError, match="the training rows have one class") as e:
+        load_task(cfg)
+    assert str(e.value).startswith(cfg.train_file) and "--label-column" in str(e.value)
+    assert f"'{labels[0]}' in column 'label'" in str(e.value)
+
+
+def test_bare_registered_task_finds_shared_data_beside_the_project(monkeypatch, tmp_path):
+    """No DPFT_DATA_DIR: ../shared/data beside the current folder or beside the project (what
+    `make demo` uses) is found; with neither and the hub off, the error is immediate and names
+    DPFT_DATA_DIR."""
+    import time
+
+    from dpft.data import tasks
+
+    monkeypatch.delenv("DPFT_DATA_DIR", raising=False)
+    shared = tmp_path / "shared" / "data"
+    (shared / "sst2").mkdir(parents=True)
+    (shared / "MANIFEST.md").write_text("task files\n")
+    (tmp_path / "proj").mkdir()
+    monkeypatch.chdir(tmp_path / "proj")
+    monkeypatch.setattr(tasks, "_PROJECT", tmp_path / "elsewhere")
+    assert tasks.data_dir() == shared.resolve()
+    monkeypatch.chdir(tmp_path)
+    assert tasks.data_dir() is None
+    monkeypatch.setattr(tasks, "_PROJECT", tmp_path / "proj")  # the project's own ../shared/data
+    assert tasks.data_dir() == shared.resolve()
+    monkeypatch.setattr(tasks, "_PROJECT", tmp_path / "elsewhere")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    with pytest.raises(DataError, match="DPFT_DATA_DIR") as e:
+        load_task(TaskCfg(name="sst2"))
+    assert time.time() - t0 < 5 and "hub is off" in str(e.value)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(tasks, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(DataError, match="cannot be reached .*DPFT_DATA_DIR"):
+        load_task(TaskCfg(name="sst2"))
+
+
+def test_completion_column_named_label_is_accepted_and_kept_columns_are_checked(tmp_path):
+    import datasets
+
+    from dpft.data.instruct import read_conversations
+
+    cfg = TaskCfg(name="instruct", prompt_column="question", completion_column="label")
+    ds = datasets.Dataset.from_dict({"question": ["q1", "q2"], "label": ["a1", "a2"], "user": ["u", "v"]})
+    convs, used = read_conversations(ds, cfg, "f.jsonl")
+    assert used == ["question", "label"] and convs[0][1] == {"role": "assistant", "content": "a1"}
+    ds = datasets.Dataset.from_dict({"question": ["q1"], "answer": ["a1"], "label": ["x"]})
+    cfg = TaskCfg(name="instruct", prompt_column="question", completion_column="answer")
+    with pytest.raises(DataError, match=r"\['label'\] have names dpft uses itself for the columns it keeps"):
+        read_conversations(ds, cfg, "f.jsonl")
+
+
+def test_user_level_instruct_note_names_the_user_as_the_privacy_unit(tmp_path):
+    from conftest import SHARED_DATA
+    from transformers import AutoTokenizer
+
+    from dpft.data.instruct import load_instruct_task
+    from dpft.report.lm import render_extra
+
+    model = SHARED_DATA / "models" / "stories260K"
+    if not model.is_dir():
+        pytest.skip("stories260K not present")
+    tok = AutoTokenizer.from_pretrained(model)
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(f'{{"prompt": "p{i}", "completion": "c{i}", "who": "u{i % 3}"}}\n' for i in range(12)))
+    cfg = TaskCfg(name="instruct", train_file=str(f), user_column="who")
+    note = next(n for n in load_instruct_task(cfg, tok, 32, private=True).notes if "privacy unit" in n)
+    assert note.startswith("privacy unit: one user (column 'who'") and "one example is one row" in note
+    note = next(n for n in load_instruct_task(TaskCfg(name="instruct", train_file=str(f)), tok, 32).notes
+                if "privacy unit" in n)
+    assert note.startswith("privacy unit: one row (prompt/completion pair)")
+    rep = {"lm": {"unit": "example", "block_size": 32, "samples": []},
+           "dp": {"privacy_unit": {"unit": "user", "column": "who", "n_units": 3}}}
+    line = next(x for x in render_extra(rep) if "privacy unit" in x)
+    assert line.startswith("- privacy unit: one user (column 'who', N = 3 users); one example is one row")

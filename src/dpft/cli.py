@@ -74,6 +74,66 @@ def _name_run(rec, ov: dict) -> None:
         rec.name = (Path(tf).stem if tf else "") or f"{rec.task.name}-{_model_short_name(rec.model.name)}"
 
 
+def _default_run_dir(name: str, no_dp: bool, resume: bool) -> tuple[Path, Optional[Path]]:
+    """``runs/<name>[-nodp]`` (never ``-nodp-nodp``), or the first ``runs/<name>[-nodp]-K`` that
+    holds no run when that one does. Returns ``(run_dir, taken)``, ``taken`` being the folder
+    that was skipped (None when none was). ``resume``: the latest of those folders with a
+    checkpoint (a run is resumed where it was written)."""
+    base = name if (not no_dp or name.endswith("-nodp")) else f"{name}-nodp"
+    first = Path("runs") / base
+    cands = [first] + [Path("runs") / f"{base}-{k}" for k in range(2, 10_000)]
+
+    def holds_run(d: Path) -> bool:
+        return any((d / f).exists() for f in ("checkpoint", ".checkpoint.old", "report.json"))
+
+    if resume:
+        with_ck = [d for d in cands[:1] if holds_run(d)]
+        for d in cands[1:]:
+            if not d.exists():
+                break
+            if holds_run(d):
+                with_ck.append(d)
+        return (with_ck[-1] if with_ck else first), None
+    for d in cands:
+        if not holds_run(d):
+            return d, (first if d != first else None)
+    raise typer.BadParameter(f"runs/{base}-K: no free run directory; give --output-dir")
+
+
+def _check_output_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse, before anything is loaded, a run directory this run cannot use: not a folder,
+    not writable, no checkpoint to resume, or an earlier run's checkpoint without --resume."""
+    if run_dir.exists() and not run_dir.is_dir():
+        _fail(f"output folder {run_dir} is a file; give --output-dir a folder")
+    probe = run_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "output folder" if probe == run_dir else f"folder {probe} (where the output folder {run_dir} would go)"
+        _fail(f"cannot write to the {what}: permission denied; choose a writable --output-dir")
+    has_ck = (run_dir / "checkpoint" / "state.json").is_file() or (run_dir / ".checkpoint.old" / "state.json").is_file()
+    if resume and not has_ck:
+        _fail(f"--resume: no checkpoint in {run_dir}; run without --resume to start fresh (or give the "
+              "--output-dir of the run to continue)")
+    if not resume and has_ck:
+        _fail(f"{run_dir} already holds a run; pass --resume to continue it or choose another --output-dir "
+              "(nothing was overwritten)")
+
+
+def _resume_command(run_dir: Path) -> str:
+    """The command line that resumes this run: as typed, with ``--output-dir RUN_DIR`` and
+    ``--resume`` added when absent."""
+    import shlex
+
+    args = list(sys.argv[1:]) if sys.argv[1:2] == ["train"] else ["train", "…"]
+    has_out = any(a in ("-o", "--output-dir") or a.startswith("--output-dir=") for a in args)
+    if not has_out:
+        args += ["--output-dir", str(run_dir)]
+    if "--resume" not in args:
+        args.append("--resume")
+    return "dpft " + " ".join(a if a == "…" else shlex.quote(a) for a in args)
+
+
 def _duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
@@ -179,7 +239,7 @@ def train(
     from dpft.data.tasks import DataError
     from dpft.models.load import ModelError
     from dpft.report.report import epsilon_line
-    from dpft.run.loop import Trainer, TrainingError
+    from dpft.run.loop import Trainer, TrainingError, TrainingInterrupted
 
     if steps is not None and epochs is not None:
         _fail("give --steps or --epochs, not both")
@@ -214,12 +274,22 @@ def train(
         ov["schedule.steps"] = None
     try:
         rec = load_recipe(recipe, ov, origins)
-        if train_file and not task and rec.task.name != "text":  # a causal-LM corpus stays a text task
+        # a causal-LM corpus or instruction file keeps its task; a classifier's file is 'files'
+        if train_file and not task and rec.task.name not in ("text", "instruct"):
             rec.task.name = "files"
         _name_run(rec, ov)
         if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading
             _fail(f"test file not found: {rec.task.test_file}")
-        run_dir = Path(rec.output_dir or f"runs/{rec.name}{'-nodp' if no_dp else ''}")
+        taken = None
+        if rec.output_dir:
+            run_dir = Path(rec.output_dir)
+        else:
+            run_dir, taken = _default_run_dir(rec.name, no_dp, resume)
+        # Checked before any model or data is loaded (tens of seconds for a real model).
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            _check_output_dir(run_dir, resume)
+        if taken is not None:
+            typer.echo(f"{taken} holds an earlier run; this run writes to {run_dir}", err=True)
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
         main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
         quiet = quiet or not main
@@ -241,8 +311,26 @@ def train(
             typer.echo(_plan_line(trainer), err=True)
             _time_first_step(trainer)
         rep = trainer.run()
+    except TrainingInterrupted as exc:
+        typer.secho(f"{exc.describe()}; resume with: {_resume_command(run_dir)}", fg="yellow", err=True)
+        raise typer.Exit(exc.exit_code)
+    except KeyboardInterrupt:  # outside the training loop's own handling (loading, or writing the report)
+        t, d = locals().get("trainer"), locals().get("run_dir")
+        ck = getattr(t, "_last_checkpoint", None)
+        if t is None or ck is None:
+            live = d / "ledger.json" if d is not None else None
+            said = (f"{live} holds every release so far (e.g. an earlier phase)" if live is not None and live.is_file()
+                    else "nothing was released")
+            typer.secho(f"interrupted before training started: {said}", fg="yellow", err=True)
+        else:
+            typer.secho(f"interrupted after training; checkpoint at step {ck}; resume with: "
+                        f"{_resume_command(run_dir)} (it writes the model and the report)", fg="yellow", err=True)
+        raise typer.Exit(130)
     except (ValueError, TrainingError, FileNotFoundError) as exc:  # RecipeError, DataError, ModelError, CalibrationError are ValueErrors
         _fail(str(exc))
+    except OSError as exc:  # e.g. a folder that became read-only, a full disk
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        _fail(f"cannot write{where}: {exc.strerror or exc}; choose another --output-dir or free the disk")
     if not main:
         return
     typer.echo(f"run directory: {run_dir}")

@@ -82,7 +82,8 @@ def audit(
     recipe: Path = typer.Argument(..., help="YAML recipe to audit."),
     quick: bool = typer.Option(False, "--quick", help="CI sizes (fewer trials, one engine)."),
     full: bool = typer.Option(False, "--full", help="Larger trial counts and every engine/norm mode."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default: audit-<recipe name>)."),
+    out: Optional[Path] = typer.Option(None, "--output-dir", "-o", "--out",
+                                       help="Output folder (default: audit-<recipe name>); --out is an alias."),
 ) -> None:
     """Audit the DP step empirically: white-box checks and canary audits (ε̂ vs certified ε)."""
     from tqdm.auto import tqdm
@@ -90,11 +91,16 @@ def audit(
     from dpft.audit.suite import run_audit, total_units
     from dpft.config import load_recipe
 
-    r = load_recipe(recipe)
-    if not r.privacy.enabled:
-        typer.secho("error: the recipe is not private (privacy.enabled: false); nothing to audit", fg="red", err=True)
+    try:  # a bad recipe, missing data (offline without DPFT_DATA_DIR), an unusable δ: one line, no traceback
+        r = load_recipe(recipe)
+        if not r.privacy.enabled:
+            typer.secho("error: the recipe is not private (privacy.enabled: false); nothing to audit", fg="red",
+                        err=True)
+            raise typer.Exit(2)
+        cal = recipe_calibration(r)
+    except (ValueError, OSError) as exc:  # RecipeError, DataError, CalibrationError are ValueErrors
+        typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2)
-    cal = recipe_calibration(r)
     quick_sizes = quick or not full
     out = Path(out or f"audit-{r.name}")
     out.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ prompt, other roles, and padding, which collation adds); the loss (models/losses
 them by one. One row is one example — **the privacy unit is one row** (one prompt/completion
 pair or one conversation); rows are never packed together (packing would mix privacy units).
 Columns other than the ones read are kept on every tokenised row (e.g. a user id column for
-user-level privacy), except reserved names (``input_ids``, ``labels``, ``label``,
-``attention_mask``, ``position_ids``, ``token_type_ids``).
+user-level privacy); a kept column may not have a reserved name (``input_ids``, ``labels``,
+``label``, ``attention_mask``, ``position_ids``, ``token_type_ids``), while a column that is
+read (the prompt or completion, e.g. a completion column called ``label``) may.
 
 Truncation: a row longer than ``model.max_length`` tokens loses tokens from the **left** (the
 start of the prompt or earlier turns) so that the last assistant turn keeps at least one
@@ -125,10 +126,13 @@ def read_conversations(ds: datasets.Dataset, cfg: TaskCfg, where: str) -> tuple[
         DataError: missing columns, empty prompts/completions, malformed messages.
     """
     cols = ds.column_names
-    bad = [c for c in cols if c in RESERVED_COLUMNS]
+    # Only the columns kept on the tokenised rows (those not read, and the user column) may not
+    # take a name the trainer uses itself; a prompt or completion column may be called `label`.
+    used = [cfg.messages_column] if cfg.messages_column in cols else [cfg.prompt_column, cfg.completion_column]
+    bad = [c for c in cols if c in RESERVED_COLUMNS and (c not in used or c == cfg.user_column)]
     if bad:
-        raise DataError(f"{where}: column(s) {bad} have names dpft uses itself; rename them "
-                        f"(reserved: {', '.join(RESERVED_COLUMNS)})")
+        raise DataError(f"{where}: column(s) {bad} have names dpft uses itself for the columns it keeps; rename "
+                        f"them (reserved: {', '.join(RESERVED_COLUMNS)}), or drop them from the file")
     if cfg.messages_column in cols:
         convs = [_messages_of(v, i + 1) for i, v in enumerate(ds[cfg.messages_column])]
         return convs, [cfg.messages_column]
@@ -371,8 +375,10 @@ def load_instruct_task(cfg: TaskCfg, tokenizer, max_length: int, seed: int = 0,
         notes.append(f"truncated to {max_length} tokens: {truncated['train']} of {len(tr_conv)} training rows "
                      "(non-private run)")
     kept = [c for c in train.column_names if c not in ("input_ids", "labels")]
-    notes.append(f"privacy unit: one row ({'conversation' if not pc_tr else 'prompt/completion pair'}), never packed "
-                 f"with another; loss on {'assistant' if not pc_tr else 'completion'} tokens only; template: "
+    row = f"one row ({'conversation' if not pc_tr else 'prompt/completion pair'}), never packed with another"
+    unit = (f"privacy unit: one user (column {cfg.user_column!r}: all of that user's rows); one example is {row}"
+            if cfg.user_column and private else f"privacy unit: {row}")
+    notes.append(f"{unit}; loss on {'assistant' if not pc_tr else 'completion'} tokens only; template: "
                  f"{template}" + (f"; extra columns kept: {kept}" if kept else ""))
     notes.append(f"dev generation: {len(groups)} distinct prompts, {sum(len(g['references']) for g in groups)} "
                  "references (multi-reference scoring)")

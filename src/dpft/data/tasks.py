@@ -49,9 +49,44 @@ class TaskData:
         return "text_pair" in self.train.column_names
 
 
+#: Project root when dpft runs from its source tree (src/dpft/data/tasks.py → the project).
+_PROJECT = Path(__file__).resolve().parents[3]
+
+
+def _looks_like_data(d: Path) -> bool:
+    return (d / "MANIFEST.md").is_file() or any((d / spec.dev_file).is_file() for spec in REGISTRY.values())
+
+
 def data_dir() -> Optional[Path]:
+    """Folder of the registered tasks' files: ``DPFT_DATA_DIR`` when set; else ``../shared/data``
+    beside the current folder or beside the project (what ``make demo`` uses) when it holds task
+    files; else None (the Hugging Face hub)."""
     d = os.environ.get("DPFT_DATA_DIR")
-    return Path(d) if d else None
+    if d:
+        return Path(d)
+    for cand in (Path.cwd() / ".." / "shared" / "data", _PROJECT / ".." / "shared" / "data"):
+        if cand.is_dir() and _looks_like_data(cand):
+            return cand.resolve()
+    return None
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connection to the hub's host (HF_ENDPOINT), so that an offline machine fails in
+    seconds rather than after the datasets library's retries (about a minute)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _load_file(path: str | Path) -> datasets.Dataset:
@@ -113,7 +148,9 @@ def _col(ds: datasets.Dataset, name: str) -> list:
 
 
 def _rows(rows: list[int], shown: int = 5) -> str:
-    """``"data row 3"`` / ``"data rows 3, 7, 9, … (12 in all)"``: 1-based, header not counted."""
+    """``"data row 3"`` / ``"data rows 3, 7, 9, … (12 in all)"``: 1-based, header not counted, in
+    file order (a held-out split's rows come shuffled)."""
+    rows = sorted(rows)
     head = ", ".join(str(r) for r in rows[:shown])
     more = f", … ({len(rows)} in all)" if len(rows) > shown else ""
     return f"data row{'s' if len(rows) > 1 else ''} {head}{more} (counting from 1, header excluded)"
@@ -195,6 +232,30 @@ def _with_labels(ds: datasets.Dataset, labels: list[int]) -> datasets.Dataset:
     return _drop_row(ds.cast_column("label", datasets.Value("int64")))
 
 
+def _check_missing_labels(ds: datasets.Dataset, where: str, column: str) -> None:
+    """Refuse rows without a label (None/NaN), naming every such row of ``ds`` in file order."""
+    if isinstance(ds.features["label"], datasets.ClassLabel):
+        return
+    missing = [r for v, r in zip(_col(ds, "label"), _col(ds, _ROW)) if _is_missing(v)]
+    if missing:
+        raise DataError(f"{where}: no label in column {column!r} at {_rows(missing)}; "
+                        "drop those rows or fill the label column")
+
+
+def _check_two_classes(data: "TaskData", where: str, column: str) -> None:
+    """A classifier needs at least two classes among its training rows.
+
+    Raises:
+        DataError: one class (the run would learn a constant and report a perfect dev score).
+    """
+    seen = set(_col(data.train, "label"))
+    if len(seen) < 2:
+        only = data.label_names[next(iter(seen))] if seen and next(iter(seen)) < len(data.label_names) else "?"
+        raise DataError(f"{where}: the training rows have one class ({only!r} in column {column!r}); a classifier "
+                        "needs at least two. Check --label-column (is it the label?) or add rows of the other "
+                        "classes")
+
+
 def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "label",
                    label_names: Optional[list[str]] = None):
     """Map labels to ints. Strings get a sorted label set from train; ints must be in range.
@@ -211,10 +272,7 @@ def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "
         return _drop_row(train), _drop_row(dev), list(feat.names)
     splits = ((train, train_where), (dev, dev_where))
     for ds, where in splits:
-        missing = [r for v, r in zip(_col(ds, "label"), _col(ds, _ROW)) if _is_missing(v)]
-        if missing:
-            raise DataError(f"{where}: no label in column {column!r} at {_rows(missing)}; "
-                            "drop those rows or fill the label column")
+        _check_missing_labels(ds, where, column)
     tr_vals = _col(train, "label")
     if all(isinstance(v, str) for v in tr_vals):
         names = label_names if label_names is not None else sorted(set(tr_vals))
@@ -293,6 +351,8 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
         else:
             if len(train) < 2:
                 raise DataError(f"{cfg.train_file}: too few rows to hold out a dev split; give --dev-file")
+            # before the split: every unlabelled row of the file, counted once, in file order
+            _check_missing_labels(train, cfg.train_file, label)
             split = train.train_test_split(test_size=cfg.dev_fraction, seed=seed)
             train, dev = split["train"], split["test"]
             notes.append(f"dev = {cfg.dev_fraction:.0%} of {cfg.train_file} held out (seed {seed})")
@@ -308,6 +368,7 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
         else:
             data = _load_hub(spec, cfg.user_column)
     data = _subsample(data, cfg, seed)
+    _check_two_classes(data, cfg.train_file or f"task {data.name}", cfg.label_column or "label")
     return data
 
 
@@ -332,6 +393,14 @@ def _load_local(spec: TaskSpec, root: Path, seed: int, user: Optional[str] = Non
 
 
 def _load_hub(spec: TaskSpec, user: Optional[str] = None) -> TaskData:
+    no_files = ("set DPFT_DATA_DIR to a folder with the task files laid out like ../shared/data "
+                f"({spec.dev_file} …), or put that folder at ../shared/data beside the project")
+    if _offline():
+        raise DataError(f"task {spec.name}: no local task files and the hub is off (HF_HUB_OFFLINE/"
+                        f"HF_DATASETS_OFFLINE); {no_files}")
+    if not _hub_reachable():
+        raise DataError(f"task {spec.name}: no local task files and the Hugging Face hub cannot be reached "
+                        f"(offline?); {no_files}")
     try:
         ds = datasets.load_dataset(*spec.hub)
     except Exception as exc:  # noqa: BLE001 - offline, missing, renamed…

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
@@ -48,6 +48,11 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         "privacy": priv,
         "dp": {"private": trainer.private, "noise_multiplier": trainer.sigma, "sampling_rate": trainer.q,
                "expected_batch_size": r.batch.expected_batch_size, "steps": trainer.total_steps,
+               # every release of the training phase in the ledger (more than the plan's steps
+               # when a resume released steps again) and those repeats (run/loop.py ``replays``)
+               "released_steps": released_steps(trainer), "replays": list(getattr(trainer, "replays", [])),
+               "target_epsilon": (r.privacy.target_epsilon if trainer.private and r.privacy.noise_multiplier is None
+                                  else None),
                "clipping": r.privacy.clipping.model_dump() if trainer.private else None,
                "engine": type(trainer.dp_step.spec.engine).__name__, "sampling": "Poisson",
                # issue 17: what one "unit" of the guarantee is, and N of them (users at user level)
@@ -78,13 +83,14 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
     if r.privacy.reproducible and rep["privacy"].get("guarantee") == "certified":
         rep["privacy"]["reproducible"] = True
     d = trainer.run_dir
-    atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
-    atomic_write_text(d / "report.md", render_markdown(rep))
-    try:
+    try:  # first, so that the file list below knows whether it exists
         plot_history(rep["history"], d / "training.png",
                      private=trainer.private or any(m.epsilon(trainer.ctx) is not None for m in trainer.methods))
     except Exception as exc:  # noqa: BLE001 - a plot never fails a finished run
         rep["plot_error"] = str(exc)
+    rep["coverage"]["release_set"] = present_files(d, rep["coverage"]["release_set"])
+    atomic_write_text(d / "report.json", json.dumps(rep, indent=1))
+    atomic_write_text(d / "report.md", render_markdown(rep))
     return rep
 
 
@@ -104,6 +110,50 @@ def test_line(rep: dict[str, Any]) -> list[str]:
             f"{t['test_loss']:.4f} nats — evaluated once after training, never used for selection", ""]
 
 
+#: Files this module writes with the report itself (present once it is written).
+_REPORT_FILES = ("report.json", "report.md")
+
+
+def present_files(run_dir: Path, release_set: dict[str, str]) -> dict[str, str]:
+    """The entries of ``release_set`` that exist in ``run_dir`` (``report.json``/``report.md``
+    count as present: they are being written); a report lists only files it has."""
+    d = Path(run_dir)
+    return {k: v for k, v in release_set.items() if k in _REPORT_FILES or (d / k.rstrip("/")).exists()}
+
+
+def released_steps(trainer) -> Optional[int]:
+    """Noisy releases of the training loop's phase in the run's ledger (None: not private)."""
+    if not trainer.private:
+        return None
+    phase = getattr(trainer, "phase", "train")
+    return sum(e.count for e in trainer.ledger.entries if e.phase == phase)
+
+
+def overspend_line(rep: dict[str, Any]) -> Optional[str]:
+    """``ε = X exceeds the target Y: …`` when the certified ε is above the recipe's target, with
+    the reason the ledger shows (steps released twice after an interrupt); else None."""
+    p, dp = rep["privacy"], rep.get("dp") or {}
+    target = dp.get("target_epsilon")
+    if p.get("guarantee") != "certified" or target is None or p.get("epsilon") is None:
+        return None
+    if p["epsilon"] <= target * (1 + 1e-9):
+        return None
+    line = f"ε = {p['epsilon']:.4g} exceeds the target {target:g}"
+    reps = dp.get("replays") or []
+    if reps:
+        spans = ", ".join(f"{x['from_step']}–{x['to_step']}" if x["to_step"] > x["from_step"] else str(x["from_step"])
+                          for x in reps)
+        n = sum(x["releases"] for x in reps)
+        line += (f": steps {spans} were released twice ({n} extra release{'s' if n != 1 else ''}: the run was "
+                 f"stopped after releasing them and resumed from an earlier checkpoint); the ledger counts "
+                 f"{dp.get('released_steps')} releases for {dp['steps']} planned steps")
+    elif dp.get("released_steps") is not None and dp["released_steps"] > dp["steps"]:
+        line += f": the ledger counts {dp['released_steps']} releases for {dp['steps']} planned steps"
+    else:
+        line += " (releases recorded before training, e.g. an earlier attempt in this directory; see the ledger)"
+    return line
+
+
 def unit_line(dp: dict[str, Any]) -> str:
     """The report's privacy-unit row: what one unit of the (ε, δ) guarantee is, and N."""
     u = dp.get("privacy_unit") or {}
@@ -121,6 +171,9 @@ def epsilon_line(rep: dict[str, Any]) -> str:
     if p["guarantee"] == "certified":
         line = (f"ε = {p['epsilon']:.4g} at δ = {p['delta']:g} ({p['accountant']}; "
                 f"RDP cross-check ε = {p['epsilon_rdp']:.4g})")
+        over = overspend_line(rep)
+        if over:
+            line = f"{over} — {line}"
         if p.get("scope"):
             line += f" — {p['scope']}"
         u = (rep.get("dp") or {}).get("privacy_unit") or {}
@@ -132,6 +185,15 @@ def epsilon_line(rep: dict[str, Any]) -> str:
     if p["guarantee"] == "NOT CERTIFIED":
         return f"ε: NOT CERTIFIED — {p['reason']}"
     return f"ε: {p['guarantee']}"
+
+
+def steps_cell(dp: dict[str, Any]) -> str:
+    """The table's steps: the ledger's count of releases, and the plan when they differ."""
+    rel = dp.get("released_steps")
+    if rel is None or rel == dp["steps"]:
+        return f"{dp['steps'] if rel is None else rel}"
+    why = " (steps released twice after an interrupt: see the headline)" if dp.get("replays") else ""
+    return f"{rel} released (ledger), {dp['steps']} planned{why}"
 
 
 def render_markdown(rep: dict[str, Any]) -> str:
@@ -157,7 +219,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
         lines += [
             f"| noise multiplier σ | {dp['noise_multiplier']:.4f} |",
             f"| sampling | Poisson, q = {dp['sampling_rate']:.5f} (expected batch {dp['expected_batch_size']}) |",
-            f"| steps | {dp['steps']} |",
+            f"| steps | {steps_cell(dp)} |",
             f"| clipping | {c['style']}, C = {c['max_norm']:g} |",
             f"| privacy unit | {unit_line(dp)} |",
             f"| per-example engine | {dp['engine']} |",
@@ -181,7 +243,9 @@ def render_markdown(rep: dict[str, Any]) -> str:
         lines += ["## Ledger (every private release of this run)", "", "| phase | count | event |", "|---|---|---|"]
         lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in rep["privacy"]["ledger"]]
         lines += [""]
-    lines += [*render_extra(rep), *coverage_markdown(rep), "![dev metric and ε](training.png)", ""]
+    plot = ["![dev metric and ε](training.png)", ""] if "training.png" in (rep.get("coverage") or {}).get(
+        "release_set", {"training.png": ""}) else []
+    lines += [*render_extra(rep), *coverage_markdown(rep), *plot]
     return "\n".join(lines)
 
 
@@ -320,11 +384,25 @@ def plot_history(rows: list[dict[str, Any]], path: Path, private: bool) -> None:
 
 
 def reprint(run_dir: str | Path) -> str:
-    """Recompute the privacy line from ``ledger.json`` and return the Markdown report."""
+    """Recompute the privacy line from ``ledger.json`` and return the Markdown report.
+
+    Reads a ``dpft train`` run directory (``report.json``) or a :class:`~dpft.integrations.hf.DPTrainer`
+    output folder (``ledger.json`` with ``dp_state.json``, at the top or in its latest
+    ``checkpoint-K/``).
+
+    Raises:
+        FileNotFoundError: neither kind of folder (the message says what is missing)."""
     d = Path(run_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d} is not a folder: give a dpft run directory or a DPTrainer output_dir")
     if not (d / "report.json").is_file():
-        raise FileNotFoundError(f"no report.json in {d}: is this a finished dpft run directory?")
+        if (d / "ledger.json").is_file() or _hf_state_file(d) is not None:
+            return reprint_hf(d)
+        raise FileNotFoundError(f"no report.json in {d} (a dpft train run directory) and no ledger.json or "
+                                "dp_state.json (a DPTrainer output_dir): is this a finished run's folder?")
     rep = json.loads((d / "report.json").read_text())
+    if rep.get("coverage", {}).get("release_set"):  # files moved or deleted since: list what is there
+        rep["coverage"]["release_set"] = present_files(d, rep["coverage"]["release_set"])
     if (d / "ledger.json").is_file() and rep["dp"]["private"]:
         ledger = PrivacyLedger.load(d / "ledger.json")
         try:
@@ -332,3 +410,82 @@ def reprint(run_dir: str | Path) -> str:
         except NotCertifiedError:
             pass
     return render_markdown(rep)
+
+
+def _hf_state_file(d: Path) -> Optional[Path]:
+    """``dp_state.json`` of a DPTrainer folder: the top one, else the latest ``checkpoint-K/``'s."""
+    if (d / "dp_state.json").is_file():
+        return d / "dp_state.json"
+    cks = sorted((p for p in d.glob("checkpoint-*") if (p / "dp_state.json").is_file()),
+                 key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1)
+    return cks[-1] / "dp_state.json" if cks else None
+
+
+def reprint_hf(d: Path) -> str:
+    """Markdown report of a DPTrainer output folder (integrations/hf.py writes ``ledger.json``
+    live and ``dp_state.json`` with the model): ε recomputed from the ledger at the recorded δ,
+    the settings of ``dp_state.json``, the last logged evaluation (``trainer_state.json``)."""
+    state_file = _hf_state_file(d)
+    st = json.loads(state_file.read_text()) if state_file else {}
+    args = st.get("dp_args") or {}
+    delta = args.get("target_delta")
+    ledger_file = d / "ledger.json" if (d / "ledger.json").is_file() else (
+        state_file.parent / "ledger.json" if state_file and (state_file.parent / "ledger.json").is_file() else None)
+    ledger = PrivacyLedger.load(ledger_file) if ledger_file else None
+    if ledger is None:
+        priv: dict[str, Any] = {"guarantee": "NOT CERTIFIED", "reason": f"no ledger.json in {d}", "epsilon": None}
+    elif delta is None:
+        priv = {"guarantee": "NOT CERTIFIED", "reason": f"no dp_state.json in {d} to give δ; the ledger holds "
+                f"{ledger.steps} releases (dpft account gives ε for a δ)", "epsilon": None}
+    else:
+        try:
+            priv = privacy_section(ledger, float(delta))
+        except NotCertifiedError as exc:
+            priv = {"guarantee": "NOT CERTIFIED", "reason": str(exc), "epsilon": None}
+    released = sum(e.count for e in ledger.entries if e.phase == "train") if ledger else None
+    dp = {"private": True, "steps": st.get("total_steps", "?"), "released_steps": released,
+          "target_epsilon": args.get("target_epsilon") if args.get("noise_multiplier") is None else None,
+          "replays": []}
+    rep = {"privacy": priv, "dp": dp}
+    lines = [f"# DPTrainer run: {d.name}", "", f"**Privacy:** {epsilon_line(rep)}"
+             + ("" if state_file is None or state_file.parent == d else f" (settings from {state_file.parent.name}/)"),
+             "", "| item | value |", "|---|---|"]
+    if st:
+        q, n = st.get("q"), st.get("n")
+        lines += [f"| noise multiplier σ | {st['sigma']:.4f} |" if isinstance(st.get("sigma"), (int, float))
+                  else f"| noise multiplier σ | {st.get('sigma')} |",
+                  f"| sampling | Poisson, q = {q:.5f} (expected batch {args.get('expected_batch_size', '?')}) |"
+                  if isinstance(q, (int, float)) else f"| sampling | q = {q} |",
+                  f"| steps | {steps_cell(dp) if isinstance(dp['steps'], int) else dp['steps']}"
+                  f" (optimizer steps done: {st.get('global_step', '?')}) |",
+                  f"| clipping | {args.get('clipping', '?')}, C = {args.get('max_grad_norm', '?')} |",
+                  f"| privacy unit | example (one training row): N = {n} |",
+                  f"| per-example engine | {args.get('engine', '?')} |",
+                  "| randomness | " + ("reproducible (from a seed given to DPArguments)" if args.get("reproducible")
+                                       else "secret (OS CSPRNG key, never written)") + " |"]
+    else:
+        lines.append(f"| settings | no dp_state.json in {d} (written by DPTrainer.save_model) |")
+    ev = _last_eval(d, state_file)
+    if ev:
+        lines.append("| last evaluation | " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in ev.items()) + " |")
+    lines.append("")
+    if ledger is not None and priv.get("ledger"):
+        lines += ["## Ledger (every private release of this run)", "", "| phase | count | event |", "|---|---|---|"]
+        lines += [f"| {e['phase']} | {e['count']} | `{e['event']}` |" for e in priv["ledger"]]
+        lines.append("")
+    lines += [f"Files in {d}: " + ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in d.iterdir())), ""]
+    return "\n".join(lines)
+
+
+def _last_eval(d: Path, state_file: Optional[Path]) -> dict[str, Any]:
+    """The last ``eval_*`` entry of ``trainer_state.json`` (top folder, else the latest checkpoint's)."""
+    cks = sorted((p for p in d.glob("checkpoint-*/trainer_state.json")),
+                 key=lambda p: int(p.parent.name.split("-")[-1]) if p.parent.name.split("-")[-1].isdigit() else -1)
+    for f in (d / "trainer_state.json", cks[-1] if cks else None):
+        if f is not None and f.is_file():
+            hist = json.loads(f.read_text()).get("log_history", [])
+            evs = [h for h in hist if any(k.startswith("eval_") for k in h)]
+            if evs:
+                return {k: v for k, v in evs[-1].items() if k.startswith("eval_") or k in ("step", "epsilon")}
+    return {}

@@ -41,6 +41,7 @@ from dpft.perf import (COMPILE_REFUSAL, DEFAULT_FP16_LOSS_SCALE, Precision, chec
                        enable_activation_checkpointing, resolve_device)
 from dpft.privacy.randomness import Randomness
 from dpft.run import distributed as ddp
+from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
 from dpft.run.release import DiagnosticsLog, split_row
 
 
@@ -146,6 +147,8 @@ class Trainer:
         scale = r.perf.loss_scale or (DEFAULT_FP16_LOSS_SCALE if r.perf.dtype == "fp16" else 1.0)
         self.precision = Precision(r.perf.dtype, float(scale), self.device.type)
         self._check_perf()
+        if r.task.user_column and self.private:  # refusals that need no data, before any loading
+            self._check_user_level()
 
         #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
         #: ``instruct`` task: prompt/completion or chat rows, completion-only loss (data/instruct.py).
@@ -169,6 +172,8 @@ class Trainer:
             self.train_tok, self.dev_tok = self.task.train, self.task.dev
         else:
             self.task = load_task(r.task, seed=r.seed)
+            if self.private:  # δ < 1/N before the model is loaded (N users ≤ rows: necessary at user level too)
+                check_delta(r.privacy.delta, len(self.task.train))
             self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed,
                                                     pooling=r.model.pooling, head_dropout=r.model.head_dropout)
         self.n = len(self.task.train)
@@ -272,6 +277,10 @@ class Trainer:
         self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self.save_live_ledger,
                               world_group=self.world.group)
         self.start_step = 0
+        #: Step of the last checkpoint written or resumed from (None: none yet).
+        self._last_checkpoint: Optional[int] = None
+        #: Releases made again after a resume: ``[{"from_step", "to_step", "releases"}]`` (report).
+        self.replays: list[dict[str, int]] = []
         self.diagnostics: Optional[DiagnosticsLog] = None
         self.history = History()
         self.elapsed_before = 0.0
@@ -525,12 +534,13 @@ class Trainer:
         return {"sigma": self.sigma, "q": self.q, "n": self.n, "total_steps": self.total_steps,
                 "recipe": json.loads(json.dumps(self.recipe.model_dump(mode="json"))),
                 "elapsed": self.elapsed_before + (time.time() - self._t_run),
-                "history": self.history.rows, "world_size": self.world.world_size}
+                "history": self.history.rows, "world_size": self.world.world_size, "replays": self.replays}
 
     def save(self, step: int) -> None:
         from dpft.run.checkpoint import save_checkpoint
 
         ddp.check_in_sync(self.world, self.params)  # DDP: the ranks still hold one set of weights
+        self._last_checkpoint = step
         if not self.world.is_main:  # DDP: rank 0 alone writes the checkpoint
             return
         save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
@@ -578,7 +588,15 @@ class Trainer:
         if not ck_ledger.certified:
             self.ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
         self.dp_step.ledger = self.ctx.ledger = self.ledger
-        self.start_step = st["step"]
+        self.start_step = self._last_checkpoint = st["step"]
+        self.replays = list(st.get("replays", []))
+        # Releases past the checkpoint (a hard stop or crash after it): this run releases those
+        # steps again, and the report says so (normally none: an interrupt checkpoints its step).
+        extra = (sum(e.count for e in self.ledger.entries if e.phase == self.phase)
+                 - sum(e.count for e in ck_ledger.entries if e.phase == self.phase))
+        if extra > 0 and self.private:
+            self.replays.append({"from_step": st["step"] + 1, "to_step": min(st["step"] + extra, self.total_steps),
+                                 "releases": extra})
         self.history.rows = st.get("history", [])
         self.elapsed_before = st.get("elapsed", 0.0)
 
@@ -640,24 +658,51 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.start_step, desc=r.name, disable=not self.progress,
                    dynamic_ncols=True, file=sys.stderr)
         last_eval: dict[str, float] = {}
-        for step in range(self.start_step, self.total_steps):
-            out = self.step(step)
-            done = step + 1
-            row: dict[str, Any] = {"step": done, **out, "lr": self.scheduler.get_last_lr()[0]}
-            if done % r.eval.every_steps == 0 or done == self.total_steps:
-                last_eval = self.evaluate()
-                row.update(last_eval)
-                row["epsilon"] = self.epsilon_now() if self.world.is_main else None  # DDP: rank 0 reports ε
-            self._emit(row)
-            post = {}  # released quantities only: no train loss or batch size on the screen either
-            if last_eval and "dev_accuracy" in last_eval:
-                post["dev_acc"] = f"{last_eval['dev_accuracy']:.3f}"
-            if self.private and row.get("epsilon") is not None:
-                post["ε"] = f"{row['epsilon']:.3g}"
-            bar.set_postfix(post)
-            bar.update(1)
-            if done % r.checkpoint_every == 0 or done == self.total_steps:
-                self.save(done)
+        # SIGINT/SIGTERM (run/interrupt.py): finish or abandon the step in flight, checkpoint at
+        # the last release, raise TrainingInterrupted; a resume then replays nothing.
+        stop = StopOnSignal(self._can_abandon, lambda m: tqdm.write(m, file=sys.stderr))
+        done, abandoned, hard, in_flight = self.start_step, False, False, False
+        self._hook_optimizer()
+        with stop:
+            try:
+                for step in range(self.start_step, self.total_steps):
+                    if self._stop_requested(stop):
+                        break
+                    self._step_mark = (step, self.ledger.steps)
+                    self._updating = False
+                    out = self.step(step)
+                    self._step_mark = None
+                    done = step + 1
+                    row: dict[str, Any] = {"step": done, **out, "lr": self.scheduler.get_last_lr()[0]}
+                    if done == self.total_steps or (done % r.eval.every_steps == 0 and not stop.requested):
+                        last_eval = self.evaluate()
+                        row.update(last_eval)
+                        row["epsilon"] = self.epsilon_now() if self.world.is_main else None  # DDP: rank 0 reports ε
+                    self._emit(row)
+                    post = {}  # released quantities only: no train loss or batch size on the screen either
+                    if last_eval and "dev_accuracy" in last_eval:
+                        post["dev_acc"] = f"{last_eval['dev_accuracy']:.3f}"
+                    if self.private and row.get("epsilon") is not None:
+                        post["ε"] = f"{row['epsilon']:.3g}"
+                    bar.set_postfix(post)
+                    bar.update(1)
+                    if done % r.checkpoint_every == 0 or done == self.total_steps or stop.requested:
+                        self.save(done)
+            except _Abandon:
+                abandoned = True  # nothing of step `done` was released and no weight changed
+            except _HardStop:  # no checkpoint: the weights may be half updated
+                hard = True
+                in_flight = self._step_mark is not None and self.ledger.steps > self._step_mark[1]
+            finally:
+                self._step_mark = None
+            if stop.requested and (done < self.total_steps or abandoned or hard):
+                if not hard and self._last_checkpoint != done:
+                    self.save(done)  # the last release is in this checkpoint: a resume replays nothing
+                if self.private or self.ledger.entries:
+                    self.save_live_ledger()
+                bar.close()
+                raise TrainingInterrupted(stop.signum, done, self._last_checkpoint, self.total_steps, self.run_dir,
+                                          abandoned=abandoned, hard=hard, released=done + int(in_flight))
         bar.close()
         if self.private or self.ledger.entries:
             self.save_live_ledger()
@@ -701,6 +746,29 @@ class Trainer:
             return rep
 
         return ddp.on_rank0(self.world, finish)
+
+    # ------------------------------------------------------------------ interrupts (run/interrupt.py)
+    def _hook_optimizer(self) -> None:
+        """Mark the start of each optimizer update (a step is not abandoned once it has begun)."""
+        self._step_mark: Optional[tuple[int, int]] = None
+        self._updating = False
+        if not getattr(self, "_update_hooked", False) and hasattr(self.optimizer, "register_step_pre_hook"):
+            self.optimizer.register_step_pre_hook(lambda *a: setattr(self, "_updating", True))
+            self._update_hooked = True
+
+    def _can_abandon(self) -> bool:
+        """True while the step in flight has released nothing and not begun its update (one
+        process only: under DDP every rank must finish the step the others are in)."""
+        mark = self._step_mark
+        return (mark is not None and not self.world.distributed and self.ledger.steps == mark[1]
+                and not self._updating and getattr(self, "_update_hooked", False))
+
+    def _stop_requested(self, stop: StopOnSignal) -> bool:
+        """Whether to stop before the next step; under DDP, whether any rank was signalled (all
+        ranks stop at the same step)."""
+        if not self.world.distributed:
+            return stop.requested
+        return ddp.all_sum(self.world, [float(stop.requested)])[0] > 0
 
     def save_model(self) -> None:
         """The model and tokenizer in ``model/`` as ``AutoModelFor…``/``pipeline`` load them, with
