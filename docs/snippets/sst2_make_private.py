@@ -45,6 +45,11 @@ dev_text, dev_y = read_tsv(data / "dev.tsv")
 path = resolve_model_path("minilm")                           # the packaged all-MiniLM-L6-v2
 tokenizer = AutoTokenizer.from_pretrained(path)
 train_ids = tokenizer(train_text, truncation=True, max_length=64)["input_ids"]
+# Rows sorted by length: each Poisson batch comes in index order, so its micro-batches hold rows of
+# similar length and carry little padding (3-4x faster on a CPU). The order of the rows is not part
+# of the guarantee: every row is sampled independently with probability q whatever its position.
+order = sorted(range(len(train_ids)), key=lambda i: len(train_ids[i]))
+train_ids, train_y = [train_ids[i] for i in order], [train_y[i] for i in order]
 dev_ids = tokenizer(dev_text, truncation=True, max_length=64)["input_ids"]
 
 
