@@ -60,6 +60,20 @@ come from the user's collate function, so move them as usual (``x.to(device)``).
 around the forward works (norms and sums stay fp32); fp16 with ``torch.amp.GradScaler`` does not
 (``dpft.grads.live``). Activation checkpointing works with the module's hooks.
 
+One capture per micro-batch: a second forward+backward on the same micro-batch before
+``optimizer.step()`` raises :class:`DoubleCaptureError` (each pass would be clipped on its own and
+the example counted twice; sum the losses and call backward once). An optimizer parameter that
+the engine does not clip (frozen at ``make_private``) only warns while frozen; with a gradient,
+``step()`` raises :class:`UnclippedParameterError` before anything is released. A collated batch
+must hold one row per sampled example (:func:`check_unpacked_batch`; packing collators raise
+:class:`PackedBatchError`).
+
+Real models: a pretrained encoder with a fresh head learns with ``clipping="head_body"`` and the
+head in its own optimizer param group at a far larger learning rate (param groups' ``lr`` are
+honoured; ``clipping="per_group"`` clips each group to C·√``clip_fraction``); flat clipping with
+one learning rate ends at the majority class. README "From Python" and
+docs/snippets/sst2_make_private.py; :func:`prediction_summary` warns on a constant classifier.
+
 ``engine.ledger`` is the :class:`~dpft.accounting.ledger.PrivacyLedger` the CLI uses (PLD of
 ``dp-accounting``); ``engine.get_epsilon(delta)`` is its ε. With a target ε the loader yields no
 more than the planned number of logical steps (``epochs × len(data_loader)`` or ``steps``), so

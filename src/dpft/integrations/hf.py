@@ -55,7 +55,16 @@ scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer stat
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
 ``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP and more than
-one device or process (use the ``dpft`` CLI for DDP).
+one device or process (use the ``dpft`` CLI for DDP); packing / padding-free collators
+(``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
+number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
+:class:`~dpft.api.PackedBatchError`); and, checked at every step, a change of the trainable
+parameters after construction or a gradient on an optimizer parameter outside the engine (a
+user optimizer over all parameters with some unfrozen later: :class:`~dpft.api.UnclippedParameterError`).
+
+Real models: ``DPArguments(clipping="head_body", head_learning_rate=...)`` is the starting point
+for a pretrained encoder with a fresh head (README, "With the Hugging Face Trainer";
+docs/snippets/sst2_dp_trainer.py); ``evaluate()`` warns when every prediction is one class.
 
 Source: Abadi et al. 2016 (DP-SGD), with Poisson sampling and division by the expected batch
 size; the interface follows Opacus' and the ``transformers`` Trainer's conventions.
