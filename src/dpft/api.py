@@ -60,6 +60,20 @@ come from the user's collate function, so move them as usual (``x.to(device)``).
 around the forward works (norms and sums stay fp32); fp16 with ``torch.amp.GradScaler`` does not
 (``dpft.grads.live``). Activation checkpointing works with the module's hooks.
 
+One capture per micro-batch: a second forward+backward on the same micro-batch before
+``optimizer.step()`` raises :class:`DoubleCaptureError` (each pass would be clipped on its own and
+the example counted twice; sum the losses and call backward once). An optimizer parameter that
+the engine does not clip (frozen at ``make_private``) only warns while frozen; with a gradient,
+``step()`` raises :class:`UnclippedParameterError` before anything is released. A collated batch
+must hold one row per sampled example (:func:`check_unpacked_batch`; packing collators raise
+:class:`PackedBatchError`).
+
+Real models: a pretrained encoder with a fresh head learns with ``clipping="head_body"`` and the
+head in its own optimizer param group at a far larger learning rate (param groups' ``lr`` are
+honoured; ``clipping="per_group"`` clips each group to C·√``clip_fraction``); flat clipping with
+one learning rate ends at the majority class. README "From Python" and
+docs/snippets/sst2_make_private.py; :func:`prediction_summary` warns on a constant classifier.
+
 ``engine.ledger`` is the :class:`~dpft.accounting.ledger.PrivacyLedger` the CLI uses (PLD of
 ``dp-accounting``); ``engine.get_epsilon(delta)`` is its ε. With a target ε the loader yields no
 more than the planned number of logical steps (``epochs × len(data_loader)`` or ``steps``), so
@@ -83,17 +97,161 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset
 from dpft.accounting.calibrate import calibrate_sigma, check_delta
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.grads.live import LiveBookKeeping
+from dpft.grads.live import DoubleCaptureError, LiveBookKeeping
 from dpft.privacy.randomness import Randomness
 from dpft.step.aggregate import Aggregator
-from dpft.step.clip import make_clip_policy
+from dpft.step.clip import EPS, ClipPolicy, make_clip_policy
 from dpft.step.noise import GaussianMechanism
 from dpft.step.pipeline import DPStep, StepOutput, StepSpec
 from dpft.step.sample import PoissonSampler
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "DPDataLoader", "PerExampleCriterion"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "DPDataLoader", "PerExampleCriterion", "GroupClip",
+           "PackedBatchError", "DoubleCaptureError", "UnclippedParameterError", "prediction_summary"]
 
-CLIPPING_STYLES = ("flat", "per_layer", "automatic")
+
+class PackedBatchError(ValueError):
+    """A collated batch does not hold one row per sampled example (packing / padding-free
+    collators): several privacy units would be clipped as one."""
+
+
+class UnclippedParameterError(RuntimeError):
+    """An optimizer parameter outside the DP engine holds a gradient: the optimizer would apply
+    it without clipping or noise."""
+
+
+#: Batch keys of padding-free / packed layouts (transformers' ``DataCollatorWithFlattening``,
+#: flash-attention varlen): their presence means several rows share one batch row.
+PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k", "seq_idx")
+
+_PACKING_FIX = ("one sampled row must be one row of the batch (the privacy unit). Use a padding "
+                "collator (e.g. transformers.DataCollatorWithPadding / DataCollatorForLanguageModeling) "
+                "instead of a packing or padding-free one (DataCollatorWithFlattening, packing=True in "
+                "SFT), and pack nothing across examples")
+
+
+def check_unpacked_batch(batch: Any, rows: int, where: str) -> None:
+    """Refuse a collated batch that is not one row per sampled example.
+
+    Checked on the top level of ``batch`` (a tensor, a tuple/list of tensors, or a mapping):
+    every tensor with a leading dimension must have ``rows`` rows; no packing key
+    (:data:`PACKING_KEYS`); ``position_ids`` (mapping key) must not restart inside a row (over
+    the positions whose ``attention_mask`` is 1, when there is one).
+
+    Raises:
+        PackedBatchError: with the fix (a padding collator).
+    """
+    if isinstance(batch, torch.Tensor):
+        items = [("batch", batch)]
+    elif isinstance(batch, dict) or hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
+        keys = list(batch.keys())
+        found = [k for k in keys if k in PACKING_KEYS]
+        if found:
+            raise PackedBatchError(f"{where}: the batch holds the packing keys {found}; {_PACKING_FIX}")
+        items = [(str(k), batch[k]) for k in keys]
+    elif isinstance(batch, (tuple, list)):
+        items = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
+    else:
+        return
+    for name, v in items:
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != rows:
+            raise PackedBatchError(
+                f"{where}: {name} has leading dimension {v.shape[0]} for {rows} sampled rows; {_PACKING_FIX}")
+    if isinstance(batch, torch.Tensor) or isinstance(batch, (tuple, list)):
+        return
+    pos = batch["position_ids"] if "position_ids" in batch.keys() else None
+    if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape[1] > 1:
+        mask = batch["attention_mask"] if "attention_mask" in batch.keys() else None
+        pos = pos.detach().cpu()
+        keep = (torch.ones_like(pos, dtype=torch.bool) if not isinstance(mask, torch.Tensor)
+                or mask.shape != pos.shape else mask.detach().cpu().bool())
+        for r in range(pos.shape[0]):
+            p = pos[r][keep[r]]
+            if p.numel() > 1 and bool((p[1:] <= p[:-1]).any()):
+                raise PackedBatchError(
+                    f"{where}: position_ids restart inside row {r} (several sequences packed into one "
+                    f"row); {_PACKING_FIX}")
+
+
+class GroupClip(ClipPolicy):
+    """Flat clipping per group of parameters: group ``g`` is clipped to ``C·√f_g`` with
+    ``Σ_g f_g ≤ 1``, so one example's whole clipped gradient stays within ``C`` (sensitivity
+    ``C``, add/remove-one; per-layer clipping of McMahan et al. 2018 with chosen groups).
+    ``head_body`` is the two-group case.
+
+    Args:
+        max_norm: C.
+        group_of: ``(G,)`` group index of each engine parameter (engine order).
+        fractions: ``f_g`` per group index, each > 0, summing to ≤ 1.
+
+    Raises:
+        ValueError: C not positive, a fraction ≤ 0, or fractions summing above 1.
+    """
+
+    def __init__(self, max_norm: float, group_of, fractions):
+        if not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"clipping norm C must be a positive finite number, got {max_norm}")
+        fr = [float(f) for f in fractions]
+        if any(not f > 0 for f in fr) or sum(fr) > 1 + 1e-9:
+            raise ValueError(f"per-group clip fractions must be > 0 and sum to ≤ 1, got {fr}")
+        self.max_norm = float(max_norm)
+        self.group_of = torch.as_tensor(group_of, dtype=torch.long)
+        self.fractions = fr
+
+    def scales(self, sq_norms: torch.Tensor) -> torch.Tensor:
+        if self.group_of.numel() != sq_norms.shape[1]:
+            raise ValueError("GroupClip: one group index per trainable parameter is needed")
+        gid = self.group_of.to(sq_norms.device)
+        out = torch.ones_like(sq_norms)
+        for g, f in enumerate(self.fractions):
+            sel = gid == g
+            if sel.any():
+                norms = sq_norms[:, sel].sum(dim=1).clamp_min(0).sqrt()
+                c = (self.max_norm * math.sqrt(f) / (norms + EPS)).clamp(max=1.0)
+                out[:, sel] = c[:, None]
+        return out
+
+
+def prediction_summary(predictions: Any, labels: Any = None, *, warn: bool = True) -> dict:
+    """Accuracy and class spread of classifier predictions, warning when they are all one class.
+
+    A DP run whose noise swamps the signal often ends predicting the majority class for every
+    input; its accuracy (the majority share) then looks like learning. Call this on the dev
+    predictions of a ``make_private`` model.
+
+    Args:
+        predictions: ``(n,)`` class ids, or ``(n, C)`` logits/scores (argmax taken).
+        labels: ``(n,)`` true class ids (optional).
+        warn: emit a ``UserWarning`` when every prediction is one class (n ≥ 2).
+
+    Returns:
+        ``{"n", "top_class", "top_class_share", "single_class"}`` and, with labels,
+        ``"accuracy"`` and ``"majority_baseline"`` (share of the most frequent true class).
+    """
+    pred = torch.as_tensor(predictions)
+    if pred.dim() == 2:
+        pred = pred.argmax(dim=1)
+    pred = pred.reshape(-1).long().cpu()
+    n = int(pred.numel())
+    out: dict[str, Any] = {"n": n}
+    if n == 0:
+        return out
+    counts = torch.bincount(pred)
+    top = int(counts.argmax())
+    out.update(top_class=top, top_class_share=float(counts[top]) / n,
+               single_class=bool(int((counts > 0).sum()) == 1))
+    if labels is not None:
+        lab = torch.as_tensor(labels).reshape(-1).long().cpu()
+        out["accuracy"] = float((pred == lab).float().mean())
+        out["majority_baseline"] = float(torch.bincount(lab).max()) / n
+    if warn and out["single_class"] and n >= 2:
+        warnings.warn(
+            f"every one of the {n} predictions is class {top}: the model has learnt nothing beyond a "
+            "constant (its accuracy is that class's share). Under DP this usually means the noise "
+            "swamps the signal: use head_body clipping with a larger head learning rate, a larger "
+            "expected batch, or more steps (README, \"From Python\")", stacklevel=2)
+    return out
+
+CLIPPING_STYLES = ("flat", "per_layer", "automatic", "head_body", "per_group")
 
 
 # --------------------------------------------------------------------------- data loader
@@ -189,6 +347,7 @@ class DPDataLoader(DataLoader):
             while entry.empty:
                 opt._release_empty(entry.step)
                 entry = plan.popleft()
+            check_unpacked_batch(batch, entry.size, "make_private")
             opt._begin_micro_batch(entry.step, entry.size, entry.last)
             yield batch
         while plan:
@@ -328,6 +487,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self._agg_step: Optional[int] = None
         self._released_upto = -1
         self._warned: set[str] = set()
+        self._engine_ids = {id(p) for p in dp_step.params.values()}
+        #: id → name of the module's parameters (for error messages); set by make_private.
+        self.param_names: dict[int, str] = {}
 
     # -- the wrapped optimizer's state ---------------------------------------------------
     @property
@@ -407,12 +569,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self.current_step = step
         self.is_last_micro_batch = last
         if self.session is not None:
-            self.session.batch_size = size
+            self.session.begin_micro_batch(size)
 
     def _end_of_epoch(self) -> None:
         if self.session is not None:
             self.session.flush()
-            self.session.batch_size = None
+            self.session.begin_micro_batch(None)
         self._discard_unreleased()
         self.current_step = None
         self.is_last_micro_batch = False
@@ -421,14 +583,36 @@ class DPOptimizer(torch.optim.Optimizer):
         """An empty Poisson batch: its noisy update (pure noise) is still released."""
         if self.session is not None:
             self.session.flush()
-            self.session.batch_size = None
+            self.session.begin_micro_batch(None)
         self._discard_unreleased()
         self.current_step = None
         self._release(step, Aggregator(self.dp_step.params))
 
+    def check_unclipped_grads(self) -> None:
+        """Refuse optimizer parameters outside the DP engine that hold a gradient.
+
+        The engine clips and noises the parameters that were trainable at ``make_private``; a
+        parameter the optimizer holds but the engine does not (frozen then, unfrozen since) gets
+        its raw batch gradient from the user's backward, which the optimizer would apply with no
+        clipping and no noise.
+
+        Raises:
+            UnclippedParameterError: naming the parameters and the fix.
+        """
+        bad = [self.param_names.get(id(p), f"<tensor {tuple(p.shape)}>")
+               for g in self.original_optimizer.param_groups for p in g["params"]
+               if id(p) not in self._engine_ids and p.grad is not None]
+        if bad:
+            raise UnclippedParameterError(
+                f"make_private: the optimizer parameter(s) {bad[:5]} have a gradient but are not clipped or "
+                "noised by the DP engine (they were frozen when make_private ran); the optimizer would apply "
+                "their raw gradient. Call make_private after setting requires_grad, or pass only the "
+                "trainable parameters to the optimizer. Nothing was released")
+
     def _release(self, step: int, agg: Aggregator) -> StepOutput:
         if step <= self._released_upto:  # never two releases with one noise stream
             raise RuntimeError(f"logical step {step} was already released")
+        self.check_unclipped_grads()
         self._released_upto = step
         out = self.dp_step.release_and_update(step, agg)
         self.logical_steps += 1
@@ -450,6 +634,8 @@ class DPOptimizer(torch.optim.Optimizer):
             ValueError: a closure (closure-based optimizers re-evaluate the loss several times,
                 which per-example clipping cannot account for).
             RuntimeError: no micro-batch of the private data loader is open.
+            UnclippedParameterError: an optimizer parameter outside the engine has a gradient
+                (frozen at ``make_private``, unfrozen since).
             dpft.step.clip.NonFiniteGradientError: a non-finite loss or gradient norm (nothing
                 is released for this logical batch).
         """
@@ -457,6 +643,7 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("make_private: optimizer.step(closure) is not supported")
         if self.session is not None:
             self.session.flush()
+        self.check_unclipped_grads()
         if self.current_step is None:
             raise RuntimeError(
                 "make_private: optimizer.step() outside a micro-batch of the data loader that "
@@ -471,6 +658,58 @@ class DPOptimizer(torch.optim.Optimizer):
         self._release(self.current_step, self._agg)
         self._agg = None
         return True
+
+
+# --------------------------------------------------------------------------- clip groups
+
+
+def _head_mask(params: "OrderedDict[str, torch.Tensor] | dict", head_parameters: Any) -> list[bool]:
+    """``head_body``: True for the engine parameters of the head (given, or by name)."""
+    if head_parameters is None:
+        from dpft.models.load import is_head_param
+
+        mask = [is_head_param(n) for n in params]
+        how = ("no parameter name has a classifier/score/pooler/lm_head component; pass "
+               "head_parameters=model.<head>.parameters()")
+    else:
+        given = list(head_parameters)
+        ids = {id(h) for h in given if isinstance(h, torch.Tensor)}
+        strs = {h for h in given if isinstance(h, str)}
+        unknown = sorted(strs - set(params))
+        if unknown:
+            raise ValueError(f"make_private: head_parameters names {unknown[:3]} are not trainable "
+                             "parameters of module")
+        mask = [n in strs or id(p) in ids for n, p in params.items()]
+        how = "head_parameters holds none of the module's trainable parameters"
+    if not any(mask):
+        raise ValueError(f"make_private: clipping='head_body' needs a head: {how}")
+    if all(mask):
+        raise ValueError("make_private: clipping='head_body' found only head parameters (no body to "
+                         "clip separately); use clipping='flat'")
+    return mask
+
+
+def _group_clip(c: float, params: dict, optimizer: torch.optim.Optimizer) -> GroupClip:
+    """``per_group``: one clip group per optimizer param group, C·√f_g each."""
+    where = {}
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            where[id(p)] = gi
+    missing = [n for n, p in params.items() if id(p) not in where]
+    if missing:
+        raise ValueError(f"make_private: clipping='per_group' needs every trainable parameter in an "
+                         f"optimizer param group; {missing[:3]} are in none")
+    given = {gi: g.get("clip_fraction") for gi, g in enumerate(optimizer.param_groups)}
+    used = sorted({where[id(p)] for p in params.values()})
+    fixed = sum(float(given[g]) for g in used if given[g] is not None)
+    free = [g for g in used if given[g] is None]
+    if fixed > 1 + 1e-9 or (free and fixed >= 1):
+        raise ValueError(f"make_private: the param groups' clip_fraction values sum to {fixed:g}; they "
+                         "must sum to ≤ 1 (< 1 when some groups have none)")
+    share = (1.0 - fixed) / len(free) if free else 0.0
+    index = {g: k for k, g in enumerate(used)}
+    fractions = [float(given[g]) if given[g] is not None else share for g in used]
+    return GroupClip(c, [index[where[id(p)]] for p in params.values()], fractions)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -525,7 +764,7 @@ class PrivacyEngine:
         self._sessions.clear()
 
     def make_private_with_epsilon(self, *, target_epsilon: float, target_delta: float,
-                                  epochs: Optional[int] = None, steps: Optional[int] = None, **kwargs):
+                                  epochs: Optional[float] = None, steps: Optional[int] = None, **kwargs):
         """Opacus' name for :meth:`make_private` with a target ε."""
         return self.make_private(target_epsilon=target_epsilon, target_delta=target_delta,
                                  epochs=epochs, steps=steps, **kwargs)
@@ -542,10 +781,12 @@ class PrivacyEngine:
         expected_batch_size: Optional[int] = None,
         target_epsilon: Optional[float] = None,
         target_delta: Optional[float] = None,
-        epochs: Optional[int] = None,
+        epochs: Optional[float] = None,
         steps: Optional[int] = None,
         noise_multiplier: Optional[float] = None,
         clipping: str = "flat",
+        head_fraction: float = 0.5,
+        head_parameters: Any = None,
         max_physical_batch_size: Optional[int] = None,
         loss_reduction: str = "mean",
         poisson_sampling: bool = True,
@@ -577,11 +818,20 @@ class PrivacyEngine:
             target_epsilon, target_delta: the (ε, δ) target; σ is calibrated on the events the
                 run records (``dpft.accounting.calibrate.calibrate_sigma``, PLD), composed after
                 what this engine's ledger already holds. Needs ``epochs`` or ``steps``.
-            epochs: passes of ``N // expected batch`` logical steps each; or ``steps``: logical
-                steps in all (not both).
+            epochs: passes of ``N // expected batch`` logical steps each, fractional allowed
+                (``1.5``: ``ceil(1.5 · N // batch)`` steps; the last pass stops early); or
+                ``steps``: logical steps in all (not both).
             noise_multiplier: σ instead of a target ε (``0`` for tests; its ε is infinite).
             clipping: ``"flat"`` (Abadi et al. 2016), ``"per_layer"`` (C/√G per parameter
-                tensor) or ``"automatic"`` (AUTO-S, Bu et al. 2022).
+                tensor), ``"automatic"`` (AUTO-S, Bu et al. 2022), ``"head_body"`` (the task head
+                clipped to C·√f and the rest to C·√(1−f), ``f = head_fraction``; as the CLI) or
+                ``"per_group"`` (each optimizer param group clipped to C·√f_g, ``f_g`` = the
+                group's ``"clip_fraction"`` key; groups without one share what is left of 1
+                equally). Every style keeps one example's clipped gradient within C.
+            head_fraction: f of ``head_body`` (share of C² for the head), in (0, 1).
+            head_parameters: ``head_body``: the head's parameters (tensors or names); default:
+                parameters whose name has a ``classifier``/``score``/``pooler``/``lm_head``
+                component (``dpft.models.load.is_head_param``).
             max_physical_batch_size: largest micro-batch the loader yields (None: whole logical
                 batches). A performance setting: it never changes the guarantee.
             loss_reduction: 'mean' | 'sum', used only for losses not made by the returned
@@ -633,9 +883,11 @@ class PrivacyEngine:
             raise ValueError(f"make_private: clipping must be one of {CLIPPING_STYLES}, got {clipping!r}")
         if steps is not None and epochs is not None:
             raise ValueError("make_private: give epochs or steps, not both")
-        for name, v in (("epochs", epochs), ("steps", steps)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"make_private: {name} must be a positive integer, got {v!r}")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"make_private: steps must be a positive integer, got {steps!r}")
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                                   or not (epochs > 0 and math.isfinite(epochs))):
+            raise ValueError(f"make_private: epochs must be a positive number (1.5 allowed), got {epochs!r}")
         if (target_epsilon is None) == (noise_multiplier is None):
             raise ValueError("make_private: give exactly one of target_epsilon (with target_delta and "
                              "epochs or steps) and noise_multiplier")
@@ -704,7 +956,8 @@ class PrivacyEngine:
                              f"and N = {n}")
         q = expected_batch_size / n
         steps_per_epoch = max(1, n // expected_batch_size)
-        planned = steps if steps is not None else (epochs * steps_per_epoch if epochs is not None else None)
+        planned = steps if steps is not None else (
+            max(1, math.ceil(epochs * steps_per_epoch - 1e-9)) if epochs is not None else None)
 
         # ---------------------------------------------------------------- optimizer params
         trainable = {id(p) for p in module.parameters() if p.requires_grad}
@@ -716,6 +969,17 @@ class PrivacyEngine:
                                      "parameters of module; their gradients would not be private")
         if not trainable:
             raise ValueError("make_private: module has no trainable parameter (requires_grad)")
+        names = {id(p): n for n, p in module.named_parameters()}
+        held_frozen = [names[id(p)] for g in optimizer.param_groups for p in g["params"]
+                       if id(p) not in trainable]
+        if held_frozen:
+            # Harmless while frozen (no gradient, the optimizer skips them); unfrozen later, their
+            # raw gradient would be applied, which DPOptimizer.step() refuses.
+            warnings.warn(
+                f"make_private: the optimizer holds {len(held_frozen)} frozen parameter(s) "
+                f"({', '.join(held_frozen[:3])}{', ...' if len(held_frozen) > 3 else ''}) that the DP "
+                "engine does not clip; they must stay frozen (optimizer.step() refuses them with a "
+                "gradient). To train them, set requires_grad before make_private", stacklevel=3)
 
         # ---------------------------------------------------------------- noise
         if target_epsilon is not None:
@@ -729,8 +993,14 @@ class PrivacyEngine:
         # ---------------------------------------------------------------- the DP step
         self._calls += 1
         rng = self._rng.child(f"make_private:{self._calls}")
-        clip = make_clip_policy(clipping, max_grad_norm)
+        clip = (make_clip_policy(clipping, max_grad_norm, head_fraction=head_fraction)
+                if clipping != "per_group" else GroupClip(max_grad_norm, [0], [1.0]))
         engine = BookKeepingEngine(module, _not_called, clip, norm_mode=norm_mode)
+        if clipping == "head_body":
+            clip.set_head_mask(_head_mask(engine.params, head_parameters))
+        elif clipping == "per_group":
+            clip = _group_clip(max_grad_norm, engine.params, optimizer)
+            engine.clip = clip
         sampler = PoissonSampler(n, expected_batch_size, rng)
         mechanism = GaussianMechanism(sigma, clip.sensitivity, rng, hardened=self.hardened_noise)
         spec = StepSpec(engine=engine, clip=clip, mechanism=mechanism, sampler=sampler, optimizer=optimizer)
@@ -738,6 +1008,7 @@ class PrivacyEngine:
         dp_opt = DPOptimizer(optimizer, dp_step, planned)
         session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)
         dp_opt.session = session
+        dp_opt.param_names = names
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)
         batches = _PoissonMicroBatches(sampler, steps_per_epoch, max_physical_batch_size, planned)

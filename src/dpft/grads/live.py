@@ -58,6 +58,11 @@ from dpft.grads.base import ClippedBatch
 from dpft.grads.bookkeeping import BookKeepingEngine
 
 
+class DoubleCaptureError(RuntimeError):
+    """A second forward+backward on one micro-batch before ``optimizer.step()``: each pass would
+    be clipped on its own and the example would count twice (sensitivity 2C, not C)."""
+
+
 class _LiveCapture(Capture):
     """A :class:`Capture` whose output gradients come from the user's ``loss.backward()``:
     outputs made graph leaves get tensor hooks too, deliveries are counted, and a closed
@@ -153,6 +158,9 @@ class LiveBookKeeping:
         self.on_result = on_result
         self.loss_reduction = loss_reduction
         self.batch_size: Optional[int] = None
+        #: clipped sums handed on for the current micro-batch (at most one: one capture per
+        #: micro-batch, :meth:`_check_one_capture`).
+        self.results_in_micro_batch = 0
         self._cap: Optional[_LiveCapture] = None
         self._flags: Optional[list[bool]] = None
         self._post_handle = None
@@ -224,6 +232,24 @@ class LiveBookKeeping:
                 "first micro-batch); the stored activations are stale"
             )
         return None
+
+    def begin_micro_batch(self, size: Optional[int]) -> None:
+        """A new micro-batch of ``size`` examples (None: none open); resets the capture count."""
+        self.batch_size = size
+        self.results_in_micro_batch = 0
+
+    def _check_one_capture(self) -> None:
+        """One forward+backward per micro-batch: each captured pass is clipped on its own, so a
+        second one (two losses, an augmentation, a second forward) would add the same examples'
+        gradients twice. ``loss.backward(retain_graph=True)`` twice on one forward is one capture
+        (its gradients are summed before clipping)."""
+        if self.results_in_micro_batch:
+            raise DoubleCaptureError(
+                "make_private: a second forward+backward on the same micro-batch before optimizer.step(): "
+                "each pass would be clipped separately and every example would count twice (sensitivity "
+                "2C, while the ledger records C). Run one forward and one backward per micro-batch: sum "
+                "the losses and call backward once (loss = loss_a + loss_b; loss.backward()), and put "
+                "augmented copies in the same forward only if they belong to the same examples")
 
     def _restore_flags(self, flags: list[bool]) -> None:
         for p, f in zip(self.engine.params.values(), flags):
@@ -305,6 +331,7 @@ class LiveBookKeeping:
             self._grad_drops = []
         if cap.delivered == 0:  # forward without backward: nothing to add
             return
+        self._check_one_capture()  # a forward without backward (logging) is not a capture
         for rec in cap.records:  # outputs that never received a gradient count as zero
             if not rec.done:
                 cap._finish(rec)
@@ -330,6 +357,7 @@ class LiveBookKeeping:
                 scale = float(cap.batch)
         device = next(iter(self.engine.params.values())).device
         res = self.engine.reduce(cap.contribs, cap.batch, cap.loss_sum, device, grad_scale=scale)
+        self.results_in_micro_batch += 1
         self.on_result(res)
 
     def close(self) -> None:
@@ -343,4 +371,4 @@ class LiveBookKeeping:
             self._post_handle.remove()
 
 
-__all__ = ["LiveBookKeeping"]
+__all__ = ["LiveBookKeeping", "DoubleCaptureError"]

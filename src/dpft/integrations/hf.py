@@ -55,7 +55,16 @@ scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer stat
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
 ``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP and more than
-one device or process (use the ``dpft`` CLI for DDP).
+one device or process (use the ``dpft`` CLI for DDP); packing / padding-free collators
+(``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
+number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
+:class:`~dpft.api.PackedBatchError`); and, checked at every step, a change of the trainable
+parameters after construction or a gradient on an optimizer parameter outside the engine (a
+user optimizer over all parameters with some unfrozen later: :class:`~dpft.api.UnclippedParameterError`).
+
+Real models: ``DPArguments(clipping="head_body", head_learning_rate=...)`` is the starting point
+for a pretrained encoder with a fresh head (README, "With the Hugging Face Trainer";
+docs/snippets/sst2_dp_trainer.py); ``evaluate()`` warns when every prediction is one class.
 
 Source: Abadi et al. 2016 (DP-SGD), with Poisson sampling and division by the expected batch
 size; the interface follows Opacus' and the ``transformers`` Trainer's conventions.
@@ -77,6 +86,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from dpft.accounting.calibrate import calibrate_sigma, check_delta
+from dpft.api import UnclippedParameterError, check_unpacked_batch, prediction_summary
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.base import PerExampleEngine, PerExampleLoss
@@ -117,6 +127,11 @@ class DPArguments:
         clipping: ``flat`` | ``per_layer`` | ``automatic`` (AUTO-S) | ``head_body``.
         clipping_gamma: AUTO-S stability constant.
         head_fraction: share of C² given to the task head with ``head_body``.
+        head_learning_rate: learning rate of the task head (parameters named ``classifier``/
+            ``score``/``pooler``/``lm_head``) in the optimizer ``Trainer`` creates; None: the
+            head uses ``TrainingArguments.learning_rate`` like the rest. A fresh head under DP
+            needs far larger steps than pretrained weights (the CLI's ``optimizer.head_lr``).
+            With your own ``optimizers=(opt, sched)``, use its param groups instead.
         max_physical_batch_size: rows per forward/backward (memory only, never privacy);
             default ``TrainingArguments.per_device_train_batch_size``.
         reproducible_seed: None (default) = secret randomness from the OS CSPRNG. An int makes
@@ -139,6 +154,7 @@ class DPArguments:
     clipping: str = "flat"
     clipping_gamma: float = 0.01
     head_fraction: float = 0.5
+    head_learning_rate: Optional[float] = None
     max_physical_batch_size: Optional[int] = None
     reproducible_seed: Optional[int] = None
     hardened_noise: bool = True
@@ -162,6 +178,8 @@ class DPArguments:
         if self.clipping not in _CLIP_STYLES:
             raise ValueError(f"DPArguments.clipping must be one of flat, per_layer, automatic, head_body; "
                              f"got {self.clipping!r}")
+        if self.head_learning_rate is not None and not self.head_learning_rate > 0:
+            raise ValueError(f"DPArguments.head_learning_rate must be > 0, got {self.head_learning_rate}")
         if self.engine not in ("bookkeeping", "reference"):
             raise ValueError(f"DPArguments.engine must be 'bookkeeping' or 'reference', got {self.engine!r}")
         make_clip_policy(self.clipping, self.max_grad_norm, self.clipping_gamma, self.head_fraction)  # checks C
@@ -370,6 +388,8 @@ class DPTrainer(Trainer):
             self.ledger, self.n, on_release=self._save_live_ledger)
         self._live_written = False
         self._params_checked = False
+        if self.optimizer is not None:
+            self._warn_frozen_in_optimizer(self.optimizer)
         #: Un-noised statistics of the last logical step (never logged; for the data holder).
         self.last_private_stats: dict[str, Any] = {}
 
@@ -467,13 +487,66 @@ class DPTrainer(Trainer):
         return engine
 
     def _check_params(self) -> None:
-        """The engine's parameters must still be the model's trainable parameters."""
+        """The engine's parameters must still be the model's trainable parameters (checked at every
+        step: a parameter unfrozen later would get its raw gradient from the backward)."""
         current = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         eng = self.engine.params
         if set(current) != set(eng) or any(current[n] is not p for n, p in eng.items()):
-            raise RuntimeError("DPTrainer: the model's trainable parameters changed after DPTrainer was built; "
-                               "freeze/unfreeze parameters (or wrap with peft) before creating DPTrainer")
+            changed = sorted(set(current) ^ set(eng))[:5]
+            raise UnclippedParameterError(
+                f"DPTrainer: the model's trainable parameters changed after DPTrainer was built ({changed}); "
+                "their gradients would not be clipped or noised. Freeze/unfreeze parameters (or wrap with "
+                "peft) before creating DPTrainer, or pass only the trainable parameters to the optimizer")
         self._params_checked = True
+
+    def _engine_ids(self) -> set[int]:
+        return {id(p) for p in self.engine.params.values()}
+
+    def _warn_frozen_in_optimizer(self, optimizer) -> None:
+        ids, names = self._engine_ids(), {id(p): n for n, p in self.model.named_parameters()}
+        held = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"] if id(p) not in ids]
+        if held:
+            warnings.warn(
+                f"DPTrainer: the optimizer holds {len(held)} parameter(s) the DP engine does not clip "
+                f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); they must stay frozen (a gradient "
+                "on them stops training). Pass only the trainable parameters to the optimizer", stacklevel=3)
+
+    def _check_unclipped_grads(self) -> None:
+        """Refuse optimizer parameters outside the engine that hold a gradient (raw, unclipped)."""
+        opt = self.optimizer
+        if opt is None:
+            return
+        ids, names = self._engine_ids(), {id(p): n for n, p in self.model.named_parameters()}
+        bad = [names.get(id(p), f"<tensor {tuple(p.shape)}>") for g in opt.param_groups for p in g["params"]
+               if id(p) not in ids and p.grad is not None]
+        if bad:
+            raise UnclippedParameterError(
+                f"DPTrainer: the optimizer parameter(s) {bad[:5]} have a gradient but are not clipped or noised "
+                "by the DP engine; the optimizer would apply their raw gradient. Set requires_grad before "
+                "creating DPTrainer, or pass only the trainable parameters to the optimizer. Nothing was released")
+
+    def create_optimizer(self, model=None):
+        """``Trainer.create_optimizer``, with the head in its own group at
+        ``DPArguments.head_learning_rate`` when that is set."""
+        fresh = self.optimizer is None
+        opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        hl = self.dp_args.head_learning_rate
+        if fresh and hl is not None:
+            from dpft.models.load import is_head_param
+
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            extra = []
+            for g in opt.param_groups:
+                head = [p for p in g["params"] if is_head_param(names.get(id(p), ""))]
+                if head:
+                    g["params"] = [p for p in g["params"] if not is_head_param(names.get(id(p), ""))]
+                    extra.append({**{k: v for k, v in g.items() if k != "params"}, "params": head, "lr": hl})
+            if not extra:
+                _refuse("head_learning_rate is set but no trainable parameter is named like a task head "
+                        "(classifier/score/pooler/lm_head); pass optimizers=(opt, None) with your own param groups")
+            for g in extra:
+                opt.add_param_group(g)
+        return opt
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -529,7 +602,12 @@ class DPTrainer(Trainer):
             # examples (all that privacy depends on) is unchanged.
             rows = [rows[i] for i in sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))]
         for k in range(0, len(rows), self.physical_batch_size):
-            yield self._prepare_inputs(self._dp_collator(rows[k:k + self.physical_batch_size]))
+            chunk = rows[k:k + self.physical_batch_size]
+            batch = self._dp_collator(chunk)
+            # One sampled row must stay one example: a packing / padding-free collator would clip
+            # several rows as one (and removing a row would reshuffle later packs).
+            check_unpacked_batch(batch, len(chunk), "DPTrainer")
+            yield self._prepare_inputs(batch)
 
     # ------------------------------------------------------------------ the DP step
     def training_step(self, model: torch.nn.Module, inputs: Mapping[str, Any],
@@ -542,8 +620,8 @@ class DPTrainer(Trainer):
         if not (isinstance(inputs, Mapping) and _TOKEN in inputs):
             raise RuntimeError("DPTrainer.training_step got a batch that its Poisson sampler did not produce; "
                                "do not replace DPTrainer's train dataloader")
-        if not self._params_checked:
-            self._check_params()
+        self._check_params()
+        self._check_unclipped_grads()
         t = int(self.state.global_step)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
@@ -560,11 +638,42 @@ class DPTrainer(Trainer):
                 f"DPTrainer, step {t}: {exc}. Nothing was released for this step; lower learning_rate or "
                 "check the data, and resume from the last checkpoint") from None
         agg.all_reduce()
+        self._check_unclipped_grads()  # a backward wrote a raw gradient on a parameter outside the engine
         out = self.dp_step.release_and_update(t, agg)
         self.last_private_stats = dict(out.private)
         if self.dp_args.log_private_train_loss:
             return torch.tensor(float(out.private["train_loss"]), device=self.args.device)
         return torch.zeros((), device=self.args.device)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """``Trainer.evaluation_loop``; for a classifier it also gathers the predictions, adds
+        ``{prefix}_top_class_share`` (share of the most predicted class) and warns when every
+        prediction is one class (a DP run swamped by noise often ends there, and its accuracy is
+        then that class's share)."""
+        classify = not _is_causal_lm(self.model)
+        if classify:  # (B, C) logits are small; gathered so that a constant classifier is caught
+            prediction_loss_only = False
+        out = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                      ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        preds = out.predictions
+        if isinstance(preds, (tuple, list)) and preds:
+            preds = preds[0]
+        if classify and preds is not None and getattr(preds, "ndim", 0) == 2 and preds.shape[1] >= 2:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                summary = prediction_summary(torch.as_tensor(preds).float(), warn=False)
+            if summary.get("n"):
+                out.metrics[f"{metric_key_prefix}_top_class_share"] = summary["top_class_share"]
+                if summary["single_class"] and summary["n"] >= 2:
+                    warnings.warn(
+                        f"DPTrainer.evaluate: every one of the {summary['n']} predictions is class "
+                        f"{summary['top_class']}; the model has learnt a constant (its accuracy is that class's "
+                        "share). Under DP this usually means the noise swamps the signal: try "
+                        "DPArguments(clipping='head_body', head_learning_rate=...) (README, \"With the Hugging "
+                        "Face Trainer\")", stacklevel=2)
+        return out
 
     # ------------------------------------------------------------------ privacy
     def get_epsilon(self, delta: Optional[float] = None) -> float:

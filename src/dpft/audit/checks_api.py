@@ -1,0 +1,323 @@
+"""Audit checks that run the Python ways in themselves: ``PrivacyEngine.make_private`` loops and
+``DPTrainer`` (issue 23, findings 2–4).
+
+Each check builds a tiny model in-process, runs one logical step through the real API with
+``σ = 0``, ``q = 1`` (every row sampled) and plain SGD at learning rate 1, and reads the
+released clipped sum back from the parameters: ``S = −Δθ · qN`` (the step divides by the
+expected batch size qN). Then (add/remove-one, Abadi et al. 2016, Alg. 1):
+
+* **leave-one-out** — ``max_i ‖S(D) − S(D∖i)‖ ≤ C(1 + tol)`` on an adversarial set (a large
+  input, a mislabelled row, a padding-heavy row);
+* **two passes per micro-batch** (make_private) — a loop that runs forward+backward twice on
+  one micro-batch before ``optimizer.step()``: refused (:class:`~dpft.api.DoubleCaptureError`),
+  or its single example's ``‖S‖ ≤ C``;
+* **parameter unfrozen after the engine was built** (make_private and DPTrainer, optimizer over
+  all parameters) — refused (:class:`~dpft.api.UnclippedParameterError`), or ``‖S‖ ≤ C`` over
+  every parameter that moved;
+* **packing collator** (DPTrainer with ``transformers.DataCollatorWithFlattening``) — refused
+  (:class:`~dpft.api.PackedBatchError`), or one clipped example per sampled row.
+
+``planted`` re-opens one hole by switching its guard off (a monkeypatch undone afterwards), so
+that the audit shows it would catch the bug: ``"double_capture"``, ``"unfrozen_param"``,
+``"packing_collator"``.
+
+:func:`api_checks` returns the :class:`~dpft.audit.whitebox.Check` list;
+:func:`audit_make_private` and :func:`audit_dp_trainer` are the same checks, per route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import tempfile
+import time
+import warnings
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dpft.audit.whitebox import Check
+
+PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
+#: Relative slack on ``‖S‖ ≤ C`` (fp32 sums and the 1e-6 in the clip factor's denominator).
+TOL = 1e-3
+C = 0.05
+
+
+@contextlib.contextmanager
+def planted_bug(name: Optional[str]) -> Iterator[None]:
+    """Switch one guard off for the duration (``None``: nothing planted).
+
+    Raises:
+        ValueError: an unknown name (the known ones listed).
+    """
+    if name is None:
+        yield
+        return
+    if name not in PLANTED:
+        raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(PLANTED)}")
+    from dpft import api
+    from dpft.grads import live
+    from dpft.integrations import hf
+
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(obj, attr, value):
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    noop = lambda *a, **k: None  # noqa: E731
+    if name == "double_capture":
+        patch(live.LiveBookKeeping, "_check_one_capture", noop)
+    elif name == "unfrozen_param":
+        patch(api.DPOptimizer, "check_unclipped_grads", noop)
+        patch(hf.DPTrainer, "_check_params", noop)
+        patch(hf.DPTrainer, "_check_unclipped_grads", noop)
+    elif name == "packing_collator":
+        patch(hf, "check_unpacked_batch", noop)
+        patch(api, "check_unpacked_batch", noop)
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+# --------------------------------------------------------------------------- make_private
+
+
+class _Net(nn.Module):
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.ln(torch.tanh(self.fc(x))))
+
+
+def _mp_data(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    x[0] *= 50.0  # a large input: a large gradient
+    y = torch.randint(0, 3, (n,), generator=g)
+    return x, y
+
+
+def _released_sum(model: nn.Module, before: dict, eb: int) -> torch.Tensor:
+    return torch.cat([-(p.detach() - before[n]).flatten() * eb for n, p in model.named_parameters()])
+
+
+def _mp_step(model: nn.Module, x, y, loop: Callable, freeze: Optional[str] = None) -> torch.Tensor:
+    """One logical step of make_private (σ = 0, q = 1, SGD lr 1); the released sum ``S``."""
+    from dpft import PrivacyEngine
+
+    model = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    if freeze:
+        params[freeze].requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    engine = PrivacyEngine(reproducible_seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, opt, crit, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)), noise_multiplier=0.0,
+            max_grad_norm=C, steps=1)
+        if freeze:
+            params[freeze].requires_grad_(True)  # unfrozen after make_private
+        try:
+            for xb, yb in loader:
+                opt.zero_grad()
+                loop(module, crit, xb, yb)
+                opt.step()
+        finally:
+            engine.detach()
+    return _released_sum(model, before, len(x))
+
+
+def _one_pass(module, crit, x, y):
+    crit(module(x), y).backward()
+
+
+def _two_passes(module, crit, x, y):
+    crit(module(x), y).backward()
+    crit(module(x), y).backward()  # a second forward+backward (two losses, an augmentation, ...)
+
+
+def _norm_check(name: str, run: Callable[[], torch.Tensor], refused: tuple, what: str) -> Check:
+    t0 = time.perf_counter()
+    try:
+        s = run()
+    except refused as exc:
+        return Check(name, True, f"refused ({type(exc).__name__}): {str(exc)[:120]}",
+                     {"refused": True, "seconds": round(time.perf_counter() - t0, 2)})
+    norm = float(s.norm())
+    ok = norm <= C * (1 + TOL)
+    return Check(name, ok, f"{what}: ‖S‖ = {norm:.4g} vs C = {C:g}" + ("" if ok else " — one example counted more than C"),
+                 {"refused": False, "norm_over_C": norm / C, "seconds": round(time.perf_counter() - t0, 2)})
+
+
+def make_private_checks() -> list[Check]:
+    """The make_private checks (leave-one-out, two passes, unfrozen parameter)."""
+    from dpft.api import DoubleCaptureError, UnclippedParameterError
+
+    torch.manual_seed(0)
+    model = _Net()
+    x, y = _mp_data()
+    out = []
+    t0 = time.perf_counter()
+    full = _mp_step(model, x, y, _one_pass)
+    worst = 0.0
+    for i in range(len(x)):
+        keep = [j for j in range(len(x)) if j != i]
+        worst = max(worst, float((full - _mp_step(model, x[keep], y[keep], _one_pass)).norm()))
+    ok = worst <= C * (1 + TOL)
+    out.append(Check("api: make_private leave-one-out", ok,
+                     f"max_i ‖S(D) − S(D∖i)‖ = {worst:.4g} vs C = {C:g} (N = {len(x)}, q = 1, σ = 0)",
+                     {"loo_over_C": worst / C, "seconds": round(time.perf_counter() - t0, 2)}))
+    out.append(_norm_check("api: make_private two passes per micro-batch",
+                           lambda: _mp_step(model, x[:1], y[:1], _two_passes), (DoubleCaptureError,),
+                           "N = 1, two forward+backward before step()"))
+    out.append(_norm_check("api: make_private parameter unfrozen after make_private",
+                           lambda: _mp_step(model, x[1:2], y[1:2], _one_pass, freeze="head.weight"),
+                           (UnclippedParameterError,), "N = 1, head.weight frozen at make_private, then unfrozen"))
+    return out
+
+
+# --------------------------------------------------------------------------- DPTrainer
+
+
+def _tiny_bert():
+    from dpft.audit.whitebox import tiny_classifier
+
+    return tiny_classifier("bert", vocab=64, max_len=16)
+
+
+def _bert_rows(model, n: int = 4):
+    import datasets
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 64, (n, 8), generator=g)
+    mask = torch.ones(n, 8, dtype=torch.long)
+    ids[0] = 7
+    with torch.no_grad():
+        labels = model(input_ids=ids, attention_mask=mask).logits.argmin(-1)  # mislabelled: large gradients
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(),
+                                       "labels": labels.tolist()})
+
+
+def _trainer_step(model, rows, *, collator=None, optimizer_all: bool = False, freeze: Optional[str] = None,
+                  physical: Optional[int] = None):
+    """One logical step of DPTrainer (σ = 0, q = 1, SGD lr 1); (S, trainer)."""
+    from transformers import TrainingArguments, default_data_collator
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    model = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    if freeze:
+        params[freeze].requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    n = len(rows)
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(output_dir=out, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant",
+                                 optim="sgd", weight_decay=0.0, per_device_train_batch_size=physical or n,
+                                 report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                                 disable_tqdm=True)
+        dp = DPArguments(noise_multiplier=0.0, target_delta=1.0 / (10 * n), max_grad_norm=C, expected_batch_size=n,
+                         reproducible_seed=0)
+        kw = {}
+        if optimizer_all:
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            kw["optimizers"] = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
+        trainer = DPTrainer(model=model, args=args, train_dataset=rows,
+                            data_collator=collator or default_data_collator, dp_args=dp, **kw)
+        if freeze:
+            params[freeze].requires_grad_(True)  # unfrozen after DPTrainer was built
+        trainer.train()
+    return _released_sum(model, before, n), trainer
+
+
+def dp_trainer_checks(packing: bool = True) -> list[Check]:
+    """The DPTrainer checks (leave-one-out, unfrozen parameter, packing collator)."""
+    from dpft.api import PackedBatchError, UnclippedParameterError
+
+    model = _tiny_bert()
+    rows = _bert_rows(model)
+    out = []
+    t0 = time.perf_counter()
+    full, _ = _trainer_step(model, rows)
+    worst = 0.0
+    for i in range(len(rows)):
+        worst = max(worst, float((full - _trainer_step(model, rows.select([j for j in range(len(rows)) if j != i]))[0]).norm()))
+    ok = worst <= C * (1 + TOL)
+    out.append(Check("api: DPTrainer leave-one-out", ok,
+                     f"max_i ‖S(D) − S(D∖i)‖ = {worst:.4g} vs C = {C:g} (N = {len(rows)}, q = 1, σ = 0)",
+                     {"loo_over_C": worst / C, "seconds": round(time.perf_counter() - t0, 2)}))
+    out.append(_norm_check(
+        "api: DPTrainer parameter unfrozen after DPTrainer (optimizer over all parameters)",
+        lambda: _trainer_step(model, rows.select([1]), optimizer_all=True, freeze="classifier.weight")[0],
+        (UnclippedParameterError,), "N = 1, classifier.weight frozen at construction, then unfrozen"))
+    if packing:
+        out.append(_packing_check(PackedBatchError))
+    return out
+
+
+def _packing_check(refused: type) -> Check:
+    """DPTrainer + DataCollatorWithFlattening on a tiny causal LM: one clipped example per row."""
+    import datasets
+    from transformers import DataCollatorWithFlattening, GPT2Config, GPT2LMHeadModel
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=64,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    g = torch.Generator().manual_seed(2)
+    rows = datasets.Dataset.from_dict({"input_ids": [torch.randint(3, 64, (k,), generator=g).tolist() for k in (5, 6, 7, 8)]})
+    name = "api: DPTrainer packing collator (DataCollatorWithFlattening)"
+    try:
+        _, trainer = _trainer_step(model, rows, collator=DataCollatorWithFlattening(), physical=len(rows))
+    except refused as exc:
+        return Check(name, True, f"refused ({type(exc).__name__}): {str(exc)[:120]}",
+                     {"refused": True, "seconds": round(time.perf_counter() - t0, 2)})
+    clipped = int(trainer.last_private_stats.get("batch_size", -1))
+    ok = clipped == len(rows)
+    return Check(name, ok, f"{clipped} clipped example(s) for {len(rows)} sampled rows"
+                 + ("" if ok else " — several rows clipped as one"),
+                 {"refused": False, "clipped": clipped, "rows": len(rows), "seconds": round(time.perf_counter() - t0, 2)})
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def api_checks(planted: Optional[str] = None) -> list[Check]:
+    """Every check of both Python routes, with ``planted`` (one of :data:`PLANTED`) re-opened.
+
+    Returns:
+        Six :class:`Check` rows; with no planted bug all pass, with one planted at least one fails.
+
+    Raises:
+        ValueError: an unknown planted bug.
+    """
+    with planted_bug(planted):
+        return make_private_checks() + dp_trainer_checks()
+
+
+def audit_make_private(planted: Optional[str] = None) -> list[Check]:
+    """The make_private checks alone (tiny model; a few seconds)."""
+    with planted_bug(planted):
+        return make_private_checks()
+
+
+def audit_dp_trainer(planted: Optional[str] = None) -> list[Check]:
+    """The DPTrainer checks alone (tiny BERT / GPT-2; about ten seconds)."""
+    with planted_bug(planted):
+        return dp_trainer_checks()
+
+
+__all__ = ["api_checks", "audit_make_private", "audit_dp_trainer", "planted_bug", "PLANTED"]
