@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dpft.audit import planted
 from dpft.audit import trainer_walk as tw
 from test_user_level import _recipe, _user_files
 
@@ -66,6 +67,6 @@ def test_planted_row_level_user_recipe_is_caught(user_recipe):
 def test_planted_user_clipping_broken_is_caught(user_recipe):
     t = tw.build_trainer(user_recipe)
     plan = tw.trainer_plan(t)
-    with tw.plant(tw.USER_CLIPPING_BROKEN):
+    with planted.plant(tw.USER_CLIPPING_BROKEN):
         bad = _failed(tw.trainer_checks(t, plan))
     assert bad == ["Trainer step: leave-one-user-out sensitivity"]

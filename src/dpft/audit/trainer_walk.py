@@ -288,20 +288,3 @@ def trainer_checks(trainer, plan: dict, quick: bool = True, progress=None) -> li
         if progress is not None:
             progress.update(1)
     return out
-
-
-@contextlib.contextmanager
-def plant(name: Optional[str]):
-    """The planted bugs of this module that patch code (``user_clipping_broken``); the other
-    (``row_level_user_recipe``) is a choice of plan, made by the caller."""
-    if name != USER_CLIPPING_BROKEN:
-        yield
-        return
-    from dpft.step.sample import UserPoissonSampler
-
-    orig = UserPoissonSampler.groups
-    UserPoissonSampler.groups = lambda self, micro: torch.arange(len(micro))  # every row its own "user"
-    try:
-        yield
-    finally:
-        UserPoissonSampler.groups = orig

@@ -472,7 +472,6 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One logical step through :class:`~dpft.step.DPStep`. Returns the row's fields (the
         private ones are split off by run/release.py before anything is written)."""
-        r = self.recipe
         torch.manual_seed(ddp.dropout_seed(self.rng, step, self.world))  # dropout masks: per step (and rank), secret
         idx = self.dp_step.indices(step)
         for m in self.methods:
