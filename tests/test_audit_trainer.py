@@ -70,3 +70,30 @@ def test_planted_user_clipping_broken_is_caught(user_recipe):
     with planted.plant(tw.USER_CLIPPING_BROKEN):
         bad = _failed(tw.trainer_checks(t, plan))
     assert bad == ["Trainer step: leave-one-user-out sensitivity"]
+
+
+@pytest.mark.slow
+def test_cli_plant_row_level_user_recipe_fails_and_says_planted(user_recipe, tmp_path):
+    """``dpft audit RECIPE --plant row_level_user_recipe``: exit 1, the report headed PLANTED, the
+    plan (unit, N, q, σ, T) printed, the Trainer-walk checks failed."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dpft.cli import app
+    from dpft.config import dump_recipe
+
+    y = tmp_path / "user.yaml"
+    y.write_text(dump_recipe(user_recipe))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["audit", str(y), "--quick", "--out", str(out), "--plant", "row_level_user_recipe"])
+    assert res.exit_code == 1, res.output
+    assert "plan: unit example, N = 60, q = 0.1" in res.output  # the planted (row) plan, caught below
+    md = (out / "audit.md").read_text()
+    assert "PLANTED BUG `row_level_user_recipe`" in md and "N = 60 examples" in md
+    d = json.loads((out / "audit.json").read_text())
+    bad = {c["check"] for c in d["whitebox"] if c["verdict"] != "pass"}
+    assert {"Trainer step: user sampling rate q", "Trainer step: ledger event = plan"} <= bad
+    assert d["planted"] == "row_level_user_recipe" and d["verdict"] == "FAIL" and d["seconds"] > 0
+    res = CliRunner().invoke(app, ["audit", str(y), "--quick", "--out", str(out), "--plant", "no-such-bug"])
+    assert res.exit_code == 2 and "unknown planted bug" in res.output

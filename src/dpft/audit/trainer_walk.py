@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import tempfile
 import warnings
 from typing import Optional
@@ -134,7 +135,7 @@ def audit_mode(trainer):
     set_dropout(t.model, 0.0)
     try:
         with warnings.catch_warnings():  # the no-op optimizer never steps: the scheduler warns
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             yield t
     finally:
         dp.ledger, dp.on_release, dp.spec = saved[0], saved[1], saved[2]
