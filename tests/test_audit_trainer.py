@@ -57,7 +57,7 @@ def test_planted_row_level_user_recipe_is_caught(user_recipe):
     """The audit calibrated over rows (N = 60, q = 0.1) for a recipe the Trainer runs over users
     (N = 30, q = 0.2): the sampling rate, the noise std and the ledger event disagree."""
     t = tw.build_trainer(user_recipe)
-    plan = tw.row_level_plan(user_recipe)
+    plan = tw.row_level_plan(t)
     assert plan["n"] == 60
     bad = _failed(tw.trainer_checks(t, plan))
     assert "Trainer step: user sampling rate q" in bad and "Trainer step: ledger event = plan" in bad

@@ -6,10 +6,15 @@ C, δ, ε of the run) is the Trainer's, and leave-one-unit-out sensitivity, the 
 ledger event and the unit's sampling rate are checked through :meth:`Trainer.step` itself
 (``audit/trainer_walk.py``). The white-box sweep of every clip style and engine runs on a tiny
 random model of the recipe's architecture family (BERT / RoBERTa / GPT-2), the canary audits on
-the slot model of ``audit/harness.py`` at the plan's σ and q. A reproducible recipe (``privacy.reproducible``) is audited with the
-seed given to the auditor, who regenerates and subtracts the noise: its ε holds only while the
-seed is secret, and the audit says so by failing. Writes ``audit.json``, ``audit.md`` and
-``audit_scores.png``; exits 1 when ε̂ > ε for a canary audit or a white-box check fails.
+the slot model of ``audit/harness.py`` at the plan's σ and q; the check modules
+``checks_randomness`` and ``checks_api`` join when installed (skipped with a note otherwise).
+A reproducible recipe (``privacy.reproducible``) is audited with the seed given to the auditor,
+who regenerates and subtracts the noise: its ε holds only while the seed is secret, and the
+audit says so by failing. ``--plant NAME`` (hidden) is the auditor's self-test
+(``audit/planted.py``): the audit must fail. Writes ``audit.json``, ``audit.md`` and
+``audit_scores.png``; exits 1 when ε̂ > ε for a canary audit or a check fails, 2 for a recipe
+or flag it cannot audit. Not walked yet: DDP (a recipe's ``perf`` world size; the Trainer is
+built in one process).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def audit_recipe(recipe, quick: bool = True, planted: Optional[str] = None, prog
     p = r.privacy
     with pl.plant(planted) as extra:
         trainer = tw.build_trainer(r, run_dir)
-        plan = tw.row_level_plan(r) if planted == tw.ROW_LEVEL_USER_RECIPE else tw.trainer_plan(trainer)
+        plan = tw.row_level_plan(trainer) if planted == tw.ROW_LEVEL_USER_RECIPE else tw.trainer_plan(trainer)
         cal = {**plan, "style": p.clipping.style, "family": family, "reproducible": bool(p.reproducible),
                "seed": int(r.seed), "hardened": bool(p.hardened_noise)}
         walk = tw.trainer_checks(trainer, plan, quick=quick, progress=progress)

@@ -56,14 +56,14 @@ def build_trainer(recipe, run_dir: Optional[str] = None):
     return Trainer(recipe, d, progress=False)
 
 
-def row_level_plan(recipe) -> dict:
+def row_level_plan(trainer) -> dict:
     """PLANTED BUG ``row_level_user_recipe``: the plan computed over the training *rows* whatever
-    the privacy unit (N = rows, q = expected batch / rows, σ calibrated for that q)."""
+    the privacy unit (N = rows, q = expected batch / rows, σ calibrated for that q) — how
+    ``dpft audit`` calibrated before it walked the Trainer."""
     from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
-    from dpft.data.tasks import load_task
 
-    r = recipe
-    n = len(load_task(r.task, seed=r.seed).train)
+    r = trainer.recipe
+    n = len(trainer.train_tok)
     b = r.batch.expected_batch_size
     q = b / n
     steps = r.schedule.steps or max(1, math.ceil(r.schedule.epochs * n / b))
@@ -193,8 +193,8 @@ def trainer_sensitivity_check(trainer, plan: dict, batch_units: Optional[int] = 
     full = run_batch(t, step, full_idx)
     g = torch.Generator().manual_seed(1)
     # the longest / most rows first, the shortest last, one from the middle (a boundary mover)
-    cand = sorted({0, len(units) - 1, len(units) // 2} | set(torch.randperm(len(units), generator=g)[:leave_out].tolist()))
-    cand = cand[:max(leave_out, 3)]
+    cand = [0, len(units) - 1, len(units) // 2] + torch.randperm(len(units), generator=g).tolist()
+    cand = list(dict.fromkeys(cand))[:max(leave_out, 3)]
     worst, sens = 0.0, full["sensitivity"]
     for u in cand:
         rest = torch.cat([x for j, x in enumerate(units) if j != u])
