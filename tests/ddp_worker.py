@@ -10,7 +10,10 @@ rank writes ``rank<r>.json``: the logical batch and the rank's share of every st
 its final weights, its report's ε), ``resume`` (bool), ``kill`` (``{"rank": r, "step": t}``:
 that rank SIGKILLs itself at the start of logical step t, a crash nobody can catch), ``probe``
 (after the run, check that per-rank ``Randomness()`` objects are refused and that a
-weight changed on rank 1 is found and replaced by rank 0's).
+weight changed on rank 1 is found and replaced by rank 0's), ``plant`` (a planted rank
+mismatch the per-step digest must stop: ``"tokenise"`` — rank 1's rows have other token
+lengths, so it sorts and shards the logical batch differently; ``"noise"`` — rank 1's
+mechanism draws from another key).
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ def run_rank(cfg: dict, rank: int) -> None:
 
     def run(self):
         current["trainer"] = self
+        if cfg.get("plant") == "tokenise" and rank == 1:
+            self.train_lengths = self.train_lengths.flip(0).clone()  # as if rank 1 tokenised differently
+        elif cfg.get("plant") == "noise" and rank == 1:
+            from dpft.privacy.randomness import Randomness
+
+            self.dp_step.spec.mechanism.rng = Randomness()  # rank 1's noise from its own key
         return real_run(self)
 
     ddp.shard, Trainer.step, Trainer.run = shard, step, run

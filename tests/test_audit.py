@@ -1,75 +1,29 @@
 """Issue 14: the auditor catches every planted bug and passes the honest step.
 
-The planted bugs are monkeypatches of this test file (never a flag of the product)."""
+The planted bugs are those of ``dpft.audit.planted`` (``dpft audit --plant NAME``, hidden),
+applied here with pytest's monkeypatch."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-import torch
 
-from dpft.audit import stats
-from dpft.audit.blackbox import CanarySetup, multi_step_game, one_run_audit, one_step_game
+from dpft.audit import planted, stats
+from dpft.audit.blackbox import CanarySetup, one_step_game
 from dpft.audit.suite import run_audit
-from dpft.privacy.randomness import Randomness
-from dpft.step import clip as clipmod
-from dpft.step.noise import GaussianMechanism
-from dpft.step.sample import PoissonSampler
 
 SIGMA = 2.0  # one full-batch step: certified ε ≈ 1.99 at δ = 1e-5
-KNOWN_SEED = 1234
-
-
-def _clip_2c(cls, monkeypatch):
-    orig = cls.scales
-
-    def scales(self, sq):
-        c = self.max_norm
-        self.max_norm = 2 * c
-        try:
-            return orig(self, sq)
-        finally:
-            self.max_norm = c
-
-    monkeypatch.setattr(cls, "scales", scales)
+KNOWN_SEED = planted.KNOWN_SEED
 
 
 def plant(bug: str, monkeypatch) -> dict:
-    """Apply a planted bug; returns extra audit arguments (the seed the auditor is given)."""
-    if bug == "noise/4":
-        monkeypatch.setattr(GaussianMechanism, "std", property(lambda self: self.sigma * self.sensitivity / 4))
-    elif bug == "clipping off":
-        for cls in (clipmod.FlatClip, clipmod.PerLayerClip, clipmod.AutoClip, clipmod.HeadBodyClip):
-            monkeypatch.setattr(cls, "scales", lambda self, sq: torch.ones_like(sq))
-    elif bug == "per-layer without 1/sqrt(G)":
-        monkeypatch.setattr(clipmod.PerLayerClip, "scales",
-                            lambda self, sq: (self.max_norm / (sq.clamp_min(0).sqrt() + clipmod.EPS)).clamp(max=1.0))
-    elif bug == "clip at 2C":
-        for cls in (clipmod.FlatClip, clipmod.PerLayerClip, clipmod.AutoClip, clipmod.HeadBodyClip):
-            _clip_2c(cls, monkeypatch)
-    elif bug == "same noise every step":
-        orig = GaussianMechanism.add_noise
-        monkeypatch.setattr(GaussianMechanism, "add_noise", lambda self, s, step: orig(self, s, 0))
-    elif bug == "no subsampling":
-        orig = PoissonSampler.draw
-        monkeypatch.setattr(PoissonSampler, "draw", lambda self, step, q: orig(self, step, 1.0))
-    elif bug == "known seed":
-        orig = Randomness.__init__
-
-        def init(self, seed=None):
-            orig(self, KNOWN_SEED if seed is None else seed)
-            self.reproducible = seed is not None
-
-        monkeypatch.setattr(Randomness, "__init__", init)
-        return {"known_seed": KNOWN_SEED}
-    elif bug != "honest":
-        raise ValueError(bug)
-    return {}
+    """Apply a planted bug of ``dpft.audit.planted`` (undone with ``monkeypatch``); returns extra
+    audit arguments (the seed the auditor is given)."""
+    return planted.apply(bug, monkeypatch.setattr)
 
 
-BUGS = ["noise/4", "clipping off", "per-layer without 1/sqrt(G)", "clip at 2C", "same noise every step",
-        "no subsampling", "known seed"]
+BUGS = list(planted.MECHANISM_PLANTED)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -144,3 +98,33 @@ def test_cli_registers_audit():
 
     res = CliRunner().invoke(app, ["audit", "--help"])
     assert res.exit_code == 0 and "--quick" in res.output
+
+
+# --------------------------------------------------------------------------- optional check modules
+
+
+def test_optional_check_modules_are_routed_or_skipped_with_a_note(monkeypatch):
+    """checks_randomness / checks_api join the suite when installed (the planted name routed to
+    the module that plants it); when absent they are skipped with a note, never a passing row."""
+    import sys
+    import types
+
+    from dpft.audit import suite
+    from dpft.audit.whitebox import Check
+
+    for mod, _, _ in suite.OPTIONAL_CHECKS:
+        monkeypatch.setitem(sys.modules, mod, None)  # None in sys.modules: ImportError
+    checks, notes = suite.optional_checks(None)
+    assert checks == [] and len(notes) == 2 and all("skipped, not passed" in n for n in notes)
+    with pytest.raises(ValueError, match="seed32.*lacks"):
+        suite.optional_checks("seed32")
+    seen = []
+    fake = types.ModuleType("dpft.audit.checks_randomness")
+    fake.randomness_checks = lambda planted=None: seen.append(planted) or [Check("rand", planted is None, "x")]
+    monkeypatch.setitem(sys.modules, "dpft.audit.checks_randomness", fake)
+    rep = run_audit(SIGMA, q=0.05, quick=True, styles=(), which=(), planted="seed32")
+    assert seen == ["seed32"] and not rep.passed and rep.as_dict()["planted"] == "seed32"
+    assert [c.name for c in rep.checks if not c.passed] == ["rand"] and len(rep.notes) == 1
+    checks, _ = suite.optional_checks(None)
+    assert seen[-1] is None and [c.name for c in checks] == ["rand"]
+    assert set(planted.RANDOMNESS_PLANTED + planted.API_PLANTED + ("row_level_user_recipe",)) <= set(planted.ALL)

@@ -246,6 +246,34 @@ def test_killed_run_resumes_with_the_single_process_ledger_rules(tiny_model_dir,
     assert files_under(tmp_path / "rank1") == []
 
 
+@pytest.mark.parametrize("plant", ["tokenise", "noise"])
+def test_step_digest_stops_a_rank_mismatch_before_release(tiny_model_dir, csv, tmp_path, plant):
+    """Rank 1 tokenises differently (its share overlaps rank 0's: an example counted twice) or
+    draws its noise from another key: the per-step digest stops the run at the first step, on
+    both ranks, naming rank 1, before any metrics row, checkpoint or report is written."""
+    ov = overrides(tiny_model_dir, csv, **{"privacy.noise_multiplier": 1.0, "schedule.steps": 2})
+    failure, logs = launch_worker(tmp_path, ov, plant=plant)
+    assert failure is not None
+    for log in logs:
+        assert "DistributedError" in log["error"] and "DDP step 0" in log["error"], log
+        assert "ranks [1]" in log["error"]
+        assert ("logical batch" in log["error"]) == (plant == "tokenise")
+    run = tmp_path / "rank0" / "run"
+    assert (run / "metrics.jsonl").read_text() == ""
+    assert not (run / "checkpoint").exists() and not (run / "report.md").exists() and not (run / "model").exists()
+
+
+def test_step_digest_is_a_no_op_alone_and_sees_every_bit():
+    p = {"w": torch.arange(6.0)}
+    ddp.check_step_digest(ddp.World(), 0, torch.tensor([3, 1]), p)  # one process: nothing to compare
+    a = ddp.step_digest(0, torch.tensor([3, 1]), p)
+    assert torch.equal(a, ddp.step_digest(0, torch.tensor([3, 1]), {"w": torch.arange(6.0)}))
+    assert a[1] != ddp.step_digest(0, torch.tensor([1, 3]), p)[1]  # the order the shares are cut from
+    q = {"w": torch.arange(6.0)}
+    q["w"][5] = torch.nextafter(q["w"][5], torch.tensor(10.0))  # one bit of one weight
+    assert a[2] != ddp.step_digest(0, torch.tensor([3, 1]), q)[2]
+
+
 # -- in-process units (no second process) ----------------------------------------------------
 def test_shared_key_round_trip_and_shares():
     a = Randomness()

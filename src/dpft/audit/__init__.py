@@ -6,6 +6,11 @@
   confidence: the one-step distinguishing game (Nasr et al. 2021), the one-run audit
   (Steinke, Nasr & Jagielski 2023) and a multi-step game that detects a missing subsampling.
 * :mod:`dpft.audit.stats` — Clopper–Pearson bounds and the two ε̂ estimators.
+* :mod:`dpft.audit.trainer_walk` — the checks through the Trainer's own step (``dpft train``'s
+  code: its plan, micro-batching, privacy unit, sampler, clip policy and mechanism).
+* :mod:`dpft.audit.suite` — :func:`audit_recipe` (what ``dpft audit RECIPE`` runs) and
+  :func:`run_audit`; the check modules ``checks_randomness`` and ``checks_api`` join when installed.
+* :mod:`dpft.audit.planted` — the planted bugs of the auditor's self-test (``--plant NAME``).
 * :mod:`dpft.audit.cli` — ``dpft audit RECIPE``.
 
 An ε̂ below the certified ε is *not* evidence of tightness: every row carries the cap, the
@@ -13,3 +18,9 @@ largest ε̂ its trial count could have certified.
 """
 
 from dpft.audit.stats import clopper_pearson_upper, eps_from_error_rates, one_run_epsilon  # noqa: F401
+from dpft.audit.suite import audit_recipe, run_audit  # noqa: F401,E402
+
+try:  # the user-facing audits of a make_private loop and a DPTrainer (audit/checks_api.py)
+    from dpft.audit.checks_api import audit_dp_trainer, audit_make_private  # noqa: F401
+except ImportError:
+    pass

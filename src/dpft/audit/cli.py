@@ -1,41 +1,29 @@
-"""``dpft audit RECIPE``: audit the DP step at the recipe's calibration.
+"""``dpft audit RECIPE``: audit the code ``dpft train RECIPE`` runs, at the recipe's own plan.
 
-σ, C, q, δ and the clip style come from the recipe (σ calibrated as ``dpft train`` does, or
-``privacy.noise_multiplier``); the white-box checks run on a tiny random model of the recipe's
-architecture family (BERT / RoBERTa / GPT-2), the canary audits on the slot model of
-``audit/harness.py``. A reproducible recipe (``privacy.reproducible``) is audited with the
-seed given to the auditor, who regenerates and subtracts the noise: its ε holds only while the
-seed is secret, and the audit says so by failing. Writes ``audit.json``, ``audit.md`` and
-``audit_scores.png``; exits 1 when ε̂ > ε for a canary audit or a white-box check fails.
+The recipe's :class:`~dpft.run.loop.Trainer` is built (its data, model, privacy unit, sampler,
+clip policy, engine and σ, exactly as ``dpft train`` builds them): the plan (unit, N, q, σ, T,
+C, δ, ε of the run) is the Trainer's, and leave-one-unit-out sensitivity, the noise law, the
+ledger event and the unit's sampling rate are checked through :meth:`Trainer.step` itself
+(``audit/trainer_walk.py``). The white-box sweep of every clip style and engine runs on a tiny
+random model of the recipe's architecture family (BERT / RoBERTa / GPT-2), the canary audits on
+the slot model of ``audit/harness.py`` at the plan's σ and q; the check modules
+``checks_randomness`` and ``checks_api`` join when installed (skipped with a note otherwise).
+A reproducible recipe (``privacy.reproducible``) is audited with the seed given to the auditor,
+who regenerates and subtracts the noise: its ε holds only while the seed is secret, and the
+audit says so by failing. ``--plant NAME`` (hidden) is the auditor's self-test
+(``audit/planted.py``): the audit must fail. Writes ``audit.json``, ``audit.md`` and
+``audit_scores.png``; exits 1 when ε̂ > ε for a canary audit or a check fails, 2 for a recipe
+or flag it cannot audit. Not walked yet: DDP (a recipe's ``perf`` world size; the Trainer is
+built in one process).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Optional
 
 import typer
-
-
-def recipe_calibration(recipe) -> dict:
-    """σ, C, q, T, δ, certified ε, clip style and model family of a recipe."""
-    from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
-    from dpft.data.tasks import load_task
-
-    r = recipe
-    n = len(load_task(r.task, seed=r.seed).train)
-    b = r.batch.expected_batch_size
-    q = b / n
-    steps = r.schedule.steps or max(1, math.ceil(r.schedule.epochs * n / b))
-    p = r.privacy
-    sigma = float(p.noise_multiplier) if p.noise_multiplier is not None else calibrate_sigma(p.target_epsilon, p.delta, q, steps)
-    name = str(r.model.name).lower()
-    family = "roberta" if "roberta" in name else "gpt2" if ("gpt" in name or r.task.name == "text") else "bert"
-    return {"sigma": sigma, "C": float(p.clipping.max_norm), "q": q, "steps": steps, "n": n, "delta": float(p.delta),
-            "epsilon": epsilon_for_sigma(sigma, q, steps, p.delta), "style": p.clipping.style, "family": family,
-            "reproducible": bool(p.reproducible), "seed": int(r.seed), "hardened": bool(p.hardened_noise)}
 
 
 def plot_scores(results, path: Path) -> None:
@@ -59,9 +47,20 @@ def plot_scores(results, path: Path) -> None:
 
 def render_md(cal: dict, rep) -> str:
     d = rep.as_dict()
-    lines = [f"# dpft audit — verdict: **{d['verdict']}**", "",
-             f"Recipe calibration: σ = {cal['sigma']:.4g}, C = {cal['C']:g}, q = {cal['q']:.4g}, T = {cal['steps']}, "
-             f"δ = {cal['delta']:g}, certified ε of the run = {cal['epsilon']:.3f}.", "",
+    lines = [f"# dpft audit — verdict: **{d['verdict']}**", ""]
+    if d.get("planted"):
+        lines += [f"**PLANTED BUG `{d['planted']}`: a self-test of the auditor (it must FAIL); this is not an "
+                  "audit of the recipe.**", ""]
+    unit = cal.get("unit", "example")
+    lines += [f"Plan of the run (the Trainer's): privacy unit {unit}, N = {cal['n']} {unit}s, q = {cal['q']:.4g}, "
+              f"σ = {cal['sigma']:.4g}, T = {cal['steps']}, C = {cal['C']:g}, δ = {cal['delta']:g}, certified ε of "
+              f"the run = {cal['epsilon']:.3f}"
+              + (f" (earlier ledger phases: {', '.join(cal['prior_phases'])})" if cal.get("prior_phases") else "")
+              + ".", ""]
+    if cal.get("reproducible"):
+        lines += ["Reproducible recipe: the seed is in the recipe, the auditor is given it (the ε holds only while "
+                  "the seed stays secret: NOT CERTIFIED for release).", ""]
+    lines += [
              "## Canary audits (empirical lower bound ε̂ at 95 % confidence)", "",
              "Certified ε here is the ε of what each audit ran (the ledger's events of one trial). "
              "The cap is the largest ε̂ the trial count could certify: ε̂ ≤ ε is evidence of no "
@@ -74,6 +73,8 @@ def render_md(cal: dict, rep) -> str:
     lines += ["", "## White-box checks", "", "| check | verdict | detail |", "|---|---|---|"]
     for c in d["whitebox"]:
         lines.append(f"| {c['check']} | {c['verdict']} | {c['message']} |")
+    if d.get("notes"):
+        lines += ["", "## Not run", ""] + [f"- {n}" for n in d["notes"]]
     lines += ["", "![scores](audit_scores.png)", ""]
     return "\n".join(lines)
 
@@ -84,11 +85,16 @@ def audit(
     full: bool = typer.Option(False, "--full", help="Larger trial counts and every engine/norm mode."),
     out: Optional[Path] = typer.Option(None, "--output-dir", "-o", "--out",
                                        help="Output folder (default: audit-<recipe name>); --out is an alias."),
+    plant: Optional[str] = typer.Option(None, "--plant", hidden=True,
+                                        help="Self-test: plant a bug (dpft.audit.planted.ALL); the audit must FAIL."),
 ) -> None:
     """Audit the DP step empirically: white-box checks and canary audits (ε̂ vs certified ε)."""
+    import time
+
     from tqdm.auto import tqdm
 
-    from dpft.audit.suite import run_audit, total_units
+    from dpft.audit.planted import ALL
+    from dpft.audit.suite import audit_recipe, total_units
     from dpft.config import load_recipe
 
     try:  # a bad recipe, missing data (offline without DPFT_DATA_DIR), an unusable δ: one line, no traceback
@@ -97,32 +103,38 @@ def audit(
             typer.secho("error: the recipe is not private (privacy.enabled: false); nothing to audit", fg="red",
                         err=True)
             raise typer.Exit(2)
-        cal = recipe_calibration(r)
     except (ValueError, OSError) as exc:  # RecipeError, DataError, CalibrationError are ValueErrors
         typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    if plant is not None and plant not in ALL:
+        typer.secho(f"error: unknown planted bug {plant!r}; one of {list(ALL)}", fg="red", err=True)
         raise typer.Exit(2)
     quick_sizes = quick or not full
     out = Path(out or f"audit-{r.name}")
     out.mkdir(parents=True, exist_ok=True)
-    known = cal["seed"] if cal["reproducible"] else None
-    rng_factory = None
-    if known is not None:
-        from dpft.privacy.randomness import Randomness
-
-        rng_factory = lambda: Randomness(known)  # noqa: E731 - the run's reproducible randomness
-    with tqdm(total=total_units(quick_sizes), desc="audit", unit="part") as bar:
-        rep = run_audit(cal["sigma"], cal["C"], cal["q"], cal["delta"], style=cal["style"], family=cal["family"],
-                        quick=quick_sizes, known_seed=known, rng_factory=rng_factory, hardened=cal["hardened"],
-                        progress=bar)
-    payload = {"recipe": str(recipe), "calibration": cal, **rep.as_dict()}
+    t0 = time.perf_counter()
+    try:
+        with tqdm(total=total_units(quick_sizes), desc="audit", unit="part") as bar:
+            cal, rep = audit_recipe(r, quick=quick_sizes, planted=plant, progress=bar)
+    except (ValueError, OSError) as exc:  # missing data offline, an unusable δ: one line, no traceback
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    seconds = time.perf_counter() - t0
+    payload = {"recipe": str(recipe), "calibration": cal, "seconds": seconds, **rep.as_dict()}
     (out / "audit.json").write_text(json.dumps(payload, indent=2, default=float))
     plot_scores(rep.results, out / "audit_scores.png")
     (out / "audit.md").write_text(render_md(cal, rep))
-    typer.echo(f"audit: {payload['verdict']} — {out / 'audit.md'}")
+    unit = cal["unit"]
+    typer.echo(f"audit: {payload['verdict']}{' (PLANTED ' + plant + ')' if plant else ''} — {out / 'audit.md'} "
+               f"({seconds:.0f} s)")
+    typer.echo(f"  plan: unit {unit}, N = {cal['n']}, q = {cal['q']:.4g}, σ = {cal['sigma']:.4g}, T = {cal['steps']}, "
+               f"C = {cal['C']:g}, δ = {cal['delta']:g}, ε = {cal['epsilon']:.3f}")
     for row in payload["canary"]:
         typer.echo(f"  {row['test']}: ε̂ = {row['eps_hat']:.3f} (cap {row['cap']:.2f}) vs ε = {row['certified_eps']:.3f}")
     bad = [c["check"] for c in payload["whitebox"] if c["verdict"] != "pass"]
     if bad:
         typer.echo("  failed checks: " + ", ".join(bad))
+    for n in rep.notes:
+        typer.echo(f"  not run: {n}")
     if not rep.passed:
         raise typer.Exit(1)

@@ -1,4 +1,11 @@
-"""One audit: the white-box checks and the three canary audits at a given (σ, C, q, δ).
+"""One audit: the white-box checks and the three canary audits at a given (σ, C, q, δ)
+(:func:`run_audit`), and the audit of a recipe (:func:`audit_recipe`: the Trainer ``dpft
+train`` would build, its plan, the checks through its own step, then :func:`run_audit` at the
+plan's σ, C, q).
+
+Checks written in other modules join the suite when they are installed
+(:data:`OPTIONAL_CHECKS`: ``checks_randomness.randomness_checks``, ``checks_api.api_checks``);
+a missing one is skipped with a note in the report, never counted as passed.
 
 Sizes: ``quick`` (CI: seconds to a minute on one core) or the default (more trials, every
 engine); the canary counts set the cap (the largest ε̂ certifiable), reported with every ε̂.
@@ -6,6 +13,7 @@ engine); the canary counts set the cap (the largest ε̂ certifiable), reported 
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -22,6 +30,10 @@ class AuditReport:
     delta: float
     checks: list = field(default_factory=list)
     results: list = field(default_factory=list)
+    #: parts of the suite that did not run (a check module not installed), one line each
+    notes: list = field(default_factory=list)
+    #: the planted bug of a self-test run (None: a real audit)
+    planted: Optional[str] = None
 
     @property
     def passed(self) -> bool:
@@ -29,7 +41,7 @@ class AuditReport:
 
     def as_dict(self) -> dict:
         return {"sigma": self.sigma, "C": self.c, "q": self.q, "delta": self.delta,
-                "verdict": "pass" if self.passed else "FAIL",
+                "verdict": "pass" if self.passed else "FAIL", "planted": self.planted, "notes": list(self.notes),
                 "whitebox": [c.row() for c in self.checks], "canary": [r.row() for r in self.results]}
 
 
@@ -51,11 +63,18 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
               family: str = "bert", quick: bool = True, known_seed: Optional[int] = None,
               rng_factory=None, hardened: bool = True, whitebox: bool = True, progress=None,
               which: tuple = ("one-step game", "one-run audit", "multi-step game"),
-              styles: tuple = wb.STYLES) -> AuditReport:
+              styles: tuple = wb.STYLES, planted: Optional[str] = None, optional: bool = True) -> AuditReport:
     """Run the audit; ``progress`` is a tqdm-like bar (``update(n)``) or None. ``which`` and
-    ``styles`` (clip styles of the sensitivity sweep; () skips it) select parts of it."""
+    ``styles`` (clip styles of the sensitivity sweep; () skips it) select parts of it.
+    ``planted`` names the planted bug of a self-test (routed to the check module that plants
+    it; the caller applies the patches of ``audit/planted.py``); ``optional`` runs the
+    installed :data:`OPTIONAL_CHECKS`."""
     sz = sizes(quick)
-    rep = AuditReport(sigma, c, q, delta)
+    rep = AuditReport(sigma, c, q, delta, planted=planted)
+    if optional:
+        checks, notes = optional_checks(planted)
+        rep.checks += checks
+        rep.notes += notes
     if whitebox:
         if styles:
             rep.checks += wb.all_sensitivity_checks(c, family, styles=styles, engines=sz["engines"],
@@ -77,8 +96,76 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
     return rep
 
 
+#: (module, function, the planted bugs it plants): checks other modules provide. Each function
+#: is ``f(planted: str | None = None) -> list[Check]``.
+OPTIONAL_CHECKS = (
+    ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
+    ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+)
+
+
+def optional_checks(planted: Optional[str] = None) -> tuple[list, list[str]]:
+    """Run the installed :data:`OPTIONAL_CHECKS` (``planted`` passed to the module that plants
+    it). Returns ``(checks, notes)``: a module that is not installed adds a note, no check.
+
+    Raises:
+        ValueError: ``planted`` belongs to a module that is not installed (nothing to plant)."""
+    checks, notes = [], []
+    for mod, fn, names in OPTIONAL_CHECKS:
+        try:
+            f = getattr(importlib.import_module(mod), fn)
+        except ImportError:
+            if planted in names:
+                raise ValueError(f"planted bug {planted!r} is planted by {mod}, which this install lacks") from None
+            notes.append(f"{mod}.{fn} is not in this install: its checks did not run (skipped, not passed)")
+            continue
+        checks += list(f(planted=planted if planted in names else None))
+    return checks, notes
+
+
+def audit_recipe(recipe, quick: bool = True, planted: Optional[str] = None, progress=None,
+                 run_dir: Optional[str] = None) -> tuple[dict, AuditReport]:
+    """Audit ``recipe`` (a :class:`~dpft.config.Recipe`) through the code ``dpft train`` runs.
+
+    Builds the recipe's :class:`~dpft.run.loop.Trainer` (its data, model, privacy unit, sampler,
+    clip policy, engine, precision, earlier ledger phases, calibrated σ), takes the plan (unit,
+    N, q, σ, T, C, δ, ε of the run) from it, checks through the Trainer's own step
+    (``audit/trainer_walk.py``), then runs :func:`run_audit` at the plan's σ, C, q (white-box
+    checks of every clip style and engine on tiny models, the canary audits, the optional
+    checks). ``planted``: a name of ``audit/planted.py`` (a self-test: the audit must FAIL).
+
+    Returns ``(calibration dict, AuditReport)``. Raises ``ValueError`` for a non-private recipe.
+    """
+    from dpft.audit import planted as pl
+    from dpft.audit import trainer_walk as tw
+
+    r = recipe
+    if not r.privacy.enabled:
+        raise ValueError("the recipe is not private (privacy.enabled: false); nothing to audit")
+    name = str(r.model.name).lower()
+    family = "roberta" if "roberta" in name else "gpt2" if ("gpt" in name or r.task.name == "text") else "bert"
+    p = r.privacy
+    with pl.plant(planted) as extra:
+        trainer = tw.build_trainer(r, run_dir)
+        plan = tw.row_level_plan(trainer) if planted == tw.ROW_LEVEL_USER_RECIPE else tw.trainer_plan(trainer)
+        cal = {**plan, "style": p.clipping.style, "family": family, "reproducible": bool(p.reproducible),
+               "seed": int(r.seed), "hardened": bool(p.hardened_noise)}
+        walk = tw.trainer_checks(trainer, plan, quick=quick, progress=progress)
+        known = extra.get("known_seed", cal["seed"] if cal["reproducible"] else None)
+        rng_factory = None
+        if cal["reproducible"]:
+            from dpft.privacy.randomness import Randomness
+
+            rng_factory = lambda: Randomness(known)  # noqa: E731 - the run's reproducible randomness
+        rep = run_audit(plan["sigma"], plan["C"], plan["q"], plan["delta"], style=cal["style"], family=family,
+                        quick=quick, known_seed=known, rng_factory=rng_factory, hardened=cal["hardened"],
+                        progress=progress, planted=planted)
+    rep.checks = walk + rep.checks
+    return cal, rep
+
+
 def total_units(quick: bool, whitebox: bool = True) -> int:
     """Progress-bar length of :func:`run_audit`."""
     sz = sizes(quick)
     n = len(wb.STYLES) * len(sz["engines"]) * 2 if whitebox else 0
-    return n + sz["game_rounds"] + 1 + sz["ms_rounds"]
+    return n + sz["game_rounds"] + 1 + sz["ms_rounds"] + 2  # + 2: the Trainer walk

@@ -65,6 +65,10 @@ def render_extra(rep: dict[str, Any]) -> list[str]:
                   f"against {st['references']} references (multi-reference; eval/metrics.py)", "",
                   "| BLEU (sacrebleu) | ROUGE-L F (rouge-score) | exact match |", "|---|---|---|",
                   f"| {m['dev_bleu']:.2f} | {m['dev_rouge_l']:.2f} | {m['dev_exact_match']:.1f} % |", ""]
+        if g.get("samples_withheld"):
+            lines += ["### Generations", "", f"{g['samples_withheld']} dev generations and their references are not "
+                      "printed: the dev set is your own data (not a public benchmark), and its texts are not "
+                      "covered by ε.", ""]
         if g["samples"]:
             lines += ["### Generations", ""]
             for s in g["samples"]:

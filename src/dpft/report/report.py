@@ -18,6 +18,10 @@ from dpft.report.lm import render_extra
 #: Headline qualifier of a run in reproducible mode (privacy.reproducible).
 REPRODUCIBLE_WARNING = ("REPRODUCIBLE MODE: the sampling and noise were derived from the recorded seed; "
                         "this ε holds only while that seed stays secret")
+#: Headline of a reproducible run: its seed is in the released ``recipe.yaml``, so anyone with
+#: the release can regenerate the sampling and the noise (issue 23).
+NOT_FOR_RELEASE = ("NOT CERTIFIED for release (reproducible mode: the seed is in the released recipe.yaml, from "
+                   "which anyone can regenerate the sampling and the noise)")
 NO_GUARANTEE = "NONE: this is a non-private reference run (--no-dp); it has no privacy guarantee"
 
 
@@ -82,6 +86,9 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
             rep["privacy"] = sec
     if r.privacy.reproducible and rep["privacy"].get("guarantee") == "certified":
         rep["privacy"]["reproducible"] = True
+        rep["privacy"]["release"] = NOT_FOR_RELEASE
+        rep["privacy"]["certified_for_release"] = False
+    withhold_private_dev_texts(rep)
     d = trainer.run_dir
     try:  # first, so that the file list below knows whether it exists
         plot_history(rep["history"], d / "training.png",
@@ -180,7 +187,7 @@ def epsilon_line(rep: dict[str, Any]) -> str:
         if u.get("unit") == "user":
             line += f" — privacy unit: user (N = {u['n_units']} users)"
         if p.get("reproducible"):
-            line += f" — {REPRODUCIBLE_WARNING}"
+            line = f"{NOT_FOR_RELEASE} — {line} — {REPRODUCIBLE_WARNING}"
         return line
     if p["guarantee"] == "NOT CERTIFIED":
         return f"ε: NOT CERTIFIED — {p['reason']}"
@@ -249,13 +256,44 @@ def render_markdown(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def withhold_private_dev_texts(rep: dict[str, Any]) -> dict[str, Any]:
+    """Drop the verbatim dev prompts, generations and references from ``rep`` (in place) unless
+    its dev set is public (``rep["coverage"]["dev_public"]``): the user's own dev texts are not
+    covered by ε and the report is released. Their number is kept (``samples_withheld``)."""
+    g = rep.get("generation")
+    if g and g.get("samples") and not (rep.get("coverage") or {}).get("dev_public", False):
+        rep["generation"] = {**g, "samples": [], "samples_withheld": len(g["samples"])}
+    return rep
+
+
+def dev_is_public(task) -> bool:
+    """Whether the run's dev set is public benchmark data, whose texts the report may print.
+
+    Public: a named benchmark task read from the hub or from ``DPFT_DATA_DIR`` (the benchmark
+    data folder, e.g. SST-2's dev split), or a ``task.dev_file`` inside ``DPFT_DATA_DIR`` (e.g.
+    E2E's ``devset.csv``). Not public: a ``task.dev_file`` anywhere else (the user's own data)
+    and the split held out from ``task.train_file``."""
+    from dpft.data.tasks import data_dir
+
+    if task.dev_file:
+        root = data_dir()
+        if root is None:
+            return False
+        try:
+            Path(task.dev_file).resolve().relative_to(root.resolve())
+        except ValueError:
+            return False
+        return True
+    return task.name not in ("files",) and not task.train_file
+
+
 def coverage_section(trainer) -> dict[str, Any]:
     """What the run's ε covers and what it does not (every sentence must be true)."""
     from dpft.run.release import DIAGNOSTICS_FILE, RELEASE_SET, dev_statement
 
     r = trainer.recipe
     t = r.task
-    dev_public = t.name not in ("files",) and not t.train_file and not t.dev_file
+    dev_public = dev_is_public(t)
     if t.dev_file:
         src = f"your dev file {t.dev_file}"
     elif t.train_file:
@@ -296,7 +334,7 @@ def coverage_section(trainer) -> dict[str, Any]:
             "neighbouring datasets, example-level privacy). If one person contributes several rows, each "
             "person's protection is weaker (group privacy).")
     if r.privacy.reproducible and covered:
-        out["reproducible"] = REPRODUCIBLE_WARNING + "."
+        out["reproducible"] = f"{NOT_FOR_RELEASE}. {REPRODUCIBLE_WARNING}."
     return out
 
 

@@ -23,8 +23,11 @@ What the world of K processes computes is *one* DP-SGD run, the same mechanism a
   (Independent noise on each rank, summed, would be a different mechanism; rank 0 adding the
   noise and broadcasting S + σCz would release the same value at the cost of a second
   gradient-sized collective per step.) All ranks then apply the same update, so their weights
-  stay equal without a parameter broadcast; :func:`check_in_sync` verifies this at every
-  checkpoint (gloo and NCCL all-reduce give every rank the same bits).
+  stay equal without a parameter broadcast; :func:`check_step_digest` verifies at every logical
+  step that the ranks cut their shares from the same logical batch in the same order and hold
+  the same weights after the noisy update (else the run stops before the step is released), and
+  :func:`check_in_sync` checks the weights again at every checkpoint (gloo and NCCL all-reduce
+  give every rank the same bits).
 - **Rank 0 writes, and only rank 0 reads the run directory.** Ledger, checkpoints, metrics,
   report and model are written by rank 0; a checkpoint (and the live ledger) is read by rank 0
   and broadcast, so the run directory need not be on a file system the other ranks see.
@@ -62,7 +65,7 @@ import torch
 from dpft.privacy.randomness import Randomness
 
 __all__ = ["World", "DistributedError", "init_from_env", "shared_randomness", "check_same_randomness", "shard", "on_rank0", "all_sum",
-           "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_methods", "barrier",
+           "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_step_digest", "check_methods", "barrier",
            "DDP_METHODS"]
 
 T = TypeVar("T")
@@ -372,6 +375,56 @@ def check_in_sync(world: World, params: dict[str, torch.Tensor]) -> bool:
         for n in sorted(params):
             dist.broadcast(params[n].data, src=0, group=world.group)
     return False
+
+
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
+
+
+def step_digest(step: int, indices: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``(3,)`` int64 digest of logical step ``step`` on this rank: the step, a SHA-256 of the
+    world's logical batch in the order it is sharded (its row indices; what each rank's share
+    is cut from), and a SHA-256 of the bit-pattern checksums of the weights after the update
+    (which hold this step's noise: a rank that drew other noise, or summed other clipped
+    gradients, holds other weights)."""
+    idx = indices.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    w = _checksums(params).cpu().contiguous().numpy().tobytes()
+    return torch.tensor([int(step), _digest64(idx), _digest64(w)], dtype=torch.int64)
+
+
+def check_step_digest(world: World, step: int, indices: torch.Tensor, params: dict[str, torch.Tensor]) -> None:
+    """Stop the run when the ranks disagree on step ``step``'s logical batch or noisy update.
+
+    Called at every logical step after the update and before anything of the step is written
+    (metrics, checkpoint, report): the digests of :func:`step_digest` are all-gathered and every
+    rank compares them with rank 0's, so every rank raises the same error. A rank that
+    tokenised or sorted its data differently cuts its share from another order (an example on
+    two ranks: sensitivity 2C); a rank with another key draws other noise or another batch.
+    A no-op in one process.
+
+    Raises:
+        DistributedError: naming the ranks whose batch order or weights differ from rank 0's.
+    """
+    if not world.distributed:
+        return
+    import torch.distributed as dist
+
+    mine = step_digest(step, indices, params).to(_host(world))
+    got = [torch.zeros_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(got, mine, group=world.group)
+    got = [g.cpu() for g in got]
+    batch = [r for r, g in enumerate(got) if int(g[1]) != int(got[0][1]) or int(g[0]) != int(got[0][0])]
+    noise = [r for r, g in enumerate(got) if int(g[2]) != int(got[0][2])]
+    if batch or noise:
+        why = []
+        if batch:
+            why.append(f"ranks {batch} hold another logical batch (or order) than rank 0: each rank must "
+                       "tokenise the same data with the same tokenizer and model.max_length")
+        if noise:
+            why.append(f"ranks {noise} hold other weights than rank 0 after the noisy update (other noise or "
+                       "another clipped sum): every rank must share the run's key and start from the same weights")
+        raise DistributedError(f"DDP step {step}: the ranks disagree; the run is stopped before this step is "
+                               "released. " + "; ".join(why))
 
 
 def recipe_digest(recipe_json: dict) -> str:

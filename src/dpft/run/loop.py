@@ -481,34 +481,16 @@ class Trainer:
     def step(self, step: int) -> dict[str, float]:
         """One logical step through :class:`~dpft.step.DPStep`. Returns the row's fields (the
         private ones are split off by run/release.py before anything is written)."""
-        r = self.recipe
         torch.manual_seed(ddp.dropout_seed(self.rng, step, self.world))  # dropout masks: per step (and rank), secret
         idx = self.dp_step.indices(step)
         for m in self.methods:
             m.before_step(step, self.ctx)
         self.model.train()
-        if self.user_level:
-            # Micro-batches of whole users (grouped by the sampler); with group clipping each
-            # carries its rows' local user ids, so a user's summed gradient is clipped as one.
-            micros = self.sampler.micro_batches(idx, r.batch.max_physical_batch_size)
-        else:
-            # Order the logical batch by length so micro-batches carry little padding; the set of
-            # examples (all that privacy depends on) is unchanged.
-            idx = idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
-            mine = ddp.shard(idx, self.world)  # DDP: this rank's share of the world's logical batch
-            micros = PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size)
-        groups = self.user_level and r.task.user_clipping == "group"
-
-        def micro_batches():
-            for micro in micros:
-                batch = collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
-                                device=self.device)
-                if groups:
-                    batch[GROUP_KEY] = self.sampler.groups(micro).to(self.device)
-                yield batch
-
+        idx = self.logical_order(idx)
+        micro_batches = self.micro_batches(idx)
         try:
-            res = self.dp_step.run(step, micro_batches())
+            res = self.dp_step.run(step, micro_batches)
+            ddp.check_step_digest(self.world, step, idx, self.params)  # DDP: same batch and noise, every step
         except NonFiniteGradientError as exc:
             raise TrainingError(f"step {step}: {exc}. The last checkpoint in {self.run_dir} is intact; "
                                 "fix the recipe and --resume") from None
@@ -521,6 +503,36 @@ class Trainer:
         if self.causal:
             out["train_loss_per_token"] = res.private["loss_sum"] / max(1, int((self.train_lengths[idx] - 1).sum()))
         return out
+
+    def logical_order(self, idx: torch.Tensor) -> torch.Tensor:
+        """The order the step runs logical batch ``idx`` in (the order DDP shards it by)."""
+        if self.user_level:
+            return idx  # grouped by user by the sampler
+        # Order the logical batch by length so micro-batches carry little padding; the set of
+        # examples (all that privacy depends on) is unchanged.
+        return idx[torch.argsort(self.train_lengths[idx], stable=True)] if len(idx) else idx
+
+    def micro_batches(self, idx: torch.Tensor):
+        """The physical micro-batches of logical batch ``idx`` (row indices in
+        :meth:`logical_order`), as the step runs them: this rank's DDP share, at most
+        ``batch.max_physical_batch_size`` rows each, collated on the device; at user level whole
+        users per micro-batch, with their local user ids under ``GROUP_KEY`` for group clipping.
+        A generator (one micro-batch in memory at a time); ``dpft audit`` walks it too."""
+        r = self.recipe
+        if self.user_level:
+            # Micro-batches of whole users (grouped by the sampler); with group clipping each
+            # carries its rows' local user ids, so a user's summed gradient is clipped as one.
+            micros = self.sampler.micro_batches(idx, r.batch.max_physical_batch_size)
+        else:
+            mine = ddp.shard(idx, self.world)  # DDP: this rank's share of the world's logical batch
+            micros = PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size)
+        groups = self.user_level and r.task.user_clipping == "group"
+        for micro in micros:
+            batch = collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
+                            device=self.device)
+            if groups:
+                batch[GROUP_KEY] = self.sampler.groups(micro).to(self.device)
+            yield batch
 
     def save_live_ledger(self) -> None:
         """Write the ledger to its live file (after every release; never shrinks it). Rank 0 only."""
