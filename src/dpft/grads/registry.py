@@ -22,7 +22,9 @@ naming its class). Users give their own module classes a fast rule without forki
             return {"weight": Outer(module.s * g, x, module.weight.shape)}  # g_i = s G_iᵀ X_i
 
 The built-in rules (``linear.py``, ``embedding.py``, ``layernorm.py``, ``rmsnorm.py``,
-``conv1d.py``, ``lora.py``) register themselves the same way.
+``conv1d.py``, ``lora.py``) register themselves the same way; ``dpft/grads/__init__.py``
+imports them, so they are registered whenever this module is (the registry imports none of
+them back: no import circle).
 
 Lookup for a module ``m`` (:func:`rules_for`): candidate rules are those registered for a class
 in ``type(m).__mro__`` whose ``matches(m)`` is true, ordered
@@ -61,16 +63,6 @@ class _Entry:
 
 _REGISTRY: list[_Entry] = []
 _counter = 0
-_builtins_loaded = False
-
-
-def _load_builtins() -> None:
-    """Import the built-in rule files (each registers itself on import)."""
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    from dpft.grads import conv1d, embedding, layernorm, linear, lora, rmsnorm  # noqa: F401
 
 
 def _check_module_classes(module_classes: tuple) -> None:
@@ -143,7 +135,6 @@ def unregister_layer(module_cls: type, kind: Any = None) -> int:
 
 def rules_for(module: nn.Module) -> list[LayerKind]:
     """Rules that match ``module``, best first (see the module docstring for the order)."""
-    _load_builtins()
     mro = type(module).__mro__
     rank = {c: i for i, c in enumerate(mro)}
     cands = [e for e in _REGISTRY if e.module_cls in rank]
@@ -169,7 +160,6 @@ def rule_for(module: nn.Module, roles) -> LayerKind | None:
 def registered_kinds() -> tuple[LayerKind, ...]:
     """Every registered rule once, user rules first, then built-ins, newest first: a snapshot
     (the backward-compatible ``dpft.grads.bookkeeping.KINDS``)."""
-    _load_builtins()
     out: list[LayerKind] = []
     for e in sorted(_REGISTRY, key=lambda e: (e.builtin, -e.order)):
         if e.kind not in out:
