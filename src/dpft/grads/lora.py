@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, Outer, check_batch, first_input
+from dpft.grads._hooks import BatchLayoutError, LayerKind, LayoutError, Outer, batch_first, first_input
 from dpft.grads.registry import register_layer
 
 
@@ -92,8 +92,10 @@ class LoraEmbeddingKind(LayerKind):
         if ids.dim() >= 1 and ids.shape[0] == 1 and batch > 1:
             ids = ids.expand(batch, *ids.shape[1:])
             new_out = output.expand(batch, *output.shape[1:])
-        check_batch(ids, batch, "LoRA Embedding ids")
-        return ids, new_out, [ids]
+        try:
+            return batch_first(ids, batch, "LoRA Embedding ids"), new_out, [ids]
+        except BatchLayoutError as e:
+            return LayoutError(str(e)), None, []
 
     def contributions(self, module, state, grads, roles):
         g = grads[0]
