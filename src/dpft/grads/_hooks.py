@@ -740,6 +740,15 @@ class Capture:
         rec.flat = [flat[k].shape[0] // b if (flat[k].dim() > 0 and flat[k].shape[0] != b
                                               and flat[k].shape[0] % b == 0) else 0 for k in slots]
         self.records.append(rec)
+        if len(slots) > 1 and any(flat[k].requires_grad for k in slots):
+            # Several outputs, one maybe computed from another inside the module (a router's
+            # scores from its logits): a hook on the upstream one would also receive the
+            # gradient flowing back from the other through the module. Each output is handed
+            # on as a fresh alias whose gradient comes from the uses after the module only.
+            for k in slots:
+                if flat[k].requires_grad:
+                    flat[k] = flat[k].view_as(flat[k])
+            new_out = torch.utils._pytree.tree_unflatten(flat, spec)
         for slot, k in enumerate(slots):
             t = flat[k]
             if t.requires_grad:

@@ -74,6 +74,7 @@ from dpft.grads._hooks import (
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
 from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW
+from dpft.grads.lora import check_adapter_layers
 from dpft.grads.registry import register_layer, rule_for
 from dpft.step.clip import ClipPolicy, check_finite_norms
 
@@ -213,11 +214,16 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
     Rules come from the registry (``grads/registry.py``: most specific class first, user
     registrations before built-ins); an explicit ``kinds`` tuple is tried in order instead.
 
+    Raises:
+        dpft.grads.lora.UnknownAdapterError: a trainable peft adapter layer type (or LoRA
+            variant) the rules were not verified against.
+
     A parameter registered on several modules (tied weights) gives one unit per module, all
     naming the same engine parameter. Parameters held in a ``ParameterDict``/``ParameterList``
     are attributed to the container's parent (the module whose forward uses them).
     """
     pid = {id(p): n for n, p in params.items()}
+    check_adapter_layers(model, {id(p) for p in params.values()})
     named = dict(model.named_modules())
     owners: dict[int, tuple[str, nn.Module, dict[str, str]]] = {}
     for mname, m in model.named_modules():
