@@ -428,3 +428,91 @@ def test_first_call_check_does_not_consume_the_global_rng():
     torch.manual_seed(123)
     eng.clipped_sum(batch_for("bert"))  # checked already: step only
     assert torch.equal(after_first, torch.get_rng_state())
+
+
+# ----------------------------------------------------------------------------- flattened layouts (issue 27)
+
+
+class _Flat(nn.Module):
+    """Embedding, then a LayerNorm + Linear + routed gate applied to the tokens flattened to
+    (B*T, d): token-major (``x.reshape(-1, d)``, as OPT and MoE blocks do) or, with
+    ``interleave``, time-major (``x.transpose(0, 1).reshape(-1, d)``: row r is example r % B)."""
+
+    def __init__(self, interleave=False, d=8, v=30):
+        super().__init__()
+        self.emb = nn.Embedding(v, d)
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+        self.interleave = interleave
+
+    def forward(self, x):
+        h = self.emb(x)
+        b, t, d = h.shape
+        f = h.transpose(0, 1).reshape(-1, d) if self.interleave else h.reshape(-1, d)
+        f = torch.tanh(self.fc(self.ln(f)))
+        h = f.reshape(t, b, d).transpose(0, 1) if self.interleave else f.reshape(b, t, d)
+        return self.head(h.mean(1))
+
+
+def _flat_loss(fwd, batch):
+    return F.cross_entropy(fwd(x=batch["x"]), batch["y"], reduction="none")
+
+
+def test_token_major_flattened_inputs_are_exact():
+    torch.manual_seed(0)
+    model = _Flat()
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randint(0, 30, (4, 6), generator=g), "y": torch.tensor([0, 1, 2, 1])}
+    clip = make_clip_policy("flat", 0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = ReferenceEngine(model, _flat_loss, clip).clipped_sum(batch)
+    bk = BookKeepingEngine(model, _flat_loss, clip).clipped_sum(batch)
+    torch.testing.assert_close(bk.sq_norms.sum(1), ref.sq_norms.sum(1), rtol=1e-4, atol=1e-9)
+    for n in ref.grad_sum:
+        torch.testing.assert_close(bk.grad_sum[n], ref.grad_sum[n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_flattened_inputs_in_another_layout_are_refused():
+    """(B*T, d) rows laid out time-major: the first call's layout check sees rows it would give
+    example i influence example j's loss, and refuses (naming the module)."""
+    from dpft.grads._hooks import BatchLayoutError
+
+    torch.manual_seed(0)
+    model = _Flat(interleave=True)
+    batch = {"x": torch.randint(0, 30, (4, 6)), "y": torch.tensor([0, 1, 2, 1])}
+    with pytest.raises(BatchLayoutError, match="(ln|fc): its output .* not laid out example by example"):
+        BookKeepingEngine(model, _flat_loss, make_clip_policy("flat", 0.05)).clipped_sum(batch)
+
+
+def test_a_non_batch_first_call_is_an_error_only_if_a_gradient_reaches_it():
+    """peft DoRA computes ``lora_B(lora_A(eye))`` (detached) inside its forward: that call has no
+    batch dimension but receives no gradient, so it is harmless; the same call used in the loss
+    raises."""
+    from dpft.grads._hooks import BatchLayoutError
+
+    class EyeUse(nn.Module):
+        def __init__(self, used):
+            super().__init__()
+            self.emb = nn.Embedding(30, 5)
+            self.fc = nn.Linear(5, 3)
+            self.used = used
+
+        def forward(self, x):
+            w = self.fc(torch.eye(5))  # (5, 3): no example dimension (5 % 4 != 0)
+            out = self.fc(self.emb(x)).mean(1)
+            return out + (w.sum() if self.used else w.detach().sum())
+
+    batch = {"x": torch.randint(0, 30, (4, 6)), "y": torch.tensor([0, 1, 2, 1])}
+    clip = make_clip_policy("flat", 0.05)
+    torch.manual_seed(0)
+    model = EyeUse(used=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = ReferenceEngine(model, _flat_loss, clip).clipped_sum(batch)
+    bk = BookKeepingEngine(model, _flat_loss, clip).clipped_sum(batch)
+    for n in ref.grad_sum:
+        torch.testing.assert_close(bk.grad_sum[n], ref.grad_sum[n], rtol=1e-4, atol=1e-7, msg=n)
+    with pytest.raises(BatchLayoutError, match="fc"):
+        BookKeepingEngine(EyeUse(used=True), _flat_loss, clip).clipped_sum(batch)

@@ -38,6 +38,7 @@ hooks, where each layer immediately reduces them to its contributions.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -461,19 +462,113 @@ def first_input(args: tuple, kwargs: dict, name: str = "input") -> torch.Tensor:
 
 def check_batch(t: torch.Tensor, batch: int, label: str) -> None:
     if t.dim() == 0 or t.shape[0] != batch:
-        raise BatchLayoutError(
-            f"{label}: the book-keeping engine needs the example dimension first, but this "
-            f"module received a tensor of shape {tuple(t.shape)} for a micro-batch of {batch} "
-            "examples (flattened or broadcast batch); use ReferenceEngine for this model"
-        )
+        raise BatchLayoutError(_layout_msg(t, batch, label))
+
+
+def _layout_msg(t: torch.Tensor, batch: int, label: str) -> str:
+    return (f"{label}: the book-keeping engine needs the example dimension first (or a token-major "
+            f"flattening (B*n, ...) of it), but this module received a tensor of shape "
+            f"{tuple(t.shape)} for a micro-batch of {batch} examples (a parameter used on a "
+            "batch-independent tensor); freeze this module's parameters or train it with LoRA, or "
+            "use ReferenceEngine (exact, one backward per example)")
+
+
+@dataclass
+class LayoutError:
+    """State of a module call whose input is not batch-first. Harmless while no gradient reaches
+    the call's outputs (peft DoRA's ``lora_B(lora_A(eye))``, detached); :class:`Capture` raises
+    :class:`BatchLayoutError` with ``msg`` if one does."""
+
+    msg: str
+
+
+def batch_first(t: torch.Tensor, batch: int, label: str) -> torch.Tensor:
+    """``t`` with the example dimension first: ``(B, ...)`` as is, or a flattened token-major
+    ``(B*n, ...)`` (row ``r`` belongs to example ``r // n``: ``x.reshape(-1, d)`` of a
+    ``(B, n, d)`` tensor, as OPT's decoder layers and mixture-of-experts blocks do) reshaped
+    to ``(B, n, ...)``. The row-to-example map is checked on the first micro-batch
+    (:func:`check_example_support`).
+
+    Raises:
+        BatchLayoutError: the leading dimension is neither ``B`` nor a multiple of it.
+    """
+    if t.dim() > 0 and t.shape[0] == batch:
+        return t
+    if t.dim() > 0 and batch > 0 and t.shape[0] > batch and t.shape[0] % batch == 0:
+        return t.reshape(batch, t.shape[0] // batch, *t.shape[1:])
+    raise BatchLayoutError(_layout_msg(t, batch, label))
 
 
 def save_input(args: tuple, kwargs: dict, batch: int, label: str):
     """``LayerKind.save`` for kinds whose state is their detached first input ``x``:
-    returns ``(x, None, [x])`` after checking the example dimension comes first."""
+    returns ``(x, None, [x])`` with ``x`` batch-first (:func:`batch_first`; a flattened
+    ``(B*n, d)`` input becomes ``(B, n, d)``, and the output gradients the rule receives are
+    reshaped the same way). An input that is not batch-first gives a :class:`LayoutError` state:
+    an error if a gradient reaches that call."""
     x = first_input(args, kwargs).detach()
-    check_batch(x, batch, label)
-    return x, None, [x]
+    try:
+        return batch_first(x, batch, label), None, [x]
+    except BatchLayoutError as e:
+        return LayoutError(str(e)), None, []
+
+
+#: While set (thread-local), Capture's gradient hooks ignore what they see (the engine's own
+#: extra backward passes of :func:`check_example_support`).
+_SUSPEND = threading.local()
+
+
+def check_example_support(losses: torch.Tensor, outputs: list[tuple[torch.Tensor, str]]) -> None:
+    """Check that each recorded module output's rows belong to the example the engine assigns
+    them to: row block ``i`` of ``out.reshape(B, -1)`` may influence ``losses[i]`` only.
+
+    Two extra backward passes (first micro-batch only): ``G1 = d(sum_i l_i)/d out`` and
+    ``Gw = d(sum_i w_i l_i)/d out`` with ``w_i = 2^(i mod 16)``. If block ``i`` of ``out``
+    influences only ``l_i`` then ``Gw_i = w_i G1_i`` exactly; any influence on another example
+    ``j`` adds ``(w_j - w_i) dl_j/d out_i``.
+
+    Raises:
+        BatchLayoutError: naming the module whose output mixes examples.
+    """
+    b = losses.shape[0]
+    outs = [(t, lab) for t, lab in outputs if t.requires_grad and t.numel() % b == 0]
+    if b < 2 or not outs or not losses.requires_grad:
+        return
+    # Powers of two: scaling a gradient by 2^k is exact in floating point, so Gw_i = w_i G1_i
+    # holds bit for bit (fp32 or bf16/fp16 autocast alike) unless examples mix. (Examples i and
+    # i + 16 get the same weight; a layout error mixes every example, neighbours included.)
+    w = torch.tensor([2.0 ** (i % 16) for i in range(b)], device=losses.device, dtype=losses.dtype)
+    tens = [t for t, _ in outs]
+    _SUSPEND.on = True
+    try:
+        g1 = torch.autograd.grad(losses.sum(), tens, retain_graph=True, allow_unused=True)
+        gw = torch.autograd.grad((losses * w).sum(), tens, retain_graph=True, allow_unused=True)
+    except RuntimeError as e:
+        if "reentrant" not in str(e):
+            raise
+        # Reentrant activation checkpointing refuses autograd.grad: batch-first outputs are
+        # taken as before; a flattened one cannot be verified, so it is refused.
+        flat = [lab for t, lab in outs if t.shape[0] != b]
+        if flat:
+            raise BatchLayoutError(
+                f"{flat[0]}: a flattened (B*n, ...) output cannot be checked under reentrant "
+                "activation checkpointing; use gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}") from None
+        return
+    finally:
+        _SUSPEND.on = False
+    for (t, lab), a, c in zip(outs, g1, gw):
+        if a is None or c is None:
+            continue
+        a = a.float().reshape(b, -1) * w.float()[:, None]
+        c = c.float().reshape(b, -1)
+        scale = float(torch.maximum(a.abs().max(), c.abs().max()))
+        if scale > 0 and float((c - a).abs().max()) > 1e-5 * scale:
+            raise BatchLayoutError(
+                f"{lab}: its output of shape {tuple(t.shape)} is not laid out example by example "
+                f"(rows the engine assigns to one of the {b} examples influence the loss of "
+                "another): a parameter used on a batch-independent or example-mixing tensor. Freeze "
+                "this module's parameters or train it with LoRA, or use ReferenceEngine (exact, one "
+                "backward per example)")
 
 
 def as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -493,6 +588,8 @@ class Unit:
     roles: dict[str, str]  # role (attribute path in module) -> engine parameter name
     label: str  # qualified module name
     clone_input: bool = False
+    #: Outputs recorded on a checking pass, for :func:`check_example_support` (then cleared).
+    check_outputs: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -502,6 +599,9 @@ class _Record:
     grads: list = field(default_factory=list)
     pending: int = 0
     done: bool = False
+    #: Per output slot: ``n`` when that output is a flattened ``(B*n, ...)`` (its gradient is
+    #: reshaped to ``(B, n, ...)`` before the rule sees it), else 0.
+    flat: list = field(default_factory=list)
 
 
 class Capture:
@@ -531,8 +631,12 @@ class Capture:
     """
 
     def __init__(self, units: list[Unit], batch: int, mode: str = "main",
-                 clone_all: bool = False, keep_fallback_inputs: bool = False):
+                 clone_all: bool = False, keep_fallback_inputs: bool = False,
+                 check_outputs: Optional[bool] = None):
         self.units = units
+        #: Keep every recorded output on its unit for :func:`check_example_support` (the
+        #: checking pass: the probe, or the first micro-batch of a user-driven loop).
+        self.check_outputs = (mode == "probe" or clone_all) if check_outputs is None else check_outputs
         self.batch = batch
         self.mode = mode
         #: Copy every saved input while still watching the originals for in-place changes (the
@@ -624,10 +728,19 @@ class Capture:
             self.versions.append((t, t._version, unit))
         if self.mode == "probe":
             self.probe_inputs.setdefault(id(unit), []).append(state)
-            return None
+            if self.check_outputs:
+                self._keep_outputs(unit, new_out if new_out is not None else output)
+            return new_out
         if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
             self.probe_inputs.setdefault(id(unit), []).append(state)
         return self._record(unit, state, new_out, output, leaves=True)
+
+    def _keep_outputs(self, unit: Unit, out) -> None:
+        b = self.batch
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() > 0
+                    and t.shape[0] % b == 0):
+                unit.check_outputs.append((t, unit.label))
 
     def _record(self, unit: Unit, state, new_out, output, leaves: bool):
         out = new_out if new_out is not None else output
@@ -637,7 +750,19 @@ class Capture:
                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
         rec.grads = [None] * len(slots)
         rec.pending = len(slots)
+        b = self.batch
+        rec.flat = [flat[k].shape[0] // b if (flat[k].dim() > 0 and flat[k].shape[0] != b
+                                              and flat[k].shape[0] % b == 0) else 0 for k in slots]
         self.records.append(rec)
+        if len(slots) > 1 and any(flat[k].requires_grad for k in slots):
+            # Several outputs, one maybe computed from another inside the module (a router's
+            # scores from its logits): a hook on the upstream one would also receive the
+            # gradient flowing back from the other through the module. Each output is handed
+            # on as a fresh alias whose gradient comes from the uses after the module only.
+            for k in slots:
+                if flat[k].requires_grad:
+                    flat[k] = flat[k].view_as(flat[k])
+            new_out = torch.utils._pytree.tree_unflatten(flat, spec)
         for slot, k in enumerate(slots):
             t = flat[k]
             if t.requires_grad:
@@ -650,6 +775,8 @@ class Capture:
                     self.leaves.append((t, rec, slot))
                 else:
                     t.register_hook(self._grad_hook(rec, slot))
+        if self.check_outputs and leaves:
+            self._keep_outputs(unit, out)
         return new_out
 
     def _on_recompute(self, unit: Unit, args, kwargs, output):
@@ -674,6 +801,8 @@ class Capture:
 
     def _grad_hook(self, rec: _Record, slot: int) -> Callable:
         def h(g):
+            if getattr(_SUSPEND, "on", False):
+                return None
             self._deliver(rec, slot, g)
             return None
 
@@ -693,12 +822,17 @@ class Capture:
             rec.state = None
             return
         u = rec.unit
+        if isinstance(rec.state, LayoutError):
+            raise BatchLayoutError(f"{u.label}: {rec.state.msg}")
+        b = self.batch
+        grads = [g.reshape(b, n, *g.shape[1:]) if (g is not None and n) else g
+                 for g, n in zip(rec.grads, rec.flat or [0] * len(rec.grads))]
         # A fallback rule re-runs its module here (inside the backward): that is no
         # checkpoint recomputation, so the unit hooks stay quiet meanwhile.
         active, self.active = self.active, False
         try:
             with full_precision():
-                out = u.kind.contributions(u.module, rec.state, rec.grads, tuple(u.roles))
+                out = u.kind.contributions(u.module, rec.state, grads, tuple(u.roles))
         finally:
             self.active = active
         rec.state = None

@@ -57,6 +57,7 @@ from torch.utils import _pytree as pytree
 from dpft.grads._hooks import (
     NORM_MODES,
     Capture,
+    check_example_support,
     GramCache,
     LayerKind,
     Outer,
@@ -73,6 +74,7 @@ from dpft.grads._hooks import (
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
 from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW
+from dpft.grads.lora import check_adapter_layers
 from dpft.grads.registry import register_layer, rule_for
 from dpft.step.clip import ClipPolicy, check_finite_norms
 
@@ -112,38 +114,59 @@ class FallbackKind(LayerKind):
             lambda t: t.detach() if isinstance(t, torch.Tensor) else t, (args, kwargs)
         )
         watched = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
-        outs = [t for t in pytree.tree_leaves(output)
-                if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        leaves, spec = pytree.tree_flatten(output)
+        outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        lead = {t.shape[0] if t.dim() else None for t in outs}
+        new_out = None
+        rows = 0  # n > 0: every output is a flattened token-major (B*n, ...) tensor
+        if batch > 1 and lead == {1}:
+            # Batch-independent output used by every example (a learned position table called
+            # with (1, T) positions): expanded to (B, ...) (stride-0 view, same values) so that
+            # each example's output gradient arrives on its own.
+            leaves = [t.expand(batch, *t.shape[1:]) if isinstance(t, torch.Tensor)
+                      and t.is_floating_point() else t for t in leaves]
+            new_out = pytree.tree_unflatten(leaves, spec)
+            outs = [t.expand(batch, *t.shape[1:]) for t in outs]
+        elif (len(lead) == 1 and None not in lead and batch not in lead
+              and next(iter(lead)) % batch == 0):
+            rows = next(iter(lead)) // batch
         for t in outs:
-            if t.dim() == 0 or t.shape[0] != batch:
+            if t.dim() == 0 or (t.shape[0] != batch and not rows):
                 raise RuntimeError(
                     f"{type(module).__name__}: fallback needs outputs with the example "
-                    f"dimension first; got shape {tuple(t.shape)} for {batch} examples"
+                    f"dimension first (or all flattened token-major (B*n, ...)); got shape "
+                    f"{tuple(t.shape)} for {batch} examples"
                 )
         metas = [(t.shape, t.dtype, t.device) for t in outs]
-        return (state, metas, batch), None, watched
+        return (state, metas, batch, rows), new_out, watched
 
     def contributions(self, module, state, grads, roles):
-        (args, kwargs), metas, batch = state
+        (args, kwargs), metas, batch, rows = state
         cots = [g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
                 for g, m in zip(grads, metas)]
+        cots = [c.reshape(batch, -1) for c in cots]  # example i's block of every output
         params = {r: module.get_parameter(r).detach() for r in roles}
         flat, spec = pytree.tree_flatten((args, kwargs))
+        # Per-example inputs: leading dim B (each example sees a batch of one), or, when the
+        # outputs are flattened (B*n, ...), inputs with that leading dim (each example sees its
+        # own n rows). Every other tensor is shared by all examples.
+        lead = rows * batch if rows else batch
         bidx = [k for k, t in enumerate(flat)
-                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch]
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == lead]
 
         def inner(p, batched, cot):
             leaves = list(flat)
             for k, v in zip(bidx, batched):
-                leaves[k] = v.unsqueeze(0)
+                leaves[k] = v if rows else v.unsqueeze(0)
             a, kw = pytree.tree_unflatten(leaves, spec)
             out = functional_call(module, p, a, kw, strict=False)
             outs = [t for t in pytree.tree_leaves(out)
                     if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            return sum((o * c.unsqueeze(0).to(o.dtype)).sum() for o, c in zip(outs, cot))
+            return sum((o * c.reshape(o.shape).to(o.dtype)).sum() for o, c in zip(outs, cot))
 
         g = grad(inner)
-        batched = [flat[k] for k in bidx]
+        batched = [flat[k].reshape(batch, rows, *flat[k].shape[1:]) if rows else flat[k]
+                   for k in bidx]
         try:
             per_ex = vmap(g, in_dims=(None, 0, 0), randomness="different")(params, batched, cots)
         except Exception:  # noqa: BLE001 - not vmappable: same math, one example at a time
@@ -191,11 +214,16 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
     Rules come from the registry (``grads/registry.py``: most specific class first, user
     registrations before built-ins); an explicit ``kinds`` tuple is tried in order instead.
 
+    Raises:
+        dpft.grads.lora.UnknownAdapterError: a trainable peft adapter layer type (or LoRA
+            variant) the rules were not verified against.
+
     A parameter registered on several modules (tied weights) gives one unit per module, all
     naming the same engine parameter. Parameters held in a ``ParameterDict``/``ParameterList``
     are attributed to the container's parent (the module whose forward uses them).
     """
     pid = {id(p): n for n, p in params.items()}
+    check_adapter_layers(model, {id(p) for p in params.values()})
     named = dict(model.named_modules())
     owners: dict[int, tuple[str, nn.Module, dict[str, str]]] = {}
     for mname, m in model.named_modules():
@@ -283,9 +311,12 @@ class BookKeepingEngine(PerExampleEngine):
         Raises:
             UnattributedUseError: with the offending parameter names.
         """
-        b1 = {k: (v[:1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+        # Two examples (when there are two): enough to check that every hooked output is laid
+        # out example by example (check_example_support).
+        nb = min(2, _batch_size(batch))
+        b1 = {k: (v[:nb] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
               for k, v in batch.items()}
-        cap = Capture(self.units, 1, mode="probe")
+        cap = Capture(self.units, nb, mode="probe")
         with torch.enable_grad():
             with cap:
                 losses = self.loss_fn(self._forward(), b1)
@@ -317,7 +348,7 @@ class BookKeepingEngine(PerExampleEngine):
                 if n == 0:
                     continue
                 if isinstance(u.kind, FallbackKind):
-                    for (args, kwargs), _, _ in fallback_inputs.get(id(u), []):
+                    for (args, kwargs), *_ in fallback_inputs.get(id(u), []):
                         out = u.module(*args, **kwargs)
                         roots = [t.grad_fn for t in pytree.tree_leaves(out)
                                  if isinstance(t, torch.Tensor)]
@@ -325,6 +356,10 @@ class BookKeepingEngine(PerExampleEngine):
                 else:
                     for role in u.roles:
                         expected[id(u.module.get_parameter(role))] += n
+        outputs = [o for u in self.units for o in u.check_outputs]
+        for u in self.units:
+            u.check_outputs = []
+        check_example_support(losses, outputs)
         bad = [n for n, p in self.params.items() if seen[id(p)] > expected[id(p)]]
         if bad:
             raise UnattributedUseError(
@@ -403,6 +438,8 @@ class BookKeepingEngine(PerExampleEngine):
 
         Returns: the :class:`ClippedBatch` of ``clipped_sum``.
         """
+        for u in self.units:  # outputs kept for a layout check that did not run (no criterion)
+            u.check_outputs = []
         with full_precision():
             return self._reduce(contribs, b, loss_sum, device, grad_scale, losses, groups)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, Outer, check_batch, first_input
+from dpft.grads._hooks import BatchLayoutError, LayerKind, LayoutError, Outer, batch_first, first_input
 from dpft.grads.registry import register_layer
 
 
@@ -52,8 +52,10 @@ class EmbeddingKind(LayerKind):
         if ids.dim() >= 1 and ids.shape[0] == 1 and batch > 1:
             ids = ids.expand(batch, *ids.shape[1:])
             new_out = output.expand(batch, *output.shape[1:])
-        check_batch(ids, batch, "Embedding ids")
-        return ids, new_out, [ids]
+        try:  # (B, ...) ids, or flattened token-major (B*n,) ids seen as (B, n)
+            return batch_first(ids, batch, "Embedding ids"), new_out, [ids]
+        except BatchLayoutError as e:
+            return LayoutError(str(e)), None, []
 
     def contributions(self, module, state, grads, roles):
         g = grads[0]

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, Outer, check_batch, first_input
+from dpft.grads._hooks import BatchLayoutError, LayerKind, LayoutError, Outer, batch_first, first_input
 from dpft.grads.registry import register_layer
 
 
@@ -92,8 +92,10 @@ class LoraEmbeddingKind(LayerKind):
         if ids.dim() >= 1 and ids.shape[0] == 1 and batch > 1:
             ids = ids.expand(batch, *ids.shape[1:])
             new_out = output.expand(batch, *output.shape[1:])
-        check_batch(ids, batch, "LoRA Embedding ids")
-        return ids, new_out, [ids]
+        try:
+            return batch_first(ids, batch, "LoRA Embedding ids"), new_out, [ids]
+        except BatchLayoutError as e:
+            return LayoutError(str(e)), None, []
 
     def contributions(self, module, state, grads, roles):
         g = grads[0]
@@ -118,3 +120,55 @@ class LoraEmbeddingKind(LayerKind):
                     dh = dh * (ids != pad)[:, :, None].to(dh.dtype)
                 out[ra] = Outer(dh, ids, wa.shape)
         return out
+
+
+# --------------------------------------------------------------------------- PEFT guard
+
+#: peft tuner layer classes whose computation the rules (and the usage check) were verified
+#: against, by module and class name: vanilla LoRA on Linear / GPT-2 Conv1D / Embedding (the
+#: adapters are ordinary ``nn.Linear`` submodules or the ``LoraEmbeddingKind`` above), and the
+#: LoRA variants listed in :data:`KNOWN_LORA_VARIANTS`. Tested with the peft range named in
+#: ``pyproject.toml`` (tests/test_coverage_families.py).
+KNOWN_ADAPTER_LAYERS = {("peft.tuners.lora.layer", "Linear"), ("peft.tuners.lora.layer", "Embedding")}
+#: ``lora_variant`` classes (peft >= 0.15) checked exact: DoRA on Linear (its magnitude vector
+#: takes the exact torch.func fallback; ``lora_A``/``lora_B`` the Linear rule).
+KNOWN_LORA_VARIANTS = {"DoraLinearVariant"}
+
+
+class UnknownAdapterError(NotImplementedError):
+    """A peft adapter layer type the book-keeping rules were not verified against."""
+
+
+def check_adapter_layers(model: nn.Module, trainable: set[int]) -> None:
+    """Refuse peft tuner layers whose class (or LoRA variant) is not known to be handled exactly.
+
+    A new peft layer type or LoRA variant may use its adapter weights in a way no rule accounts
+    for (Opacus issue 820: a silent change of peft's LoRA layers). Only layers that hold a
+    trainable parameter are checked; dpft does not import peft (classes are matched by module
+    and name).
+
+    Raises:
+        UnknownAdapterError: naming the module, its class and the way out.
+    """
+    for name, m in model.named_modules():
+        cls = type(m)
+        if not cls.__module__.startswith("peft.tuners.") or not hasattr(m, "adapter_layer_names"):
+            continue
+        if not any(id(p) in trainable for p in m.parameters()):
+            continue
+        what = None
+        if (cls.__module__, cls.__name__) not in KNOWN_ADAPTER_LAYERS:
+            what = f"adapter layer {cls.__module__}.{cls.__name__}"
+        else:
+            variants = getattr(m, "lora_variant", {}) or {}
+            unknown = sorted({type(v).__name__ for v in variants.values()} - KNOWN_LORA_VARIANTS)
+            if unknown:
+                what = f"LoRA variant {unknown} in {cls.__module__}.{cls.__name__}"
+        if what is not None:
+            raise UnknownAdapterError(
+                f"book-keeping engine: {name or '<root>'} is a peft {what}, which dpft's per-example "
+                "rules were not verified against (known: LoRA and DoRA on Linear/Conv1D, LoRA on "
+                "Embedding). Use those adapter types (e.g. target_modules= attention/MLP Linear "
+                "layers), or register a rule for it with dpft.grads.registry.register_layer and "
+                "check it against ReferenceEngine"
+            )
