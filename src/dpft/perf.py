@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 __all__ = ["DeviceError", "Precision", "FP32", "DTYPES", "DEFAULT_FP16_LOSS_SCALE", "resolve_device",
-           "check_dtype_on", "enable_activation_checkpointing", "uses_activation_checkpointing", "COMPILE_REFUSAL"]
+           "check_dtype_on", "enable_activation_checkpointing", "uses_activation_checkpointing", "COMPILE_REFUSAL",
+           "Placement", "build_placement", "place_model"]
 
 #: ``perf.loss_scale`` when fp16 is asked for without one: 2^10. Per-example losses are summed over
 #: tokens, so the output gradients start at |softmax - onehot| ≤ 1 per token; S = 1024 lifts
@@ -235,3 +236,71 @@ def enable_activation_checkpointing(model: nn.Module, use_reentrant: bool = Fals
 def uses_activation_checkpointing(model: nn.Module) -> bool:
     """Whether Hugging Face checkpointing is switched on in any module of ``model``."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's step runs (a plan part, run/plan.py): the device of the model, batches,
+    clipped sums and noise, and the precision of the per-example engine."""
+
+    device: torch.device
+    precision: Precision
+
+
+def build_placement(recipe, local_rank: Optional[int], progress: bool, not_device_aware: list[str]) -> Placement:
+    """Resolve ``recipe.perf`` into a :class:`Placement`, refusing what the run cannot honour —
+    before any data or model is loaded.
+
+    ``perf.device: auto`` falls back to the CPU (with a message) when a method of the recipe is
+    not device-aware (``not_device_aware``: their names); an explicit device is refused instead.
+
+    Raises:
+        TrainingError: compile for a private run; activation checkpointing with the reference
+            engine; an explicit device a method cannot run on.
+        DeviceError, ValueError: an unknown device or a dtype the device lacks.
+    """
+    import sys
+
+    from dpft.run.errors import TrainingError
+
+    p = recipe.perf
+    device = resolve_device(p.device, local_rank=local_rank)
+    check_dtype_on(p.dtype, device)
+    scale = p.loss_scale or (DEFAULT_FP16_LOSS_SCALE if p.dtype == "fp16" else 1.0)
+    if p.compile and recipe.privacy.enabled:
+        raise TrainingError(COMPILE_REFUSAL)
+    if p.activation_checkpointing and recipe.privacy.enabled and recipe.privacy.engine == "reference":
+        raise TrainingError("perf.activation_checkpointing needs privacy.engine: bookkeeping (or auto): the "
+                            "reference engine's torch.func transforms cannot run Hugging Face's checkpointing "
+                            "hooks (they call requires_grad_ inside the transform)")
+    if device.type != "cpu":
+        # A method that runs its own forwards (scoring, split forward noise, stage-1 sub-runs) must say
+        # it moves its tensors to the model's device; the driver names no method.
+        bad = list(not_device_aware)
+        if bad and p.device == "auto":  # auto: the best device this run supports
+            device = torch.device("cpu")
+            if progress:
+                print(f"perf.device auto: CPU, because methods {bad} are not device-aware yet", file=sys.stderr)
+        elif bad:
+            raise TrainingError(f"methods {bad} have not been made device-aware; run them with "
+                                "--device cpu (perf.device: cpu)")
+    return Placement(device, Precision(p.dtype, float(scale), device.type))
+
+
+def place_model(model: nn.Module, perf, device: torch.device) -> nn.Module:
+    """Move ``model`` to ``device``; activation checkpointing and compile (no-dp only) as
+    ``perf`` asks. Returns the model.
+
+    Raises:
+        TrainingError: the model cannot be checkpointed."""
+    from dpft.run.errors import TrainingError
+
+    model.to(device)
+    if perf.activation_checkpointing:
+        try:
+            enable_activation_checkpointing(model)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
+    if perf.compile:
+        model.compile()
+    return model

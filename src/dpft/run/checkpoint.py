@@ -80,3 +80,29 @@ def check_world_size(state: dict[str, Any], world_size: int, run_dir: Path) -> s
            f"or --nnodes × --nproc_per_node = {was})")
     return (f"--resume: {run_dir}/checkpoint was written by {was} process(es) but this run has {world_size}; "
             f"resume it {how}, or start a new --output-dir")
+
+
+def continue_ledger(world, run_dir: Path, live: Path, resume: bool, ledger) -> tuple[Any, list[str]]:
+    """The ledger a run starts from: ``ledger`` (phases a caller already spent, e.g. synthetic
+    data) after the releases a crashed attempt in ``run_dir`` recorded in its live ``ledger.json``
+    before its first checkpoint — appended to, never replaced (DESIGN.md "The ledger").
+
+    Returns ``(ledger, notes)``; the notes say what was carried, for the report. Under DDP rank 0
+    reads the directory and every rank gets its answer.
+    """
+    from dpft.accounting.ledger import PrivacyLedger
+    from dpft.run import distributed as ddp
+
+    def earlier_ledger():
+        if not resume and live.is_file() and not (Path(run_dir) / CKPT).exists():
+            return PrivacyLedger.load(live).to_json()
+        return None
+
+    earlier_json = ddp.on_rank0(world, earlier_ledger)
+    if earlier_json is None:
+        return ledger, []
+    earlier = PrivacyLedger.from_json(earlier_json)
+    merged = PrivacyLedger(earlier.entries + ledger.entries, certified=earlier.certified and ledger.certified,
+                           not_certified_reason=earlier.not_certified_reason or ledger.not_certified_reason)
+    return merged, [f"{live} held {earlier.steps} releases of an earlier attempt in this directory (crashed before "
+                    "its first checkpoint); they are carried in this ledger"]

@@ -9,70 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import dp_accounting as dpa
 import torch
 from tqdm.auto import tqdm
 
-from dpft.accounting.calibrate import calibrate_sigma, check_delta
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import Recipe, dump_recipe
-from dpft.data.tasks import load_task
-from dpft.data.tokenize import collate, tokenize_task
-from dpft.grads.base import NonPrivateEngine, PerExampleEngine
-from dpft.models.load import count_parameters, head_param_groups, is_head_param, load_classifier, select_trainable, set_dropout
-from dpft.models.losses import causal_lm_loss, classification_loss, model_inputs
-from dpft.step import DPStep, StepSpec
-from dpft.step.postprocess import Transform, rmt_transform  # noqa: F401 (Transform: public type)
-from dpft.step.sample import PoissonSampler
-from dpft.grads.groups import GROUP_KEY, PerExampleOverK
-from dpft.step.clip import NonFiniteGradientError, make_clip_policy
-from dpft.step.noise import GaussianMechanism
-from dpft.methods.base import Run, active_methods
-from dpft.perf import (COMPILE_REFUSAL, DEFAULT_FP16_LOSS_SCALE, Precision, check_dtype_on,
-                       enable_activation_checkpointing, resolve_device)
+from dpft.data.tokenize import collate
+from dpft.grads.groups import GROUP_KEY
+from dpft.optim import build_optimizer
 from dpft.privacy.randomness import Randomness
 from dpft.run import distributed as ddp
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
+from dpft.run.plan import build_plan, evaluate_with_methods
 from dpft.run.release import DiagnosticsLog, split_row
-
-
-class TrainingError(RuntimeError):
-    """The run cannot continue (non-finite loss, mismatched resume…); message names the fix."""
-
-
-def make_engine(kind: str, model, loss_fn, clip) -> PerExampleEngine:
-    """``bookkeeping`` (fast path, issue 3) · ``reference`` (torch.func) · ``auto``."""
-    from dpft.grads.reference import ReferenceEngine
-
-    if kind in ("auto", "bookkeeping"):
-        try:
-            from dpft.grads.bookkeeping import BookKeepingEngine
-        except ImportError:
-            if kind == "bookkeeping":
-                raise TrainingError("the book-keeping engine is not available in this install") from None
-            return ReferenceEngine(model, loss_fn, clip)
-        return BookKeepingEngine(model, loss_fn, clip)
-    return ReferenceEngine(model, loss_fn, clip)
-
-
-def _lr_lambda(warmup: int, total: int, decay: str):
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if decay == "constant":
-            return 1.0
-        return max(0.0, (total - step) / max(1, total - warmup))
-
-    return f
+from dpft.step import DPStep
+from dpft.step.build import make_engine  # noqa: F401 (public here before run/plan.py)
+from dpft.step.clip import NonFiniteGradientError
+from dpft.step.postprocess import Transform, rmt_transform  # noqa: F401 (Transform: public type)
+from dpft.step.sample import PoissonSampler
+from dpft.run.errors import TrainingError  # noqa: F401  (public here since issue 1)
 
 
 @dataclass
@@ -93,188 +55,26 @@ class Trainer:
                  transforms: Optional[list[Transform]] = None, progress: bool = True,
                  ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
                  phase: str = "train", live_ledger_path: Optional[str | Path] = None):
-        self.recipe = r = recipe
-        self.run_dir = Path(run_dir)
-        self.resume = resume
-        self._user_transforms = list(transforms or [])
-        # --- DDP (run/distributed.py): this process's rank; rank 0 alone shows progress ---
-        #: This process's place in a torchrun world (rank 0 of 1 without one).
-        self.world = ddp.init_from_env()
-        ddp.check_same_recipe(self.world, r.model_dump(mode="json"))
-        progress = progress and self.world.is_main
-        # --- end DDP ---
-        self.progress = progress
-        self.private = r.privacy.enabled
         t0 = time.time()
-        #: The run's one secret randomness source (privacy/randomness.py): secret unless
-        #: privacy.reproducible, in which case it is derived from the recorded seed. Under DDP
-        #: rank 0 draws the key and broadcasts it, so the world draws one logical batch.
-        self.rng = rng if rng is not None else ddp.shared_randomness(self.world, r.seed if r.privacy.reproducible
-                                                                     else None)
-        ddp.check_same_randomness(self.world, self.rng)  # DDP: a caller's rng must be the world's
-        #: The ledger is appended to, never replaced: it starts from the phases a caller already
-        #: spent (e.g. a synthetic-data phase) and from any releases a crashed run of this
-        #: directory recorded before its first checkpoint (``ledger.json`` is written live).
-        self.ledger = ledger if ledger is not None else PrivacyLedger()
-        #: Ledger phase of this loop's steps, and the file its live ledger is saved to (a
-        #: sub-run such as DP-SFT's stage 1 writes into its parent's ledger).
-        self.phase = phase
-        self.live_ledger_path = Path(live_ledger_path) if live_ledger_path else self.run_dir / "ledger.json"
-        live = self.live_ledger_path
-
-        def earlier_ledger():  # DDP: rank 0 reads the run directory, every rank gets its answer
-            if not resume and live.is_file() and not (self.run_dir / "checkpoint").exists():
-                return PrivacyLedger.load(live).to_json()
-            return None
-
-        earlier_json = ddp.on_rank0(self.world, earlier_ledger)
-        if earlier_json is not None:
-            earlier = PrivacyLedger.from_json(earlier_json)
-            self.ledger = PrivacyLedger(earlier.entries + self.ledger.entries,
-                                        certified=earlier.certified and self.ledger.certified,
-                                        not_certified_reason=earlier.not_certified_reason or self.ledger.not_certified_reason)
-            self.ledger_notes = [f"{live} held {earlier.steps} releases of an earlier attempt in this "
-                                 "directory (crashed before its first checkpoint); they are carried in this ledger"]
-        else:
-            self.ledger_notes = []
-
-        # ---- perf (issue 16): where the step runs; checked before any data or model is loaded.
-        #: The device of the model, the batches, the clipped sums and the noise.
-        self.device = resolve_device(r.perf.device,
-                                     local_rank=self.world.local_rank if self.world.distributed else None)
-        check_dtype_on(r.perf.dtype, self.device)
-        #: Autocast dtype and static fp16 loss scale of the per-example engine.
-        scale = r.perf.loss_scale or (DEFAULT_FP16_LOSS_SCALE if r.perf.dtype == "fp16" else 1.0)
-        self.precision = Precision(r.perf.dtype, float(scale), self.device.type)
-        self._check_perf()
-        if r.task.user_column and self.private:  # refusals that need no data, before any loading
-            self._check_user_level()
-
-        #: ``text`` task: causal-LM fine-tuning on blocks of a corpus (data/text.py).
-        #: ``instruct`` task: prompt/completion or chat rows, completion-only loss (data/instruct.py).
-        self.causal = r.task.name in ("text", "instruct")
-        self.loss_fn = causal_lm_loss if self.causal else classification_loss
-        if self.causal:
-            from dpft.data.instruct import load_instruct_task
-            from dpft.data.text import load_text_task
-            from dpft.models.causal import load_causal_lm
-
-            self.tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
-            if r.task.name == "instruct":
-                hide = self.private or bool(active_methods(r))  # the training count is private
-                self.task = load_instruct_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed, private=hide)
-                if hide and self.task.truncated["train"] and progress:
-                    print(f"{self.task.truncated['train']} training rows were truncated to model.max_length = "
-                          f"{r.model.max_length} tokens (private statistic: shown here only, not written to the "
-                          "run directory)", file=sys.stderr)
-            else:
-                self.task = load_text_task(r.task, self.tokenizer, r.model.max_length, seed=r.seed)
-            self.train_tok, self.dev_tok = self.task.train, self.task.dev
-        else:
-            self.task = load_task(r.task, seed=r.seed)
-            if self.private:  # δ < 1/N before the model is loaded (N users ≤ rows: necessary at user level too)
-                check_delta(r.privacy.delta, len(self.task.train))
-            self.tokenizer, model = load_classifier(r.model.name, self.task.num_labels, seed=r.seed,
-                                                    pooling=r.model.pooling, head_dropout=r.model.head_dropout)
-        self.n = len(self.task.train)
-        if r.model.dropout is not None:
-            set_dropout(model, r.model.dropout)
-        self.model = select_trainable(model, r.trainable)
-        self._place_model()
-        self.with_token_types = "token_type_ids" in self.tokenizer.model_input_names and not self.causal
-        if not self.causal:
-            # Dev truncation count goes in the report's notes; the training count is private.
-            self.train_tok, self.dev_tok = tokenize_task(self.task, self.tokenizer, r.model.max_length,
-                                                         private=self.private or bool(active_methods(r)))
-            n_cut = getattr(self.task, "truncated", {}).get("train", 0)
-            if n_cut and progress and (self.private or bool(active_methods(r))):
-                print(f"{n_cut} training examples were truncated to model.max_length = {r.model.max_length} "
-                      "tokens (private statistic: shown here only, not written to the run directory)",
-                      file=sys.stderr)
-        self.pad_id = self.tokenizer.pad_token_id or 0
-        self.train_lengths = torch.tensor([len(x) for x in self.train_tok["input_ids"]])
-
-        #: Privacy unit (issue 17): ``example`` (a row) by default; ``user`` with task.user_column
-        #: — Poisson sampling over users, ≤ k rows per sampled user, a user's summed gradient
-        #: clipped to C (step/sample.py UserPoissonSampler, grads/groups.py).
-        self.user_level = bool(r.task.user_column) and self.private
-        if r.task.user_column and not self.private:
-            self.task.notes.append(f"task.user_column {r.task.user_column!r} ignored: a non-private run has no "
-                                   "privacy unit")
-        if self.user_level:
-            self._check_user_level()
-            self.sampler = self._user_sampler()
-            self.n = self.sampler.n  # N = number of users: the ledger's q, δ check and epochs count users
-            self.privacy_unit = {"unit": "user", "column": r.task.user_column, "n_units": self.n,
-                                 "max_rows_per_user": self.sampler.k, "user_clipping": r.task.user_clipping}
-        elif r.batch.schedule:
-            from dpft.data.schedule import ScheduledPoissonSampler
-
-            self.sampler = ScheduledPoissonSampler(self.n, r.batch.schedule, self.rng)
-            if self.private and r.privacy.noise_multiplier is None:
-                raise TrainingError("batch.schedule: set privacy.noise_multiplier (σ calibration for a "
-                                    "variable q is not implemented; `dpft report` gives the certified ε)")
-        else:
-            self.sampler = PoissonSampler(self.n, r.batch.expected_batch_size, self.rng)
-        if not self.user_level:
-            self.privacy_unit = {"unit": "example", "n_units": self.n}
-        self.q = self.sampler.q
-        s = r.schedule
-        self.total_steps = s.steps or max(1, math.ceil(s.epochs * self.n / r.batch.expected_batch_size))
-
-        self.sigma = 0.0
+        #: Everything the run is, resolved once before the loop (run/plan.py).
+        self.plan = p = build_plan(recipe, run_dir, resume=resume, transforms=transforms, progress=progress,
+                                   ledger=ledger, rng=rng, phase=phase, live_ledger_path=live_ledger_path)
+        self.recipe, self.run_dir, self.resume, self.phase = recipe, p.run_dir, resume, p.phase
+        self.world, self.rng, self.progress, self.private = p.world, p.rng, p.progress, p.private
+        #: The ledger is appended to, never replaced (run/checkpoint.py ``continue_ledger``).
+        self.ledger, self.ledger_notes, self.live_ledger_path = p.ledger, list(p.ledger_notes), p.live_ledger_path
+        self.device, self.precision = p.placement.device, p.placement.precision
+        d = p.data
+        self.task, self.tokenizer, self.dev_tok, self.causal = d.task, p.ctx.tokenizer, d.dev_tok, d.causal
+        self.pad_id, self.with_token_types, self.train_lengths = d.pad_id, d.with_token_types, d.train_lengths
+        self.model, self.loss_fn, self.train_tok = p.model, p.loss_fn, p.train_tok
+        u = p.unit
+        self.sampler, self.n, self.q, self.user_level, self.privacy_unit = u.sampler, u.n, u.q, u.user_level, u.info
+        self.total_steps, self.sigma = p.total_steps, p.sigma
         #: The recipe's methods (methods/base.py), composed in order; the driver names none.
-        self.methods = active_methods(r)
-        ddp.check_methods(self.world, self.methods)  # DDP: only methods correct across ranks
-        #: What the methods see of this run (methods/base.py ``Run``).
-        self.ctx = Run(recipe=r, run_dir=self.run_dir, resume=resume, progress=progress, private=self.private,
-                       rng=self.rng, ledger=self.ledger, live_ledger_path=self.live_ledger_path, task=self.task,
-                       tokenizer=self.tokenizer, model=self.model, loss_fn=self.loss_fn, train_tok=self.train_tok,
-                       dev_tok=self.dev_tok, n=self.n, q=self.q, sampler=self.sampler, total_steps=self.total_steps,
-                       evaluate=lambda: self.evaluate(), make_optimizer=self._make_optimizer)
-        for m in self.methods:  # earlier private phases; model / loss / data wrapping
-            m.prepare(self.ctx)
-        self.model, self.loss_fn, self.train_tok = self.ctx.model, self.ctx.loss_fn, self.ctx.train_tok
-        ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
-        self.total_steps = self.ctx.total_steps
-        if self.private:
-            check_delta(r.privacy.delta, self.n)
-            if r.privacy.noise_multiplier is not None:
-                self.sigma = float(r.privacy.noise_multiplier)
-            else:
-                # DDP: rank 0 calibrates and every rank gets its σ (one value for the world).
-                self.sigma = ddp.on_rank0(self.world, lambda: calibrate_sigma(
-                    r.privacy.target_epsilon, r.privacy.delta, self.q, self.total_steps, prior=self.prior_events()))
-            clip = make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm, r.privacy.clipping.gamma,
-                                    r.privacy.clipping.head_fraction)
-            if self.user_level and r.task.user_clipping == "per_example_over_k":
-                # Conservative user-level clipping: each row to C/k; ≤ k rows per user ⇒ ≤ C per user.
-                k = r.task.max_rows_per_user
-                clip = PerExampleOverK(make_clip_policy(r.privacy.clipping.style, r.privacy.clipping.max_norm / k,
-                                                        r.privacy.clipping.gamma, r.privacy.clipping.head_fraction), k)
-            engine = make_engine(r.privacy.engine, self.model, self.loss_fn, clip)
-            if hasattr(clip, "set_head_mask"):
-                clip.set_head_mask([is_head_param(n) for n in engine.params])
-            mechanism = GaussianMechanism(self.sigma, clip.sensitivity, self.rng, hardened=r.privacy.hardened_noise)
-        else:
-            engine = NonPrivateEngine(self.model, self.loss_fn, make_clip_policy("flat", 1.0))
-            clip, mechanism = engine.clip, None
-        self.ctx.sigma = self.sigma
-        spec = StepSpec(engine=engine, clip=clip, mechanism=mechanism, sampler=self.sampler,
-                        optimizer=self._make_optimizer(engine.params), transforms=list(self._user_transforms),
-                        params=engine.params, phase=self.phase)
-        for m in self.methods:  # each returns a changed copy of the step's parts
-            spec = m.build(spec, self.ctx)
-        self._set_precision(spec.engine)
-        if self.user_level and r.task.user_clipping == "group" and not getattr(spec.engine, "supports_groups", False):
-            raise TrainingError(f"user-level group clipping needs privacy.engine: bookkeeping or reference "
-                                f"(got {type(spec.engine).__name__}); or set task.user_clipping: per_example_over_k")
-        ddp.check_methods(self.world, [], keep_norms=spec.keep_norms)  # DDP: no raw norms across ranks
-        self.params = spec.params if spec.params is not None else spec.engine.params
-        self.optimizer = spec.optimizer
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(s.warmup_steps, self.total_steps, s.decay))
-        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self.save_live_ledger,
+        self.methods, self.ctx = p.methods, p.ctx
+        self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
+        self.dp_step = DPStep(p.spec, self.ledger, self.n, on_release=self.save_live_ledger,
                               world_group=self.world.group)
         self.start_step = 0
         #: Step of the last checkpoint written or resumed from (None: none yet).
@@ -285,95 +85,6 @@ class Trainer:
         self.history = History()
         self.elapsed_before = 0.0
         self.setup_seconds = time.time() - t0
-
-    # ------------------------------------------------------------------ perf (issue 16)
-    def _check_perf(self) -> None:
-        """Refuse perf settings this run cannot honour (before anything is loaded)."""
-        r = self.recipe
-        p = r.perf
-        if p.compile and r.privacy.enabled:
-            raise TrainingError(COMPILE_REFUSAL)
-        if p.activation_checkpointing and r.privacy.enabled and r.privacy.engine == "reference":
-            raise TrainingError("perf.activation_checkpointing needs privacy.engine: bookkeeping (or auto): the "
-                                "reference engine's torch.func transforms cannot run Hugging Face's checkpointing "
-                                "hooks (they call requires_grad_ inside the transform)")
-        if self.device.type != "cpu":
-            # A method that runs its own forwards (scoring, split forward noise, stage-1 sub-runs) must say
-            # it moves its tensors to the model's device; the driver names no method.
-            from dpft.methods.base import get_method, method_name
-
-            names = [method_name(c) for c in r.methods]
-            bad = [n for n, c in zip(names, r.methods)
-                   if get_method(n).enabled(c) and not getattr(get_method(n), "supports_device", False)]
-            if bad and r.perf.device == "auto":  # auto: the best device this run supports
-                self.device = torch.device("cpu")
-                self.precision = Precision(self.precision.dtype, self.precision.loss_scale, "cpu")
-                if self.progress:
-                    print(f"perf.device auto: CPU, because methods {bad} are not device-aware yet", file=sys.stderr)
-            elif bad:
-                raise TrainingError(f"methods {bad} have not been made device-aware; run them with "
-                                    "--device cpu (perf.device: cpu)")
-
-    def _place_model(self) -> None:
-        """Move the model to the device; activation checkpointing; compile (no-dp only)."""
-        p = self.recipe.perf
-        self.model.to(self.device)
-        if p.activation_checkpointing:
-            try:
-                enable_activation_checkpointing(self.model)
-            except ValueError as exc:
-                raise TrainingError(str(exc)) from None
-        if p.compile:
-            self.model.compile()
-
-    def _set_precision(self, engine) -> None:
-        """Give the step's final engine the run's precision (refused if it cannot apply it)."""
-        if self.precision.mixed and not getattr(engine, "supports_precision", False):
-            raise TrainingError(f"perf.dtype {self.precision.dtype}: the {type(engine).__name__} of this recipe "
-                                "does not apply autocast; use perf.dtype: fp32")
-        engine.precision = self.precision
-
-    # ------------------------------------------------------------------ user level (issue 17)
-    def _check_user_level(self) -> None:
-        """Refuse what user-level DP does not support yet, each with the reason and the fix."""
-        r = self.recipe
-        why = []
-        if active_methods(r):
-            names = [m.name for m in active_methods(r)]
-            why.append(f"methods {names} assume example-level privacy (their phases, statistics and accounting "
-                       "count rows); run them without task.user_column")
-        if r.batch.schedule:
-            why.append("batch.schedule (a variable q) is not supported over users; use batch.expected_batch_size")
-        if self.world.distributed:
-            why.append("DDP: the world's logical batch is sharded by row, which would split a user's rows across "
-                       "ranks; run user level in one process")
-        if r.perf.dtype == "fp16":
-            why.append("perf.dtype fp16: an overflowed row would change its user's clipped contribution; use bf16 "
-                       "or fp32")
-        if getattr(r.task, "packing", False):
-            why.append("task.packing mixes privacy units in one row; turn packing off")
-        if why:
-            raise TrainingError("user-level privacy (task.user_column) cannot run this recipe: " + "; ".join(why))
-
-    def _user_sampler(self):
-        """The :class:`~dpft.step.sample.UserPoissonSampler` over the users of the training rows."""
-        from dpft.data.tasks import USER_COLUMN, DataError, _col
-        from dpft.step.sample import UserPoissonSampler, user_index
-
-        r = self.recipe
-        # A loader renames the column to USER_COLUMN (classification, text) or keeps it under its
-        # own name (instruction data keeps every extra column per row).
-        cols = self.train_tok.column_names
-        col = r.task.user_column if r.task.user_column in cols else USER_COLUMN
-        if col not in cols:
-            raise DataError(f"task.user_column {r.task.user_column!r}: the training rows carry no user id (this "
-                            f"task's loader kept no {USER_COLUMN!r} or {r.task.user_column!r} column); give a file "
-                            "with that column")
-        try:
-            users, _ = user_index(_col(self.train_tok, col))
-            return UserPoissonSampler(users, r.batch.expected_batch_size, r.task.max_rows_per_user, self.rng)
-        except ValueError as exc:
-            raise DataError(f"user-level privacy (task.user_column {r.task.user_column!r}): {exc}") from None
 
     # ------------------------------------------------------------------ parts
     def method(self, name: str):
@@ -411,71 +122,24 @@ class Trainer:
         return self.ledger.events()
 
     def _make_optimizer(self, params: dict) -> torch.optim.Optimizer:
-        """The recipe's optimizer over ``params`` (head and body groups when ``head_lr`` is set)."""
-        o = self.recipe.optimizer
-        groups: Any = head_param_groups(params, o.head_lr)
-        if o.name == "sgd":
-            return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-        if o.name == "adam":
-            return torch.optim.Adam(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        """The recipe's optimizer over ``params`` (optim/__init__.py ``build_optimizer``)."""
+        return build_optimizer(self.recipe.optimizer, params)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Dev accuracy and mean loss (nats); no gradients, model in eval mode. ``text`` task:
         dev loss (nats/token) and perplexity. A method may replace it (e.g. an EMA's weights)."""
-        for m in getattr(self, "methods", []):
-            out = m.evaluate(self.ctx, self._evaluate_model)
-            if out is not None:
-                return out
-        return self._evaluate_model()
+        return evaluate_with_methods(self.methods, self.ctx, self._evaluate_model)
 
     @torch.no_grad()
     def _evaluate_model(self) -> dict[str, float]:
-        if self.causal:
-            from dpft.eval.lm import lm_eval
+        return self.plan.evaluator(self.model)
 
-            w = self.world  # DDP: each rank evaluates every K-th dev row; the sums are all-reduced
-            out = lm_eval(self.model, list(self.dev_tok)[w.rank::w.world_size], self.pad_id,
-                          self.recipe.eval.batch_size)
-            if w.distributed:
-                total, count = ddp.all_sum(w, [out["dev_loss"] * out["dev_tokens"], out["dev_tokens"]])
-                loss = total / max(count, 1)
-                out = {"dev_loss": loss, "dev_perplexity": math.exp(min(loss, 50.0)), "dev_tokens": int(count)}
-            return out
-        return self._evaluate_classifier()
-
-    @torch.no_grad()
-    def _evaluate_classifier(self) -> dict[str, float]:
-        self.model.eval()
-        bs = self.recipe.eval.batch_size
-        order = sorted(range(len(self.dev_tok)), key=lambda i: len(self.dev_tok[i]["input_ids"]))
-        order = order[self.world.rank::self.world.world_size]  # DDP: this rank's share of the dev set
-        correct, loss, n = 0, 0.0, 0
-        keep = self.recipe.eval.save_predictions
-        if keep and self.world.distributed:
-            raise TrainingError("eval.save_predictions is not supported with DDP yet; run on one process")
-        preds: dict[int, tuple[int, bool]] = {}
-        for k in range(0, len(order), bs):
-            rows = self.dev_tok.select(order[k:k + bs])
-            batch = collate(list(rows), self.pad_id, self.with_token_types, device=self.device)
-            with self.precision.autocast():
-                logits = self.model(**model_inputs(batch)).logits.float()
-            loss += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-            hit = logits.argmax(-1) == batch["labels"]
-            correct += int(hit.sum())
-            n += len(rows)
-            if keep:
-                for i, p, h in zip(order[k:k + bs], logits.argmax(-1).tolist(), hit.tolist()):
-                    preds[int(i)] = (int(p), bool(h))
-        if keep:  # the latest evaluation's (a method evaluating twice runs its headline last)
-            self.dev_predictions = [{"index": i, "prediction": p, "correct": h} for i, (p, h) in sorted(preds.items())]
-        if self.world.distributed:  # DDP: the world's sums, the same on every rank
-            c, loss, m = ddp.all_sum(self.world, [correct, loss, n])
-            correct, n = int(c), int(m)
-        self.model.train()
-        return {"dev_accuracy": correct / n, "dev_loss": loss / n}
+    @property
+    def dev_predictions(self) -> Optional[list[dict]]:
+        """The latest dev evaluation's predictions (``eval.save_predictions``), else None."""
+        return self.plan.evaluator.dev_predictions
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:

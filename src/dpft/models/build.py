@@ -1,0 +1,33 @@
+"""The run's model as a plan part (run/plan.py): a causal LM or a sequence classifier, dropout
+and the trainable selection applied (placement is perf.py's ``place_model``)."""
+
+from __future__ import annotations
+
+from dpft.models.causal import load_causal_lm
+from dpft.models.load import load_classifier, select_trainable, set_dropout
+
+__all__ = ["build_model"]
+
+
+def build_model(recipe, num_labels: int | None):
+    """The run's tokenizer and model, trainable parameters selected (a plan part, run/plan.py).
+
+    ``num_labels`` None: a causal LM (``text``/``instruct`` tasks, ``models/causal.py``); else a
+    sequence classifier with that many labels (:func:`load_classifier`). ``model.dropout`` and
+    ``trainable`` are applied here; placement on the device is :func:`dpft.perf.place_model`'s.
+
+    Returns:
+        ``(tokenizer, model)``.
+
+    Raises:
+        ModelError: the model cannot be loaded or the trainable selection matches nothing.
+    """
+    r = recipe
+    if num_labels is None:
+        tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
+    else:
+        tokenizer, model = load_classifier(r.model.name, num_labels, seed=r.seed, pooling=r.model.pooling,
+                                           head_dropout=r.model.head_dropout)
+    if r.model.dropout is not None:
+        set_dropout(model, r.model.dropout)
+    return tokenizer, select_trainable(model, r.trainable)

@@ -1,0 +1,192 @@
+"""The run as a plan: a recipe resolved into its parts once, before the loop (jax_privacy's
+``DPExecutionPlan`` idea).
+
+:func:`build_plan` calls one small builder per concern, each in the room that concern lives in,
+and returns a frozen :class:`RunPlan`; :class:`~dpft.run.loop.Trainer` is the loop over it (steps,
+evaluation, checkpoints, release, report). In order::
+
+    world, rng      run/distributed.py   build_world          torchrun world; the one secret key
+    ledger          run/checkpoint.py    continue_ledger      appended to, never replaced
+    placement       perf.py              build_placement      device, precision (refusals first)
+    rows            data/prepare.py      load_rows            classification rows; δ < 1/N
+    model           models/build.py      build_model          tokenizer, model, trainable params
+                    perf.py              place_model          device, checkpointing
+    data            data/prepare.py      build_train_data     tokenised train/dev rows
+    unit            step/unit.py         build_unit           privacy unit, Poisson sampler, N, q
+    methods         methods/base.py      Method.prepare       earlier private phases (ledger)
+    σ               step/build.py        resolve_sigma        calibrated on the ledger's events
+    step spec       step/build.py        build_clip, make_engine, build_step_spec; Method.build
+    optimizer       optim/__init__.py    build_optimizer, build_scheduler
+    evaluation      eval/dev.py          DevEvaluator
+
+``make_private`` (api.py) and ``DPTrainer`` (integrations/hf.py) build the overlapping parts —
+σ, engine, step spec — with the same step/build.py functions from their own arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.data.prepare import TrainData, build_train_data, load_rows, num_labels
+from dpft.eval.dev import DevEvaluator
+from dpft.methods.base import Run, active_methods
+from dpft.models.build import build_model
+from dpft.models.load import is_head_param
+from dpft.models.losses import causal_lm_loss, classification_loss
+from dpft.optim import build_optimizer, build_scheduler
+from dpft.perf import Placement, build_placement, place_model
+from dpft.privacy.randomness import Randomness
+from dpft.run import distributed as ddp
+from dpft.run.checkpoint import continue_ledger
+from dpft.run.errors import TrainingError
+from dpft.step.build import build_clip, build_step_spec, make_engine, resolve_sigma
+from dpft.step.unit import PrivacyUnit, build_unit, check_user_level
+
+__all__ = ["RunPlan", "build_plan", "evaluate_with_methods"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a run is, resolved before its first step. Frozen: the loop reads it.
+
+    Attributes:
+        recipe, run_dir, phase: the recipe, its run directory, the ledger phase of its steps.
+        private: the recipe is private (``privacy.enabled``).
+        progress: this process shows progress (rank 0 of a world, and the caller asked).
+        world, rng: the DDP world and the run's one secret randomness.
+        ledger, ledger_notes, live_ledger_path: the ledger the run appends to (earlier phases and
+            attempts included), what the report says about what it carried, and its live file.
+        placement: device and precision.
+        data: tokenised rows; ``train_tok`` below is the training rows after the methods' prepare.
+        model, loss_fn, train_tok: after the methods' ``prepare`` (which may wrap them).
+        unit: the privacy unit, its sampler, N and q.
+        total_steps: logical steps to run; sigma: σ (0 for a non-private run).
+        methods, ctx: the recipe's method plug-ins and what they see of the run.
+        spec: the DP step's parts after the methods' ``build``; params: the parameters it updates.
+        optimizer, scheduler: the step's optimizer and its learning-rate schedule.
+        evaluator: dev evaluation of a model.
+    """
+
+    recipe: Any
+    run_dir: Path
+    phase: str
+    private: bool
+    progress: bool
+    world: Any
+    rng: Randomness
+    ledger: PrivacyLedger
+    ledger_notes: list
+    live_ledger_path: Path
+    placement: Placement
+    data: TrainData
+    model: Any
+    loss_fn: Callable
+    train_tok: Any
+    unit: PrivacyUnit
+    total_steps: int
+    sigma: float
+    methods: list
+    ctx: Run
+    spec: Any
+    params: dict
+    optimizer: Any
+    scheduler: Any
+    evaluator: DevEvaluator
+
+
+def evaluate_with_methods(methods: list, ctx: Run, base: Callable[[], dict]) -> dict:
+    """Dev metrics: the first method that evaluates its own way (e.g. an EMA's weights) wins;
+    else ``base()``."""
+    for m in methods:
+        out = m.evaluate(ctx, base)
+        if out is not None:
+            return out
+    return base()
+
+
+def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms: Optional[list] = None,
+               progress: bool = True, ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
+               phase: str = "train", live_ledger_path: Optional[str | Path] = None) -> RunPlan:
+    """Resolve ``recipe`` into a :class:`RunPlan` (see the module docstring for the order).
+
+    Args: as :class:`~dpft.run.loop.Trainer`.
+
+    Raises:
+        DataError, ModelError, CalibrationError, TrainingError, DistributedError — each naming
+        the fix; refusals that need no data come before any loading.
+    """
+    r = recipe
+    run_dir = Path(run_dir)
+    private = r.privacy.enabled
+    world, rng = ddp.build_world(r.model_dump(mode="json"), r.seed if r.privacy.reproducible else None, rng)
+    progress = progress and world.is_main
+    live = Path(live_ledger_path) if live_ledger_path else run_dir / "ledger.json"
+    ledger, ledger_notes = continue_ledger(world, run_dir, live, resume,
+                                           ledger if ledger is not None else PrivacyLedger())
+    methods = active_methods(r)
+    placement = build_placement(r, world.local_rank if world.distributed else None, progress,
+                                [m.name for m in methods if not getattr(m, "supports_device", False)])
+    if r.task.user_column and private:  # refusals that need no data, before any loading
+        check_user_level(r, world.distributed, [m.name for m in methods])
+
+    task = load_rows(r, private)
+    tokenizer, model = build_model(r, num_labels(task))
+    model = place_model(model, r.perf, placement.device)
+    data = build_train_data(r, task, tokenizer, hide_counts=private or bool(methods), progress=progress)
+    unit = build_unit(r, data.train_tok, data.task.notes, rng, private)
+    s = r.schedule
+    total_steps = s.steps or max(1, math.ceil(s.epochs * unit.n / r.batch.expected_batch_size))
+
+    ddp.check_methods(world, methods)  # DDP: only methods correct across ranks
+    evaluator = DevEvaluator(data, placement, world, r.eval)
+    ctx = Run(recipe=r, run_dir=run_dir, resume=resume, progress=progress, private=private, rng=rng, ledger=ledger,
+              live_ledger_path=live, task=data.task, tokenizer=tokenizer, model=model,
+              loss_fn=causal_lm_loss if data.causal else classification_loss, train_tok=data.train_tok,
+              dev_tok=data.dev_tok, n=unit.n, q=unit.q, sampler=unit.sampler, total_steps=total_steps,
+              evaluate=lambda: evaluate_with_methods(methods, ctx, lambda: evaluator(ctx.model)),
+              make_optimizer=lambda params: build_optimizer(r.optimizer, params))
+    for m in methods:  # earlier private phases; model / loss / data wrapping
+        m.prepare(ctx)
+    ddp.broadcast_module(world, ctx.model)  # DDP: the world starts from rank 0's weights
+    total_steps = ctx.total_steps
+
+    if private:
+        p = r.privacy
+        # DDP: rank 0 calibrates and every rank gets its σ (one value for the world).
+        sigma = resolve_sigma(noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon, delta=p.delta,
+                              q=unit.q, steps=total_steps, n=unit.n, prior=ledger.events(),
+                              calibrate=lambda f: ddp.on_rank0(world, f))
+        clip = build_clip(p, r.task.user_clipping if unit.user_level else None, r.task.max_rows_per_user)
+        engine = make_engine(p.engine, ctx.model, ctx.loss_fn, clip)
+    else:
+        from dpft.grads.base import NonPrivateEngine
+        from dpft.step.clip import make_clip_policy
+
+        sigma = 0.0
+        engine = NonPrivateEngine(ctx.model, ctx.loss_fn, make_clip_policy("flat", 1.0))
+        clip = engine.clip
+    ctx.sigma = sigma
+    spec = build_step_spec(engine=engine, clip=clip, sigma=sigma if private else None, rng=rng,
+                           sampler=unit.sampler, optimizer=build_optimizer(r.optimizer, engine.params),
+                           head_mask=lambda names: [is_head_param(n) for n in names],
+                           hardened=r.privacy.hardened_noise, transforms=list(transforms or []), phase=phase)
+    for m in methods:  # each returns a changed copy of the step's parts
+        spec = m.build(spec, ctx)
+    if placement.precision.mixed and not getattr(spec.engine, "supports_precision", False):
+        raise TrainingError(f"perf.dtype {placement.precision.dtype}: the {type(spec.engine).__name__} of this "
+                            "recipe does not apply autocast; use perf.dtype: fp32")
+    spec.engine.precision = placement.precision
+    if unit.user_level and r.task.user_clipping == "group" and not getattr(spec.engine, "supports_groups", False):
+        raise TrainingError(f"user-level group clipping needs privacy.engine: bookkeeping or reference "
+                            f"(got {type(spec.engine).__name__}); or set task.user_clipping: per_example_over_k")
+    ddp.check_methods(world, [], keep_norms=spec.keep_norms)  # DDP: no raw norms across ranks
+    return RunPlan(recipe=r, run_dir=run_dir, phase=phase, private=private, progress=progress, world=world, rng=rng,
+                   ledger=ledger, ledger_notes=ledger_notes, live_ledger_path=live, placement=placement, data=data,
+                   model=ctx.model, loss_fn=ctx.loss_fn, train_tok=ctx.train_tok, unit=unit, total_steps=total_steps,
+                   sigma=sigma, methods=methods, ctx=ctx, spec=spec,
+                   params=spec.params if spec.params is not None else spec.engine.params, optimizer=spec.optimizer,
+                   scheduler=build_scheduler(spec.optimizer, s, total_steps), evaluator=evaluator)
