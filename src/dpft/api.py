@@ -94,15 +94,14 @@ from torch import nn
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
                               SequentialSampler)
 
-from dpft.accounting.calibrate import calibrate_sigma, check_delta
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.bookkeeping import BookKeepingEngine
 from dpft.grads.live import DoubleCaptureError, LiveBookKeeping
 from dpft.privacy.randomness import Randomness
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import EPS, ClipPolicy, make_clip_policy
-from dpft.step.noise import GaussianMechanism
-from dpft.step.pipeline import DPStep, StepOutput, StepSpec
+from dpft.step.build import build_step_spec, resolve_sigma
+from dpft.step.pipeline import DPStep, StepOutput
 from dpft.step.sample import PoissonSampler
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPDataLoader", "PerExampleCriterion", "GroupClip",
@@ -982,13 +981,11 @@ class PrivacyEngine:
                 "gradient). To train them, set requires_grad before make_private", stacklevel=3)
 
         # ---------------------------------------------------------------- noise
-        if target_epsilon is not None:
-            check_delta(target_delta, n)
-            sigma = calibrate_sigma(target_epsilon, target_delta, q, planned, prior=self.ledger.events())
-        else:
-            if target_delta is not None:
-                check_delta(target_delta, n)
-            sigma = float(noise_multiplier)
+        # The same builders as `dpft train`'s plan (step/build.py): σ explicit, or calibrated on the
+        # events this loop will record after those the ledger already holds; δ < 1/N checked.
+        sigma = resolve_sigma(noise_multiplier=None if target_epsilon is not None else noise_multiplier,
+                              target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n,
+                              prior=self.ledger.events())
 
         # ---------------------------------------------------------------- the DP step
         self._calls += 1
@@ -1002,8 +999,8 @@ class PrivacyEngine:
             clip = _group_clip(max_grad_norm, engine.params, optimizer)
             engine.clip = clip
         sampler = PoissonSampler(n, expected_batch_size, rng)
-        mechanism = GaussianMechanism(sigma, clip.sensitivity, rng, hardened=self.hardened_noise)
-        spec = StepSpec(engine=engine, clip=clip, mechanism=mechanism, sampler=sampler, optimizer=optimizer)
+        spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
+                               hardened=self.hardened_noise)
         dp_step = DPStep(spec, self.ledger, n)
         dp_opt = DPOptimizer(optimizer, dp_step, planned)
         session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)

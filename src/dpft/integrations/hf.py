@@ -85,16 +85,16 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from dpft.accounting.calibrate import calibrate_sigma, check_delta
+from dpft.accounting.calibrate import check_delta
 from dpft.api import UnclippedParameterError, check_unpacked_batch, prediction_summary
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.base import PerExampleEngine, PerExampleLoss
 from dpft.privacy.randomness import Randomness
-from dpft.step import DPStep, StepSpec
+from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
-from dpft.step.noise import GaussianMechanism
+from dpft.step.build import build_step_spec, make_engine, resolve_sigma
 from dpft.step.postprocess import Transform
 from dpft.step.sample import PoissonSampler
 
@@ -363,29 +363,25 @@ class DPTrainer(Trainer):
         self._run_rng = self.rng.child("hf-train-loop-0")
         self._loops = 0
         self.ledger = ledger if ledger is not None else PrivacyLedger()
-        if dp_args.noise_multiplier is not None:
-            self.sigma = float(dp_args.noise_multiplier)
-        else:
-            self.sigma = calibrate_sigma(dp_args.target_epsilon, dp_args.target_delta, self.q, self.total_steps,
-                                         prior=self.ledger.events())
+        # The same builder as `dpft train`'s plan and make_private (step/build.py).
+        self.sigma = resolve_sigma(noise_multiplier=dp_args.noise_multiplier, target_epsilon=dp_args.target_epsilon,
+                                   delta=dp_args.target_delta, q=self.q, steps=self.total_steps, n=self.n,
+                                   prior=self.ledger.events())
 
         causal = _is_causal_lm(self.model)
         self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(causal, tuple(self.label_names or ()))
         self.clip = make_clip_policy(dp_args.clipping, dp_args.max_grad_norm, dp_args.clipping_gamma,
                                      dp_args.head_fraction)
         self.engine = self._make_engine()
-        if hasattr(self.clip, "set_head_mask"):
-            from dpft.models.load import is_head_param
+        from dpft.models.load import is_head_param
 
-            self.clip.set_head_mask([is_head_param(n) for n in self.engine.params])
         self.sampler = PoissonSampler(self.n, eb, self._run_rng)
-        self.mechanism = GaussianMechanism(self.sigma, self.clip.sensitivity, self._run_rng,
-                                           hardened=dp_args.hardened_noise)
-        self.dp_step = DPStep(
-            StepSpec(engine=self.engine, clip=self.clip, mechanism=self.mechanism, sampler=self.sampler,
-                     optimizer=_TrainerStepsOptimizer(), transforms=list(transforms or []),
-                     params=self.engine.params, phase="train"),
-            self.ledger, self.n, on_release=self._save_live_ledger)
+        spec = build_step_spec(engine=self.engine, clip=self.clip, sigma=self.sigma, rng=self._run_rng,
+                               sampler=self.sampler, optimizer=_TrainerStepsOptimizer(),
+                               head_mask=lambda names: [is_head_param(n) for n in names],
+                               hardened=dp_args.hardened_noise, transforms=list(transforms or []), phase="train")
+        self.mechanism = spec.mechanism
+        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self._save_live_ledger)
         self._live_written = False
         self._params_checked = False
         if self.optimizer is not None:
@@ -468,17 +464,11 @@ class DPTrainer(Trainer):
         from dpft.perf import Precision
 
         ckpt = bool(getattr(self.args, "activation_checkpointing", False) or getattr(self.args, "gradient_checkpointing", False))
-        if self.dp_args.engine == "reference":
-            if ckpt:
-                _refuse("activation (gradient) checkpointing needs DPArguments.engine='bookkeeping': the reference "
-                        "engine's torch.func transforms cannot run Hugging Face's checkpointing hooks")
-            from dpft.grads.reference import ReferenceEngine
-
-            engine: PerExampleEngine = ReferenceEngine(self.model, self.loss_fn, self.clip)
-        else:
-            from dpft.grads.bookkeeping import BookKeepingEngine
-
-            engine = BookKeepingEngine(self.model, self.loss_fn, self.clip)
+        if self.dp_args.engine == "reference" and ckpt:
+            _refuse("activation (gradient) checkpointing needs DPArguments.engine='bookkeeping': the reference "
+                    "engine's torch.func transforms cannot run Hugging Face's checkpointing hooks")
+        engine = make_engine("reference" if self.dp_args.engine == "reference" else "bookkeeping", self.model,
+                             self.loss_fn, self.clip)
         if getattr(self.args, "bf16", False):
             # bf16 autocast around the forward (accelerate also wraps the model's forward; nested
             # autocast of one dtype is the same). Norms, clipped sums, noise and the optimizer
