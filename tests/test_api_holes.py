@@ -330,7 +330,7 @@ def test_api_checks_catch_each_planted_bug(planted, route):
     from dpft.audit.checks_api import api_checks, audit_dp_trainer, audit_make_private
 
     run = {"make_private": audit_make_private, "dp_trainer": audit_dp_trainer, "both": api_checks}[route]
-    rows = run(planted)
+    rows = run(planted=planted)
     failed = [c.name for c in rows if not c.passed]
     assert failed, f"planted {planted} not caught"
     from dpft.api import DPOptimizer

@@ -28,6 +28,7 @@ that the audit shows it would catch the bug: ``"double_capture"``, ``"unfrozen_p
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import tempfile
 import time
@@ -308,16 +309,149 @@ def api_checks(planted: Optional[str] = None) -> list[Check]:
         return make_private_checks() + dp_trainer_checks()
 
 
-def audit_make_private(planted: Optional[str] = None) -> list[Check]:
-    """The make_private checks alone (tiny model; a few seconds)."""
-    with planted_bug(planted):
-        return make_private_checks()
+def _no_dropout(model: nn.Module) -> None:
+    """Dropout off (p = 0) in an audit copy: leave-one-out compares the same computation."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
 
 
-def audit_dp_trainer(planted: Optional[str] = None) -> list[Check]:
-    """The DPTrainer checks alone (tiny BERT / GPT-2; about ten seconds)."""
+def _default_step(module, optimizer, criterion, batch) -> None:
+    """One micro-batch of the usual loop: ``(x, y)`` pairs, or a dict with ``labels`` (HF)."""
+    optimizer.zero_grad()
+    if isinstance(batch, dict):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = module(**inputs)
+        criterion(getattr(out, "logits", out), batch["labels"]).backward()
+    else:
+        x, y = batch
+        criterion(module(x), y).backward()
+    optimizer.step()
+
+
+def _yours_mp(model, dataset, idx, criterion, train_step, c, sigma, collate_fn, kwargs) -> torch.Tensor:
+    """One make_private step on rows ``idx`` of the user's dataset (q = 1, SGD lr 1): ``S``."""
+    from torch.utils.data import Subset
+
+    from dpft import PrivacyEngine
+
+    model = copy.deepcopy(model)
+    _no_dropout(model)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    engine = PrivacyEngine(reproducible_seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, opt, crit, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(params.values(), lr=1.0), criterion=criterion,
+            data_loader=DataLoader(Subset(dataset, list(idx)), batch_size=len(idx), collate_fn=collate_fn),
+            noise_multiplier=sigma, max_grad_norm=c, steps=1, **kwargs)
+        try:
+            for batch in loader:
+                train_step(module, opt, crit, batch)
+        finally:
+            engine.detach()
+    return torch.cat([-(p.detach() - before[n]).flatten().float().cpu() * len(idx) for n, p in params.items()])
+
+
+def _loo_and_noise(name: str, run: Callable[[list, float], torch.Tensor], n_rows: int, c: float) -> list[Check]:
+    """Leave-one-out ≤ C over ``n_rows`` rows, and noise std σC (σ = 1) on the full set."""
+    t0 = time.perf_counter()
+    full = run(list(range(n_rows)), 0.0)
+    worst = 0.0
+    for i in range(n_rows):
+        worst = max(worst, float((full - run([j for j in range(n_rows) if j != i], 0.0)).norm()))
+    ok = worst <= c * (1 + TOL)
+    out = [Check(f"yours: {name} leave-one-out", ok,
+                 f"max_i ‖S(D) − S(D∖i)‖ = {worst:.4g} vs C = {c:g} (your model and rows, N = {n_rows}, q = 1, σ = 0)"
+                 + ("" if ok else " — one row moves the release by more than C"),
+                 {"loo_over_C": worst / c, "seconds": round(time.perf_counter() - t0, 2)})]
+    t0 = time.perf_counter()
+    z = (run(list(range(n_rows)), 1.0) - full).double()
+    d = z.numel()
+    std = float(z.std())
+    # The sample std of d normals has relative sd ≈ 1/√(2d): 5 of them is the tolerance.
+    rel = abs(std / c - 1.0)
+    ok = rel <= 5.0 / math.sqrt(2 * d) + 1e-3
+    out.append(Check(f"yours: {name} noise std σC", ok,
+                     f"std {std:.5g} vs σC = {c:g} over {d} coordinates (σ = 1)" + ("" if ok else " — wrong noise scale"),
+                     {"std_over_sigma_c": std / c, "coordinates": d, "seconds": round(time.perf_counter() - t0, 2)}))
+    return out
+
+
+def audit_make_private(model: Optional[nn.Module] = None, dataset=None, criterion: Optional[nn.Module] = None, *,
+                       train_step: Optional[Callable] = None, rows: int = 4, max_grad_norm: float = 1.0,
+                       collate_fn: Optional[Callable] = None, planted: Optional[str] = None,
+                       **make_private_kwargs) -> list[Check]:
+    """Audit ``make_private`` — on a tiny built-in model (no arguments: leave-one-out, two passes,
+    unfrozen parameter), or on **your own** model, rows and loop body.
+
+    With ``model``: one logical step of ``make_private`` on a copy of your model (dropout off),
+    ``q = 1`` over the first ``rows`` rows of ``dataset``, plain SGD at learning rate 1 over its
+    trainable parameters, your ``train_step(module, optimizer, criterion, batch)`` (default: the
+    usual ``zero_grad``/loss/``backward``/``step`` on ``(x, y)`` or a dict with ``labels``) and
+    ``make_private_kwargs`` (e.g. ``clipping="head_body"``, ``max_physical_batch_size``). Checks:
+    ``max_i ‖S(D) − S(D∖i)‖ ≤ C`` (add/remove-one sensitivity of the released sum ``S = −Δθ·qN``)
+    and the noise std σC at σ = 1. Cost: ``rows + 2`` steps of your model.
+
+    Returns:
+        :class:`~dpft.audit.whitebox.Check` s (``.passed``, ``.message``); a failed one names the hole.
+    """
     with planted_bug(planted):
-        return dp_trainer_checks()
+        if model is None:
+            return make_private_checks()
+        if dataset is None or criterion is None:
+            raise ValueError("audit_make_private(model, dataset, criterion): give your dataset and criterion too")
+        n = min(rows, len(dataset))
+        step = train_step or _default_step
+        return _loo_and_noise("make_private", lambda idx, sigma: _yours_mp(
+            model, dataset, idx, criterion, step, max_grad_norm, sigma, collate_fn, make_private_kwargs), n,
+            max_grad_norm)
+
+
+def _yours_trainer(model, rows, idx, c, sigma, dp_kwargs, trainer_kwargs) -> torch.Tensor:
+    from transformers import TrainingArguments
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    model = copy.deepcopy(model)
+    _no_dropout(model)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    n = len(idx)
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = TrainingArguments(output_dir=out, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant",
+                                 optim="sgd", weight_decay=0.0, per_device_train_batch_size=n, report_to=[],
+                                 use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_strategy="no",
+                                 disable_tqdm=True)
+        dp = DPArguments(**{"target_delta": 1.0 / (10 * n), **dp_kwargs, "noise_multiplier": sigma,
+                            "max_grad_norm": c, "expected_batch_size": n, "reproducible_seed": 0})
+        trainer = DPTrainer(model=model, args=args, train_dataset=rows.select(list(idx)), dp_args=dp, **trainer_kwargs)
+        trainer.train()
+    return torch.cat([-(p.detach() - before[k]).flatten().float().cpu() * n for k, p in params.items()])
+
+
+def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_norm: float = 1.0,
+                     dp_kwargs: Optional[dict] = None, planted: Optional[str] = None, **trainer_kwargs) -> list[Check]:
+    """Audit ``DPTrainer`` — on tiny built-in models (no arguments: leave-one-out, unfrozen
+    parameter, packing collator), or on **your own** model and rows.
+
+    With ``model``: one logical step of ``DPTrainer`` on a copy of your model (dropout off), ``q = 1``
+    over the first ``rows`` rows of ``train_dataset`` (a ``datasets.Dataset``), SGD at learning
+    rate 1, your ``trainer_kwargs`` (``data_collator``, ``loss_fn``, ``processing_class``…) and
+    ``dp_kwargs`` for :class:`~dpft.integrations.hf.DPArguments` (e.g. ``clipping``). Checks
+    leave-one-out ``≤ C`` and the noise std σC at σ = 1, as :func:`audit_make_private`.
+    """
+    with planted_bug(planted):
+        if model is None:
+            return dp_trainer_checks()
+        if train_dataset is None:
+            raise ValueError("audit_dp_trainer(model, train_dataset): give your training rows too")
+        n = min(rows, len(train_dataset))
+        return _loo_and_noise("DPTrainer", lambda idx, sigma: _yours_trainer(
+            model, train_dataset, idx, max_grad_norm, sigma, dict(dp_kwargs or {}), trainer_kwargs), n,
+            max_grad_norm)
 
 
 __all__ = ["api_checks", "audit_make_private", "audit_dp_trainer", "planted_bug", "PLANTED"]
