@@ -19,7 +19,7 @@ evaluation, checkpoints, release, report). In order::
     optimizer       optim/__init__.py    build_optimizer, build_scheduler
     evaluation      eval/dev.py          DevEvaluator
 
-``make_private`` (api.py) and ``DPTrainer`` (integrations/hf.py) build the overlapping parts —
+``make_private`` (api/engine.py) and ``DPTrainer`` (integrations/hf.py) build the overlapping parts —
 σ, engine, step spec — with the same step/build.py functions from their own arguments.
 """
 

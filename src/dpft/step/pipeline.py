@@ -3,7 +3,7 @@
 sample → per-example engine → clip policy (inside the engine) → aggregate → mechanism.release
 (returns its ``DpEvent``; sensitivity asked of the clip policy at release time) → ledger.record
 → post-processing transforms → optimizer. The CLI trainer (``run/loop.py``), the Opacus-shaped
-``PrivacyEngine`` (``api.py``) and the Hugging Face ``DPTrainer`` (``integrations/hf.py``) all
+``PrivacyEngine`` (``api/``) and the Hugging Face ``DPTrainer`` (``integrations/hf.py``) all
 run their private steps through it, so sampling, noise and accounting agree by construction
 (jax_privacy's ``DPExecutionPlan`` idea).
 

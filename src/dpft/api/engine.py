@@ -1,0 +1,334 @@
+"""``PrivacyEngine``: ``make_private`` / ``make_private_with_epsilon`` (Opacus-shaped)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.api.clipping import CLIPPING_STYLES, GroupClip, _group_clip, _head_mask
+from dpft.api.criterion import PerExampleCriterion
+from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
+from dpft.api.optimizer import DPOptimizer
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.grads.live import LiveBookKeeping
+from dpft.privacy.randomness import Randomness
+from dpft.step.build import build_step_spec, resolve_sigma
+from dpft.step.clip import make_clip_policy
+from dpft.step.pipeline import DPStep
+from dpft.step.sample import PoissonSampler
+
+
+def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
+    raise RuntimeError("make_private drives the book-keeping engine from the user's loop")
+
+
+_LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                "multiprocessing_context", "persistent_workers", "pin_memory_device")
+
+
+class PrivacyEngine:
+    """DP training for a user's own PyTorch loop (Opacus-shaped; see the module docstring).
+
+    Args:
+        reproducible_seed: None (default): the randomness (Poisson sampling, noise) comes from
+            a fresh secret key from the OS CSPRNG, never written anywhere. An int: reproducible
+            draws for research and tests; the ε then holds only while the seed stays secret.
+        hardened_noise: draw each noise coordinate as the sum of four normals / 2 (Opacus
+            ``secure_mode``; ``dpft.privacy.randomness``).
+
+    Attributes:
+        ledger: the :class:`~dpft.accounting.ledger.PrivacyLedger` of every noisy update made
+            through this engine (all ``make_private`` calls compose).
+        noise_multiplier: σ of the last ``make_private``.
+    """
+
+    def __init__(self, *, reproducible_seed: Optional[int] = None, hardened_noise: bool = True):
+        self._rng = Randomness(reproducible_seed)
+        self.reproducible = reproducible_seed is not None
+        self.hardened_noise = hardened_noise
+        self.ledger = PrivacyLedger()
+        self.noise_multiplier: Optional[float] = None
+        self._calls = 0
+        self._sessions: list[LiveBookKeeping] = []
+
+    def get_epsilon(self, delta: float) -> float:
+        """ε(δ) of everything this engine released (PLD accountant of ``dp-accounting``).
+
+        Raises:
+            ValueError: δ not in (0, 1).
+        """
+        return float(self.ledger.epsilon(delta).epsilon)
+
+    def detach(self) -> None:
+        """Remove the hooks from every module made private by this engine."""
+        for s in self._sessions:
+            s.close()
+            s.engine.model.__dict__.pop("_dpft_private", None)
+        self._sessions.clear()
+
+    def make_private_with_epsilon(self, *, target_epsilon: float, target_delta: float,
+                                  epochs: Optional[float] = None, steps: Optional[int] = None, **kwargs):
+        """Opacus' name for :meth:`make_private` with a target ε."""
+        return self.make_private(target_epsilon=target_epsilon, target_delta=target_delta,
+                                 epochs=epochs, steps=steps, **kwargs)
+
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float,
+        criterion: Optional[nn.Module] = None,
+        data_loader: Optional[DataLoader] = None,
+        dataset: Optional[Dataset] = None,
+        expected_batch_size: Optional[int] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        epochs: Optional[float] = None,
+        steps: Optional[int] = None,
+        noise_multiplier: Optional[float] = None,
+        clipping: str = "flat",
+        head_fraction: float = 0.5,
+        head_parameters: Any = None,
+        max_physical_batch_size: Optional[int] = None,
+        loss_reduction: str = "mean",
+        poisson_sampling: bool = True,
+        batch_first: bool = True,
+        noise_generator: Any = None,
+        grad_sample_mode: Any = None,
+        norm_mode: str = "auto",
+        num_workers: int = 0,
+        collate_fn: Any = None,
+    ):
+        """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
+
+        Args:
+            module: any ``nn.Module``; its trainable parameters are those with ``requires_grad``.
+                Hooks are added to it (it is returned, not wrapped). Every hooked layer must see
+                the example dimension first (``batch_first``).
+            optimizer: any ``torch.optim.Optimizer`` over (a subset of) ``module``'s parameters.
+            max_grad_norm: C > 0, the L2 bound of each example's clipped gradient (the
+                sensitivity of the clipped sum under add/remove-one).
+            criterion: a torch.nn loss with ``reduction`` 'mean', 'sum' (or 'batchmean'); its
+                per-example version is returned. None: return Opacus' 3-tuple and take the
+                user's loss as a batch ``loss_reduction`` of per-example losses.
+            data_loader: a map-style ``DataLoader`` with the default sampler (sequential or
+                shuffled); its dataset, collate function and worker settings are kept, its
+                sampling replaced by Poisson sampling. Or give ``dataset`` (+
+                ``expected_batch_size``, ``collate_fn``, ``num_workers``).
+            expected_batch_size: qN, the expected logical batch (default: the loader's
+                ``batch_size``).
+            target_epsilon, target_delta: the (ε, δ) target; σ is calibrated on the events the
+                run records (``dpft.accounting.calibrate.calibrate_sigma``, PLD), composed after
+                what this engine's ledger already holds. Needs ``epochs`` or ``steps``.
+            epochs: passes of ``N // expected batch`` logical steps each, fractional allowed
+                (``1.5``: ``ceil(1.5 · N // batch)`` steps; the last pass stops early); or
+                ``steps``: logical steps in all (not both).
+            noise_multiplier: σ instead of a target ε (``0`` for tests; its ε is infinite).
+            clipping: ``"flat"`` (Abadi et al. 2016), ``"per_layer"`` (C/√G per parameter
+                tensor), ``"automatic"`` (AUTO-S, Bu et al. 2022), ``"head_body"`` (the task head
+                clipped to C·√f and the rest to C·√(1−f), ``f = head_fraction``; as the CLI) or
+                ``"per_group"`` (each optimizer param group clipped to C·√f_g, ``f_g`` = the
+                group's ``"clip_fraction"`` key; groups without one share what is left of 1
+                equally). Every style keeps one example's clipped gradient within C.
+            head_fraction: f of ``head_body`` (share of C² for the head), in (0, 1).
+            head_parameters: ``head_body``: the head's parameters (tensors or names); default:
+                parameters whose name has a ``classifier``/``score``/``pooler``/``lm_head``
+                component (``dpft.models.load.is_head_param``).
+            max_physical_batch_size: largest micro-batch the loader yields (None: whole logical
+                batches). A performance setting: it never changes the guarantee.
+            loss_reduction: 'mean' | 'sum', used only for losses not made by the returned
+                criterion (Opacus' argument).
+            poisson_sampling, batch_first: Opacus' arguments; only True is accepted.
+            noise_generator: refused (the randomness is the engine's secret source; use
+                ``PrivacyEngine(reproducible_seed=...)``). ``grad_sample_mode``: ignored (dpft
+                always uses the book-keeping engine).
+            norm_mode: book-keeping norm route ``"auto"`` | ``"ghost"`` | ``"instantiate"``.
+
+        Returns:
+            ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
+            or ``(module, optimizer, data_loader)`` when ``criterion`` is None. ``optimizer`` is
+            a :class:`DPOptimizer`, ``criterion`` a :class:`PerExampleCriterion`,
+            ``data_loader`` a :class:`DPDataLoader`.
+
+        Raises:
+            ValueError: anything that cannot be certified or is ambiguous: both or neither of
+                ``data_loader``/``dataset``; an iterable dataset; a loader with a custom
+                sampler or batch sampler (its population is not the dataset); both ``steps``
+                and ``epochs``; both or neither of ``target_epsilon``/``noise_multiplier``; a
+                target ε without δ or without a length; a criterion that cannot be made
+                per-example; BatchNorm (it mixes the examples of a batch); optimizer parameters
+                that are not trainable parameters of ``module``; an unknown clipping style.
+            dpft.accounting.calibrate.CalibrationError: the target cannot be met (δ ≥ 1/N, or
+                unreachable with this q and number of steps), with the reason.
+            NotImplementedError: ``torch.distributed`` with more than one process.
+            dpft.grads.bookkeeping.UnattributedUseError: (first training micro-batch) a
+                trainable parameter used outside the forward of the module that owns it.
+        """
+        # ---------------------------------------------------------------- what is refused
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"make_private: module must be an nn.Module, got {type(module).__name__}")
+        if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError("make_private: optimizer must be a plain torch.optim.Optimizer (not yet private)")
+        if module.__dict__.get("_dpft_private"):
+            raise ValueError("make_private: this module is already private (PrivacyEngine.detach() first)")
+        if not poisson_sampling:
+            raise ValueError("make_private: poisson_sampling=False is refused: the accountant assumes "
+                             "Poisson sampling (PoissonSampledDpEvent), and shuffled fixed-size batches "
+                             "would not be what is certified")
+        if not batch_first:
+            raise ValueError("make_private: batch_first=False is not supported; put the example "
+                             "dimension first")
+        if noise_generator is not None:
+            raise ValueError("make_private: noise_generator is refused; the noise comes from the "
+                             "engine's secret randomness (PrivacyEngine(reproducible_seed=...) for tests)")
+        if clipping not in CLIPPING_STYLES:
+            raise ValueError(f"make_private: clipping must be one of {CLIPPING_STYLES}, got {clipping!r}")
+        if steps is not None and epochs is not None:
+            raise ValueError("make_private: give epochs or steps, not both")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"make_private: steps must be a positive integer, got {steps!r}")
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                                   or not (epochs > 0 and math.isfinite(epochs))):
+            raise ValueError(f"make_private: epochs must be a positive number (1.5 allowed), got {epochs!r}")
+        if (target_epsilon is None) == (noise_multiplier is None):
+            raise ValueError("make_private: give exactly one of target_epsilon (with target_delta and "
+                             "epochs or steps) and noise_multiplier")
+        if target_epsilon is not None:
+            if target_delta is None:
+                raise ValueError("make_private: target_epsilon needs target_delta")
+            if steps is None and epochs is None:
+                raise ValueError("make_private: target_epsilon needs epochs or steps (σ is calibrated "
+                                 "for that number of noisy steps)")
+        if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"make_private: noise_multiplier must be finite and ≥ 0, got {noise_multiplier}")
+        if max_physical_batch_size is not None and max_physical_batch_size < 1:
+            raise ValueError("make_private: max_physical_batch_size must be ≥ 1")
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise NotImplementedError("make_private under torch.distributed is not supported yet; "
+                                      "use `dpft train` (DDP via torchrun)")
+        bn = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if bn:
+            raise ValueError(f"make_private: BatchNorm mixes the examples of a batch, so per-example "
+                             f"gradients are not per example: {bn[:3]}; use LayerNorm or GroupNorm")
+
+        per_example_criterion = None if criterion is None else PerExampleCriterion(criterion)
+
+        # ---------------------------------------------------------------- data
+        if (data_loader is None) == (dataset is None):
+            raise ValueError("make_private: give exactly one of data_loader and dataset")
+        loader_kwargs: dict[str, Any] = {}
+        if data_loader is not None:
+            if isinstance(data_loader, DPDataLoader):
+                raise ValueError("make_private: this data loader is already private")
+            dataset = data_loader.dataset
+            if not (type(data_loader.batch_sampler) is BatchSampler
+                    and type(data_loader.sampler) in (SequentialSampler, RandomSampler)):
+                raise ValueError(
+                    f"make_private: the data loader's sampler ({type(data_loader.sampler).__name__}, "
+                    f"batch sampler {type(data_loader.batch_sampler).__name__}) cannot be replaced "
+                    "by Poisson sampling over the whole dataset without changing who is sampled; "
+                    "pass dataset=<the examples to train on> and expected_batch_size=...")
+            if expected_batch_size is None:
+                expected_batch_size = data_loader.batch_size
+            for k in _LOADER_KEYS:
+                if hasattr(data_loader, k):
+                    loader_kwargs[k] = getattr(data_loader, k)
+            if loader_kwargs.get("num_workers", 0) > 0:
+                loader_kwargs["prefetch_factor"] = data_loader.prefetch_factor
+            else:
+                loader_kwargs.pop("persistent_workers", None)
+        else:
+            loader_kwargs["num_workers"] = num_workers
+            if collate_fn is not None:
+                loader_kwargs["collate_fn"] = collate_fn
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("make_private: an IterableDataset cannot be Poisson-sampled (N and "
+                             "random access are needed); use a map-style dataset")
+        try:
+            n = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError("make_private: the dataset has no len(); N is needed for q = batch / N") from None
+        if expected_batch_size is None:
+            raise ValueError("make_private: expected_batch_size is needed (the loader has no batch_size)")
+        expected_batch_size = int(expected_batch_size)
+        if not 1 <= expected_batch_size <= n:
+            raise ValueError(f"make_private: expected batch size {expected_batch_size} must be between 1 "
+                             f"and N = {n}")
+        q = expected_batch_size / n
+        steps_per_epoch = max(1, n // expected_batch_size)
+        planned = steps if steps is not None else (
+            max(1, math.ceil(epochs * steps_per_epoch - 1e-9)) if epochs is not None else None)
+
+        # ---------------------------------------------------------------- optimizer params
+        trainable = {id(p) for p in module.parameters() if p.requires_grad}
+        all_params = {id(p) for p in module.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in all_params:
+                    raise ValueError("make_private: the optimizer holds parameters that are not "
+                                     "parameters of module; their gradients would not be private")
+        if not trainable:
+            raise ValueError("make_private: module has no trainable parameter (requires_grad)")
+        names = {id(p): n for n, p in module.named_parameters()}
+        held_frozen = [names[id(p)] for g in optimizer.param_groups for p in g["params"]
+                       if id(p) not in trainable]
+        if held_frozen:
+            # Harmless while frozen (no gradient, the optimizer skips them); unfrozen later, their
+            # raw gradient would be applied, which DPOptimizer.step() refuses.
+            warnings.warn(
+                f"make_private: the optimizer holds {len(held_frozen)} frozen parameter(s) "
+                f"({', '.join(held_frozen[:3])}{', ...' if len(held_frozen) > 3 else ''}) that the DP "
+                "engine does not clip; they must stay frozen (optimizer.step() refuses them with a "
+                "gradient). To train them, set requires_grad before make_private", stacklevel=3)
+
+        # ---------------------------------------------------------------- noise
+        # The same builders as `dpft train`'s plan (step/build.py): σ explicit, or calibrated on the
+        # events this loop will record after those the ledger already holds; δ < 1/N checked.
+        sigma = resolve_sigma(noise_multiplier=None if target_epsilon is not None else noise_multiplier,
+                              target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n,
+                              prior=self.ledger.events())
+
+        # ---------------------------------------------------------------- the DP step
+        self._calls += 1
+        rng = self._rng.child(f"make_private:{self._calls}")
+        clip = (make_clip_policy(clipping, max_grad_norm, head_fraction=head_fraction)
+                if clipping != "per_group" else GroupClip(max_grad_norm, [0], [1.0]))
+        engine = BookKeepingEngine(module, _not_called, clip, norm_mode=norm_mode)
+        if clipping == "head_body":
+            clip.set_head_mask(_head_mask(engine.params, head_parameters))
+        elif clipping == "per_group":
+            clip = _group_clip(max_grad_norm, engine.params, optimizer)
+            engine.clip = clip
+        sampler = PoissonSampler(n, expected_batch_size, rng)
+        spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
+                               hardened=self.hardened_noise)
+        dp_step = DPStep(spec, self.ledger, n)
+        dp_opt = DPOptimizer(optimizer, dp_step, planned)
+        session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)
+        dp_opt.session = session
+        dp_opt.param_names = names
+        module.__dict__["_dpft_private"] = True
+        self._sessions.append(session)
+        batches = _PoissonMicroBatches(sampler, steps_per_epoch, max_physical_batch_size, planned)
+        loader = DPDataLoader(dataset, batches, dp_opt, **loader_kwargs)
+        self.noise_multiplier = sigma
+        if per_example_criterion is None:
+            return module, dp_opt, loader
+        per_example_criterion._session = session
+        return module, dp_opt, per_example_criterion, loader

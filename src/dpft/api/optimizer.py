@@ -1,0 +1,226 @@
+"""``DPOptimizer``: wraps the user's optimizer; accumulates clipped sums over micro-batches and
+runs the DP step once per logical batch."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from dpft.api.guards import UnclippedParameterError
+from dpft.grads.live import LiveBookKeeping
+from dpft.step.aggregate import Aggregator
+from dpft.step.pipeline import DPStep, StepOutput
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps the user's optimizer; ``step()`` applies one noisy update per logical batch.
+
+    ``param_groups``, ``state``, ``defaults``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` are the wrapped optimizer's (an LR scheduler built on either works).
+
+    Attributes:
+        original_optimizer: the user's optimizer.
+        is_last_micro_batch: the current micro-batch ends its logical batch (``step()`` will
+            apply the noisy update).
+        logical_steps: noisy updates applied so far (= ledger events of this ``make_private``).
+        last_step: the :class:`~dpft.step.StepOutput` of the last noisy update (its ``private``
+            dict holds un-noised statistics that are not covered by the guarantee).
+        noise_multiplier: σ; ``max_grad_norm``: C.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dp_step: DPStep, planned_steps: Optional[int]):
+        # Not Optimizer.__init__: the parameters and their state stay the wrapped optimizer's.
+        self.original_optimizer = optimizer
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self.dp_step = dp_step
+        self.planned_steps = planned_steps
+        self.session: Optional[LiveBookKeeping] = None
+        self.noise_multiplier = dp_step.spec.mechanism.sigma if dp_step.spec.mechanism else 0.0
+        self.max_grad_norm = dp_step.spec.clip.max_norm
+        self.current_step: Optional[int] = None
+        self.is_last_micro_batch = False
+        self.logical_steps = 0
+        self.last_step: Optional[StepOutput] = None
+        self._agg: Optional[Aggregator] = None
+        self._agg_step: Optional[int] = None
+        self._released_upto = -1
+        self._warned: set[str] = set()
+        self._engine_ids = {id(p) for p in dp_step.params.values()}
+        #: id → name of the module's parameters (for error messages); set by make_private.
+        self.param_names: dict[int, str] = {}
+
+    # -- the wrapped optimizer's state ---------------------------------------------------
+    @property
+    def param_groups(self):  # type: ignore[override]
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self):  # type: ignore[override]
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        raise RuntimeError(
+            "make_private: parameter groups cannot be added after make_private (their gradients "
+            "would not be clipped); build the optimizer with every group before")
+
+    def __repr__(self) -> str:
+        return (f"DPOptimizer(σ={self.noise_multiplier:.4g}, C={self.max_grad_norm:g}, "
+                f"{self.original_optimizer!r})")
+
+    # -- the DP protocol -----------------------------------------------------------------
+    def _warn_once(self, key: str, msg: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(msg, stacklevel=3)
+
+    def _on_result(self, res) -> None:
+        """A micro-batch's clipped sum (from the module's hooks)."""
+        if self._agg is None or self._agg_step is None or self._agg_step <= self._released_upto:
+            self._warn_once(
+                "stale",
+                "make_private: a clipped gradient arrived after its logical batch was applied (or "
+                "outside a micro-batch of the data loader) and was dropped")
+            return
+        self._agg.add(res)
+
+    def _discard_unreleased(self) -> None:
+        if self._agg is not None and self._agg_step is not None and self._agg_step > self._released_upto:
+            if self._agg.batch_size > 0:
+                self._warn_once(
+                    "discard",
+                    f"make_private: logical batch {self._agg_step} ended without optimizer.step() "
+                    "after its last micro-batch; its gradients were discarded (nothing released)")
+        self._agg, self._agg_step = None, None
+
+    def _begin_micro_batch(self, step: int, size: int, last: bool) -> None:
+        if self.session is not None:
+            self.session.flush()
+        if step != self._agg_step:
+            self._discard_unreleased()
+            self._agg = Aggregator(self.dp_step.params)
+            self._agg_step = step
+        self.current_step = step
+        self.is_last_micro_batch = last
+        if self.session is not None:
+            self.session.begin_micro_batch(size)
+
+    def _end_of_epoch(self) -> None:
+        if self.session is not None:
+            self.session.flush()
+            self.session.begin_micro_batch(None)
+        self._discard_unreleased()
+        self.current_step = None
+        self.is_last_micro_batch = False
+
+    def _release_empty(self, step: int) -> None:
+        """An empty Poisson batch: its noisy update (pure noise) is still released."""
+        if self.session is not None:
+            self.session.flush()
+            self.session.begin_micro_batch(None)
+        self._discard_unreleased()
+        self.current_step = None
+        self._release(step, Aggregator(self.dp_step.params))
+
+    def check_unclipped_grads(self) -> None:
+        """Refuse optimizer parameters outside the DP engine that hold a gradient.
+
+        The engine clips and noises the parameters that were trainable at ``make_private``; a
+        parameter the optimizer holds but the engine does not (frozen then, unfrozen since) gets
+        its raw batch gradient from the user's backward, which the optimizer would apply with no
+        clipping and no noise.
+
+        Raises:
+            UnclippedParameterError: naming the parameters and the fix.
+        """
+        bad = [self.param_names.get(id(p), f"<tensor {tuple(p.shape)}>")
+               for g in self.original_optimizer.param_groups for p in g["params"]
+               if id(p) not in self._engine_ids and p.grad is not None]
+        if bad:
+            raise UnclippedParameterError(
+                f"make_private: the optimizer parameter(s) {bad[:5]} have a gradient but are not clipped or "
+                "noised by the DP engine (they were frozen when make_private ran); the optimizer would apply "
+                "their raw gradient. Call make_private after setting requires_grad, or pass only the "
+                "trainable parameters to the optimizer. Nothing was released")
+
+    def _release(self, step: int, agg: Aggregator) -> StepOutput:
+        if step <= self._released_upto:  # never two releases with one noise stream
+            raise RuntimeError(f"logical step {step} was already released")
+        self.check_unclipped_grads()
+        self._released_upto = step
+        out = self.dp_step.release_and_update(step, agg)
+        self.logical_steps += 1
+        self.last_step = out
+        if self.planned_steps is not None and self.logical_steps > self.planned_steps:
+            self._warn_once("budget", f"make_private: more than the {self.planned_steps} planned "
+                                      "logical steps were applied; ε now exceeds the target")
+        return out
+
+    def step(self, closure=None) -> bool:  # type: ignore[override]
+        """Add this micro-batch's clipped gradients; after the last micro-batch of a logical
+        batch, apply the noisy update (noise once per logical batch).
+
+        Returns:
+            True when the noisy update was applied (the parameters changed), False when the
+            micro-batch was only accumulated.
+
+        Raises:
+            ValueError: a closure (closure-based optimizers re-evaluate the loss several times,
+                which per-example clipping cannot account for).
+            RuntimeError: no micro-batch of the private data loader is open.
+            UnclippedParameterError: an optimizer parameter outside the engine has a gradient
+                (frozen at ``make_private``, unfrozen since).
+            dpft.step.clip.NonFiniteGradientError: a non-finite loss or gradient norm (nothing
+                is released for this logical batch).
+        """
+        if closure is not None:
+            raise ValueError("make_private: optimizer.step(closure) is not supported")
+        if self.session is not None:
+            self.session.flush()
+        self.check_unclipped_grads()
+        if self.current_step is None:
+            raise RuntimeError(
+                "make_private: optimizer.step() outside a micro-batch of the data loader that "
+                "make_private returned")
+        if self.current_step <= self._released_upto:
+            self._warn_once("twice", "make_private: optimizer.step() called again after the noisy "
+                                     "update of this logical batch; ignored")
+            return False
+        if not self.is_last_micro_batch:
+            return False
+        assert self._agg is not None
+        self._release(self.current_step, self._agg)
+        self._agg = None
+        return True
