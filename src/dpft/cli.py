@@ -234,10 +234,7 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar, plan or time estimate."),
 ):
     """Fine-tune a model under (ε, δ)-DP as a recipe says; flags override recipe keys."""
-    from dpft.accounting.calibrate import CalibrationError
-    from dpft.config import RecipeError, load_recipe
-    from dpft.data.tasks import DataError
-    from dpft.models.load import ModelError
+    from dpft.config import load_recipe
     from dpft.report.report import epsilon_line
     from dpft.run.loop import Trainer, TrainingError, TrainingInterrupted
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dpft.audit import whitebox as wb
-from dpft.audit.blackbox import AuditResult, CanarySetup, multi_step_game, one_run_audit, one_step_game
+from dpft.audit.blackbox import CanarySetup, multi_step_game, one_run_audit, one_step_game
 
 
 @dataclass

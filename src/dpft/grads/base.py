@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from dpft.grads._hooks import full_precision
+from dpft.grads.contrib import full_precision
 from dpft.perf import FP32, Precision
 from dpft.step.clip import ClipPolicy, check_finite_norms
 

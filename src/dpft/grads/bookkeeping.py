@@ -54,23 +54,10 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils import _pytree as pytree
 
-from dpft.grads._hooks import (
-    NORM_MODES,
-    Capture,
-    check_example_support,
-    GramCache,
-    LayerKind,
-    Outer,
-    PerExample,
-    ScaledCache,
-    Unit,
-    full_precision,
-    merge,
-    sq_norm,
-    use_ghost,
-    weighted_sum,
-    zero_examples,
-)
+from dpft.grads.capture import Capture, Unit
+from dpft.grads.contrib import (NORM_MODES, GramCache, Outer, PerExample, ScaledCache, full_precision, merge, sq_norm,
+                                use_ghost, weighted_sum, zero_examples)
+from dpft.grads.kinds import LayerKind, check_example_support
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
 from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW

@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from dpft.grads._hooks import Contribution, Outer, PerExample
+from dpft.grads.contrib import Contribution, Outer, PerExample
 from dpft.step.clip import ClipPolicy
 
 #: Batch key of the ``(B,)`` int64 local group (user) id of each row.

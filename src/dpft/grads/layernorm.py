@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, PerExample, save_input
+from dpft.grads.contrib import PerExample
+
+from dpft.grads.kinds import LayerKind, save_input
 from dpft.grads.registry import register_layer
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, Outer, PerExample, as_3d, save_input
+from dpft.grads.contrib import Outer, PerExample
+
+from dpft.grads.kinds import LayerKind, as_3d, save_input
 from dpft.grads.registry import register_layer
 
 

@@ -53,7 +53,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from dpft.grads._hooks import Capture
+from dpft.grads.capture import Capture
 from dpft.grads.base import ClippedBatch
 from dpft.grads.bookkeeping import BookKeepingEngine
 

@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpft.grads._hooks import BatchLayoutError, LayerKind, LayoutError, Outer, batch_first, first_input
+from dpft.grads.contrib import BatchLayoutError, Outer
+
+from dpft.grads.kinds import LayerKind, LayoutError, batch_first, first_input
 from dpft.grads.registry import register_layer
 
 

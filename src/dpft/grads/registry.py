@@ -7,7 +7,9 @@ book-keeping engine looks a rule up for every module that owns a trainable param
 with no rule falls back to exact per-example gradients by ``torch.func`` (slower, one warning
 naming its class). Users give their own module classes a fast rule without forking dpft::
 
-    from dpft.grads._hooks import LayerKind, Outer, save_input
+    from dpft.grads.contrib import Outer
+
+    from dpft.grads.kinds import LayerKind, save_input
     from dpft.grads.registry import register_layer      # also dpft.register_layer
 
     @register_layer(ScaledLinear)                        # y = s * (x @ W.T), W: (d_out, d_in)
@@ -50,7 +52,7 @@ from typing import Any
 
 from torch import nn
 
-from dpft.grads._hooks import LayerKind
+from dpft.grads.kinds import LayerKind
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpft.grads._hooks import LayerKind, PerExample, save_input
+from dpft.grads.contrib import PerExample
+
+from dpft.grads.kinds import LayerKind, save_input
 from dpft.grads.registry import register_layer
 
 

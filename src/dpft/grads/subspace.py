@@ -34,7 +34,9 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from dpft.grads._hooks import Capture, Contribution, Outer, PerExample, merge
+from dpft.grads.capture import Capture
+
+from dpft.grads.contrib import Contribution, Outer, PerExample, merge
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss, trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine, _batch_size
 from dpft.step.clip import ClipPolicy, check_finite_norms

@@ -305,8 +305,8 @@ def coverage_section(trainer) -> dict[str, Any]:
         "release_set": RELEASE_SET,
         "dev_public": dev_public,
         "dev": dev_statement(dev_public, src),
-        "not_released": (f"Per-step training loss, realised batch sizes and clip fractions are not in the release "
-                         f"set" + (f"; they are in {DIAGNOSTICS_FILE} (not covered, for you only)"
+        "not_released": ("Per-step training loss, realised batch sizes and clip fractions are not in the release "
+                         "set" + (f"; they are in {DIAGNOSTICS_FILE} (not covered, for you only)"
                                    if r.log.private_diagnostics else " (log.private_diagnostics is off)") + "."),
         "timing": "Wall-clock times grow with the realised batch sizes: they are a side channel not covered by ε.",
         "public": ("The pre-trained model, the recipe's settings and the training-set size N are treated as "
