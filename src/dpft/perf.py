@@ -13,7 +13,7 @@ change where and in which number format the same computation runs:
   *forward* only (PyTorch's recommendation; the backward runs each op in the dtype autocast
   chose for it). Parameters, and so the optimizer state, stay fp32 (master weights). What
   decides privacy is computed in fp32 whatever the autocast dtype: per-example norms, clip
-  factors, the clipped sum ``Σᵢ cᵢgᵢ`` (``grads/capture.py``: factors are upcast before the
+  factors, the clipped sum ``Σᵢ cᵢgᵢ`` (``grads/contrib.py``: factors are upcast before the
   scaling and the product), the noise and the update.
 * **activation checkpointing** (:func:`enable_activation_checkpointing`): Hugging Face's
   ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``) on the model; the
