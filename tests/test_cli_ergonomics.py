@@ -173,13 +173,16 @@ def test_readme_own_instruction_data_command_keeps_the_instruct_task(tmp_path, m
 
 def _no_loading(monkeypatch):
     """Make any model or data loading fail the test: checks must come first."""
-    import dpft.run.loop as loop
+    import dpft.data.tasks as tasks
+    import dpft.models.build as build
 
     def boom(*a, **k):
         raise AssertionError("loaded data or a model before the checks")
 
-    monkeypatch.setattr(loop, "load_task", boom)
-    monkeypatch.setattr(loop, "load_classifier", boom)
+    # where the plan's builders load rows and models (data/prepare.py, models/build.py)
+    monkeypatch.setattr(tasks, "load_task", boom)
+    monkeypatch.setattr(build, "load_classifier", boom)
+    monkeypatch.setattr(build, "load_causal_lm", boom)
 
 
 def test_read_only_output_folder_is_refused_before_loading(tmp_path, monkeypatch, sst_like_files):
@@ -209,7 +212,7 @@ def test_read_only_output_folder_is_refused_before_loading(tmp_path, monkeypatch
 
 def test_output_folder_and_delta_are_checked_before_the_model_is_loaded(tmp_path, monkeypatch, sst_like_files,
                                                                         tiny_model_dir):
-    import dpft.run.loop as loop
+    import dpft.models.build as build
 
     out = tmp_path / "run"
     (out / "checkpoint").mkdir(parents=True)
@@ -222,7 +225,7 @@ def test_output_folder_and_delta_are_checked_before_the_model_is_loaded(tmp_path
     assert r.exit_code == 2 and "--resume: no checkpoint in" in r.output
     monkeypatch.undo()
     loaded = []
-    monkeypatch.setattr(loop, "load_classifier", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(
+    monkeypatch.setattr(build, "load_classifier", lambda *a, **k: loaded.append(1) or (_ for _ in ()).throw(
         AssertionError("model loaded before the δ check")))
     r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "--model", str(tiny_model_dir),
                                  "--delta", "0.1", "-o", str(tmp_path / "d")])
