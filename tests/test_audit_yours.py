@@ -68,3 +68,22 @@ def test_dp_trainer_audit_of_your_model_passes():
     out = audit_dp_trainer(model, rows, rows=4, max_grad_norm=0.1, data_collator=default_data_collator)
     assert [c.name for c in out] == ["yours: DPTrainer leave-one-out", "yours: DPTrainer noise std σC"]
     assert all(c.passed for c in out), [c.message for c in out]
+
+
+def test_dp_trainer_audit_keeps_labels_for_a_model_whose_forward_takes_none():
+    """dpft's mean-pooling classifier takes no `labels` argument: the audit keeps the column."""
+    import datasets
+    from transformers import BertConfig, BertModel, default_data_collator
+
+    from dpft.audit import audit_dp_trainer
+    from dpft.models.load import MeanPoolClassifier
+
+    torch.manual_seed(0)
+    enc = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32, max_position_embeddings=16))
+    model = MeanPoolClassifier(enc, 2)
+    g = torch.Generator().manual_seed(1)
+    rows = datasets.Dataset.from_dict({"input_ids": torch.randint(3, 64, (4, 8), generator=g).tolist(),
+                                       "attention_mask": torch.ones(4, 8).long().tolist(), "labels": [0, 1, 1, 0]})
+    out = audit_dp_trainer(model, rows, rows=4, max_grad_norm=0.1, data_collator=default_data_collator)
+    assert all(c.passed for c in out), [c.message for c in out]

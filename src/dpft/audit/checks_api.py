@@ -31,6 +31,7 @@ import contextlib
 import math
 import copy
 import tempfile
+import textwrap
 import time
 import warnings
 from typing import Callable, Iterator, Optional
@@ -154,7 +155,7 @@ def _norm_check(name: str, run: Callable[[], torch.Tensor], refused: tuple, what
     try:
         s = run()
     except refused as exc:
-        return Check(name, True, f"refused ({type(exc).__name__}): {str(exc)[:120]}",
+        return Check(name, True, f"refused ({type(exc).__name__}): {textwrap.shorten(str(exc), 200, placeholder='…')}",
                      {"refused": True, "seconds": round(time.perf_counter() - t0, 2)})
     norm = float(s.norm())
     ok = norm <= C * (1 + TOL)
@@ -284,7 +285,7 @@ def _packing_check(refused: type) -> Check:
     try:
         _, trainer = _trainer_step(model, rows, collator=DataCollatorWithFlattening(), physical=len(rows))
     except refused as exc:
-        return Check(name, True, f"refused ({type(exc).__name__}): {str(exc)[:120]}",
+        return Check(name, True, f"refused ({type(exc).__name__}): {textwrap.shorten(str(exc), 200, placeholder='…')}",
                      {"refused": True, "seconds": round(time.perf_counter() - t0, 2)})
     clipped = int(trainer.last_private_stats.get("batch_size", -1))
     ok = clipped == len(rows)
@@ -409,7 +410,7 @@ def audit_make_private(model: Optional[nn.Module] = None, dataset=None, criterio
             max_grad_norm)
 
 
-def _yours_trainer(model, rows, idx, c, sigma, dp_kwargs, trainer_kwargs) -> torch.Tensor:
+def _yours_trainer(model, rows, idx, c, sigma, dp_kwargs, trainer_kwargs, args_kwargs) -> torch.Tensor:
     from transformers import TrainingArguments
 
     from dpft.integrations.hf import DPArguments, DPTrainer
@@ -421,10 +422,13 @@ def _yours_trainer(model, rows, idx, c, sigma, dp_kwargs, trainer_kwargs) -> tor
     n = len(idx)
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = TrainingArguments(output_dir=out, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant",
-                                 optim="sgd", weight_decay=0.0, per_device_train_batch_size=n, report_to=[],
-                                 use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_strategy="no",
-                                 disable_tqdm=True)
+        # label_names keeps a `labels` column that a model's forward does not take (e.g. dpft's
+        # mean-pooling classifier): the Trainer would drop it as an unused column otherwise.
+        args = TrainingArguments(**{"label_names": ["labels"], **args_kwargs, "output_dir": out, "max_steps": 1,
+                                    "learning_rate": 1.0, "lr_scheduler_type": "constant", "optim": "sgd",
+                                    "weight_decay": 0.0, "per_device_train_batch_size": n, "report_to": [],
+                                    "use_cpu": not torch.cuda.is_available(), "save_strategy": "no",
+                                    "logging_strategy": "no", "disable_tqdm": True})
         dp = DPArguments(**{"target_delta": 1.0 / (10 * n), **dp_kwargs, "noise_multiplier": sigma,
                             "max_grad_norm": c, "expected_batch_size": n, "reproducible_seed": 0})
         trainer = DPTrainer(model=model, args=args, train_dataset=rows.select(list(idx)), dp_args=dp, **trainer_kwargs)
@@ -433,14 +437,17 @@ def _yours_trainer(model, rows, idx, c, sigma, dp_kwargs, trainer_kwargs) -> tor
 
 
 def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_norm: float = 1.0,
-                     dp_kwargs: Optional[dict] = None, planted: Optional[str] = None, **trainer_kwargs) -> list[Check]:
+                     dp_kwargs: Optional[dict] = None, training_args: Optional[dict] = None,
+                     planted: Optional[str] = None, **trainer_kwargs) -> list[Check]:
     """Audit ``DPTrainer`` — on tiny built-in models (no arguments: leave-one-out, unfrozen
     parameter, packing collator), or on **your own** model and rows.
 
     With ``model``: one logical step of ``DPTrainer`` on a copy of your model (dropout off), ``q = 1``
     over the first ``rows`` rows of ``train_dataset`` (a ``datasets.Dataset``), SGD at learning
     rate 1, your ``trainer_kwargs`` (``data_collator``, ``loss_fn``, ``processing_class``…) and
-    ``dp_kwargs`` for :class:`~dpft.integrations.hf.DPArguments` (e.g. ``clipping``). Checks
+    ``dp_kwargs`` for :class:`~dpft.integrations.hf.DPArguments` (e.g. ``clipping``) and
+    ``training_args`` for ``TrainingArguments`` (``label_names`` defaults to ``["labels"]``; the
+    step's own settings — one step, SGD at learning rate 1 — are the audit's). Checks
     leave-one-out ``≤ C`` and the noise std σC at σ = 1, as :func:`audit_make_private`.
     """
     with planted_bug(planted):
@@ -450,7 +457,8 @@ def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_
             raise ValueError("audit_dp_trainer(model, train_dataset): give your training rows too")
         n = min(rows, len(train_dataset))
         return _loo_and_noise("DPTrainer", lambda idx, sigma: _yours_trainer(
-            model, train_dataset, idx, max_grad_norm, sigma, dict(dp_kwargs or {}), trainer_kwargs), n,
+            model, train_dataset, idx, max_grad_norm, sigma, dict(dp_kwargs or {}), trainer_kwargs,
+            dict(training_args or {})), n,
             max_grad_norm)
 
 

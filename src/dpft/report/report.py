@@ -46,7 +46,8 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
         "name": r.name,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         "task": {"name": trainer.task.name, "source": trainer.task.source, "n_train": trainer.n,
-                 "n_dev": len(trainer.task.dev), "labels": trainer.task.label_names, "notes": trainer.task.notes},
+                 "n_dev": len(trainer.task.dev), "dev_source": dev_source(r.task, trainer.task.source),
+                 "labels": trainer.task.label_names, "notes": trainer.task.notes},
         "model": {"name": r.model.name, "trainable": r.trainable.mode, "trainable_parameters": n_train,
                   "total_parameters": n_total, "max_length": r.model.max_length},
         "privacy": priv,
@@ -264,6 +265,16 @@ def withhold_private_dev_texts(rep: dict[str, Any]) -> dict[str, Any]:
     if g and g.get("samples") and not (rep.get("coverage") or {}).get("dev_public", False):
         rep["generation"] = {**g, "samples": [], "samples_withheld": len(g["samples"])}
     return rep
+
+
+def dev_source(task_cfg, source: str) -> str:
+    """Where the dev rows came from, for the report and the model card: the dev file's name, the
+    split held out from the training file, or the benchmark's own dev split."""
+    if task_cfg.dev_file:
+        return f"dev file {Path(task_cfg.dev_file).name}"
+    if task_cfg.train_file:
+        return f"held out from the training file {Path(task_cfg.train_file).name}"
+    return f"{source} dev split"
 
 
 def dev_is_public(task) -> bool:

@@ -62,11 +62,21 @@ def _mechanism_rows(rep: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _data_name(t: dict[str, Any]) -> str:
+    """The training data as the card names it: a benchmark by name, your own file by its name
+    (not its local path)."""
+    src = str(t.get("source", ""))
+    if src.startswith("files: "):
+        return f"your own data (`{Path(src[len('files: '):]).name}`)"
+    return f"{t['name']} ({src})"
+
+
 def _metric_lines(rep: dict[str, Any]) -> list[str]:
     m, t = rep.get("metrics") or {}, rep["task"]
     out = []
     if "dev_accuracy" in m:
-        out.append(f"- dev accuracy {m['dev_accuracy']:.4f} on {t['n_dev']:,} examples ({t['source']})")
+        out.append(f"- dev accuracy {m['dev_accuracy']:.4f} on {t['n_dev']:,} examples "
+                   f"({t.get('dev_source', t['source'])})")
     elif "dev_loss" in m:
         out.append(f"- dev loss {m['dev_loss']:.4f} nats/token (perplexity {m.get('dev_perplexity', float('nan')):.3f})")
     test = rep.get("test")
@@ -142,7 +152,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
     lines = [
         f"# {rep['name']}", "",
         f"A {'causal language model' if causal else 'text classifier'} fine-tuned from `{base}` on "
-        f"{t['name']} ({t['source']}) with dpft (differentially private fine-tuning).", "",
+        f"{_data_name(t)} with dpft (differentially private fine-tuning).", "",
         _headline(rep), "",
         f"**Privacy:** {epsilon_line(rep)}", "",
         "## Privacy guarantee", "",
