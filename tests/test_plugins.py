@@ -169,6 +169,19 @@ def test_ddp_support_is_declared_by_each_method():
         base._REGISTRY.pop("toy_ddp")
 
 
+def test_the_model_card_asks_the_methods_for_their_lines():
+    """The card (run/card.py) names no method: a forward-pass LDP run's mechanism row and usage
+    come from the method's ``card_mechanism``/``card_usage``."""
+    from dpft.run.card import _from_methods, _mechanism_rows
+
+    plain = {"dp": {"private": False}, "privacy": {}}
+    assert _mechanism_rows(plain) == ["| mechanism | none (no clipping, no noise) |"]
+    assert _from_methods(plain, "card_usage") is None
+    ldp = {**plain, "ldp": {"sigma": 1.0}}
+    assert "forward-pass local DP" in _mechanism_rows(ldp)[0]
+    assert "dpft ldp-server" in _from_methods(ldp, "card_usage")[0]
+
+
 def test_unknown_method_and_duplicates_are_clear_errors(tiny_model_dir, sst_like_files):
     from dpft.config import RecipeError
 
