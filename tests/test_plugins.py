@@ -87,6 +87,101 @@ def test_a_toy_method_from_a_test_file_runs_through_the_driver(tiny_model_dir, s
     assert "toy_scale" in dumped and load_recipe(tmp_path / "toy" / "recipe.yaml").methods[0].scale == 0.25
 
 
+class TwoPhaseCfg(_Strict):
+    #: steps of phase 1 (a short private training run through the driver)
+    warmup_steps: int = 2
+    #: its fixed noise multiplier (differs from phase 2's, so the composition is visible)
+    warmup_sigma: float = 2.0
+
+
+@register_method
+class ToyTwoPhase(Method):
+    """A two-phase method: phase 1 is a private training run the driver executes for it
+    (``run.train_phase``), appending to the run's ledger under its own phase; phase 2 is the run."""
+
+    name = "toy_two_phase"
+    config = TwoPhaseCfg
+    PHASE = "toy_warmup"
+
+    def prepare(self, run):
+        d = run.recipe.model_dump(mode="json")
+        d["methods"] = []  # phase 1 is a plain run (not this method again)
+        d["schedule"]["steps"] = d["checkpoint_every"] = d["eval"]["every_steps"] = self.cfg.warmup_steps
+        d["privacy"]["noise_multiplier"] = self.cfg.warmup_sigma
+        self.steps_seen: list[int] = []
+        ph = run.train_phase(type(run.recipe).model_validate(d), run.run_dir / "warmup", phase=self.PHASE,
+                             ledger=run.ledger, rng=run.rng.child("toy-warmup"), live_ledger_path=run.live_ledger_path,
+                             on_step=lambda done, params: self.steps_seen.append(done), progress=False)
+        self.keys = sorted(ph.params)
+        self.phase1 = {"sigma": ph.sigma, "report": ph.run(), "steps_before_phase2": run.ledger.steps}
+
+    def report(self, run):
+        return {"on_step": self.steps_seen, "phase1_sigma": self.phase1["sigma"],
+                "phase1_dev": self.phase1["report"]["metrics"]["dev_accuracy"]}
+
+
+def test_a_two_phase_toy_method_runs_both_phases_on_one_ledger(tiny_model_dir, sst_like_files, tmp_path):
+    from dpft.accounting.calibrate import dp_sgd_event
+    from dpft.accounting.ledger import epsilon_of
+    from dpft.run.loop import Trainer
+
+    rec = _recipe(tiny_model_dir, sst_like_files, methods=[{"name": "toy_two_phase"}])
+    tr = Trainer(rec, tmp_path / "two", progress=False)
+    m = tr.method("toy_two_phase")
+    # phase 1 ran through the driver before phase 2 was built, appending to the run's ledger
+    assert m.steps_seen == [1, 2] and m.phase1["steps_before_phase2"] == 2
+    assert m.keys == sorted(tr.params)  # same trainable parameters in both phases
+    assert [(e.phase, e.count) for e in tr.ledger.entries] == [("toy_warmup", 2)]
+    assert (tmp_path / "two" / "warmup" / "report.json").is_file()
+    rep = tr.run()
+    assert [(e.phase, e.count) for e in tr.ledger.entries] == [("toy_warmup", 2), ("train", 2)]
+    live = json.loads((tmp_path / "two" / "ledger.json").read_text())
+    assert [(e["phase"], e["count"]) for e in live["entries"]] == [("toy_warmup", 2), ("train", 2)]
+    # the ε reported is the PLD composition of both phases, in order (σ 2.0 then σ 1.0, same q)
+    events = [dp_sgd_event(2.0, tr.q, 2), dp_sgd_event(1.0, tr.q, 2)]
+    assert m.phase1["sigma"] == 2.0 and tr.sigma == 1.0
+    assert rep["privacy"]["epsilon"] == pytest.approx(epsilon_of(events, 1e-3).epsilon, rel=1e-9)
+    assert rep["privacy"]["epsilon"] > epsilon_of(events[1:], 1e-3).epsilon
+    assert rep["toy_two_phase"]["on_step"] == [1, 2]
+
+
+def test_ddp_support_is_declared_by_each_method():
+    from dpft.methods.base import registered
+    from dpft.run import distributed as ddp
+
+    reg = registered()
+    assert {n for n, c in reg.items() if c.supports_ddp} == {"rmt", "dp_adam_ac"}
+    two = ddp.World(0, 2)
+    with pytest.raises(ddp.DistributedError, match="toy_scale.*one process"):
+        ddp.check_methods(two, [ToyScale(ToyCfg(), None)])
+
+    from dpft.methods import base
+
+    @register_method
+    class ToyDDP(Method):
+        name = "toy_ddp"
+        config = ToyCfg
+        supports_ddp = True
+
+    try:
+        ddp.check_methods(two, [ToyDDP(ToyCfg(), None)])  # a plug-in declares it; the driver names none
+    finally:
+        base._REGISTRY.pop("toy_ddp")
+
+
+def test_the_model_card_asks_the_methods_for_their_lines():
+    """The card (run/card.py) names no method: a forward-pass LDP run's mechanism row and usage
+    come from the method's ``card_mechanism``/``card_usage``."""
+    from dpft.run.card import _from_methods, _mechanism_rows
+
+    plain = {"dp": {"private": False}, "privacy": {}}
+    assert _mechanism_rows(plain) == ["| mechanism | none (no clipping, no noise) |"]
+    assert _from_methods(plain, "card_usage") is None
+    ldp = {**plain, "ldp": {"sigma": 1.0}}
+    assert "forward-pass local DP" in _mechanism_rows(ldp)[0]
+    assert "dpft ldp-server" in _from_methods(ldp, "card_usage")[0]
+
+
 def test_unknown_method_and_duplicates_are_clear_errors(tiny_model_dir, sst_like_files):
     from dpft.config import RecipeError
 
@@ -121,6 +216,18 @@ def test_the_driver_names_no_method():
     for f in DRIVER_FILES:
         hits = [i for i, line in enumerate((SRC / f).read_text().splitlines(), 1) if pat.search(line)]
         assert not hits, f"{f} names a method on lines {hits}"
+
+
+def test_methods_import_no_driver_and_the_driver_names_no_method():
+    """Issue 29: no method imports ``dpft.run`` or the whole recipe; ``run/*.py`` names no method."""
+    bad = re.compile(r"from dpft\.run|import Recipe")
+    hits = [f"{p.relative_to(SRC)}:{i}" for p in sorted((SRC / "methods").rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert not hits, hits
+    names = re.compile(r"dpsft|selft|ewft|adam_ac|ldp|rmt")
+    hits = [f"run/{p.name}:{i}" for p in sorted((SRC / "run").glob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if names.search(line)]
+    assert not hits, hits
 
 
 def _imports(path: Path, modules: set[str], name: str) -> set[str]:

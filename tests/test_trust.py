@@ -177,17 +177,17 @@ def test_private_dpsft_stage1_writes_into_the_run_ledger(tiny_model_dir, sst_lik
     rec = _recipe(tiny_model_dir, sst_like_files, **{
         "subspace.source": "private", "subspace.k": 2, "subspace.steps": 4, "trainable.mode": "last_k",
         "trainable.last_k": 1})
-    real = dpsft.SnapshotTrainer.step
+    real = dpsft.Snapshots.__call__
 
-    def crashing(self, step):
-        if step == 2:
+    def crashing(self, done, params):  # stage 1's step hook: crash once 2 steps are released
+        if done == 2:
             raise KeyboardInterrupt("simulated crash in stage 1")
-        return real(self, step)
+        return real(self, done, params)
 
-    monkeypatch.setattr(dpsft.SnapshotTrainer, "step", crashing)
+    monkeypatch.setattr(dpsft.Snapshots, "__call__", crashing)
     with pytest.raises(KeyboardInterrupt):
         Trainer(rec, tmp_path / "r", progress=False)
-    monkeypatch.setattr(dpsft.SnapshotTrainer, "step", real)
+    monkeypatch.setattr(dpsft.Snapshots, "__call__", real)
     live = json.loads((tmp_path / "r" / "ledger.json").read_text())
     assert [(e["phase"], e["count"]) for e in live["entries"]] == [("subspace", 2)]
     import shutil

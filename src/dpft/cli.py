@@ -537,7 +537,7 @@ def selft(
     from dpft.report.report import epsilon_line
     from dpft.synth.generators import (GeneratorError, HFCausalLMBackend, OpenAIChatBackend,
                                        build_candidate_pool)
-    from dpft.run.loop import TrainingError
+    from dpft.run.loop import TrainingError, train_phase
 
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # DDP: selection draws its own key on each rank
         _fail("dpft selft runs in one process; run it without torchrun (dpft train runs across processes)")
@@ -565,7 +565,7 @@ def selft(
                        cache_dir=str(cache_dir) if cache_dir else None)
         run_dir = Path(rec.output_dir or f"runs/{rec.name}-selft")
         rep = run_selft(rec, cfg, run_dir, candidates=pool, progress=not quiet,
-                        log=lambda m: typer.echo(m, err=True))
+                        log=lambda m: typer.echo(m, err=True), train_phase=train_phase)  # the driver runs phase 2
     except (ValueError, TrainingError, FileNotFoundError, GeneratorError) as exc:
         _fail(str(exc))
     typer.echo(f"run directory: {run_dir}")

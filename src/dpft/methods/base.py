@@ -17,6 +17,20 @@ model and a :class:`Method` subclass registered with :func:`register_method`. Th
   replace the run's privacy section (forward LDP has its own guarantees);
 - ``finish(run)``: after training (e.g. save extra weights).
 
+Multi-phase methods: a method whose earlier phase is a training run of its own (DP-SFT's
+stage 1) runs it in ``prepare`` through ``run.train_phase(recipe, run_dir, *, phase, ledger,
+rng, live_ledger_path, on_step, progress)``, the driver's phase runner injected into
+:class:`Run` (a :class:`TrainPhase` back: ``sigma``, ``params``, ``ledger``, ``run()``); a
+private phase passes the run's ledger and phase name, so every phase appends to the one
+ledger. ``on_step(done, params)`` is called after each completed step (e.g. to snapshot Θ_t).
+A pipeline outside a run (DP-SelFT's selection, then fine-tuning) receives the same runner from
+its caller, or :func:`phase_runner` (the driver registered with :func:`register_phase_runner`).
+Methods never import the driver (``run/``).
+
+A method declares what the driver checks: ``supports_ddp`` (runs under torchrun as it does
+alone), ``supports_device`` (runs on an accelerator); ``card_mechanism``/``card_usage`` give
+the model card's lines where the method changes them (the driver names no method).
+
 A recipe names its methods in ``methods:`` (a list of ``{name: ..., <config keys>}``; the
 ``name`` picks the registered config model: a discriminated union over an open registry). The
 built-ins also keep their historical top-level sections (``subspace:``, ``ldp:``, ``adam_ac:``,
@@ -27,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol
 
 import dp_accounting as dpa
 from pydantic import BaseModel
@@ -64,6 +78,10 @@ class Method:
     legacy_section: ClassVar[Optional[str]] = None
     #: Key of the method's section in report.json (default: ``name``).
     report_key: ClassVar[Optional[str]] = None
+    #: The method runs under DDP (torchrun) as it does in one process: it draws per-example
+    #: randomness per rank and reads only all-reduced statistics (run/distributed.py
+    #: ``check_methods`` refuses the others across processes).
+    supports_ddp: ClassVar[bool] = False
 
     def __init__(self, cfg: BaseModel, recipe: Any):
         self.cfg = cfg
@@ -108,6 +126,18 @@ class Method:
     def markdown(cls, rep: dict[str, Any]) -> list[str]:
         """Lines for report.md, from report.json alone (``dpft report`` re-renders it)."""
         return []
+
+    @classmethod
+    def card_mechanism(cls, rep: dict[str, Any]) -> Optional[str]:
+        """The model card's mechanism row for a non-private run whose guarantee is the
+        method's own (e.g. a forward-pass noise layer); None = the driver's row."""
+        return None
+
+    @classmethod
+    def card_usage(cls, rep: dict[str, Any]) -> Optional[list[str]]:
+        """The model card's "Use" lines when the saved model needs more than a ``pipeline``
+        (e.g. a split deployment); None = the driver's."""
+        return None
 
     def weights(self):
         """Context manager giving the method's weights of record (e.g. an EMA) for generation."""
@@ -173,6 +203,56 @@ def _load_builtins() -> None:
         importlib.import_module(mod)
 
 
+class TrainPhase(Protocol):
+    """A training phase built by the driver's phase runner (``Run.train_phase``), resolved
+    before its first step.
+
+    Attributes:
+        sigma: the phase's noise multiplier (calibrated on the ledger's earlier events; 0 for a
+            non-private phase).
+        params: name → trainable parameter the phase updates (its Θ_0 until ``run()``).
+        ledger: the ledger the phase appends to (the caller's, when it passed one).
+    """
+
+    sigma: float
+    params: dict
+    ledger: "PrivacyLedger"
+
+    def run(self) -> dict[str, Any]:
+        """Train the phase to its last step; returns its report (also ``<run_dir>/report.json``)."""
+        ...
+
+
+#: ``(recipe, run_dir, *, phase="train", ledger=None, rng=None, live_ledger_path=None,
+#: on_step=None, progress=True) -> TrainPhase``: the driver's phase runner.
+PhaseRunner = Callable[..., TrainPhase]
+
+_PHASE_RUNNER: Optional[PhaseRunner] = None
+#: Module of the built-in driver; it registers its phase runner when imported.
+DRIVER_MODULE = "dpft.run.loop"
+
+
+def register_phase_runner(runner: PhaseRunner) -> None:
+    """Make ``runner`` the phase runner of :func:`phase_runner` (the driver calls this)."""
+    global _PHASE_RUNNER
+    _PHASE_RUNNER = runner
+
+
+def phase_runner() -> PhaseRunner:
+    """The driver's phase runner, for a pipeline that is not inside a run (inside one, use
+    ``run.train_phase``). A registry lookup like the built-in methods' (:data:`BUILTIN_METHODS`):
+    the built-in driver is imported by name when none has registered yet, so no method file
+    imports the driver."""
+    if _PHASE_RUNNER is None:
+        import importlib
+
+        importlib.import_module(DRIVER_MODULE)  # registers on import
+    if _PHASE_RUNNER is None:
+        raise MethodError(f"no phase runner registered ({DRIVER_MODULE} did not register one); "
+                          "pass train_phase= explicitly")
+    return _PHASE_RUNNER
+
+
 @dataclass
 class Run:
     """What a method may see and change of a run (the trainer's internals stay private).
@@ -205,6 +285,9 @@ class Run:
     sigma: float = 0.0
     #: Notes a method adds to the report's notes list.
     notes: list[str] = field(default_factory=list)
+    #: The driver's phase runner (:data:`PhaseRunner`): an earlier training phase of a method
+    #: runs through it and appends to this run's ledger (None: the caller gave none).
+    train_phase: Optional[PhaseRunner] = None
 
     def record(self, phase: str, event: dpa.DpEvent, count: int = 1) -> None:
         """Append a release to the run's ledger and save the live ``ledger.json`` at once."""

@@ -107,6 +107,9 @@ class DPAdamAC(Method):
     legacy_section = "adam_ac"
     report_key = "adam_ac"
     order = 40
+    #: Under DDP: the private path reads the all-reduced counts and draws its count noise from
+    #: the shared key (the paper's raw-norm path is refused by the driver's ``keep_norms`` check).
+    supports_ddp = True
 
     @classmethod
     def enabled(cls, cfg: AdamACCfg) -> bool:

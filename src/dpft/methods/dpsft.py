@@ -34,16 +34,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.config import Recipe, TaskCfg, _Strict
+from dpft.config import TaskCfg, _Strict
+from dpft.errors import TrainingError
 from dpft.grads.subspace import COORDS, SubspaceEngine
-from dpft.methods.base import Method, register_method
+from dpft.methods.base import Method, MethodError, register_method
 from dpft.models.losses import classification_loss
-from dpft.run.loop import Trainer, TrainingError
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
                                       snapshot_schedule, unproject_transform)
 
@@ -114,29 +114,36 @@ class SubspaceCfg(_Strict):
 
 
 
-class SnapshotTrainer(Trainer):
-    """A :class:`Trainer` that records ``Θ_t − Θ_0`` of its trainable parameters after the
-    given steps (Algorithm 1 lines 12-15). ``snapshots``: name -> ``(m, *shape)``."""
+class Snapshots:
+    """Stage 1's step hook: records ``Θ_t − Θ_0`` of the phase's trainable parameters after the
+    given steps (Algorithm 1 lines 12-15). Called by the driver as ``on_step(done, params)``
+    after each completed step; ``snapshots``: name -> ``(m, *shape)``.
 
-    def __init__(self, recipe: Recipe, run_dir, record_after: list[int], **kw):
-        super().__init__(recipe, run_dir, **kw)
+    Args:
+        record_after: the step counts (1-based: steps done) after which to record, in order.
+    """
+
+    def __init__(self, record_after: list[int]):
         self.record_after = {s: j for j, s in enumerate(record_after)}
-        self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        m = len(record_after)
-        self.snapshots = {n: torch.zeros(m, *p.shape, dtype=torch.float32) for n, p in self.params.items()}
+        self.theta0: Optional[dict[str, torch.Tensor]] = None
+        self.snapshots: dict[str, torch.Tensor] = {}
         self.recorded = 0
 
-    def step(self, step: int) -> dict:
-        out = super().step(step)
-        j = self.record_after.get(step + 1)
+    def start(self, params: dict) -> None:
+        """Take Θ_0 (the phase's parameters before its first step)."""
+        self.theta0 = {n: p.detach().clone() for n, p in params.items()}
+        m = len(self.record_after)
+        self.snapshots = {n: torch.zeros(m, *p.shape, dtype=torch.float32) for n, p in params.items()}
+
+    def __call__(self, done: int, params: dict) -> None:
+        j = self.record_after.get(done)
         if j is not None:
-            for n, p in self.params.items():
+            for n, p in params.items():
                 self.snapshots[n][j] = (p.detach() - self.theta0[n]).float()
             self.recorded += 1
-        return out
 
 
-def stage1_recipe(r: Recipe, n_train: int) -> tuple[Recipe, list[int]]:
+def stage1_recipe(r: Any, n_train: int) -> tuple[Any, list[int]]:
     """The stage-1 recipe (a plain fine-tuning run) and the steps after which to snapshot.
 
     T1 = ceil(E1·N/(B1·m))·m (Algorithm 3 line 1, with m snapshots instead of k), or
@@ -166,7 +173,7 @@ def stage1_recipe(r: Recipe, n_train: int) -> tuple[Recipe, list[int]]:
     else:  # private: stage 1 alone meets p1·ε (or uses the fixed σ of the recipe)
         if r.privacy.noise_multiplier is None:
             d["privacy"]["target_epsilon"] = cfg.budget_share * r.privacy.target_epsilon
-    return Recipe.model_validate(d), after
+    return type(r).model_validate(d), after  # the recipe's own model (methods hold no Recipe import)
 
 
 def _record_events(run, ledger_json: dict) -> None:
@@ -198,7 +205,7 @@ def _task_files(t) -> set[Path]:
     return {(root / f).resolve() for f in (spec.train_file or spec.dev_file,) if f}
 
 
-def check_public_source(r: Recipe) -> None:
+def check_public_source(r: Any) -> None:
     """Refuse a "public" stage-1 task that is the private task itself.
 
     Raises:
@@ -217,7 +224,14 @@ def check_public_source(r: Recipe) -> None:
 
 
 def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
-    """Run stage 1 in ``<run>/subspace/stage1`` and build the basis (Algorithm 1)."""
+    """Run stage 1 in ``<run>/subspace/stage1`` through the driver's phase runner
+    (``trainer.train_phase``, a :class:`~dpft.methods.base.Run`) and build the basis (Algorithm 1).
+
+    Raises:
+        SubspaceError: a private source without privacy, or missing snapshots.
+        TrainingError: an interrupted stage 1 left its directory behind.
+        MethodError: the run has no phase runner.
+    """
     r = trainer.recipe
     cfg = r.subspace
     if cfg.source == "private" and not trainer.private:
@@ -228,19 +242,24 @@ def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
     if (d / "checkpoint").exists():
         raise TrainingError(f"stage 1 in {d} was interrupted before its basis was written; remove {d} "
                             "and run again (its snapshots were in memory only)")
+    if getattr(trainer, "train_phase", None) is None:
+        raise MethodError("DP-SFT stage 1 is a training phase the driver runs: this run has no phase runner "
+                          "(Run.train_phase); build the run with dpft.train / the Trainer")
     t0 = time.time()
     # Stage 1 appends to the parent's ledger (phase "subspace") and saves it to the parent's live
     # ledger.json after every release, so a crash in stage 1 loses no record; its randomness is
     # an independent child of the run's secret source.
     private = cfg.source == "private"
-    st = SnapshotTrainer(rec, d, after, progress=trainer.progress, rng=trainer.rng.child("dpsft-stage1"),
-                         **({"ledger": trainer.ledger, "phase": PHASE, "live_ledger_path": trainer.live_ledger_path}
-                            if private else {}))
+    snaps = Snapshots(after)
+    st = trainer.train_phase(rec, d, progress=trainer.progress, rng=trainer.rng.child("dpsft-stage1"),
+                             on_step=snaps, **({"ledger": trainer.ledger, "phase": PHASE,
+                                                "live_ledger_path": trainer.live_ledger_path} if private else {}))
+    snaps.start(st.params)
     n_before = trainer.ledger.steps
     rep = st.run()
-    if st.recorded != len(after):
-        raise SubspaceError(f"stage 1 recorded {st.recorded} of {len(after)} snapshots")
-    basis = basis_from_snapshots(st.snapshots, cfg.k)
+    if snaps.recorded != len(after):
+        raise SubspaceError(f"stage 1 recorded {snaps.recorded} of {len(after)} snapshots")
+    basis = basis_from_snapshots(snaps.snapshots, cfg.k)
     basis.start = {n: p.detach().clone() for n, p in st.params.items()}
     info = {"source": cfg.source, "stage1_steps": rec.schedule.steps, "snapshots": len(after),
             "stage1_expected_batch_size": rec.batch.expected_batch_size,
@@ -427,5 +446,5 @@ def write_info(info: dict, run_dir: Path, path: Path | None = None) -> Path:
     return path
 
 
-__all__ = ["DPSFT", "PHASE", "SnapshotTrainer", "SubspaceCfg", "build_subspace", "run_stage1", "stage1_recipe",
+__all__ = ["DPSFT", "PHASE", "Snapshots", "SubspaceCfg", "build_subspace", "run_stage1", "stage1_recipe",
            "write_info"]

@@ -428,6 +428,20 @@ class ForwardLDP(Method):
     def prepare(self, run) -> None:
         self.ldp = LDPRun(run)
 
+    @classmethod
+    def card_mechanism(cls, rep) -> Optional[str]:
+        if not rep.get(cls.report_key):
+            return None
+        return "| mechanism | forward-pass local DP (EW-FT / DP-Forward); see `report.md` of the run |"
+
+    @classmethod
+    def card_usage(cls, rep) -> Optional[list[str]]:
+        if not rep.get(cls.report_key):
+            return None
+        return ["This run's model has a forward-pass noise layer (EW-FT / DP-Forward) between its blocks: the "
+                "folder holds the inner model and the autoencoder, which a plain `pipeline` would run without that "
+                "layer. Serve it with dpft's split deployment (`dpft ldp-server` / `dpft ldp-client`).", ""]
+
     def before_step(self, step, run) -> None:
         self.ldp.before_step(step)
 

@@ -69,6 +69,8 @@ class RMTDenoise(Method):
     config = DenoiseCfg
     legacy_section = "denoise"
     order = 60
+    #: Under DDP: post-processing of the (identical) noisy sum, the same on every rank.
+    supports_ddp = True
 
     @classmethod
     def enabled(cls, cfg: DenoiseCfg) -> bool:

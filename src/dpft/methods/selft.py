@@ -5,9 +5,10 @@ Large Language Models"; Algorithm 1). Wires existing pieces, holds no math of it
    (``synth/select_label.py``; two Gaussian releases, ε_syn, recorded in the run's ledger);
 2. unit scoring on the synthetic train/validation split (``selection/scoring.py``; free:
    synthetic data only) → top-k units (or a baseline selector);
-3. DP-AdamW on the selected units only (``trainable.mode: units``) with the existing
-   :class:`~dpft.run.loop.Trainer`, σ calibrated *after* the synthetic-data events (PLD
-   composition of both phases to the run's target ε; never ε's added by hand).
+3. DP-AdamW on the selected units only (``trainable.mode: units``), a training phase the
+   driver runs (its phase runner, methods/base.py ``PhaseRunner``), σ calibrated *after* the
+   synthetic-data events (PLD composition of both phases to the run's target ε; never ε's
+   added by hand). Both phases append to the one ledger.
 
 Selectors: ``selft`` (worst-case ξ, the paper), ``random_noise`` (clipping + random noise),
 ``no_noise`` (clean temporary training), ``loss`` (lowest synthetic val loss after clean
@@ -27,7 +28,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from dpft.accounting.calibrate import calibrate_sigma, check_delta
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.config import Recipe
 from dpft.data.tasks import load_task
 from dpft.data.tokenize import tokenize_split
 from dpft.models.load import load_classifier, set_dropout
@@ -35,7 +35,7 @@ from dpft.models.units import attention_units, unit_map
 from dpft.selection.scoring import ScoreCache, ScoreSettings, rank_units, score_units
 from dpft.synth.generators import load_candidate_file
 from dpft.synth.select_label import dp_select_and_label
-from dpft.run.loop import Trainer
+from dpft.methods.base import PhaseRunner, phase_runner
 
 SELECTORS = ("selft", "random_noise", "no_noise", "loss", "gradient", "attention")
 
@@ -74,7 +74,7 @@ class SelFTCfg(BaseModel):
     cache_dir: Optional[str] = None
 
 
-def _score_settings(cfg: SelFTCfg, recipe: Recipe, sigma: float) -> ScoreSettings:
+def _score_settings(cfg: SelFTCfg, recipe: Any, sigma: float) -> ScoreSettings:
     pert = {"selft": "worst", "random_noise": "random"}.get(cfg.selector, "none")
     return ScoreSettings(
         perturbation=pert, update=cfg.score_update, head_warmup_steps=cfg.head_warmup_steps, steps=cfg.score_steps, batch_size=cfg.score_batch_size,
@@ -85,7 +85,7 @@ def _score_settings(cfg: SelFTCfg, recipe: Recipe, sigma: float) -> ScoreSetting
         head_lr=None if cfg.score_lr else recipe.optimizer.head_lr)
 
 
-def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] = None,
+def select_units(recipe: Any, cfg: SelFTCfg, candidates: Optional[list[str]] = None,
                  log=print, rng=None) -> dict[str, Any]:
     """Stages 1–2: DP select-and-label, then unit scoring and top-k.
 
@@ -159,7 +159,7 @@ def select_units(recipe: Recipe, cfg: SelFTCfg, candidates: Optional[list[str]] 
                                            for c in range(task.num_labels)]}}
 
 
-def _training_sigma(r: Recipe, n: int, prior: PrivacyLedger) -> float:
+def _training_sigma(r: Any, n: int, prior: PrivacyLedger) -> float:
     """σ of the fine-tuning phase: the recipe's fixed σ, or calibrated so that ``prior``'s events
     and the training steps compose (PLD) to the target ε — what the trainer will use."""
     if r.privacy.noise_multiplier is not None:  # fixed σ: the ledger then reports the composed ε
@@ -169,7 +169,7 @@ def _training_sigma(r: Recipe, n: int, prior: PrivacyLedger) -> float:
     return calibrate_sigma(r.privacy.target_epsilon, r.privacy.delta, q, steps, prior=prior.events())
 
 
-def _attention_selection(r: Recipe, log) -> dict[str, Any]:
+def _attention_selection(r: Any, log) -> dict[str, Any]:
     """The heuristic baseline (every block's attention): no synthetic phase, the whole target ε
     goes to fine-tuning."""
     task = load_task(r.task, seed=r.seed)
@@ -183,12 +183,15 @@ def _attention_selection(r: Recipe, log) -> dict[str, Any]:
             "synthetic": {"n_candidates": 0, "n_select": 0, "train": 0, "val": 0, "spent": False}}
 
 
-def run_selft(recipe: Recipe, cfg: SelFTCfg, run_dir: str | Path, candidates: Optional[list[str]] = None,
-              progress: bool = True, log=print) -> dict[str, Any]:
-    """Algorithm 1 end to end; writes the usual run report plus a ``selft`` section.
+def run_selft(recipe: Any, cfg: SelFTCfg, run_dir: str | Path, candidates: Optional[list[str]] = None,
+              progress: bool = True, log=print, train_phase: Optional[PhaseRunner] = None) -> dict[str, Any]:
+    """Algorithm 1 end to end, as two phases on one ledger: selection (:func:`select_units`),
+    then fine-tuning of the selected units through the driver's phase runner ``train_phase``
+    (default: :func:`~dpft.methods.base.phase_runner`). Writes the usual run report plus a
+    ``selft`` section.
 
     Raises:
-        the errors of :func:`select_units` and of :class:`~dpft.run.loop.Trainer`.
+        the errors of :func:`select_units` and of the driver (``TrainingError``…).
     """
     from dpft.privacy.randomness import Randomness
 
@@ -199,8 +202,9 @@ def run_selft(recipe: Recipe, cfg: SelFTCfg, run_dir: str | Path, candidates: Op
                                              "units_with_head": cfg.with_head, "units_lora": cfg.lora})
     r2 = recipe.model_copy(update={"trainable": tr})
     log(f"selected units ({cfg.selector}): {sel['units']}")
-    # The trainer continues the selection ledger (appends; NOT CERTIFIED marks survive).
-    trainer = Trainer(r2, run_dir, progress=progress, ledger=sel["ledger"], rng=rng)
+    # The fine-tuning phase continues the selection ledger (appends; NOT CERTIFIED marks survive).
+    train_phase = train_phase or phase_runner()
+    trainer = train_phase(r2, run_dir, progress=progress, ledger=sel["ledger"], rng=rng)
     if abs(trainer.sigma - sel["sigma"]) > 1e-9 * max(1.0, sel["sigma"]):
         raise RuntimeError("σ of the training phase differs from the σ used for ρ_Λ; report this as a bug")
     rep = trainer.run()

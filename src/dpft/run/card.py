@@ -39,9 +39,8 @@ def _headline(rep: dict[str, Any]) -> str:
 def _mechanism_rows(rep: dict[str, Any]) -> list[str]:
     dp, p = rep["dp"], rep["privacy"]
     if not dp.get("private"):
-        if rep.get("ldp"):
-            return ["| mechanism | forward-pass local DP (EW-FT / DP-Forward); see `report.md` of the run |"]
-        return ["| mechanism | none (no clipping, no noise) |"]
+        row = _from_methods(rep, "card_mechanism")  # a method's own guarantee (e.g. a forward-pass layer)
+        return [row] if row else ["| mechanism | none (no clipping, no noise) |"]
     c = dp.get("clipping") or {}
     rows = [
         "| mechanism | Poisson-subsampled Gaussian mechanism on per-example clipped gradients (DP-SGD family, "
@@ -120,9 +119,16 @@ def _usage(model_dir: Path) -> list[str]:
                ""] if pre else [])]
 
 
-_LDP_USAGE = ["This run's model has a forward-pass noise layer (EW-FT / DP-Forward) between its blocks: the folder "
-              "holds the inner model and the autoencoder, which a plain `pipeline` would run without that layer. "
-              "Serve it with dpft's split deployment (`dpft ldp-server` / `dpft ldp-client`).", ""]
+def _from_methods(rep: dict[str, Any], hook: str):
+    """The first registered method's answer to a card hook (methods/base.py ``card_mechanism``,
+    ``card_usage``) for this report, else None: the card names no method."""
+    from dpft.methods.base import registered
+
+    for cls in registered().values():
+        out = getattr(cls, hook)(rep)
+        if out is not None:
+            return out
+    return None
 
 
 def build_card(rep: dict[str, Any], model_dir: Path):
@@ -175,7 +181,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         lines += [f"- {cov.get('not_released', '')}", f"- {cov.get('timing', '')}", f"- {cov.get('public', '')}",
                   "- The pre-training data of the base model: its privacy is whatever the base model's is.", ""]
     lines += ["## Results", "", *(_metric_lines(rep) or ["- (none recorded)"]), "",
-              "## Use", "", *(_LDP_USAGE if rep.get("ldp") else _usage(model_dir)),
+              "## Use", "", *(_from_methods(rep, "card_usage") or _usage(model_dir)),
               "## Training", "",
               f"- base model: `{base}`; trainable: {mod['trainable']} ({mod['trainable_parameters']:,} of "
               f"{mod['total_parameters']:,} parameters); inputs truncated to {mod['max_length']} tokens",

@@ -65,15 +65,9 @@ import torch
 from dpft.privacy.randomness import Randomness
 
 __all__ = ["World", "DistributedError", "init_from_env", "shared_randomness", "check_same_randomness", "shard", "on_rank0", "all_sum",
-           "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_step_digest", "check_methods", "barrier",
-           "DDP_METHODS"]
+           "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_step_digest", "check_methods", "barrier"]
 
 T = TypeVar("T")
-
-#: Built-in methods that run under DDP as they do alone: RMT denoising is post-processing of
-#: the (identical) noisy sum; DP-Adam-AC's private path reads the all-reduced counts and draws
-#: its count noise from the shared key. The others are refused (see :func:`check_methods`).
-DDP_METHODS = frozenset({"rmt", "dp_adam_ac"})
 
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 #: World sizes MPI launchers (Open MPI, MPICH/Intel MPI, MVAPICH) set instead of WORLD_SIZE.
@@ -450,26 +444,40 @@ def check_same_recipe(world: World, recipe_json: dict) -> None:
 def check_methods(world: World, methods: list, keep_norms: bool = False) -> None:
     """Refuse what does not run correctly across ranks.
 
-    A method runs under DDP when it is in :data:`DDP_METHODS` or its class sets
-    ``supports_ddp = True`` (a plug-in's promise that it draws per-example randomness per rank
-    and reads only all-reduced statistics).
+    A method runs under DDP when its class declares ``supports_ddp = True`` (methods/base.py:
+    the method's promise that it draws per-example randomness per rank and reads only
+    all-reduced statistics); an object without the attribute is looked up in the method
+    registry by its ``name``. The driver names no method.
 
     Raises:
-        DistributedError: a method that is not known to be correct across ranks (e.g. forward
-            LDP would add the *same* noise draw to examples on different ranks; DP-SFT's stage
-            1 is a run of its own), or raw per-example norms (``keep_norms``, the NOT CERTIFIED
-            DP-Adam-AC paper path) that would steer each rank's clip norm differently.
+        DistributedError: a method not declared correct across ranks (e.g. a forward-pass
+            noise layer would add the *same* noise draw to examples on different ranks; a method
+            with an earlier training phase runs that phase as a run of its own), or raw
+            per-example norms (``keep_norms``, a NOT CERTIFIED paper reproduction) that would
+            steer each rank's clip norm differently.
     """
     if not world.distributed:
         return
-    bad = [m.name for m in methods if not getattr(m, "supports_ddp", m.name in DDP_METHODS)]
+    from dpft.methods.base import registered
+
+    reg = registered()
+
+    def declared(m) -> bool:
+        if hasattr(m, "supports_ddp"):
+            return bool(m.supports_ddp)
+        cls = reg.get(getattr(m, "name", ""))
+        return bool(getattr(cls, "supports_ddp", False))
+
+    bad = [m.name for m in methods if not declared(m)]
     if bad:
+        ok = sorted(n for n, cls in reg.items() if getattr(cls, "supports_ddp", False))
         raise DistributedError(
             f"method(s) {', '.join(bad)} are not supported with {world.world_size} processes (supported: "
-            f"{', '.join(sorted(DDP_METHODS))}); run them in one process (without torchrun)")
+            f"{', '.join(ok)}); run them in one process (without torchrun)")
     if keep_norms:
         raise DistributedError("the paper's percentile clipping (raw per-example norms, NOT CERTIFIED) cannot "
-                               "run across processes; use adam_ac.adaptive_clip (private) or run one process")
+                               "run across processes; use the method's private adaptive clipping instead of its "
+                               "reproduce_paper option, or run one process")
 
 
 def build_world(recipe_json: dict, seed: Optional[int], rng: Optional[Randomness] = None) -> tuple[World, Randomness]:

@@ -1,6 +1,6 @@
-"""The driver's error type, in a file of its own so that the plan builders of every room (perf,
-data, models, step) can raise it without importing the loop."""
+"""The driver's error type, re-exported from :mod:`dpft.errors` (where methods import it from
+without importing the driver); the plan builders of every room raise it."""
 
+from dpft.errors import TrainingError  # noqa: F401 (public here since issue 25)
 
-class TrainingError(RuntimeError):
-    """The run cannot continue (non-finite loss, mismatched resume…); message names the fix."""
+__all__ = ["TrainingError"]

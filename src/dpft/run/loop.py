@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -22,6 +22,7 @@ from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import Recipe, dump_recipe
 from dpft.data.tokenize import collate
+from dpft.methods.base import register_phase_runner
 from dpft.grads.groups import GROUP_KEY
 from dpft.optim import build_optimizer
 from dpft.privacy.randomness import Randomness
@@ -32,7 +33,7 @@ from dpft.run.release import DiagnosticsLog, split_row
 from dpft.step import DPStep
 from dpft.step.build import make_engine  # noqa: F401 (public here before run/plan.py)
 from dpft.step.clip import NonFiniteGradientError
-from dpft.step.postprocess import Transform, rmt_transform  # noqa: F401 (Transform: public type)
+from dpft.step.postprocess import Transform  # noqa: F401 (Transform: public type)
 from dpft.step.sample import PoissonSampler
 from dpft.run.errors import TrainingError  # noqa: F401  (public here since issue 1)
 
@@ -54,11 +55,15 @@ class Trainer:
     def __init__(self, recipe: Recipe, run_dir: str | Path, resume: bool = False,
                  transforms: Optional[list[Transform]] = None, progress: bool = True,
                  ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
-                 phase: str = "train", live_ledger_path: Optional[str | Path] = None):
+                 phase: str = "train", live_ledger_path: Optional[str | Path] = None,
+                 on_step: Optional[Callable[[int, dict], None]] = None):
         t0 = time.time()
+        #: Called as ``on_step(done, params)`` after each completed step (a method's phase hook).
+        self.on_step = on_step
         #: Everything the run is, resolved once before the loop (run/plan.py).
         self.plan = p = build_plan(recipe, run_dir, resume=resume, transforms=transforms, progress=progress,
-                                   ledger=ledger, rng=rng, phase=phase, live_ledger_path=live_ledger_path)
+                                   ledger=ledger, rng=rng, phase=phase, live_ledger_path=live_ledger_path,
+                                   train_phase=train_phase)
         self.recipe, self.run_dir, self.resume, self.phase = recipe, p.run_dir, resume, p.phase
         self.world, self.rng, self.progress, self.private = p.world, p.rng, p.progress, p.private
         #: The ledger is appended to, never replaced (run/checkpoint.py ``continue_ledger``).
@@ -349,6 +354,8 @@ class Trainer:
                     out = self.step(step)
                     self._step_mark = None
                     done = step + 1
+                    if self.on_step is not None:
+                        self.on_step(done, self.params)
                     row: dict[str, Any] = {"step": done, **out, "lr": self.scheduler.get_last_lr()[0]}
                     if done == self.total_steps or (done % r.eval.every_steps == 0 and not stop.requested):
                         last_eval = self.evaluate()
@@ -454,3 +461,16 @@ class Trainer:
         save_run_model(self)
         for m in self.methods:  # e.g. EMA weights beside the raw ones
             m.finish(self.ctx)
+
+
+def train_phase(recipe: Recipe, run_dir: str | Path, *, phase: str = "train", ledger: Optional[PrivacyLedger] = None,
+                rng: Optional[Randomness] = None, live_ledger_path: Optional[str | Path] = None,
+                on_step: Optional[Callable[[int, dict], None]] = None, progress: bool = True) -> Trainer:
+    """The driver's phase runner (methods/base.py ``PhaseRunner``): a method's training phase as a
+    :class:`Trainer` in ``run_dir``, appending to ``ledger`` under ``phase`` (a fresh ledger when
+    None). Methods get it as ``run.train_phase`` or :func:`dpft.methods.base.phase_runner`."""
+    return Trainer(recipe, run_dir, progress=progress, ledger=ledger, rng=rng, phase=phase,
+                   live_ledger_path=live_ledger_path, on_step=on_step)
+
+
+register_phase_runner(train_phase)

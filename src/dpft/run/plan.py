@@ -13,7 +13,7 @@ evaluation, checkpoints, release, report). In order::
                     perf.py              place_model          device, checkpointing
     data            data/prepare.py      build_train_data     tokenised train/dev rows
     unit            step/unit.py         build_unit           privacy unit, Poisson sampler, N, q
-    methods         methods/base.py      Method.prepare       earlier private phases (ledger)
+    methods         methods/base.py      Method.prepare       earlier phases (Run.train_phase; ledger)
     σ               step/build.py        resolve_sigma        calibrated on the ledger's events
     step spec       step/build.py        build_clip, make_engine, build_step_spec; Method.build
     optimizer       optim/__init__.py    build_optimizer, build_scheduler
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.data.prepare import TrainData, build_train_data, load_rows, num_labels
 from dpft.eval.dev import DevEvaluator
-from dpft.methods.base import Run, active_methods
+from dpft.methods.base import PhaseRunner, Run, active_methods
 from dpft.models.build import build_model
 from dpft.models.load import is_head_param
 from dpft.models.losses import causal_lm_loss, classification_loss
@@ -110,10 +110,13 @@ def evaluate_with_methods(methods: list, ctx: Run, base: Callable[[], dict]) -> 
 
 def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms: Optional[list] = None,
                progress: bool = True, ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
-               phase: str = "train", live_ledger_path: Optional[str | Path] = None) -> RunPlan:
+               phase: str = "train", live_ledger_path: Optional[str | Path] = None,
+               train_phase: Optional[PhaseRunner] = None) -> RunPlan:
     """Resolve ``recipe`` into a :class:`RunPlan` (see the module docstring for the order).
 
-    Args: as :class:`~dpft.run.loop.Trainer`.
+    Args: as :class:`~dpft.run.loop.Trainer`; ``train_phase``: the driver's phase runner, given
+    to the methods as ``Run.train_phase`` (a method's earlier training phase runs through it and
+    appends to this run's ledger; the plan cannot import the loop that calls it).
 
     Raises:
         DataError, ModelError, CalibrationError, TrainingError, DistributedError — each naming
@@ -148,7 +151,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
               loss_fn=causal_lm_loss if data.causal else classification_loss, train_tok=data.train_tok,
               dev_tok=data.dev_tok, n=unit.n, q=unit.q, sampler=unit.sampler, total_steps=total_steps,
               evaluate=lambda: evaluate_with_methods(methods, ctx, lambda: evaluator(ctx.model)),
-              make_optimizer=lambda params: build_optimizer(r.optimizer, params))
+              make_optimizer=lambda params: build_optimizer(r.optimizer, params), train_phase=train_phase)
     for m in methods:  # earlier private phases; model / loss / data wrapping
         m.prepare(ctx)
     ddp.broadcast_module(world, ctx.model)  # DDP: the world starts from rank 0's weights

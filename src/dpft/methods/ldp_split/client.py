@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from dpft.config import Recipe
 from dpft.methods.ldp_split.protocol import (
     BODY_MARGIN,
     MIN_TOKEN_CHARS,
@@ -54,7 +53,7 @@ class LDPClient:
             ``eval_noise: false``, σ ≤ 0), plain HTTP to a non-loopback host, a bad token.
     """
 
-    def __init__(self, recipe: Recipe, server: str, run_dir: str | Path, token: str, keep_wire: bool = False,
+    def __init__(self, recipe: Any, server: str, run_dir: str | Path, token: str, keep_wire: bool = False,
                  ca_file: Optional[str] = None, encoder_sha256: Optional[str] = None):
         import math as _m
 

@@ -16,7 +16,6 @@ from pydantic import ValidationError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from dpft.config import Recipe
 from dpft.methods.ldp_split.protocol import (
     ALLOWED,
     BODY_MARGIN,
@@ -48,7 +47,7 @@ class LDPServerState:
         max_body_bytes: largest tensor body; None = ``max_batch × T × k × 4 + max_batch × 8 + 64 KiB``.
     """
 
-    def __init__(self, recipe: Recipe, run_dir: str | Path, max_batch: Optional[int] = None,
+    def __init__(self, recipe: Any, run_dir: str | Path, max_batch: Optional[int] = None,
                  max_body_bytes: Optional[int] = None):
         self.recipe = recipe
         self.run_dir = Path(run_dir)
@@ -204,7 +203,7 @@ class LDPServerState:
         return {"ok": True, "steps": self.steps_done}
 
 
-def _pretrain_public(split: SplitClassifier, ae: StackedAutoencoder, tok, r: Recipe) -> list[float]:
+def _pretrain_public(split: SplitClassifier, ae: StackedAutoencoder, tok, r: Any) -> list[float]:
     from dpft.config import TaskCfg
     from dpft.data.tasks import load_task
     from dpft.privacy.ldp import pretrain_autoencoder
@@ -448,7 +447,7 @@ class LDPServer:
         self.server.should_exit = True
 
 
-def make_server(recipe: Recipe, run_dir: str | Path, port: int = 0, host: str = "127.0.0.1",
+def make_server(recipe: Any, run_dir: str | Path, port: int = 0, host: str = "127.0.0.1",
                 token: Optional[str] = None, ssl_certfile: Optional[str] = None, ssl_keyfile: Optional[str] = None,
                 max_batch: Optional[int] = None, max_body_bytes: Optional[int] = None) -> LDPServer:
     """A server bound to ``host:port`` (0 = any free port) serving one LDP training run.
