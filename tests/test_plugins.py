@@ -224,7 +224,8 @@ def test_methods_import_no_driver_and_the_driver_names_no_method():
     hits = [f"{p.relative_to(SRC)}:{i}" for p in sorted((SRC / "methods").rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
     assert not hits, hits
-    names = re.compile(r"dpsft|selft|ewft|adam_ac|ldp|rmt")
+    # the grep, less its one false positive: `rmt` inside the standard library's `shutil.rmtree`
+    names = re.compile(r"dpsft|selft|ewft|adam_ac|ldp|rmt(?!ree)")
     hits = [f"run/{p.name}:{i}" for p in sorted((SRC / "run").glob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if names.search(line)]
     assert not hits, hits

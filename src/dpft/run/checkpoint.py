@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,24 +18,13 @@ from safetensors.torch import load_file, save_file
 CKPT = "checkpoint"
 
 
-def _remove_dir(d: Path) -> None:
-    """Delete folder ``d`` and what it holds (checkpoint folders: plain files; links are
-    unlinked, never followed)."""
-    for f in d.iterdir():
-        if f.is_dir() and not f.is_symlink():
-            _remove_dir(f)
-        else:
-            f.unlink()
-    d.rmdir()
-
-
 def save_checkpoint(run_dir: Path, *, step: int, params: dict[str, torch.Tensor], optimizer, scheduler,
                     ledger_json: dict, state: dict[str, Any]) -> Path:
     """Write ``run_dir/checkpoint`` atomically. ``state`` holds JSON-able loop state."""
     run_dir = Path(run_dir)
     tmp = run_dir / f".{CKPT}.tmp"
     if tmp.exists():
-        _remove_dir(tmp)
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_file({n: t.detach().contiguous().cpu() for n, t in params.items()}, str(tmp / "trainable.safetensors"))
     # No RNG state: every draw comes from the run's secret randomness (privacy/randomness.py).
@@ -47,12 +37,12 @@ def save_checkpoint(run_dir: Path, *, step: int, params: dict[str, torch.Tensor]
     final = run_dir / CKPT
     old = run_dir / f".{CKPT}.old"
     if old.exists():
-        _remove_dir(old)
+        shutil.rmtree(old)
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
     if old.exists():
-        _remove_dir(old)
+        shutil.rmtree(old)
     return final
 
 
