@@ -82,6 +82,7 @@ def test_sigint_checkpoints_at_the_last_release_and_resume_replays_nothing(tiny_
     n = state["step"]
     assert 3 <= n < 12
     assert f"interrupted (SIGINT) at step {n} of 12; checkpoint at step {n}; resume with: dpft train " in err
+    assert f"ε spent so far = " in err and f"({n} releases in the ledger)" in err
     assert err.rstrip().endswith("--resume"), err
     # the checkpoint holds every release: live ledger == checkpoint ledger == n steps
     assert _train_releases(out) == n

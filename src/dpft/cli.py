@@ -309,6 +309,15 @@ def train(
             _time_first_step(trainer)
         rep = trainer.run()
     except TrainingInterrupted as exc:
+        spent = ""
+        try:  # what the releases so far cost, from the run's ledger (a user who stops for good wants it)
+            eps = trainer.epsilon_now()
+            if eps is not None and main:
+                spent = f"ε spent so far = {eps:.4g} at δ = {rec.privacy.delta:g} ({exc.released} releases in the ledger)"
+        except Exception:  # noqa: BLE001 - the message never hides the resume command
+            pass
+        if spent:
+            typer.secho(spent, fg="yellow", err=True)
         typer.secho(f"{exc.describe()}; resume with: {_resume_command(run_dir)}", fg="yellow", err=True)
         raise typer.Exit(exc.exit_code)
     except KeyboardInterrupt:  # outside the training loop's own handling (loading, or writing the report)
