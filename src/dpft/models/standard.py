@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import SequenceClassifierOutput
@@ -18,6 +19,15 @@ MODEL_TYPE = "dpft_mean_pool"
 #: Written beside a LoRA adapter: what dpft needs to rebuild its base (pooling, labels, base).
 ADAPTER_META = "dpft_adapter.json"
 
+
+
+def masked_mean(h: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``(B, T, H)`` hidden states → ``(B, H)``: the mean over positions with ``attention_mask == 1``
+    (all positions without a mask), so padding never enters an example's representation."""
+    if attention_mask is None:
+        return h.mean(dim=1)
+    m = attention_mask.unsqueeze(-1).to(h.dtype)
+    return (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
 
 class DpftMeanPoolConfig(PretrainedConfig):
     """Config of :class:`DpftMeanPoolForSequenceClassification`.
@@ -80,11 +90,7 @@ class DpftMeanPoolForSequenceClassification(PreTrainedModel):
         kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                                 ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
         h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
-        if attention_mask is None:
-            pooled = h.mean(dim=1)
-        else:
-            m = attention_mask.unsqueeze(-1).to(h.dtype)
-            pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+        pooled = masked_mean(h, attention_mask)
         logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:
@@ -166,11 +172,7 @@ class MeanPoolClassifier(nn.Module):
         kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                                 ("position_ids", position_ids)) if v is not None}
         h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
-        if attention_mask is None:
-            pooled = h.mean(dim=1)
-        else:
-            m = attention_mask.unsqueeze(-1).to(h.dtype)
-            pooled = (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+        pooled = masked_mean(h, attention_mask)
         return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
 
     def save_pretrained(self, out, labels=None, **kwargs) -> None:
