@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from dpft.audit.whitebox import Check
 
@@ -109,15 +109,51 @@ def _mp_data(n: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def _no_dropout(model: nn.Module) -> None:
+    """Dropout off (p = 0) in an audit copy: leave-one-out compares the same computation."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+
+
 def _released_sum(model: nn.Module, before: dict, eb: int) -> torch.Tensor:
-    return torch.cat([-(p.detach() - before[n]).flatten() * eb for n, p in model.named_parameters()])
+    """``S = −Δθ · qN`` over the parameters trainable after the step (one unfrozen mid-run counts;
+    those frozen throughout are left out, so they do not dilute the noise check)."""
+    return torch.cat([-(p.detach() - before[n]).flatten().float().cpu() * eb
+                      for n, p in model.named_parameters() if p.requires_grad])
 
 
-def _mp_step(model: nn.Module, x, y, loop: Callable, freeze: Optional[str] = None) -> torch.Tensor:
-    """One logical step of make_private (σ = 0, q = 1, SGD lr 1); the released sum ``S``."""
+def _default_step(module, optimizer, criterion, batch) -> None:
+    """One micro-batch of the usual loop: ``(x, y)`` pairs, or a dict with ``labels`` (HF)."""
+    optimizer.zero_grad()
+    if isinstance(batch, dict):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = module(**inputs)
+        criterion(getattr(out, "logits", out), batch["labels"]).backward()
+    else:
+        x, y = batch
+        criterion(module(x), y).backward()
+    optimizer.step()
+
+
+def _two_passes(module, optimizer, criterion, batch) -> None:
+    optimizer.zero_grad()
+    x, y = batch
+    criterion(module(x), y).backward()
+    criterion(module(x), y).backward()  # a second forward+backward (two losses, an augmentation, ...)
+    optimizer.step()
+
+
+def _mp_step(model: nn.Module, dataset, criterion: nn.Module, train_step: Callable = _default_step, *,
+             c: float = C, sigma: float = 0.0, freeze: Optional[str] = None, collate_fn: Optional[Callable] = None,
+             **make_private_kwargs) -> torch.Tensor:
+    """One logical step of make_private on a copy of ``model`` (dropout off) over all of
+    ``dataset`` (q = 1, SGD lr 1, noise multiplier ``sigma``); the released sum ``S``.
+    ``freeze``: a parameter frozen when make_private is called and unfrozen right after."""
     from dpft import PrivacyEngine
 
     model = copy.deepcopy(model)
+    _no_dropout(model)
     params = dict(model.named_parameters())
     if freeze:
         params[freeze].requires_grad_(False)
@@ -126,28 +162,17 @@ def _mp_step(model: nn.Module, x, y, loop: Callable, freeze: Optional[str] = Non
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         module, opt, crit, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=nn.CrossEntropyLoss(),
-            data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)), noise_multiplier=0.0,
-            max_grad_norm=C, steps=1)
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), criterion=criterion,
+            data_loader=DataLoader(dataset, batch_size=len(dataset), collate_fn=collate_fn),
+            noise_multiplier=sigma, max_grad_norm=c, steps=1, **make_private_kwargs)
         if freeze:
             params[freeze].requires_grad_(True)  # unfrozen after make_private
         try:
-            for xb, yb in loader:
-                opt.zero_grad()
-                loop(module, crit, xb, yb)
-                opt.step()
+            for batch in loader:
+                train_step(module, opt, crit, batch)
         finally:
             engine.detach()
-    return _released_sum(model, before, len(x))
-
-
-def _one_pass(module, crit, x, y):
-    crit(module(x), y).backward()
-
-
-def _two_passes(module, crit, x, y):
-    crit(module(x), y).backward()
-    crit(module(x), y).backward()  # a second forward+backward (two losses, an augmentation, ...)
+    return _released_sum(model, before, len(dataset))
 
 
 def _norm_check(name: str, run: Callable[[], torch.Tensor], refused: tuple, what: str) -> Check:
@@ -172,20 +197,21 @@ def make_private_checks() -> list[Check]:
     x, y = _mp_data()
     out = []
     t0 = time.perf_counter()
-    full = _mp_step(model, x, y, _one_pass)
+    ce = nn.CrossEntropyLoss()
+    full = _mp_step(model, TensorDataset(x, y), ce)
     worst = 0.0
     for i in range(len(x)):
         keep = [j for j in range(len(x)) if j != i]
-        worst = max(worst, float((full - _mp_step(model, x[keep], y[keep], _one_pass)).norm()))
+        worst = max(worst, float((full - _mp_step(model, TensorDataset(x[keep], y[keep]), ce)).norm()))
     ok = worst <= C * (1 + TOL)
     out.append(Check("api: make_private leave-one-out", ok,
                      f"max_i ‖S(D) − S(D∖i)‖ = {worst:.4g} vs C = {C:g} (N = {len(x)}, q = 1, σ = 0)",
                      {"loo_over_C": worst / C, "seconds": round(time.perf_counter() - t0, 2)}))
     out.append(_norm_check("api: make_private two passes per micro-batch",
-                           lambda: _mp_step(model, x[:1], y[:1], _two_passes), (DoubleCaptureError,),
+                           lambda: _mp_step(model, TensorDataset(x[:1], y[:1]), ce, _two_passes), (DoubleCaptureError,),
                            "N = 1, two forward+backward before step()"))
     out.append(_norm_check("api: make_private parameter unfrozen after make_private",
-                           lambda: _mp_step(model, x[1:2], y[1:2], _one_pass, freeze="head.weight"),
+                           lambda: _mp_step(model, TensorDataset(x[1:2], y[1:2]), ce, freeze="head.weight"),
                            (UnclippedParameterError,), "N = 1, head.weight frozen at make_private, then unfrozen"))
     return out
 
@@ -212,14 +238,19 @@ def _bert_rows(model, n: int = 4):
                                        "labels": labels.tolist()})
 
 
-def _trainer_step(model, rows, *, collator=None, optimizer_all: bool = False, freeze: Optional[str] = None,
-                  physical: Optional[int] = None):
-    """One logical step of DPTrainer (σ = 0, q = 1, SGD lr 1); (S, trainer)."""
+def _trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=None, optimizer_all: bool = False,
+                  freeze: Optional[str] = None, physical: Optional[int] = None, dp_kwargs: Optional[dict] = None,
+                  training_args: Optional[dict] = None, trainer_kwargs: Optional[dict] = None):
+    """One logical step of DPTrainer on a copy of ``model`` (dropout off) over all of ``rows``
+    (q = 1, SGD lr 1, noise multiplier ``sigma``); ``(S, trainer)``. ``freeze``: a parameter
+    frozen when DPTrainer is built and unfrozen right after; ``optimizer_all``: the user's own
+    optimizer over every parameter."""
     from transformers import TrainingArguments, default_data_collator
 
     from dpft.integrations.hf import DPArguments, DPTrainer
 
     model = copy.deepcopy(model)
+    _no_dropout(model)
     params = dict(model.named_parameters())
     if freeze:
         params[freeze].requires_grad_(False)
@@ -227,18 +258,20 @@ def _trainer_step(model, rows, *, collator=None, optimizer_all: bool = False, fr
     n = len(rows)
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = TrainingArguments(output_dir=out, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant",
-                                 optim="sgd", weight_decay=0.0, per_device_train_batch_size=physical or n,
-                                 report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
-                                 disable_tqdm=True)
-        dp = DPArguments(noise_multiplier=0.0, target_delta=1.0 / (10 * n), max_grad_norm=C, expected_batch_size=n,
-                         reproducible_seed=0)
-        kw = {}
+        # label_names keeps a `labels` column that a model's forward does not take (e.g. dpft's
+        # mean-pooling classifier): the Trainer would drop it as an unused column otherwise.
+        args = TrainingArguments(**{"label_names": ["labels"], **(training_args or {}), "output_dir": out,
+                                    "max_steps": 1, "learning_rate": 1.0, "lr_scheduler_type": "constant",
+                                    "optim": "sgd", "weight_decay": 0.0, "per_device_train_batch_size": physical or n,
+                                    "report_to": [], "use_cpu": not torch.cuda.is_available(),
+                                    "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True})
+        dp = DPArguments(**{"target_delta": 1.0 / (10 * n), **(dp_kwargs or {}), "noise_multiplier": sigma,
+                            "max_grad_norm": c, "expected_batch_size": n, "reproducible_seed": 0})
+        kw = {"data_collator": collator or default_data_collator, **(trainer_kwargs or {})}
         if optimizer_all:
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             kw["optimizers"] = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
-        trainer = DPTrainer(model=model, args=args, train_dataset=rows,
-                            data_collator=collator or default_data_collator, dp_args=dp, **kw)
+        trainer = DPTrainer(model=model, args=args, train_dataset=rows, dp_args=dp, **kw)
         if freeze:
             params[freeze].requires_grad_(True)  # unfrozen after DPTrainer was built
         trainer.train()
@@ -310,51 +343,6 @@ def api_checks(planted: Optional[str] = None) -> list[Check]:
         return make_private_checks() + dp_trainer_checks()
 
 
-def _no_dropout(model: nn.Module) -> None:
-    """Dropout off (p = 0) in an audit copy: leave-one-out compares the same computation."""
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-
-
-def _default_step(module, optimizer, criterion, batch) -> None:
-    """One micro-batch of the usual loop: ``(x, y)`` pairs, or a dict with ``labels`` (HF)."""
-    optimizer.zero_grad()
-    if isinstance(batch, dict):
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        out = module(**inputs)
-        criterion(getattr(out, "logits", out), batch["labels"]).backward()
-    else:
-        x, y = batch
-        criterion(module(x), y).backward()
-    optimizer.step()
-
-
-def _yours_mp(model, dataset, idx, criterion, train_step, c, sigma, collate_fn, kwargs) -> torch.Tensor:
-    """One make_private step on rows ``idx`` of the user's dataset (q = 1, SGD lr 1): ``S``."""
-    from torch.utils.data import Subset
-
-    from dpft import PrivacyEngine
-
-    model = copy.deepcopy(model)
-    _no_dropout(model)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in params.items()}
-    engine = PrivacyEngine(reproducible_seed=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        module, opt, crit, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(params.values(), lr=1.0), criterion=criterion,
-            data_loader=DataLoader(Subset(dataset, list(idx)), batch_size=len(idx), collate_fn=collate_fn),
-            noise_multiplier=sigma, max_grad_norm=c, steps=1, **kwargs)
-        try:
-            for batch in loader:
-                train_step(module, opt, crit, batch)
-        finally:
-            engine.detach()
-    return torch.cat([-(p.detach() - before[n]).flatten().float().cpu() * len(idx) for n, p in params.items()])
-
-
 def _loo_and_noise(name: str, run: Callable[[list, float], torch.Tensor], n_rows: int, c: float) -> list[Check]:
     """Leave-one-out ≤ C over ``n_rows`` rows, and noise std σC (σ = 1) on the full set."""
     t0 = time.perf_counter()
@@ -389,7 +377,7 @@ def audit_make_private(model: Optional[nn.Module] = None, dataset=None, criterio
 
     With ``model``: one logical step of ``make_private`` on a copy of your model (dropout off),
     ``q = 1`` over the first ``rows`` rows of ``dataset``, plain SGD at learning rate 1 over its
-    trainable parameters, your ``train_step(module, optimizer, criterion, batch)`` (default: the
+    parameters (those frozen stay frozen), your ``train_step(module, optimizer, criterion, batch)`` (default: the
     usual ``zero_grad``/loss/``backward``/``step`` on ``(x, y)`` or a dict with ``labels``) and
     ``make_private_kwargs`` (e.g. ``clipping="head_body"``, ``max_physical_batch_size``). Checks:
     ``max_i ‖S(D) − S(D∖i)‖ ≤ C`` (add/remove-one sensitivity of the released sum ``S = −Δθ·qN``)
@@ -404,36 +392,9 @@ def audit_make_private(model: Optional[nn.Module] = None, dataset=None, criterio
         if dataset is None or criterion is None:
             raise ValueError("audit_make_private(model, dataset, criterion): give your dataset and criterion too")
         n = min(rows, len(dataset))
-        step = train_step or _default_step
-        return _loo_and_noise("make_private", lambda idx, sigma: _yours_mp(
-            model, dataset, idx, criterion, step, max_grad_norm, sigma, collate_fn, make_private_kwargs), n,
-            max_grad_norm)
-
-
-def _yours_trainer(model, rows, idx, c, sigma, dp_kwargs, trainer_kwargs, args_kwargs) -> torch.Tensor:
-    from transformers import TrainingArguments
-
-    from dpft.integrations.hf import DPArguments, DPTrainer
-
-    model = copy.deepcopy(model)
-    _no_dropout(model)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in params.items()}
-    n = len(idx)
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # label_names keeps a `labels` column that a model's forward does not take (e.g. dpft's
-        # mean-pooling classifier): the Trainer would drop it as an unused column otherwise.
-        args = TrainingArguments(**{"label_names": ["labels"], **args_kwargs, "output_dir": out, "max_steps": 1,
-                                    "learning_rate": 1.0, "lr_scheduler_type": "constant", "optim": "sgd",
-                                    "weight_decay": 0.0, "per_device_train_batch_size": n, "report_to": [],
-                                    "use_cpu": not torch.cuda.is_available(), "save_strategy": "no",
-                                    "logging_strategy": "no", "disable_tqdm": True})
-        dp = DPArguments(**{"target_delta": 1.0 / (10 * n), **dp_kwargs, "noise_multiplier": sigma,
-                            "max_grad_norm": c, "expected_batch_size": n, "reproducible_seed": 0})
-        trainer = DPTrainer(model=model, args=args, train_dataset=rows.select(list(idx)), dp_args=dp, **trainer_kwargs)
-        trainer.train()
-    return torch.cat([-(p.detach() - before[k]).flatten().float().cpu() * n for k, p in params.items()])
+        return _loo_and_noise("make_private", lambda idx, sigma: _mp_step(
+            model, Subset(dataset, idx), criterion, train_step or _default_step, c=max_grad_norm, sigma=sigma,
+            collate_fn=collate_fn, **make_private_kwargs), n, max_grad_norm)
 
 
 def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_norm: float = 1.0,
@@ -456,9 +417,9 @@ def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_
         if train_dataset is None:
             raise ValueError("audit_dp_trainer(model, train_dataset): give your training rows too")
         n = min(rows, len(train_dataset))
-        return _loo_and_noise("DPTrainer", lambda idx, sigma: _yours_trainer(
-            model, train_dataset, idx, max_grad_norm, sigma, dict(dp_kwargs or {}), trainer_kwargs,
-            dict(training_args or {})), n,
+        return _loo_and_noise("DPTrainer", lambda idx, sigma: _trainer_step(
+            model, train_dataset.select(list(idx)), c=max_grad_norm,
+            sigma=sigma, dp_kwargs=dp_kwargs, training_args=training_args, trainer_kwargs=trainer_kwargs)[0], n,
             max_grad_norm)
 
 
