@@ -271,23 +271,25 @@ class SecretStream:
         return _make_generators(self._seeds(gdev, i), gdev), dev
 
     # -- draws -----------------------------------------------------------------------------
-    def normal(self, shape, dtype: torch.dtype = torch.float32, device: Device = None) -> torch.Tensor:
-        """Standard normal ``shape`` tensor: ``(z₁ + … + z_k)/√k`` of k independent generators."""
+    def _summed(self, device: Device, draw: Callable) -> tuple[torch.Tensor, int, torch.device]:
+        """``Σⱼ draw(gⱼ, gdev)`` over this draw's k generators (on the generators' device), k, and
+        the device the caller wants the result on."""
         gens, dev = self._generators(device)
         gdev = gens[0].device
-        out = torch.randn(shape, generator=gens[0], device=gdev, dtype=dtype)
+        out = draw(gens[0], gdev)
         for g in gens[1:]:
-            out.add_(torch.randn(shape, generator=g, device=gdev, dtype=dtype))
-        out.mul_(0.5 if len(gens) == 4 else 1.0 / math.sqrt(len(gens)))
-        return out.to(dev)
+            out.add_(draw(g, gdev))
+        return out, len(gens), dev
+
+    def normal(self, shape, dtype: torch.dtype = torch.float32, device: Device = None) -> torch.Tensor:
+        """Standard normal ``shape`` tensor: ``(z₁ + … + z_k)/√k`` of k independent generators."""
+        out, k, dev = self._summed(device, lambda g, d: torch.randn(shape, generator=g, device=d, dtype=dtype))
+        return out.mul_(1.0 / math.sqrt(k)).to(dev)  # 1/√4 = 0.5 exactly
 
     def _ints53(self, shape, device: Device = None) -> torch.Tensor:
         """int64 ``shape`` tensor uniform on ``[0, 2⁵³)``: Σ mⱼ mod 2⁵³ of k generators."""
-        gens, dev = self._generators(device)
-        gdev = gens[0].device
-        m = torch.randint(0, _BITS53, shape, generator=gens[0], device=gdev, dtype=torch.int64)
-        for g in gens[1:]:
-            m.add_(torch.randint(0, _BITS53, shape, generator=g, device=gdev, dtype=torch.int64))
+        m, _, dev = self._summed(device, lambda g, d: torch.randint(0, _BITS53, shape, generator=g, device=d,
+                                                                    dtype=torch.int64))
         return m.bitwise_and_(_MASK53).to(dev)
 
     def uniform(self, shape, device: Device = None) -> torch.Tensor:
@@ -316,11 +318,8 @@ class SecretStream:
         high = int(high)
         if not 1 <= high <= _BITS53:
             raise ValueError(f"randint needs 1 ≤ high ≤ 2^53, got {high}")
-        gens, dev = self._generators(device)
-        gdev = gens[0].device
-        r = torch.randint(0, high, shape, generator=gens[0], device=gdev, dtype=torch.int64)
-        for g in gens[1:]:
-            r.add_(torch.randint(0, high, shape, generator=g, device=gdev, dtype=torch.int64))
+        r, _, dev = self._summed(device, lambda g, d: torch.randint(0, high, shape, generator=g, device=d,
+                                                                    dtype=torch.int64))
         return r.remainder_(high).to(dev)
 
     def permutation(self, n: int, device: Device = None) -> torch.Tensor:
