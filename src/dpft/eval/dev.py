@@ -4,11 +4,15 @@ classifier, loss per token and perplexity for a causal LM; sharded across DDP ra
 from __future__ import annotations
 
 import math
-from typing import Optional
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-__all__ = ["DevEvaluator"]
+if TYPE_CHECKING:
+    import datasets
+
+__all__ = ["DevEvaluator", "classify"]
 
 
 class DevEvaluator:
@@ -49,37 +53,72 @@ class DevEvaluator:
         return out
 
     def _classifier(self, model) -> dict[str, float]:
-        from dpft.data.tokenize import collate
-        from dpft.models.losses import model_inputs
         from dpft.run import distributed as ddp
         from dpft.run.errors import TrainingError
 
         d, w = self.data, self.world
-        model.eval()
-        bs = self.cfg.batch_size
-        order = sorted(range(len(d.dev_tok)), key=lambda i: len(d.dev_tok[i]["input_ids"]))
-        order = order[w.rank::w.world_size]  # DDP: this rank's share of the dev set
-        correct, loss, n = 0, 0.0, 0
         keep = self.cfg.save_predictions
         if keep and w.distributed:
             raise TrainingError("eval.save_predictions is not supported with DDP yet; run on one process")
-        preds: dict[int, tuple[int, bool]] = {}
-        for k in range(0, len(order), bs):
-            rows = d.dev_tok.select(order[k:k + bs])
-            batch = collate(list(rows), d.pad_id, d.with_token_types, device=self.placement.device)
-            with self.placement.precision.autocast():
-                logits = model(**model_inputs(batch)).logits.float()
-            loss += float(torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum"))
-            hit = logits.argmax(-1) == batch["labels"]
-            correct += int(hit.sum())
-            n += len(rows)
-            if keep:
-                for i, p, h in zip(order[k:k + bs], logits.argmax(-1).tolist(), hit.tolist()):
-                    preds[int(i)] = (int(p), bool(h))
+        order = sorted(range(len(d.dev_tok)), key=lambda i: len(d.dev_tok[i]["input_ids"]))
+        order = order[w.rank::w.world_size]  # DDP: this rank's share of the dev set
+        rows = d.dev_tok.select(order)
+        logits = classify(model, rows, d.pad_id, d.with_token_types, self.cfg.batch_size, self.placement.device,
+                          self.placement.precision.autocast)["logits"]
+        y = torch.tensor(rows["label"], dtype=torch.long)
+        pred = logits.argmax(-1) if len(order) else y
+        hit = pred == y
+        correct, n = int(hit.sum()), len(order)
+        loss = float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")) if n else 0.0
         if keep:  # the latest evaluation's (a method evaluating twice runs its headline last)
-            self.dev_predictions = [{"index": i, "prediction": p, "correct": h} for i, (p, h) in sorted(preds.items())]
+            self.dev_predictions = [{"index": int(i), "prediction": int(p), "correct": bool(h)}
+                                    for i, p, h in sorted(zip(order, pred.tolist(), hit.tolist()))]
         if w.distributed:  # DDP: the world's sums, the same on every rank
             c, loss, m = ddp.all_sum(w, [correct, loss, n])
             correct, n = int(c), int(m)
-        model.train()
         return {"dev_accuracy": correct / n, "dev_loss": loss / n}
+
+
+@torch.no_grad()
+def classify(model, rows: datasets.Dataset, pad_id: int, with_token_types: bool, batch_size: int,
+             device: torch.device | str = "cpu", autocast: Optional[Callable] = None,
+             progress: bool = False, desc: str = "predict") -> dict[str, Any]:
+    """Logits of a classifier for tokenised ``rows`` (``input_ids`` [, ``token_type_ids``,
+    ``label``]), in batches sorted by length (less padding), returned in row order.
+
+    Returns:
+        ``{"logits": (n, K) float tensor, "accuracy": float?, "loss": float? (mean nats)}``
+        (accuracy and loss only when the rows carry labels).
+    """
+    import contextlib
+
+    from tqdm.auto import tqdm
+
+    from dpft.data.tokenize import collate
+    from dpft.models.losses import model_inputs
+
+    was = model.training
+    model.eval()
+    n = len(rows)
+    order = sorted(range(n), key=lambda i: len(rows[i]["input_ids"]))
+    out: list[Optional[torch.Tensor]] = [None] * n
+    bar = tqdm(total=n, desc=desc, disable=not progress, file=sys.stderr, unit="row")
+    try:
+        for k in range(0, n, batch_size):
+            idx = order[k:k + batch_size]
+            batch = collate(list(rows.select(idx)), pad_id, with_token_types, device=device)
+            with (autocast() if autocast else contextlib.nullcontext()):
+                logits = model(**model_inputs(batch)).logits.float().cpu()
+            for i, row in zip(idx, logits):
+                out[i] = row
+            bar.update(len(idx))
+    finally:
+        bar.close()
+        model.train(was)
+    logits = torch.stack(out) if n else torch.empty(0, 0)
+    res: dict[str, Any] = {"logits": logits}
+    if n and "label" in rows.column_names:
+        y = torch.tensor(rows["label"], dtype=torch.long)
+        res["accuracy"] = float((logits.argmax(-1) == y).float().mean())
+        res["loss"] = float(torch.nn.functional.cross_entropy(logits, y))
+    return res

@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import datasets
 import torch
 
 from dpft.data.tasks import REGISTRY, DataError, _col, _int_labels, _is_missing, _load_file, _rows, _ROW
+from dpft.eval.dev import classify
 
 #: Default output name beside the input when ``--output`` is not given.
 SUFFIX = ".predictions.jsonl"
@@ -89,51 +90,6 @@ def read_rows(path: str | Path, text: str, pair: Optional[str], label: Optional[
                                 f"set 0..{len(label_names) - 1} ({list(label_names)})")
         ds = ds.remove_columns("label").add_column("label", ints)
     return ds.remove_columns(_ROW)
-
-
-@torch.no_grad()
-def classify(model, rows: datasets.Dataset, pad_id: int, with_token_types: bool, batch_size: int,
-             device: torch.device | str = "cpu", autocast: Optional[Callable] = None,
-             progress: bool = False, desc: str = "predict") -> dict[str, Any]:
-    """Logits of a classifier for tokenised ``rows`` (``input_ids`` [, ``token_type_ids``,
-    ``label``]), in batches sorted by length (less padding), returned in row order.
-
-    Returns:
-        ``{"logits": (n, K) float tensor, "accuracy": float?, "loss": float? (mean nats)}``
-        (accuracy and loss only when the rows carry labels).
-    """
-    import contextlib
-
-    from tqdm.auto import tqdm
-
-    from dpft.data.tokenize import collate
-    from dpft.models.losses import model_inputs
-
-    was = model.training
-    model.eval()
-    n = len(rows)
-    order = sorted(range(n), key=lambda i: len(rows[i]["input_ids"]))
-    out: list[Optional[torch.Tensor]] = [None] * n
-    bar = tqdm(total=n, desc=desc, disable=not progress, file=sys.stderr, unit="row")
-    try:
-        for k in range(0, n, batch_size):
-            idx = order[k:k + batch_size]
-            batch = collate(list(rows.select(idx)), pad_id, with_token_types, device=device)
-            with (autocast() if autocast else contextlib.nullcontext()):
-                logits = model(**model_inputs(batch)).logits.float().cpu()
-            for i, row in zip(idx, logits):
-                out[i] = row
-            bar.update(len(idx))
-    finally:
-        bar.close()
-        model.train(was)
-    logits = torch.stack(out) if n else torch.empty(0, 0)
-    res: dict[str, Any] = {"logits": logits}
-    if n and "label" in rows.column_names:
-        y = torch.tensor(rows["label"], dtype=torch.long)
-        res["accuracy"] = float((logits.argmax(-1) == y).float().mean())
-        res["loss"] = float(torch.nn.functional.cross_entropy(logits, y))
-    return res
 
 
 # ---------------------------------------------------------------------------------------------
