@@ -24,14 +24,12 @@ from dpft.config import Recipe, dump_recipe
 from dpft.data.tokenize import collate
 from dpft.methods.base import register_phase_runner
 from dpft.grads.groups import GROUP_KEY
-from dpft.optim import build_optimizer
 from dpft.privacy.randomness import Randomness
 from dpft.run import distributed as ddp
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
 from dpft.run.plan import build_plan, evaluate_with_methods
 from dpft.run.release import DiagnosticsLog, split_row
 from dpft.step import DPStep
-from dpft.step.build import make_engine  # noqa: F401 (public here before run/plan.py)
 from dpft.step.clip import NonFiniteGradientError
 from dpft.step.postprocess import Transform  # noqa: F401 (Transform: public type)
 from dpft.step.sample import PoissonSampler
@@ -121,14 +119,6 @@ class Trainer:
     def mechanism(self):
         """The Gaussian mechanism (None for a non-private run)."""
         return self.dp_step.spec.mechanism
-
-    def prior_events(self) -> list:
-        """Events spent before training (e.g. a private subspace); composed into calibration."""
-        return self.ledger.events()
-
-    def _make_optimizer(self, params: dict) -> torch.optim.Optimizer:
-        """The recipe's optimizer over ``params`` (optim/__init__.py ``build_optimizer``)."""
-        return build_optimizer(self.recipe.optimizer, params)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
