@@ -97,6 +97,23 @@ def sst_like_files(tmp_path) -> dict[str, Path]:
     return out
 
 
+def files_recipe(model_dir, files, **extra):
+    """A private classification recipe on the tiny BERT and the SST-like CSV: 3 steps of B = 8,
+    δ = 1e-3 (the recipe's default budget unless ``extra`` sets one). ``extra`` overrides any key
+    (dotted paths)."""
+    from dpft.config import load_recipe
+
+    ov = {
+        "model.name": str(model_dir), "model.max_length": 16,
+        "task.name": "files", "task.train_file": str(files["csv"]),
+        "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 8,
+        "schedule.steps": 3, "eval.every_steps": 3, "checkpoint_every": 3,
+        "privacy.delta": 1e-3, "optimizer.lr": 1e-2,
+    }
+    ov.update(extra)
+    return load_recipe(None, ov)
+
+
 def ldp_recipe(model_dir, files, **extra):
     """A forward-LDP (EW-FT) recipe on the tiny BERT and the SST-like CSV: 2 epochs of B = 8,
     noise after encoder block 1, a [16, 4] autoencoder without pre-training, ε = 4 at δ = 1e-3.

@@ -11,21 +11,13 @@ import stat
 import pytest
 import torch
 
-from dpft.config import load_recipe
+from conftest import files_recipe
 from dpft.privacy.randomness import Randomness
 from dpft.run.loop import Trainer, TrainingError
 
 
 def _recipe(model_dir, files, **extra):
-    ov = {
-        "model.name": str(model_dir), "model.max_length": 16,
-        "task.name": "files", "task.train_file": str(files["csv"]),
-        "batch.expected_batch_size": 8, "batch.max_physical_batch_size": 8,
-        "schedule.steps": 3, "eval.every_steps": 3, "checkpoint_every": 3,
-        "privacy.noise_multiplier": 1.0, "privacy.delta": 1e-3, "optimizer.lr": 1e-2,
-    }
-    ov.update(extra)
-    return load_recipe(None, ov)
+    return files_recipe(model_dir, files, **{"privacy.noise_multiplier": 1.0, **extra})
 
 
 def _noise(t: Trainer, step: int = 0) -> torch.Tensor:
