@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence
 import datasets
 import torch
 
-from dpft.data.tasks import REGISTRY, DataError, _col, _int_labels, _is_missing, _load_file, _rows, _ROW
+from dpft.data.tasks import (REGISTRY, DataError, _check_missing_labels, _col, _int_labels, _load_file, _rows,
+                             _ROW)
 from dpft.eval.dev import classify
 
 #: Default output name beside the input when ``--output`` is not given.
@@ -70,11 +71,8 @@ def read_rows(path: str | Path, text: str, pair: Optional[str], label: Optional[
         if ds.features[std].dtype not in ("string", "large_string"):
             ds = ds.cast_column(std, datasets.Value("string"))
     if has_label:
+        _check_missing_labels(ds, where, label)
         vals = _col(ds, "label")
-        missing = [r for v, r in zip(vals, _col(ds, _ROW)) if _is_missing(v)]
-        if missing:
-            raise DataError(f"{where}: no label in column {label!r} at {_rows(missing)}; drop those rows or fill "
-                            "the label column")
         if all(isinstance(v, str) for v in vals):
             index = {n: i for i, n in enumerate(label_names)}
             bad = [r for v, r in zip(vals, _col(ds, _ROW)) if v not in index]
