@@ -34,7 +34,7 @@ def run_rank(cfg: dict, rank: int) -> None:
     os.chdir(cwd)
 
     import dpft
-    from dpft.run import distributed as ddp
+    from dpft import distributed as ddp
     from dpft.run.loop import Trainer
 
     log: dict = {"rank": rank, "batches": {}, "shares": {}}
@@ -116,7 +116,7 @@ def run_rank(cfg: dict, rank: int) -> None:
 
 def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
     """Entry of rank ``i`` started by ``torch.multiprocessing.start_processes``: sets what
-    torchrun sets for each worker (run/distributed.py reads nothing else), then runs."""
+    torchrun sets for each worker (distributed.py reads nothing else), then runs."""
     os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     run_rank(cfg, i)

@@ -1,4 +1,4 @@
-"""Multi-process data parallel (run/distributed.py): 2 CPU processes (gloo) against 1 process,
+"""Multi-process data parallel (distributed.py): 2 CPU processes (gloo) against 1 process,
 on a tiny random BERT. The ranks are forked from pytest with the environment torchrun sets
 (``torch.multiprocessing.start_processes`` from a fork server: torch is imported once, not
 once per rank and launch, which keeps the tests fast on a loaded machine); one test launches
@@ -31,7 +31,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import load_recipe
 from dpft.privacy.randomness import Randomness
-from dpft.run import distributed as ddp
+from dpft import distributed as ddp
 from dpft.run.checkpoint import check_world_size
 from dpft.run.loop import Trainer, TrainingError
 

@@ -147,7 +147,7 @@ def test_a_two_phase_toy_method_runs_both_phases_on_one_ledger(tiny_model_dir, s
 
 def test_ddp_support_is_declared_by_each_method():
     from dpft.methods.base import registered
-    from dpft.run import distributed as ddp
+    from dpft import distributed as ddp
 
     reg = registered()
     assert {n for n, c in reg.items() if c.supports_ddp} == {"rmt", "dp_adam_ac"}

@@ -1,6 +1,6 @@
 """``python -m dpft`` runs the ``dpft`` command, so that launchers that start a module can run it:
 ``torchrun --nproc_per_node=K -m dpft train RECIPE`` (multi-process data parallel, see
-run/distributed.py) or ``accelerate launch -m dpft train RECIPE``."""
+distributed.py) or ``accelerate launch -m dpft train RECIPE``."""
 
 from dpft.cli import app
 

@@ -42,7 +42,7 @@ class DevEvaluator:
 
     def _lm(self, model) -> dict[str, float]:
         from dpft.eval.lm import lm_eval
-        from dpft.run import distributed as ddp
+        from dpft import distributed as ddp
 
         w = self.world
         out = lm_eval(model, list(self.data.dev_tok)[w.rank::w.world_size], self.data.pad_id, self.cfg.batch_size)
@@ -53,7 +53,7 @@ class DevEvaluator:
         return out
 
     def _classifier(self, model) -> dict[str, float]:
-        from dpft.run import distributed as ddp
+        from dpft import distributed as ddp
         from dpft.run.errors import TrainingError
 
         d, w = self.data, self.world

@@ -79,7 +79,7 @@ class Method:
     #: Key of the method's section in report.json (default: ``name``).
     report_key: ClassVar[Optional[str]] = None
     #: The method runs under DDP (torchrun) as it does in one process: it draws per-example
-    #: randomness per rank and reads only all-reduced statistics (run/distributed.py
+    #: randomness per rank and reads only all-reduced statistics (distributed.py
     #: ``check_methods`` refuses the others across processes).
     supports_ddp: ClassVar[bool] = False
 

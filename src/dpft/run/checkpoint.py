@@ -91,7 +91,7 @@ def continue_ledger(world, run_dir: Path, live: Path, resume: bool, ledger) -> t
     reads the directory and every rank gets its answer.
     """
     from dpft.accounting.ledger import PrivacyLedger
-    from dpft.run import distributed as ddp
+    from dpft import distributed as ddp
 
     def earlier_ledger():
         if not resume and live.is_file() and not (Path(run_dir) / CKPT).exists():

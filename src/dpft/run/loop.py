@@ -25,7 +25,7 @@ from dpft.data.tokenize import collate
 from dpft.methods.base import register_phase_runner
 from dpft.grads.groups import GROUP_KEY
 from dpft.privacy.randomness import Randomness
-from dpft.run import distributed as ddp
+from dpft import distributed as ddp
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
 from dpft.run.plan import build_plan, evaluate_with_methods
 from dpft.run.release import DiagnosticsLog, split_row

@@ -5,7 +5,7 @@
 and returns a frozen :class:`RunPlan`; :class:`~dpft.run.loop.Trainer` is the loop over it (steps,
 evaluation, checkpoints, release, report). In order::
 
-    world, rng      run/distributed.py   build_world          torchrun world; the one secret key
+    world, rng      distributed.py       build_world          torchrun world; the one secret key
     ledger          run/checkpoint.py    continue_ledger      appended to, never replaced
     placement       perf.py              build_placement      device, precision (refusals first)
     rows            data/prepare.py      load_rows            classification rows; δ < 1/N
@@ -40,7 +40,7 @@ from dpft.models.losses import causal_lm_loss, classification_loss
 from dpft.optim import build_optimizer, build_scheduler
 from dpft.perf import Placement, build_placement, place_model
 from dpft.privacy.randomness import Randomness
-from dpft.run import distributed as ddp
+from dpft import distributed as ddp
 from dpft.run.checkpoint import continue_ledger
 from dpft.run.errors import TrainingError
 from dpft.step.build import build_clip, build_step_spec, make_engine, resolve_sigma

@@ -237,7 +237,7 @@ def check_same_randomness(world: World, rng: Randomness) -> None:
     if not torch.equal(lo, hi):
         raise DistributedError("the ranks hold different secret randomness (each made its own Randomness), so "
                                "they would draw different logical batches; create it with "
-                               "dpft.run.distributed.shared_randomness (rank 0 draws the key and broadcasts it)")
+                               "dpft.distributed.shared_randomness (rank 0 draws the key and broadcasts it)")
 
 
 # -- data ------------------------------------------------------------------------------------
