@@ -65,7 +65,8 @@ import torch
 from dpft.privacy.randomness import Randomness
 
 __all__ = ["World", "DistributedError", "init_from_env", "shared_randomness", "check_same_randomness", "shard", "on_rank0", "all_sum",
-           "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_step_digest", "check_methods", "barrier"]
+           "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_step_digest", "check_methods", "barrier",
+           "shard_units", "refuse_ddp_wrapper"]
 
 T = TypeVar("T")
 
@@ -250,6 +251,49 @@ def shard(indices: torch.Tensor, world: World) -> torch.Tensor:
     if not world.distributed:
         return indices
     return indices[world.rank::world.world_size]
+
+
+def shard_units(indices: torch.Tensor, units: torch.Tensor, world: World) -> torch.Tensor:
+    """This rank's share of a logical batch of *privacy units* (user level): whole units, every
+    K-th unit of the batch from position ``rank`` on.
+
+    Args:
+        indices: ``(n,)`` row indices of the logical batch, each unit's rows contiguous
+            (:meth:`~dpft.step.sample.UserPoissonSampler.indices` groups them), in the same order
+            on every rank.
+        units: ``(n,)`` the unit (user) of each row of ``indices``.
+
+    Returns:
+        The rows of this rank's units, in their order. A unit's rows are never split across
+        ranks: each rank clips a user's summed gradient as one (a user split over two ranks
+        would be clipped twice, up to 2C). The K shares are disjoint and cover ``indices``.
+    """
+    if not world.distributed or not len(indices):
+        return indices
+    u = torch.as_tensor(units).reshape(-1)
+    start = torch.ones_like(u, dtype=torch.bool)
+    start[1:] = u[1:] != u[:-1]
+    position = torch.cumsum(start.long(), 0) - 1  # 0, 0, 1, 1, 1, 2, ...: the unit's place in the batch
+    return indices[position % world.world_size == world.rank]
+
+
+def refuse_ddp_wrapper(module: torch.nn.Module, where: str) -> None:
+    """Refuse a model wrapped in ``torch.nn.parallel.DistributedDataParallel``.
+
+    DDP's gradient buckets all-reduce the *unclipped* batch gradient at every backward; dpft
+    clips each example (user) on its rank and all-reduces the clipped sums once per logical step
+    (:meth:`~dpft.step.aggregate.Aggregator.all_reduce`), so the wrapper must go.
+
+    Raises:
+        DistributedError: naming the fix (pass ``model.module``, the unwrapped model).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        raise DistributedError(
+            f"{where}: the model is wrapped in DistributedDataParallel, whose gradient buckets all-reduce the "
+            "unclipped gradient of every backward; pass the unwrapped model (model.module): dpft clips each "
+            "example on its rank and all-reduces the clipped sums itself, once per logical step")
 
 
 # -- collectives -----------------------------------------------------------------------------

@@ -17,18 +17,21 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from dpft import distributed as ddp
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.api.clipping import CLIPPING_STYLES, GroupClip, _group_clip, _head_mask
 from dpft.api.criterion import PerExampleCriterion
 from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
 from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.grads.groups import PerExampleOverK
 from dpft.grads.live import LiveBookKeeping
 from dpft.privacy.randomness import Randomness
 from dpft.step.build import build_step_spec, resolve_sigma
 from dpft.step.clip import make_clip_policy
 from dpft.step.pipeline import DPStep
 from dpft.step.sample import PoissonSampler
+from dpft.step.unit import build_user_unit
 
 
 def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
@@ -57,6 +60,10 @@ class PrivacyEngine:
 
     def __init__(self, *, reproducible_seed: Optional[int] = None, hardened_noise: bool = True):
         self._rng = Randomness(reproducible_seed)
+        self._seed = reproducible_seed
+        self._shared = False  # the key is the world's (torch.distributed: rank 0's, broadcast)
+        #: this process's place under torch.distributed (set by make_private; one process alone).
+        self.world: Optional[ddp.World] = None
         self.reproducible = reproducible_seed is not None
         self.hardened_noise = hardened_noise
         self.ledger = PrivacyLedger()
@@ -71,6 +78,22 @@ class PrivacyEngine:
             ValueError: δ not in (0, 1).
         """
         return float(self.ledger.epsilon(delta).epsilon)
+
+    def save_ledger(self, path) -> bool:
+        """Write :attr:`ledger` as JSON to ``path`` — on rank 0 only under ``torch.distributed``
+        (every rank holds the same ledger; the others write nothing and need no file system).
+
+        Returns:
+            Whether this process wrote the file.
+        """
+        world = self.world if self.world is not None else ddp.World()
+        if not world.is_main:
+            return False
+        from pathlib import Path
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.ledger.save(path)
+        return True
 
     def detach(self) -> None:
         """Remove the hooks from every module made private by this engine."""
@@ -112,6 +135,9 @@ class PrivacyEngine:
         norm_mode: str = "auto",
         num_workers: int = 0,
         collate_fn: Any = None,
+        user_ids: Any = None,
+        max_rows_per_user: int = 4,
+        user_clipping: str = "group",
     ):
         """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
 
@@ -157,6 +183,45 @@ class PrivacyEngine:
                 ``PrivacyEngine(reproducible_seed=...)``). ``grad_sample_mode``: ignored (dpft
                 always uses the book-keeping engine).
             norm_mode: book-keeping norm route ``"auto"`` | ``"ghost"`` | ``"instantiate"``.
+            user_ids: user-level DP (the privacy unit is a user, add/remove-one *user*): a
+                sequence of one user id per dataset row (any hashable values; a tensor or array
+                of ints), or the name of a field of the dataset's rows (a ``datasets.Dataset``
+                column or a key of dict rows). Then, as ``dpft train``'s ``task.user_column``
+                (step/unit.py, step/sample.py ``UserPoissonSampler``, grads/groups.py): every one
+                of the U users joins a logical batch with q = expected batch / U (the loader's
+                ``batch_size`` or ``expected_batch_size`` counts *users*), a sampled user
+                contributes a fresh random subset of at most ``max_rows_per_user`` of its rows,
+                a micro-batch holds whole users, and the user's summed gradient is clipped to C;
+                the ledger, σ calibration, δ < 1/U, ``epochs`` (U // expected users steps) and
+                the division by qU count users (Chua et al. 2024, "Mind the Privacy Unit!").
+                None (default): example level.
+            max_rows_per_user: k, the most rows of one sampled user per step (user level).
+            user_clipping: ``"group"`` (exact: each user's summed gradient clipped to C, its
+                norm from the book-keeping factors with every cross term) or
+                ``"per_example_over_k"`` (each row clipped to C/k; k rows sum to ≤ C).
+
+        Distributed (``torchrun --nproc_per_node=K``, one process per GPU or CPU slot): call
+        ``make_private`` on every rank with the same arguments (after
+        ``torch.distributed.init_process_group``, or without it: torchrun's environment is
+        detected and the group is created, gloo on CPU and NCCL for CUDA tensors). Pass the
+        *unwrapped* module — not ``DistributedDataParallel(model)`` (refused: its buckets
+        all-reduce unclipped gradients). The world runs one DP-SGD, the mechanism of one process
+        (``dpft.distributed``, as ``dpft train`` under torchrun): rank 0 draws the secret key and
+        broadcasts it (reproducible mode: every rank derives it from the seed); every rank draws
+        the same Poisson logical batch for the world and its data loader yields only this rank's
+        share (``distributed.shard``: every K-th example; at user level whole users,
+        ``distributed.shard_units``), in micro-batches; each rank clips its examples (users), and
+        at the last micro-batch ``optimizer.step()`` all-reduces the clipped sums once, adds the
+        same noise draw on every rank (streams of the shared key) and applies the same update,
+        checked at every step (``distributed.check_step_digest``: same logical batch, same
+        weights, else :class:`~dpft.distributed.DistributedError` before the step is used). The
+        module's weights are rank 0's from ``make_private`` on (broadcast). Every rank holds the
+        same ledger, so ``get_epsilon`` is the same everywhere; :meth:`save_ledger` writes on
+        rank 0 only (make_private itself writes no file). ``optimizer.step()`` is a collective
+        at the last micro-batch of each logical batch: call it after every micro-batch on every
+        rank (a rank whose share of a logical batch is empty joins it when its loader moves on).
+        Dropout masks come from each rank's own torch generator (not a DP mechanism): seed the
+        ranks differently. A checkpoint resumed from must come from the same number of ranks.
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
@@ -174,7 +239,9 @@ class PrivacyEngine:
                 that are not trainable parameters of ``module``; an unknown clipping style.
             dpft.accounting.calibrate.CalibrationError: the target cannot be met (δ ≥ 1/N, or
                 unreachable with this q and number of steps), with the reason.
-            NotImplementedError: ``torch.distributed`` with more than one process.
+            dpft.distributed.DistributedError: a module wrapped in ``DistributedDataParallel``
+                (pass ``model.module``); a second world for an engine whose key is already in use;
+                ranks with different secret randomness.
             dpft.grads.bookkeeping.UnattributedUseError: (first training micro-batch) a
                 trainable parameter used outside the forward of the module that owns it.
         """
@@ -217,11 +284,14 @@ class PrivacyEngine:
             raise ValueError(f"make_private: noise_multiplier must be finite and ≥ 0, got {noise_multiplier}")
         if max_physical_batch_size is not None and max_physical_batch_size < 1:
             raise ValueError("make_private: max_physical_batch_size must be ≥ 1")
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise NotImplementedError("make_private under torch.distributed is not supported yet; "
-                                      "use `dpft train` (DDP via torchrun)")
+        ddp.refuse_ddp_wrapper(module, "make_private")
+        if max_rows_per_user is not None and (isinstance(max_rows_per_user, bool) or int(max_rows_per_user) < 1):
+            raise ValueError(f"make_private: max_rows_per_user must be ≥ 1, got {max_rows_per_user!r}")
+        if user_clipping not in ("group", "per_example_over_k"):
+            raise ValueError(f"make_private: user_clipping must be 'group' or 'per_example_over_k', got "
+                             f"{user_clipping!r}")
+        # torch.distributed: an initialised group, or torchrun's environment (the group is made).
+        world = ddp.init_from_env()
         bn = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if bn:
             raise ValueError(f"make_private: BatchNorm mixes the examples of a batch, so per-example "
@@ -270,8 +340,31 @@ class PrivacyEngine:
         if not 1 <= expected_batch_size <= n:
             raise ValueError(f"make_private: expected batch size {expected_batch_size} must be between 1 "
                              f"and N = {n}")
-        q = expected_batch_size / n
-        steps_per_epoch = max(1, n // expected_batch_size)
+        # ---------------------------------------------------------------- the privacy unit
+        calls = self._calls + 1
+        if world.distributed and not self._shared:
+            if self._calls:
+                raise ddp.DistributedError("make_private: this PrivacyEngine already made a private loop in "
+                                           "one process; make a new PrivacyEngine under torch.distributed")
+            # One key for the world: rank 0's, broadcast (reproducible: derived from the seed).
+            self._rng = ddp.shared_randomness(world, self._seed)
+            self._shared = True
+        ddp.check_same_randomness(world, self._rng)
+        rng = self._rng.child(f"make_private:{calls}")
+        unit = None
+        if user_ids is not None:
+            values, column = _user_values(dataset, user_ids, n)
+            try:
+                unit = build_user_unit(values, expected_batch_size, max_rows_per_user, rng, user_clipping, column)
+            except ValueError as exc:
+                raise ValueError(f"make_private (user level, user_ids={column!r}): {exc}") from None
+            sampler: Any = unit.sampler
+            n_units = unit.n
+        else:
+            sampler = PoissonSampler(n, expected_batch_size, rng)
+            n_units = n
+        q = sampler.q
+        steps_per_epoch = max(1, n_units // expected_batch_size)
         planned = steps if steps is not None else (
             max(1, math.ceil(epochs * steps_per_epoch - 1e-9)) if epochs is not None else None)
 
@@ -300,35 +393,86 @@ class PrivacyEngine:
         # ---------------------------------------------------------------- noise
         # The same builders as `dpft train`'s plan (step/build.py): σ explicit, or calibrated on the
         # events this loop will record after those the ledger already holds; δ < 1/N checked.
+        # DDP: rank 0 calibrates, every rank gets its σ (one value for the world).
         sigma = resolve_sigma(noise_multiplier=None if target_epsilon is not None else noise_multiplier,
-                              target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n,
-                              prior=self.ledger.events())
+                              target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n_units,
+                              prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(world, f))
 
         # ---------------------------------------------------------------- the DP step
-        self._calls += 1
-        rng = self._rng.child(f"make_private:{self._calls}")
-        clip = (make_clip_policy(clipping, max_grad_norm, head_fraction=head_fraction)
-                if clipping != "per_group" else GroupClip(max_grad_norm, [0], [1.0]))
+        self._calls = calls
+        ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
+        # per_example_over_k (user level): each row clipped to C/k, a user's ≤ k rows sum to ≤ C.
+        over_k = unit is not None and user_clipping == "per_example_over_k"
+        c_row = max_grad_norm / sampler.k if over_k else max_grad_norm
+        clip = (make_clip_policy(clipping, c_row, head_fraction=head_fraction)
+                if clipping != "per_group" else GroupClip(c_row, [0], [1.0]))
         engine = BookKeepingEngine(module, _not_called, clip, norm_mode=norm_mode)
         if clipping == "head_body":
             clip.set_head_mask(_head_mask(engine.params, head_parameters))
         elif clipping == "per_group":
-            clip = _group_clip(max_grad_norm, engine.params, optimizer)
-            engine.clip = clip
-        sampler = PoissonSampler(n, expected_batch_size, rng)
+            clip = _group_clip(c_row, engine.params, optimizer)
+        if over_k:
+            clip = PerExampleOverK(clip, sampler.k)
+        engine.clip = clip
         spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
                                hardened=self.hardened_noise)
-        dp_step = DPStep(spec, self.ledger, n)
-        dp_opt = DPOptimizer(optimizer, dp_step, planned)
+        dp_step = DPStep(spec, self.ledger, n_units, world_group=world.group)
+        dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
         session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)
         dp_opt.session = session
         dp_opt.param_names = names
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)
-        batches = _PoissonMicroBatches(sampler, steps_per_epoch, max_physical_batch_size, planned)
+        self.world = world
+        batches = _PoissonMicroBatches(sampler, steps_per_epoch, max_physical_batch_size, planned, world=world,
+                                       groups=unit is not None and user_clipping == "group")
         loader = DPDataLoader(dataset, batches, dp_opt, **loader_kwargs)
         self.noise_multiplier = sigma
         if per_example_criterion is None:
             return module, dp_opt, loader
         per_example_criterion._session = session
         return module, dp_opt, per_example_criterion, loader
+
+
+def _user_values(dataset, user_ids: Any, n: int) -> tuple[list, str]:
+    """One user id per dataset row, as plain hashable values, and how they were named.
+
+    ``user_ids``: a field name (``datasets.Dataset`` column, or key of dict rows) or a sequence
+    aligned with the dataset (tensor/array elements become Python numbers: a 0-d tensor hashes
+    by identity and would make every row its own user).
+
+    Raises:
+        ValueError: a field the rows lack, a sequence of the wrong length, a multi-element id.
+    """
+    column = "user_ids"
+    if isinstance(user_ids, str):
+        column = user_ids
+        cols = getattr(dataset, "column_names", None)
+        if cols is not None:
+            if user_ids not in cols:
+                raise ValueError(f"make_private: user_ids={user_ids!r} is not a column of the dataset ({cols})")
+            values = dataset[user_ids]
+        else:
+            values = []
+            for i in range(n):
+                row = dataset[i]
+                if not hasattr(row, "keys") or user_ids not in row.keys():
+                    raise ValueError(f"make_private: row {i} of the dataset has no field {user_ids!r}; pass "
+                                     "user_ids as a sequence aligned with the dataset instead")
+                values.append(row[user_ids])
+    else:
+        values = user_ids
+    if hasattr(values, "tolist") and not isinstance(values, list):
+        values = values.tolist()
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"make_private: user_ids has {len(values)} entries for a dataset of {n} rows (one user "
+                         "id per row, in dataset order)")
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor) or hasattr(v, "item") and not isinstance(v, (str, bytes)):
+            if getattr(v, "numel", lambda: getattr(v, "size", 1))() != 1:
+                raise ValueError("make_private: a user id must be one value per row, got a multi-element tensor")
+            v = v.item()
+        out.append(v)
+    return out, column

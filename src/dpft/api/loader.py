@@ -8,8 +8,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dpft import distributed as ddp
 from dpft.api.guards import check_unpacked_batch
 from dpft.api.optimizer import DPOptimizer
 from dpft.step.sample import PoissonSampler
@@ -17,27 +19,45 @@ from dpft.step.sample import PoissonSampler
 
 @dataclass
 class _Plan:
-    """What the loader drew for one yielded micro-batch (or one empty logical batch)."""
+    """What the loader drew for one yielded micro-batch (or one empty logical batch / share).
+
+    ``groups``: the micro-batch's local user ids (user-level group clipping), else None.
+    ``batch``: on the last entry of a step, the *world's* logical batch in the order it was
+    sharded (the per-step digest of distributed.py compares it across ranks)."""
 
     step: int
     size: int
     last: bool
     empty: bool = False
+    groups: Optional[torch.Tensor] = None
+    batch: Optional[torch.Tensor] = None
 
 
 class _PoissonMicroBatches:
     """Batch sampler: per logical step t, the Poisson draw of ``sampler`` (stream ``sample``,
-    t), split into micro-batches of at most ``max_physical`` indices. Every yielded micro-batch
-    (and every empty logical batch) is announced in a FIFO the loader reads in order."""
+    t) — rows, or users with at most k rows each — for the whole world; this rank's share of it
+    (``distributed.shard``, or ``distributed.shard_units`` at user level: whole users per rank),
+    split into micro-batches of at most ``max_physical`` indices (whole users at user level).
+    Every yielded micro-batch (and every empty share) is announced in a FIFO the loader reads
+    in order."""
 
     def __init__(self, sampler: PoissonSampler, steps_per_epoch: int, max_physical: Optional[int],
-                 planned_steps: Optional[int]):
+                 planned_steps: Optional[int], world: Optional["ddp.World"] = None, groups: bool = False):
         self.sampler = sampler
         self.steps_per_epoch = steps_per_epoch
         self.max_physical = max_physical
         self.planned_steps = planned_steps
+        self.world = world if world is not None else ddp.World()
+        self.user_level = hasattr(sampler, "users")
+        self.groups = groups  # user-level group clipping: each micro-batch carries its users' ids
         self.next_step = 0  # global logical step counter: every index is drawn at most once
         self.plan: deque[_Plan] = deque()
+
+    def share(self, idx: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the world's logical batch ``idx`` (all of it in one process)."""
+        if self.user_level:
+            return ddp.shard_units(idx, self.sampler.users[idx], self.world)
+        return ddp.shard(idx, self.world)
 
     def remaining(self) -> int:
         if self.planned_steps is None:
@@ -55,13 +75,16 @@ class _PoissonMicroBatches:
         for _ in range(n_steps):
             t = self.next_step
             self.next_step += 1
-            idx = self.sampler.indices(t)
-            chunks = PoissonSampler.micro_batches(idx, self.max_physical or max(1, len(idx)))
-            if not chunks:
-                plan.append(_Plan(t, 0, True, empty=True))
+            idx = self.sampler.indices(t)  # the world's logical batch (sorted; grouped by user)
+            mine = self.share(idx)
+            chunks = self.sampler.micro_batches(mine, self.max_physical or max(1, len(mine)))
+            if not chunks:  # an empty batch, or an empty share: this rank still joins the release
+                plan.append(_Plan(t, 0, True, empty=True, batch=idx))
                 continue
             for k, c in enumerate(chunks):
-                plan.append(_Plan(t, len(c), k == len(chunks) - 1))
+                last = k == len(chunks) - 1
+                plan.append(_Plan(t, len(c), last, groups=self.sampler.groups(c) if self.groups else None,
+                                  batch=idx if last else None))
                 yield c.tolist()
 
 
@@ -73,8 +96,13 @@ class DPDataLoader(DataLoader):
     Attributes:
         sample_rate: q = expected batch / N.
         expected_batch_size: qN.
-        max_physical_batch_size: largest micro-batch (None: a logical batch is one micro-batch).
+        max_physical_batch_size: largest micro-batch (None: a logical batch is one micro-batch;
+            at user level a micro-batch holds whole users, up to ``max(this, k)`` rows).
         planned_steps: the logical steps the noise was calibrated for (None: unlimited).
+        rank, world_size: this process's place under ``torch.distributed`` (0 and 1 alone): the
+            loader yields this rank's share of the world's logical batch.
+        user_level: the privacy unit is a user (``make_private(user_ids=...)``); then
+            ``sample_rate`` and ``expected_batch_size`` count users.
     """
 
     def __init__(self, dataset: Dataset, batch_sampler: _PoissonMicroBatches, optimizer: "DPOptimizer",
@@ -85,6 +113,8 @@ class DPDataLoader(DataLoader):
         self.expected_batch_size = batch_sampler.sampler.expected_batch_size
         self.max_physical_batch_size = batch_sampler.max_physical
         self.planned_steps = batch_sampler.planned_steps
+        self.rank, self.world_size = batch_sampler.world.rank, batch_sampler.world.world_size
+        self.user_level = batch_sampler.user_level
         self._warned_done = False
 
     def __iter__(self):
@@ -103,13 +133,13 @@ class DPDataLoader(DataLoader):
         for batch in base:
             entry = plan.popleft()
             while entry.empty:
-                opt._release_empty(entry.step)
+                opt._release_empty(entry.step, entry.batch)
                 entry = plan.popleft()
             check_unpacked_batch(batch, entry.size, "make_private")
-            opt._begin_micro_batch(entry.step, entry.size, entry.last)
+            opt._begin_micro_batch(entry.step, entry.size, entry.last, groups=entry.groups, batch=entry.batch)
             yield batch
         while plan:
             entry = plan.popleft()
             if entry.empty:
-                opt._release_empty(entry.step)
+                opt._release_empty(entry.step, entry.batch)
         opt._end_of_epoch()

@@ -9,9 +9,11 @@ from typing import Optional
 
 import torch
 
+from dpft import distributed as ddp
 from dpft.api.guards import UnclippedParameterError
 from dpft.grads.live import LiveBookKeeping
 from dpft.step.aggregate import Aggregator
+from dpft.step.clip import NonFiniteGradientError
 from dpft.step.pipeline import DPStep, StepOutput
 
 
@@ -29,9 +31,14 @@ class DPOptimizer(torch.optim.Optimizer):
         last_step: the :class:`~dpft.step.StepOutput` of the last noisy update (its ``private``
             dict holds un-noised statistics that are not covered by the guarantee).
         noise_multiplier: σ; ``max_grad_norm``: C.
+        world: the ``torch.distributed`` world (:class:`dpft.distributed.World`; one process
+            alone): under it, each rank's clipped sum is all-reduced once per logical batch
+            before the noise (the same draw on every rank) and the ranks' logical batch and
+            weights are compared after every noisy update (``distributed.check_step_digest``).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dp_step: DPStep, planned_steps: Optional[int]):
+    def __init__(self, optimizer: torch.optim.Optimizer, dp_step: DPStep, planned_steps: Optional[int],
+                 world: Optional["ddp.World"] = None):
         # Not Optimizer.__init__: the parameters and their state stay the wrapped optimizer's.
         self.original_optimizer = optimizer
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -56,6 +63,12 @@ class DPOptimizer(torch.optim.Optimizer):
         self._engine_ids = {id(p) for p in dp_step.params.values()}
         #: id → name of the module's parameters (for error messages); set by make_private.
         self.param_names: dict[int, str] = {}
+        self.world = world if world is not None else ddp.World()
+        #: the world's logical batch of each step not yet released (the per-step digest).
+        self._batches: dict[int, torch.Tensor] = {}
+        #: a non-finite loss/norm on this rank in the open logical batch (DDP: told to every rank
+        #: in the all-reduce, so that no rank releases the step).
+        self._failed: Optional[NonFiniteGradientError] = None
 
     # -- the wrapped optimizer's state ---------------------------------------------------
     @property
@@ -125,33 +138,51 @@ class DPOptimizer(torch.optim.Optimizer):
                     "after its last micro-batch; its gradients were discarded (nothing released)")
         self._agg, self._agg_step = None, None
 
-    def _begin_micro_batch(self, step: int, size: int, last: bool) -> None:
-        if self.session is not None:
+    def _flush(self) -> None:
+        """Reduce the open micro-batch. Under DDP a non-finite loss or norm is kept until the
+        step's all-reduce (every rank must hear of it there, or the others would wait)."""
+        if self.session is None:
+            return
+        if not self.world.distributed:
             self.session.flush()
+            return
+        try:
+            self.session.flush()
+        except NonFiniteGradientError as exc:
+            self._failed = exc
+
+    def _begin_micro_batch(self, step: int, size: int, last: bool, groups: Optional[torch.Tensor] = None,
+                           batch: Optional[torch.Tensor] = None) -> None:
+        self._flush()
         if step != self._agg_step:
             self._discard_unreleased()
             self._agg = Aggregator(self.dp_step.params)
             self._agg_step = step
+        if batch is not None:
+            self._batches[step] = batch
         self.current_step = step
         self.is_last_micro_batch = last
         if self.session is not None:
-            self.session.begin_micro_batch(size)
+            self.session.begin_micro_batch(size, groups)
 
     def _end_of_epoch(self) -> None:
+        self._flush()
         if self.session is not None:
-            self.session.flush()
             self.session.begin_micro_batch(None)
         self._discard_unreleased()
         self.current_step = None
         self.is_last_micro_batch = False
 
-    def _release_empty(self, step: int) -> None:
-        """An empty Poisson batch: its noisy update (pure noise) is still released."""
+    def _release_empty(self, step: int, batch: Optional[torch.Tensor] = None) -> None:
+        """An empty Poisson batch (or, under DDP, an empty share of this rank): its noisy update
+        is still released (pure noise; under DDP this rank joins the world's all-reduce)."""
+        self._flush()
         if self.session is not None:
-            self.session.flush()
             self.session.begin_micro_batch(None)
         self._discard_unreleased()
         self.current_step = None
+        if batch is not None:
+            self._batches[step] = batch
         self._release(step, Aggregator(self.dp_step.params))
 
     def check_unclipped_grads(self) -> None:
@@ -180,7 +211,21 @@ class DPOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"logical step {step} was already released")
         self.check_unclipped_grads()
         self._released_upto = step
+        batch = self._batches.pop(step, None)
+        for old in [t for t in self._batches if t < step]:
+            del self._batches[old]
+        if self.world.distributed:
+            # One all-reduce of the clipped sums per logical batch, then the noise once for the
+            # world: every rank draws the same N(0, σ²C²I) from the shared key (distributed.py).
+            failed, self._failed = self._failed, None
+            if agg.all_reduce(self.world.group, failed=failed is not None):
+                raise failed or NonFiniteGradientError(
+                    "non-finite training loss on another rank; lower the learning rate or check the data "
+                    "(nothing was released for this logical batch)")
         out = self.dp_step.release_and_update(step, agg)
+        # Same logical batch (in the order it was sharded) and same weights on every rank, or stop.
+        ddp.check_step_digest(self.world, step, batch if batch is not None else torch.zeros(0, dtype=torch.long),
+                              self.dp_step.params)
         self.logical_steps += 1
         self.last_step = out
         if self.planned_steps is not None and self.logical_steps > self.planned_steps:
@@ -207,8 +252,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("make_private: optimizer.step(closure) is not supported")
-        if self.session is not None:
-            self.session.flush()
+        self._flush()
         self.check_unclipped_grads()
         if self.current_step is None:
             raise RuntimeError(

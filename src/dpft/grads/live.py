@@ -158,6 +158,8 @@ class LiveBookKeeping:
         self.on_result = on_result
         self.loss_reduction = loss_reduction
         self.batch_size: Optional[int] = None
+        #: local user ids of the open micro-batch's rows (user level), else None.
+        self.groups: Optional[torch.Tensor] = None
         #: clipped sums handed on for the current micro-batch (at most one: one capture per
         #: micro-batch, :meth:`_check_one_capture`).
         self.results_in_micro_batch = 0
@@ -233,9 +235,13 @@ class LiveBookKeeping:
             )
         return None
 
-    def begin_micro_batch(self, size: Optional[int]) -> None:
-        """A new micro-batch of ``size`` examples (None: none open); resets the capture count."""
+    def begin_micro_batch(self, size: Optional[int], groups: Optional[torch.Tensor] = None) -> None:
+        """A new micro-batch of ``size`` examples (None: none open); resets the capture count.
+
+        ``groups``: ``(size,)`` int64 local user ids 0..G-1 of its rows (user-level group
+        clipping, grads/groups.py: each user's summed gradient is clipped as one), or None."""
         self.batch_size = size
+        self.groups = groups
         self.results_in_micro_batch = 0
 
     def _check_one_capture(self) -> None:
@@ -356,7 +362,10 @@ class LiveBookKeeping:
             if self.loss_reduction == "mean":
                 scale = float(cap.batch)
         device = next(iter(self.engine.params.values())).device
-        res = self.engine.reduce(cap.contribs, cap.batch, cap.loss_sum, device, grad_scale=scale)
+        groups = self.groups
+        if groups is not None and len(groups) != cap.batch:  # never clip a user's rows apart silently
+            raise ValueError(f"user ids for {len(groups)} rows but a micro-batch of {cap.batch}")
+        res = self.engine.reduce(cap.contribs, cap.batch, cap.loss_sum, device, grad_scale=scale, groups=groups)
         self.results_in_micro_batch += 1
         self.on_result(res)
 

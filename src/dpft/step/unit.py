@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PrivacyUnit", "check_user_level", "build_unit"]
+__all__ = ["PrivacyUnit", "check_user_level", "build_unit", "build_user_unit"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +114,24 @@ def build_unit(recipe, train_tok, task_notes: list, rng, private: bool) -> Priva
     else:
         sampler = PoissonSampler(n_rows, r.batch.expected_batch_size, rng)
     return PrivacyUnit(sampler, n_rows, sampler.q, False, {"unit": "example", "n_units": n_rows})
+
+
+def build_user_unit(user_values, expected_users: int, max_rows_per_user: int, rng, user_clipping: str = "group",
+                    column: str = "user_ids") -> PrivacyUnit:
+    """A user-level privacy unit over rows whose user ids are ``user_values`` (one per row, any
+    hashable values; ``make_private(user_ids=...)``), with the CLI's sampler: Poisson over users
+    with q = expected users / U, at most ``max_rows_per_user`` rows of a sampled user per step.
+
+    Raises:
+        ValueError: a row without a user id, ``user_clipping`` unknown, expected users outside
+            [1, U], or k < 1 (:class:`~dpft.step.sample.UserPoissonSampler`).
+    """
+    from dpft.step.sample import UserPoissonSampler, user_index
+
+    if user_clipping not in ("group", "per_example_over_k"):
+        raise ValueError(f"user_clipping must be 'group' or 'per_example_over_k', got {user_clipping!r}")
+    users, _ = user_index(user_values)
+    sampler = UserPoissonSampler(users, int(expected_users), int(max_rows_per_user), rng)
+    info = {"unit": "user", "column": column, "n_units": sampler.n, "max_rows_per_user": sampler.k,
+            "user_clipping": user_clipping}
+    return PrivacyUnit(sampler, sampler.n, sampler.q, True, info)
