@@ -14,7 +14,6 @@ level (issue 26, items 1 and 4).
 from __future__ import annotations
 
 import json
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,6 @@ from torch.utils.data import DataLoader
 
 import ddp_api_worker as worker  # tests/ddp_api_worker.py: the loop each rank runs
 from test_ddp import free_port, files_under
-
-multiprocessing.set_forkserver_preload(["ddp_api_worker", "dpft.api", "dpft.audit.checks_api_ddp"])
 
 JOBS = {"example": {}, "user": {"user_level": True}}
 
@@ -148,3 +145,24 @@ def test_user_ids_as_field_sequence_or_tensor_agree_and_errors():
         _released(rows, [0, 1, 2])
     with pytest.raises(ValueError, match="user_clipping"):
         _released(rows, users, user_clipping="rows")
+
+
+# --------------------------------------------------------------------------- audit
+
+
+def test_audit_walks_the_distributed_user_path_and_catches_each_planted_bug():
+    """audit/checks_api_ddp.py: the honest code passes every check; each planted bug fails the
+    check that names its hole (one 2-process launch runs all four configurations)."""
+    from dpft.audit import planted, suite
+    from dpft.audit.checks_api_ddp import PLANTED, run_world
+
+    assert set(PLANTED) <= set(planted.ALL) and any(m == "dpft.audit.checks_api_ddp" for m, _, _ in suite.OPTIONAL_CHECKS)
+    res = run_world([None, *PLANTED])
+    honest = res["None"]
+    assert len(honest) == 4 and all(c.passed for c in honest), [c.row() for c in honest]
+    failed = {p: [c.name for c in res[p] if not c.passed] for p in PLANTED}
+    assert failed == {"ddp_batch_on_every_rank": ["api-ddp: make_private 2-process leave-one-out"],
+                      "ddp_user_rows_split": ["api-ddp: make_private 2-process user-level leave-one-user-out"],
+                      "ddp_noise_per_rank": ["api-ddp: make_private noise once for the world"]}, res
+    loo = {c.name: c.stats["loo_over_C"] for p in PLANTED for c in res[p] if "loo_over_C" in c.stats and not c.passed}
+    assert all(v > 1.5 for v in loo.values()), loo  # an example (a user) counted twice: ~2C

@@ -11,6 +11,8 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
 * Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
 * The Python ways in (``audit/checks_api.py``, when installed): ``double_capture``,
   ``unfrozen_param``, ``packing_collator``.
+* make_private across processes and at user level (``audit/checks_api_ddp.py``, planted in its
+  2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "
 RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
 API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
+# make_private across processes / at user level (audit/checks_api_ddp.py; planted in its workers)
+API_DDP_PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")
+ALL = ALL + API_DDP_PLANTED
 
 
 class _Patches:

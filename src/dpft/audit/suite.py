@@ -101,6 +101,9 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+    # make_private across processes and at user level (issue 26)
+    ("dpft.audit.checks_api_ddp", "api_ddp_checks", ("ddp_batch_on_every_rank", "ddp_user_rows_split",
+                                                      "ddp_noise_per_rank")),
 )
 
 
