@@ -62,7 +62,7 @@ def run_job(job: dict, rank: int, out_dir: Path) -> dict:
 
     loader_mod._PoissonMicroBatches.share = share
     try:
-        engine = PrivacyEngine(reproducible_seed=job.get("seed", 7))
+        engine = PrivacyEngine(reproducible_seed=job.get("seed", 7))  # "seed": None = secure mode
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         module, opt, crit, dl = engine.make_private(
             module=model, optimizer=opt, criterion=nn.CrossEntropyLoss(),

@@ -25,6 +25,7 @@ import ddp_api_worker as worker  # tests/ddp_api_worker.py: the loop each rank r
 from test_ddp import free_port, files_under
 
 JOBS = {"example": {}, "user": {"user_level": True}}
+SECURE = {"secure_user": {"user_level": True, "seed": None, "steps": 3}}  # 2 processes only
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def one_and_two(tmp_path_factory):
     one = worker.run_jobs({"jobs": JOBS, "cwds": [str(root / "one")]}, 0)
     logs = root / "logs"
     logs.mkdir()
-    cfg = {"jobs": JOBS, "cwds": [str(root / "rank0"), str(root / "rank1")], "log_dir": str(logs), "probe": True}
+    cfg = {"jobs": {**JOBS, **SECURE}, "cwds": [str(root / "rank0"), str(root / "rank1")], "log_dir": str(logs), "probe": True}
     torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()), nprocs=2, join=True,
                                           start_method="forkserver")
     two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
@@ -69,12 +70,23 @@ def test_two_processes_equal_one(one_and_two, job):
         torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
 
 
+def test_secure_mode_one_batch_for_the_world(one_and_two):
+    """No seed: rank 0's key, broadcast; both ranks draw one logical batch and hold one model."""
+    r0, r1 = (log["jobs"]["secure_user"] for log in one_and_two["two"])
+    assert r0["batches"] == r1["batches"] and len(r0["batches"]) == 3
+    for t, full in r0["batches"].items():
+        assert sorted(r0["shares"][t] + r1["shares"][t]) == sorted(full)
+    assert r0["ledger"] == r1["ledger"] and r0["weights"] == r1["weights"]
+    reproducible = one_and_two["two"][0]["jobs"]["user"]["batches"]
+    assert any(r0["batches"][t] != reproducible[t] for t in r0["batches"])  # not the seeded draws
+
+
 def test_rank0_alone_writes_and_ddp_wrapper_refused(one_and_two):
     root = one_and_two["root"]
     r0, r1 = one_and_two["two"]
-    assert all(r0["jobs"][j]["wrote"] and not r1["jobs"][j]["wrote"] for j in JOBS)
+    assert all(r0["jobs"][j]["wrote"] and not r1["jobs"][j]["wrote"] for j in r0["jobs"])
     assert files_under(root / "rank1") == []
-    assert files_under(root / "rank0") == sorted(["example", "example/ledger.json", "user", "user/ledger.json"])
+    assert files_under(root / "rank0") == sorted(f"{j}{f}" for j in r0["jobs"] for f in ("", "/ledger.json"))
     for log in (r0, r1):
         assert log["ddp_wrapper"].startswith("DistributedError") and "model.module" in log["ddp_wrapper"]
 

@@ -80,6 +80,14 @@ more than the planned number of logical steps (``epochs × len(data_loader)`` or
 the target is never exceeded; with an explicit ``noise_multiplier`` and no plan it never stops,
 and ε is whatever the ledger says.
 
+Several processes and user level: under ``torchrun`` the world runs one DP-SGD (rank 0's broadcast
+key, one Poisson logical batch for the world, each rank's ``DPDataLoader`` yielding its share, one
+all-reduce of clipped sums per logical step, noise once for the world, the ledger of one
+process; a ``DistributedDataParallel``-wrapped module is refused); ``user_ids=`` makes the privacy
+unit a user (q and N count users, at most ``max_rows_per_user`` rows per sampled user, the user's
+summed gradient clipped to C). :meth:`PrivacyEngine.make_private` and
+docs/make_private_distributed.md.
+
 Files: ``engine.py`` (:class:`PrivacyEngine`), ``loader.py`` (:class:`DPDataLoader`),
 ``criterion.py`` (:class:`PerExampleCriterion`), ``optimizer.py`` (:class:`DPOptimizer`),
 ``clipping.py`` (``head_body`` by names, ``per_group``), ``guards.py`` (packing, unclipped
