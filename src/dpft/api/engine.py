@@ -365,6 +365,14 @@ class PrivacyEngine:
             n_units = n
         q = sampler.q
         steps_per_epoch = max(1, n_units // expected_batch_size)
+        if world.distributed:  # every rank must describe the same mechanism over the same data
+            mine = (n, n_units, expected_batch_size, steps, epochs, noise_multiplier, target_epsilon, target_delta,
+                    float(max_grad_norm), clipping, user_clipping if unit else None, max_rows_per_user if unit else None)
+            if ddp.any_rank(world, mine != ddp.broadcast_object(world, mine)):
+                raise ddp.DistributedError(
+                    "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, "
+                    "batch size, steps/epochs, σ or target, C, clipping); call make_private with the same data and "
+                    "arguments on every rank")
         planned = steps if steps is not None else (
             max(1, math.ceil(epochs * steps_per_epoch - 1e-9)) if epochs is not None else None)
 
