@@ -14,7 +14,6 @@ level (issue 26, items 1 and 4).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -479,7 +479,8 @@ def _user_values(dataset, user_ids: Any, n: int) -> tuple[list, str]:
     out = []
     for v in values:
         if isinstance(v, torch.Tensor) or hasattr(v, "item") and not isinstance(v, (str, bytes)):
-            if getattr(v, "numel", lambda: getattr(v, "size", 1))() != 1:
+            size = v.numel() if isinstance(v, torch.Tensor) else getattr(v, "size", 1)
+            if size != 1:
                 raise ValueError("make_private: a user id must be one value per row, got a multi-element tensor")
             v = v.item()
         out.append(v)
