@@ -252,6 +252,31 @@ def shard(indices: torch.Tensor, world: World) -> torch.Tensor:
     return indices[world.rank::world.world_size]
 
 
+def shard_units(indices: torch.Tensor, units: torch.Tensor, world: World) -> torch.Tensor:
+    """This rank's share of a logical batch whose rows come grouped by privacy unit (user level):
+    every K-th *unit*, with all its rows, from position ``rank`` on (:func:`shard` over the
+    units in the order they appear).
+
+    A user's rows must stay on one rank: their summed gradient is clipped as one (grads/groups.py),
+    so split across ranks each part would be clipped to C on its own (sensitivity up to K·C).
+
+    Args:
+        indices: ``(B,)`` row indices, the same order on every rank, each unit's rows contiguous.
+        units: ``(B,)`` the unit (user) of each row of ``indices``.
+
+    Raises:
+        ValueError: a unit's rows are not contiguous in ``indices``.
+    """
+    if not world.distributed or not len(indices):
+        return indices
+    units = torch.as_tensor(units).to(indices.device)
+    order = torch.unique_consecutive(units)
+    if len(order) != len(torch.unique(units)):
+        raise ValueError("shard_units: the rows of a unit must be contiguous in the logical batch (group them by unit)")
+    mine = shard(order, world)
+    return indices[torch.isin(units, mine)]
+
+
 # -- collectives -----------------------------------------------------------------------------
 def broadcast_object(world: World, obj: T) -> T:
     """Rank 0's ``obj`` on every rank (pickled over the group; a no-op alone)."""
