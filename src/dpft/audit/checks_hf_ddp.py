@@ -30,6 +30,7 @@ list of jobs on every rank of a ``torchrun`` world.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -207,6 +208,10 @@ def run_job(job: dict) -> dict:
     out["ddp"] = any(isinstance(m, DistributedDataParallel) for m in (tr.model_wrapped, tr.model)) or any(
         isinstance(m, DistributedDataParallel) for m in tr.model.modules())
     out["wrapped"] = type(tr.model_wrapped).__name__
+    h = hashlib.sha256()
+    for n, p in sorted(tr.engine.params.items()):
+        h.update(n.encode() + p.detach().float().cpu().contiguous().numpy().tobytes())
+    out["digest"] = h.hexdigest()  # the final trainable weights, bit for bit
     out["ledger"] = tr.ledger.to_json()
     out["epsilon"] = tr.get_epsilon() if tr.ledger.certified else None
     out["q"], out["n"], out["sigma"] = tr.q, tr.n, tr.sigma

@@ -29,6 +29,10 @@ MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "
 RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
 API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
+# DPTrainer under torchrun and at user level (audit/checks_hf_ddp.py, issue 26): the model wrapped
+# in DDP, each rank clipping the whole logical batch, a user's rows clipped one by one.
+HF_DDP_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
+ALL = ALL + HF_DDP_PLANTED
 
 
 class _Patches:

@@ -101,6 +101,8 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+    # DPTrainer under torchrun and at user level (issue 26)
+    ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
 )
 
 
