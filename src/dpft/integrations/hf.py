@@ -43,6 +43,21 @@ What changes inside ``Trainer`` (DESIGN.md "The DP step, as data flows"):
   ``train_loss``; ``TrainOutput.training_loss`` is NaN) unless ``log_private_train_loss=True``,
   and never the realised batch sizes or token counts. ``grad_norm`` is dropped too. Evaluation
   metrics are logged as usual: they are covered only if the evaluation data is public.
+* **Several processes** (``torchrun``, ``accelerate launch``; docs/dp_trainer_distributed.md).
+  One DP-SGD run for the world, with ``dpft.distributed`` (as ``dpft train``): rank 0's secret
+  key broadcast, so one Poisson logical batch per step; each rank clips its share (every K-th
+  row of the batch ordered by length; at user level every K-th user) in physical batches; the
+  clipped sums are all-reduced once per logical step and the same noise is added on every rank
+  (one release, one ledger event, the ledger of one process); a per-step digest stops the run if
+  the ranks disagree. The model is never wrapped in ``DistributedDataParallel`` (its buckets
+  would all-reduce unclipped gradients): the accelerator prepares it in ``evaluation_mode``.
+  Rank 0 alone writes ledger, ``dp_state.json``, checkpoints and model; a checkpoint resumes only
+  with as many processes as wrote it. Evaluation is ``Trainer``'s: sharded by accelerate,
+  predictions gathered, the same metrics on every rank.
+* **User level** (``DPArguments(user_column=...)``): users are the privacy unit, sampled with
+  ``q = expected_batch_size / U``, at most ``max_rows_per_user`` rows each per step, each user's
+  summed gradient clipped to C (the CLI's ``task.user_column`` machinery: step/sample.py
+  ``UserPoissonSampler``, grads/groups.py); N, q, δ < 1/N and the ledger count users.
 * **Ledger.** ``output_dir/ledger.json`` is rewritten after every release (rank 0), and each
   checkpoint (and ``save_model``) gets ``ledger.json`` and ``dp_state.json`` (σ, q, N, steps;
   never the seed). ``train(resume_from_checkpoint=...)`` continues the ledger of the output
@@ -54,13 +69,14 @@ own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16 (its 
 scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer state), activation
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
-``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP and more than
-one device or process (use the ``dpft`` CLI for DDP); packing / padding-free collators
+``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP, several GPUs in
+one process (``DataParallel``) and resuming with another number of processes; packing / padding-free collators
 (``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
 number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
 :class:`~dpft.api.PackedBatchError`); and, checked at every step, a change of the trainable
 parameters after construction or a gradient on an optimizer parameter outside the engine (a
-user optimizer over all parameters with some unfrozen later: :class:`~dpft.api.UnclippedParameterError`).
+user optimizer over all parameters with some unfrozen later; a model wrapped in DDP:
+:class:`~dpft.api.UnclippedParameterError`).
 
 Real models: ``DPArguments(clipping="head_body", head_learning_rate=...)`` is the starting point
 for a pretrained encoder with a fresh head (README, "With the Hugging Face Trainer";
