@@ -374,6 +374,12 @@ class DPTrainer(Trainer):
         self._check_training_arguments(args)
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
+        # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
+        # batch loss is then divided by the world's token count); DPTrainer's training never uses
+        # it, and for a model whose loss ignores num_items_in_batch (sequence classifiers) it
+        # doubled eval_loss under 2 processes (transformers 5.24). Off: evaluation is per batch as
+        # in one process.
+        args.average_tokens_across_devices = False
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.dp_args = dp_args
         self._check_trainer(loss_fn)
