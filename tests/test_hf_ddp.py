@@ -34,7 +34,7 @@ from dpft.audit import checks_hf_ddp as hd  # noqa: E402
 
 #: A reproducible example-level run: 40 rows, q = 8/40, 4 steps, physical batches of 3.
 EX = {"name": "ex-train", "rows": 40, "eb": 8, "steps": 4, "sigma": 3.0, "lr": 0.5, "C": 1.0, "physical": 3,
-      "seed": 7, "save_steps": 2, "perturb_rank1": True}
+      "seed": 7, "save_steps": 2, "perturb_rank1": True, "eval": True}
 #: User level: 10 users of 1 to 4 rows (k = 2), q = 4/10 over users, 3 steps.
 USERS = [u for u, m in enumerate([1, 2, 3, 4, 1, 2, 3, 4, 2, 2]) for _ in range(m)]
 USER = {"name": "user-train", "rows": len(USERS), "users": USERS, "k": 2, "eb": 4, "steps": 3, "sigma": 3.0,
@@ -60,6 +60,7 @@ def runs(tmp_path_factory):
     audit = hd.audit_jobs()[0]  # "ex": one step, q = 1, σ = 0
     jobs += [{**audit, "name": "ex"}] + [{**audit, "name": f"ex/{p}", "planted": p}
                                         for p in ("hf_ddp_wrapped", "hf_ddp_unsharded")]
+    jobs.append({**audit, "name": "ex/accelerate_wraps", "accelerate_wraps": True})
     cwds = [str(root / "rank0"), str(root / "rank1")]
     ranks = hd.launch(jobs, cwds=cwds, log=str(root / "torchrun.log"))
     two = [{r["name"]: r for r in rs} for rs in ranks]
@@ -95,6 +96,9 @@ def test_two_processes_equal_one_in_reproducible_mode(runs):
     assert a.keys() == b.keys()
     for n in a:
         torch.testing.assert_close(b[n], a[n], rtol=1e-5, atol=1e-6)
+    # Evaluation (sharded by accelerate, gathered): the metrics of one process on every rank.
+    for k in ("eval_loss", "eval_top_class_share"):
+        assert r0["eval"][k] == pytest.approx(one["eval"][k], rel=1e-5) and r1["eval"][k] == r0["eval"][k]
     # No DistributedDataParallel wrapper around the model (accelerate would add one).
     assert not r0["ddp"] and not r1["ddp"] and r0["wrapped"] == "BertForSequenceClassification"
     st = json.loads((runs["root"] / "rank0" / "run-ex" / "checkpoint-2" / "dp_state.json").read_text())
@@ -153,6 +157,11 @@ def test_audit_ddp_checks_pass_and_catch_planted_bugs(runs):
     wrapped = checks("ex/hf_ddp_wrapped")
     assert not wrapped["hf-ddp: DPTrainer no DistributedDataParallel wrapper"].passed
     assert "DistributedDataParallel found" in wrapped["hf-ddp: DPTrainer no DistributedDataParallel wrapper"].message
+    # accelerate's DDP wrapper let through, the per-step guard on: refused before any release.
+    for t in runs["two"]:
+        err = t["ex/accelerate_wraps"].get("error", "")
+        assert "UnclippedParameterError" in err and "DistributedDataParallel" in err, err
+        assert "ledger" not in t["ex/accelerate_wraps"]
     unsharded = checks("ex/hf_ddp_unsharded")
     eq = unsharded["hf-ddp: DPTrainer 2 processes = 1 process"]
     assert not eq.passed and eq.stats["diff_over_C"] > 0.5  # every example counted on both ranks
@@ -162,7 +171,7 @@ def test_user_level_leave_one_user_out_and_its_planted_bug():
     honest = hd.user_loo_check()
     assert honest.passed and honest.stats["loo_over_C"] > 0.5, honest.row()  # a user at the clip norm
     bug = hd.user_loo_check("hf_user_rows_clipped_alone")
-    assert not bug.passed and bug.stats["loo_over_C"] > 1.5, bug.row()  # a 3-row user moves S by ~3C
+    assert not bug.passed and bug.stats["loo_over_C"] > 1.5, bug.row()  # a 3-row user moves S by up to 3C
 
 
 # -- in-process units ------------------------------------------------------------------------
