@@ -67,6 +67,7 @@ def runs(tmp_path_factory):
     return {"root": root, "one": one, "two": two, "ck1": ck1}
 
 
+@pytest.mark.slow  # the module's one torchrun launch (2 ranks import torch + transformers)
 def test_two_processes_equal_one_in_reproducible_mode(runs):
     one, (r0, r1) = runs["one"]["ex-train"], [t["ex-train"] for t in runs["two"]]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
@@ -105,6 +106,7 @@ def test_two_processes_equal_one_in_reproducible_mode(runs):
     assert st["world_size"] == 2 and st["unit"] == "example"
 
 
+@pytest.mark.slow  # the module's one torchrun launch (2 ranks import torch + transformers)
 def test_rank0_alone_writes(runs):
     root = runs["root"]
     assert files_under(root / "rank1") == []
@@ -114,6 +116,7 @@ def test_rank0_alone_writes(runs):
     assert not any("rng_state_1" in f for f in written)
 
 
+@pytest.mark.slow  # the module's one torchrun launch (2 ranks import torch + transformers)
 def test_user_level_two_processes_equal_one(runs):
     one, (r0, r1) = runs["one"]["user-train"], [t["user-train"] for t in runs["two"]]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
@@ -133,6 +136,7 @@ def test_user_level_two_processes_equal_one(runs):
     assert r0["digest"] == r1["digest"]
 
 
+@pytest.mark.slow  # the module's one torchrun launch (2 ranks import torch + transformers)
 def test_resume_needs_the_same_world_size(runs, tmp_path):
     # A 1-process checkpoint resumed by 2 processes: refused on both ranks, naming the fix.
     for t in runs["two"]:
@@ -146,6 +150,7 @@ def test_resume_needs_the_same_world_size(runs, tmp_path):
     assert "torchrun --nproc_per_node=2" in res["error"] and "accelerate launch --num_processes 2" in res["error"]
 
 
+@pytest.mark.slow  # the module's one torchrun launch (2 ranks import torch + transformers)
 def test_audit_ddp_checks_pass_and_catch_planted_bugs(runs):
     one = {"ex": runs["one"]["ex"]}
 

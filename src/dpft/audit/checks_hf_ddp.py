@@ -161,7 +161,7 @@ def run_job(job: dict) -> dict:
     and this rank's share; ``delta`` (Δθ of the trainable weights, flat); ``ddp`` (whether a
     DistributedDataParallel wrapper was found); the ledger; ε; or ``error``.
     """
-    from transformers import TrainingArguments
+    from transformers import PrinterCallback, TrainingArguments
 
     from dpft.integrations.hf import DPArguments, DPTrainer
 
@@ -193,6 +193,7 @@ def run_job(job: dict) -> dict:
                          max_rows_per_user=int(job.get("k", 3)))
         try:
             tr = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate, dp_args=dp)
+            tr.remove_callback(PrinterCallback)  # the audit's output is its checks, not Trainer's logs
             real_share = tr._share
 
             def share(idx):
