@@ -254,27 +254,28 @@ def shard(indices: torch.Tensor, world: World) -> torch.Tensor:
 
 
 def shard_units(indices: torch.Tensor, units: torch.Tensor, world: World) -> torch.Tensor:
-    """This rank's share of a logical batch of *privacy units* (user level): whole units, every
-    K-th unit of the batch from position ``rank`` on.
+    """This rank's share of a logical batch whose rows come grouped by privacy unit (user level):
+    every K-th *unit*, with all its rows, from position ``rank`` on (:func:`shard` over the
+    units in the order they appear).
+
+    A user's rows must stay on one rank: their summed gradient is clipped as one (grads/groups.py),
+    so split across ranks each part would be clipped to C on its own (sensitivity up to K·C).
 
     Args:
-        indices: ``(n,)`` row indices of the logical batch, each unit's rows contiguous
-            (:meth:`~dpft.step.sample.UserPoissonSampler.indices` groups them), in the same order
-            on every rank.
-        units: ``(n,)`` the unit (user) of each row of ``indices``.
+        indices: ``(B,)`` row indices, the same order on every rank, each unit's rows contiguous.
+        units: ``(B,)`` the unit (user) of each row of ``indices``.
 
-    Returns:
-        The rows of this rank's units, in their order. A unit's rows are never split across
-        ranks: each rank clips a user's summed gradient as one (a user split over two ranks
-        would be clipped twice, up to 2C). The K shares are disjoint and cover ``indices``.
+    Raises:
+        ValueError: a unit's rows are not contiguous in ``indices``.
     """
     if not world.distributed or not len(indices):
         return indices
-    u = torch.as_tensor(units).reshape(-1)
-    start = torch.ones_like(u, dtype=torch.bool)
-    start[1:] = u[1:] != u[:-1]
-    position = torch.cumsum(start.long(), 0) - 1  # 0, 0, 1, 1, 1, 2, ...: the unit's place in the batch
-    return indices[position % world.world_size == world.rank]
+    units = torch.as_tensor(units).to(indices.device)
+    order = torch.unique_consecutive(units)
+    if len(order) != len(torch.unique(units)):
+        raise ValueError("shard_units: the rows of a unit must be contiguous in the logical batch (group them by unit)")
+    mine = shard(order, world)
+    return indices[torch.isin(units, mine)]
 
 
 def refuse_ddp_wrapper(module: torch.nn.Module, where: str) -> None:

@@ -34,6 +34,10 @@ ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
 # make_private across processes / at user level (audit/checks_api_ddp.py; planted in its workers)
 API_DDP_PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")
 ALL = ALL + API_DDP_PLANTED
+# DPTrainer under torchrun and at user level (audit/checks_hf_ddp.py, issue 26): the model wrapped
+# in DDP, each rank clipping the whole logical batch, a user's rows clipped one by one.
+HF_DDP_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
+ALL = ALL + HF_DDP_PLANTED
 
 
 class _Patches:

@@ -104,6 +104,8 @@ OPTIONAL_CHECKS = (
     # make_private across processes and at user level (issue 26)
     ("dpft.audit.checks_api_ddp", "api_ddp_checks", ("ddp_batch_on_every_rank", "ddp_user_rows_split",
                                                       "ddp_noise_per_rank")),
+    # DPTrainer under torchrun and at user level (issue 26)
+    ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
 )
 
 

@@ -43,6 +43,21 @@ What changes inside ``Trainer`` (DESIGN.md "The DP step, as data flows"):
   ``train_loss``; ``TrainOutput.training_loss`` is NaN) unless ``log_private_train_loss=True``,
   and never the realised batch sizes or token counts. ``grad_norm`` is dropped too. Evaluation
   metrics are logged as usual: they are covered only if the evaluation data is public.
+* **Several processes** (``torchrun``, ``accelerate launch``; docs/dp_trainer_distributed.md).
+  One DP-SGD run for the world, with ``dpft.distributed`` (as ``dpft train``): rank 0's secret
+  key broadcast, so one Poisson logical batch per step; each rank clips its share (every K-th
+  row of the batch ordered by length; at user level every K-th user) in physical batches; the
+  clipped sums are all-reduced once per logical step and the same noise is added on every rank
+  (one release, one ledger event, the ledger of one process); a per-step digest stops the run if
+  the ranks disagree. The model is never wrapped in ``DistributedDataParallel`` (its buckets
+  would all-reduce unclipped gradients): the accelerator prepares it in ``evaluation_mode``.
+  Rank 0 alone writes ledger, ``dp_state.json``, checkpoints and model; a checkpoint resumes only
+  with as many processes as wrote it. Evaluation is ``Trainer``'s: sharded by accelerate,
+  predictions gathered, the same metrics on every rank.
+* **User level** (``DPArguments(user_column=...)``): users are the privacy unit, sampled with
+  ``q = expected_batch_size / U``, at most ``max_rows_per_user`` rows each per step, each user's
+  summed gradient clipped to C (the CLI's ``task.user_column`` machinery: step/sample.py
+  ``UserPoissonSampler``, grads/groups.py); N, q, δ < 1/N and the ledger count users.
 * **Ledger.** ``output_dir/ledger.json`` is rewritten after every release (rank 0), and each
   checkpoint (and ``save_model``) gets ``ledger.json`` and ``dp_state.json`` (σ, q, N, steps;
   never the seed). ``train(resume_from_checkpoint=...)`` continues the ledger of the output
@@ -54,13 +69,14 @@ own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16 (its 
 scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer state), activation
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
-``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP and more than
-one device or process (use the ``dpft`` CLI for DDP); packing / padding-free collators
+``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP, several GPUs in
+one process (``DataParallel``) and resuming with another number of processes; packing / padding-free collators
 (``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
 number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
 :class:`~dpft.api.PackedBatchError`); and, checked at every step, a change of the trainable
 parameters after construction or a gradient on an optimizer parameter outside the engine (a
-user optimizer over all parameters with some unfrozen later: :class:`~dpft.api.UnclippedParameterError`).
+user optimizer over all parameters with some unfrozen later; a model wrapped in DDP:
+:class:`~dpft.api.UnclippedParameterError`).
 
 Real models: ``DPArguments(clipping="head_body", head_learning_rate=...)`` is the starting point
 for a pretrained encoder with a fresh head (README, "With the Hugging Face Trainer";
@@ -85,6 +101,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
+from dpft import distributed as ddp
 from dpft.accounting.calibrate import check_delta
 from dpft.api import UnclippedParameterError, check_unpacked_batch, prediction_summary
 from dpft.accounting.io import atomic_write_text
@@ -96,7 +113,8 @@ from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.build import build_step_spec, make_engine, resolve_sigma
 from dpft.step.postprocess import Transform
-from dpft.step.sample import PoissonSampler
+from dpft.grads.groups import GROUP_KEY, PerExampleOverK
+from dpft.step.sample import PoissonSampler, UserPoissonSampler, user_index
 
 __all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
 
@@ -140,6 +158,17 @@ class DPArguments:
         engine: ``bookkeeping`` (fast path) or ``reference`` (``torch.func``, exact, slower).
         log_private_train_loss: also log the un-noised training loss (a private statistic,
             not covered by ε; off by default).
+        user_column: None (default) = one row is one privacy unit. The name of a column of
+            ``train_dataset`` holding a user id per row = **user-level** DP (add/remove one
+            user): users are Poisson-sampled with ``q = expected_batch_size / U`` (U distinct
+            ids; ``expected_batch_size`` then counts users), a sampled user brings a fresh
+            random subset of at most ``max_rows_per_user`` of its rows, and the user's summed
+            gradient is clipped to ``max_grad_norm`` (:class:`~dpft.step.sample.UserPoissonSampler`,
+            grads/groups.py; Chua et al. 2024 "Mind the Privacy Unit!", Alg. 1). δ < 1/U, the
+            ledger's q, ε and epochs count users. The column is dropped before collation.
+        max_rows_per_user: k, the most rows of a sampled user per step (user level only).
+        user_clipping: ``group`` (exact: the user's summed gradient clipped to C) or
+            ``per_example_over_k`` (each row clipped to C/k: ≤ k · C/k = C; cheaper, harsher).
 
     Raises:
         ValueError: an out-of-range value, or neither/both of ``target_epsilon`` and
@@ -160,6 +189,9 @@ class DPArguments:
     hardened_noise: bool = True
     engine: str = "bookkeeping"
     log_private_train_loss: bool = False
+    user_column: Optional[str] = None
+    max_rows_per_user: int = 4
+    user_clipping: str = "group"
 
     def __post_init__(self) -> None:
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -183,6 +215,13 @@ class DPArguments:
         if self.engine not in ("bookkeeping", "reference"):
             raise ValueError(f"DPArguments.engine must be 'bookkeeping' or 'reference', got {self.engine!r}")
         make_clip_policy(self.clipping, self.max_grad_norm, self.clipping_gamma, self.head_fraction)  # checks C
+        if self.user_column is not None and (not isinstance(self.user_column, str) or not self.user_column):
+            raise ValueError(f"DPArguments.user_column must be a column name, got {self.user_column!r}")
+        if int(self.max_rows_per_user) != self.max_rows_per_user or self.max_rows_per_user < 1:
+            raise ValueError(f"DPArguments.max_rows_per_user must be a positive integer, got {self.max_rows_per_user}")
+        if self.user_clipping not in ("group", "per_example_over_k"):
+            raise ValueError(f"DPArguments.user_clipping must be 'group' or 'per_example_over_k', "
+                             f"got {self.user_clipping!r}")
 
 
 # --------------------------------------------------------------------------- per-example loss
@@ -335,16 +374,37 @@ class DPTrainer(Trainer):
         self._check_training_arguments(args)
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
+        # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
+        # batch loss is then divided by the world's token count); DPTrainer's training never uses
+        # it, and for a model whose loss ignores num_items_in_batch (sequence classifiers) it
+        # doubled eval_loss under 2 processes (transformers 5.24). Off: evaluation is per batch as
+        # in one process.
+        args.average_tokens_across_devices = False
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.dp_args = dp_args
         self._check_trainer(loss_fn)
+        #: This process's place in the world (``torchrun`` / ``accelerate launch``; one process
+        #: alone): the process group accelerate created, joined through dpft.distributed.
+        self.world = ddp.init_from_env()
+        if self.world.world_size != int(getattr(self.args, "world_size", 1) or 1):
+            _refuse(f"torch.distributed has {self.world.world_size} processes but TrainingArguments.world_size = "
+                    f"{self.args.world_size}; launch with torchrun or accelerate launch and let Trainer join that world")
 
         ds = self.train_dataset
-        self.n = len(ds)
         eb = int(dp_args.expected_batch_size)
-        if eb > self.n:
-            _refuse(f"dp_args.expected_batch_size = {eb} exceeds len(train_dataset) = {self.n}; "
-                    "lower expected_batch_size")
+        #: Row-level (None) or user-level: the privacy unit's sampler over the rows.
+        self.user_level = dp_args.user_column is not None
+        if self.user_level:
+            users = self._user_ids(ds, dp_args.user_column)
+            self.n = int(users.max()) + 1  # U: the privacy units (ledger q, δ, epochs count users)
+            if eb > self.n:
+                _refuse(f"dp_args.expected_batch_size = {eb} exceeds the number of users U = {self.n} in column "
+                        f"{dp_args.user_column!r} (at user level it counts users); lower expected_batch_size")
+        else:
+            self.n = len(ds)
+            if eb > self.n:
+                _refuse(f"dp_args.expected_batch_size = {eb} exceeds len(train_dataset) = {self.n}; "
+                        "lower expected_batch_size")
         check_delta(dp_args.target_delta, self.n)
         self.q = eb / self.n
         self.steps_per_epoch = max(1, math.ceil(self.n / eb))
@@ -354,40 +414,100 @@ class DPTrainer(Trainer):
             self.total_steps = max(1, math.ceil(self.args.num_train_epochs * self.n / eb))
         self.args.max_steps = self.total_steps
         self.physical_batch_size = int(dp_args.max_physical_batch_size or self.args.per_device_train_batch_size)
+        # DDP: every rank must run the same privacy settings over the same rows and parameters
+        # (else the all-reduce would add unlike sums, or hang).
+        ddp.check_same_recipe(self.world, self._world_config())
 
         #: The run's one secret randomness source; each training loop draws from its own child.
-        self.rng = Randomness(dp_args.reproducible_seed)
-        if self.rng.reproducible:
+        #: DDP: rank 0 draws the key and broadcasts it (reproducible: every rank derives it).
+        self.rng = ddp.shared_randomness(self.world, dp_args.reproducible_seed)
+        ddp.check_same_randomness(self.world, self.rng)
+        if self.rng.reproducible and self.world.is_main:
             warnings.warn("DPArguments.reproducible_seed is set: batches and noise can be regenerated from it, "
                           "so ε holds only while that seed stays secret", stacklevel=2)
         self._run_rng = self.rng.child("hf-train-loop-0")
         self._loops = 0
+        ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
         self.ledger = ledger if ledger is not None else PrivacyLedger()
-        # The same builder as `dpft train`'s plan and make_private (step/build.py).
+        # The same builder as `dpft train`'s plan and make_private (step/build.py); DDP: rank 0
+        # calibrates and every rank gets its σ.
         self.sigma = resolve_sigma(noise_multiplier=dp_args.noise_multiplier, target_epsilon=dp_args.target_epsilon,
                                    delta=dp_args.target_delta, q=self.q, steps=self.total_steps, n=self.n,
-                                   prior=self.ledger.events())
+                                   prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(self.world, f))
 
         causal = _is_causal_lm(self.model)
         self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(causal, tuple(self.label_names or ()))
-        self.clip = make_clip_policy(dp_args.clipping, dp_args.max_grad_norm, dp_args.clipping_gamma,
-                                     dp_args.head_fraction)
+        self.clip = self._make_clip()
         self.engine = self._make_engine()
+        if self.user_level and dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups", False):
+            _refuse(f"user_clipping='group' needs an engine that clips a user's rows as one ({type(self.engine).__name__} "
+                    "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
         from dpft.models.load import is_head_param
 
-        self.sampler = PoissonSampler(self.n, eb, self._run_rng)
+        if self.user_level:
+            self.sampler = UserPoissonSampler(users, eb, int(dp_args.max_rows_per_user), self._run_rng)
+        else:
+            self.sampler = PoissonSampler(self.n, eb, self._run_rng)
         spec = build_step_spec(engine=self.engine, clip=self.clip, sigma=self.sigma, rng=self._run_rng,
                                sampler=self.sampler, optimizer=_TrainerStepsOptimizer(),
                                head_mask=lambda names: [is_head_param(n) for n in names],
                                hardened=dp_args.hardened_noise, transforms=list(transforms or []), phase="train")
         self.mechanism = spec.mechanism
-        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self._save_live_ledger)
+        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self._save_live_ledger,
+                              world_group=self.world.group)
         self._live_written = False
         self._params_checked = False
         if self.optimizer is not None:
             self._warn_frozen_in_optimizer(self.optimizer)
         #: Un-noised statistics of the last logical step (never logged; for the data holder).
         self.last_private_stats: dict[str, Any] = {}
+
+    def _make_clip(self):
+        """The clip policy; at user level with ``per_example_over_k`` each row is clipped to C/k
+        (a user's ≤ k rows then sum to ≤ C; step/build.py ``build_clip`` does the same)."""
+        dp = self.dp_args
+        if self.user_level and dp.user_clipping == "per_example_over_k":
+            k = int(dp.max_rows_per_user)
+            return PerExampleOverK(make_clip_policy(dp.clipping, dp.max_grad_norm / k, dp.clipping_gamma,
+                                                    dp.head_fraction), k)
+        return make_clip_policy(dp.clipping, dp.max_grad_norm, dp.clipping_gamma, dp.head_fraction)
+
+    @staticmethod
+    def _user_ids(ds, column: str) -> torch.Tensor:
+        """``(N_rows,)`` int64 user index 0..U-1 of every row of ``ds[column]``
+        (:func:`~dpft.step.sample.user_index`).
+
+        Raises:
+            ValueError: the column is missing or a row has no user id."""
+        cols = getattr(ds, "column_names", None)
+        try:
+            if cols is not None:
+                if column not in cols:
+                    _refuse(f"DPArguments.user_column {column!r} is not a column of train_dataset (columns: "
+                            f"{', '.join(cols)}); add a user id per row, or set user_column=None for example level")
+                values = list(ds[column])
+            else:
+                values = []
+                for i in range(len(ds)):
+                    row = ds[i]
+                    if not isinstance(row, Mapping) or column not in row:
+                        _refuse(f"DPArguments.user_column {column!r}: row {i} of train_dataset has no such key; "
+                                "every row needs a user id")
+                    values.append(row[column])
+            users, _ = user_index(values)
+        except ValueError as exc:
+            if str(exc).startswith("DPTrainer:"):
+                raise
+            raise ValueError(f"DPTrainer: user_column {column!r}: {exc}") from None
+        return users
+
+    def _world_config(self) -> dict[str, Any]:
+        """What every rank of a DDP world must agree on (compared by digest across ranks)."""
+        dp = asdict(self.dp_args)
+        dp.pop("max_physical_batch_size", None)  # memory only: ranks may differ
+        dp.pop("log_private_train_loss", None)
+        return {"dp_args": dp, "rows": len(self.train_dataset), "units": self.n, "total_steps": self.total_steps,
+                "trainable": [[n, list(p.shape)] for n, p in self.model.named_parameters() if p.requires_grad]}
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -430,10 +550,15 @@ class DPTrainer(Trainer):
         if "lomo" in str(getattr(args, "optim", "")).lower():
             _refuse("LOMO optimizers fuse the update into the backward pass; choose another optim")
         if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-            _refuse("DeepSpeed and FSDP are not supported; train on one device")
+            _refuse("DeepSpeed and FSDP are not supported; train on one device per process (DDP: torchrun or "
+                    "accelerate launch)")
         if getattr(args, "world_size", 1) > 1:
-            _refuse(f"world_size = {args.world_size}: DPTrainer runs in one process (one noise draw per "
-                    "logical batch for the world is implemented in the dpft CLI); launch one process")
+            from transformers.training_args import ParallelMode
+
+            if args.parallel_mode != ParallelMode.DISTRIBUTED:
+                _refuse(f"world_size = {args.world_size} in parallel mode {args.parallel_mode}: DPTrainer runs "
+                        "several processes only under torch.distributed data parallelism; launch with torchrun "
+                        "--nproc_per_node=K or accelerate launch --multi_gpu --num_processes K")
         if getattr(args, "n_gpu", 1) > 1:
             _refuse(f"{args.n_gpu} GPUs visible (torch.nn.DataParallel); expose one device, e.g. "
                     "CUDA_VISIBLE_DEVICES=0")
@@ -450,7 +575,8 @@ class DPTrainer(Trainer):
             _refuse("compute_loss_func returns a batch loss; DPTrainer needs one loss per example: pass "
                     "loss_fn=lambda forward, batch: ... returning a (B,) tensor")
         if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
-            _refuse("DeepSpeed and FSDP are not supported; train on one device")
+            _refuse("DeepSpeed and FSDP are not supported; train on one device per process (DDP: torchrun or "
+                    "accelerate launch)")
         ds = self.train_dataset
         if ds is None:
             _refuse("train_dataset is required")
@@ -582,58 +708,146 @@ class DPTrainer(Trainer):
                 return rows
         return [ds[i] for i in keys]
 
-    def _micro_batches(self, idx: torch.Tensor):
-        """Collated physical batches of the logical batch ``idx`` (built one at a time)."""
-        if not len(idx):
-            return
+    def _logical_order(self, idx: torch.Tensor) -> torch.Tensor:
+        """The order step ``t`` runs its logical batch ``idx`` in, which DDP shards it by (the same
+        on every rank): by length (stable) so that physical batches carry little padding, when the
+        rows have ``input_ids``; at user level grouped by user as the sampler returns it. The set
+        of examples (all that privacy depends on) is unchanged."""
+        if self.user_level or len(idx) < 2:
+            return idx
         rows = self._rows(idx)
-        if rows and isinstance(rows[0], Mapping) and "input_ids" in rows[0]:
-            # Order by length so that physical batches carry little padding; the set of
-            # examples (all that privacy depends on) is unchanged.
-            rows = [rows[i] for i in sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))]
-        for k in range(0, len(rows), self.physical_batch_size):
-            chunk = rows[k:k + self.physical_batch_size]
+        if not (rows and isinstance(rows[0], Mapping) and "input_ids" in rows[0]):
+            return idx
+        lengths = torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)
+        return idx[torch.argsort(lengths, stable=True)]
+
+    def _share(self, idx: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the logical batch ``idx`` (in :meth:`_logical_order`): every K-th
+        example, or at user level every K-th *user* with all its sampled rows (a user's rows are
+        clipped as one, so they never straddle two ranks). One process: all of ``idx``."""
+        if self.user_level:
+            return ddp.shard_units(idx, self.sampler.users[idx], self.world)
+        return ddp.shard(idx, self.world)
+
+    def _micro_batches(self, idx: torch.Tensor):
+        """Collated physical batches of this rank's share of the logical batch ``idx`` (in
+        :meth:`_logical_order`; built one at a time): at most ``max_physical_batch_size`` rows
+        each; at user level whole users (the user column dropped), with their local user ids
+        under ``GROUP_KEY`` when ``user_clipping='group'``."""
+        mine = self._share(idx)
+        if not len(mine):
+            return
+        if self.user_level:
+            micros = self.sampler.micro_batches(mine, self.physical_batch_size)
+        else:
+            micros = PoissonSampler.micro_batches(mine, self.physical_batch_size)
+        col = self.dp_args.user_column
+        for micro in micros:
+            chunk = self._rows(micro)
+            if col is not None:
+                chunk = [{k: v for k, v in r.items() if k != col} if isinstance(r, Mapping) else r for r in chunk]
             batch = self._dp_collator(chunk)
             # One sampled row must stay one example: a packing / padding-free collator would clip
             # several rows as one (and removing a row would reshuffle later packs).
             check_unpacked_batch(batch, len(chunk), "DPTrainer")
+            if self.user_level and self.dp_args.user_clipping == "group":
+                batch[GROUP_KEY] = self.sampler.groups(micro)
             yield self._prepare_inputs(batch)
+
+    # ------------------------------------------------------------------ no DDP buckets
+    def create_accelerator_and_postprocess(self) -> None:
+        """``Trainer``'s accelerator, told never to wrap a model in ``DistributedDataParallel``.
+
+        Under ``torchrun`` / ``accelerate launch`` ``Trainer._prepare_for_training`` calls
+        ``accelerator.prepare(model, optimizer)``, whose ``prepare_model`` wraps any model with a
+        trainable parameter in DDP; DDP's gradient buckets all-reduce the *unclipped* gradient of
+        every backward (and hold a gradient-sized copy). DPTrainer all-reduces the clipped sums
+        itself, once per logical step, so the accelerator prepares models in ``evaluation_mode``:
+        device placement, mixed precision and compilation only, no DDP wrapper (the same call
+        ``Trainer`` makes for a model that owns its gradient reduction)."""
+        super().create_accelerator_and_postprocess()
+        acc = self.accelerator
+        if getattr(acc.prepare_model, "_dpft_no_ddp", False):
+            return
+        prepare_model = acc.prepare_model
+
+        def prepare_model_without_ddp(model, device_placement=None, evaluation_mode=False):
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+        prepare_model_without_ddp._dpft_no_ddp = True
+        acc.prepare_model = prepare_model_without_ddp
+
+    def _check_not_ddp(self, model: torch.nn.Module) -> None:
+        """Refuse a model in ``DistributedDataParallel`` (ours or the user's): its buckets
+        all-reduce unclipped gradients."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        for m in (model, self.model_wrapped, self.model):
+            if isinstance(m, DistributedDataParallel) or any(isinstance(x, DistributedDataParallel)
+                                                             for x in m.modules()):
+                raise UnclippedParameterError(
+                    "DPTrainer: the model is wrapped in torch.nn.parallel.DistributedDataParallel, whose gradient "
+                    "buckets all-reduce the unclipped gradient of every backward; DPTrainer all-reduces the clipped "
+                    "sums itself. Pass the bare model (no DDP wrapper); DPTrainer stops accelerate from adding one. "
+                    "Nothing was released")
 
     # ------------------------------------------------------------------ the DP step
     def training_step(self, model: torch.nn.Module, inputs: Mapping[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
-        """One logical step: Poisson batch → per-example clipped sums over physical batches →
-        ``DPStep.release_and_update`` (noise, ledger event, ÷ qN, transforms). The noisy
-        gradient is left in ``p.grad`` for ``Trainer``'s optimizer step.
+        """One logical step: Poisson batch (one for the world under DDP) → this rank's share →
+        per-example (user-level: per-user) clipped sums over physical batches → one all-reduce of
+        the clipped sums → ``DPStep.release_and_update`` (noise once for the world, ledger event,
+        ÷ qN, transforms) → a per-step digest check that every rank holds the same batch and noisy
+        gradient. The noisy gradient is left in ``p.grad`` for ``Trainer``'s optimizer step.
 
         Returns 0 (the un-noised loss is private) unless ``log_private_train_loss``."""
         if not (isinstance(inputs, Mapping) and _TOKEN in inputs):
             raise RuntimeError("DPTrainer.training_step got a batch that its Poisson sampler did not produce; "
                                "do not replace DPTrainer's train dataloader")
+        self._check_not_ddp(model)
         self._check_params()
         self._check_unclipped_grads()
         t = int(self.state.global_step)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        torch.manual_seed(self._run_rng.seed_for("dropout", t))  # dropout masks: per step, secret
-        idx = self.dp_step.indices(t)
+        # dropout masks: per step (and rank), secret
+        torch.manual_seed(ddp.dropout_seed(self._run_rng, t, self.world))
+        idx = self._logical_order(self.dp_step.indices(t))
         agg = Aggregator(self.engine.params)
+        failure: Optional[NonFiniteGradientError] = None
         try:
             for batch in self._micro_batches(idx):
                 with self.compute_loss_context_manager():
                     agg.add(self.engine.clipped_sum(batch))
         except NonFiniteGradientError as exc:
+            if not self.world.distributed:
+                raise NonFiniteGradientError(
+                    f"DPTrainer, step {t}: {exc}. Nothing was released for this step; lower learning_rate or "
+                    "check the data, and resume from the last checkpoint") from None
+            failure = exc  # DDP: every rank hears of it in the all-reduce below, before any release
+        if agg.all_reduce(self.world.group, failed=failure is not None):
+            why = failure if failure is not None else "non-finite training loss on another rank"
             raise NonFiniteGradientError(
-                f"DPTrainer, step {t}: {exc}. Nothing was released for this step; lower learning_rate or "
-                "check the data, and resume from the last checkpoint") from None
-        agg.all_reduce()
+                f"DPTrainer, step {t}: {why}. Nothing was released for this step; lower learning_rate or "
+                "check the data, and resume from the last checkpoint")
         self._check_unclipped_grads()  # a backward wrote a raw gradient on a parameter outside the engine
         out = self.dp_step.release_and_update(t, agg)
+        # DDP: same logical batch (and order) and the same noisy gradient on every rank.
+        ddp.check_step_digest(self.world, t, idx, self._digest_tensors())
         self.last_private_stats = dict(out.private)
         if self.dp_args.log_private_train_loss:
             return torch.tensor(float(out.private["train_loss"]), device=self.args.device)
         return torch.zeros((), device=self.args.device)
+
+    def _digest_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights and the noisy gradient of this step (in ``p.grad``), for the DDP digest."""
+        out = {}
+        for n, p in self.engine.params.items():
+            out[f"w:{n}"] = p
+            if p.grad is not None:
+                out[f"g:{n}"] = p.grad
+        return out
 
     # ------------------------------------------------------------------ evaluation
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
@@ -656,7 +870,7 @@ class DPTrainer(Trainer):
                 summary = prediction_summary(torch.as_tensor(preds).float(), warn=False)
             if summary.get("n"):
                 out.metrics[f"{metric_key_prefix}_top_class_share"] = summary["top_class_share"]
-                if summary["single_class"] and summary["n"] >= 2:
+                if summary["single_class"] and summary["n"] >= 2 and self.world.is_main:
                     warnings.warn(
                         f"DPTrainer.evaluate: every one of the {summary['n']} predictions is class "
                         f"{summary['top_class']}; the model has learnt a constant (its accuracy is that class's "
@@ -674,10 +888,12 @@ class DPTrainer(Trainer):
         """The run's privacy settings and spend (``dp_state.json``; never the seed)."""
         dp = asdict(self.dp_args)
         dp["reproducible"] = dp.pop("reproducible_seed") is not None
+        unit = "user" if self.user_level else "example"
         return {"sigma": self.sigma, "q": self.q, "n": self.n, "total_steps": self.total_steps,
                 "global_step": int(self.state.global_step), "ledger_steps": self.ledger.steps,
                 "epsilon": self.get_epsilon() if self.ledger.certified else None,
-                "accountant": "PLD (dp-accounting), add/remove-one", "dp_args": dp}
+                "accountant": f"PLD (dp-accounting), add/remove-one {unit}", "unit": unit,
+                "world_size": self.world.world_size, "dp_args": dp}
 
     def _write_dp_files(self, directory: str) -> None:
         if not self.is_world_process_zero():
@@ -698,6 +914,18 @@ class DPTrainer(Trainer):
         """``Trainer.save_model`` plus ``ledger.json`` and ``dp_state.json`` (checkpoints too)."""
         super().save_model(output_dir, _internal_call)
         self._write_dp_files(output_dir if output_dir is not None else self.args.output_dir)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint`` (every rank calls it), after checking that the ranks still
+        hold one set of trainable weights (rank 0's are broadcast if not: they are the ones saved)."""
+        ddp.check_in_sync(self.world, self.engine.params)
+        super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """``Trainer._save_rng_state`` on rank 0 only: rank 0 alone writes the run's files (the
+        dropout masks are reseeded at every step from the secret stream, whatever this state)."""
+        if self.world.is_main:
+            super()._save_rng_state(output_dir)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """``Trainer.log`` with ``epsilon`` added and the un-noised loss and ``grad_norm`` removed."""
@@ -740,7 +968,8 @@ class DPTrainer(Trainer):
 
     def _check_fresh_output_dir(self) -> None:
         live = os.path.join(self.args.output_dir, LEDGER_NAME)
-        if os.path.isfile(live) and not self._live_written:
+        # DDP: rank 0 reads the output directory; every rank gets its answer (and raises alike).
+        if ddp.on_rank0(self.world, lambda: os.path.isfile(live)) and not self._live_written:
             _refuse(f"{live} holds the privacy ledger of an earlier run in this output_dir. Pass "
                     "train(resume_from_checkpoint=True) to continue that run (its releases stay in the ledger), "
                     "or choose a new output_dir. Nothing was overwritten")
@@ -750,12 +979,29 @@ class DPTrainer(Trainer):
                           stacklevel=3)
 
     def _resume_dp_state(self, ckpt: str) -> None:
-        path = os.path.join(ckpt, DP_STATE_NAME)
-        if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt, LEDGER_NAME)):
-            _refuse(f"{ckpt} holds no {DP_STATE_NAME}/{LEDGER_NAME}: it was not written by DPTrainer, so what "
-                    "it released is unknown; start from the model weights with a new DPTrainer instead")
-        with open(path) as f:
-            st = json.load(f)
+        live = os.path.join(self.args.output_dir, LEDGER_NAME)
+
+        def read() -> dict:  # DDP: rank 0 reads the checkpoint and the live ledger; every rank gets them
+            path = os.path.join(ckpt, DP_STATE_NAME)
+            if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt, LEDGER_NAME)):
+                _refuse(f"{ckpt} holds no {DP_STATE_NAME}/{LEDGER_NAME}: it was not written by DPTrainer, so what "
+                        "it released is unknown; start from the model weights with a new DPTrainer instead")
+            with open(path) as f:
+                st = json.load(f)
+            ck = PrivacyLedger.load(os.path.join(ckpt, LEDGER_NAME)).to_json()
+            lv = PrivacyLedger.load(live).to_json() if os.path.isfile(live) else None
+            return {"state": st, "ledger": ck, "live": lv}
+
+        got = ddp.on_rank0(self.world, read)
+        st = got["state"]
+        was, now = int(st.get("world_size", 1)), self.world.world_size
+        if was != now:
+            how = ("in one process (python script.py)" if was == 1 else
+                   f"with {was} processes (torchrun --nproc_per_node={was} script.py, or accelerate launch "
+                   f"--num_processes {was} script.py)")
+            _refuse(f"resume_from_checkpoint: {ckpt} was written by {was} process(es) but this run has {now}; "
+                    f"each rank's share of a logical batch, its dropout stream and the order of the all-reduced sums "
+                    f"depend on the world size. Resume it {how}, or start a new output_dir")
         ours = self.dp_state()
         diff = [k for k in ("n", "q", "total_steps") if st.get(k) != ours[k]]
         if not math.isclose(float(st.get("sigma", -1)), self.sigma, rel_tol=1e-9, abs_tol=1e-12):
@@ -763,15 +1009,17 @@ class DPTrainer(Trainer):
         for k in ("max_grad_norm", "clipping", "target_delta", "expected_batch_size"):
             if st.get("dp_args", {}).get(k) != ours["dp_args"][k]:
                 diff.append(f"dp_args.{k}")
+        for k, default in (("user_column", None), ("max_rows_per_user", 4), ("user_clipping", "group")):
+            if st.get("dp_args", {}).get(k, default) != ours["dp_args"][k]:
+                diff.append(f"dp_args.{k}")
         if diff:
             _refuse(f"resume_from_checkpoint: {ckpt} was written with other privacy settings ({', '.join(diff)} "
                     "differ); resume with the same DPArguments, max_steps / num_train_epochs and train_dataset, "
                     "or start a new output_dir")
-        ck_ledger = PrivacyLedger.load(os.path.join(ckpt, LEDGER_NAME))
-        live = os.path.join(self.args.output_dir, LEDGER_NAME)
+        ck_ledger = PrivacyLedger.from_json(got["ledger"])
         ledger = ck_ledger
-        if os.path.isfile(live):
-            live_ledger = PrivacyLedger.load(live)
+        if got["live"] is not None:
+            live_ledger = PrivacyLedger.from_json(got["live"])
             # The live ledger holds every release made in this directory, including the steps after
             # the checkpoint that the resumed run replays (with fresh randomness: new releases).
             if live_ledger.steps >= ck_ledger.steps:
