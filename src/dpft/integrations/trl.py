@@ -204,10 +204,16 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
         super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, dp_args=dp_args,
                          loss_fn=loss_fn, ledger=ledger, transforms=transforms, **sft_kwargs)
-        if getattr(self, "padding_free", False):  # set by SFTTrainer (packing_strategy etc.)
-            raise PackedBatchError(f"DPSFTTrainer: SFTTrainer chose padding-free batches; use {PACKING_FIX}")
+        self._check_prepared()
         if getattr(self, "aux_loss_enabled", False):
             self._check_router_aux_loss(self.model, self.args, enabled=True)
+
+    def _check_prepared(self) -> None:
+        """After TRL's preparation: rows are unpacked and the collator pads (one row per example)."""
+        if getattr(self, "padding_free", False):  # set by SFTTrainer (packing_strategy etc.)
+            raise PackedBatchError(f"DPSFTTrainer: SFTTrainer chose padding-free batches; use {PACKING_FIX}")
+        if "seq_lengths" in (getattr(self.train_dataset, "column_names", None) or []):
+            raise PackedBatchError(f"DPSFTTrainer: the prepared train_dataset holds packed rows; use {PACKING_FIX}")
 
     @staticmethod
     def _check_router_aux_loss(model: Any, args: Any, enabled: bool = False) -> None:
