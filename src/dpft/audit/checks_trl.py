@@ -46,8 +46,8 @@ _WORDS = ("my router phone is slow will not turn on restart it charge the and th
           "that does help bring to a shop you are support sorry hear").split()
 _CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-_PAIRS = [("my router is slow", " restart it"),
-          ("my phone will not turn on", " charge it then try again and then try again and then bring it to a shop"),
+# a long completion (a large gradient), a one-token one, a plain one
+_PAIRS = [("my phone will not turn on", " charge it then try again and then try again and then bring it to a shop"),
           ("thanks", " sorry"), ("what if that does not help", " bring it to a shop")]
 
 
@@ -179,7 +179,7 @@ def sft_checks() -> list[Check]:
     t0 = time.perf_counter()
     name = "trl: DPSFTTrainer LoRA via peft_config (one conversation)"
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
-    s, tr = _sft_step(model, rows.select([1]), tok, trainer_kwargs={"peft_config": lora})
+    s, tr = _sft_step(model, rows.select([0]), tok, trainer_kwargs={"peft_config": lora})
     moved = [nm for nm, p in tr.model.named_parameters() if p.requires_grad]
     norm = float(s.norm())
     ok = norm <= C * (1 + TOL) and bool(moved) and all("lora_" in nm for nm in moved) \
