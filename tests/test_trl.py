@@ -44,6 +44,17 @@ PAIRS = [("my router is slow", "restart it"), ("my phone will not turn on", "cha
          ("what if it is slow", "restart the router"), ("you are slow", "sorry")]
 
 
+@pytest.fixture(autouse=True)
+def _fast_gc():
+    """Trainer.train ends with accelerate's gc.collect(), which scans the whole heap of the test
+    process (most of a tiny run's time); frozen objects are skipped. Speed only."""
+    import gc
+
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -281,6 +292,95 @@ def test_lora_peft_config_trains_only_the_adapters(tmp_path):
     assert all(not torch.equal(moved[n].detach(), lora_b[n]) for n in lora_b)  # lora_B starts at 0; noise moved it
 
 
+# ----------------------------------------------------------------------------- DP-DPO
+
+
+def preference_rows(n: int = 4):
+    return datasets.Dataset.from_list([{"prompt": p, "chosen": " " + c, "rejected": " sorry"} for p, c in PAIRS[:n]])
+
+
+def dpo_args(out, **kw):
+    from trl import DPOConfig
+
+    base = dict(output_dir=str(out), max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                weight_decay=0.0, per_device_train_batch_size=3, use_cpu=True, bf16=False, report_to=[],
+                save_strategy="no", logging_steps=1, disable_tqdm=True, gradient_checkpointing=False, beta=0.5)
+    base.update(kw)
+    return DPOConfig(**base)
+
+
+def test_dpo_clipped_update_equals_per_pair_reference(tmp_path):
+    """q = 1, σ = 0, SGD at lr 1: −Δθ·N = Σ_pairs clip_C(∇ DPO loss of the pair), the pair's chosen
+    and rejected sequences clipped as one unit; one ledger event."""
+    import torch.nn.functional as F
+
+    from dpft.integrations.trl import DPDPOTrainer
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok))
+    ref = copy.deepcopy(model)
+    rows = preference_rows()
+    c, beta = 0.05, 0.5
+    with pytest.warns(UserWarning, match="seed"):
+        tr = DPDPOTrainer(model=model, args=dpo_args(tmp_path / "out", beta=beta), train_dataset=rows,
+                          processing_class=tok, dp_args=dp(noise_multiplier=0.0, max_grad_norm=c, reproducible_seed=0))
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    tr.sampler.indices = lambda step: torch.arange(4)  # every pair; physical batches of 3 + 1 pairs
+    tr.train()
+    assert tr.ledger.steps == 1
+    released = -(torch.cat([p.detach().flatten() for p in model.parameters()]) - before) * 4
+
+    def logp(m, prompt, completion):
+        p_ids, ids = tok(prompt)["input_ids"], tok(prompt + completion + tok.eos_token)["input_ids"]
+        x = torch.tensor([ids])
+        lp = torch.log_softmax(m(input_ids=x).logits[0, :-1].float(), -1).gather(1, x[0, 1:, None])[:, 0]
+        return lp[len(p_ids) - 1:].sum()
+
+    params, total = list(ref.parameters()), 0
+    for r in rows:
+        with torch.no_grad():
+            rc, rr = logp(ref, r["prompt"], r["chosen"]), logp(ref, r["prompt"], r["rejected"])
+        loss = -F.logsigmoid(beta * ((logp(ref, r["prompt"], r["chosen"]) - rc)
+                                     - (logp(ref, r["prompt"], r["rejected"]) - rr)))
+        g = torch.cat([x.flatten() for x in torch.autograd.grad(loss, params)])
+        assert float(g.norm()) > c
+        total = total + g * min(1.0, c / (float(g.norm()) + 1e-6))
+    torch.testing.assert_close(released, total, rtol=1e-4, atol=1e-6)
+    assert all(not ({"loss", "rewards/chosen", "rewards/accuracies"} & set(h)) for h in tr.state.log_history)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(loss_type=["aot"]), "sort the log-ratios"),
+    (dict(loss_type=["sigmoid", "sft"]), "not supported per pair"),
+    (dict(sync_ref_model=True), "sync_ref_model=False"),
+    (dict(padding_free=True), "padding_free=False"),
+    (dict(use_weighting=True), "use_weighting=False"),
+])
+def test_dpo_refusals(tmp_path, kw, match):
+    from dpft.integrations.trl import DPDPOTrainer
+
+    with pytest.raises(ValueError, match=match):
+        DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out", **kw), train_dataset=preference_rows(),
+                     processing_class=tiny_tokenizer(), dp_args=dp())
+
+
+def test_layout_probe_allows_mixing_within_a_group_only():
+    """The engine's layout probe (grads/kinds.py) with clipping groups: rows of one group may feed
+    each other's losses (a DPO pair), rows of different groups may not."""
+    from dpft.grads.contrib import BatchLayoutError
+    from dpft.grads.kinds import check_example_support
+
+    out = torch.randn(4, 3, requires_grad=True)
+    pair = out.sum(1).view(2, 2)
+    within = torch.stack([pair[:, 0] * pair[:, 1], torch.zeros(2)], 1).reshape(-1)  # pair loss on the chosen row
+    check_example_support(within, [(out, "x")], torch.tensor([0, 0, 1, 1]))
+    with pytest.raises(BatchLayoutError):
+        check_example_support(within, [(out, "x")])  # without groups it is mixing
+    across = within + out.sum() * torch.tensor([1.0, 0, 0, 0])  # row 0's loss sees every row
+    with pytest.raises(BatchLayoutError):
+        check_example_support(across, [(out, "x")], torch.tensor([0, 0, 1, 1]))
+
+
 # ----------------------------------------------------------------------------- the audit
 
 
@@ -301,6 +401,7 @@ def test_trl_audit_checks_pass_and_catch_the_planted_bug():
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_docs_example_stories260k_e2e(tmp_path):
     if not (SHARED_DATA / "models" / "stories260K" / "config.json").is_file():
         pytest.skip("stories260K not present")
