@@ -389,12 +389,16 @@ def test_trl_audit_checks_pass_and_catch_the_planted_bug():
 
     rows = trl_checks()
     assert rows and all(c.passed for c in rows), [c.message for c in rows if not c.passed]
-    bad = trl_checks(planted="sft_packing_accepted")
-    assert [c.name for c in bad if not c.passed], "planted packing bug not caught"
+    for planted, check in (("sft_packing_accepted", "trl: DPSFTTrainer packing=True"),
+                           ("dpo_pair_split", "trl: DPDPOTrainer leave-one-pair-out")):
+        bad = trl_checks(planted=planted)
+        assert [c.name for c in bad if not c.passed] == [check], planted
     # undone afterwards
+    from dpft.grads import bookkeeping
     from dpft.integrations import trl as dtrl
 
-    assert dtrl.check_sft_config.__name__ == "check_sft_config"
+    assert dtrl.check_sft_config.__name__ == "check_sft_config" and dtrl.pair_rows.__name__ == "pair_rows"
+    assert bookkeeping.check_example_support.__name__ == "check_example_support"
 
 
 # ----------------------------------------------------------------------------- real model, real data

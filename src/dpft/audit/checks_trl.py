@@ -15,9 +15,15 @@ gradient checkpointing included), and reads the released clipped sum back from t
   conversation (a packed row clips several conversations as one, and removing one reshuffles
   the packs).
 
-``planted="sft_packing_accepted"`` switches the packing guards off (``check_sft_config``,
-``DPSFTTrainer._check_prepared`` and ``DPTrainer``'s per-batch ``check_unpacked_batch``; undone
-afterwards) so that the audit shows it catches a packed batch.
+* **DP-DPO leave-one-pair-out** — ``DPDPOTrainer``: ``max_i ‖S(D) − S(D∖i)‖ ≤ C`` over
+  preference pairs (the chosen and the rejected row of a pair clipped as one group).
+
+Planted bugs (undone afterwards): ``sft_packing_accepted`` switches the packing guards off
+(``check_sft_config``, ``DPSFTTrainer._check_prepared`` and ``DPTrainer``'s per-batch
+``check_unpacked_batch``): the packing check fails; ``dpo_pair_split`` gives each row of a pair
+its own clipping group (a pair then contributes up to 2C) and switches off the engine's layout
+probe (which refuses a loss shared across groups, and so catches this bug on its own): the
+leave-one-pair-out check fails.
 
 Importing this module needs ``trl`` (the suite skips it, with a note, when trl is absent).
 """
@@ -40,7 +46,7 @@ import trl  # noqa: F401 - this module's checks need TRL; an ImportError skips t
 from dpft.audit.checks_api import C, TOL, _loo_and_noise, _no_dropout, _released_sum
 from dpft.audit.whitebox import Check
 
-PLANTED = ("sft_packing_accepted",)
+PLANTED = ("sft_packing_accepted", "dpo_pair_split")
 
 _WORDS = ("my router phone is slow will not turn on restart it charge the and then try again thanks what if "
           "that does help bring to a shop you are support sorry hear").split()
@@ -72,14 +78,43 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
         setattr(obj, attr, value)
 
     noop = lambda *a, **k: None  # noqa: E731
-    patch(dtrl, "check_sft_config", noop)
-    patch(dtrl.DPSFTTrainer, "_check_prepared", noop)
-    patch(hf, "check_unpacked_batch", noop)
+    if name == "sft_packing_accepted":
+        patch(dtrl, "check_sft_config", noop)
+        patch(dtrl.DPSFTTrainer, "_check_prepared", noop)
+        patch(hf, "check_unpacked_batch", noop)
+    elif name == "dpo_pair_split":
+        # each of a pair's two rows its own clipping group: a pair contributes up to 2C
+        from dpft.grads.groups import GROUP_KEY
+
+        orig = dtrl.pair_rows
+
+        def split(batch):
+            out = orig(batch)
+            out[GROUP_KEY] = torch.arange(out[GROUP_KEY].shape[0])
+            return out
+
+        patch(dtrl, "pair_rows", split)
+        patch(dtrl.DPDPOTrainer, "_micro_batches", _unchecked_micro_batches)
+        # and the engine's layout probe, which refuses a loss shared across clipping groups
+        from dpft.grads import bookkeeping
+
+        patch(bookkeeping, "check_example_support", noop)
     try:
         yield
     finally:
         for obj, attr, value in reversed(saved):
             setattr(obj, attr, value)
+
+
+def _unchecked_micro_batches(self, idx):
+    """DPDPOTrainer._micro_batches without its two-rows-one-group check (the planted bug)."""
+    from dpft.integrations import trl as dtrl
+
+    if not len(idx):
+        return
+    rows = self._rows(idx)
+    for k in range(0, len(rows), self.physical_batch_size):
+        yield self._prepare_inputs(dtrl.pair_rows(self._dp_collator(rows[k:k + self.physical_batch_size])))
 
 
 def tiny_tokenizer():
@@ -149,6 +184,55 @@ def _sft_step(model, rows, tokenizer, *, c: float = C, sigma: float = 0.0, confi
     return _released_sum(trainer.model, before, dp.expected_batch_size), trainer
 
 
+def _dpo_step(model, rows, tokenizer, *, c: float = C):
+    """One logical step of DPDPOTrainer (q = 1 over the pairs, σ = 0, SGD lr 1); ``S``."""
+    from trl import DPOConfig
+
+    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.trl import DPDPOTrainer
+
+    model = copy.deepcopy(model)
+    _no_dropout(model)
+    n = len(rows)
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = DPOConfig(output_dir=out, bf16=False, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant",
+                         optim="sgd", weight_decay=0.0, per_device_train_batch_size=n, report_to=[],
+                         use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_strategy="no",
+                         disable_tqdm=True, beta=0.5)
+        dp = DPArguments(target_delta=1.0 / (10 * n), expected_batch_size=n, noise_multiplier=0.0, max_grad_norm=c,
+                         reproducible_seed=0)
+        trainer = DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, dp_args=dp)
+        before = {nm: p.detach().clone() for nm, p in trainer.model.named_parameters()}
+        trainer.sampler.indices = lambda step: torch.arange(trainer.n)
+        gc.freeze()
+        try:
+            trainer.train()
+        finally:
+            gc.unfreeze()
+    return _released_sum(trainer.model, before, n)
+
+
+def dpo_checks() -> list[Check]:
+    """DPDPOTrainer leave-one-pair-out ≤ C (a pair's chosen and rejected rows clipped as one)."""
+    import datasets
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok))
+    rows = datasets.Dataset.from_list([{"prompt": p, "chosen": c, "rejected": " sorry"} for p, c in _PAIRS])
+    t0 = time.perf_counter()
+    full = _dpo_step(model, rows, tok)
+    worst = 0.0
+    for i in range(len(rows)):
+        worst = max(worst, float((full - _dpo_step(model, rows.select([j for j in range(len(rows)) if j != i]),
+                                                   tok)).norm()))
+    ok = worst <= C * (1 + TOL)
+    return [Check("trl: DPDPOTrainer leave-one-pair-out", ok,
+                  f"max_i ‖S(D) − S(D∖i)‖ = {worst:.4g} vs C = {C:g} (N = {len(rows)} preference pairs, q = 1, σ = 0)"
+                  + ("" if ok else " — one pair moves the release by more than C"),
+                  {"loo_over_C": worst / C, "seconds": round(time.perf_counter() - t0, 2)})]
+
+
 def _refused(name: str, exc: Exception, t0: float) -> Check:
     return Check(name, True, f"refused ({type(exc).__name__}): {textwrap.shorten(str(exc), 200, placeholder='…')}",
                  {"refused": True, "seconds": round(time.perf_counter() - t0, 2)})
@@ -210,13 +294,13 @@ def trl_checks(planted: Optional[str] = None) -> list[Check]:
     """Every DPSFTTrainer check, with ``planted`` (one of :data:`PLANTED`) re-opened.
 
     Returns:
-        Three :class:`Check` rows; with nothing planted all pass, with the planted bug one fails.
+        Four :class:`Check` rows; with nothing planted all pass, with a planted bug one fails.
 
     Raises:
         ValueError: an unknown planted bug.
     """
     with planted_bug(planted):
-        return sft_checks()
+        return sft_checks() + dpo_checks()
 
 
 def audit_dp_sft_trainer(model=None, train_dataset=None, processing_class=None, *, rows: int = 4,

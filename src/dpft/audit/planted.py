@@ -11,7 +11,7 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
 * Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
 * The Python ways in (``audit/checks_api.py``, when installed): ``double_capture``,
   ``unfrozen_param``, ``packing_collator``.
-* TRL (``audit/checks_trl.py``, when trl is installed): ``sft_packing_accepted``.
+* TRL (``audit/checks_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "
 RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
 API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
-# TRL (audit/checks_trl.py, when trl is installed): DPSFTTrainer accepting packed batches.
-TRL_PLANTED = ("sft_packing_accepted",)
+# TRL (audit/checks_trl.py, when trl is installed): DPSFTTrainer accepting packed batches, DPDPOTrainer
+# clipping a pair's two rows separately.
+TRL_PLANTED = ("sft_packing_accepted", "dpo_pair_split")
 ALL = ALL + TRL_PLANTED
 
 

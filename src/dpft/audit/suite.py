@@ -102,7 +102,7 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
     # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
-    ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted",)),
+    ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
 )
 
 

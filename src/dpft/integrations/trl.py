@@ -55,9 +55,9 @@ Refused before any slow work, with a message naming the fix: packing / padding-f
 statistic coupling the examples: set ``router_aux_loss_coef=0.0``), and everything
 ``DPTrainer`` refuses (gradient accumulation, fp16, label smoothing, ...).
 
-DPO: see docs/trl.md, "Preference optimisation (DPO)": it fits the same step with one
-preference pair as the privacy unit (the pair's two sequences clipped as one group), but it is
-not built here.
+:class:`DPDPOTrainer`: TRL's ``DPOTrainer`` with the same step, one preference pair as the
+privacy unit (its chosen and rejected sequences clipped as one group; reference log-probabilities
+precomputed from the public reference model); docs/trl.md, "Preference optimisation (DPO)".
 
 Source: Abadi et al. 2016 (DP-SGD) with Poisson sampling; TRL's ``SFTTrainer`` (von Werra et
 al., huggingface/trl 1.16).
