@@ -309,7 +309,8 @@ def dpo_args(out, **kw):
     return DPOConfig(**base)
 
 
-def test_dpo_clipped_update_equals_per_pair_reference(tmp_path):
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+def test_dpo_clipped_update_equals_per_pair_reference(tmp_path, loss_type):
     """q = 1, σ = 0, SGD at lr 1: −Δθ·N = Σ_pairs clip_C(∇ DPO loss of the pair), the pair's chosen
     and rejected sequences clipped as one unit; one ledger event."""
     import torch.nn.functional as F
@@ -322,7 +323,7 @@ def test_dpo_clipped_update_equals_per_pair_reference(tmp_path):
     rows = preference_rows()
     c, beta = 0.05, 0.5
     with pytest.warns(UserWarning, match="seed"):
-        tr = DPDPOTrainer(model=model, args=dpo_args(tmp_path / "out", beta=beta), train_dataset=rows,
+        tr = DPDPOTrainer(model=model, args=dpo_args(tmp_path / "out", beta=beta, loss_type=[loss_type]), train_dataset=rows,
                           processing_class=tok, dp_args=dp(noise_multiplier=0.0, max_grad_norm=c, reproducible_seed=0))
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     tr.sampler.indices = lambda step: torch.arange(4)  # every pair; physical batches of 3 + 1 pairs
@@ -334,14 +335,16 @@ def test_dpo_clipped_update_equals_per_pair_reference(tmp_path):
         p_ids, ids = tok(prompt)["input_ids"], tok(prompt + completion + tok.eos_token)["input_ids"]
         x = torch.tensor([ids])
         lp = torch.log_softmax(m(input_ids=x).logits[0, :-1].float(), -1).gather(1, x[0, 1:, None])[:, 0]
-        return lp[len(p_ids) - 1:].sum()
+        n = len(ids) - len(p_ids)  # completion tokens (IPO averages over them)
+        return lp[len(p_ids) - 1:].sum() / (n if loss_type == "ipo" else 1)
 
     params, total = list(ref.parameters()), 0
     for r in rows:
         with torch.no_grad():
             rc, rr = logp(ref, r["prompt"], r["chosen"]), logp(ref, r["prompt"], r["rejected"])
-        loss = -F.logsigmoid(beta * ((logp(ref, r["prompt"], r["chosen"]) - rc)
-                                     - (logp(ref, r["prompt"], r["rejected"]) - rr)))
+        delta = (logp(ref, r["prompt"], r["chosen"]) - rc) - (logp(ref, r["prompt"], r["rejected"]) - rr)
+        loss = {"sigmoid": lambda d: -F.logsigmoid(beta * d), "hinge": lambda d: torch.relu(1 - beta * d),
+                "ipo": lambda d: (d - 1 / (2 * beta)) ** 2}[loss_type](delta)  # Rafailov eq. 7, SLiC, IPO eq. 17
         g = torch.cat([x.flatten() for x in torch.autograd.grad(loss, params)])
         assert float(g.norm()) > c
         total = total + g * min(1.0, c / (float(g.norm()) + 1e-6))
