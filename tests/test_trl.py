@@ -392,10 +392,15 @@ def test_trl_audit_checks_pass_and_catch_the_planted_bug():
 
     rows = trl_checks()
     assert rows and all(c.passed for c in rows), [c.message for c in rows if not c.passed]
-    for planted, check in (("sft_packing_accepted", "trl: DPSFTTrainer packing=True"),
-                           ("dpo_pair_split", "trl: DPDPOTrainer leave-one-pair-out")):
-        bad = trl_checks(planted=planted)
-        assert [c.name for c in bad if not c.passed] == [check], planted
+    # each planted bug through the check that must catch it (trl_checks(planted=...) runs them all)
+    from dpft.audit.checks_trl import dpo_checks, packing_check, planted_bug
+
+    with planted_bug("sft_packing_accepted"):
+        bad = packing_check()
+    assert not bad.passed and "several conversations clipped as one" in bad.message
+    with planted_bug("dpo_pair_split"):
+        (bad,) = dpo_checks()
+    assert not bad.passed and "one pair moves the release by more than C" in bad.message
     # undone afterwards
     from dpft.grads import bookkeeping
     from dpft.integrations import trl as dtrl

@@ -106,6 +106,21 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
             setattr(obj, attr, value)
 
 
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """``Trainer.train`` ends with accelerate's ``gc.collect()``, which scans the whole heap (most
+    of a tiny step's time); objects frozen here are skipped. Speed only; a caller's freeze is left
+    as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _unchecked_micro_batches(self, idx):
     """DPDPOTrainer._micro_batches without its two-rows-one-group check (the planted bug)."""
     from dpft.integrations import trl as dtrl
@@ -173,13 +188,8 @@ def _sft_step(model, rows, tokenizer, *, c: float = C, sigma: float = 0.0, confi
                                **(trainer_kwargs or {}))
         before = {nm: p.detach().clone() for nm, p in trainer.model.named_parameters()}
         trainer.sampler.indices = lambda step: torch.arange(trainer.n)  # q = 1 exactly
-        # Trainer.train ends with accelerate's gc.collect(), which scans the whole heap (most of a
-        # small step's time); frozen objects are skipped. Speed only.
-        gc.freeze()
-        try:
+        with _gc_frozen():
             trainer.train()
-        finally:
-            gc.unfreeze()
     # the step divides the noisy sum by the expected batch size qN
     return _released_sum(trainer.model, before, dp.expected_batch_size), trainer
 
@@ -205,11 +215,8 @@ def _dpo_step(model, rows, tokenizer, *, c: float = C):
         trainer = DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, dp_args=dp)
         before = {nm: p.detach().clone() for nm, p in trainer.model.named_parameters()}
         trainer.sampler.indices = lambda step: torch.arange(trainer.n)
-        gc.freeze()
-        try:
+        with _gc_frozen():
             trainer.train()
-        finally:
-            gc.unfreeze()
     return _released_sum(trainer.model, before, n)
 
 
@@ -242,8 +249,6 @@ def sft_checks() -> list[Check]:
     """Leave-one-out (prompt/completion, completion-only loss), LoRA via ``peft_config``, packing."""
     from peft import LoraConfig
 
-    from dpft.api import PackedBatchError
-
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok))
     rows = _rows()
@@ -273,21 +278,32 @@ def sft_checks() -> list[Check]:
                      + ("" if ok else " — an adapter or base weight got an unclipped gradient"),
                      {"norm_over_C": norm / C, "seconds": round(time.perf_counter() - t0, 2)}))
 
+    out.append(packing_check(model, tok))
+    return out
+
+
+def packing_check(model=None, tok=None) -> Check:
+    """``SFTConfig(packing=True)``: refused, or one clipped example per sampled conversation."""
+    from dpft.api import PackedBatchError
+
+    if tok is None:
+        tok = tiny_tokenizer()
+    if model is None:
+        model = tiny_llama(len(tok))
+    rows = _rows()
     t0 = time.perf_counter()
     name = "trl: DPSFTTrainer packing=True"
     try:
         # expected batch 1: a packed dataset has fewer rows than conversations
         _, tr = _sft_step(model, rows, tok, config={"packing": True}, dp_kwargs={"expected_batch_size": 1})
     except (PackedBatchError, ValueError) as exc:
-        out.append(_refused(name, exc, t0))
-    else:
-        clipped = int(tr.last_private_stats.get("batch_size", -1))
-        ok = tr.n == len(rows) and clipped == len(rows)
-        out.append(Check(name, ok, f"N = {tr.n} rows and {clipped} clipped example(s) for {len(rows)} conversations"
-                         + ("" if ok else " — several conversations clipped as one"),
-                         {"refused": False, "clipped": clipped, "rows": tr.n, "conversations": len(rows),
-                          "seconds": round(time.perf_counter() - t0, 2)}))
-    return out
+        return _refused(name, exc, t0)
+    clipped = int(tr.last_private_stats.get("batch_size", -1))
+    ok = tr.n == len(rows) and clipped == len(rows)
+    return Check(name, ok, f"N = {tr.n} rows and {clipped} clipped example(s) for {len(rows)} conversations"
+                 + ("" if ok else " — several conversations clipped as one"),
+                 {"refused": False, "clipped": clipped, "rows": tr.n, "conversations": len(rows),
+                  "seconds": round(time.perf_counter() - t0, 2)})
 
 
 def trl_checks(planted: Optional[str] = None) -> list[Check]:
@@ -328,4 +344,4 @@ def audit_dp_sft_trainer(model=None, train_dataset=None, processing_class=None, 
             config=sft_config, dp_kwargs=dp_kwargs, trainer_kwargs=trainer_kwargs)[0], n, max_grad_norm)
 
 
-__all__ = ["trl_checks", "sft_checks", "audit_dp_sft_trainer", "planted_bug", "PLANTED"]
+__all__ = ["trl_checks", "sft_checks", "dpo_checks", "packing_check", "audit_dp_sft_trainer", "planted_bug", "PLANTED"]
