@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -149,7 +149,7 @@ def check_sft_config(args: Any, train_dataset: Any = None) -> None:
     check_rows(train_dataset)
 
 
-def check_rows(train_dataset: Any) -> None:
+def check_rows(train_dataset: Any, where: str = "DPSFTTrainer") -> None:
     """Refuse a streaming dataset or one already packed by TRL (a ``seq_lengths`` column).
 
     Raises:
@@ -161,12 +161,12 @@ def check_rows(train_dataset: Any) -> None:
     except ImportError:  # pragma: no cover - a dependency
         datasets = None
     if datasets is not None and isinstance(train_dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)):
-        _refuse("train_dataset is an IterableDataset (streaming); Poisson sampling picks rows by index, so "
-                "load a map-style datasets.Dataset (e.g. load_dataset(..., streaming=False))")
+        raise ValueError(f"{where}: train_dataset is an IterableDataset (streaming); Poisson sampling picks rows "
+                         "by index, so load a map-style datasets.Dataset (e.g. load_dataset(..., streaming=False))")
     cols = getattr(train_dataset, "column_names", None) or []
     if "seq_lengths" in cols:
-        _refuse(f"train_dataset has a 'seq_lengths' column: its rows are packed sequences of several examples "
-                f"(trl.pack_dataset). Pass the unpacked rows and {PACKING_FIX}")
+        raise ValueError(f"{where}: train_dataset has a 'seq_lengths' column: its rows are packed sequences of "
+                         f"several examples (trl.pack_dataset). Pass the unpacked rows and {PACKING_FIX}")
 
 
 class DPSFTTrainer(DPTrainer, SFTTrainer):
@@ -328,7 +328,7 @@ def check_dpo_config(args: Any) -> None:
             (the reference then moves with the private training), ``activation_offloading``,
             a MoE router loss; each message names the fix."""
     if getattr(args, "padding_free", False):
-        raise ValueError(f"DPDPOTrainer: padding_free=True flattens the pairs into one row; use "
+        raise ValueError("DPDPOTrainer: padding_free=True flattens the pairs into one row; use "
                          "DPOConfig(padding_free=False)")
     losses = list(getattr(args, "loss_type", ["sigmoid"]) or ["sigmoid"])
     if isinstance(getattr(args, "loss_type", None), str):
@@ -410,7 +410,7 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
                             "max_grad_norm=..., expected_batch_size=...)")
         args = copy.copy(args) if args is not None else DPOConfig(output_dir="trainer_output")
         check_dpo_config(args)
-        check_rows(train_dataset)
+        check_rows(train_dataset, "DPDPOTrainer")
         args.precompute_ref_log_probs = True
         if loss_fn is None:
             loss_fn = dpo_per_pair_loss(float(args.beta), list(args.loss_type)[0] if not isinstance(args.loss_type, str)
