@@ -307,7 +307,7 @@ def dpo_args(out, **kw):
     return DPOConfig(**base)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_clipped_update_equals_per_pair_reference(tmp_path, loss_type):
     """q = 1, σ = 0, SGD at lr 1: −Δθ·N = Σ_pairs clip_C(∇ DPO loss of the pair), the pair's chosen
     and rejected sequences clipped as one unit; one ledger event."""
@@ -386,13 +386,12 @@ def test_layout_probe_allows_mixing_within_a_group_only():
 
 
 def test_trl_audit_checks_pass_and_catch_the_planted_bug():
-    from dpft.audit.checks_trl import trl_checks
-
-    rows = trl_checks()
-    assert rows and all(c.passed for c in rows), [c.message for c in rows if not c.passed]
-    # each planted bug through the check that must catch it (trl_checks(planted=...) runs them all)
+    """The honest run of every TRL check is tests/test_audit.py::test_honest_step_passes (the suite's
+    optional checks include checks_trl); here each planted bug through the check that catches it,
+    and the same check passing without it."""
     from dpft.audit.checks_trl import dpo_checks, packing_check, planted_bug
 
+    assert packing_check().passed
     with planted_bug("sft_packing_accepted"):
         bad = packing_check()
     assert not bad.passed and "several conversations clipped as one" in bad.message
