@@ -13,6 +13,7 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
   ``unfrozen_param``, ``packing_collator``.
 * make_private across processes and at user level (``audit/checks_api_ddp.py``, planted in its
   2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
+* TRL (``audit/checks_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ ALL = ALL + API_DDP_PLANTED
 # in DDP, each rank clipping the whole logical batch, a user's rows clipped one by one.
 HF_DDP_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
 ALL = ALL + HF_DDP_PLANTED
+# TRL (audit/checks_trl.py, when trl is installed): DPSFTTrainer accepting packed batches, DPDPOTrainer
+# clipping a pair's two rows separately.
+TRL_PLANTED = ("sft_packing_accepted", "dpo_pair_split")
+ALL = ALL + TRL_PLANTED
 
 
 class _Patches:

@@ -106,6 +106,8 @@ OPTIONAL_CHECKS = (
                                                       "ddp_noise_per_rank")),
     # DPTrainer under torchrun and at user level (issue 26)
     ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
+    # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
+    ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
 )
 
 

@@ -291,7 +291,7 @@ class BookKeepingEngine(PerExampleEngine):
     def _forward(self):
         return lambda **kw: self.model(**kw)
 
-    def check_usage(self, batch: Mapping[str, torch.Tensor]) -> None:
+    def check_usage(self, batch: Mapping[str, torch.Tensor], groups: torch.Tensor | None = None) -> None:
         """One-example dry run: every graph use of a trainable parameter must come from a
         hooked module call; inputs modified in place later are marked to be copied.
 
@@ -301,6 +301,8 @@ class BookKeepingEngine(PerExampleEngine):
         # Two examples (when there are two): enough to check that every hooked output is laid
         # out example by example (check_example_support).
         nb = min(2, _batch_size(batch))
+        if groups is not None and groups.numel():  # the rows of the first two groups
+            nb = int((groups < min(2, int(groups.max()) + 1)).sum())
         b1 = {k: (v[:nb] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
               for k, v in batch.items()}
         cap = Capture(self.units, nb, mode="probe")
@@ -309,11 +311,11 @@ class BookKeepingEngine(PerExampleEngine):
                 losses = self.loss_fn(self._forward(), b1)
             for u in cap.changed_inputs():
                 u.clone_input = True
-            self.verify_uses(losses, cap.calls, cap.probe_inputs)
+            self.verify_uses(losses, cap.calls, cap.probe_inputs, None if groups is None else groups[:nb])
         self._checked = True
 
     def verify_uses(self, losses: torch.Tensor, calls: Mapping[int, int],
-                    fallback_inputs: Mapping[int, list]) -> None:
+                    fallback_inputs: Mapping[int, list], groups: torch.Tensor | None = None) -> None:
         """Compare the autograd uses of every trainable parameter in ``losses``' graph (built
         with the parameters requiring grad) with the hooked module calls that account for them.
 
@@ -346,7 +348,7 @@ class BookKeepingEngine(PerExampleEngine):
         outputs = [o for u in self.units for o in u.check_outputs]
         for u in self.units:
             u.check_outputs = []
-        check_example_support(losses, outputs)
+        check_example_support(losses, outputs, groups)
         bad = [n for n, p in self.params.items() if seen[id(p)] > expected[id(p)]]
         if bad:
             raise UnattributedUseError(
@@ -364,7 +366,7 @@ class BookKeepingEngine(PerExampleEngine):
             # The probe runs a forward (dropout draws): fork the RNG so that a resumed run, whose
             # first call comes at a later step, draws the same masks as an uninterrupted one.
             with torch.random.fork_rng(devices=_rng_devices(self.params.values())):
-                self.check_usage(batch)
+                self.check_usage(batch, groups)
         b = _batch_size(batch)
         params = list(self.params.values())
         flags = [p.requires_grad for p in params]

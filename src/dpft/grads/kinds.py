@@ -117,7 +117,8 @@ def save_input(args: tuple, kwargs: dict, batch: int, label: str):
 _SUSPEND = threading.local()
 
 
-def check_example_support(losses: torch.Tensor, outputs: list[tuple[torch.Tensor, str]]) -> None:
+def check_example_support(losses: torch.Tensor, outputs: list[tuple[torch.Tensor, str]],
+                          groups: torch.Tensor | None = None) -> None:
     """Check that each recorded module output's rows belong to the example the engine assigns
     them to: row block ``i`` of ``out.reshape(B, -1)`` may influence ``losses[i]`` only.
 
@@ -136,7 +137,11 @@ def check_example_support(losses: torch.Tensor, outputs: list[tuple[torch.Tensor
     # Powers of two: scaling a gradient by 2^k is exact in floating point, so Gw_i = w_i G1_i
     # holds bit for bit (fp32 or bf16/fp16 autocast alike) unless examples mix. (Examples i and
     # i + 16 get the same weight; a layout error mixes every example, neighbours included.)
-    w = torch.tensor([2.0 ** (i % 16) for i in range(b)], device=losses.device, dtype=losses.dtype)
+    # With clipping groups (grads/groups.py) rows of one group may influence each other's losses
+    # (a DPO pair: its loss is on one row and depends on both); they share a weight, so only
+    # influence across groups is caught.
+    ids = range(b) if groups is None else [int(g) for g in groups]
+    w = torch.tensor([2.0 ** (i % 16) for i in ids], device=losses.device, dtype=losses.dtype)
     tens = [t for t, _ in outs]
     _SUSPEND.on = True
     try:
