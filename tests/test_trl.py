@@ -365,6 +365,29 @@ def test_dpo_refusals(tmp_path, kw, match):
                      processing_class=tiny_tokenizer(), dp_args=dp())
 
 
+def test_dpo_refuses_user_level(tmp_path):
+    from dpft.integrations.trl import DPDPOTrainer
+
+    with pytest.raises(ValueError, match="pair is the privacy unit"):
+        DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out"), train_dataset=preference_rows(),
+                     processing_class=tiny_tokenizer(), dp_args=dp(user_column="user"))
+
+
+def test_dpo_micro_batches_hold_this_ranks_pairs_only(tmp_path):
+    """Under DDP each rank clips only its share of the sampled pairs (every rank clipping all of
+    them would count each pair K times against noise for one)."""
+    from dpft import distributed as ddp
+    from dpft.integrations.trl import DPDPOTrainer
+
+    tr = DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out"), train_dataset=preference_rows(),
+                      processing_class=tiny_tokenizer(), dp_args=dp())
+    tr.get_train_dataloader()  # binds the prepared rows and the collator
+    idx = torch.arange(4)
+    tr.world = ddp.World(1, 2)
+    seen = sum(len(b["input_ids"]) for b in tr._micro_batches(idx))
+    assert seen == 2 * len(ddp.shard(idx, tr.world)) == 4
+
+
 def test_layout_probe_allows_mixing_within_a_group_only():
     """The engine's layout probe (grads/kinds.py) with clipping groups: rows of one group may feed
     each other's losses (a DPO pair), rows of different groups may not."""

@@ -410,6 +410,10 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
                             "max_grad_norm=..., expected_batch_size=...)")
         args = copy.copy(args) if args is not None else DPOConfig(output_dir="trainer_output")
         check_dpo_config(args)
+        if getattr(dp_args, "user_column", None) is not None:
+            # A pair's two rows are already one clipping group; a user's pairs would need groups of groups.
+            raise ValueError("DPDPOTrainer: user-level DP (DPArguments.user_column) is not supported: a preference "
+                             "pair is the privacy unit; drop user_column, or use DPSFTTrainer / DPTrainer for user level")
         check_rows(train_dataset, "DPDPOTrainer")
         args.precompute_ref_log_probs = True
         if loss_fn is None:
@@ -427,9 +431,10 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
         from dpft.grads.groups import GROUP_KEY
         from dpft.integrations import hf
 
-        if not len(idx):
+        mine = self._share(idx)  # DDP: this rank's pairs only (each rank clipping all would count a pair K times)
+        if not len(mine):
             return
-        rows = self._rows(idx)
+        rows = self._rows(mine)
         for k in range(0, len(rows), self.physical_batch_size):
             chunk = rows[k:k + self.physical_batch_size]
             batch = pair_rows(self._dp_collator(chunk))
