@@ -62,7 +62,7 @@ from torch import nn
 from dpft.step.noise import GaussianMechanism
 from dpft.step.pipeline import DPStep, StepOutput
 
-__all__ = ["NOISE_BLOCK", "FSDPError", "block_classes", "shard_model", "local_range", "local", "ReduceScatter",
+__all__ = ["NOISE_BLOCK", "FSDPError", "block_classes", "shard_model", "chunk_range", "local_range", "local", "ReduceScatter",
            "ShardedGaussianMechanism", "shard_noise", "FSDPStep", "check_recipe", "gathered", "full_state",
            "materialise", "is_sharded"]
 
@@ -127,13 +127,23 @@ def local_range(p: torch.Tensor, rank: int, world_size: int) -> tuple[int, int]:
     if not is_sharded(p):
         return 0, p.numel()
     d0 = p.shape[0]
-    rows = math.ceil(d0 / world_size) if d0 else 0
-    start, end = min(rank * rows, d0), min((rank + 1) * rows, d0)
+    offset, count = chunk_range(tuple(p.shape), rank, world_size)
     inner = p.numel() // d0 if d0 else 0
+    start, end = (offset // inner, (offset + count) // inner) if inner else (0, 0)
     loc = p.to_local()
     if tuple(loc.shape) != (end - start, *p.shape[1:]):
         raise FSDPError(f"FSDP shard of shape {tuple(loc.shape)} on rank {rank} is not rows [{start}, {end}) of "
                         f"{tuple(p.shape)}; dpft expects fully_shard's default dim-0 chunking")
+    return start * inner, (end - start) * inner
+
+
+def chunk_range(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int]:
+    """``(offset, numel)`` in the flattened elements of a ``shape`` tensor of rank ``rank``'s dim-0
+    chunk among ``world_size`` (``torch.chunk``: ``ceil(d0/K)`` rows each, the last ranks fewer or none)."""
+    d0 = shape[0] if shape else 1
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    rows = math.ceil(d0 / world_size) if d0 else 0
+    start, end = min(rank * rows, d0), min((rank + 1) * rows, d0)
     return start * inner, (end - start) * inner
 
 
