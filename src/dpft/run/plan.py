@@ -128,15 +128,15 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     run_dir = Path(run_dir)
     private = r.privacy.enabled
     world, rng = ddp.build_world(r.model_dump(mode="json"), r.seed if r.privacy.reproducible else None, rng)
+    if world.distributed and r.perf.sharding == "none":
+        raise ddp.DistributedError(f"perf.sharding: none but this run has {world.world_size} processes; run "
+                                   "without torchrun, or set perf.sharding: ddp or fsdp")
     progress = progress and world.is_main
     live = Path(live_ledger_path) if live_ledger_path else run_dir / "ledger.json"
     ledger, ledger_notes = continue_ledger(world, run_dir, live, resume,
                                            ledger if ledger is not None else PrivacyLedger())
     methods = active_methods(r)
     sharded = r.perf.sharding == "fsdp"
-    if world.distributed and r.perf.sharding == "none":
-        raise ddp.DistributedError(f"perf.sharding: none but this run has {world.world_size} processes; run "
-                                   "without torchrun, or set perf.sharding: ddp or fsdp")
     if sharded:  # refusals that need no data, before any loading (dpft/fsdp.py)
         from dpft.fsdp import check_recipe
 
