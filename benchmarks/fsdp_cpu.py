@@ -184,7 +184,7 @@ Command: `{cmd}`; each run is `dpft train`'s Trainer (rank processes started by 
 
 Model: random-initialised Qwen2 (hidden 896, 14 heads, 2 KV heads, intermediate 4864, vocab 151,936, tied
 embeddings), **{a.layers} of Qwen2-0.5B's 24 decoder layers**, {n_params:,} parameters, all trainable (full
-fine-tuning), fp32. Recipe: text task, {a.seq}-token blocks, expected logical batch {a.batch}, micro-batches of
+fine-tuning), fp32.{"" if a.layers >= 24 else " Fewer layers than 24 because the DDP and 1-process runs hold the whole model with Adam, the clipped sum and `.grad` (about 6 × 2 GiB per process for all 24 layers) on a 23 GiB machine shared with other jobs; the embedding/head (136M parameters) is the same as the full model's."} Recipe: text task, {a.seq}-token blocks, expected logical batch {a.batch}, micro-batches of
 {max(1, a.batch // 2)}, {a.steps} logical steps, book-keeping engine, flat clipping, σ = 1.0, Adam, reproducible
 mode. Machine: {platform.machine()}, {os.cpu_count()} CPU cores **shared with other jobs** (load average in
 the table), torch {torch.__version__}.
@@ -198,7 +198,7 @@ state are the tensors each rank holds between steps (FSDP2: its dim-0 shards; th
 moments, is created on the shards). The peak RSS also holds what a step allocates for a moment (under FSDP2 one
 gathered decoder layer at a time, the rank's activations and its full-size clipped sum of one parameter before
 it is reduce-scattered; under DDP the whole clipped sum, the all-reduce buffers and `.grad`) and the Python/torch
-runtime (~0.5 GiB per process).
+runtime.
 
 | equality | result |
 |---|---|
