@@ -67,7 +67,7 @@ def fsdp_recipe(dirs, kind: str, **extra) -> dict:
           "model.max_length": 8, "model.dropout": 0.0, "privacy.noise_multiplier": 4.0, "privacy.target_epsilon": None,
           "privacy.delta": 1e-3, "privacy.reproducible": True, "privacy.engine": "bookkeeping",
           "schedule.steps": 3, "batch.expected_batch_size": 9, "batch.max_physical_batch_size": 2,
-          "eval.every_steps": 3, "checkpoint_every": 3, "perf.sharding": "fsdp", "optimizer.lr": 1e-2}
+          "eval.every_steps": 3, "checkpoint_every": 3, "perf.sharding": "fsdp", "optimizer.name": "sgd", "optimizer.lr": 0.05}
     ov.update(extra)
     return ov
 

@@ -21,8 +21,10 @@ What the world of K processes computes is the DP-SGD step of one process (DESIGN
   computed the rank's full-shape clipped sum ``Σ_{i∈r} c_i g_i`` (``(c∘G)ᵀA``), :class:`ReduceScatter`
   sums it over the ranks and keeps this rank's dim-0 shard (FSDP's own layout, ``torch.chunk``),
   so one full-size gradient is alive at a time. Every rank runs the same number of micro-batches
-  (a rank with fewer runs a *dummy* one whose contribution is replaced by zeros): FSDP's
-  all-gathers and these reduce-scatters are collectives.
+  (a rank with fewer runs a *placeholder* one: it sends zeros, and still adds the shard it receives,
+  which holds the other ranks' examples): FSDP's all-gathers and these reduce-scatters are
+  collectives. The engine's one-time usage probe (a partial backward, so FSDP all-gathers that depend
+  on the batch) runs on the same placeholder batch on every rank.
 - **Noise on each shard from disjoint streams, together one draw.** :class:`ShardedGaussianMechanism`
   draws the noise of parameter ``name`` in fixed blocks of :data:`NOISE_BLOCK` flat elements,
   block k from the secret stream ``noise``, (t, name, ``"fsdp-block"``, k); a rank draws the blocks
@@ -351,8 +353,9 @@ class ShardedGaussianMechanism(GaussianMechanism):
 class FSDPStep(DPStep):
     """:class:`~dpft.step.DPStep` over FSDP2-sharded parameters (see the module docstring).
 
-    Args: as :class:`DPStep`, plus ``world`` and ``dummy_batch`` (a callable returning a one-row
-    micro-batch, run by a rank that has fewer micro-batches than another; its result is discarded).
+    Args: as :class:`DPStep`, plus ``world`` and ``dummy_batch`` (a callable returning a small
+    micro-batch, the same on every rank: run by a rank that has fewer micro-batches than another,
+    its own contribution replaced by zeros; and the engine's first-call usage probe).
 
     Raises:
         FSDPError: the mechanism is not the plain Gaussian one (correlated noise is not sharded yet),
@@ -416,6 +419,13 @@ class FSDPStep(DPStep):
         mine = list(micro_batches)  # token ids only: small
         total = self._count(len(mine))
         agg = Aggregator({n: local(p) for n, p in sp.engine.params.items()}, keep_norms=sp.keep_norms)
+        if total and not getattr(sp.engine, "_checked", True):
+            # The engine's one-time usage probe runs a partial backward (FSDP all-gathers) whose
+            # collectives depend on the batch: every rank probes the same placeholder batch.
+            from dpft.grads.bookkeeping import _rng_devices
+
+            with torch.random.fork_rng(devices=_rng_devices(sp.engine.params.values())):
+                sp.engine.check_usage(self.dummy_batch())
         failure: Optional[Exception] = None
         for i in range(total):
             dummy = failure is not None or i >= len(mine)
@@ -425,6 +435,9 @@ class FSDPStep(DPStep):
                 res = sp.engine.clipped_sum(batch)
                 if not dummy:
                     agg.add(res)
+                else:  # this rank sent zeros, but its shard of the sum holds the other ranks' examples
+                    for n, buf in agg.sum.items():
+                        buf.add_(res.grad_sum[n])
             except NonFiniteGradientError as exc:
                 if not self.world.distributed:
                     raise

@@ -77,11 +77,12 @@ class Trainer:
         #: The recipe's methods (methods/base.py), composed in order; the driver names none.
         self.methods, self.ctx = p.methods, p.ctx
         self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
-        if p.sharded:  # FSDP2 (dpft/fsdp.py): a rank short of micro-batches runs a discarded one-row one
+        if p.sharded:  # FSDP2 (dpft/fsdp.py): a rank short of micro-batches runs a placeholder one
             from dpft import fsdp
 
             self.dp_step = fsdp.make_step(p, self.ledger, self.save_live_ledger, lambda: collate(
-                list(self.train_tok.select([0])), self.pad_id, self.with_token_types, device=self.device))
+                list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id, self.with_token_types,
+                device=self.device))
         else:
             self.dp_step = DPStep(p.spec, self.ledger, self.n, on_release=self.save_live_ledger,
                                   world_group=self.world.group)
