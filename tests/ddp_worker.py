@@ -87,8 +87,10 @@ def run_rank(cfg: dict, rank: int) -> None:
         raise
     t = current["trainer"]
     h = hashlib.sha256()
-    for n in sorted(t.params):
-        h.update(t.params[n].detach().float().contiguous().numpy().tobytes())
+    from dpft.fsdp import full_state  # FSDP: the gathered weights (plain tensors pass through)
+
+    for n, v in full_state(t.params).items():
+        h.update(v.float().contiguous().numpy().tobytes())
     log["digest"] = h.hexdigest()
     log["epsilon"] = rep["privacy"]["epsilon"]
     log["ledger_steps"] = t.ledger.steps

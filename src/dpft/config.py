@@ -218,6 +218,11 @@ class PerfCfg(_Strict):
     #: ``torch.compile`` the model; allowed for non-private (--no-dp) runs only: it cannot work
     #: with the per-example engines' hooks (dpft/perf.py ``COMPILE_REFUSAL``).
     compile: bool = False
+    #: Multi-process training under torchrun: ``ddp`` (default: every rank holds the whole model;
+    #: one process runs as always) · ``fsdp`` (FSDP2 ``fully_shard``: parameters, clipped sums, noise
+    #: and optimizer state sharded over the ranks; book-keeping engine; dpft/fsdp.py, docs/fsdp.md)
+    #: · ``none`` (refuse more than one process).
+    sharding: Literal["none", "ddp", "fsdp"] = "ddp"
 
     @field_validator("device")
     @classmethod

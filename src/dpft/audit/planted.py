@@ -134,3 +134,8 @@ def plant(name: Optional[str]) -> Iterator[dict]:
         yield apply(name, p.set)
     finally:
         p.undo()
+
+
+# -- FSDP2 (issue 26 item 3; audit/checks_fsdp.py plants them itself) --------------------------
+FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted")
+ALL = ALL + FSDP_PLANTED

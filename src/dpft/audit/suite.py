@@ -108,6 +108,7 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
     # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
     ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
+    ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted")),
 )
 
 

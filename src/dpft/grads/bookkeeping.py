@@ -284,6 +284,9 @@ class BookKeepingEngine(PerExampleEngine):
         self.recomputes = False
 
     supports_precision = True
+    #: ``(name, full clipped sum) -> tensor`` applied to each parameter's sum as soon as it is
+    #: computed (FSDP: reduce-scatter, this rank's shard; dpft/fsdp.py). None: kept whole.
+    on_param_sum = None
     #: ``clipped_sum`` honours ``batch[GROUP_KEY]`` (user-level group clipping, grads/groups.py).
     supports_groups = True
 
@@ -501,6 +504,8 @@ class BookKeepingEngine(PerExampleEngine):
         for j, n in enumerate(names):
             grad_sum[n] = weighted_sum(merged.pop(n), weights[:, j], self.params[n], scaled,
                                        0 if uniform else j).detach()
+            if self.on_param_sum is not None:  # FSDP (dpft/fsdp.py): reduce-scattered at once, one full sum alive
+                grad_sum[n] = self.on_param_sum(n, grad_sum[n])
         return ClippedBatch(grad_sum, sq.detach(), scales.detach(), float(loss_sum), b, overflowed)
 
 

@@ -77,8 +77,15 @@ class Trainer:
         #: The recipe's methods (methods/base.py), composed in order; the driver names none.
         self.methods, self.ctx = p.methods, p.ctx
         self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
-        self.dp_step = DPStep(p.spec, self.ledger, self.n, on_release=self.save_live_ledger,
-                              world_group=self.world.group)
+        if p.sharded:  # FSDP2 (dpft/fsdp.py): a rank short of micro-batches runs a placeholder one
+            from dpft import fsdp
+
+            self.dp_step = fsdp.make_step(p, self.ledger, self.save_live_ledger, lambda: collate(
+                list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id, self.with_token_types,
+                device=self.device))
+        else:
+            self.dp_step = DPStep(p.spec, self.ledger, self.n, on_release=self.save_live_ledger,
+                                  world_group=self.world.group)
         self.start_step = 0
         #: Step of the last checkpoint written or resumed from (None: none yet).
         self._last_checkpoint: Optional[int] = None
@@ -129,6 +136,11 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate_model(self) -> dict[str, float]:
+        if self.plan.sharded:  # FSDP: parameters gathered, so ranks may run different numbers of batches
+            from dpft.fsdp import gathered
+
+            with gathered(self.model):
+                return self.plan.evaluator(self.model)
         return self.plan.evaluator(self.model)
 
     @property
@@ -149,7 +161,8 @@ class Trainer:
         micro_batches = self.micro_batches(idx)
         try:
             res = self.dp_step.run(step, micro_batches)
-            ddp.check_step_digest(self.world, step, idx, self.params)  # DDP: same batch and noise, every step
+            # DDP: same batch and noise, every step (FSDP: the ranks hold different shards: the batch only)
+            ddp.check_step_digest(self.world, step, idx, {} if self.plan.sharded else self.params)
         except NonFiniteGradientError as exc:
             raise TrainingError(f"step {step}: {exc}. The last checkpoint in {self.run_dir} is intact; "
                                 "fix the recipe and --resume") from None
@@ -210,6 +223,10 @@ class Trainer:
     def save(self, step: int) -> None:
         from dpft.run.checkpoint import save_checkpoint
 
+        if self.plan.sharded:  # FSDP: gathered weights and optimizer state, written by rank 0
+            from dpft.fsdp import save_checkpoint as save_sharded
+
+            return save_sharded(self, step)
         ddp.check_in_sync(self.world, self.params)  # DDP: the ranks still hold one set of weights
         self._last_checkpoint = step
         if not self.world.is_main:  # DDP: rank 0 alone writes the checkpoint
@@ -418,6 +435,10 @@ class Trainer:
             after_report(self, rep)  # model card from the written report
             return rep
 
+        if self.plan.sharded:  # FSDP: rank 0 alone saves and generates: a plain copy of the weights
+            from dpft.fsdp import materialise
+
+            self.model = self.ctx.model = materialise(self.model)
         return ddp.on_rank0(self.world, finish)
 
     # ------------------------------------------------------------------ interrupts (run/interrupt.py)

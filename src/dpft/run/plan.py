@@ -96,6 +96,8 @@ class RunPlan:
     optimizer: Any
     scheduler: Any
     evaluator: DevEvaluator
+    #: ``perf.sharding: fsdp``: parameters are FSDP2 shards and the step is ``dpft.fsdp.FSDPStep``.
+    sharded: bool = False
 
 
 def evaluate_with_methods(methods: list, ctx: Run, base: Callable[[], dict]) -> dict:
@@ -126,11 +128,19 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     run_dir = Path(run_dir)
     private = r.privacy.enabled
     world, rng = ddp.build_world(r.model_dump(mode="json"), r.seed if r.privacy.reproducible else None, rng)
+    if world.distributed and r.perf.sharding == "none":
+        raise ddp.DistributedError(f"perf.sharding: none but this run has {world.world_size} processes; run "
+                                   "without torchrun, or set perf.sharding: ddp or fsdp")
     progress = progress and world.is_main
     live = Path(live_ledger_path) if live_ledger_path else run_dir / "ledger.json"
     ledger, ledger_notes = continue_ledger(world, run_dir, live, resume,
                                            ledger if ledger is not None else PrivacyLedger())
     methods = active_methods(r)
+    sharded = r.perf.sharding == "fsdp"
+    if sharded:  # refusals that need no data, before any loading (dpft/fsdp.py)
+        from dpft.fsdp import check_recipe
+
+        check_recipe(r, world.world_size, methods, private, resume)
     placement = build_placement(r, world.local_rank if world.distributed else None, progress,
                                 [m.name for m in methods if not getattr(m, "supports_device", False)])
     if r.task.user_column and private:  # refusals that need no data, before any loading
@@ -155,6 +165,10 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     for m in methods:  # earlier private phases; model / loss / data wrapping
         m.prepare(ctx)
     ddp.broadcast_module(world, ctx.model)  # DDP: the world starts from rank 0's weights
+    if sharded:  # FSDP2: shard after the broadcast, before the engine and optimizer see the parameters
+        from dpft.fsdp import shard_model
+
+        ctx.model = shard_model(ctx.model, world, r.perf.dtype)
     total_steps = ctx.total_steps
 
     if private:
@@ -192,4 +206,4 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                    model=ctx.model, loss_fn=ctx.loss_fn, train_tok=ctx.train_tok, unit=unit, total_steps=total_steps,
                    sigma=sigma, methods=methods, ctx=ctx, spec=spec,
                    params=spec.params if spec.params is not None else spec.engine.params, optimizer=spec.optimizer,
-                   scheduler=build_scheduler(spec.optimizer, s, total_steps), evaluator=evaluator)
+                   scheduler=build_scheduler(spec.optimizer, s, total_steps), evaluator=evaluator, sharded=sharded)

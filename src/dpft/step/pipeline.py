@@ -139,6 +139,10 @@ class DPStep:
                 "non-finite training loss on another rank; lower optimizer.lr or check the data")
         return self.release_and_update(step, agg, t0)
 
+    def _as_grad(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``g`` as ``p``'s ``.grad`` (FSDP, dpft/fsdp.py: this rank's shard wrapped as a DTensor)."""
+        return g
+
     def release_and_update(self, step: int, agg: Aggregator, t0: Optional[float] = None) -> StepOutput:
         """Noise (once per logical step), ledger, post-processing and the optimizer step on an
         aggregated clipped sum (``make_private`` accumulates micro-batches itself)."""
@@ -166,7 +170,7 @@ class DPStep:
         t_tf = time.perf_counter() - t_tf
         params = self.params
         for name, p in params.items():
-            p.grad = grads[name].to(p.dtype)
+            p.grad = self._as_grad(p, grads[name].to(p.dtype))
         sp.optimizer.step()
         sp.optimizer.zero_grad(set_to_none=True)
         private = {"train_loss": agg.loss_sum / max(agg.batch_size, 1), "batch_size": agg.batch_size,

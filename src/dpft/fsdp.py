@@ -1,0 +1,489 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the book-keeping DP step (``perf.sharding: fsdp``).
+
+What the world of K processes computes is the DP-SGD step of one process (DESIGN.md
+"Distributed"), with parameters, clipped sums, noise and optimizer state sharded over the ranks:
+
+- **Data parallel, as under DDP.** One Poisson logical batch for the world from the shared
+  secret key; each rank runs every K-th example of it (``distributed.shard``) in micro-batches.
+- **Per-example norms need no communication.** FSDP2 all-gathers each block's parameters before
+  its forward (and again before its backward), so every hooked layer computes with the *full*
+  weight, and its input ``A`` and output gradient ``G`` are full for the rank's own examples. The
+  book-keeping norms ``‖g_i‖² = Σ_layers ‖G_iᵀA_i‖²`` of rank r's examples are therefore complete
+  on rank r (every parameter shard's contribution is in them), so the clip factors are exactly
+  those of one process. (Schemes that instantiate per-example gradients *shard by shard* would
+  need an all-reduce of a (B,) vector of partial squared norms; here none is needed.)
+- **FSDP never reduces an unclipped gradient.** The engine switches every trainable parameter to
+  ``requires_grad=False`` for its pass, and FSDP2 copies that flag to the unsharded parameter at
+  every all-gather (``FSDPParam.to_unsharded``), so autograd computes activation gradients only:
+  no unsharded ``.grad`` exists and FSDP's post-backward reduce-scatter has nothing to reduce
+  (:meth:`FSDPStep.run` checks it after every micro-batch).
+- **The clipped sum is reduce-scattered.** For each parameter, as soon as the engine has
+  computed the rank's full-shape clipped sum ``Σ_{i∈r} c_i g_i`` (``(c∘G)ᵀA``), :class:`ReduceScatter`
+  sums it over the ranks and keeps this rank's dim-0 shard (FSDP's own layout, ``torch.chunk``),
+  so one full-size gradient is alive at a time. Every rank runs the same number of micro-batches
+  (a rank with fewer runs a *placeholder* one: it sends zeros, and still adds the shard it receives,
+  which holds the other ranks' examples): FSDP's all-gathers and these reduce-scatters are
+  collectives. The engine's one-time usage probe (a partial backward, so FSDP all-gathers that depend
+  on the batch) runs on the same placeholder batch on every rank.
+- **Noise on each shard from disjoint streams, together one draw.** :class:`ShardedGaussianMechanism`
+  draws the noise of parameter ``name`` in fixed blocks of :data:`NOISE_BLOCK` flat elements,
+  block k from the secret stream ``noise``, (t, name, ``"fsdp-block"``, k); a rank draws the blocks
+  its shard overlaps and keeps its elements. Each element's noise comes from exactly one position
+  of one stream, the shards are disjoint and cover the tensor, so the world adds exactly one
+  N(0, σ²C²I) draw — and the same values whatever the number of ranks (a 1-process run with
+  ``perf.sharding: fsdp`` draws the same noise as a K-process one).
+- **One ledger event per logical step**, recorded by every rank's :class:`~dpft.step.DPStep`
+  bookkeeping as in one process; rank 0 alone writes it.
+- The optimizer steps the sharded ``DTensor`` parameters (its state is sharded too: about 1/K of
+  parameter + optimizer memory per rank). Evaluation runs with all parameters gathered
+  (:func:`gathered`); checkpoints and the saved model gather full tensors (:func:`full_state`),
+  written by rank 0; the model saved at the end is a plain copy (:func:`materialise`).
+
+Works with frozen parameters (LoRA: FSDP shards them too; only trainable ones get clipped sums
+and noise), tied embeddings (the root FSDP group holds both uses), mixed precision (bf16:
+``MixedPrecisionPolicy(param_dtype=bf16)``, fp32 master shards, clipped sums and reduce-scatter
+in fp32) and activation checkpointing (FSDP2 re-gathers inside the recomputation; the engine
+counts each call once).
+
+Source: DESIGN.md "Distributed"; issue 26 item 3; Zhao et al. 2023 (PyTorch FSDP); Bu et al.
+2023 (book-keeping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+import weakref
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from dpft.step.noise import GaussianMechanism
+from dpft.step.pipeline import DPStep, StepOutput
+
+__all__ = ["NOISE_BLOCK", "FSDPError", "block_classes", "shard_model", "chunk_range", "local_range", "local", "ReduceScatter",
+           "ShardedGaussianMechanism", "shard_noise", "FSDPStep", "check_recipe", "gathered", "full_state",
+           "materialise", "is_sharded"]
+
+#: Flat elements per noise block: the unit of the sharded noise layout (fixed, so the noise of a
+#: tensor does not depend on how many ranks share it).
+NOISE_BLOCK = 1 << 16
+
+_TEMPLATES: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+
+class FSDPError(ValueError):
+    """A recipe ``perf.sharding: fsdp`` cannot run (yet); the message names the fix."""
+
+
+# -- recipe checks -----------------------------------------------------------------------------
+def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: bool) -> None:
+    """Refuse, before any loading, what the FSDP step does not run correctly.
+
+    Raises:
+        FSDPError: a non-private run, another engine than book-keeping, a method plug-in, user-level
+            privacy, post-processing transforms, or ``--resume`` (each named with the fix).
+    """
+    why = []
+    if not private:
+        why.append("a non-private run (--no-dp): use perf.sharding: ddp")
+    elif recipe.privacy.engine != "bookkeeping":
+        why.append(f"privacy.engine {recipe.privacy.engine!r}: FSDP runs the book-keeping engine only "
+                   "(set privacy.engine: bookkeeping)")
+    if methods:
+        why.append(f"method(s) {', '.join(m.name for m in methods)}: no method is verified on sharded "
+                   "parameters yet (use perf.sharding: ddp)")
+    if recipe.task.user_column and private:
+        why.append("user-level privacy (task.user_column): not with FSDP yet (use one process)")
+    if resume:
+        why.append("--resume: a sharded run's checkpoint is not resumed yet (start a new --output-dir, or "
+                   "train with perf.sharding: ddp)")
+    if why:
+        raise FSDPError("perf.sharding: fsdp cannot run this recipe: " + "; ".join(why))
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 sharded parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself when it is not sharded)."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def local_range(p: torch.Tensor, rank: int, world_size: int) -> tuple[int, int]:
+    """``(offset, numel)`` of this rank's shard of ``p`` in ``p``'s flattened (row-major) elements.
+
+    FSDP2 shards dim 0 with ``torch.chunk`` (rows ``ceil(d0/K)`` per rank, the last ranks fewer or
+    none), so a shard is a contiguous flat range. A parameter that is not sharded is whole.
+
+    Raises:
+        FSDPError: the local shard's shape is not the chunk this layout expects.
+    """
+    if not is_sharded(p):
+        return 0, p.numel()
+    d0 = p.shape[0]
+    offset, count = chunk_range(tuple(p.shape), rank, world_size)
+    inner = p.numel() // d0 if d0 else 0
+    start, end = (offset // inner, (offset + count) // inner) if inner else (0, 0)
+    loc = p.to_local()
+    if tuple(loc.shape) != (end - start, *p.shape[1:]):
+        raise FSDPError(f"FSDP shard of shape {tuple(loc.shape)} on rank {rank} is not rows [{start}, {end}) of "
+                        f"{tuple(p.shape)}; dpft expects fully_shard's default dim-0 chunking")
+    return start * inner, (end - start) * inner
+
+
+def chunk_range(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int, int]:
+    """``(offset, numel)`` in the flattened elements of a ``shape`` tensor of rank ``rank``'s dim-0
+    chunk among ``world_size`` (``torch.chunk``: ``ceil(d0/K)`` rows each, the last ranks fewer or none)."""
+    d0 = shape[0] if shape else 1
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    rows = math.ceil(d0 / world_size) if d0 else 0
+    start, end = min(rank * rows, d0), min((rank + 1) * rows, d0)
+    return start * inner, (end - start) * inner
+
+
+# -- sharding the model -------------------------------------------------------------------------
+def block_classes(model: nn.Module) -> set[str]:
+    """Class names of the transformer blocks: every ``_no_split_modules`` a Hugging Face model (or
+    the base model under a PEFT wrapper) declares. Each block becomes one FSDP unit."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return names
+
+
+def _meta_template(model: nn.Module) -> nn.Module:
+    """A parameter-free copy of ``model`` (parameters and buffers on the meta device; ties kept)
+    to rebuild a plain model from gathered tensors later (:func:`materialise`)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def shard_model(model: nn.Module, world, dtype: str = "fp32") -> nn.Module:
+    """Apply ``fully_shard`` to every transformer block (:func:`block_classes`) and to the root.
+
+    Args:
+        model: the placed model, identical on every rank (broadcast from rank 0 first).
+        world: the :class:`~dpft.distributed.World`; one process: returned as is (nothing to
+            shard; the step still uses the sharded noise layout).
+        dtype: ``perf.dtype``; ``bf16`` gathers bf16 parameters (``MixedPrecisionPolicy``), the
+            shards (master weights) stay fp32.
+
+    Embeddings and the output head stay in the root unit, so tied weights share one FSDP
+    parameter. Blocks reshard after forward (all-gathered again for the backward); the root does not.
+    """
+    if not world.distributed:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _TEMPLATES[model] = _meta_template(model)
+    dev = next(model.parameters()).device
+    mesh = init_device_mesh(dev.type, (world.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
+        else MixedPrecisionPolicy()
+    blocks = block_classes(model)
+    for m in reversed(list(model.modules())):
+        if m is not model and type(m).__name__ in blocks:
+            fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def _fsdp_modules(model: nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """All parameters gathered on every rank, and kept so across forwards (no collective inside):
+    for evaluation, where ranks run different numbers of batches. A no-op for an unsharded model.
+    Costs the full model's memory while open."""
+    mods = _fsdp_modules(model)
+    if not mods:
+        yield model
+        return
+    for m in mods:
+        m.unshard()
+    model.set_reshard_after_forward(False)
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.reshard()
+            m.set_reshard_after_forward(m is not model, recurse=False)
+
+
+def full_state(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full (gathered) copies of ``params`` on every rank, in name order (a collective: call on every
+    rank). Unsharded tensors are returned as they are."""
+    return {n: (params[n].full_tensor() if is_sharded(params[n]) else params[n]).detach() for n in sorted(params)}
+
+
+def materialise(model: nn.Module) -> nn.Module:
+    """A plain (unsharded) copy of an FSDP ``model`` with its current weights, on every rank (a
+    collective). Used for what runs after training on rank 0 alone (saving, generation). A model
+    that was never sharded is returned as is."""
+    tmpl = _TEMPLATES.get(model)
+    if tmpl is None:
+        return model
+    full = {n: (p.full_tensor() if is_sharded(p) else p).detach() for n, p in model.named_parameters()}
+    bufs = dict(model.named_buffers(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}
+    names = {}
+    for n, p in tmpl.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    for mname, m in tmpl.named_modules(remove_duplicate=False):
+        for k, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                src = full[names[id(p)]]
+                made[id(p)] = nn.Parameter(src.clone(), requires_grad=p.requires_grad)
+            m._parameters[k] = made[id(p)]
+        for k, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[k] = bufs[f"{mname}.{k}" if mname else k].detach().clone()
+    return tmpl
+
+
+# -- the clipped sum, reduce-scattered ----------------------------------------------------------
+class ReduceScatter:
+    """The book-keeping engine's per-parameter hook (``engine.on_param_sum``): sums the rank's
+    full-shape clipped sum of one parameter over the ranks and returns this rank's shard.
+
+    ``dummy`` = True: this micro-batch is a placeholder (a rank with fewer micro-batches than
+    another); zeros are sent instead of its sum. :meth:`finish_with_zeros` completes a micro-batch
+    whose engine call failed part way (the other ranks wait in these collectives).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], names: Iterable[str], world):
+        self.params = dict(params)
+        self.names = list(names)
+        self.world = world
+        self.dummy = False
+        self.done: list[str] = []
+
+    def start(self, dummy: bool) -> None:
+        """A new micro-batch."""
+        self.dummy, self.done = dummy, []
+
+    def __call__(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        p = self.params[name]
+        self.done.append(name)
+        if self.dummy:
+            full = torch.zeros(p.shape, dtype=torch.float32, device=full.device)
+        full = full.float()
+        if not is_sharded(p):
+            return full
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        part = DTensor.from_local(full, p.device_mesh, [Partial()], run_check=False)
+        return part.redistribute(p.device_mesh, [Shard(0)]).to_local()
+
+    def finish_with_zeros(self) -> None:
+        """Send zeros for every parameter not yet reduce-scattered in this micro-batch."""
+        left = [n for n in self.names if n not in self.done]
+        self.dummy = True
+        for n in left:
+            p = self.params[n]
+            self(n, torch.zeros(p.shape, dtype=torch.float32, device=local(p).device))
+
+
+# -- noise ---------------------------------------------------------------------------------------
+def shard_noise(mech: GaussianMechanism, step: int, name: str, numel: int, offset: int, count: int,
+                device: torch.device) -> torch.Tensor:
+    """Standard normal noise of flat elements ``[offset, offset+count)`` of the ``numel``-element
+    tensor ``name`` at step ``step``: block k (:data:`NOISE_BLOCK` elements) from the secret stream
+    ``noise``, (step, name, ``"fsdp-block"``, k), the blocks the range overlaps drawn whole and cut.
+    ``(count,)`` fp32 on ``device``."""
+    if count == 0:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    out = []
+    k0, k1 = offset // NOISE_BLOCK, (offset + count - 1) // NOISE_BLOCK
+    for k in range(k0, k1 + 1):
+        lo = k * NOISE_BLOCK
+        n = min(NOISE_BLOCK, numel - lo)
+        z = mech.rng.stream("noise", int(step), str(name), "fsdp-block", k, device=device).normal(
+            (n,), dtype=torch.float32, device=device)
+        a, b = max(offset, lo) - lo, min(offset + count, lo + n) - lo
+        out.append(z[a:b])
+    return torch.cat(out)
+
+
+class ShardedGaussianMechanism(GaussianMechanism):
+    """The Gaussian mechanism on a clipped sum held in shards (one per rank).
+
+    ``grad_sum`` holds this rank's shards; ``layout`` gives, per tensor name, its global element
+    count and this shard's flat ``(offset, numel)``. Noise std σC per coordinate, drawn by
+    :func:`shard_noise` — disjoint streams per block, so the shards of the world together get one
+    N(0, σ²C²I) draw. The ledger event is the unsharded mechanism's (one per logical step).
+    """
+
+    def __init__(self, base: GaussianMechanism, layout: Mapping[str, tuple[int, int, int]]):
+        super().__init__(base.sigma, base.sensitivity, base.rng, hardened=base.hardened,
+                         accounted_sigma=base.accounted_sigma)
+        self.layout = dict(layout)
+
+    def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in grad_sum.items():
+            numel, offset, count = self.layout[name]
+            if count != t.numel():
+                raise FSDPError(f"{name}: shard of {t.numel()} elements but the layout says {count}")
+            z = shard_noise(self, step, name, numel, offset, count, t.device).reshape(t.shape)
+            out[name] = (t.float() + self.std * z).to(t.dtype)
+        return out
+
+
+# -- the step ------------------------------------------------------------------------------------
+class FSDPStep(DPStep):
+    """:class:`~dpft.step.DPStep` over FSDP2-sharded parameters (see the module docstring).
+
+    Args: as :class:`DPStep`, plus ``world`` and ``dummy_batch`` (a callable returning a small
+    micro-batch, the same on every rank: run by a rank that has fewer micro-batches than another,
+    its own contribution replaced by zeros; and the engine's first-call usage probe).
+
+    Raises:
+        FSDPError: the mechanism is not the plain Gaussian one (correlated noise is not sharded yet),
+            or an engine without the per-parameter hook.
+    """
+
+    def __init__(self, spec, ledger, n, world, dummy_batch: Callable[[], Mapping[str, torch.Tensor]],
+                 on_release=None):
+        eng = spec.engine
+        if not hasattr(eng, "on_param_sum"):
+            raise FSDPError(f"perf.sharding: fsdp needs the book-keeping engine (got {type(eng).__name__})")
+        if spec.mechanism is not None and type(spec.mechanism) is not GaussianMechanism:
+            raise FSDPError(f"perf.sharding: fsdp shards the independent Gaussian mechanism only (got "
+                            f"{type(spec.mechanism).__name__}); use perf.sharding: ddp")
+        self.world = world
+        params = spec.params if spec.params is not None else eng.params
+        self.layout = {n: (p.numel(), *local_range(p, world.rank, world.world_size)) for n, p in params.items()}
+        self.scatter = ReduceScatter(params, eng.param_names, world)
+        eng.on_param_sum = self.scatter
+        if spec.mechanism is not None:
+            spec = spec.replace(mechanism=ShardedGaussianMechanism(spec.mechanism, self.layout))
+        super().__init__(spec, ledger, n, on_release=on_release, world_group=world.group)
+        self.dummy_batch = dummy_batch
+
+    def _as_grad(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        if not is_sharded(p):
+            return g
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+    def _count(self, n: int) -> int:
+        """The most micro-batches any rank has this step."""
+        if not self.world.distributed:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world.group)
+        return int(t.item())
+
+    def _stats(self, agg, failed: bool) -> bool:
+        """Sum the private counts over the ranks (the clipped sums are reduce-scattered already)."""
+        if not self.world.distributed:
+            return failed
+        import torch.distributed as dist
+
+        s = torch.tensor([agg.loss_sum, float(agg.batch_size), float(agg.clipped), float(agg.overflowed),
+                          float(failed)], dtype=torch.float64)
+        dist.all_reduce(s, group=self.world.group)
+        agg.loss_sum, agg.batch_size, agg.clipped, agg.overflowed = float(s[0]), int(s[1]), int(s[2]), int(s[3])
+        return bool(s[4] > 0)
+
+    def run(self, step: int, micro_batches: Iterable[Mapping[str, torch.Tensor]]) -> StepOutput:
+        from dpft.step.aggregate import Aggregator
+        from dpft.step.clip import NonFiniteGradientError
+
+        sp = self.spec
+        t0 = time.perf_counter()
+        sp.engine.clip = sp.clip
+        mine = list(micro_batches)  # token ids only: small
+        total = self._count(len(mine))
+        agg = Aggregator({n: local(p) for n, p in sp.engine.params.items()}, keep_norms=sp.keep_norms)
+        if total and not getattr(sp.engine, "_checked", True):
+            # The engine's one-time usage probe runs a partial backward (FSDP all-gathers) whose
+            # collectives depend on the batch: every rank probes the same placeholder batch.
+            from dpft.grads.bookkeeping import _rng_devices
+
+            with torch.random.fork_rng(devices=_rng_devices(sp.engine.params.values())):
+                sp.engine.check_usage(self.dummy_batch())
+        failure: Optional[Exception] = None
+        for i in range(total):
+            dummy = failure is not None or i >= len(mine)
+            batch = self.dummy_batch() if i >= len(mine) else mine[i]
+            self.scatter.start(dummy)
+            try:
+                res = sp.engine.clipped_sum(batch)
+                if not dummy:
+                    agg.add(res)
+                else:  # this rank sent zeros, but its shard of the sum holds the other ranks' examples
+                    for n, buf in agg.sum.items():
+                        buf.add_(res.grad_sum[n])
+            except NonFiniteGradientError as exc:
+                if not self.world.distributed:
+                    raise
+                failure = exc
+                self.scatter.finish_with_zeros()
+            self._check_no_fsdp_grads()
+        if self._stats(agg, failure is not None):
+            raise failure or NonFiniteGradientError(
+                "non-finite training loss on another rank; lower optimizer.lr or check the data")
+        return self.release_and_update(step, agg, t0)
+
+    def _check_no_fsdp_grads(self) -> None:
+        """No gradient reached a parameter behind the engine's back (FSDP would reduce-scatter it
+        unclipped)."""
+        bad = [n for n, p in self.spec.engine.params.items() if p.grad is not None]
+        if bad:
+            raise FSDPError(f"FSDP step: parameters {bad[:3]} received an (unclipped) gradient from autograd; "
+                            "the engine must switch requires_grad off for its pass")
+
+
+# -- the driver's hooks (run/loop.py) ------------------------------------------------------------
+def make_step(plan, ledger, on_release, dummy_batch) -> FSDPStep:
+    """The :class:`FSDPStep` of a plan built with ``perf.sharding: fsdp``."""
+    return FSDPStep(plan.spec, ledger, plan.unit.n, plan.world, dummy_batch, on_release=on_release)
+
+
+def save_checkpoint(trainer, step: int) -> None:
+    """The checkpoint of a sharded run: full trainable weights (gathered) and the full optimizer
+    state (``torch.distributed.checkpoint.state_dict``, keyed by parameter name), written by rank 0.
+    A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from dpft.run.checkpoint import save_checkpoint as write
+
+    params = full_state(trainer.params)
+    optim = trainer.optimizer
+    if _fsdp_modules(trainer.model):
+        sd = get_optimizer_state_dict(trainer.model, optim,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+        class _Full:  # what save_checkpoint reads of an optimizer
+            def state_dict(self):
+                return sd
+
+        optim = _Full()
+    trainer._last_checkpoint = step
+    if trainer.world.is_main:
+        write(trainer.run_dir, step=step, params=params, optimizer=optim, scheduler=trainer.scheduler,
+              ledger_json=trainer.ledger.to_json(), state=trainer._state())
