@@ -122,7 +122,8 @@ class SubspaceEngine(PerExampleEngine):
         # The book-keeping engine owns the layer rules and the first-call attribution check.
         self._bk = BookKeepingEngine(model, loss_fn, clip)
         self.units = self._bk.units
-        self.params = {COORDS: torch.zeros(basis.k)}  # type: ignore[dict-item]
+        # What the engine sums lives beside P (the model's device: the noise is drawn there).
+        self.params = {COORDS: torch.zeros(basis.k, device=basis.device)}  # type: ignore[dict-item]
         self.param_names = [COORDS]
         self._checked = False
 
@@ -132,7 +133,7 @@ class SubspaceEngine(PerExampleEngine):
         params = list(self.model_params.values())
         flags = [p.requires_grad for p in params]
         cap = Capture(self.units, b, mode="main")
-        coords = torch.zeros(b, self.basis.k, dtype=torch.float32)
+        coords = torch.zeros(b, self.basis.k, dtype=torch.float32, device=self.basis.device)
         try:
             for p in params:
                 p.requires_grad_(False)  # activation gradients only; no weight gradient is built
