@@ -214,3 +214,14 @@ def test_ewft_on_two_processes(tiny_model_dir, tmp_path):
     assert logs[0]["digest"] == logs[1]["digest"]
     assert not test_ddp.files_under(tmp_path / "two" / "rank1")  # rank 0 alone writes
     assert (tmp_path / "two" / "rank0" / "run" / "ledger.json").is_file()
+
+
+def test_audit_device_checks_pass_and_catch_the_planted_bug():
+    from dpft.audit import planted, suite
+    from dpft.audit.checks_device import device_checks
+
+    assert all(c.passed for c in device_checks()), [c.row() for c in device_checks()]
+    bad = device_checks("shared_rank_ldp_noise")
+    assert [c.passed for c in bad] == [False, True] and "SAME noise" in bad[0].message
+    assert "shared_rank_ldp_noise" in planted.ALL
+    assert ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)) in suite.OPTIONAL_CHECKS

@@ -29,6 +29,9 @@ MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "
 RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
 API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
+# methods on the device / across processes (issue 26 item 5; audit/checks_device.py)
+DEVICE_PLANTED = ("shared_rank_ldp_noise",)
+ALL = ALL + DEVICE_PLANTED
 
 
 class _Patches:

@@ -299,8 +299,7 @@ class LDPRun:
         self.layer.set_sigma(self.schedule.sigma_at(step))
         # The noise of this step's releases: the run's secret randomness, stream ldp, step (and
         # the rank under DDP: each rank releases other examples, which need independent noise).
-        self.layer.generator = self.trainer.rng.stream("ldp", step, *rank_parts(self.trainer),
-                                                        device=self.trainer.device)
+        self.layer.generator = ldp_stream(self.trainer, step)
 
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
@@ -509,6 +508,12 @@ class ForwardLDP(Method):
 
 
 # ---------------------------------------------------------------------------- shared helpers
+def ldp_stream(run, step: int):
+    """The secret stream of step ``step``'s forward-LDP releases on this process: ``ldp``, step
+    (and the rank under DDP, :func:`rank_parts`), drawn on the model's device."""
+    return run.rng.stream("ldp", int(step), *rank_parts(run), device=run.device)
+
+
 def rank_parts(run) -> tuple:
     """Extra parts of a per-example noise stream's name under DDP: ``("rank", r)`` with K > 1
     processes (each rank noises other examples: the same draw on two ranks would let anyone who
