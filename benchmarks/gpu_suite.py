@@ -7,12 +7,12 @@
     allocated by this process (``torch.cuda.max_memory_allocated``; 0 on CPU), its wall time,
     the CLI's exit status, world size and device name.
 
-``report TITLE OUT.md LABEL=RUN_DIR ...``
-    one Markdown table of the runs from their ``report.json`` (ε and δ from the run's ledger,
-    BLEU / ROUGE-L of the dev generations, dev loss, steps, seconds per step) and the
+``report [--ledgers] TITLE OUT.md LABEL=RUN_DIR ...``
+    appends to OUT.md one Markdown table of the runs from their ``report.json`` (ε and δ from
+    the run's ledger, BLEU / ROUGE-L of the dev generations, steps, seconds per step) and the
     ``gpu_rank*.json`` files (peak memory per rank); a run that did not finish is a row that
-    says so. Appends a "ledger" line comparing the runs' ledgers (events and counts), which must
-    be identical across 1 process, DDP and FSDP for the same recipe.
+    says so. ``--ledgers``: a line comparing the runs' ``ledger.json`` (events and counts), which
+    must be identical across 1 process, DDP and FSDP for the same recipe.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def _ledger(d: Path):
 
 
 def _report(argv: list[str]) -> int:
+    compare = "--ledgers" in argv
+    argv = [a for a in argv if a != "--ledgers"]
     title, out, pairs = argv[0], Path(argv[1]), argv[2:]
     lines = [f"## {title}", "",
              "| run | processes | parameters | steps | s/step | ε | BLEU | ROUGE-L | peak GPU memory per rank (GiB) |",
@@ -96,7 +98,7 @@ def _report(argv: list[str]) -> int:
         led = _ledger(Path(d))
         if led is not None:
             ledgers[label] = led
-    if len(ledgers) > 1:
+    if compare and len(ledgers) > 1:
         ref_label, ref = next(iter(ledgers.items()))
         same = [k for k, v in ledgers.items() if v == ref]
         diff = [k for k in ledgers if k not in same]

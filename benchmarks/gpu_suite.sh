@@ -180,12 +180,12 @@ fi
   printf '%s\n' "${STAGES[@]}"
 } > "$SUMMARY"
 "$PY" benchmarks/gpu_suite.py report "End-to-end instruct runs (E2E NLG; BLEU/ROUGE-L on greedy dev generations)" \
-  "$SUMMARY" "stories260K=$RUNS/stories" "Qwen2-0.5B (random init)=$RUNS/qwen" "${DIST[@]}" >/dev/null
+  "$SUMMARY" "stories260K=$RUNS/stories" "Qwen2-0.5B (random init)=$RUNS/qwen" >/dev/null
 if [ ${#DIST[@]} -gt 0 ]; then
-  "$PY" benchmarks/gpu_suite.py report "1 process against DDP / FSDP2 (ledgers must be identical)" "$SUMMARY" \
-    "stories260K 1 process=$RUNS/stories" "stories260K DDP=$RUNS/stories_ddp" >/dev/null
-  "$PY" benchmarks/gpu_suite.py report "Qwen2-0.5B: 1 process against DDP / FSDP2" "$SUMMARY" \
-    "Qwen2-0.5B 1 process=$RUNS/qwen" "${DIST[@]:1}" >/dev/null
+  "$PY" benchmarks/gpu_suite.py report --ledgers "stories260K: 1 process against DDP (ledgers must be identical)" \
+    "$SUMMARY" "stories260K 1 process=$RUNS/stories" "${DIST[0]}" >/dev/null
+  "$PY" benchmarks/gpu_suite.py report --ledgers "Qwen2-0.5B: 1 process against DDP / FSDP2 (ledgers must be identical)" \
+    "$SUMMARY" "Qwen2-0.5B 1 process=$RUNS/qwen" "${DIST[@]:1}" >/dev/null
 fi
 cat "$SUMMARY"
 if [ -n "${OUT:-}" ]; then

@@ -139,7 +139,7 @@ def test_gpu_suite_report_table_and_ledger_check(tmp_path):
     bad = run_dir("bad", 2, 3.0, [{"phase": "train", "count": 3, "event": {"sigma": 1.0}}])
     (tmp_path / "crashed").mkdir()
     out = tmp_path / "s.md"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "report", "T", str(out),
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "report", "--ledgers", "T", str(out),
                         f"a={one}", f"b={two}", f"c={bad}", f"d={tmp_path / 'crashed'}"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
