@@ -94,9 +94,9 @@ def test_tensors_follow_the_model_device_on_meta():
     assert on.project({"weight": torch.zeros(2, 3, device=meta), "bias": torch.zeros(2, device=meta)}).device == meta
     assert on.gram().device == meta
     assert all(t.device == meta for t in on.unproject(torch.zeros(4, device=meta)).values())
-    # the engine's summed coordinates (where the noise is drawn) live beside P
-    eng = SubspaceEngine(lin, lambda f, b: f(**b).sum(-1), make_clip_policy("flat", 1.0), on)
-    assert eng.params[COORDS].device == meta
+    # the engine puts P beside the model: the summed coordinates (where the noise is drawn) too
+    eng = SubspaceEngine(nn.Linear(3, 2).to(meta), lambda f, b: f(**b).sum(-1), make_clip_policy("flat", 1.0), basis)
+    assert eng.basis.device == meta and eng.params[COORDS].device == meta
     c = Outer(torch.zeros(5, 1, 2, device=meta), torch.zeros(5, 1, 3, device=meta), torch.Size((2, 3)))
     assert project_contribution(c, on.blocks["weight"], 5).device == meta
     # stage-1 snapshots on the parameters' device

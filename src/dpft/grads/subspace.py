@@ -117,6 +117,9 @@ class SubspaceEngine(PerExampleEngine):
             if tuple(basis.blocks[n].shape[1:]) != tuple(train[n].shape):
                 raise SubspaceError(f"basis block of {n} has shape {tuple(basis.blocks[n].shape[1:])}, "
                                     f"the parameter {tuple(train[n].shape)}")
+        dev = next(iter(train.values())).device
+        if basis.device != dev:  # P beside the model: coordinates, their sum and its noise live there
+            basis = basis.to(next(iter(basis.blocks.values())).dtype, device=dev)
         self.basis = basis
         self.model_params = train
         # The book-keeping engine owns the layer rules and the first-call attribution check.

@@ -412,8 +412,8 @@ class DPSFT(Method):
             from dpft.step.clip import FlatClip
 
             clip = FlatClip(r.privacy.clipping.max_norm)
-        basis = self.basis = basis.to(basis.blocks[basis.names[0]].dtype, device=run.device)  # P beside the model
         engine = SubspaceEngine(run.model, classification_loss, clip, basis)
+        basis = self.basis = engine.basis  # P on the model's device (the engine moves it there)
         if cfg.start == "stage1":
             if basis.start is None:
                 raise SubspaceError("subspace.start=stage1 but the basis holds no stage-1 parameters Θ*; "
