@@ -641,6 +641,8 @@ def main(argv=None) -> list[dict]:
                     help="profile nonprivate, dpft-bk (and opacus-ghost) where dpft misses a goal")
     ap.add_argument("--profile-rows", type=int, default=15)
     ap.add_argument("--out", default=None, help="output Markdown path")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: start no new case after this (the cases left are listed as not run)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
 
@@ -711,9 +713,15 @@ def main(argv=None) -> list[dict]:
         lines.append(f"- GPU: not run here (no GPU). On a CUDA machine: `pip install -e '.[test,bench]'` "
                      f"then `{GPU_COMMAND}`")
     results = []
+    t_start, skipped = time.perf_counter(), []
     for name in cases:
+        if args.time_budget is not None and time.perf_counter() - t_start > args.time_budget:
+            skipped.append(name)  # a bounded suite (benchmarks/gpu_suite.sh) keeps what it measured
+            continue
         print(f"running {name} ...", flush=True)
         results.append(measure_case(name, CASES[name], args, device, preset))
+    if skipped:
+        lines.append(f"- not run (time budget {args.time_budget:g} s spent): {', '.join(skipped)}")
     lines += ["", "## Summary (dpft-bk)", ""] + summary_table(results)
     lines += ["", "## Per case"]
     for r in results:

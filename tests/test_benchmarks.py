@@ -87,3 +87,64 @@ def test_one_measurement_writes_the_table(bench, tmp_path):
     text = out.read_text()
     assert "## Summary (dpft-bk)" in text and "| llama-3.2-1b-lora-32x128 | 1×8 | fp32 |" in text
     assert "preset `tiny`" in text and "untied" in text
+
+
+# ----------------------------------------------------------------------------- GPU suite (issue 26)
+
+
+def test_step_speed_time_budget_lists_the_cases_not_run(bench, tmp_path):
+    out = tmp_path / "s.md"
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--cases", "gpt2-full-8x512", "--time-budget", "-1",
+                       "--out", str(out)]) == []
+    assert "not run (time budget -1 s spent): gpt2-full-8x512" in out.read_text()
+
+
+def test_gpu_suite_dry_run_prints_every_stage():
+    """``bash benchmarks/gpu_suite.sh --dry-run`` runs nothing and prints the plan: step speed
+    against Opacus ghost clipping, both instruct runs, DDP and (guarded) FSDP2 under torchrun."""
+    import subprocess
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OUT"}
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run"], capture_output=True,
+                       text=True, timeout=60, env={**env, "RUNS": "/nonexistent/runs"})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "step_speed.py --preset gpu" in out and "--methods nonprivate dpft-bk opacus-ghost" in out
+    assert "--out benchmarks/results/step_speed_cuda.md" in out
+    assert "e2e-instruct-stories260k.yaml --device cuda --dtype bf16" in out
+    assert "gpu_make_model.py" in out and "model.name=/nonexistent/runs/qwen2-0.5b-random" in out
+    assert out.count("torch.distributed.run --standalone") == 3 and "perf.sharding=fsdp" in out
+    assert "dry run: nothing was run" in out and not (ROOT / "nonexistent").exists()
+
+
+def test_gpu_suite_report_table_and_ledger_check(tmp_path):
+    """The suite's summary reads report.json / ledger.json / gpu_rank*.json of each run."""
+    import json
+    import subprocess
+
+    def run_dir(name, world, eps, ledger):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "report.json").write_text(json.dumps({
+            "privacy": {"epsilon": eps, "delta": 1e-5}, "metrics": {"dev_bleu": 12.345, "dev_rouge_l": 30.0},
+            "dp": {"steps": 4}, "time_seconds": 2.0, "model": {"total_parameters": 494e6}}))
+        (d / "ledger.json").write_text(json.dumps({"entries": ledger}))
+        for r in range(world):
+            (d / f"gpu_rank{r}.json").write_text(json.dumps({"world_size": world, "peak_memory_bytes": 2**30 * (r + 1),
+                                                             "exit_code": 0}))
+        return d
+
+    ev = [{"phase": "train", "count": 4, "event": {"sigma": 1.0}}]
+    one, two = run_dir("one", 1, 3.0, ev), run_dir("two", 2, 3.0, ev)
+    bad = run_dir("bad", 2, 3.0, [{"phase": "train", "count": 3, "event": {"sigma": 1.0}}])
+    (tmp_path / "crashed").mkdir()
+    out = tmp_path / "s.md"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "report", "--ledgers", "T", str(out),
+                        f"a={one}", f"b={two}", f"c={bad}", f"d={tmp_path / 'crashed'}"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "| a | 1 | 494.0M | 4 | 0.500 | 3.000 (δ=1e-05) | 12.35 | 30.00 | 1.00 |" in text
+    assert "| b | 2 |" in text and "1.00/2.00 |" in text
+    assert "| d | did not finish (exit no run" in text
+    assert "a, b identical; DIFFERENT: c." in text

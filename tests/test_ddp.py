@@ -317,8 +317,8 @@ def test_world_size_check_and_refused_methods():
 
     two = ddp.World(0, 2)
     ddp.check_methods(two, [M("rmt"), M("dp_adam_ac")])
-    with pytest.raises(ddp.DistributedError, match="ewft.*one process"):
-        ddp.check_methods(two, [M("ewft")])
+    with pytest.raises(ddp.DistributedError, match="dpsft.*one process.*dpsft: .*stage 1"):
+        ddp.check_methods(two, [M("dpsft")])
     with pytest.raises(ddp.DistributedError, match="percentile"):
         ddp.check_methods(two, [], keep_norms=True)
     ddp.check_methods(ddp.World(), [M("ewft")], keep_norms=True)  # one process: everything runs

@@ -159,8 +159,10 @@ def test_trainer_cpu_device_plumbing(tiny_model_dir, sst_like_files, tmp_path, m
 
 
 def test_methods_not_device_aware_on_fake_cuda(tiny_model_dir, sst_like_files, tmp_path, monkeypatch):
-    """Methods that run their own forwards have not declared device support: an explicit CUDA
-    device is refused before anything is loaded; ``auto`` falls back to the CPU."""
+    """A plug-in that has not declared device support (``supports_device``): an explicit CUDA
+    device is refused before anything is loaded; ``auto`` falls back to the CPU. (Every built-in
+    declares it: tests/test_methods_device.py.)"""
+    import test_plugins  # noqa: F401 - registers toy_scale, a plug-in that declares no device support
     from test_train import tiny_recipe
 
     from dpft.run.loop import Trainer, TrainingError
@@ -168,8 +170,8 @@ def test_methods_not_device_aware_on_fake_cuda(tiny_model_dir, sst_like_files, t
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    extra = {"denoise.method": "rmt", "denoise.kappa": 1.0, "privacy.noise_multiplier": 1.0}
-    with pytest.raises(TrainingError, match=r"methods \['rmt'\] have not been made device-aware.*--device cpu"):
+    extra = {"methods": [{"name": "toy_scale"}], "privacy.noise_multiplier": 1.0}
+    with pytest.raises(TrainingError, match=r"methods \['toy_scale'\] have not been made device-aware.*--device cpu"):
         Trainer(tiny_recipe(tiny_model_dir, sst_like_files, **extra, **{"perf.device": "cuda"}), tmp_path / "a",
                 progress=False)
     t = Trainer(tiny_recipe(tiny_model_dir, sst_like_files, **extra), tmp_path / "b", progress=False)

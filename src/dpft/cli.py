@@ -549,7 +549,9 @@ def selft(
     from dpft.run.loop import TrainingError, train_phase
 
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # DDP: selection draws its own key on each rank
-        _fail("dpft selft runs in one process; run it without torchrun (dpft train runs across processes)")
+        from dpft.methods.selft import DDP_REFUSAL
+
+        _fail(DDP_REFUSAL)
     try:
         ov, origins = _overrides((("--output-dir", "output_dir", str(output_dir) if output_dir else None),), set)
         rec = load_recipe(recipe, ov, origins)

@@ -513,12 +513,16 @@ def check_methods(world: World, methods: list, keep_norms: bool = False) -> None
         cls = reg.get(getattr(m, "name", ""))
         return bool(getattr(cls, "supports_ddp", False))
 
-    bad = [m.name for m in methods if not declared(m)]
+    bad = [m for m in methods if not declared(m)]
     if bad:
         ok = sorted(n for n, cls in reg.items() if getattr(cls, "supports_ddp", False))
+        # Each method's own reason, in terms of its mechanism (methods/base.py ``ddp_refusal``).
+        why = [f"{m.name}: {r}" for m in bad
+               for r in [getattr(m, "ddp_refusal", None) or getattr(reg.get(m.name), "ddp_refusal", None)] if r]
         raise DistributedError(
-            f"method(s) {', '.join(bad)} are not supported with {world.world_size} processes (supported: "
-            f"{', '.join(ok)}); run them in one process (without torchrun)")
+            f"method(s) {', '.join(m.name for m in bad)} are not supported with {world.world_size} processes "
+            f"(supported: {', '.join(ok)}); run them in one process (without torchrun)"
+            + ("".join(f". {w}" for w in why)))
     if keep_norms:
         raise DistributedError("the paper's percentile clipping (raw per-example norms, NOT CERTIFIED) cannot "
                                "run across processes; use the method's private adaptive clipping instead of its "

@@ -43,6 +43,9 @@ ALL = ALL + HF_DDP_PLANTED
 # clipping a pair's two rows separately.
 TRL_PLANTED = ("sft_packing_accepted", "dpo_pair_split")
 ALL = ALL + TRL_PLANTED
+# methods on the device / across processes (issue 26 item 5; audit/checks_device.py)
+DEVICE_PLANTED = ("shared_rank_ldp_noise",)
+ALL = ALL + DEVICE_PLANTED
 
 
 class _Patches:

@@ -109,6 +109,7 @@ OPTIONAL_CHECKS = (
     # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
     ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
     ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted")),
+    ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
 )
 
 

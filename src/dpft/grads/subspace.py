@@ -117,12 +117,16 @@ class SubspaceEngine(PerExampleEngine):
             if tuple(basis.blocks[n].shape[1:]) != tuple(train[n].shape):
                 raise SubspaceError(f"basis block of {n} has shape {tuple(basis.blocks[n].shape[1:])}, "
                                     f"the parameter {tuple(train[n].shape)}")
+        dev = next(iter(train.values())).device
+        if basis.device != dev:  # P beside the model: coordinates, their sum and its noise live there
+            basis = basis.to(next(iter(basis.blocks.values())).dtype, device=dev)
         self.basis = basis
         self.model_params = train
         # The book-keeping engine owns the layer rules and the first-call attribution check.
         self._bk = BookKeepingEngine(model, loss_fn, clip)
         self.units = self._bk.units
-        self.params = {COORDS: torch.zeros(basis.k)}  # type: ignore[dict-item]
+        # What the engine sums lives beside P (the model's device: the noise is drawn there).
+        self.params = {COORDS: torch.zeros(basis.k, device=basis.device)}  # type: ignore[dict-item]
         self.param_names = [COORDS]
         self._checked = False
 
@@ -132,7 +136,7 @@ class SubspaceEngine(PerExampleEngine):
         params = list(self.model_params.values())
         flags = [p.requires_grad for p in params]
         cap = Capture(self.units, b, mode="main")
-        coords = torch.zeros(b, self.basis.k, dtype=torch.float32)
+        coords = torch.zeros(b, self.basis.k, dtype=torch.float32, device=self.basis.device)
         try:
             for p in params:
                 p.requires_grad_(False)  # activation gradients only; no weight gradient is built

@@ -82,6 +82,13 @@ class Method:
     #: randomness per rank and reads only all-reduced statistics (distributed.py
     #: ``check_methods`` refuses the others across processes).
     supports_ddp: ClassVar[bool] = False
+    #: Why the method cannot run across processes, in terms of its mechanism (shown in the
+    #: refusal of ``distributed.check_methods``); None = no reason given.
+    ddp_refusal: ClassVar[Optional[str]] = None
+    #: Every tensor the method creates follows the model's device (buffers, bases, noise drawn
+    #: with ``Randomness.stream(..., device=...)``), so it runs on an accelerator; a method that
+    #: does not declare it is run on the CPU (``perf.device: auto``) or refused (perf.py).
+    supports_device: ClassVar[bool] = False
 
     def __init__(self, cfg: BaseModel, recipe: Any):
         self.cfg = cfg
@@ -288,12 +295,29 @@ class Run:
     #: The driver's phase runner (:data:`PhaseRunner`): an earlier training phase of a method
     #: runs through it and appends to this run's ledger (None: the caller gave none).
     train_phase: Optional[PhaseRunner] = None
+    #: This process writes the run's files (rank 0 under DDP; always in one process).
+    is_main: bool = True
+    #: This process's rank and the number of processes (DDP; 0 and 1 alone): a method that
+    #: draws per-example randomness draws it from streams that name the rank.
+    rank: int = 0
+    world_size: int = 1
 
     def record(self, phase: str, event: dpa.DpEvent, count: int = 1) -> None:
-        """Append a release to the run's ledger and save the live ``ledger.json`` at once."""
+        """Append a release to the run's ledger and save the live ``ledger.json`` at once
+        (every rank keeps the same ledger; rank 0 alone writes it)."""
         self.ledger.record(phase, event, count)
+        if not self.is_main:
+            return
         self.live_ledger_path.parent.mkdir(parents=True, exist_ok=True)
         self.ledger.save(self.live_ledger_path)
+
+    @property
+    def device(self):
+        """The device of the model's parameters (CPU for a model without parameters)."""
+        import torch
+
+        p = next(iter(self.model.parameters()), None) if self.model is not None else None
+        return p.device if p is not None else torch.device("cpu")
 
 
 def active_methods(recipe: Any) -> list[Method]:

@@ -110,6 +110,9 @@ class DPAdamAC(Method):
     #: Under DDP: the private path reads the all-reduced counts and draws its count noise from
     #: the shared key (the paper's raw-norm path is refused by the driver's ``keep_norms`` check).
     supports_ddp = True
+    #: Optimizer moments and the EMA are created like the parameters (zeros_like, clone); the
+    #: count noise is a host scalar from the secret stream; the gradient noise is the step's.
+    supports_device = True
 
     @classmethod
     def enabled(cls, cfg: AdamACCfg) -> bool:

@@ -130,10 +130,12 @@ class Snapshots:
         self.recorded = 0
 
     def start(self, params: dict) -> None:
-        """Take Θ_0 (the phase's parameters before its first step)."""
+        """Take Θ_0 (the phase's parameters before its first step); the snapshots live on the
+        parameters' device (the basis is built there)."""
         self.theta0 = {n: p.detach().clone() for n, p in params.items()}
         m = len(self.record_after)
-        self.snapshots = {n: torch.zeros(m, *p.shape, dtype=torch.float32) for n, p in params.items()}
+        self.snapshots = {n: torch.zeros(m, *p.shape, dtype=torch.float32, device=p.device)
+                          for n, p in params.items()}
 
     def __call__(self, done: int, params: dict) -> None:
         j = self.record_after.get(done)
@@ -308,8 +310,8 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
         # A private basis from a file (another run on the same data): its releases compose here.
         # (On --resume the live ledger, loaded after this, already holds them.)
         _record_events(trainer, basis.meta["ledger"])
-    if not (trainer.resume and cached.is_file()):
-        basis.save(cached)
+    if not (trainer.resume and cached.is_file()) and getattr(trainer, "is_main", True):
+        basis.save(cached)  # rank 0 alone writes (DDP)
     basis = basis.to(cfg.dtype)
     info = {
         "source": basis.meta.get("source"), "from_file": cfg.file if cfg.source == "file" else None,
@@ -355,6 +357,20 @@ class DPSFT(Method):
     legacy_section = "subspace"
     report_key = "subspace"
     order = 10
+    #: Stage 1 runs through the driver on the recipe's device; its snapshots, the basis P, the
+    #: coordinates and their noise (drawn on the coordinates' device) follow the model's device.
+    supports_device = True
+    ddp_refusal = ("subspace.source public/private: stage 1 is a training phase of its own (snapshots of the "
+                   "trajectory, then the basis P written to <run>/subspace/) that is not run as one world across "
+                   "processes; build the basis in one process and train stage 2 under torchrun with "
+                   "subspace.source: file (stage 2 is a DP-SGD step on the k coordinates: its clipped sums are "
+                   "all-reduced and noised once for the world like any other)")
+
+    def __init__(self, cfg, recipe):
+        super().__init__(cfg, recipe)
+        #: Across processes only without a stage 1 of its own: a basis from a file (read by every
+        #: rank) or the paper's noise placement alone (a σB Gaussian mechanism on the shared key).
+        self.supports_ddp = cfg.source in ("file", "none")
 
     @classmethod
     def enabled(cls, cfg: SubspaceCfg) -> bool:
@@ -397,6 +413,7 @@ class DPSFT(Method):
 
             clip = FlatClip(r.privacy.clipping.max_norm)
         engine = SubspaceEngine(run.model, classification_loss, clip, basis)
+        basis = self.basis = engine.basis  # P on the model's device (the engine moves it there)
         if cfg.start == "stage1":
             if basis.start is None:
                 raise SubspaceError("subspace.start=stage1 but the basis holds no stage-1 parameters Θ*; "
@@ -412,7 +429,7 @@ class DPSFT(Method):
             params = engine.model_params
             transforms.insert(0, unproject_transform(basis, COORDS))
         else:
-            z = nn.Parameter(torch.zeros(basis.k))
+            z = nn.Parameter(torch.zeros(basis.k, device=run.device))
             params = {COORDS: z}
             self._hook = _sync_hook(run.model, z, engine.model_params, basis)
         self.info["start_dev_accuracy"] = run.evaluate()["dev_accuracy"]

@@ -229,7 +229,8 @@ class LDPRun:
                 raise LDPError(f"ldp.autoencoder.sizes must start with the hidden size {hidden}, got "
                                f"{c.autoencoder.sizes} (e.g. [{hidden}, 64])")
             torch.manual_seed(r.seed)
-            ae = StackedAutoencoder(c.autoencoder.sizes)
+            # Built on the CPU (the same initial weights on every device), then on the model's device.
+            ae = StackedAutoencoder(c.autoencoder.sizes).to(trainer.device)
         at_output = c.position == "output"
         # The certified mechanism, with each NOT CERTIFIED flaw of the run (self.flaws) swapped in:
         # (i) no detach, (ii) std σ·C, (iv) pooled vector, (v) mask, (vii) no inference noise;
@@ -285,8 +286,9 @@ class LDPRun:
         for k in range(0, len(texts), a.pretrain_batch_size):
             enc = t.tokenizer(texts[k:k + a.pretrain_batch_size], truncation=True,
                               max_length=t.recipe.model.max_length, padding=True, return_tensors="pt")
+            enc = {k: v.to(t.device) for k, v in enc.items()}
             h = self.split.pre(enc["input_ids"], enc["attention_mask"], enc.get("token_type_ids"))
-            batches.append((h, torch.ones(h.shape[:2])))  # every position is part of the release
+            batches.append((h, torch.ones(h.shape[:2], device=h.device)))  # every position is part of the release
         # MSE of predicting 0: the scale against which the reconstruction loss is read
         self.pretrain_baseline = float(torch.stack([(h ** 2).mean() for h, _ in batches]).mean())
         return pretrain_autoencoder(ae, batches, self.cfg.max_norm, epochs=a.pretrain_epochs,
@@ -295,8 +297,9 @@ class LDPRun:
     # ------------------------------------------------------------------ trainer hooks
     def before_step(self, step: int) -> None:
         self.layer.set_sigma(self.schedule.sigma_at(step))
-        # The noise of this step's releases: the run's secret randomness, stream ldp, step.
-        self.layer.generator = self.trainer.rng.stream("ldp", step)
+        # The noise of this step's releases: the run's secret randomness, stream ldp, step (and
+        # the rank under DDP: each rank releases other examples, which need independent noise).
+        self.layer.generator = ldp_stream(self.trainer, step)
 
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
@@ -420,6 +423,13 @@ class ForwardLDP(Method):
     legacy_section = "ldp"
     report_key = "ldp"
     order = 20
+    #: The layer, the autoencoder, its public pre-training and every noise draw follow the
+    #: model's device (``SecretStream.normal(..., device=z.device)``).
+    supports_device = True
+    #: Under DDP each rank releases the rows of its share of the logical batch with noise from
+    #: its own stream (``ldp``, step, rank): independent draws for different examples, as in one
+    #: process; the world records one event per step (the same Poisson-sampled release set).
+    supports_ddp = True
 
     @classmethod
     def enabled(cls, cfg: LdpCfg) -> bool:
@@ -464,7 +474,7 @@ class ForwardLDP(Method):
         try:
             for noisy in (not keep, keep):  # the headline last (its predictions are the ones kept)
                 layer.eval_noise = noisy
-                layer.generator = run.rng.stream("ldp_eval", self._n_eval)
+                layer.generator = run.rng.stream("ldp_eval", self._n_eval, *rank_parts(run), device=run.device)
                 res = evaluate()
                 tag = "noisy" if noisy else "clean"
                 out.update({f"{k}_{tag}_inference": v for k, v in res.items()})
@@ -498,6 +508,20 @@ class ForwardLDP(Method):
 
 
 # ---------------------------------------------------------------------------- shared helpers
+def ldp_stream(run, step: int):
+    """The secret stream of step ``step``'s forward-LDP releases on this process: ``ldp``, step
+    (and the rank under DDP, :func:`rank_parts`), drawn on the model's device."""
+    return run.rng.stream("ldp", int(step), *rank_parts(run), device=run.device)
+
+
+def rank_parts(run) -> tuple:
+    """Extra parts of a per-example noise stream's name under DDP: ``("rank", r)`` with K > 1
+    processes (each rank noises other examples: the same draw on two ranks would let anyone who
+    sees both releases subtract the noise), none in one process (its streams stay as they were)."""
+    k = int(getattr(run, "world_size", 1) or 1)
+    return ("rank", int(getattr(run, "rank", 0))) if k > 1 else ()
+
+
 def privatize_labels(ds, eps: float, num_labels: int, generator):
     """Replace the ``label`` column of a tokenised split by K-ary randomized response, drawn once.
 

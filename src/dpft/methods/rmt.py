@@ -71,6 +71,8 @@ class RMTDenoise(Method):
     order = 60
     #: Under DDP: post-processing of the (identical) noisy sum, the same on every rank.
     supports_ddp = True
+    #: The SVDs run on the noisy gradient's device (its sketch generator too: public, seeded).
+    supports_device = True
 
     @classmethod
     def enabled(cls, cfg: DenoiseCfg) -> bool:

@@ -111,12 +111,13 @@ def select_units(recipe: Any, cfg: SelFTCfg, candidates: Optional[list[str]] = N
     if task.has_pair:
         raise ValueError("this DP-SelFT implementation scores single-text tasks; pair tasks need pair candidates")
     t0 = time.time()
+    device = _device(r)
     ledger = PrivacyLedger()
     n_select = min(cfg.n_select or n, len(candidates))
     syn = dp_select_and_label(list(task.train["text"]), list(task.train["label"]), list(candidates), task.num_labels,
                               cfg.epsilon_syn, r.privacy.delta, n_select, ledger=ledger,
                               label_ratio=cfg.label_ratio, val_fraction=cfg.val_fraction, seed=r.seed,
-                              rng=rng, encoder=cfg.encoder)
+                              rng=rng, encoder=cfg.encoder, device=device)
     log(f"select-and-label: {len(candidates)} candidates → {n_select} kept "
         f"({len(syn.train)} train / {len(syn.val)} val), σ_sel={syn.sigma_select:.3g}, σ_lab={syn.sigma_label:.3g}, "
         f"ε_syn={ledger.epsilon(r.privacy.delta).epsilon:.4g} ({time.time() - t0:.0f}s)")
@@ -126,6 +127,7 @@ def select_units(recipe: Any, cfg: SelFTCfg, candidates: Optional[list[str]] = N
                                  pooling=r.model.pooling, head_dropout=r.model.head_dropout)
     if r.model.dropout is not None:
         set_dropout(model, r.model.dropout)
+    model.to(device)  # scoring runs where fine-tuning will (perf.device)
     with_tt = "token_type_ids" in tok.model_input_names
     import datasets
 
@@ -157,6 +159,22 @@ def select_units(recipe: Any, cfg: SelFTCfg, candidates: Optional[list[str]] = N
                           "digest": syn.digest(),
                           "label_counts": [sum(1 for _, y in syn.train + syn.val if y == c)
                                            for c in range(task.num_labels)]}}
+
+
+def _device(r: Any):
+    """The recipe's ``perf.device`` (checked against this machine): the encoder of
+    select-and-label and the unit scorer run there, as the fine-tuning phase does."""
+    from dpft.perf import resolve_device
+
+    return resolve_device(r.perf.device)
+
+
+#: Why DP-SelFT runs in one process (the CLI's and :func:`run_selft`'s refusal under torchrun).
+DDP_REFUSAL = ("DP-SelFT's select-and-label is one Gaussian release of two histograms over ALL N private "
+               "examples (each example's nearest-candidate vote and its label, Sha et al. Eq. 6-8), added once "
+               "by the one process that holds every example's embedding, and the unit scoring that follows is "
+               "sequential temporary training on its output; the selection is not split across ranks (nor run "
+               "on rank 0 and broadcast: not wired). Run `dpft selft` in one process (without torchrun)")
 
 
 def _training_sigma(r: Any, n: int, prior: PrivacyLedger) -> float:
@@ -193,8 +211,12 @@ def run_selft(recipe: Any, cfg: SelFTCfg, run_dir: str | Path, candidates: Optio
     Raises:
         the errors of :func:`select_units` and of the driver (``TrainingError``…).
     """
+    import os
+
     from dpft.privacy.randomness import Randomness
 
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise ValueError(DDP_REFUSAL)
     # One secret source for the whole run: the histograms (stream synth) and training.
     rng = Randomness(recipe.seed if recipe.privacy.reproducible else None)
     sel = select_units(recipe, cfg, candidates, log=log, rng=rng)

@@ -247,7 +247,8 @@ def pretrain_autoencoder(ae: StackedAutoencoder, batches: Iterable[tuple[torch.T
         for h, mask in batches:
             z = clip_frobenius(ae.encode(h), max_norm)
             if sigma > 0:
-                z = z + torch.randn(z.shape, generator=gen) * sigma * 2 * max_norm
+                # public data: a seeded CPU draw (not a release), moved to the codes' device
+                z = z + (torch.randn(z.shape, generator=gen) * sigma * 2 * max_norm).to(z.device, z.dtype)
             rec = ae.decode(z)
             m = mask.unsqueeze(-1).to(h.dtype)
             loss = (((rec - h) ** 2) * m).sum() / (m.sum() * h.shape[-1]).clamp_min(1)

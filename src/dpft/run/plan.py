@@ -161,7 +161,8 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
               loss_fn=causal_lm_loss if data.causal else classification_loss, train_tok=data.train_tok,
               dev_tok=data.dev_tok, n=unit.n, q=unit.q, sampler=unit.sampler, total_steps=total_steps,
               evaluate=lambda: evaluate_with_methods(methods, ctx, lambda: evaluator(ctx.model)),
-              make_optimizer=lambda params: build_optimizer(r.optimizer, params), train_phase=train_phase)
+              make_optimizer=lambda params: build_optimizer(r.optimizer, params), train_phase=train_phase,
+              is_main=world.is_main, rank=world.rank, world_size=world.world_size)
     for m in methods:  # earlier private phases; model / loss / data wrapping
         m.prepare(ctx)
     ddp.broadcast_module(world, ctx.model)  # DDP: the world starts from rank 0's weights

@@ -54,6 +54,12 @@ def noise_scale(sigma: float, clip_norm: float, dim: int, expected_batch: int) -
     return sigma * clip_norm * math.sqrt(dim) / expected_batch
 
 
+def _device(model: nn.Module) -> torch.device:
+    """Where ``model`` runs: every batch and draw of the scorer goes there."""
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def _norm(t: Grads) -> torch.Tensor:
     return torch.sqrt(sum(v.double().pow(2).sum() for v in t.values()))
 
@@ -102,7 +108,9 @@ def worst_case_perturbation(model: nn.Module, params: Mapping[str, nn.Parameter]
 
 def random_perturbation(params: Mapping[str, nn.Parameter], std: float, gen: torch.Generator) -> Grads:
     """Gaussian ξ ~ N(0, std² I) (the "performance-based with random noise" baseline)."""
-    return {n: std * torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) for n, p in params.items()}
+    # Public synthetic data only (no release): a seeded CPU draw, moved to each parameter's device.
+    return {n: (std * torch.randn(p.shape, generator=gen, dtype=torch.float32)).to(p.device, p.dtype)
+            for n, p in params.items()}
 
 
 @dataclass
@@ -181,7 +189,7 @@ def evaluate(model: nn.Module, rows: Sequence[dict], pad_id: int, with_token_typ
     model.eval()
     correct, loss = 0, 0.0
     for k in range(0, len(rows), batch_size):
-        b = collate(rows[k:k + batch_size], pad_id, with_token_types)
+        b = collate(rows[k:k + batch_size], pad_id, with_token_types, device=_device(model))
         logits = model(**model_inputs(b)).logits.float()
         loss += float(torch.nn.functional.cross_entropy(logits, b["labels"], reduction="sum"))
         correct += int((logits.argmax(-1) == b["labels"]).sum())
@@ -205,7 +213,7 @@ def warm_up_head(model: nn.Module, train_rows: Sequence[dict], s: ScoreSettings,
         model.eval()
         for _ in range(s.head_warmup_steps):
             idx = torch.randint(0, len(train_rows), (min(s.batch_size, len(train_rows)),), generator=gen)
-            batch = collate([train_rows[int(i)] for i in idx], pad_id, with_token_types)
+            batch = collate([train_rows[int(i)] for i in idx], pad_id, with_token_types, device=_device(model))
             with torch.enable_grad():
                 loss = mean_loss(model, batch)
                 opt.zero_grad(set_to_none=True)
@@ -251,7 +259,7 @@ def _score_unit_eq21(model: nn.Module, unit: str, train_rows: Sequence[dict], va
         dim = sum(p.numel() for p in params.values())
         rho = noise_scale(s.sigma, s.clip_norm, dim, s.downstream_batch)
         model.eval()
-        batches = [collate(list(train_rows[k:k + s.batch_size]), pad_id, with_token_types)
+        batches = [collate(list(train_rows[k:k + s.batch_size]), pad_id, with_token_types, device=_device(model))
                    for k in range(0, len(train_rows), s.batch_size)]
         g = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
         for b in batches:  # g_Λ: mean clipped per-example gradient over the synthetic train split
@@ -318,7 +326,7 @@ def score_unit(model: nn.Module, unit: str, train_rows: Sequence[dict], val_rows
         model.eval()  # no dropout: the score should reflect Λ and ξ, not dropout draws
         for step in range(s.steps):
             idx = torch.randint(0, len(train_rows), (min(s.batch_size, len(train_rows)),), generator=gen)
-            batch = collate([train_rows[int(i)] for i in idx], pad_id, with_token_types)
+            batch = collate([train_rows[int(i)] for i in idx], pad_id, with_token_types, device=_device(model))
             res = engine.clipped_sum(batch)
             g = {n: t / len(idx) for n, t in res.grad_sum.items()}
             gnorms.append(float(_norm({n: t for n, t in g.items() if n in own})))

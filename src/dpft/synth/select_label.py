@@ -45,7 +45,7 @@ class SelectLabelError(ValueError):
 # ---------------------------------------------------------------------------- embeddings
 @torch.no_grad()
 def embed_texts(texts: Sequence[str], encoder: str = "minilm", batch_size: int = 64,
-                max_length: int = 64, model=None, tokenizer=None) -> torch.Tensor:
+                max_length: int = 64, model=None, tokenizer=None, device=None) -> torch.Tensor:
     """φ(x): mean-pooled last hidden states over non-padding tokens, L2-normalised.
 
     Args:
@@ -53,9 +53,10 @@ def embed_texts(texts: Sequence[str], encoder: str = "minilm", batch_size: int =
         encoder: model name for :func:`dpft.models.load.resolve_model_path` (``minilm`` =
             embedded all-MiniLM-L6-v2, a public encoder: no privacy cost).
         model, tokenizer: an already loaded encoder (tests pass a tiny random one).
+        device: where the encoder runs (None: where ``model`` is; the CPU for one loaded here).
 
     Returns:
-        ``(n, d)`` float32 tensor with unit-norm rows.
+        ``(n, d)`` float32 tensor with unit-norm rows, on the CPU (the vote histograms are small).
 
     Raises:
         SelectLabelError: no texts, or a non-string entry.
@@ -77,6 +78,9 @@ def embed_texts(texts: Sequence[str], encoder: str = "minilm", batch_size: int =
         path = resolve_model_path(encoder)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModel.from_pretrained(path)
+    if device is not None:
+        model.to(device)
+    dev = next(model.parameters()).device
     model.eval()
     out = []
     # Length-sorted batches waste little padding; the order is restored at the end.
@@ -85,10 +89,12 @@ def embed_texts(texts: Sequence[str], encoder: str = "minilm", batch_size: int =
         idx = order[k:k + batch_size]
         enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length,
                         return_tensors="pt")
-        hidden = model(**enc).last_hidden_state  # (b, T, d)
+        enc = {k: v.to(dev) for k, v in enc.items()}
+        with torch.no_grad():
+            hidden = model(**enc).last_hidden_state  # (b, T, d)
         mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-        out.append(torch.nn.functional.normalize(pooled.float(), dim=-1))
+        out.append(torch.nn.functional.normalize(pooled.float(), dim=-1).cpu())
     emb = torch.cat(out)
     res = torch.empty_like(emb)
     res[torch.tensor(order)] = emb
@@ -221,6 +227,7 @@ def dp_select_and_label(
     private_emb: Optional[torch.Tensor] = None,
     cand_emb: Optional[torch.Tensor] = None,
     encoder: str = "minilm",
+    device=None,
 ) -> SyntheticData:
     """Algorithm 1 lines 3–4: DP select-and-label, then a seeded 7:3 train/validation split.
 
@@ -237,6 +244,7 @@ def dp_select_and_label(
         rng: the run's secret randomness (privacy/randomness.py) for the two noisy histograms;
             None = a fresh secret source.
         private_emb, cand_emb: precomputed φ embeddings (else computed with ``encoder``).
+        device: where the encoder runs (the run's ``perf.device``; None = the CPU).
 
     Raises:
         SelectLabelError: empty pool or private set, n_select out of range, bad labels.
@@ -252,9 +260,9 @@ def dp_select_and_label(
         raise SelectLabelError(f"val_fraction must be in (0, 1), got {val_fraction}")
     sigma_sel, sigma_lab = calibrate_select_label(epsilon_syn, delta, label_ratio)
     if private_emb is None:
-        private_emb = embed_texts(private_texts, encoder)
+        private_emb = embed_texts(private_texts, encoder, device=device)
     if cand_emb is None:
-        cand_emb = embed_texts(candidates, encoder)
+        cand_emb = embed_texts(candidates, encoder, device=device)
     nn_idx = nearest_candidate(private_emb, cand_emb)
     labels = torch.as_tensor(list(private_labels), dtype=torch.long)
 

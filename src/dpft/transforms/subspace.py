@@ -73,11 +73,17 @@ class SubspaceBasis:
         """Memory of P in bytes (as stored: dtype × d × k)."""
         return sum(b.numel() * b.element_size() for b in self.blocks.values())
 
-    def to(self, dtype: str | torch.dtype) -> "SubspaceBasis":
-        """A copy of the basis with P stored in ``dtype`` (``float32`` or ``bfloat16``)."""
+    def to(self, dtype: str | torch.dtype, device: str | torch.device | None = None) -> "SubspaceBasis":
+        """A copy of the basis with P stored in ``dtype`` (``float32`` or ``bfloat16``), on
+        ``device`` (None: where it is; ``Θ*`` stays where it is, it is copied into the model)."""
         dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-        return SubspaceBasis({n: b.to(dt) for n, b in self.blocks.items()}, self.singular_values,
-                             self.start, dict(self.meta))
+        return SubspaceBasis({n: b.to(device=device, dtype=dt) for n, b in self.blocks.items()},
+                             self.singular_values, self.start, dict(self.meta))
+
+    @property
+    def device(self) -> torch.device:
+        """Where P is stored."""
+        return next(iter(self.blocks.values())).device
 
     # ------------------------------------------------------------------ projections
     def project(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -89,7 +95,7 @@ class SubspaceBasis:
         missing = [n for n in self.blocks if n not in grads]
         if missing:
             raise SubspaceError(f"project: gradient lacks basis parameters {missing[:3]}")
-        out = torch.zeros(self.k, dtype=torch.float32)
+        out = torch.zeros(self.k, dtype=torch.float32, device=self.device)
         for n, b in self.blocks.items():
             out += b.reshape(self.k, -1).float() @ grads[n].reshape(-1).float().to(b.device)
         return out
@@ -104,7 +110,7 @@ class SubspaceBasis:
 
     def gram(self) -> torch.Tensor:
         """``PᵀP`` (k × k, float64): the identity for an orthonormal basis."""
-        g = torch.zeros(self.k, self.k, dtype=torch.float64)
+        g = torch.zeros(self.k, self.k, dtype=torch.float64, device=self.device)
         for b in self.blocks.values():
             f = b.reshape(self.k, -1).double()
             g += f @ f.T
@@ -119,10 +125,11 @@ class SubspaceBasis:
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {f"basis.{n}": b.contiguous() for n, b in self.blocks.items()}
-        tensors["singular_values"] = self.singular_values.double().contiguous()
+        # The file is device-free: tensors on an accelerator are copied to the host first.
+        tensors = {f"basis.{n}": b.detach().cpu().contiguous() for n, b in self.blocks.items()}
+        tensors["singular_values"] = self.singular_values.double().cpu().contiguous()
         for n, t in (self.start or {}).items():
-            tensors[f"start.{n}"] = t.detach().contiguous()
+            tensors[f"start.{n}"] = t.detach().cpu().contiguous()
         meta = {"format": "dpft-subspace-1", "names": json.dumps(self.names), "meta": json.dumps(self.meta)}
         save_file(tensors, str(path), metadata=meta)
         return path
@@ -193,8 +200,9 @@ def basis_from_snapshots(
             raise SubspaceError(f"snapshot stack of {n} has {a.shape[0]} rows, expected {m}")
     if k > m:
         raise SubspaceError(f"k = {k} > m = {m} snapshots: rank(A) ≤ m; record at least k snapshots or lower k")
-    # Gram matrix A Aᵀ = Σ_n A_n A_nᵀ in float64 (m × m).
-    gram = torch.zeros(m, m, dtype=torch.float64)
+    # Gram matrix A Aᵀ = Σ_n A_n A_nᵀ in float64 (m × m), on the snapshots' device.
+    dev = next(iter(snapshots.values())).device
+    gram = torch.zeros(m, m, dtype=torch.float64, device=dev)
     for a in snapshots.values():
         f = a.reshape(m, -1).double()
         gram += f @ f.T
@@ -215,7 +223,7 @@ def basis_from_snapshots(
         p = coef.T @ a.reshape(m, -1).double()  # (k, d_n)
         blocks[n] = p
     # Re-orthonormalise: P ← P (PᵀP)^{-1/2} (k × k), removing the Gram route's round-off.
-    g = torch.zeros(k, k, dtype=torch.float64)
+    g = torch.zeros(k, k, dtype=torch.float64, device=dev)
     for p in blocks.values():
         g += p @ p.T
     w, v = torch.linalg.eigh(g)
@@ -224,7 +232,7 @@ def basis_from_snapshots(
     for n, p in blocks.items():
         shape = snapshots[n].shape[1:]
         out[n] = (inv_sqrt @ p).to(_DTYPES[dtype]).reshape(k, *shape)
-    return SubspaceBasis(out, lam.sqrt(), None, {"snapshots": m, "rank": rank, "dtype": dtype})
+    return SubspaceBasis(out, lam.sqrt().cpu(), None, {"snapshots": m, "rank": rank, "dtype": dtype})
 
 
 def format_bytes(n: int) -> str:

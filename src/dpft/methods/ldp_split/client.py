@@ -149,6 +149,12 @@ class LDPClient:
             self.train_tok, self.noisy_labels = privatize_labels(self.train_tok, c.label_epsilon,
                                                                  self.task.num_labels, self.rng.stream("label_rr"))
         self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length)
+        from dpft.perf import resolve_device
+
+        # pre(·), the encoder, the clipping and the noise run on the client's perf.device; the
+        # noisy codes are copied to the host only to be sent.
+        self.device = resolve_device(r.perf.device)
+        self.split.to(self.device)
 
     def _randomness_section(self) -> dict[str, Any]:
         if self.reproducible:
@@ -208,12 +214,12 @@ class LDPClient:
     def _send_tensors(self, path: str, z: torch.Tensor, labels: Optional[torch.Tensor],
                       params: Optional[dict] = None) -> dict[str, Any]:
         """Send ``z`` ``(b, T, k)`` float32 [+ ``labels`` ``(b,)`` int64]; refuses a non-finite z."""
-        z = z.float().contiguous()
+        z = z.float().cpu().contiguous()
         if not bool(torch.isfinite(z).all()):
             raise LDPError(f"ldp-client: refusing to send a non-finite code to {path}")
         t = {"z": z}
         if labels is not None:
-            t["labels"] = labels.long().contiguous()
+            t["labels"] = labels.long().cpu().contiguous()
         return self._post(path, st_save(t), "application/octet-stream", params)
 
     def load_encoder(self, body: bytes) -> Optional[str]:
@@ -293,7 +299,7 @@ class LDPClient:
     def _release(self, rows, sigma: float, gen: SecretStream) -> tuple[torch.Tensor, torch.Tensor]:
         from dpft.data.tokenize import collate
 
-        b = collate(list(rows), self.pad_id, self.with_tt)
+        b = collate(list(rows), self.pad_id, self.with_tt, device=self.device)
         h = self.split.pre(b["input_ids"], b["attention_mask"], b.get("token_type_ids"))
         return self.release_codes(h, sigma, gen), b["labels"]
 

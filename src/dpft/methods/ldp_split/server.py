@@ -98,12 +98,17 @@ class LDPServerState:
         r, c = self.recipe, self.recipe.ldp
         if abs(p.expected_batch_size - float(r.batch.expected_batch_size)) > 1e-9:
             raise Refused(400, "plan_mismatch")
+        from dpft.perf import resolve_device
+
         tok, model = load_classifier(r.model.name, p.num_labels, seed=r.seed)
         ae = None
         if c.autoencoder.sizes:
             torch.manual_seed(r.seed)
             ae = StackedAutoencoder(c.autoencoder.sizes)
+        # post(·) trains on the recipe's perf.device; what crosses the wire stays on the host.
+        self.device = resolve_device(r.perf.device)
         split = SplitClassifier(model, c.position, GaussianLDP(c.max_norm, 0.0, ae), r.model.max_length)
+        split.to(self.device)
         pretrain_loss: list[float] = []
         if ae is not None and c.autoencoder.pretrain_epochs > 0:
             pretrain_loss = _pretrain_public(split, ae, tok, r)
@@ -135,7 +140,7 @@ class LDPServerState:
         ae = self.split.noise.autoencoder if self.split is not None else None
         if ae is None:
             return st_save({})
-        return st_save({k: v.contiguous() for k, v in ae.encoder.state_dict().items()})
+        return st_save({k: v.detach().cpu().contiguous() for k, v in ae.encoder.state_dict().items()})
 
     def check_tensors(self, t: dict[str, torch.Tensor], call: str) -> None:
         """Refuse (400) tensors that are not what the plan allows.
@@ -173,7 +178,7 @@ class LDPServerState:
             raise Refused(409, "step_order")
         self.split.train()
         torch.manual_seed(step)  # dropout of post(·)
-        z, y = t["z"], t["labels"]
+        z, y = t["z"].to(self.device), t["labels"].to(self.device)
         if z.shape[0]:
             loss = self.loss(self.split.post(z).float(), y).sum()
             (loss / self.denom).backward()  # divide by the expected batch size, as the Trainer does
@@ -191,7 +196,7 @@ class LDPServerState:
     def evaluate(self, t: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Correct count and summed loss on noisy dev codes, or (no labels) the logits ``(b, K)``."""
         self.split.eval()
-        logits = self.split.post(t["z"]).float()
+        logits = self.split.post(t["z"].to(self.device)).float().cpu()
         if "labels" not in t:  # label-private client: it scores the logits itself
             return {"logits": logits.tolist(), "n": int(t["z"].shape[0])}
         return {"correct": int((logits.argmax(-1) == t["labels"]).sum()), "n": int(t["z"].shape[0]),
@@ -215,8 +220,10 @@ def _pretrain_public(split: SplitClassifier, ae: StackedAutoencoder, tok, r: Any
     for k in range(0, len(texts), a.pretrain_batch_size):
         enc = tok(texts[k:k + a.pretrain_batch_size], truncation=True, max_length=r.model.max_length,
                   padding=True, return_tensors="pt")
+        dev = next(split.parameters()).device
+        enc = {k: v.to(dev) for k, v in enc.items()}
         h = split.pre(enc["input_ids"], enc["attention_mask"], enc.get("token_type_ids"))
-        batches.append((h, torch.ones(h.shape[:2])))
+        batches.append((h, torch.ones(h.shape[:2], device=h.device)))
     return pretrain_autoencoder(ae, batches, r.ldp.max_norm, epochs=a.pretrain_epochs, lr=a.pretrain_lr,
                                 seed=r.seed)
 
