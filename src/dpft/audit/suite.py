@@ -101,6 +101,10 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+    # issue 28: truncated Poisson and banded matrix factorization
+    ("dpft.audit.checks_mechanisms", "mechanism_checks",
+     ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
+      "banded_buffers_reset", "banded_unnormalised")),
 )
 
 

@@ -184,15 +184,17 @@ class MaskedEngine:
             self.inner.clip = self.clip
             return self.inner.clipped_sum(batch)
         mask = batch[EXAMPLE_MASK].bool()
-        rest = {k: v for k, v in batch.items() if k != EXAMPLE_MASK}
+        # The mask travels in the batch (as 0/1 floats), so the loss sees the rows it is given
+        # whatever the engine does with them (book-keeping's whole batch, the reference engine's
+        # one example at a time under vmap, a probe on a slice); model_inputs() never passes it
+        # to the model.
+        rest = {**batch, EXAMPLE_MASK: mask.float()}
         inner = self.inner
         loss_fn = inner.loss_fn
 
         def masked_loss(forward, b):
-            losses = loss_fn(forward, b)
-            if losses.shape[:1] != mask.shape:  # an engine's probe on a slice (no contribution)
-                return losses
-            return losses * mask.to(device=losses.device, dtype=losses.dtype)
+            losses = loss_fn(forward, {k: v for k, v in b.items() if k != EXAMPLE_MASK})
+            return losses * b[EXAMPLE_MASK].to(device=losses.device, dtype=losses.dtype)
 
         inner.loss_fn, inner.clip = masked_loss, MaskedClip(self.clip, mask)
         try:
