@@ -204,3 +204,27 @@ def test_banded_run_resumes_from_its_secret_noise_state(tiny_model_dir, sst_like
     state.unlink()
     with pytest.raises(TrainingError, match="noise buffers"):
         Trainer(r, tmp_path / "part", resume=True, progress=False).run()
+
+
+def test_make_private_truncates_and_records_the_truncated_event():
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dpft import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 3, (40,)))
+    eng = PrivacyEngine()
+    module, opt, crit, loader = eng.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+        data_loader=DataLoader(data, batch_size=20), noise_multiplier=1.0, max_grad_norm=1.0, max_batch_size=12)
+    sizes = []
+    for x, y in loader:
+        sizes.append(len(x))
+        crit(module(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert sizes and max(sizes) <= 12
+    assert [type(e.event).__name__ for e in eng.ledger.entries] == ["TruncatedSubsampledGaussianDpEvent"]
+    assert eng.ledger.entries[0].event == truncated_event(40, 0.5, 12, 1.0)

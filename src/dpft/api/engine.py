@@ -6,6 +6,7 @@ import math
 import warnings
 from typing import Any, Optional
 
+import dp_accounting as dpa
 import torch
 from torch import nn
 from torch.utils.data import (
@@ -29,6 +30,7 @@ from dpft.step.build import build_step_spec, resolve_sigma
 from dpft.step.clip import make_clip_policy
 from dpft.step.pipeline import DPStep
 from dpft.step.sample import PoissonSampler
+from dpft.step.truncated import TruncatedPoissonSampler, truncated_event
 
 
 def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
@@ -112,6 +114,7 @@ class PrivacyEngine:
         norm_mode: str = "auto",
         num_workers: int = 0,
         collate_fn: Any = None,
+        max_batch_size: Optional[int] = None,
     ):
         """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
 
@@ -157,6 +160,10 @@ class PrivacyEngine:
                 ``PrivacyEngine(reproducible_seed=...)``). ``grad_sample_mode``: ignored (dpft
                 always uses the book-keeping engine).
             norm_mode: book-keeping norm route ``"auto"`` | ``"ghost"`` | ``"instantiate"``.
+            max_batch_size: truncated Poisson (docs/mechanisms.md): at most this many examples per
+                logical batch, a uniformly random subset when more are drawn; the ledger records
+                ``TruncatedSubsampledGaussianDpEvent`` and σ is calibrated on it. The batch
+                shapes stay your collate function's (no padding here; ``dpft train`` pads).
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
@@ -300,9 +307,13 @@ class PrivacyEngine:
         # ---------------------------------------------------------------- noise
         # The same builders as `dpft train`'s plan (step/build.py): σ explicit, or calibrated on the
         # events this loop will record after those the ledger already holds; δ < 1/N checked.
+        # max_batch_size: truncated Poisson (step/truncated.py), accounted and calibrated on
+        # TruncatedSubsampledGaussianDpEvent (issue 28; shapes stay the user's collate's).
+        trunc_event = None if max_batch_size is None else (lambda s: dpa.SelfComposedDpEvent(
+            truncated_event(n, q, max_batch_size, s), planned))
         sigma = resolve_sigma(noise_multiplier=None if target_epsilon is not None else noise_multiplier,
                               target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n,
-                              prior=self.ledger.events())
+                              prior=self.ledger.events(), phase_event=trunc_event)
 
         # ---------------------------------------------------------------- the DP step
         self._calls += 1
@@ -315,9 +326,12 @@ class PrivacyEngine:
         elif clipping == "per_group":
             clip = _group_clip(max_grad_norm, engine.params, optimizer)
             engine.clip = clip
-        sampler = PoissonSampler(n, expected_batch_size, rng)
+        sampler = (PoissonSampler(n, expected_batch_size, rng) if max_batch_size is None
+                   else TruncatedPoissonSampler(n, expected_batch_size, rng, max_batch_size))
         spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
                                hardened=self.hardened_noise)
+        if max_batch_size is not None:
+            spec.mechanism.truncation = (n, int(max_batch_size))
         dp_step = DPStep(spec, self.ledger, n)
         dp_opt = DPOptimizer(optimizer, dp_step, planned)
         session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)
