@@ -152,6 +152,12 @@ class PrivacyCfg(_Strict):
     #: independent generators' normals / 2 (≥ 128 secret bits per draw, and Opacus secure_mode's
     #: denser support; privacy/randomness.py).
     hardened_noise: bool = True
+    #: ``gaussian``: independent noise every step (DP-SGD). ``banded_mf``: correlated noise of a
+    #: ``bands``-banded matrix factorization with cyclic Poisson (b-min-separated) participation
+    #: (Choquette-Choo et al. 2023; step/correlated.py, docs/mechanisms.md).
+    mechanism: Literal["gaussian", "banded_mf"] = "gaussian"
+    #: Bands b of ``banded_mf`` (b = 1 is DP-SGD); memory: b − 1 noise buffers of the trainable size.
+    bands: int = Field(4, ge=1)
 
     @model_validator(mode="after")
     def _target_or_sigma(self):
@@ -195,6 +201,10 @@ class BatchCfg(_Strict):
     #: Variable sampling rate: ``[[from_step, expected_batch_size], ...]`` (steps 0-based,
     #: first entry at step 0). Each step's own q goes in the ledger (data/schedule.py).
     schedule: Optional[list[tuple[int, int]]] = None
+    #: Truncated Poisson: at most this many examples per logical batch (a uniformly random subset
+    #: when more are drawn), accounted by ``TruncatedSubsampledGaussianDpEvent``; micro-batches
+    #: then have fixed shapes (max_physical_batch_size × model.max_length, padding masked).
+    max_batch_size: Optional[int] = Field(None, ge=1)
 
 
 # ---- perf: performance settings (issue 16). Speed and memory only: nothing here can change

@@ -43,10 +43,12 @@ def check_delta(delta: float, n: int | None) -> None:
 
 
 def epsilon_for_sigma(sigma: float, q: float, steps: int, delta: float, prior=(),
-                      discretization: float = 1e-4) -> float:
-    """ε(δ) of ``prior`` events composed with ``steps`` DP-SGD steps at (σ, q) (PLD)."""
+                      discretization: float = 1e-4, phase_event=None) -> float:
+    """ε(δ) of ``prior`` events composed with ``steps`` DP-SGD steps at (σ, q) (PLD); or with
+    ``phase_event(σ)`` when given (the whole phase's event for another mechanism)."""
     acc = pld_accountant(discretization)
-    acc.compose(dpa.ComposedDpEvent([*prior, dp_sgd_event(sigma, q, steps)]))
+    phase = dp_sgd_event(sigma, q, steps) if phase_event is None else phase_event(sigma)
+    acc.compose(dpa.ComposedDpEvent([*prior, phase]))
     return float(acc.get_epsilon(delta))
 
 
@@ -63,6 +65,7 @@ def calibrate_sigma(
     steps: int,
     prior: tuple[dpa.DpEvent, ...] | list = (),
     sigma_max: float = 500.0,
+    phase_event=None,
 ) -> float:
     """Smallest σ (to ~1e-4 relative) with ε(δ) ≤ target for ``steps`` Poisson-sampled Gaussian
     steps at sampling rate ``q``, composed after the ``prior`` events already spent.
@@ -73,6 +76,9 @@ def calibrate_sigma(
         q: Poisson sampling rate, expected batch / N.
         steps: number of noisy steps.
         prior: events already in the ledger (e.g. a private subspace phase).
+        phase_event: ``σ -> DpEvent`` of the whole phase when it is not ``steps`` ×
+            PoissonSampled(q, Gaussian(σ)) — truncated Poisson (step/truncated.py) or banded
+            matrix factorization (step/correlated.py); the run records exactly these events.
 
     Raises:
         CalibrationError: the target cannot be met (prior events alone exceed it, or even
@@ -92,7 +98,8 @@ def calibrate_sigma(
                 f"earlier phases already spent ε = {eps_prior:.4g} ≥ target {target_epsilon:g}; "
                 "raise the target ε or give the earlier phases less budget"
             )
-    if epsilon_for_sigma(sigma_max, q, steps, delta, prior) > target_epsilon:
+    ev = phase_event
+    if epsilon_for_sigma(sigma_max, q, steps, delta, prior, phase_event=ev) > target_epsilon:
         raise CalibrationError(
             f"target ε = {target_epsilon:g} at δ = {delta:g} cannot be met with {steps} steps at "
             f"q = {q:.4g} even with σ = {sigma_max:g}; raise ε or δ, or use fewer steps / a "
@@ -100,7 +107,7 @@ def calibrate_sigma(
         )
 
     def make_event(sigma):
-        return dpa.ComposedDpEvent([*prior, dp_sgd_event(sigma, q, steps)])
+        return dpa.ComposedDpEvent([*prior, dp_sgd_event(sigma, q, steps) if ev is None else ev(sigma)])
 
     # Explicit bracket: PLD discretisation of a very small σ needs huge arrays, so σ is
     # searched no lower than SIGMA_MIN; a target met even there gets σ = SIGMA_MIN (more
@@ -108,9 +115,9 @@ def calibrate_sigma(
     hi = sigma_max
     lo = 1.0
     g = min(_SEARCH_GRID, target_epsilon / 100)  # grid fine enough to resolve the target
-    while lo > SIGMA_MIN and epsilon_for_sigma(lo, q, steps, delta, prior, g) <= target_epsilon:
+    while lo > SIGMA_MIN and epsilon_for_sigma(lo, q, steps, delta, prior, g, ev) <= target_epsilon:
         hi, lo = lo, max(lo / 2, SIGMA_MIN)
-    if epsilon_for_sigma(lo, q, steps, delta, prior, g) <= target_epsilon:
+    if epsilon_for_sigma(lo, q, steps, delta, prior, g, ev) <= target_epsilon:
         return lo
     sigma = dpa.calibrate_dp_mechanism(
         lambda: pld_accountant(g),
@@ -123,7 +130,7 @@ def calibrate_sigma(
     sigma = float(sigma)
     # Never approximate in our favour: step σ up until the certified ε meets the target.
     for _ in range(200):
-        if epsilon_for_sigma(sigma, q, steps, delta, prior) <= target_epsilon:
+        if epsilon_for_sigma(sigma, q, steps, delta, prior, phase_event=ev) <= target_epsilon:
             return sigma
         sigma *= 1.0 + 1e-4
     raise CalibrationError("σ calibration did not converge; report this as a bug")  # pragma: no cover

@@ -114,6 +114,26 @@ def _quiet_absl():
         logger.removeFilter(flt)
 
 
+def _canonical(events: Iterable[dpa.DpEvent]) -> list[dpa.DpEvent]:
+    """The same composition with ``NoOpDpEvent`` dropped and equal events merged into one
+    ``SelfComposedDpEvent`` each (composition is commutative, so ε is unchanged; banded_mf
+    records a no-op on b − 1 steps of every b, which would otherwise leave many short entries)."""
+    counts: dict[dpa.DpEvent, int] = {}
+    rest: list[dpa.DpEvent] = []
+    for ev in events:
+        k = 1
+        while isinstance(ev, dpa.SelfComposedDpEvent):
+            k *= ev.count
+            ev = ev.event
+        if isinstance(ev, dpa.NoOpDpEvent) or k == 0:
+            continue
+        try:
+            counts[ev] = counts.get(ev, 0) + k
+        except TypeError:  # an unhashable event (e.g. a ComposedDpEvent's list): kept as it is
+            rest.append(ev if k == 1 else dpa.SelfComposedDpEvent(ev, k))
+    return [ev if k == 1 else dpa.SelfComposedDpEvent(ev, k) for ev, k in counts.items()] + rest
+
+
 def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
     """ε(δ) of the composition of ``events`` with PLD and RDP.
 
@@ -122,7 +142,7 @@ def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
     """
     if not 0 < delta < 1:
         raise ValueError(f"δ must be in (0, 1), got {delta}")
-    events = list(events)
+    events = _canonical(events)
     if not events:
         return PrivacyReport(0.0, delta, 0.0)
     event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
@@ -130,8 +150,11 @@ def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
     pld.compose(event)
     with _quiet_absl():
         rdp = rdp_privacy_accountant.RdpAccountant(neighboring_relation=ADD_OR_REMOVE)
-        rdp.compose(event)
-        eps_rdp = float(rdp.get_epsilon(delta))
+        if rdp.supports(event):
+            rdp.compose(event)
+            eps_rdp = float(rdp.get_epsilon(delta))
+        else:  # e.g. TruncatedSubsampledGaussianDpEvent: PLD only, no RDP cross-check
+            eps_rdp = math.nan
     return PrivacyReport(float(pld.get_epsilon(delta)), delta, eps_rdp)
 
 

@@ -6,6 +6,7 @@ import math
 import warnings
 from typing import Any, Optional
 
+import dp_accounting as dpa
 import torch
 from torch import nn
 from torch.utils.data import (
@@ -32,6 +33,7 @@ from dpft.step.clip import make_clip_policy
 from dpft.step.pipeline import DPStep
 from dpft.step.sample import PoissonSampler
 from dpft.step.unit import build_user_unit
+from dpft.step.truncated import TruncatedPoissonSampler, truncated_event
 
 
 def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
@@ -138,6 +140,7 @@ class PrivacyEngine:
         user_ids: Any = None,
         max_rows_per_user: int = 4,
         user_clipping: str = "group",
+        max_batch_size: Optional[int] = None,
     ):
         """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
 
@@ -222,6 +225,10 @@ class PrivacyEngine:
         rank (a rank whose share of a logical batch is empty joins it when its loader moves on).
         Dropout masks come from each rank's own torch generator (not a DP mechanism): seed the
         ranks differently. A checkpoint resumed from must come from the same number of ranks.
+            max_batch_size: truncated Poisson (docs/mechanisms.md): at most this many examples per
+                logical batch, a uniformly random subset when more are drawn; the ledger records
+                ``TruncatedSubsampledGaussianDpEvent`` and σ is calibrated on it. The batch
+                shapes stay your collate function's (no padding here; ``dpft train`` pads).
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
@@ -353,6 +360,9 @@ class PrivacyEngine:
         rng = self._rng.child(f"make_private:{calls}")
         unit = None
         if user_ids is not None:
+            if max_batch_size is not None:
+                raise ValueError("make_private: max_batch_size (truncated Poisson) is for example-level DP; at user "
+                                 "level (user_ids=) the batch is bounded by max_rows_per_user per sampled user")
             values, column = _user_values(dataset, user_ids, n)
             try:
                 unit = build_user_unit(values, expected_batch_size, max_rows_per_user, rng, user_clipping, column)
@@ -361,7 +371,8 @@ class PrivacyEngine:
             sampler: Any = unit.sampler
             n_units = unit.n
         else:
-            sampler = PoissonSampler(n, expected_batch_size, rng)
+            sampler = (PoissonSampler(n, expected_batch_size, rng) if max_batch_size is None
+                       else TruncatedPoissonSampler(n, expected_batch_size, rng, max_batch_size))
             n_units = n
         q = sampler.q
         steps_per_epoch = max(1, n_units // expected_batch_size)
@@ -402,9 +413,14 @@ class PrivacyEngine:
         # The same builders as `dpft train`'s plan (step/build.py): σ explicit, or calibrated on the
         # events this loop will record after those the ledger already holds; δ < 1/N checked.
         # DDP: rank 0 calibrates, every rank gets its σ (one value for the world).
+        # max_batch_size: truncated Poisson (step/truncated.py), accounted and calibrated on
+        # TruncatedSubsampledGaussianDpEvent (issue 28; shapes stay the user's collate's).
+        trunc_event = None if max_batch_size is None else (lambda s: dpa.SelfComposedDpEvent(
+            truncated_event(n, q, max_batch_size, s), planned))
         sigma = resolve_sigma(noise_multiplier=None if target_epsilon is not None else noise_multiplier,
                               target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n_units,
-                              prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(world, f))
+                              prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(world, f),
+                              phase_event=trunc_event)
 
         # ---------------------------------------------------------------- the DP step
         self._calls = calls
@@ -424,6 +440,8 @@ class PrivacyEngine:
         engine.clip = clip
         spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
                                hardened=self.hardened_noise)
+        if max_batch_size is not None:
+            spec.mechanism.truncation = (n, int(max_batch_size))
         dp_step = DPStep(spec, self.ledger, n_units, world_group=world.group)
         dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
         session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)

@@ -46,6 +46,10 @@ ALL = ALL + TRL_PLANTED
 # methods on the device / across processes (issue 26 item 5; audit/checks_device.py)
 DEVICE_PLANTED = ("shared_rank_ldp_noise",)
 ALL = ALL + DEVICE_PLANTED
+# issue 28 (mechanisms beyond the independent Gaussian): planted by audit/checks_mechanisms.py
+MECHANISMS_PLANTED = ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger",
+                      "no_min_separation", "banded_buffers_reset", "banded_unnormalised")
+ALL = ALL + MECHANISMS_PLANTED
 
 
 class _Patches:

@@ -86,8 +86,16 @@ def trainer_plan(trainer) -> dict:
     if mech is None:
         raise ValueError("the recipe's run is not private: nothing to audit")
     led = PrivacyLedger(list(t.ledger.entries))
-    led.record(t.phase, mech.event(t.q), count=t.total_steps)
-    return {"unit": t.privacy_unit["unit"], "n": int(t.n), "q": float(t.q), "sigma": float(mech.accounted_sigma),
+    extra = {}
+    if hasattr(mech, "event_at"):  # banded_mf (step/correlated.py): the event depends on the step
+        for s in range(t.total_steps):
+            led.record(t.phase, mech.event_at(s))
+        extra = {"bands": int(mech.bands), "partition_rate": float(mech.partition_rate)}
+    else:
+        led.record(t.phase, mech.event(t.q), count=t.total_steps)
+    if getattr(mech, "truncation", None) is not None:  # truncated Poisson (step/truncated.py)
+        extra = {"max_batch_size": int(mech.truncation[1])}
+    return {**extra, "unit": t.privacy_unit["unit"], "n": int(t.n), "q": float(t.q), "sigma": float(mech.accounted_sigma),
             "noise_sigma": float(mech.sigma), "steps": int(t.total_steps), "C": float(t.clip.sensitivity),
             "delta": float(t.recipe.privacy.delta), "epsilon": float(led.epsilon(t.recipe.privacy.delta).epsilon),
             "prior_phases": sorted({e.phase for e in t.ledger.entries}),
@@ -133,11 +141,26 @@ def audit_mode(trainer):
     dp.ledger, dp.on_release = PrivacyLedger(), None
     dp.spec = dp.spec.replace(optimizer=torch.optim.SGD(params, lr=0.0))
     set_dropout(t.model, 0.0)
+    mech = dp.spec.mechanism
+    banded = hasattr(mech, "buffers")
+    if banded:  # banded_mf: the audit replays step 0; each replay starts from empty noise buffers
+        state = (mech.buffers, mech.next_step)
+        orig_add = type(mech).add_noise.__get__(mech)
+
+        def add_noise(grad_sum, step):
+            if step == 0:
+                mech.buffers, mech.next_step = [], 0
+            return orig_add(grad_sum, step)
+
+        mech.add_noise = add_noise
     try:
         with warnings.catch_warnings():  # the no-op optimizer never steps: the scheduler warns
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             yield t
     finally:
+        if banded:
+            del mech.add_noise
+            mech.buffers, mech.next_step = state
         dp.ledger, dp.on_release, dp.spec = saved[0], saved[1], saved[2]
         for m, p in saved[3]:
             m.p = p
@@ -226,6 +249,10 @@ def trainer_noise_check(trainer, plan: dict, steps: tuple = (0, 1), level: float
     for c in calls:
         z = torch.cat([(c["noisy"][k] - c["sum"][k]).flatten() for k in sorted(c["sum"])])
         zs.append((z / std_exp).numpy())
+    coeffs = getattr(t.mechanism, "coeffs", None)
+    if coeffs is not None:  # banded_mf: the released noises are C⁻¹Z; C·Y is the iid σC·Z tested below
+        assert list(steps) == list(range(len(steps))), "banded noise check needs steps 0, 1, …"
+        zs = [sum(coeffs[j] * zs[i - j] for j in range(min(i + 1, len(coeffs)))) for i in range(len(zs))]
     z = zs[0]
     ss, df = float((z ** 2).sum()), z.size
     p_var = 2 * min(stats.chi2.cdf(ss, df), stats.chi2.sf(ss, df))
@@ -243,6 +270,10 @@ def trainer_noise_check(trainer, plan: dict, steps: tuple = (0, 1), level: float
                          f"correlation of steps {steps[0]} and {steps[1]}'s noise {r:.3g} (p = {p:.3g})",
                          {"corr": r, "p": p}))
     want = dpa.PoissonSampledDpEvent(plan["q"], dpa.GaussianDpEvent(plan["sigma"]))
+    if "max_batch_size" in plan:  # truncated Poisson
+        want = dpa.TruncatedSubsampledGaussianDpEvent(plan["n"], plan["q"], plan["max_batch_size"], plan["sigma"])
+    if "bands" in plan:  # banded_mf, step 0: a participation block starts
+        want = dpa.PoissonSampledDpEvent(plan["partition_rate"], dpa.GaussianDpEvent(plan["sigma"]))
     got = calls[0]["event"]
     out.append(Check("Trainer step: ledger event = plan", got == want,
                      f"the step records {got} ; the audit's plan (ε = {plan['epsilon']:.4g}) assumes {want}"))
@@ -255,6 +286,10 @@ def trainer_sampling_check(trainer, plan: dict, steps: int = 100, level: float =
     t = trainer
     n_units = t.sampler.n
     hits, over_k = 0, 0
+    bands = int(plan.get("bands", 1))
+    steps = bands * math.ceil(steps / bands)  # cyclic Poisson: whole cycles, every partition equally often
+    bound = plan.get("max_batch_size")
+    over_bound = 0
     for s in range(steps):
         idx = t.dp_step.indices(s)
         if t.user_level:
@@ -263,9 +298,14 @@ def trainer_sampling_check(trainer, plan: dict, steps: int = 100, level: float =
             over_k += int((counts > t.sampler.k).sum())
         else:
             hits += len(torch.unique(idx))
+            over_bound += int(bound is not None and len(idx) > bound)
     q = plan["q"]
     trials = n_units * steps
-    p = float(stats.binomtest(hits, trials, q).pvalue) if 0 < q < 1 else float(hits == trials * q)
+    # truncated Poisson can only lower the rate: test "not above q" (one-sided), and the bound
+    alt = "greater" if bound is not None else "two-sided"
+    p = float(stats.binomtest(hits, trials, q, alternative=alt).pvalue) if 0 < q < 1 else float(hits == trials * q)
+    if over_bound:
+        p = 0.0
     unit = "user" if t.user_level else "example"
     out = [Check(f"Trainer step: {unit} sampling rate q", p > level and n_units == plan["n"],
                  f"{unit} inclusion rate {hits / trials:.4g} over {steps} steps of the Trainer's sampler (N = "

@@ -63,7 +63,9 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
                # issue 17: what one "unit" of the guarantee is, and N of them (users at user level)
                "privacy_unit": getattr(trainer, "privacy_unit", {"unit": "example", "n_units": trainer.n}),
                "randomness": "reproducible (from the recorded seed)" if r.privacy.reproducible
-               else "secret (OS CSPRNG key, never written)"},
+               else "secret (OS CSPRNG key, never written)",
+               # truncated Poisson / banded_mf (step/mechanisms.py): public parameters only
+               **mechanism_section(trainer)},
         "optimizer": r.optimizer.model_dump(mode="json"),
         "metrics": final_eval,
         "time_seconds": round(elapsed, 1),
@@ -231,6 +233,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
             f"| clipping | {c['style']}, C = {c['max_norm']:g} |",
             f"| privacy unit | {unit_line(dp)} |",
             f"| per-example engine | {dp['engine']} |",
+            *mechanism_lines(dp),
         ]
     elif rep.get("ldp"):
         lines += [f"| steps | {dp['steps']} (expected batch {dp['expected_batch_size']}) |",
@@ -538,3 +541,26 @@ def _last_eval(d: Path, state_file: Optional[Path]) -> dict[str, Any]:
             if evs:
                 return {k: v for k, v in evs[-1].items() if k.startswith("eval_") or k in ("step", "epsilon")}
     return {}
+
+
+def mechanism_section(trainer) -> dict:
+    """``{"mechanism": …}`` for truncated Poisson or banded_mf runs (public parameters; the
+    truncation probability from N, q and the bound), else {}."""
+    from dpft.step.mechanisms import mechanism_info
+
+    unit = getattr(getattr(trainer, "plan", None), "unit", None)
+    info = mechanism_info(trainer.recipe, unit, trainer.total_steps) if unit is not None and trainer.private else {}
+    return {"mechanism": info} if info else {}
+
+
+def mechanism_lines(dp: dict) -> list[str]:
+    m = dp.get("mechanism") or {}
+    if m.get("mechanism") == "banded_mf":
+        return [f"| noise | banded matrix factorization, b = {m['bands']} bands; {m['participation']}, "
+                f"p = {m['partition_rate']:.5f}; accounted as {m['participations_accounted']} Poisson-subsampled "
+                f"Gaussian releases ({m['source']}) |"]
+    if "max_batch_size" in m:
+        return [f"| truncation | at most {m['max_batch_size']} examples per step (a random subset when more are "
+                f"drawn); P[truncated] = {m['truncation_probability_per_step']:.3g} per step, from N, q and the bound "
+                f"alone; accounted by {m['event']} |"]
+    return []

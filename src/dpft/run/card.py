@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from dpft.report.report import epsilon_line, unit_line
+from dpft.report.report import epsilon_line, mechanism_lines, unit_line
 
 #: Registered tasks whose data is a Hugging Face dataset (for the card's ``datasets:``).
 _HUB_DATASETS = {"sst2": "glue", "qnli": "glue", "sst5": "SetFit/sst5", "imdb": "imdb"}
@@ -52,6 +52,7 @@ def _mechanism_rows(rep: dict[str, Any]) -> list[str]:
         f"| clipping norm C | {c.get('max_norm', float('nan')):g} ({c.get('style')}) |",
         f"| privacy unit | {unit_line(dp)} |",
     ]
+    rows += mechanism_lines(dp)  # truncated Poisson / banded_mf: what differs from the rows above (issue 28)
     if p.get("guarantee") == "certified":
         acc = p.get("accountant", "PLD")
         acc = acc if "dp-accounting" in acc else f"{acc} (dp-accounting)"

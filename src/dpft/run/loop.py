@@ -199,6 +199,14 @@ class Trainer:
             mine = ddp.shard(idx, self.world)  # DDP: this rank's share of the world's logical batch
             micros = PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size)
         groups = self.user_level and r.task.user_clipping == "group"
+        if getattr(self.sampler, "max_batch_size", None) is not None:  # truncated Poisson: fixed shapes
+            from dpft.step.truncated import fixed_micro_batches, fixed_shape_batches
+
+            yield from fixed_shape_batches(fixed_micro_batches(ddp.shard(idx, self.world),
+                                                               r.batch.max_physical_batch_size),
+                                           self.train_tok, self.pad_id, self.with_token_types, r.model.max_length,
+                                           self.device)
+            return
         for micro in micros:
             batch = collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
                             device=self.device)
@@ -233,6 +241,10 @@ class Trainer:
             return
         save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
                         scheduler=self.scheduler, ledger_json=self.ledger.to_json(), state=self._state())
+        if hasattr(self.mechanism, "buffers"):  # banded_mf: secret noise state, outside the release set
+            from dpft.step.correlated import save_noise_state
+
+            save_noise_state(self.run_dir, self.mechanism, step)
 
     def _comparable(self, d: dict) -> dict:
         d = json.loads(json.dumps(d))
@@ -248,6 +260,13 @@ class Trainer:
         def read():  # DDP: rank 0 reads checkpoint and live ledger; every rank gets them
             ck = load_checkpoint(self.run_dir)
             ck["live_ledger"] = PrivacyLedger.load(live).to_json() if live.is_file() else None
+            if hasattr(self.mechanism, "buffers"):  # banded_mf: the secret noise buffers (or refuse)
+                from dpft.step.correlated import load_noise_state
+
+                try:
+                    ck["noise_state"] = load_noise_state(self.run_dir)
+                except FileNotFoundError as exc:
+                    raise TrainingError(str(exc)) from None
             return ck
 
         ck = ddp.on_rank0(self.world, read)
@@ -282,6 +301,10 @@ class Trainer:
         # steps again, and the report says so (normally none: an interrupt checkpoints its step).
         extra = (sum(e.count for e in self.ledger.entries if e.phase == self.phase)
                  - sum(e.count for e in ck_ledger.entries if e.phase == self.phase))
+        if hasattr(self.mechanism, "buffers"):
+            from dpft.step.correlated import resume_noise_state
+
+            resume_noise_state(self.mechanism, ck.get("noise_state"), st["step"], extra, self.params)
         if extra > 0 and self.private:
             self.replays.append({"from_step": st["step"] + 1, "to_step": min(st["step"] + extra, self.total_steps),
                                  "releases": extra})

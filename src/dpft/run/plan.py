@@ -44,6 +44,7 @@ from dpft import distributed as ddp
 from dpft.run.checkpoint import continue_ledger
 from dpft.run.errors import TrainingError
 from dpft.step.build import build_clip, build_step_spec, make_engine, resolve_sigma
+from dpft.step.mechanisms import check_mechanisms, install_mechanism, phase_event_of
 from dpft.step.unit import PrivacyUnit, build_unit, check_user_level
 
 __all__ = ["RunPlan", "build_plan", "evaluate_with_methods"]
@@ -145,6 +146,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                                 [m.name for m in methods if not getattr(m, "supports_device", False)])
     if r.task.user_column and private:  # refusals that need no data, before any loading
         check_user_level(r, world.distributed, [m.name for m in methods])
+    check_mechanisms(r, [m.name for m in methods])  # truncated Poisson, banded_mf
 
     task = load_rows(r, private)
     tokenizer, model = build_model(r, num_labels(task))
@@ -177,7 +179,8 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
         # DDP: rank 0 calibrates and every rank gets its σ (one value for the world).
         sigma = resolve_sigma(noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon, delta=p.delta,
                               q=unit.q, steps=total_steps, n=unit.n, prior=ledger.events(),
-                              calibrate=lambda f: ddp.on_rank0(world, f))
+                              calibrate=lambda f: ddp.on_rank0(world, f),
+                              phase_event=phase_event_of(r, unit, total_steps))
         clip = build_clip(p, r.task.user_clipping if unit.user_level else None, r.task.max_rows_per_user)
         engine = make_engine(p.engine, ctx.model, ctx.loss_fn, clip)
     else:
@@ -194,6 +197,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                            hardened=r.privacy.hardened_noise, transforms=list(transforms or []), phase=phase)
     for m in methods:  # each returns a changed copy of the step's parts
         spec = m.build(spec, ctx)
+    spec = install_mechanism(spec, r, unit, rng, sigma, total_steps)  # truncation mask, banded_mf noise
     if placement.precision.mixed and not getattr(spec.engine, "supports_precision", False):
         raise TrainingError(f"perf.dtype {placement.precision.dtype}: the {type(spec.engine).__name__} of this "
                             "recipe does not apply autocast; use perf.dtype: fp32")

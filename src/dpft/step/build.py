@@ -13,7 +13,8 @@ __all__ = ["resolve_sigma", "make_engine", "build_clip", "build_step_spec"]
 
 def resolve_sigma(*, noise_multiplier: Optional[float], target_epsilon: Optional[float], delta: Optional[float],
                   q: float, steps: int, n: int, prior: Sequence = (),
-                  calibrate: Optional[Callable[[Callable[[], float]], float]] = None) -> float:
+                  calibrate: Optional[Callable[[Callable[[], float]], float]] = None,
+                  phase_event: Optional[Callable[[float], Any]] = None) -> float:
     """The noise multiplier σ of a plan: the explicit ``noise_multiplier``, or calibrated with
     ``dp_accounting`` (PLD) so that the ``prior`` events composed with ``steps`` events
     ``PoissonSampled(q, Gaussian(σ))`` give ``target_epsilon`` at ``delta`` — the same events the run
@@ -22,6 +23,9 @@ def resolve_sigma(*, noise_multiplier: Optional[float], target_epsilon: Optional
     Args:
         n: N units (the δ check).
         calibrate: runs the calibration (DDP: on rank 0, the answer broadcast); default: here.
+        phase_event: ``σ -> DpEvent`` of the whole phase when the run records other events than
+            ``steps`` × PoissonSampled(q, Gaussian(σ)) (truncated Poisson, banded MF: see
+            :func:`phase_event_of`).
 
     Raises:
         CalibrationError: δ ≥ 1/N, or no σ reaches the target.
@@ -34,7 +38,7 @@ def resolve_sigma(*, noise_multiplier: Optional[float], target_epsilon: Optional
         return float(noise_multiplier)
 
     def run() -> float:
-        return calibrate_sigma(target_epsilon, delta, q, steps, prior=list(prior))
+        return calibrate_sigma(target_epsilon, delta, q, steps, prior=list(prior), phase_event=phase_event)
 
     return calibrate(run) if calibrate is not None else run()
 

@@ -45,6 +45,9 @@ class GaussianMechanism:
         self.sensitivity = float(sensitivity)
         self.rng = rng
         self.hardened = hardened
+        #: ``(N, B_max)`` under truncated Poisson sampling (step/truncated.py): the ledger event
+        #: is then ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)``. None: plain Poisson.
+        self.truncation: tuple[int, int] | None = None
 
     @property
     def std(self) -> float:
@@ -90,5 +93,10 @@ class GaussianMechanism:
         return self.add_noise(grad_sum, step), self.event(q)
 
     def event(self, q: float) -> dpa.DpEvent:
-        """The ledger event of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_accounted))``."""
+        """The ledger event of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_accounted))``
+        (truncated Poisson: ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ_accounted)``)."""
+        if self.truncation is not None:
+            from dpft.step.truncated import truncated_event
+
+            return truncated_event(self.truncation[0], q, self.truncation[1], self.accounted_sigma)
         return dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.accounted_sigma))

@@ -112,7 +112,9 @@ def build_unit(recipe, train_tok, task_notes: list, rng, private: bool) -> Priva
             raise TrainingError("batch.schedule: set privacy.noise_multiplier (σ calibration for a "
                                 "variable q is not implemented; `dpft report` gives the certified ε)")
     else:
-        sampler = PoissonSampler(n_rows, r.batch.expected_batch_size, rng)
+        from dpft.step.mechanisms import make_sampler  # truncated Poisson, cyclic Poisson (banded_mf)
+
+        sampler = make_sampler(r, n_rows, rng) or PoissonSampler(n_rows, r.batch.expected_batch_size, rng)
     return PrivacyUnit(sampler, n_rows, sampler.q, False, {"unit": "example", "n_units": n_rows})
 
 

@@ -1,0 +1,330 @@
+"""Correlated noise: banded matrix factorization (``privacy.mechanism: banded_mf``).
+
+The mechanism (Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu, NeurIPS 2023,
+"(Amplified) Banded Matrix Factorization: A unified approach to private training"; MF-DP-FTRL
+of Kairouz et al. 2021 / Denisov et al. 2022). Write the n steps' clipped sums as the rows of
+X (n × d). A factorization of the prefix-sum workload A = B·C (A lower-triangular ones) with a
+lower-triangular *b-banded* Toeplitz strategy C (``C[t, t-j] = c_j`` for 0 ≤ j < b) releases
+C·X + Z, Z iid N(0, σ²C_clip²), and the optimizer gets the rows of
+C⁻¹(C·X + Z) = X + C⁻¹Z: step t's gradient noise is
+
+    y_t = (z_t − Σ_{j=1}^{b−1} c_j · y_{t−j}) / c_0          (forward substitution of C·y = z)
+
+so the mechanism keeps the last b − 1 noises y as secret state: **memory (b − 1) × the trainable
+parameters in fp32** (LoRA or a few top blocks: small; full fine-tuning of a large model: large).
+The noise of the model after t steps of SGD is (A·C⁻¹·Z)_t = (B·Z)_t, whose error the coefficients
+minimise.
+
+Coefficients (:func:`banded_coefficients`): the Toeplitz c ∈ ℝᵇ with ‖c‖₂ = 1 (every column of C
+has norm ≤ 1: sensitivity C_clip per participation) minimising the prefix-sum loss
+‖A·C⁻¹‖_F² = Σ_{k<n} (n − k)·e_k², e_k = Σ_{i≤k} d_i, d = C⁻¹'s Toeplitz coefficients (the power
+series 1/c(x)) — Choquette-Choo et al. 2023 Eq. (2) (total squared error of the prefix sums)
+restricted to banded Toeplitz C as in Kalinin & Lampert 2024 ("Banded square root matrix
+factorization"); numerically by L-BFGS from the banded square root c_j = binom(2j, j)/4ʲ
+(the optimal infinite Toeplitz factor of Fichtenberger et al. 2023), which is the start point.
+
+Participation (:class:`CyclicPoissonSampler`, the paper's "b-min-sep sampling"): every example
+gets a secret partition in {0..b−1} (independent uniform draws, so adding or removing one
+example moves no other); step t samples partition t mod b with Poisson rate p = b·B/N (B the
+expected batch). Every example participates at most once in any b consecutive steps.
+
+Accounting (Choquette-Choo et al. 2023, Theorem 4, "amplification for b-banded matrices"): since
+column i of C is supported on rows i..i+b−1 and an example's participations are ≥ b apart, its
+participations touch disjoint row blocks of C·X + Z; each block is a Poisson-subsampled Gaussian
+mechanism with rate p, sensitivity C_clip·‖C[:, i]‖₂ ≤ C_clip and noise σ·C_clip. So n steps are
+(ε, δ)-DP whenever ⌈n/b⌉ × ``PoissonSampledDpEvent(p, GaussianDpEvent(σ))`` is: the ledger records
+that event at every step t ≡ 0 (mod b) and ``NoOpDpEvent`` at the others, so after any t + 1
+steps it holds ⌈(t+1)/b⌉ events — the most participations of any example (partition 0) —
+and σ is calibrated on the same composition. No rounding is in our favour: every column norm is
+bounded by the full ‖c‖₂ = 1 (the last b − 1 columns are shorter), and ⌈·⌉ counts partial blocks.
+b = 1 is DP-SGD (p = q, one event per step).
+
+Not covered: resuming after releases past the last checkpoint (a crash between checkpoints)
+would release rows that reuse pre-checkpoint batches under fresh noise; resume refuses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import dp_accounting as dpa
+import numpy as np
+import torch
+
+from dpft.step.noise import GaussianMechanism
+from dpft.step.sample import PoissonSampler
+
+if TYPE_CHECKING:
+    from dpft.privacy.randomness import Randomness
+
+__all__ = ["banded_coefficients", "prefix_sum_loss", "inverse_coefficients", "CyclicPoissonSampler",
+           "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "save_noise_state", "load_noise_state",
+           "resume_noise_state", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES", "MAX_BUFFER_BYTES"]
+
+#: Secret noise state of a banded-MF run: ``run_dir/NOISE_STATE_FILE``, mode 0600, outside the
+#: release set (never in checkpoint/, never pushed).
+NOISE_STATE_FILE = "noise_state.secret.pt"
+#: Noise buffers above this size warn; above :data:`MAX_BUFFER_BYTES` they are refused.
+WARN_BUFFER_BYTES = 2 * 2**30
+MAX_BUFFER_BYTES = 16 * 2**30
+
+
+# ----------------------------------------------------------------------------- coefficients
+def inverse_coefficients(c: np.ndarray, n: int) -> np.ndarray:
+    """The first ``n`` Toeplitz coefficients d of C⁻¹ (C lower-triangular Toeplitz with first
+    column c): the power series 1/c(x), i.e. an IIR filter's impulse response."""
+    from scipy.signal import lfilter
+
+    imp = np.zeros(int(n))
+    imp[0] = 1.0
+    return lfilter([1.0], np.asarray(c, dtype=np.float64), imp)
+
+
+def prefix_sum_loss(c: np.ndarray, n: int) -> float:
+    """‖A·C⁻¹‖_F² / max column norm² of C, for the n × n prefix-sum workload A and the banded
+    Toeplitz C of first column c: the total squared error of the n prefix sums per unit of noise
+    variance (the objective of Choquette-Choo et al. 2023, Eq. 2, for a Toeplitz C)."""
+    c = np.asarray(c, dtype=np.float64)
+    e = np.cumsum(inverse_coefficients(c, n))
+    weights = np.arange(n, 0, -1, dtype=np.float64)
+    return float(np.sum(weights * e * e) * np.sum(c * c))
+
+
+def banded_coefficients(n: int, bands: int) -> np.ndarray:
+    return _banded_coefficients(int(n), int(bands)).copy()
+
+
+banded_coefficients.__doc__ = """Optimal b-banded Toeplitz strategy coefficients for n steps (see the module
+    docstring); cached per (n, b).
+
+    Returns:
+        ``(b,)`` float64, ‖c‖₂ = 1, c₀ > 0; b = 1 gives [1.0] (DP-SGD).
+
+    Raises:
+        ValueError: n < 1 or b < 1.
+    """
+
+
+@functools.lru_cache(maxsize=32)
+def _banded_coefficients(n: int, bands: int) -> np.ndarray:
+    from scipy.optimize import minimize
+
+    n, b = int(n), int(bands)
+    if n < 1 or b < 1:
+        raise ValueError(f"need n ≥ 1 steps and b ≥ 1 bands, got n = {n}, b = {b}")
+    b = min(b, n)
+    j = np.arange(b)
+    start = np.exp([math.lgamma(2 * k + 1) - 2 * math.lgamma(k + 1) - 2 * k * math.log(2) for k in j])
+    start /= np.linalg.norm(start)
+    if b == 1:
+        return start
+
+    def f(v):  # log of the scale-free loss; an unstable C⁻¹ (overflow) is +inf
+        v = np.asarray(v)
+        if v[0] <= 1e-6:
+            return 1e300
+        with np.errstate(all="ignore"):
+            val = prefix_sum_loss(v / np.linalg.norm(v), n)
+        return math.log(val) if np.isfinite(val) and val > 0 else 1e300
+
+    # Derivative-free (the loss is scale-invariant in v, which stalls quasi-Newton at the start):
+    # Powell, then Nelder-Mead from its answer; the best point found, never worse than the start.
+    best = start
+    for method in ("Powell", "Nelder-Mead"):
+        res = minimize(f, best, method=method, options={"maxiter": 4000})
+        if res.x[0] > 0 and f(res.x) < f(best):
+            best = res.x
+    return best / np.linalg.norm(best)
+
+
+# ----------------------------------------------------------------------------- participation
+class CyclicPoissonSampler(PoissonSampler):
+    """b-min-separated participation (cyclic Poisson): the N examples are split into b secret
+    partitions (independent uniform draws, stream ``partition``); step t samples each example of
+    partition t mod b with probability p = b·B/N (stream ``sample``, t).
+
+    Attributes:
+        q: B/N, the marginal rate (the step divides the noisy sum by the expected batch qN = B).
+        partition_rate: p, the Poisson rate within a partition (the ledger's rate).
+        bands: b.
+
+    Raises:
+        ValueError: b·B > N (p would exceed 1: lower privacy.bands or batch.expected_batch_size).
+    """
+
+    def __init__(self, n: int, expected_batch_size: int, rng: "Randomness", bands: int):
+        super().__init__(n, expected_batch_size, rng)
+        self.bands = int(bands)
+        if self.bands * expected_batch_size > n:
+            raise ValueError(f"banded_mf with b = {self.bands} bands samples each of b partitions of N = {n} "
+                             f"examples at rate p = b·B/N = {self.bands * expected_batch_size / n:.3g} > 1; "
+                             "lower privacy.bands or batch.expected_batch_size")
+        self.partition_rate = self.bands * expected_batch_size / n
+        self.partition = rng.stream("partition").randint(self.bands, (n,)) if self.bands > 1 \
+            else torch.zeros(n, dtype=torch.long)
+
+    def indices(self, step: int) -> torch.Tensor:
+        """Step ``step``'s batch: members of partition ``step mod b``, each with probability p."""
+        draw = self.rng.stream("sample", int(step)).bernoulli((self.n,), self.partition_rate)
+        return torch.nonzero(draw & (self.partition == int(step) % self.bands)).flatten()
+
+
+# ----------------------------------------------------------------------------- accounting
+def banded_phase_event(sigma: float, p: float, steps: int, bands: int) -> dpa.DpEvent:
+    """⌈n/b⌉ × PoissonSampled(p, Gaussian(σ)): the event n banded-MF steps record (Theorem 4)."""
+    return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(p, dpa.GaussianDpEvent(sigma)),
+                                   math.ceil(int(steps) / int(bands)))
+
+
+# ----------------------------------------------------------------------------- the mechanism
+class BandedMFMechanism(GaussianMechanism):
+    """Adds y_t = C⁻¹z's row t to step t's clipped sum, z_t ~ N(0, (σ·C_clip)² I) drawn from the
+    same secret streams as :class:`~dpft.step.noise.GaussianMechanism` (``noise``, t, tensor).
+
+    Args:
+        sigma, sensitivity, rng, hardened: as :class:`GaussianMechanism`.
+        coeffs: ``(b,)`` strategy coefficients, ‖c‖₂ ≤ 1 (:func:`banded_coefficients`).
+        partition_rate: p of :class:`CyclicPoissonSampler` (the ledger's sampling rate).
+
+    Steps must come in order 0, 1, 2, … (or from a restored :meth:`load_state`): the buffers
+    hold y_{t−1}, …, y_{t−b+1}.
+
+    Raises:
+        ValueError: ‖c‖₂ > 1 + 1e-9 or c₀ ≤ 0; (from :meth:`add_noise`) a step out of order.
+    """
+
+    def __init__(self, sigma: float, sensitivity: float, rng: "Randomness", coeffs, partition_rate: float,
+                 hardened: bool = True):
+        super().__init__(sigma, sensitivity, rng, hardened=hardened)
+        c = [float(x) for x in coeffs]
+        if not c or c[0] <= 0 or math.sqrt(sum(x * x for x in c)) > 1 + 1e-9:
+            raise ValueError(f"banded coefficients need c0 > 0 and ‖c‖ ≤ 1, got {c}")
+        self.coeffs = c
+        self.bands = len(c)
+        self.partition_rate = float(partition_rate)
+        #: Secret state: the last b − 1 noises, newest first (name → fp32 tensor).
+        self.buffers: list[dict[str, torch.Tensor]] = []
+        #: The step whose noise comes next.
+        self.next_step = 0
+
+    def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+        """``{name: sum + y_step}`` (see the class docstring); updates the buffers."""
+        if int(step) != self.next_step:
+            raise ValueError(f"banded_mf: noise of step {step} asked, but the buffers are at step "
+                             f"{self.next_step}; steps must run in order (resume restores the buffers)")
+        c = self.coeffs
+        out, y_now = {}, {}
+        for name, t in grad_sum.items():
+            z = self.noise_stream(step, name, t.device).normal(t.shape, dtype=torch.float32, device=t.device)
+            y = z.mul_(self.std)
+            for j, past in enumerate(self.buffers[: self.bands - 1], start=1):
+                y.sub_(past[name].to(y.device), alpha=c[j])
+            y.div_(c[0])
+            y_now[name] = y
+            out[name] = (t.float() + y).to(t.dtype)
+        if self.bands > 1:
+            self.buffers = [y_now, *self.buffers][: self.bands - 1]
+        self.next_step += 1
+        return out
+
+    def release(self, grad_sum, sensitivity: float, q: float, step: int):
+        """The noisy sum and this step's ledger event: ``PoissonSampled(p, Gaussian(σ))`` at
+        t ≡ 0 (mod b), ``NoOpDpEvent`` otherwise (module docstring, Theorem 4)."""
+        if float(sensitivity) != self.sensitivity and self.next_step > 0:
+            raise ValueError("banded_mf needs a fixed clipping norm (the noise of earlier steps is reused)")
+        self.sensitivity = float(sensitivity)
+        return self.add_noise(grad_sum, step), self.event_at(step)
+
+    def event_at(self, step: int) -> dpa.DpEvent:
+        if int(step) % self.bands == 0:
+            return dpa.PoissonSampledDpEvent(self.partition_rate, dpa.GaussianDpEvent(self.accounted_sigma))
+        return dpa.NoOpDpEvent()
+
+    def event(self, q: float) -> dpa.DpEvent:  # the per-step event depends on the step
+        raise TypeError("BandedMFMechanism.event depends on the step: use event_at(step)")
+
+    # -- secret state
+    def state(self) -> dict:
+        return {"next_step": self.next_step, "coeffs": self.coeffs,
+                "buffers": [{k: v.detach().cpu() for k, v in b.items()} for b in self.buffers]}
+
+    def load_state(self, st: dict, device_of: Optional[dict[str, torch.Tensor]] = None) -> None:
+        if [round(x, 12) for x in st["coeffs"]] != [round(x, 12) for x in self.coeffs]:
+            raise ValueError("banded_mf: the saved noise state has other coefficients (another bands or steps)")
+        dev = {k: v.device for k, v in (device_of or {}).items()}
+        self.buffers = [{k: v.to(dev.get(k, "cpu")) for k, v in b.items()} for b in st["buffers"]]
+        self.next_step = int(st["next_step"])
+
+
+def buffer_bytes(params: dict[str, torch.Tensor], bands: int) -> int:
+    """Bytes of the b − 1 fp32 noise buffers for ``params``."""
+    return max(0, int(bands) - 1) * 4 * sum(p.numel() for p in params.values())
+
+
+def check_buffer_memory(params: dict[str, torch.Tensor], bands: int) -> int:
+    """Warn above 2 GiB, refuse above 16 GiB of noise buffers. Returns the bytes.
+
+    Raises:
+        ValueError: too large, naming the fix (fewer bands, LoRA or fewer trainable blocks)."""
+    nbytes = buffer_bytes(params, bands)
+    if nbytes > MAX_BUFFER_BYTES:
+        raise ValueError(f"banded_mf with b = {bands} keeps {bands - 1} noise buffers of the trainable parameters: "
+                         f"{nbytes / 2**30:.1f} GiB > {MAX_BUFFER_BYTES / 2**30:.0f} GiB; lower privacy.bands or "
+                         "train fewer parameters (trainable.mode: lora or last_k)")
+    if nbytes > WARN_BUFFER_BYTES:
+        warnings.warn(f"banded_mf: the noise buffers take {nbytes / 2**30:.1f} GiB", stacklevel=2)
+    return nbytes
+
+
+def save_noise_state(run_dir, mechanism: BandedMFMechanism, step: int) -> Path:
+    """Write the secret noise state to ``run_dir/NOISE_STATE_FILE`` (mode 0600, atomically),
+    outside the release set. ``step``: the checkpoint's step (must equal the buffers' step)."""
+    if mechanism.next_step != int(step):
+        raise ValueError(f"noise buffers at step {mechanism.next_step}, checkpoint at step {step}")
+    path = Path(run_dir) / NOISE_STATE_FILE
+    tmp = path.with_name("." + path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(mechanism.state(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_noise_state(run_dir) -> dict:
+    """Read the secret noise state. Raises FileNotFoundError naming the file and the fix."""
+    path = Path(run_dir) / NOISE_STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {path} (the secret noise buffers of this banded_mf run) is missing; "
+                                "the correlated noise cannot continue without it — start a new --output-dir")
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def resume_noise_state(mechanism: BandedMFMechanism, state: Optional[dict], step: int, replayed: int,
+                       params: dict[str, torch.Tensor]) -> None:
+    """Restore the buffers for a resume at checkpoint ``step``.
+
+    Raises:
+        TrainingError: releases were made past the checkpoint (``replayed`` > 0: a crash between
+            checkpoints — releasing those steps again would reuse earlier batches under fresh noise,
+            which Theorem 4's accounting does not cover), or the state is of another step."""
+    from dpft.run.errors import TrainingError
+
+    if replayed > 0:
+        raise TrainingError(f"--resume: {replayed} banded_mf release(s) were made after the checkpoint at step "
+                            f"{step}; replaying them is not covered by the banded-MF accounting. Start a new "
+                            "--output-dir (the ledger of this directory keeps what was spent)")
+    if state is None or int(state["next_step"]) != int(step):
+        raise TrainingError(f"--resume: the secret noise state is at step {None if state is None else state['next_step']}"
+                            f", the checkpoint at step {step}; start a new --output-dir")
+    try:
+        mechanism.load_state(state, params)
+    except ValueError as exc:
+        raise TrainingError(f"--resume: {exc}") from None
