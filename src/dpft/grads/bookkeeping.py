@@ -106,7 +106,9 @@ class FallbackKind(LayerKind):
         lead = {t.shape[0] if t.dim() else None for t in outs}
         new_out = None
         rows = 0  # n > 0: every output is a flattened token-major (B*n, ...) tensor
+        shared = False  # the output is batch-independent: every input is shared by all examples
         if batch > 1 and lead == {1}:
+            shared = True
             # Batch-independent output used by every example (a learned position table called
             # with (1, T) positions): expanded to (B, ...) (stride-0 view, same values) so that
             # each example's output gradient arrives on its own.
@@ -125,10 +127,10 @@ class FallbackKind(LayerKind):
                     f"{tuple(t.shape)} for {batch} examples"
                 )
         metas = [(t.shape, t.dtype, t.device) for t in outs]
-        return (state, metas, batch, rows), new_out, watched
+        return (state, metas, batch, rows, shared), new_out, watched
 
     def contributions(self, module, state, grads, roles):
-        (args, kwargs), metas, batch, rows = state
+        (args, kwargs), metas, batch, rows, shared = state
         cots = [g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
                 for g, m in zip(grads, metas)]
         cots = [c.reshape(batch, -1) for c in cots]  # example i's block of every output
@@ -138,8 +140,10 @@ class FallbackKind(LayerKind):
         # outputs are flattened (B*n, ...), inputs with that leading dim (each example sees its
         # own n rows). Every other tensor is shared by all examples.
         lead = rows * batch if rows else batch
-        bidx = [k for k, t in enumerate(flat)
-                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == lead]
+        # A batch-independent output was computed from shared inputs only, even one whose leading
+        # dim happens to equal B (BART's decoder positions (T,) with T = B): none is per example.
+        bidx = [] if shared else [k for k, t in enumerate(flat)
+                                  if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == lead]
 
         def inner(p, batched, cot):
             leaves = list(flat)
