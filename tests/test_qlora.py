@@ -131,25 +131,13 @@ def test_dora_over_a_quantized_base_is_refused(llama_dir):
         BookKeepingEngine(model, causal_lm_loss, make_clip_policy("flat", 1.0))
 
 
-def test_lora_over_an_unknown_base_layer_type_is_refused_not_taken_as_a_plain_linear():
-    """A Linear subclass with its own forward (a quantized or custom Linear peft wraps as a plain
-    one) under ``lora.Linear``: the engine names the module and the base class."""
-
-    class MyQuantLinear(nn.Linear):
-        def forward(self, x):
-            return super().forward(x.round())
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(V, 8)
-            self.proj = MyQuantLinear(8, 8)
-            self.head = nn.Linear(8, V)
-
-        def forward(self, input_ids, **_):
-            return self.head(self.proj(self.emb(input_ids)))
-
-    model = peft.get_peft_model(Net(), peft.LoraConfig(r=2, target_modules=["proj"]))
-    with pytest.raises(UnknownAdapterError, match=r"proj is a peft base layer .*MyQuantLinear under "
-                                                  r"peft\.tuners\.lora\.layer\.Linear"):
+def test_a_qlora_layer_over_a_base_of_another_type_is_refused_by_name(llama_dir):
+    """A peft QLoRA layer whose base is not the bitsandbytes class it was written for (a future
+    peft dispatch, simulated) is refused naming the module and the base class."""
+    model = qlora_model(llama_dir, 8, target_modules=["q_proj"])
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    plain = nn.Linear(layer.in_features, layer.out_features, bias=False).to(DEVICE).requires_grad_(False)
+    layer.base_layer = plain
+    with pytest.raises(UnknownAdapterError, match=r"self_attn\.q_proj is a peft base layer torch\.nn\.modules\.linear\."
+                                                  r"Linear under peft\.tuners\.lora\.bnb\.Linear8bitLt"):
         BookKeepingEngine(model, causal_lm_loss, make_clip_policy("flat", 1.0))

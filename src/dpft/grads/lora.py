@@ -204,22 +204,20 @@ def _mro_names(obj) -> set[tuple[str, str]]:
 
 
 def _unknown_base(m: nn.Module, key: tuple[str, str]):
-    """What is unknown about a known peft adapter layer's *base* layer, or None: a LoRA Linear
-    must wrap an ``nn.Linear`` that keeps its ``forward`` or transformers' ``Conv1D``; a QLoRA
-    layer the bitsandbytes class it was written for. A base of another type (a quantized or
-    custom Linear peft wrapped as a plain one) is refused rather than treated as a plain Linear."""
+    """What is unknown about a known peft adapter layer's *base* layer, or None.
+
+    A QLoRA layer (``peft.tuners.lora.bnb``) must wrap the bitsandbytes class it was written for.
+    A plain ``lora.Linear`` may wrap any frozen base (``FalconLinear``, ``Conv1D``, …): peft adds
+    ``lora_B(lora_A(dropout(x))) * s`` to whatever the base returns, so the base's computation
+    never enters the adapters' per-example gradients (a trainable base parameter is its own
+    unit, with its own rule, the exact fallback, or the bitsandbytes refusal above). peft's
+    adapters over other quantized bases (GPTQ, AWQ, HQQ, torchao, …) are classes of their own,
+    refused as unknown adapter layers."""
+    if key not in QUANTIZED_ADAPTER_BASES:
+        return None
     get = getattr(m, "get_base_layer", None)
     base = get() if callable(get) else getattr(m, "base_layer", None)
-    if base is None:
+    if base is not None and _mro_names(base) & QUANTIZED_ADAPTER_BASES[key]:
         return None
     bcls = type(base)
-    label = f"base layer {bcls.__module__}.{bcls.__name__} under {key[0]}.{key[1]}"
-    if key in QUANTIZED_ADAPTER_BASES:
-        return None if _mro_names(base) & QUANTIZED_ADAPTER_BASES[key] else label
-    if key == ("peft.tuners.lora.layer", "Linear"):
-        if isinstance(base, nn.Linear) and bcls.forward is nn.Linear.forward:
-            return None
-        if bcls.__name__ == "Conv1D" and bcls.__module__.startswith("transformers."):
-            return None
-        return label
-    return None  # Embedding: LoraEmbeddingKind checks its base itself (else the exact fallback)
+    return f"base layer {bcls.__module__}.{bcls.__name__} under {key[0]}.{key[1]}"
