@@ -248,3 +248,18 @@ def test_clear_errors_for_bad_seq2seq_data(tmp_path):
     with pytest.raises(DataError, match=r"no source/target column\(s\) \['source'\]"):
         load_seq2seq_task(TaskCfg(name="seq2seq", train_file=str(tmp_path / "e.csv"), prompt_column="source",
                                   completion_column="ref"), tok, 16)
+
+
+def test_audit_seq2seq_leave_one_out_passes_and_catches_its_planted_bug():
+    """``dpft audit``'s seq2seq checks (audit/checks_seq2seq.py): leave-one-out of the step on T5 +
+    LoRA and BART within C; with each source collated with the next row's target, a row moves the
+    sum by more than C (the planted bug is in the registry ``dpft audit --plant`` takes)."""
+    from dpft.audit import planted, suite
+    from dpft.audit.checks_seq2seq import PLANTED, seq2seq_checks
+
+    honest = seq2seq_checks(None)
+    assert len(honest) == 2 and all(c.passed for c in honest), [c.message for c in honest]
+    bad = seq2seq_checks("seq2seq_targets_across_rows")
+    assert any(not c.passed for c in bad) and max(c.stats["loo_over_C"] for c in bad) > 1.5
+    assert set(PLANTED) <= set(planted.ALL)
+    assert ("dpft.audit.checks_seq2seq", "seq2seq_checks", PLANTED) in suite.OPTIONAL_CHECKS

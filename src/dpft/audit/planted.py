@@ -120,3 +120,9 @@ def plant(name: Optional[str]) -> Iterator[dict]:
         yield apply(name, p.set)
     finally:
         p.undo()
+
+
+# ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
+# collated with the next row's target.
+SEQ2SEQ_PLANTED = ("seq2seq_targets_across_rows",)
+ALL = ALL + SEQ2SEQ_PLANTED

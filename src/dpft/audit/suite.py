@@ -101,6 +101,7 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+    ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows",)),
 )
 
 
