@@ -2,7 +2,7 @@
 (data/tokenize.py ``collate_seq2seq``) through the book-keeping engine with the target-only loss
 (models/losses.py ``seq2seq_lm_loss``).
 
-For a tiny T5 with LoRA and a tiny BART in full fine-tuning (random, in-process) and five
+For a tiny T5 with LoRA and a tiny BART in full fine-tuning (random, in-process) and four
 source/target rows of different lengths (padding in both encoder and decoder; the micro-batch's
 size equal to one target length, so a shared position tensor looks per example), the clipped sum
 ``S(D)`` of one step (σ = 0, q = 1) is compared with ``S(D∖i)`` for every row i (add/remove-one,
@@ -63,7 +63,7 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
 def _rows() -> list[dict]:
     g = torch.Generator().manual_seed(0)
-    lengths = [(7, 5), (4, 3), (9, 2), (5, 5), (3, 4)]  # (source, target); 5 rows, one target of 5
+    lengths = [(7, 3), (4, 2), (9, 1), (3, 3)]  # (source, target) + EOS: 4 rows, decoder length 4
     return [{"input_ids": torch.randint(3, V, (s,), generator=g).tolist() + [1],
              "target_ids": torch.randint(3, V, (t,), generator=g).tolist() + [1]} for s, t in lengths]
 
