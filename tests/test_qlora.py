@@ -36,7 +36,8 @@ def _quant_config(bits: int):
     if bits == 4:
         return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                bnb_4bit_compute_dtype=torch.float32)
-    return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    # threshold 0: no LLM.int8 outlier decomposition (its columns are chosen over the whole batch)
+    return transformers.BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +53,11 @@ def llama_dir(tmp_path_factory):
     return d
 
 
-def qlora_model(path, bits: int, **lora_kw):
+def qlora_model(path, bits: int, quant=None, **lora_kw):
     """The QLoRA recipe of the peft/bitsandbytes docs on the tiny model."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        base = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=_quant_config(bits),
+        base = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quant or _quant_config(bits),
                                                                  device_map=DEVICE, dtype=torch.float32)
     base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     torch.manual_seed(1)
@@ -140,3 +141,21 @@ def test_a_qlora_layer_over_a_base_of_another_type_is_refused_by_name(llama_dir)
     with pytest.raises(UnknownAdapterError, match=r"self_attn\.q_proj is a peft base layer torch\.nn\.modules\.linear\."
                                                   r"Linear under peft\.tuners\.lora\.bnb\.Linear8bitLt"):
         BookKeepingEngine(model, causal_lm_loss, make_clip_policy("flat", 1.0))
+
+
+def test_llm_int8_outlier_decomposition_is_refused_it_mixes_examples(llama_dir):
+    """transformers' default 8-bit config (llm_int8_threshold = 6.0): bitsandbytes picks the
+    fp16 outlier columns over every row of the batch, so one example's activations change how
+    another's output is computed. Refused, naming the module and the fix (threshold 0 or 4-bit)."""
+    model = qlora_model(llama_dir, 8, quant=transformers.BitsAndBytesConfig(load_in_8bit=True),
+                        target_modules=["q_proj"])
+    with pytest.raises(UnknownAdapterError, match=r"q_proj\.base_layer is a bitsandbytes 8-bit Linear with "
+                                                  r"llm_int8_threshold = 6.*llm_int8_threshold=0\.0"):
+        BookKeepingEngine(model, causal_lm_loss, make_clip_policy("flat", 1.0))
+    # the mixing is real: with an outlier in example 1 only, example 0's output changes
+    layer = model.base_model.model.model.layers[0].self_attn.k_proj  # quantized, not adapted
+    x = torch.randn(2, 3, layer.in_features, device=DEVICE)
+    alone = layer(x[:1]).detach()
+    assert torch.equal(layer(x)[:1].detach(), alone)  # no outlier: example 0 computed as alone
+    x[1, 0, 5] = 50.0  # above the threshold, in example 1
+    assert not torch.equal(layer(x)[:1].detach(), alone)

@@ -165,6 +165,18 @@ def check_adapter_layers(model: nn.Module, trainable: set[int]) -> None:
     """
     for name, m in model.named_modules():
         cls = type(m)
+        threshold = float(getattr(getattr(m, "state", None), "threshold", 0.0) or 0.0)
+        if ("bitsandbytes.nn.modules", "Linear8bitLt") in _mro_names(m) and threshold > 0 and trainable:
+            # LLM.int8's mixed-precision decomposition picks its outlier columns over every row of
+            # the micro-batch (bitsandbytes int8_vectorwise_quant: (|A| >= threshold).any(dim=0)):
+            # one example's activations change how another example's output is computed, so the
+            # per-example contributions are not functions of their own example alone.
+            raise UnknownAdapterError(
+                f"book-keeping engine: {name or '<root>'} is a bitsandbytes 8-bit Linear with "
+                f"llm_int8_threshold = {threshold:g}: LLM.int8 chooses its outlier columns over every row of the "
+                "batch, so one example's activations change another example's output and per-example clipping "
+                "no longer bounds each example's influence. Load the base with "
+                "BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0), or in 4-bit (load_in_4bit=True)")
         if cls.__module__.startswith("bitsandbytes.") and any(id(p) in trainable for p in m.parameters(recurse=False)):
             raise UnknownAdapterError(
                 f"book-keeping engine: {name or '<root>'} is a bitsandbytes quantized layer ({cls.__module__}."
