@@ -272,7 +272,7 @@ def train(
     try:
         rec = load_recipe(recipe, ov, origins)
         # a causal-LM corpus or instruction file keeps its task; a classifier's file is 'files'
-        if train_file and not task and rec.task.name not in ("text", "instruct"):
+        if train_file and not task and rec.task.name not in ("text", "instruct", "seq2seq"):
             rec.task.name = "files"
         _name_run(rec, ov)
         if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading

@@ -37,7 +37,8 @@ class ModelCfg(_Strict):
 
 class TaskCfg(_Strict):
     #: Registered task (sst2, sst5, imdb, qnli), ``files`` for your own CSV/TSV/JSONL/Parquet,
-    #: ``text`` (causal-LM corpus) or ``instruct`` (prompt/completion or chat, causal LM).
+    #: ``text`` (causal-LM corpus) or ``instruct`` (prompt/completion or chat, causal LM), or
+    #: ``seq2seq`` (source/target pairs, encoder-decoder: T5, BART).
     name: str = "sst2"
     train_file: Optional[str] = None
     dev_file: Optional[str] = None
@@ -81,10 +82,14 @@ class TaskCfg(_Strict):
     template: Literal["auto", "chat", "simple"] = "auto"
     #: ``simple`` template: text between a prompt and its completion.
     separator: str = "\n"
+    # ---- ``seq2seq`` task (issue 27; data/seq2seq.py): source → target pairs for encoder-decoder
+    # models (T5, BART), loss on the target tokens; source = prompt_column, target = completion_column.
+    #: Target tokens per example (EOS included); None = model.max_length.
+    max_target_length: Optional[int] = Field(None, ge=2, le=8192)
 
     @model_validator(mode="after")
     def _test_file_classification(self):
-        if self.test_file and self.name in ("text", "instruct"):
+        if self.test_file and self.name in ("text", "instruct", "seq2seq"):
             raise ValueError(f"task.test_file is evaluated for classification tasks only (task {self.name!r}); "
                              "use `dpft predict RUN_DIR --file F` for generations")
         return self

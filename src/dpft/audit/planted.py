@@ -146,3 +146,7 @@ def plant(name: Optional[str]) -> Iterator[dict]:
 # -- FSDP2 (issue 26 item 3; audit/checks_fsdp.py plants them itself) --------------------------
 FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted")
 ALL = ALL + FSDP_PLANTED
+# ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
+# collated with the next row's target.
+SEQ2SEQ_PLANTED = ("seq2seq_targets_across_rows",)
+ALL = ALL + SEQ2SEQ_PLANTED

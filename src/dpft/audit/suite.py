@@ -114,6 +114,7 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_mechanisms", "mechanism_checks",
      ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
       "banded_buffers_reset", "banded_unnormalised")),
+    ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows",)),
 )
 
 

@@ -37,11 +37,15 @@ class TrainData:
     pad_id: int
     with_token_types: bool
     train_lengths: torch.Tensor
+    #: ``seq2seq`` task (encoder-decoder, data/seq2seq.py); ``causal`` is then True too (a
+    #: generative LM: no label set, dev loss per token, generation metrics).
+    seq2seq: bool = False
 
 
 def is_causal(recipe) -> bool:
-    """``text`` (blocks of a corpus) and ``instruct`` (prompt/completion rows) train a causal LM."""
-    return recipe.task.name in ("text", "instruct")
+    """``text`` (blocks of a corpus) and ``instruct`` (prompt/completion rows) train a causal LM;
+    ``seq2seq`` (source/target rows) an encoder-decoder LM, loaded the same way (after the model)."""
+    return recipe.task.name in ("text", "instruct", "seq2seq")
 
 
 def load_rows(recipe, private: bool):
@@ -82,7 +86,13 @@ def build_train_data(recipe, task, tokenizer, hide_counts: bool, progress: bool)
         from dpft.data.instruct import load_instruct_task
         from dpft.data.text import load_text_task
 
-        if r.task.name == "instruct":
+        if r.task.name == "seq2seq":
+            from dpft.data.seq2seq import load_seq2seq_task
+
+            task = load_seq2seq_task(r.task, tokenizer, r.model.max_length, seed=r.seed, private=hide_counts)
+            if hide_counts:
+                _say_truncated(task.truncated["train"], "rows", r.model.max_length, progress)
+        elif r.task.name == "instruct":
             task = load_instruct_task(r.task, tokenizer, r.model.max_length, seed=r.seed, private=hide_counts)
             if hide_counts:
                 _say_truncated(task.truncated["train"], "rows", r.model.max_length, progress)
@@ -99,7 +109,8 @@ def build_train_data(recipe, task, tokenizer, hide_counts: bool, progress: bool)
     return TrainData(task=task, train_tok=train_tok, dev_tok=dev_tok, causal=causal,
                      pad_id=tokenizer.pad_token_id or 0,
                      with_token_types="token_type_ids" in tokenizer.model_input_names and not causal,
-                     train_lengths=torch.tensor([len(x) for x in train_tok["input_ids"]]))
+                     train_lengths=torch.tensor([len(x) for x in train_tok["input_ids"]]),
+                     seq2seq=r.task.name == "seq2seq")
 
 
 def num_labels(task: Optional[Any]) -> Optional[int]:

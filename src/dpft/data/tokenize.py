@@ -118,6 +118,8 @@ def collate(rows: Sequence[dict], pad_id: int, with_token_types: bool = True,
     """Pad a list of tokenised rows into a batch dict of ``(B, T)`` tensors plus ``labels (B,)``,
     built on the CPU and moved to ``device`` when given (the run's ``perf.device``)."""
     b = len(rows)
+    if rows and "target_ids" in rows[0]:
+        return collate_seq2seq(rows, pad_id, device)
     t = max(len(r["input_ids"]) for r in rows) if b else 1
     ids = torch.full((b, t), pad_id, dtype=torch.long)
     mask = torch.zeros((b, t), dtype=torch.long)
@@ -142,6 +144,29 @@ def collate(rows: Sequence[dict], pad_id: int, with_token_types: bool = True,
         for i, r in enumerate(rows):
             lab[i, :len(r["labels"])] = torch.tensor(r["labels"], dtype=torch.long)
         out["labels"] = lab
+    if device is not None and torch.device(device).type != "cpu":
+        out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
+    return out
+
+
+def collate_seq2seq(rows: Sequence[dict], pad_id: int, device: Optional[torch.device | str] = None
+                    ) -> dict[str, torch.Tensor]:
+    """Pad source/target rows (data/seq2seq.py) into ``input_ids``/``attention_mask`` ``(B, S)``
+    (right padding with ``pad_id``) and ``labels`` ``(B, T)`` (-100 after each target). No
+    ``position_ids``/``token_type_ids``: encoder-decoder models (T5, BART) take none, and the
+    engine's rules cover their batch-independent position tables (issue 27)."""
+    b = len(rows)
+    s = max(len(r["input_ids"]) for r in rows) if b else 1
+    t = max(len(r["target_ids"]) for r in rows) if b else 1
+    ids = torch.full((b, s), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, s), dtype=torch.long)
+    lab = torch.full((b, t), -100, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n, m = len(r["input_ids"]), len(r["target_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"])
+        mask[i, :n] = 1
+        lab[i, :m] = torch.tensor(r["target_ids"])
+    out = {"input_ids": ids, "attention_mask": mask, "labels": lab}
     if device is not None and torch.device(device).type != "cpu":
         out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     return out

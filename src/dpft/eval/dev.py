@@ -45,7 +45,13 @@ class DevEvaluator:
         from dpft import distributed as ddp
 
         w = self.world
-        out = lm_eval(model, list(self.data.dev_tok)[w.rank::w.world_size], self.data.pad_id, self.cfg.batch_size)
+        if getattr(self.data, "seq2seq", False):  # encoder-decoder: target tokens (data/seq2seq.py)
+            from dpft.eval.lm import seq2seq_eval
+
+            out = seq2seq_eval(model, list(self.data.dev_tok)[w.rank::w.world_size], self.data.pad_id,
+                               self.cfg.batch_size)
+        else:
+            out = lm_eval(model, list(self.data.dev_tok)[w.rank::w.world_size], self.data.pad_id, self.cfg.batch_size)
         if w.distributed:
             total, count = ddp.all_sum(w, [out["dev_loss"] * out["dev_tokens"], out["dev_tokens"]])
             loss = total / max(count, 1)

@@ -1,4 +1,5 @@
-"""Decoding the dev prompts of an ``instruct`` run and scoring them (eval/metrics.py).
+"""Decoding the dev prompts of an ``instruct`` run (or the dev sources of a ``seq2seq`` run: an
+encoder-decoder's decoder output) and scoring them (eval/metrics.py).
 
 Greedy decoding by default, beam search with ``eval.num_beams`` > 1 (Hugging Face
 ``generate``; deterministic, so no randomness is drawn). Prompts are batched with left
@@ -29,6 +30,10 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], pad_id: int, eos_id: O
     model.eval()
     device = next(model.parameters()).device
     out: list[list[int]] = []
+    if getattr(model.config, "is_encoder_decoder", False):  # seq2seq task: data/seq2seq.py
+        out = _generate_encoder_decoder(model, prompts, pad_id, eos_id, max_new_tokens, num_beams, batch_size, device)
+        model.train(was_training)
+        return out
     for k in range(0, len(prompts), batch_size):
         chunk = [list(p) for p in prompts[k:k + batch_size]]
         t = max(len(p) for p in chunk)
@@ -45,6 +50,29 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], pad_id: int, eos_id: O
                 row = row[:row.index(eos_id)]
             out.append(row)
     model.train(was_training)
+    return out
+
+
+def _generate_encoder_decoder(model, prompts, pad_id, eos_id, max_new_tokens, num_beams, batch_size, device):
+    """Decoder tokens of an encoder-decoder LM per source (right-padded sources: positions start
+    at 0 for every example, as in training); the decoder start token, EOS and what follows
+    removed."""
+    out: list[list[int]] = []
+    for k in range(0, len(prompts), batch_size):
+        chunk = [list(p) for p in prompts[k:k + batch_size]]
+        t = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), t), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), t), dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, :len(p)] = torch.tensor(p)
+            mask[i, :len(p)] = 1
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             num_beams=num_beams, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                             eos_token_id=eos_id, top_k=None, top_p=None, temperature=None)
+        for row in gen[:, 1:].tolist():  # gen[:, 0] is decoder_start_token_id
+            if eos_id is not None and eos_id in row:
+                row = row[:row.index(eos_id)]
+            out.append(row)
     return out
 
 

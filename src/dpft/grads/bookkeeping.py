@@ -57,7 +57,8 @@ from torch.utils import _pytree as pytree
 from dpft.grads.capture import Capture, Unit
 from dpft.grads.contrib import (NORM_MODES, GramCache, Outer, PerExample, ScaledCache, full_precision, merge, sq_norm,
                                 use_ghost, weighted_sum, zero_examples)
-from dpft.grads.kinds import LayerKind, check_example_support
+from dpft.grads.contrib import BatchLayoutError
+from dpft.grads.kinds import LayerKind, LayoutError, check_example_support
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
 from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW
@@ -106,7 +107,22 @@ class FallbackKind(LayerKind):
         lead = {t.shape[0] if t.dim() else None for t in outs}
         new_out = None
         rows = 0  # n > 0: every output is a flattened token-major (B*n, ...) tensor
+        shared = False  # the output is batch-independent: every input is shared by all examples
+        if batch > 1 and lead == {1} and type(module).__module__.startswith("peft.tuners.lora.dora"):
+            # A DoRA magnitude on a shared tensor (DeBERTa's relative-position table through
+            # query_proj/key_proj): its lora_A/lora_B on the same tensor have no per-example rule
+            # either (kinds.py LayoutError), and expanding its output to (B, ...) breaks model code
+            # that keeps that tensor's batch dim of 1 (a bmm shape error). Refused like them, by
+            # name, if a gradient reaches it (Capture, verify_uses).
+            return LayoutError(
+                f"a DoRA magnitude applied to a tensor without the example dimension (output shape "
+                f"{tuple(outs[0].shape)} for {batch} examples: a table shared by every example, such as "
+                "DeBERTa's relative positions), so neither it nor the layer's lora_A/lora_B has an exact "
+                "per-example rule (the torch.func fallback would have to expand that tensor per example). "
+                "Leave this layer out of target_modules (DeBERTa: train value_proj/dense/intermediate), or "
+                "use ReferenceEngine (exact, one backward per example)"), None, []
         if batch > 1 and lead == {1}:
+            shared = True
             # Batch-independent output used by every example (a learned position table called
             # with (1, T) positions): expanded to (B, ...) (stride-0 view, same values) so that
             # each example's output gradient arrives on its own.
@@ -125,10 +141,10 @@ class FallbackKind(LayerKind):
                     f"{tuple(t.shape)} for {batch} examples"
                 )
         metas = [(t.shape, t.dtype, t.device) for t in outs]
-        return (state, metas, batch, rows), new_out, watched
+        return (state, metas, batch, rows, shared), new_out, watched
 
     def contributions(self, module, state, grads, roles):
-        (args, kwargs), metas, batch, rows = state
+        (args, kwargs), metas, batch, rows, shared = state
         cots = [g if g is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
                 for g, m in zip(grads, metas)]
         cots = [c.reshape(batch, -1) for c in cots]  # example i's block of every output
@@ -138,8 +154,10 @@ class FallbackKind(LayerKind):
         # outputs are flattened (B*n, ...), inputs with that leading dim (each example sees its
         # own n rows). Every other tensor is shared by all examples.
         lead = rows * batch if rows else batch
-        bidx = [k for k, t in enumerate(flat)
-                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == lead]
+        # A batch-independent output was computed from shared inputs only, even one whose leading
+        # dim happens to equal B (BART's decoder positions (T,) with T = B): none is per example.
+        bidx = [] if shared else [k for k, t in enumerate(flat)
+                                  if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == lead]
 
         def inner(p, batched, cot):
             leaves = list(flat)
@@ -332,6 +350,7 @@ class BookKeepingEngine(PerExampleEngine):
             UnattributedUseError: with the offending parameter names.
         """
         wanted = {id(p) for p in self.params.values()}
+        refused: list = []
         with torch.enable_grad():
             seen = _count_uses([losses.sum().grad_fn], wanted)
             expected: Counter = Counter()
@@ -340,7 +359,11 @@ class BookKeepingEngine(PerExampleEngine):
                 if n == 0:
                     continue
                 if isinstance(u.kind, FallbackKind):
-                    for (args, kwargs), *_ in fallback_inputs.get(id(u), []):
+                    for st in fallback_inputs.get(id(u), []):
+                        if isinstance(st, LayoutError):  # a call without per-example rows
+                            refused.append((u, st.msg))
+                            continue
+                        (args, kwargs), *_ = st
                         out = u.module(*args, **kwargs)
                         roots = [t.grad_fn for t in pytree.tree_leaves(out)
                                  if isinstance(t, torch.Tensor)]
@@ -352,6 +375,9 @@ class BookKeepingEngine(PerExampleEngine):
         for u in self.units:
             u.check_outputs = []
         check_example_support(losses, outputs, groups)
+        for u, msg in refused:  # its parameters reach the loss through a call with no example rows
+            if any(seen[id(u.module.get_parameter(r))] > expected[id(u.module.get_parameter(r))] for r in u.roles):
+                raise BatchLayoutError(f"{u.label}: {msg}")
         bad = [n for n, p in self.params.items() if seen[id(p)] > expected[id(p)]]
         if bad:
             raise UnattributedUseError(

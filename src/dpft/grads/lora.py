@@ -131,7 +131,18 @@ class LoraEmbeddingKind(LayerKind):
 #: adapters are ordinary ``nn.Linear`` submodules or the ``LoraEmbeddingKind`` above), and the
 #: LoRA variants listed in :data:`KNOWN_LORA_VARIANTS`. Tested with the peft range named in
 #: ``pyproject.toml`` (tests/test_coverage_families.py).
-KNOWN_ADAPTER_LAYERS = {("peft.tuners.lora.layer", "Linear"), ("peft.tuners.lora.layer", "Embedding")}
+KNOWN_ADAPTER_LAYERS = {("peft.tuners.lora.layer", "Linear"), ("peft.tuners.lora.layer", "Embedding"),
+                        # QLoRA (issue 27 item 5): vanilla LoRA over a frozen bitsandbytes 8-bit / 4-bit
+                        # Linear; peft computes ``base(x) + lora_B(lora_A(dropout(x.to(A.dtype)))) * s``,
+                        # the adapters are ordinary nn.Linear (linear.py) fed the cast input.
+                        ("peft.tuners.lora.bnb", "Linear8bitLt"), ("peft.tuners.lora.bnb", "Linear4bit")}
+#: Adapter layers over a quantized base, and the base classes each may wrap (``(module, name)``
+#: anywhere in the base's MRO). No LoRA variant is verified over a quantized base (DoRA's magnitude
+#: needs the dequantized weight's norm): refused.
+QUANTIZED_ADAPTER_BASES = {
+    ("peft.tuners.lora.bnb", "Linear8bitLt"): {("bitsandbytes.nn.modules", "Linear8bitLt")},
+    ("peft.tuners.lora.bnb", "Linear4bit"): {("bitsandbytes.nn.modules", "Linear4bit")},
+}
 #: ``lora_variant`` classes (peft >= 0.15) checked exact: DoRA on Linear (its magnitude vector
 #: takes the exact torch.func fallback; ``lora_A``/``lora_B`` the Linear rule).
 KNOWN_LORA_VARIANTS = {"DoraLinearVariant"}
@@ -154,23 +165,71 @@ def check_adapter_layers(model: nn.Module, trainable: set[int]) -> None:
     """
     for name, m in model.named_modules():
         cls = type(m)
+        threshold = float(getattr(getattr(m, "state", None), "threshold", 0.0) or 0.0)
+        if ("bitsandbytes.nn.modules", "Linear8bitLt") in _mro_names(m) and threshold > 0 and trainable:
+            # LLM.int8's mixed-precision decomposition picks its outlier columns over every row of
+            # the micro-batch (bitsandbytes int8_vectorwise_quant: (|A| >= threshold).any(dim=0)):
+            # one example's activations change how another example's output is computed, so the
+            # per-example contributions are not functions of their own example alone.
+            raise UnknownAdapterError(
+                f"book-keeping engine: {name or '<root>'} is a bitsandbytes 8-bit Linear with "
+                f"llm_int8_threshold = {threshold:g}: LLM.int8 chooses its outlier columns over every row of the "
+                "batch, so one example's activations change another example's output and per-example clipping "
+                "no longer bounds each example's influence. Load the base with "
+                "BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0), or in 4-bit (load_in_4bit=True)")
+        if cls.__module__.startswith("bitsandbytes.") and any(id(p) in trainable for p in m.parameters(recurse=False)):
+            raise UnknownAdapterError(
+                f"book-keeping engine: {name or '<root>'} is a bitsandbytes quantized layer ({cls.__module__}."
+                f"{cls.__name__}) with a trainable parameter; a quantized base is frozen in QLoRA and no per-example "
+                "rule covers training it. Train LoRA adapters on it (peft get_peft_model, e.g. after "
+                "prepare_model_for_kbit_training) and leave its weight and bias frozen")
         if not cls.__module__.startswith("peft.tuners.") or not hasattr(m, "adapter_layer_names"):
             continue
         if not any(id(p) in trainable for p in m.parameters()):
             continue
         what = None
-        if (cls.__module__, cls.__name__) not in KNOWN_ADAPTER_LAYERS:
+        key = (cls.__module__, cls.__name__)
+        variants = getattr(m, "lora_variant", {}) or {}
+        if key not in KNOWN_ADAPTER_LAYERS:
             what = f"adapter layer {cls.__module__}.{cls.__name__}"
+        elif key in QUANTIZED_ADAPTER_BASES and variants:
+            what = (f"LoRA variant {sorted({type(v).__name__ for v in variants.values()})} over a quantized base in "
+                    f"{cls.__module__}.{cls.__name__} (only vanilla LoRA is verified there)")
         else:
-            variants = getattr(m, "lora_variant", {}) or {}
             unknown = sorted({type(v).__name__ for v in variants.values()} - KNOWN_LORA_VARIANTS)
             if unknown:
                 what = f"LoRA variant {unknown} in {cls.__module__}.{cls.__name__}"
+        if what is None:
+            what = _unknown_base(m, key)
         if what is not None:
             raise UnknownAdapterError(
                 f"book-keeping engine: {name or '<root>'} is a peft {what}, which dpft's per-example "
                 "rules were not verified against (known: LoRA and DoRA on Linear/Conv1D, LoRA on "
-                "Embedding). Use those adapter types (e.g. target_modules= attention/MLP Linear "
+                "Embedding, LoRA on bitsandbytes 8-bit/4-bit Linear). Use those adapter types (e.g. target_modules= attention/MLP Linear "
                 "layers), or register a rule for it with dpft.grads.registry.register_layer and "
                 "check it against ReferenceEngine"
             )
+
+
+def _mro_names(obj) -> set[tuple[str, str]]:
+    return {(c.__module__, c.__name__) for c in type(obj).__mro__}
+
+
+def _unknown_base(m: nn.Module, key: tuple[str, str]):
+    """What is unknown about a known peft adapter layer's *base* layer, or None.
+
+    A QLoRA layer (``peft.tuners.lora.bnb``) must wrap the bitsandbytes class it was written for.
+    A plain ``lora.Linear`` may wrap any frozen base (``FalconLinear``, ``Conv1D``, …): peft adds
+    ``lora_B(lora_A(dropout(x))) * s`` to whatever the base returns, so the base's computation
+    never enters the adapters' per-example gradients (a trainable base parameter is its own
+    unit, with its own rule, the exact fallback, or the bitsandbytes refusal above). peft's
+    adapters over other quantized bases (GPTQ, AWQ, HQQ, torchao, …) are classes of their own,
+    refused as unknown adapter layers."""
+    if key not in QUANTIZED_ADAPTER_BASES:
+        return None
+    get = getattr(m, "get_base_layer", None)
+    base = get() if callable(get) else getattr(m, "base_layer", None)
+    if base is not None and _mro_names(base) & QUANTIZED_ADAPTER_BASES[key]:
+        return None
+    bcls = type(base)
+    return f"base layer {bcls.__module__}.{bcls.__name__} under {key[0]}.{key[1]}"

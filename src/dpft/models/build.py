@@ -12,7 +12,8 @@ __all__ = ["build_model"]
 def build_model(recipe, num_labels: int | None):
     """The run's tokenizer and model, trainable parameters selected (a plan part, run/plan.py).
 
-    ``num_labels`` None: a causal LM (``text``/``instruct`` tasks, ``models/causal.py``); else a
+    ``task.name: seq2seq``: an ``AutoModelForSeq2SeqLM`` (T5, BART). ``num_labels`` None: a
+    causal LM (``text``/``instruct`` tasks, ``models/causal.py``); else a
     sequence classifier with that many labels (:func:`load_classifier`). ``model.dropout`` and
     ``trainable`` are applied here; placement on the device is :func:`dpft.perf.place_model`'s.
 
@@ -23,11 +24,20 @@ def build_model(recipe, num_labels: int | None):
         ModelError: the model cannot be loaded or the trainable selection matches nothing.
     """
     r = recipe
-    if num_labels is None:
+    if r.task.name == "seq2seq":  # encoder-decoder (T5, BART): models/causal.py
+        from dpft.models.causal import load_seq2seq_lm
+
+        tokenizer, model = load_seq2seq_lm(r.model.name, seed=r.seed)
+    elif num_labels is None:
         tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
     else:
         tokenizer, model = load_classifier(r.model.name, num_labels, seed=r.seed, pooling=r.model.pooling,
                                            head_dropout=r.model.head_dropout)
     if r.model.dropout is not None:
         set_dropout(model, r.model.dropout)
-    return tokenizer, select_trainable(model, r.trainable)
+    model = select_trainable(model, r.trainable)
+    if r.task.name == "seq2seq" and r.privacy.enabled and r.privacy.engine != "reference":
+        from dpft.models.causal import check_seq2seq_trainable
+
+        check_seq2seq_trainable(model)  # T5's relative bias: refused before any data is read
+    return tokenizer, model

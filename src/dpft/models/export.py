@@ -19,7 +19,8 @@ A classification run's ``model/`` loads with ``AutoModelForSequenceClassificatio
 
 LoRA runs save the adapter in PEFT's format (the trained head with it, as
 ``modules_to_save``) and, on request (``output.merge_lora``), the merged model as above.
-A causal LM is saved as the ``AutoModelForCausalLM`` it is.
+A causal LM is saved as the ``AutoModelForCausalLM`` it is, an encoder-decoder (seq2seq task) as
+the ``AutoModelForSeq2SeqLM`` it is.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def _save_adapter(model, out: Path, labels: Optional[Sequence[str]], base_name: 
             model.save_pretrained(out)
         finally:
             model.peft_config[model.active_adapter].base_model_name_or_path = old
-        meta = {"pooling": "model", "task": "causal_lm" if not _is_classifier(base) else "classification"}
+        meta = {"pooling": "model", "task": "classification" if _is_classifier(base) else
+                "seq2seq_lm" if _is_seq2seq(base) else "causal_lm"}
     else:
         # The mean-pooling head was trained by hand (not a peft modules_to_save): rebuild the
         # adapter on the standard class with the head as modules_to_save, so PEFT saves it.
@@ -116,10 +118,16 @@ def _save_adapter(model, out: Path, labels: Optional[Sequence[str]], base_name: 
     (out / ADAPTER_META).write_text(json.dumps(meta, indent=1))
 
 
+def _is_seq2seq(model: nn.Module) -> bool:
+    """An encoder-decoder LM (T5, BART ``…ForConditionalGeneration``; the seq2seq task)."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)) and \
+        type(model).__name__.endswith("ForConditionalGeneration")
+
+
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     """``(tokenizer, model, kind)`` from a folder written by :func:`save_standard` (or an older
     dpft run: a bare encoder + ``dpft_head.safetensors``), in eval mode. ``kind`` is
-    ``"classification"`` or ``"causal_lm"``.
+    ``"classification"``, ``"causal_lm"`` or ``"seq2seq_lm"``.
 
     Raises:
         FileNotFoundError: no config.json / adapter_config.json in ``path``.
@@ -135,6 +143,10 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
         archs = getattr(cfg, "architectures", None) or []
         if any(a.endswith("ForCausalLM") for a in archs):
             model, kind = AutoModelForCausalLM.from_pretrained(path), "causal_lm"
+        elif getattr(cfg, "is_encoder_decoder", False) and any(a.endswith("ForConditionalGeneration") for a in archs):
+            from transformers import AutoModelForSeq2SeqLM
+
+            model, kind = AutoModelForSeq2SeqLM.from_pretrained(path), "seq2seq_lm"
         elif (path / "dpft_head.safetensors").is_file():  # a run saved before issue 24
             from dpft.models.load import load_classifier
 
@@ -161,6 +173,10 @@ def _load_adapter(path: Path):
         base = DpftMeanPoolForSequenceClassification.from_encoder(base_name, meta["labels"],
                                                                   meta.get("head_dropout", 0.0))
         kind = "classification"
+    elif meta.get("task") == "seq2seq_lm" or str(pcfg.task_type) in ("SEQ_2_SEQ_LM", "TaskType.SEQ_2_SEQ_LM"):
+        from transformers import AutoModelForSeq2SeqLM
+
+        base, kind = AutoModelForSeq2SeqLM.from_pretrained(base_name), "seq2seq_lm"
     elif meta.get("task") == "causal_lm" or str(pcfg.task_type) == "CAUSAL_LM":
         base, kind = AutoModelForCausalLM.from_pretrained(base_name), "causal_lm"
     else:

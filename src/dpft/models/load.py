@@ -176,10 +176,14 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
         # A causal LM (text / instruct tasks) gets peft's CAUSAL_LM wrapper: LoRA only, its
         # (often tied) LM head stays frozen.
         causal = type(model).__name__.endswith("ForCausalLM")
+        # An encoder-decoder LM (seq2seq task: T5, BART) gets peft's SEQ_2_SEQ_LM wrapper likewise.
+        s2s = (bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)) and not custom
+               and type(model).__name__.endswith("ForConditionalGeneration"))
         lcfg = LoraConfig(
             # peft's SEQ_CLS wrapper assumes a transformers head; our mean-pool head is kept
             # trainable by hand instead (below).
-            task_type=None if custom else (TaskType.CAUSAL_LM if causal else TaskType.SEQ_CLS),
+            task_type=None if custom else (TaskType.SEQ_2_SEQ_LM if s2s else
+                                           TaskType.CAUSAL_LM if causal else TaskType.SEQ_CLS),
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout, target_modules=list(cfg.lora.target_modules),
         )

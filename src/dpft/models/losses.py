@@ -51,3 +51,21 @@ def causal_lm_loss(forward: Callable[..., object], batch: Mapping[str, torch.Ten
     if "attention_mask" in batch:
         tok = tok * batch["attention_mask"][:, 1:].to(tok.dtype)
     return tok.sum(dim=1)
+
+
+def seq2seq_lm_loss(forward: Callable[..., object], batch: Mapping[str, torch.Tensor]):
+    """Target-token cross-entropy of an encoder-decoder LM (T5, BART), summed over each example's
+    target tokens, ``(B,)`` nats (the causal-LM convention: every token of the privacy unit in its
+    one example's gradient).
+
+    ``batch``: ``input_ids``/``attention_mask`` ``(B, S)`` (source) and ``labels`` ``(B, T)``
+    (target, -100 after its end; data/tokenize.py ``collate_seq2seq``). The decoder input is the
+    model's own right shift of ``labels`` (``decoder_start_token_id`` first, -100 → pad), built by
+    transformers from ``labels``; the loss transformers then computes (a batch mean) is not used.
+    """
+    labels = batch["labels"]
+    out = forward(**model_inputs(batch), labels=labels)
+    logits = out.logits if hasattr(out, "logits") else out
+    keep = labels != -100
+    tok = F.cross_entropy(logits.float().transpose(1, 2), labels.clamp(min=0), reduction="none")
+    return (tok * keep.to(tok.dtype)).sum(dim=1)

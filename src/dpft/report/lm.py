@@ -47,11 +47,14 @@ def render_extra(rep: dict[str, Any]) -> list[str]:
     if lm:
         unit = {"block": f"one block of {lm['block_size']} tokens",
                 "example": f"one row: a prompt/completion pair or a conversation (≤ {lm['block_size']} tokens), "
-                           "loss on completion tokens only"}.get(lm["unit"], f"one document (≤ {lm['block_size']} tokens)")
+                           "loss on completion tokens only",
+                "pair": f"one row: a source/target pair (source ≤ {lm['block_size']} tokens), loss on target tokens "
+                        "only"}.get(lm["unit"], f"one document (≤ {lm['block_size']} tokens)")
         u = (rep.get("dp") or {}).get("privacy_unit") or {}
         if u.get("unit") == "user":  # user level: the unit is the user; a row/block is one example of theirs
             unit = f"one user (column {u.get('column')!r}, N = {u.get('n_units')} users); one example is {unit}"
-        lines += ["## Causal language model", "", f"- privacy unit: {unit}", ""]
+        head = "Sequence-to-sequence model" if lm["unit"] == "pair" else "Causal language model"
+        lines += [f"## {head}", "", f"- privacy unit: {unit}", ""]
         if lm["samples"]:
             lines += ["### Sampled generations", ""]
             for s in lm["samples"]:

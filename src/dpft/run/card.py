@@ -96,7 +96,7 @@ def _usage(model_dir: Path) -> list[str]:
                  "tok, model, kind = load_for_inference(\"PATH_TO_THIS_FOLDER\")", "```", ""]
         if meta.get("pooling") != "mean":
             lines += ["or with PEFT: `peft.AutoPeftModelFor"
-                      f"{'CausalLM' if meta.get('task') == 'causal_lm' else 'SequenceClassification'}"
+                      f"{ {'causal_lm': 'CausalLM', 'seq2seq_lm': 'Seq2SeqLM'}.get(meta.get('task'), 'SequenceClassification')}"
                       ".from_pretrained(PATH)`.", ""]
         lines += ["A merged model (no peft needed) is written with `output.merge_lora: true`.", ""]
         return lines
@@ -104,6 +104,12 @@ def _usage(model_dir: Path) -> list[str]:
         return []
     cfg = json.loads(cfg_f.read_text())
     archs = cfg.get("architectures") or []
+    if cfg.get("is_encoder_decoder") and any(a.endswith("ForConditionalGeneration") for a in archs):
+        return ["```python", "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+                "tok = AutoTokenizer.from_pretrained(\"PATH_TO_THIS_FOLDER\")",
+                "model = AutoModelForSeq2SeqLM.from_pretrained(\"PATH_TO_THIS_FOLDER\")",
+                "out = model.generate(**tok([\"name[The Eagle], food[French]\"], return_tensors=\"pt\"), max_new_tokens=40)",
+                "print(tok.batch_decode(out, skip_special_tokens=True))", "```", ""]
     if any(a.endswith("ForCausalLM") for a in archs):
         return ["```python", "from transformers import pipeline",
                 "gen = pipeline(\"text-generation\", model=\"PATH_TO_THIS_FOLDER\")",
@@ -138,6 +144,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
 
     t, mod, cov = rep["task"], rep["model"], rep.get("coverage") or {}
     causal = "dev_accuracy" not in (rep.get("metrics") or {}) and "dev_perplexity" in (rep.get("metrics") or {})
+    s2s = causal and t.get("name") == "seq2seq"  # encoder-decoder (data/seq2seq.py)
     base = mod["name"]
     hub_base = base if (base.count("/") == 1 and not Path(base).exists()) else None
     if base == "minilm":
@@ -146,7 +153,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
     tags = ["dpft", "differential-privacy", "dp-sgd"] if rep["dp"].get("private") else ["dpft"]
     data = ModelCardData(
         library_name="transformers" if not (model_dir / "adapter_config.json").is_file() else "peft",
-        pipeline_tag="text-generation" if causal else "text-classification",
+        pipeline_tag="text2text-generation" if s2s else "text-generation" if causal else "text-classification",
         tags=tags,
         base_model=hub_base,
         datasets=[_HUB_DATASETS[t["name"]]] if t["name"] in _HUB_DATASETS else None,
@@ -158,7 +165,8 @@ def build_card(rep: dict[str, Any], model_dir: Path):
     )
     lines = [
         f"# {rep['name']}", "",
-        f"A {'causal language model' if causal else 'text classifier'} fine-tuned from `{base}` on "
+        f"A {'sequence-to-sequence model' if s2s else 'causal language model' if causal else 'text classifier'} "
+        f"fine-tuned from `{base}` on "
         f"{_data_name(t)} with dpft (differentially private fine-tuning).", "",
         _headline(rep), "",
         f"**Privacy:** {epsilon_line(rep)}", "",
@@ -187,7 +195,9 @@ def build_card(rep: dict[str, Any], model_dir: Path):
               f"- base model: `{base}`; trainable: {mod['trainable']} ({mod['trainable_parameters']:,} of "
               f"{mod['total_parameters']:,} parameters); inputs truncated to {mod['max_length']} tokens",
               f"- optimizer: {rep['optimizer']['name']}, lr {rep['optimizer']['lr']:g}",
-              f"- task labels: {t.get('labels')}" if not causal else "- task: causal language modelling",
+              f"- task labels: {t.get('labels')}" if not causal else
+              "- task: sequence to sequence (source → target, loss on target tokens)" if s2s else
+              "- task: causal language modelling",
               "", "The run's `report.md` and `ledger.json` give the full record.", ""]
     content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
     return ModelCard(content)

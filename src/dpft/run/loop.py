@@ -172,7 +172,11 @@ class Trainer:
         out.pop("clipped", None)
         for m in self.methods:
             out.update(m.after_update(res, self.ctx))
-        if self.causal:
+        if self.causal and self.plan.data.seq2seq:  # every target token is predicted (data/seq2seq.py)
+            if getattr(self, "_target_lengths", None) is None:
+                self._target_lengths = torch.tensor([len(x) for x in self.train_tok["target_ids"]])
+            out["train_loss_per_token"] = res.private["loss_sum"] / max(1, int(self._target_lengths[idx].sum()))
+        elif self.causal:
             out["train_loss_per_token"] = res.private["loss_sum"] / max(1, int((self.train_lengths[idx] - 1).sum()))
         return out
 

@@ -36,7 +36,7 @@ from dpft.eval.dev import DevEvaluator
 from dpft.methods.base import PhaseRunner, Run, active_methods
 from dpft.models.build import build_model
 from dpft.models.load import is_head_param
-from dpft.models.losses import causal_lm_loss, classification_loss
+from dpft.models.losses import causal_lm_loss, classification_loss, seq2seq_lm_loss
 from dpft.optim import build_optimizer, build_scheduler
 from dpft.perf import Placement, build_placement, place_model
 from dpft.privacy.randomness import Randomness
@@ -160,7 +160,8 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     evaluator = DevEvaluator(data, placement, world, r.eval)
     ctx = Run(recipe=r, run_dir=run_dir, resume=resume, progress=progress, private=private, rng=rng, ledger=ledger,
               live_ledger_path=live, task=data.task, tokenizer=tokenizer, model=model,
-              loss_fn=causal_lm_loss if data.causal else classification_loss, train_tok=data.train_tok,
+              loss_fn=(seq2seq_lm_loss if data.seq2seq else causal_lm_loss if data.causal else classification_loss),
+              train_tok=data.train_tok,
               dev_tok=data.dev_tok, n=unit.n, q=unit.q, sampler=unit.sampler, total_steps=total_steps,
               evaluate=lambda: evaluate_with_methods(methods, ctx, lambda: evaluator(ctx.model)),
               make_optimizer=lambda params: build_optimizer(r.optimizer, params), train_phase=train_phase,

@@ -157,7 +157,17 @@ def predict(run_dir: str | Path, file: str | Path, output: Optional[str | Path] 
     tok, model, kind = load_for_inference(model_dir, device)
     out_path = Path(output) if output else Path(str(file) + SUFFIX)
     text, pair, label = columns_of(rec.task)
-    if kind == "causal_lm":
+    if kind == "seq2seq_lm":  # encoder-decoder: greedy target of each row's source (eval/generate.py)
+        from dpft.eval.generate import generate_ids
+
+        rows = read_rows(file, rec.task.prompt_column, None, None, [])
+        srcs = _col(rows, "text")
+        ids = [x[:rec.model.max_length] for x in tok(list(srcs))["input_ids"]]
+        new = generate_ids(model, ids, tok.pad_token_id or 0, tok.eos_token_id, max_new_tokens, 1, batch_size)
+        lines = [{"row": i + 1, "prompt": p, "generation": tok.decode(g, skip_special_tokens=True).strip()}
+                 for i, (p, g) in enumerate(zip(srcs, new))]
+        summary = {"kind": kind}
+    elif kind == "causal_lm":
         col = rec.task.prompt_column if rec.task.name == "instruct" else (rec.task.text_column or "text")
         rows = read_rows(file, col, None, None, [])
         res = _generate(model, tok, _col(rows, "text"), batch_size, max_new_tokens, progress)
