@@ -188,6 +188,46 @@ def test_two_processes_equal_one_in_reproducible_mode(one_and_two):
         assert rep_two["metrics"][k] == pytest.approx(v, rel=1e-5)
 
 
+def test_user_level_two_processes_equal_one(tiny_model_dir, tmp_path):
+    """User level under DDP (`task.user_column`): each rank clips whole users
+    (distributed.shard_units), so 2 processes release what 1 does: same ledger over users, weights
+    within float tolerance, bit-identical on both ranks."""
+    import pandas as pd
+
+    words = ["good", "bad", "great", "awful", "fine", "poor"]
+    rows = [{"text": f"a {words[i % 6]} film {i}" + " long" * (i % 3), "label": int(i % 6 % 2 == 0),
+             "who": f"u{i % 15}"} for i in range(60)]
+    csv_u = tmp_path / "users.csv"
+    pd.DataFrame(rows).to_csv(csv_u, index=False)
+    ov = overrides(tiny_model_dir, csv_u, **{"privacy.reproducible": True, "privacy.noise_multiplier": 0.8,
+                                             "task.user_column": "who", "task.max_rows_per_user": 2,
+                                             "batch.expected_batch_size": 6, "schedule.steps": 3,
+                                             "eval.every_steps": 3})
+    one = tmp_path / "one" / "run"
+    Trainer(load_recipe(None, ov), one, progress=False).run()
+    failure, (r0, r1) = launch_worker(tmp_path / "two", ov)
+    assert failure is None, failure
+    two = tmp_path / "two" / "rank0" / "run"
+    led = json.loads((one / "ledger.json").read_text())
+    assert led == json.loads((two / "ledger.json").read_text())
+    assert json.loads((two / "report.json").read_text())["dp"]["privacy_unit"]["unit"] == "user"
+    pa, pb = load_file(str(one / "checkpoint" / "trainable.safetensors")), \
+        load_file(str(two / "checkpoint" / "trainable.safetensors"))
+    for n in pa:
+        torch.testing.assert_close(pb[n], pa[n], rtol=1e-5, atol=1e-6)
+    assert r0["digest"] == r1["digest"]
+    assert files_under(tmp_path / "two" / "rank1") == []
+
+
+def test_shard_units_keeps_each_users_rows_on_one_rank():
+    idx = torch.tensor([7, 3, 9, 1, 4, 8])
+    users = torch.tensor([2, 2, 5, 0, 0, 0])  # users' rows contiguous, in the logical batch's order
+    a, b = ddp.shard_units(idx, users, ddp.World(0, 2)), ddp.shard_units(idx, users, ddp.World(1, 2))
+    assert a.tolist() == [7, 3, 1, 4, 8] and b.tolist() == [9]
+    with pytest.raises(ValueError, match="contiguous"):
+        ddp.shard_units(idx, torch.tensor([2, 5, 2, 0, 0, 0]), ddp.World(0, 2))
+
+
 def test_rank0_alone_writes(one_and_two):
     """Rank 1 ran in a working directory of its own with the same relative --output-dir:
     nothing appeared there (and it never needed to read it)."""

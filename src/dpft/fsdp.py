@@ -97,7 +97,7 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
         why.append(f"method(s) {', '.join(m.name for m in methods)}: no method is verified on sharded "
                    "parameters yet (use perf.sharding: ddp)")
     if recipe.task.user_column and private:
-        why.append("user-level privacy (task.user_column): not with FSDP yet (use one process)")
+        why.append("user-level privacy (task.user_column): not with FSDP yet (use perf.sharding: ddp, or one process)")
     if resume:
         why.append("--resume: a sharded run's checkpoint is not resumed yet (start a new --output-dir, or "
                    "train with perf.sharding: ddp)")

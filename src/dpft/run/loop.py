@@ -198,7 +198,10 @@ class Trainer:
         if self.user_level:
             # Micro-batches of whole users (grouped by the sampler); with group clipping each
             # carries its rows' local user ids, so a user's summed gradient is clipped as one.
-            micros = self.sampler.micro_batches(idx, r.batch.max_physical_batch_size)
+            # DDP: this rank's share is whole users (every K-th user of the logical batch), so a
+            # user's rows are clipped together on one rank.
+            mine = ddp.shard_units(idx, self.sampler.users[idx], self.world)
+            micros = self.sampler.micro_batches(mine, r.batch.max_physical_batch_size)
         else:
             mine = ddp.shard(idx, self.world)  # DDP: this rank's share of the world's logical batch
             micros = PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size)

@@ -145,7 +145,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     placement = build_placement(r, world.local_rank if world.distributed else None, progress,
                                 [m.name for m in methods if not getattr(m, "supports_device", False)])
     if r.task.user_column and private:  # refusals that need no data, before any loading
-        check_user_level(r, world.distributed, [m.name for m in methods])
+        check_user_level(r, [m.name for m in methods])
     check_mechanisms(r, [m.name for m in methods])  # truncated Poisson, banded_mf
 
     task = load_rows(r, private)

@@ -36,12 +36,13 @@ class PrivacyUnit:
     info: dict
 
 
-def check_user_level(recipe, distributed: bool, method_names: list[str]) -> None:
+def check_user_level(recipe, method_names: list[str]) -> None:
     """Refuse what user-level DP does not support yet, each with the reason and the fix — from the
     recipe alone, before any loading.
 
     Raises:
-        TrainingError: methods, ``batch.schedule``, DDP, fp16 or packing with a user column."""
+        TrainingError: methods, ``batch.schedule``, fp16 or packing with a user column. (Under DDP
+            each rank takes whole users: ``distributed.shard_units``; FSDP refuses user level.)"""
     from dpft.run.errors import TrainingError
 
     r = recipe
@@ -51,9 +52,6 @@ def check_user_level(recipe, distributed: bool, method_names: list[str]) -> None
                    "count rows); run them without task.user_column")
     if r.batch.schedule:
         why.append("batch.schedule (a variable q) is not supported over users; use batch.expected_batch_size")
-    if distributed:
-        why.append("DDP: the world's logical batch is sharded by row, which would split a user's rows across "
-                   "ranks; run user level in one process")
     if r.perf.dtype == "fp16":
         why.append("perf.dtype fp16: an overflowed row would change its user's clipped contribution; use bf16 "
                    "or fp32")
