@@ -12,6 +12,8 @@ one process (in pytest) are the reference:
   broadcast), no DistributedDataParallel wrapper; rank 0 alone writes (rank 1 runs in a working
   directory of its own, which stays empty);
 - user level: the same, with whole users per rank; leave-one-user-out ≤ C;
+- TRL: ``DPSFTTrainer`` (prompt/completion, completion-only loss) and ``DPDPOTrainer`` (a
+  preference pair per unit) in the same launch: 2 processes = 1 process as above;
 - a checkpoint is resumed only by as many processes as wrote it (both directions);
 - the audit's DDP checks catch each planted bug.
 """
@@ -32,6 +34,12 @@ from dpft import distributed as ddp  # noqa: E402
 from dpft.accounting.ledger import PrivacyLedger  # noqa: E402
 from dpft.audit import checks_hf_ddp as hd  # noqa: E402
 
+try:
+    import trl  # noqa: F401
+    TRL = True
+except ImportError:  # pragma: no cover - an optional extra
+    TRL = False
+
 #: A reproducible example-level run: 40 rows, q = 8/40, 4 steps, physical batches of 3.
 EX = {"name": "ex-train", "rows": 40, "eb": 8, "steps": 4, "sigma": 3.0, "lr": 0.5, "C": 1.0, "physical": 3,
       "seed": 7, "save_steps": 2, "perturb_rank1": True, "eval": True}
@@ -39,6 +47,11 @@ EX = {"name": "ex-train", "rows": 40, "eb": 8, "steps": 4, "sigma": 3.0, "lr": 0
 USERS = [u for u, m in enumerate([1, 2, 3, 4, 1, 2, 3, 4, 2, 2]) for _ in range(m)]
 USER = {"name": "user-train", "rows": len(USERS), "users": USERS, "k": 2, "eb": 4, "steps": 3, "sigma": 3.0,
         "lr": 0.5, "C": 1.0, "physical": 3, "seed": 11, "save_steps": 0, "perturb_rank1": True}
+#: TRL (DPSFTTrainer: prompt/completion rows, completion-only loss; DPDPOTrainer: preference
+#: pairs), reproducible, rank 1 starting from other weights.
+SFT = {"name": "sft-train", "trainer": "sft", "rows": 12, "eb": 4, "steps": 3, "sigma": 3.0, "lr": 0.5, "C": 1.0,
+       "physical": 2, "seed": 13, "save_steps": 0, "perturb_rank1": True, "delta": 1e-2}
+DPO = {**SFT, "name": "dpo-train", "trainer": "dpo", "steps": 2, "seed": 17}
 
 
 def files_under(d: Path) -> list[str]:
@@ -51,7 +64,7 @@ def runs(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         one = {j["name"]: hd.run_job({**j, "perturb_rank1": False, "out": str(root / "one" / j["name"])})
-               for j in (EX, USER)}
+               for j in (EX, USER) + ((SFT, DPO) if TRL else ())}
         one["ex"] = hd._one_process(hd.audit_jobs()[0])
     assert not any("error" in r for r in one.values()), one
     ck1 = root / "one" / "ex-train" / "checkpoint-2"
@@ -61,6 +74,8 @@ def runs(tmp_path_factory):
     jobs += [{**audit, "name": "ex"}] + [{**audit, "name": f"ex/{p}", "planted": p}
                                         for p in ("hf_ddp_wrapped", "hf_ddp_unsharded")]
     jobs.append({**audit, "name": "ex/accelerate_wraps", "accelerate_wraps": True})
+    if TRL:  # the same launch: each torchrun start costs ~40 s on 2 cores
+        jobs += [{**SFT, "out": "run-sft"}, {**DPO, "out": "run-dpo"}]
     cwds = [str(root / "rank0"), str(root / "rank1")]
     ranks = hd.launch(jobs, cwds=cwds, log=str(root / "torchrun.log"))
     two = [{r["name"]: r for r in rs} for rs in ranks]
@@ -104,6 +119,38 @@ def test_two_processes_equal_one_in_reproducible_mode(runs):
     assert not r0["ddp"] and not r1["ddp"] and r0["wrapped"] == "BertForSequenceClassification"
     st = json.loads((runs["root"] / "rank0" / "run-ex" / "checkpoint-2" / "dp_state.json").read_text())
     assert st["world_size"] == 2 and st["unit"] == "example"
+
+
+@pytest.mark.slow  # the module's one torchrun launch (2 ranks import torch + transformers)
+@pytest.mark.skipif(not TRL, reason="trl is not installed")
+@pytest.mark.parametrize("job", [SFT, DPO], ids=["DPSFTTrainer", "DPDPOTrainer"])
+def test_trl_trainers_two_processes_equal_one(runs, job):
+    name = job["name"]
+    one, (r0, r1) = runs["one"][name], [t[name] for t in runs["two"]]
+    assert "error" not in one and "error" not in r0 and "error" not in r1, (one.get("error"), r0.get("error"),
+                                                                              r1.get("error"))
+    assert r0["world_size"] == r1["world_size"] == 2 and one["world_size"] == 1
+    # The same ledger (one event per logical step, not per rank) and ε.
+    assert r0["ledger"] == r1["ledger"] == one["ledger"]
+    assert PrivacyLedger.from_json(one["ledger"]).steps == job["steps"]
+    assert r0["epsilon"] == r1["epsilon"] == one["epsilon"] and r0["q"] == one["q"] == job["eb"] / job["rows"]
+    # The same logical batches; disjoint shares covering each (rows, or preference pairs).
+    assert len(one["batches"]) == job["steps"]
+    for t, full in one["batches"].items():
+        assert r0["batches"][t] == r1["batches"][t] == full
+        s0, s1 = r0["shares"][t], r1["shares"][t]
+        assert not set(s0) & set(s1) and sorted(s0 + s1) == sorted(full)
+    assert any(r0["shares"][t] and r1["shares"][t] for t in one["batches"])  # both ranks clipped rows
+    # Final trainable weights: within float tolerance of one process, bit-identical on the ranks
+    # (rank 1 started from other weights and got rank 0's; for DPO also the reference log-probs).
+    d1, d2 = torch.tensor(one["delta"]), torch.tensor(r0["delta"])
+    assert float(d1.abs().max()) > 0.1  # the run moved the weights
+    torch.testing.assert_close(d2, d1, rtol=1e-5, atol=1e-6)
+    assert r0["digest"] == r1["digest"] and r0["delta"] == r1["delta"]
+    assert not r0["ddp"] and not r1["ddp"]
+    # rank 0 alone writes (rank 1's directory stays empty: test_rank0_alone_writes)
+    live = runs["root"] / "rank0" / f"run-{name.split('-')[0]}" / "ledger.json"
+    assert json.loads(live.read_text()) == json.loads((runs["root"] / "one" / name / "ledger.json").read_text())
 
 
 @pytest.mark.slow  # the module's one torchrun launch (2 ranks import torch + transformers)

@@ -66,7 +66,7 @@ from dpft.privacy.randomness import Randomness
 
 __all__ = ["World", "DistributedError", "init_from_env", "shared_randomness", "check_same_randomness", "shard", "on_rank0", "all_sum",
            "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_step_digest", "check_methods", "barrier",
-           "shard_units", "refuse_ddp_wrapper"]
+           "shard_units", "refuse_ddp_wrapper", "refuse_sharded_model", "SHARDED_FIX"]
 
 T = TypeVar("T")
 
@@ -290,11 +290,53 @@ def refuse_ddp_wrapper(module: torch.nn.Module, where: str) -> None:
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    refuse_sharded_model(module, where)
     if isinstance(module, DistributedDataParallel):
         raise DistributedError(
             f"{where}: the model is wrapped in DistributedDataParallel, whose gradient buckets all-reduce the "
             "unclipped gradient of every backward; pass the unwrapped model (model.module): dpft clips each "
             "example on its rank and all-reduces the clipped sums itself, once per logical step")
+
+
+#: The fix named when a sharded model reaches a way in that does not shard.
+SHARDED_FIX = ("use `dpft train` with perf.sharding: fsdp (dpft's FSDP2 step), or DDP here: the unwrapped, "
+               "unsharded model under torchrun / accelerate launch")
+
+
+def refuse_sharded_model(module: Any, where: str) -> None:
+    """Refuse a model sharded by FSDP2 (``fully_shard``: a ``torch.distributed.fsdp.FSDPModule``,
+    on the model or any submodule) or FSDP1 (``FullyShardedDataParallel``).
+
+    A sharded model holds 1/K of each parameter per rank, reduce-scatters the *unclipped*
+    gradient in its backward hooks and gathers the weights around each forward; make_private's and
+    DPTrainer's per-example engines read whole parameters and whole per-example gradients, and
+    all-reduce clipped sums themselves. dpft's sharded DP step (per-shard norm contributions summed
+    across ranks before the clip factors) exists only in ``dpft train`` (src/dpft/fsdp.py).
+    ``module`` that is not an ``nn.Module`` (a model name) is let through.
+
+    Raises:
+        DistributedError: naming the fix (:data:`SHARDED_FIX`).
+    """
+    if not isinstance(module, torch.nn.Module):
+        return
+    kinds = []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        kinds.append((FSDPModule, "FSDP2 (fully_shard)"))
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        kinds.append((FullyShardedDataParallel, "FSDP1 (FullyShardedDataParallel)"))
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    for name, m in module.named_modules():
+        for cls, what in kinds:
+            if isinstance(m, cls):
+                raise DistributedError(
+                    f"{where}: the model is sharded by {what} ({name or 'the model itself'}), whose hooks "
+                    "reduce-scatter the unclipped gradient and hold 1/K of each parameter per rank; the per-example "
+                    f"engine here needs whole parameters. {SHARDED_FIX[0].upper()}{SHARDED_FIX[1:]}")
 
 
 # -- collectives -----------------------------------------------------------------------------

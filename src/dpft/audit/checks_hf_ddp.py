@@ -135,6 +135,27 @@ def make_rows(n: int, users: Optional[list[int]] = None, seed: int = 1, drop: Op
     return ds
 
 
+def trl_rows(job: dict):
+    """``job["rows"]`` rows for a TRL job: prompt/completion pairs (``trainer: sft``; completions of
+    1 to 9 words: gradients of several sizes) or preference pairs (``trainer: dpo``), drawn from
+    the tiny tokenizer's words with a fixed generator (the same rows in every process)."""
+    import datasets
+
+    from dpft.audit.checks_trl import _WORDS
+
+    g = torch.Generator().manual_seed(int(job.get("data_seed", 5)))
+
+    def words(lo: int, hi: int) -> str:
+        k = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        return " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (k,), generator=g))
+
+    n = int(job["rows"])
+    if job.get("trainer") == "dpo":
+        return datasets.Dataset.from_list([{"prompt": words(2, 5), "chosen": " " + words(1, 6),
+                                            "rejected": " " + words(1, 6)} for _ in range(n)])
+    return datasets.Dataset.from_list([{"prompt": words(2, 5), "completion": " " + words(1, 9)} for _ in range(n)])
+
+
 def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids`` / ``attention_mask`` and the labels of ``rows``."""
     t = max(len(r["input_ids"]) for r in rows)
@@ -148,7 +169,9 @@ def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 def run_job(job: dict) -> dict:
     """One ``DPTrainer`` run described by ``job`` in this process (a rank of the world under
-    ``torchrun``). Keys: ``name``; ``rows`` (N) and ``users`` (a user id per row: user level,
+    ``torchrun``). Keys: ``name``; ``trainer`` (``hf``: ``DPTrainer`` on the tiny BERT, the
+    default; ``sft``: ``DPSFTTrainer`` on a tiny Llama with prompt/completion rows; ``dpo``:
+    ``DPDPOTrainer`` on preference pairs; :func:`trl_rows`); ``rows`` (N) and ``users`` (a user id per row: user level,
     ``k`` rows per user); ``drop``; ``steps``, ``eb`` (expected batch), ``physical``, ``sigma``,
     ``C``, ``lr`` (SGD, constant), ``seed`` (reproducible seed); ``out`` (output_dir),
     ``save_steps`` (0: no checkpoints); ``resume`` (a checkpoint path); ``eval`` (evaluate on 16
@@ -174,25 +197,53 @@ def run_job(job: dict) -> dict:
             real = DPTrainer.__dict__["create_accelerator_and_postprocess"]
             DPTrainer.create_accelerator_and_postprocess = Trainer.create_accelerator_and_postprocess
             stack.callback(setattr, DPTrainer, "create_accelerator_and_postprocess", real)
-        model = tiny_model()
+        kind = job.get("trainer", "hf")
+        if kind not in ("hf", "sft", "dpo"):
+            raise ValueError(f"run_job: trainer must be 'hf', 'sft' or 'dpo', got {kind!r}")
+        if kind == "hf":
+            model = tiny_model()
+        else:
+            from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+
+            tok = tiny_tokenizer()
+            model = tiny_llama(len(tok))
         if job.get("perturb_rank1") and int(os.environ.get("RANK", "0")) == 1:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.01)
-        rows = make_rows(int(job["rows"]), users, drop=job.get("drop"))
+        rows = make_rows(int(job["rows"]), users, drop=job.get("drop")) if kind == "hf" else trl_rows(job)
         save = int(job.get("save_steps", 0))
-        args = TrainingArguments(
+        common = dict(
             output_dir=job.get("out") or f"out-{job['name']}", max_steps=int(job.get("steps", 1)), learning_rate=float(job.get("lr", 1.0)),
-            lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, label_names=["labels"],
+            lr_scheduler_type="constant", optim="sgd", weight_decay=0.0,
             per_device_train_batch_size=int(job.get("physical", 4)), report_to=[], use_cpu=True,
             save_strategy="steps" if save else "no", save_steps=save or 500, logging_strategy="no", disable_tqdm=True)
+        if kind == "hf":
+            args = TrainingArguments(**common, label_names=["labels"])
+        elif kind == "sft":
+            from trl import SFTConfig
+
+            args = SFTConfig(**common, bf16=False, max_length=64, dataset_num_proc=None)
+        else:
+            from trl import DPOConfig
+
+            args = DPOConfig(**common, bf16=False, beta=0.5)
         dp = DPArguments(target_delta=float(job.get("delta", 1e-3)), noise_multiplier=float(job.get("sigma", 0.0)),
                          max_grad_norm=float(job.get("C", C)), expected_batch_size=int(job["eb"]),
                          reproducible_seed=int(job.get("seed", 0)), max_physical_batch_size=int(job.get("physical", 4)),
                          user_column=USER_COLUMN if users is not None else None,
                          max_rows_per_user=int(job.get("k", 3)))
         try:
-            tr = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate, dp_args=dp)
+            if kind == "hf":
+                tr = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate, dp_args=dp)
+            elif kind == "sft":
+                from dpft.integrations.trl import DPSFTTrainer
+
+                tr = DPSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, dp_args=dp)
+            else:
+                from dpft.integrations.trl import DPDPOTrainer
+
+                tr = DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, dp_args=dp)
             tr.remove_callback(PrinterCallback)  # the audit's output is its checks, not Trainer's logs
             real_share = tr._share
 

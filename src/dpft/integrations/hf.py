@@ -372,6 +372,7 @@ class DPTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         self._check_training_arguments(args)
+        ddp.refuse_sharded_model(model, type(self).__name__)  # before Trainer (and TRL) prepare anything
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
         # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
@@ -549,9 +550,19 @@ class DPTrainer(Trainer):
                     "pass DPTrainer(loss_fn=...) with a per-example smoothed loss")
         if "lomo" in str(getattr(args, "optim", "")).lower():
             _refuse("LOMO optimizers fuse the update into the backward pass; choose another optim")
-        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-            _refuse("DeepSpeed and FSDP are not supported; train on one device per process (DDP: torchrun or "
-                    "accelerate launch)")
+        if getattr(args, "fsdp", None):
+            _refuse(f"TrainingArguments.fsdp = {args.fsdp!r}: accelerate's FSDP shards the model and reduce-scatters "
+                    f"the unclipped gradient in its hooks; DPTrainer clips per example on whole parameters. "
+                    f"Remove fsdp; {ddp.SHARDED_FIX}")
+        if str(os.environ.get("ACCELERATE_USE_FSDP", "")).lower() in ("1", "true", "yes"):
+            _refuse("accelerate's FSDP plugin is on (ACCELERATE_USE_FSDP=true: accelerate launch --use_fsdp or an "
+                    "accelerate config with distributed_type: FSDP); it shards the model and reduce-scatters the "
+                    f"unclipped gradient. Launch without FSDP; {ddp.SHARDED_FIX}")
+        if getattr(args, "deepspeed", None) or str(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")).lower() in (
+                "1", "true", "yes"):
+            _refuse("DeepSpeed is not supported (ZeRO partitions and reduces the unclipped gradient); train on one "
+                    "device per process (DDP: torchrun or accelerate launch), or use `dpft train` with "
+                    "perf.sharding: fsdp for a model beyond one device")
         if getattr(args, "world_size", 1) > 1:
             from transformers.training_args import ParallelMode
 
@@ -575,8 +586,8 @@ class DPTrainer(Trainer):
             _refuse("compute_loss_func returns a batch loss; DPTrainer needs one loss per example: pass "
                     "loss_fn=lambda forward, batch: ... returning a (B,) tensor")
         if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
-            _refuse("DeepSpeed and FSDP are not supported; train on one device per process (DDP: torchrun or "
-                    "accelerate launch)")
+            _refuse("DeepSpeed and FSDP are not supported (accelerate's plugin shards the model and reduces the "
+                    f"unclipped gradient); train on one device per process, or {ddp.SHARDED_FIX}")
         ds = self.train_dataset
         if ds is None:
             _refuse("train_dataset is required")
@@ -783,6 +794,7 @@ class DPTrainer(Trainer):
         from torch.nn.parallel import DistributedDataParallel
 
         for m in (model, self.model_wrapped, self.model):
+            ddp.refuse_sharded_model(m, type(self).__name__)  # an FSDP wrapper added after __init__
             if isinstance(m, DistributedDataParallel) or any(isinstance(x, DistributedDataParallel)
                                                              for x in m.modules()):
                 raise UnclippedParameterError(

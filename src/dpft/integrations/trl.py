@@ -426,6 +426,37 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
             raise ValueError("DPDPOTrainer: the per-example engine must clip a pair's two rows as one group; use "
                              "DPArguments(engine='bookkeeping') or 'reference'")
 
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """The reference log-probabilities of every pair, as columns ``ref_chosen_logps`` /
+        ``ref_rejected_logps`` of ``dataset``. One process: TRL's own. Several (torchrun /
+        accelerate launch): TRL's version shards the pass, gathers, and has rank 0 write an Arrow
+        cache file that the other ranks then open, which fails for an in-memory dataset (each
+        process has its own temporary cache directory), and each shard would be scored with its
+        rank's own initial weights. Here rank 0 broadcasts its weights (DPTrainer broadcasts them
+        again later), scores every pair alone and broadcasts the values: the same bits on every
+        rank, no file. The reference weights are public, so these are inputs, not releases."""
+        from torch.utils.data import DataLoader
+
+        from dpft import distributed as ddp
+
+        world = ddp.init_from_env()
+        if not world.distributed:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        for m in {id(m): m for m in (self.model, self.ref_model) if isinstance(m, torch.nn.Module)}.values():
+            ddp.broadcast_module(world, m)
+
+        def score() -> tuple[torch.Tensor, torch.Tensor]:
+            chosen, rejected = [], []
+            for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False):
+                c, r = self.compute_ref_log_probs(self.ref_model or self.model, self._prepare_inputs(batch))
+                chosen.append(c.detach().float().cpu())
+                rejected.append(r.detach().float().cpu())
+            return torch.cat(chosen), torch.cat(rejected)
+
+        chosen, rejected = ddp.on_rank0(world, score)
+        return dataset.add_column("ref_chosen_logps", chosen.tolist()).add_column("ref_rejected_logps",
+                                                                                 rejected.tolist())
+
     def _micro_batches(self, idx: torch.Tensor):
         """Physical batches of the sampled pairs: ``2P`` rows each, a pair's rows one group."""
         from dpft.grads.groups import GROUP_KEY

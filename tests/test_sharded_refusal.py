@@ -1,0 +1,141 @@
+"""make_private and DPTrainer refuse a model sharded by FSDP (issue 26): FSDP2 (``fully_shard``,
+on the root or a submodule) and FSDP1 wrappers, TrainingArguments.fsdp and accelerate's FSDP
+plugin; each message names the fix (``dpft train`` with ``perf.sharding: fsdp``, or DDP).
+
+One process: a 1-process gloo group on a free port (FSDP2 needs a process group), destroyed after."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from dpft import distributed as ddp
+
+from test_ddp import free_port
+
+FIX = "perf.sharding: fsdp"
+
+
+@pytest.fixture
+def gloo_group(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        pytest.skip("a process group is already initialised")
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(model: nn.Module, submodule: str | None = None) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model.get_submodule(submodule) if submodule else model, mesh=mesh)
+    return model
+
+
+@pytest.mark.parametrize("where", [None, "0"], ids=["root", "submodule"])
+def test_make_private_refuses_fsdp2(gloo_group, where):
+    from dpft import PrivacyEngine
+
+    model = _sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), where)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    with pytest.raises(ddp.DistributedError, match=r"make_private: the model is sharded by FSDP2.*" + FIX):
+        PrivacyEngine(reproducible_seed=0).make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+            data_loader=torch.utils.data.DataLoader(data, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+            steps=1)
+
+
+def test_refuse_sharded_model_names_fsdp1_and_lets_plain_models_through(gloo_group):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    ddp.refuse_sharded_model(nn.Linear(2, 2), "x")  # unsharded: nothing
+    ddp.refuse_sharded_model("gpt2", "x")  # a name (TRL loads it): nothing
+    # FSDP1 wraps only on an accelerator: an instance built without its __init__ stands in (the
+    # guard is an isinstance test).
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(fsdp1)
+    with pytest.raises(ddp.DistributedError, match=r"x: the model is sharded by FSDP1 .*\(1\).*" + FIX):
+        ddp.refuse_ddp_wrapper(nn.Sequential(nn.Linear(2, 2), fsdp1), "x")
+
+
+def _hf_args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1,
+                             label_names=["labels"], **kw)
+
+
+def _dp():
+    from dpft.integrations.hf import DPArguments
+
+    return DPArguments(target_delta=1e-3, expected_batch_size=2, noise_multiplier=1.0)
+
+
+def test_dptrainer_refuses_fsdp2_model(gloo_group, tmp_path):
+    pytest.importorskip("transformers")
+    from dpft.audit import checks_hf_ddp as hd
+    from dpft.integrations.hf import DPTrainer
+
+    model = hd.tiny_model()
+    _sharded(model, "bert.encoder")
+    with pytest.raises(ddp.DistributedError, match=r"DPTrainer: the model is sharded by FSDP2 \(fully_shard\) "
+                                                   r"\(bert.encoder\).*" + FIX):
+        DPTrainer(model=model, args=_hf_args(tmp_path), train_dataset=hd.make_rows(6),
+                  data_collator=hd.pad_collate, dp_args=_dp())
+
+
+def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.integrations.trl import DPSFTTrainer
+
+    def boom(*a, **k):
+        raise AssertionError("SFTTrainer.__init__ ran before the refusal")
+
+    monkeypatch.setattr(SFTTrainer, "__init__", boom)
+    tok = tiny_tokenizer()
+    model = _sharded(tiny_llama(len(tok)))
+    with pytest.raises(ddp.DistributedError, match=r"DPSFTTrainer: the model is sharded by FSDP2.*" + FIX):
+        DPSFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True),
+                     train_dataset=datasets.Dataset.from_list([{"prompt": "my phone", "completion": " restart"}] * 4),
+                     processing_class=tok, dp_args=_dp())
+
+
+def test_dptrainer_refuses_fsdp_arguments_and_accelerate_plugin(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from dpft.audit import checks_hf_ddp as hd
+    from dpft.integrations.hf import DPTrainer
+
+    def build(args):
+        return DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(6),
+                         data_collator=hd.pad_collate, dp_args=_dp())
+
+    args = _hf_args(tmp_path)
+    args.fsdp = "full_shard"  # set after __post_init__ (which would refuse FSDP on CPU itself)
+    with pytest.raises(ValueError, match=r"TrainingArguments.fsdp = 'full_shard'.*" + FIX):
+        build(args)
+    # accelerate launch --use_fsdp / --use_deepspeed set these (the arguments are built before:
+    # TrainingArguments itself needs deepspeed installed under the second)
+    args = _hf_args(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match=r"accelerate's FSDP plugin is on.*" + FIX):
+        build(args)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match=r"DeepSpeed is not supported.*" + FIX):
+        build(args)
