@@ -120,3 +120,9 @@ def plant(name: Optional[str]) -> Iterator[dict]:
         yield apply(name, p.set)
     finally:
         p.undo()
+
+
+# EW-FT ldp.train_pre (issue 29; audit/checks_ewft.py plants them): pre(·) updated from the
+# un-noised clipped sum; the two releases of a step recorded as two separately sampled events.
+EWFT_PLANTED = ("train_pre_without_noise", "train_pre_sampled_twice")
+ALL = ALL + EWFT_PLANTED

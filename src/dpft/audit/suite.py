@@ -101,6 +101,7 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+    ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
 )
 
 

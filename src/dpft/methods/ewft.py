@@ -31,7 +31,7 @@ from dpft.accounting.ewpba import SIGMA_FLOOR, NoiseSchedule, make_schedule, sch
 from dpft.privacy.label_rr import (example_epsilon_with_label, label_epsilon, make_corrected_classification_loss,
                                    randomized_response, rr_keep_probability, rr_transition_matrix)
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, local_epsilon,
-                              local_epsilon_composed, pretrain_autoencoder)
+                              local_epsilon_composed, parse_position, pretrain_autoencoder)
 
 PHASE = "ldp-forward"
 
@@ -315,6 +315,13 @@ class LDPRun:
         if c.noise_multiplier is None and c.schedule != "uniform":
             raise LDPError("ldp.train_pre calibrates one (σ_rep, σ_grad) pair for the run: set ldp.schedule: "
                            "uniform (EWPBA's per-epoch σ is not wired with DP-SGD on pre(·)) or ldp.noise_multiplier")
+        n_blocks = len(trainer.model.bert.encoder.layer) if hasattr(trainer.model, "bert") else None
+        cut = parse_position(c.position, n_blocks) if n_blocks is not None else None
+        if cut is not None and tp.blocks is not None and tp.blocks > cut:
+            raise LDPError(f"ldp.train_pre.blocks = {tp.blocks} > the {cut} blocks of pre(·) at position "
+                           f"{c.position!r}; lower it or leave it unset (all)")
+        if tp.embeddings and tp.blocks not in (None, cut):
+            raise LDPError("ldp.train_pre.embeddings needs every block of pre(·) trained: unset train_pre.blocks")
         steps = self.epochs * self.steps_per_epoch
         if c.noise_multiplier is not None:
             s_rep, s_grad = float(c.noise_multiplier), float(c.noise_multiplier) * tp.noise_ratio
