@@ -25,7 +25,17 @@ from _experiment import Arm, run_experiment, seeds_arg, smoke_assets, smoke_over
 RECIPE = "recipes/sst2-minilm-dpforward.yaml"
 
 
-def arms_for(eps: float, extra: dict, code_lr: float | None = None, ablate: tuple[str, ...] = ()) -> list[Arm]:
+def train_pre_overrides(blocks: int | None, ratio: float, max_grad_norm: float) -> dict:
+    """``ldp.train_pre`` (issue 29): the last ``blocks`` blocks of pre(·) trained by DP-SGD, σ's joint."""
+    ov = {"ldp.train_pre.enabled": True, "ldp.schedule": "uniform", "ldp.train_pre.noise_ratio": ratio,
+          "ldp.train_pre.max_grad_norm": max_grad_norm}
+    if blocks:
+        ov["ldp.train_pre.blocks"] = blocks
+    return ov
+
+
+def arms_for(eps: float, extra: dict, code_lr: float | None = None, ablate: tuple[str, ...] = (),
+             train_pre: dict | None = None, only: tuple[str, ...] = ()) -> list[Arm]:
     """The certified and code arms at ``eps``, plus one ``flaws-…`` arm per flaw subset in
     ``ablate`` (each e.g. ``"i"`` or ``"ii,iii"``: ``ldp.reproduce_flaws``, NOT CERTIFIED), judged
     on ``dev_accuracy`` (noisy inference unless the subset has (vii))."""
@@ -34,10 +44,15 @@ def arms_for(eps: float, extra: dict, code_lr: float | None = None, ablate: tupl
     code = {**base, "ldp.reproduce": "dp_forward_code", **lr}
     arms = [Arm(f"certified-eps{eps:g}", RECIPE, dict(base), metric="dev_accuracy_noisy_inference"),
             Arm(f"code-eps{eps:g}", RECIPE, code, metric="dev_accuracy_clean_inference")]
+    if train_pre is not None:  # certified, judged like the certified arm (noisy inference)
+        arms.append(Arm(f"train_pre-eps{eps:g}", RECIPE, {**base, **train_pre},
+                        metric="dev_accuracy_noisy_inference"))
     for sub in ablate:
         ids = sub.split(",")
         arms.append(Arm(f"flaws-{'+'.join(ids)}-eps{eps:g}", RECIPE,
                         {**base, "ldp.reproduce_flaws": ids, **(lr if "i" in ids else {})}))
+    if only:
+        arms = [a for a in arms if a.name.split("-eps")[0] in only]
     return arms
 
 
@@ -51,6 +66,11 @@ def main() -> None:
     ap.add_argument("--code-lr", type=float, default=None,
                     help="optimizer.lr of the reproduction, which trains the whole model (default: --lr)")
     ap.add_argument("--ablate", default="", help="flaw subsets, ';'-separated, one arm each (e.g. 'i;ii,iii,iv,v,vi,vii')")
+    ap.add_argument("--train-pre", action="store_true", help="add the certified ldp.train_pre arm (issue 29)")
+    ap.add_argument("--pre-blocks", type=int, default=2, help="ldp.train_pre.blocks (0 = every block of pre(·))")
+    ap.add_argument("--noise-ratio", type=float, default=1.0, help="ldp.train_pre.noise_ratio σ_grad/σ_rep")
+    ap.add_argument("--pre-clip", type=float, default=1.0, help="ldp.train_pre.max_grad_norm C_g")
+    ap.add_argument("--arms", default="", help="run only these arms, e.g. 'certified,train_pre' (default: all)")
     ap.add_argument("--out", default="runs/ewft_repro")
     ap.add_argument("--md", default=None)
     ap.add_argument("--jobs", type=int, default=2)
@@ -67,7 +87,9 @@ def main() -> None:
         extra.update({"ldp.delta": 1e-3, "schedule.epochs": 1, "batch.expected_batch_size": 16,
                       "ldp.position": a.position or "encoder:1"})
     ablate = tuple(x.strip() for x in a.ablate.split(";") if x.strip())
-    arms = [arm for e in a.eps.split(",") for arm in arms_for(float(e), extra, a.code_lr, ablate)]
+    tp = train_pre_overrides(a.pre_blocks or None, a.noise_ratio, a.pre_clip) if a.train_pre else None
+    only = tuple(x.strip() for x in a.arms.split(",") if x.strip())
+    arms = [arm for e in a.eps.split(",") for arm in arms_for(float(e), extra, a.code_lr, ablate, tp, only)]
     rows = run_experiment(arms, seeds_arg(a.seeds), a.out, jobs=a.jobs)
     md = []
     for e in a.eps.split(","):

@@ -467,8 +467,9 @@ class LDPRun:
 
             acc = pld_privacy_accountant.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE,
                                                        value_discretization_interval=1e-4)
-            acc.compose(dpa.ComposedDpEvent([e for s in rep_sigmas for e in
-                                             (dpa.GaussianDpEvent(2.0 * s), dpa.GaussianDpEvent(self.sigma_grad))]))
+            # k × (G(2σ_rep), G(σ_grad)) without sampling is one Gaussian, σ = (Σ σ_j⁻²)^(-1/2) (exact)
+            inv = sum((2.0 * s) ** -2 + self.sigma_grad ** -2 for s in rep_sigmas)
+            acc.compose(dpa.GaussianDpEvent(inv ** -0.5))
             linked = float(acc.get_epsilon(delta))
         return {"statement": TRAIN_PRE_STATEMENT, "sigma_rep": self.schedule.sigmas[0], "sigma_grad": self.sigma_grad,
                 "sigma_eff": self.sigma_eff, "noise_ratio": tp.noise_ratio, "max_grad_norm": tp.max_grad_norm,
