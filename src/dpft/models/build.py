@@ -23,6 +23,10 @@ def build_model(recipe, num_labels: int | None):
         ModelError: the model cannot be loaded or the trainable selection matches nothing.
     """
     r = recipe
+    if getattr(r.model, "adapter", None) is not None:
+        from dpft.models.adapters import check_recipe
+
+        check_recipe(r.model, r.trainable)  # before loading: only adapters + head train
     if num_labels is None:
         tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
     else:
@@ -30,4 +34,9 @@ def build_model(recipe, num_labels: int | None):
                                            head_dropout=r.model.head_dropout)
     if r.model.dropout is not None:
         set_dropout(model, r.model.dropout)
-    return tokenizer, select_trainable(model, r.trainable)
+    model = select_trainable(model, r.trainable)
+    if getattr(r.model, "adapter", None) is not None:
+        from dpft.models.adapters import add_adapters
+
+        model = add_adapters(model, r.model.adapter)  # Houlsby adapters, trainable beside the head
+    return tokenizer, model
