@@ -203,6 +203,21 @@ class TrainPreEngine(PerExampleEngine):
         self.pre_map = {n: ids[id(p)] for n, p in self.pre_engine.params.items()}
         self.pre_names = set(self.pre_map.values())
         self.post_names = [n for n in self.param_names if n not in self.pre_names]
+        #: Per-example cache of the frozen prefix's output (embeddings and blocks before the
+        #: trained ones: frozen and deterministic, each example padded on its own). Speed only.
+        self.prefix_cache: dict | None = {} if embeddings is False else None
+
+    def prefix(self, ids, am, tt) -> torch.Tensor:
+        """:func:`frozen_prefix` of the rows, through the cache."""
+        if self.prefix_cache is None:
+            return frozen_prefix(self.model, self.first_block, ids, am, tt)
+        keys = [repr((r.tolist(), m.tolist(), t.tolist())) for r, m, t in zip(ids, am, tt)]
+        miss = [i for i, k in enumerate(keys) if k not in self.prefix_cache]
+        if miss:
+            h = frozen_prefix(self.model, self.first_block, ids[miss], am[miss], tt[miss])
+            for j, i in enumerate(miss):
+                self.prefix_cache[keys[i]] = h[j].clone()
+        return torch.stack([self.prefix_cache[k] for k in keys])
 
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
         from transformers.modeling_outputs import SequenceClassifierOutput
@@ -211,7 +226,7 @@ class TrainPreEngine(PerExampleEngine):
         self.pre_engine.clip = self.clip
         ids, am, tt = split._pad(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
         with torch.no_grad():
-            hidden = None if self.tail.embeddings is not None else frozen_prefix(split, self.first_block, ids, am, tt)
+            hidden = None if self.tail.embeddings is not None else self.prefix(ids, am, tt)
             zc = self.tail(hidden=hidden, attention_mask=am, input_ids=ids, token_type_ids=tt)
             z = zc + split.noise.noise_like(zc)  # the representation release (training: always noised)
         z = z.detach().requires_grad_(True)
