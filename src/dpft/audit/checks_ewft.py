@@ -170,7 +170,7 @@ def check_noise(sigma_rep: float = 0.7, sigma_grad: float = 1.3, c_g: float = 0.
                  f"pre(·) noise std {std:.4g} (want σ_grad·C_g = {want:.4g}); post(·) max |noise| {post_max:g}")
 
 
-def check_event(sigma_rep: float = 0.9, sigma_grad: float = 1.4, q: float = 0.02, steps: int = 300,
+def check_event(sigma_rep: float = 1.5, sigma_grad: float = 2.5, q: float = 0.05, steps: int = 100,
                 delta: float = 1e-5) -> Check:
     """The step's recorded event = PoissonSampled(q, Gaussian(σ_eff)), sampled once."""
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
