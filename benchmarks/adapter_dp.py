@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _experiment import Arm, run_experiment, seeds_arg, smoke_assets, smoke_overrides, table, write  # noqa: E402
+from _experiment import Arm, collected, run_experiment, seeds_arg, smoke_assets, smoke_overrides, table, write  # noqa: E402
 
 RECIPE = "recipes/sst2-minilm-adapter.yaml"
 
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/adapter_dp")
     ap.add_argument("--md", default=None)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--collect-only", action="store_true", help="tables from the finished runs in --out; run nothing")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     extra: dict = {"privacy.target_epsilon": a.eps}
@@ -50,7 +51,10 @@ def main() -> None:
     if a.smoke:
         extra.update(smoke_overrides(smoke_assets(Path(tempfile.gettempdir()) / "dpft_smoke")))
         extra.update({"privacy.delta": 1e-3, "schedule.steps": 2, "batch.expected_batch_size": 16})
-    rows = run_experiment(arms(extra, a.lora_r), seeds_arg(a.seeds), a.out, jobs=a.jobs)
+    if a.collect_only:  # tables from the finished runs only (report.json present); nothing is run
+        rows = collected(arms(extra, a.lora_r), seeds_arg(a.seeds), a.out)
+    else:
+        rows = run_experiment(arms(extra, a.lora_r), seeds_arg(a.seeds), a.out, jobs=a.jobs)
     out = table(rows, reference="adapter", title=f"SST-2, MiniLM, ε = {a.eps:g}: Adapter-DP vs DP-LoRA") + "\n"
     print(out)
     if a.md:

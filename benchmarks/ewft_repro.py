@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _experiment import Arm, run_experiment, seeds_arg, smoke_assets, smoke_overrides, table, write  # noqa: E402
+from _experiment import Arm, collected, run_experiment, seeds_arg, smoke_assets, smoke_overrides, table, write  # noqa: E402
 
 RECIPE = "recipes/sst2-minilm-dpforward.yaml"
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/ewft_repro")
     ap.add_argument("--md", default=None)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--collect-only", action="store_true", help="tables from the finished runs in --out; run nothing")
     ap.add_argument("--smoke", action="store_true", help="tiny model and data (plumbing check, numbers mean nothing)")
     a = ap.parse_args()
     extra: dict = {"optimizer.lr": a.lr}
@@ -90,7 +91,10 @@ def main() -> None:
     tp = train_pre_overrides(a.pre_blocks or None, a.noise_ratio, a.pre_clip) if a.train_pre else None
     only = tuple(x.strip() for x in a.arms.split(",") if x.strip())
     arms = [arm for e in a.eps.split(",") for arm in arms_for(float(e), extra, a.code_lr, ablate, tp, only)]
-    rows = run_experiment(arms, seeds_arg(a.seeds), a.out, jobs=a.jobs)
+    if a.collect_only:  # tables from the finished runs only (report.json present); nothing is run
+        rows = collected(arms, seeds_arg(a.seeds), a.out)
+    else:
+        rows = run_experiment(arms, seeds_arg(a.seeds), a.out, jobs=a.jobs)
     md = []
     for e in a.eps.split(","):
         sub = [r for r in rows if r["arm"].endswith(f"eps{float(e):g}")]
