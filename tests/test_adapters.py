@@ -67,7 +67,7 @@ def test_private_run_updates_only_adapters_and_head_and_saves_loadable_adapters(
     moved = {n for n, p in t.model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert moved and all(".adapter." in n or "classifier" in n or "pooler" in n for n in moved), moved
     assert any(".adapter." in n for n in moved)
-    tok, loaded, kind = load_for_inference(tmp_path / "r" / "model")
+    tok, loaded, _ = load_for_inference(tmp_path / "r" / "model")
     enc = tok(["a good film", "a dull film number 3"], padding=True, return_tensors="pt")
     with torch.no_grad():
         want = t.model.eval()(**enc).logits

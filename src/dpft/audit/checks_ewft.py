@@ -96,7 +96,7 @@ def reference_step(split, batch, noise: torch.Tensor, c_g: float, loss_fn) -> tu
         ae = split.noise.autoencoder
         z = clip_frobenius(ae.encode(h) if ae is not None else h, split.noise.max_norm) + noise[i:i + 1]
         mask = split.padded_mask(one["input_ids"], one["attention_mask"])
-        loss = loss_fn(lambda **_: SequenceClassifierOutput(logits=split.post(z, mask)), one).sum()
+        loss = loss_fn(lambda z=z, mask=mask, **_: SequenceClassifierOutput(logits=split.post(z, mask)), one).sum()
         loss.backward()
         g = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
              for n, p in split.named_parameters() if p.requires_grad}
