@@ -101,13 +101,13 @@ def main() -> None:
         md.append(table(sub, reference=f"certified-eps{float(e):g}", title=f"ε = {e}"))
         clean = []
         for r in sub:  # the certified runs' clean-inference accuracy, same runs
-            if r["arm"].startswith("certified") and "error" not in r:
+            if r["arm"].startswith(("certified", "train_pre")) and "error" not in r:
                 c = copy.deepcopy(r)
-                c["arm"], c["metric"] = f"certified-eps{float(e):g} (clean inference)", "dev_accuracy_clean_inference"
+                c["arm"], c["metric"] = f"{r['arm']} (clean inference)", "dev_accuracy_clean_inference"
                 c["value"] = r["metrics"].get("dev_accuracy_clean_inference")
                 clean.append(c)
         if clean:
-            md.append(table(clean, title=f"ε = {e}, certified model evaluated without inference noise"))
+            md.append(table(clean, title=f"ε = {e}, certified models evaluated without inference noise"))
     note = ("`certified`: ε from the run's ledger (PLD), covers inputs (not labels, not token counts with "
             "ldp.mask_after_noise); judged with inference noise (each dev input one LDP release). `code`: NOT "
             "CERTIFIED (report lists flaws i–vii); its 'ε' is the code's claim, not a guarantee.")
