@@ -110,6 +110,13 @@ def collect(d: Path, arm: Arm, seed: int, cmd: str = "") -> dict[str, Any]:
             "command": cmd}
 
 
+def collected(arms: list[Arm], seeds: list[int], out: str | Path) -> list[dict[str, Any]]:
+    """The rows of the (arm, seed) runs in ``out`` that finished (``report.json``); runs nothing."""
+    out = Path(out)
+    return [collect(out / a.name / f"seed{s}", a, s, shlex.join(command(a, s, out / a.name / f"seed{s}", {}, [])))
+            for a in arms for s in seeds if (out / a.name / f"seed{s}" / "report.json").is_file()]
+
+
 def _env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",

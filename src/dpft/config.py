@@ -19,6 +19,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class AdapterCfg(_Strict):
+    """Bottleneck adapters (Houlsby et al. 2019; models/adapters.py): the Adapter-DP baseline."""
+
+    type: Literal["houlsby"] = "houlsby"
+    #: Bottleneck width = hidden size // reduction_factor (16: 384 → 24 for MiniLM).
+    reduction_factor: int = Field(16, ge=1)
+    nonlinearity: Literal["relu", "gelu"] = "relu"
+
+
 class ModelCfg(_Strict):
     #: Hugging Face model directory, hub id, or ``minilm`` (embedded all-MiniLM-L6-v2).
     name: str = "minilm"
@@ -33,6 +42,9 @@ class ModelCfg(_Strict):
     #: Override every dropout probability of the model (``0`` disables dropout, which often
     #: helps under DP: the clipped, noisy gradient is regularised enough). None = as loaded.
     dropout: Optional[float] = Field(None, ge=0, lt=1)
+    #: Bottleneck adapters in every block (BERT family); only adapters + head train
+    #: (needs ``trainable.mode: head``). None = no adapters.
+    adapter: Optional[AdapterCfg] = None
 
 
 class TaskCfg(_Strict):

@@ -150,3 +150,7 @@ ALL = ALL + FSDP_PLANTED
 # collated with the next row's target.
 SEQ2SEQ_PLANTED = ("seq2seq_targets_across_rows",)
 ALL = ALL + SEQ2SEQ_PLANTED
+# EW-FT ldp.train_pre (issue 29; audit/checks_ewft.py plants them): pre(·) updated from the
+# un-noised clipped sum; the two releases of a step recorded as two separately sampled events.
+EWFT_PLANTED = ("train_pre_without_noise", "train_pre_sampled_twice")
+ALL = ALL + EWFT_PLANTED

@@ -31,7 +31,7 @@ from dpft.accounting.ewpba import SIGMA_FLOOR, NoiseSchedule, make_schedule, sch
 from dpft.privacy.label_rr import (example_epsilon_with_label, label_epsilon, make_corrected_classification_loss,
                                    randomized_response, rr_keep_probability, rr_transition_matrix)
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, local_epsilon,
-                              local_epsilon_composed, pretrain_autoencoder)
+                              local_epsilon_composed, parse_position, pretrain_autoencoder)
 
 PHASE = "ldp-forward"
 
@@ -49,6 +49,26 @@ class LdpAutoencoderCfg(_Strict):
     pretrain_epochs: int = Field(3, ge=0)
     pretrain_lr: float = Field(1e-3, gt=0)
     pretrain_batch_size: int = Field(32, ge=1)
+
+
+class LdpTrainPreCfg(_Strict):
+    """``ldp.train_pre``: pre(·) trained by DP-SGD through the noise layer (methods/ldp_train_pre.py).
+
+    Each step releases the noisy codes (σ_rep, sensitivity 2C) and the noisy clipped sum of
+    pre(·)'s per-example gradients (σ_grad, sensitivity ``max_grad_norm``) on the same sampled
+    batch: one ledger event ``PoissonSampled(q, Gaussian(σ_eff))``, σ_eff⁻² = σ_rep⁻² + σ_grad⁻²."""
+
+    enabled: bool = False
+    #: C_g: per-example L2 clipping norm of pre(·)'s gradient (flat).
+    max_grad_norm: float = Field(1.0, gt=0)
+    #: ρ = σ_grad / σ_rep; the pair is calibrated jointly to ``ldp.target_epsilon``.
+    noise_ratio: float = Field(1.0, gt=0)
+    #: Train only the last ``blocks`` blocks of pre(·) (None = all of them); earlier blocks stay frozen.
+    blocks: Optional[int] = Field(None, ge=1)
+    #: Also train the embedding layer (needs ``blocks`` unset).
+    embeddings: bool = False
+    #: Per-example engine of pre(·)'s gradients (grads/).
+    engine: Literal["bookkeeping", "reference"] = "bookkeeping"
 
 
 class LdpCfg(_Strict):
@@ -98,6 +118,8 @@ class LdpCfg(_Strict):
     #: the certified mechanism, to find which of DP-Forward's choices carries its accuracy;
     #: ``reproduce: dp_forward_code`` is all of them.
     reproduce_flaws: Optional[list[Literal["i", "ii", "iii", "iv", "v", "vi", "vii"]]] = None
+    #: Certified adaptation of pre(·) by DP-SGD (the certified counterpart of flaw (i)).
+    train_pre: LdpTrainPreCfg = LdpTrainPreCfg()
 
 
 
@@ -203,7 +225,12 @@ class LDPRun:
         #: The NOT CERTIFIED deviations this run makes (REPRO_FLAWS ids); empty = certified.
         self.flaws = set(REPRO_FLAWS) if c.reproduce == "dp_forward_code" else set(c.reproduce_flaws or ())
         self.repro = bool(self.flaws)
-        if "iii" in self.flaws and c.noise_multiplier is None:
+        tp = c.train_pre
+        #: ldp.train_pre: σ_grad of pre(·)'s DP-SGD (None = pre(·) frozen).
+        self.sigma_grad: Optional[float] = None
+        if tp.enabled:
+            self._train_pre_schedule(trainer, q)
+        elif "iii" in self.flaws and c.noise_multiplier is None:
             if c.target_epsilon is None:
                 raise LDPError("ldp.reproduce needs target_epsilon (σ is calibrated as the code does) or "
                                "noise_multiplier")
@@ -243,7 +270,21 @@ class LDPRun:
         self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length,
                                      pass_mask=c.mask_after_noise or "v" in f, pooled_release=pooled,
                                      release_cls=at_output and not pooled, train_pre="i" in f)
-        if "i" not in f:
+        if tp.enabled:
+            from dpft.methods.ldp_train_pre import check_trainable, pre_parameters
+
+            if tp.blocks is not None and tp.blocks > self.split.cut:
+                raise LDPError(f"ldp.train_pre.blocks = {tp.blocks} > the {self.split.cut} blocks of pre(·) at "
+                               f"position {c.position!r}; lower it or leave it unset (all)")
+            if tp.embeddings and tp.blocks not in (None, self.split.cut):
+                raise LDPError("ldp.train_pre.embeddings needs every block of pre(·) trained: unset train_pre.blocks")
+            #: first trained block of pre(·) (ldp.train_pre)
+            self.first_block = self.split.cut - (tp.blocks or self.split.cut)
+            params = pre_parameters(self.split, self.first_block, tp.embeddings)
+            check_trainable(params, f"pre(·) at {c.position!r}")
+            for p in params:  # the split froze them; DP-SGD trains them (no pre(·) cache: it changes)
+                p.requires_grad_(True)
+        elif "i" not in f:
             self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
         if self.repro:
             trainer.ledger.mark_not_certified(self.repro_reason())
@@ -263,6 +304,42 @@ class LDPRun:
                 # the Trainer builds its engine from trainer.loss_fn after this constructor
                 trainer.loss_fn = make_corrected_classification_loss(
                     rr_transition_matrix(c.label_epsilon, self.num_labels))
+
+    def _train_pre_schedule(self, trainer, q: float) -> None:
+        """σ_rep (the layer's, per epoch) and σ_grad of ``ldp.train_pre``, calibrated jointly."""
+        from dpft.methods.ldp_train_pre import calibrate, effective_sigma
+
+        c, tp = self.cfg, self.cfg.train_pre
+        if self.repro:
+            raise LDPError("ldp.train_pre is the certified alternative to flaw (i): remove ldp.reproduce / "
+                           "ldp.reproduce_flaws (the reproduction trains pre(·) without clipping or noise)")
+        if c.noise_multiplier is None and c.schedule != "uniform":
+            raise LDPError("ldp.train_pre calibrates one (σ_rep, σ_grad) pair for the run: set ldp.schedule: "
+                           "uniform (EWPBA's per-epoch σ is not wired with DP-SGD on pre(·)) or ldp.noise_multiplier")
+        n_blocks = len(trainer.model.bert.encoder.layer) if hasattr(trainer.model, "bert") else None
+        cut = parse_position(c.position, n_blocks) if n_blocks is not None else None
+        if cut is not None and tp.blocks is not None and tp.blocks > cut:
+            raise LDPError(f"ldp.train_pre.blocks = {tp.blocks} > the {cut} blocks of pre(·) at position "
+                           f"{c.position!r}; lower it or leave it unset (all)")
+        if tp.embeddings and tp.blocks not in (None, cut):
+            raise LDPError("ldp.train_pre.embeddings needs every block of pre(·) trained: unset train_pre.blocks")
+        steps = self.epochs * self.steps_per_epoch
+        if c.noise_multiplier is not None:
+            s_rep, s_grad = float(c.noise_multiplier), float(c.noise_multiplier) * tp.noise_ratio
+            s_eff = effective_sigma(s_rep, s_grad)
+        else:
+            if c.target_epsilon is None:
+                raise LDPError("ldp.train_pre: set ldp.target_epsilon (σ's are calibrated) or ldp.noise_multiplier")
+            s_rep, s_grad, s_eff = calibrate(c.target_epsilon, c.delta, q, steps, tp.noise_ratio,
+                                             prior=trainer.ledger.events())
+        self.sigma_grad = s_grad
+        self.sigma_eff = s_eff
+        eps = schedule_epsilon([s_eff] * self.epochs, q, self.steps_per_epoch, c.delta) if s_eff > 0 else math.inf
+        self.schedule = NoiseSchedule([s_rep] * self.epochs, q, self.steps_per_epoch, c.delta,
+                                      c.target_epsilon if c.target_epsilon is not None else eps, eps, "train_pre",
+                                      notes=[f"ldp.train_pre: σ_rep = {s_rep:.4g} (codes, sensitivity 2C), σ_grad = "
+                                             f"{s_grad:.4g} (pre(·) gradients, sensitivity C_g = {tp.max_grad_norm:g}), "
+                                             f"one event per step at σ_eff = {s_eff:.4g}"])
 
     def repro_reason(self) -> str:
         """Why the run is NOT CERTIFIED: the flaws it makes, each named."""
@@ -303,6 +380,8 @@ class LDPRun:
 
     def after_step(self, step: int) -> None:
         # One event per step, empty batch or not: the step's release is the Poisson-sampled set.
+        if self.sigma_grad is not None:
+            return  # ldp.train_pre: the step's mechanism recorded both releases as one event
         if self.repro:
             # what was actually released: std σ·C (flaw ii) or σ·2C against sensitivity 2C, i.e.
             # multiplier σ/2 or σ (the ledger is marked NOT CERTIFIED anyway)
@@ -315,7 +394,7 @@ class LDPRun:
     def _below_floor(self) -> bool:
         # σ < SIGMA_FLOOR (but > 0): the PLD of so little noise takes minutes and the ε is
         # meaningless anyway; report ∞ (an upper bound: never in the user's favour).
-        return 0 < min(self.schedule.sigmas) < SIGMA_FLOOR
+        return 0 < min(self.schedule.sigmas + ([self.sigma_eff] if self.sigma_grad is not None else [])) < SIGMA_FLOOR
 
     def epsilon(self) -> float | None:
         if self.repro:
@@ -375,7 +454,33 @@ class LDPRun:
             "linked_rows": linked_section(seq, d, self.cfg.label_epsilon, self.num_labels),
             "label": label_section(self.cfg.label_epsilon, self.num_labels, self.cfg.label_loss_correction,
                                    rep.epsilon, d),
+            **({"train_pre": self.train_pre_section(seq, d)} if self.sigma_grad is not None else {}),
         }
+
+    def train_pre_section(self, rep_sigmas: list[float], delta: float) -> dict[str, Any]:
+        """What ``ldp.train_pre`` releases and what each part protects; the linked-rows ε with the
+        gradient releases (PLD replace-one, no amplification: G(2σ_rep) and G(σ_grad) per release)."""
+        from dpft.methods.ldp_train_pre import combined_event
+
+        tp = self.cfg.train_pre
+        k = len(rep_sigmas)
+        linked = None
+        if k and self.sigma_grad and min(rep_sigmas) > 0:
+            from dp_accounting.pld import pld_privacy_accountant
+
+            acc = pld_privacy_accountant.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE,
+                                                       value_discretization_interval=1e-4)
+            # k × (G(2σ_rep), G(σ_grad)) without sampling is one Gaussian, σ = (Σ σ_j⁻²)^(-1/2) (exact)
+            inv = sum((2.0 * s) ** -2 + self.sigma_grad ** -2 for s in rep_sigmas)
+            acc.compose(dpa.GaussianDpEvent(inv ** -0.5))
+            linked = float(acc.get_epsilon(delta))
+        return {"statement": TRAIN_PRE_STATEMENT, "sigma_rep": self.schedule.sigmas[0], "sigma_grad": self.sigma_grad,
+                "sigma_eff": self.sigma_eff, "noise_ratio": tp.noise_ratio, "max_grad_norm": tp.max_grad_norm,
+                "gradient_noise_std": self.sigma_grad * tp.max_grad_norm,
+                "trained_blocks_of_pre": [self.first_block + 1, self.split.cut], "embeddings": tp.embeddings,
+                "step_event": repr(combined_event(self.schedule.q, self.schedule.sigmas[0], self.sigma_grad)),
+                "recorded_as": f"PoissonSampled(q, Gaussian(σ_eff = {self.sigma_eff:.6g})) per step",
+                "linked_rows_epsilon_with_gradients": linked}
 
     def summary(self) -> dict[str, Any]:
         c = self.cfg
@@ -390,12 +495,27 @@ class LDPRun:
                 "pretrain_mse_of_zero": self.pretrain_baseline,
                 "eval_noise": self.layer.eval_noise, **self.schedule.as_dict(),
                 "label_epsilon": c.label_epsilon,
+                "train_pre": ({"sigma_rep": self.schedule.sigmas[0], "sigma_grad": self.sigma_grad,
+                               "sigma_eff": self.sigma_eff, "max_grad_norm": c.train_pre.max_grad_norm,
+                               "blocks": [self.first_block + 1, self.split.cut], "embeddings": c.train_pre.embeddings}
+                              if self.sigma_grad is not None else None),
                 "label_loss_correction": bool(c.label_epsilon is not None and c.label_loss_correction),
                 "release_shape": [1 if self.split.release_cls else self.trainer.recipe.model.max_length,
                                   (c.autoencoder.sizes[-1] if c.autoencoder.sizes
                                    else int(self.split.model.config.hidden_size))]}
 
 
+#: What ``ldp.train_pre`` protects (issue 29).
+TRAIN_PRE_STATEMENT = (
+    "ldp.train_pre: pre(·) is trained by DP-SGD. Each step releases, on one Poisson-sampled batch, the noisy codes "
+    "(σ_rep, sensitivity 2C) and the noisy sum of pre(·)'s per-example gradients clipped to C_g (σ_grad); the "
+    "ledger records them as ONE event PoissonSampled(q, Gaussian(σ_eff)), σ_eff⁻² = σ_rep⁻² + σ_grad⁻² (two "
+    "Gaussians on the same data; sampled once, so amplification is applied once). Inference: the LDP layer "
+    "protects each input (local guarantee of one release at σ_rep). Training: the example-level ε covers both "
+    "releases; the party that trains pre(·) runs it on clean inputs and adds the gradient noise (trusted, as "
+    "in DP-SGD), so the split deployment (a server that never sees a clean input) cannot run this mode. "
+    "'linked_rows_epsilon_with_gradients' composes, without amplification, an example's code and gradient "
+    "releases (PLD, replace-one).")
 #: Headline qualifier of a forward-LDP run without label privacy (issue 13).
 LABELS_NOT_PROTECTED = "ε covers the inputs only; labels are not protected (set ldp.label_epsilon)"
 #: Qualifier of ``ldp.mask_after_noise`` (issue 18): the mask is an un-noised function of the length.
@@ -451,6 +571,22 @@ class ForwardLDP(Method):
         return ["This run's model has a forward-pass noise layer (EW-FT / DP-Forward) between its blocks: the "
                 "folder holds the inner model and the autoencoder, which a plain `pipeline` would run without that "
                 "layer. Serve it with dpft's split deployment (`dpft ldp-server` / `dpft ldp-client`).", ""]
+
+    def build(self, spec, run):
+        """``ldp.train_pre``: the step's engine gives pre(·)'s per-example clipped gradients through
+        the noise layer (and post(·)'s plain ones) and its mechanism noises pre(·)'s sum and records
+        the combined event (methods/ldp_train_pre.py). Frozen pre(·): the step unchanged."""
+        tp = self.cfg.train_pre
+        if not tp.enabled:
+            return spec
+        from dpft.methods.ldp_train_pre import PHASE_TRAIN_PRE, TrainPreEngine, TrainPreMechanism
+        from dpft.step.clip import make_clip_policy
+
+        clip = make_clip_policy("flat", tp.max_grad_norm)
+        eng = TrainPreEngine(self.ldp.split, run.loss_fn, clip, self.ldp.first_block, tp.embeddings, tp.engine)
+        mech = TrainPreMechanism(self.ldp.schedule.sigmas[0], self.ldp.sigma_grad, clip.sensitivity, run.rng,
+                                 eng.pre_names)
+        return spec.replace(engine=eng, clip=clip, mechanism=mech, phase=PHASE_TRAIN_PRE)
 
     def before_step(self, step, run) -> None:
         self.ldp.before_step(step)

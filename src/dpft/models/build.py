@@ -24,6 +24,10 @@ def build_model(recipe, num_labels: int | None):
         ModelError: the model cannot be loaded or the trainable selection matches nothing.
     """
     r = recipe
+    if getattr(r.model, "adapter", None) is not None:
+        from dpft.models.adapters import check_recipe
+
+        check_recipe(r.model, r.trainable)  # before loading: only adapters + head train
     if r.task.name == "seq2seq":  # encoder-decoder (T5, BART): models/causal.py
         from dpft.models.causal import load_seq2seq_lm
 
@@ -40,4 +44,8 @@ def build_model(recipe, num_labels: int | None):
         from dpft.models.causal import check_seq2seq_trainable
 
         check_seq2seq_trainable(model)  # T5's relative bias: refused before any data is read
+    if getattr(r.model, "adapter", None) is not None:
+        from dpft.models.adapters import add_adapters
+
+        model = add_adapters(model, r.model.adapter)  # Houlsby adapters, trainable beside the head
     return tokenizer, model

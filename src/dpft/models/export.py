@@ -70,6 +70,11 @@ def save_standard(model: nn.Module, tokenizer, out: str | Path, labels: Optional
             to_standard(merged, labels).save_pretrained(merged_dir)
             tokenizer.save_pretrained(merged_dir)
             written["merged"] = str(merged_dir)
+    elif getattr(model, "dpft_adapter", None) is not None:  # bottleneck adapters (models/adapters.py)
+        from dpft.models.adapters import save_adapters, strip_adapters
+
+        to_standard(strip_adapters(copy.deepcopy(model)), labels).save_pretrained(out)
+        save_adapters(model, out)
     else:
         to_standard(model, labels).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -157,6 +162,10 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
             model, kind = AutoModelForSequenceClassification.from_pretrained(path), "classification"
     else:
         raise FileNotFoundError(f"{path} holds no config.json or adapter_config.json: not a saved model folder")
+    from dpft.models.adapters import ADAPTER_CONFIG, load_adapters
+
+    if (path / ADAPTER_CONFIG).is_file():  # bottleneck adapters saved beside the base
+        model = load_adapters(model, path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok, model.to(device).eval(), kind
