@@ -42,8 +42,19 @@ def test_sensitivity_is_2c_and_noise_std():
 def test_local_epsilon_analytic_matches_pld_replace_one():
     for s in (0.8, 2.0):
         assert local_epsilon_composed([s], 1e-5) == pytest.approx(local_epsilon(s, 1e-5), abs=2e-3)
-    # k identical releases = one release at σ/√k (Gaussian composition), checked through PLD
-    assert local_epsilon_composed([2.0] * 4, 1e-5) == pytest.approx(local_epsilon(1.0, 1e-5), abs=2e-3)
+    # k identical releases = one release at σ/√k (Gaussian composition)
+    assert local_epsilon_composed([2.0] * 4, 1e-5) == pytest.approx(local_epsilon(1.0, 1e-5), abs=1e-9)
+    # the closed form equals dp_accounting's replace-one PLD composition (GaussianDpEvent(2σ):
+    # inputs at ±1, std 2σ) up to the PLD's pessimistic discretisation, and never exceeds it
+    import dp_accounting as dpa
+    from dp_accounting.pld import pld_privacy_accountant
+
+    for sig in ([0.8, 1.2, 2.0], [0.5] * 5):
+        acc = pld_privacy_accountant.PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE,
+                                                   value_discretization_interval=1e-4)
+        acc.compose(dpa.ComposedDpEvent([dpa.GaussianDpEvent(2.0 * s) for s in sig]))
+        pld = acc.get_epsilon(1e-5)
+        assert local_epsilon_composed(sig, 1e-5) == pytest.approx(pld, rel=1e-6)
     assert math.isinf(local_epsilon(0.0, 1e-5))
     # textbook bound σ ≥ √(2 ln(1.25/δ))/ε is looser than the analytic one
     eps = 1.0

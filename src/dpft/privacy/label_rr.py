@@ -171,7 +171,12 @@ def example_epsilon_with_label(sigmas: Sequence[float], delta: float, eps_label:
     sig = [float(s) for s in sigmas if s is not None]
     if sig and min(sig) <= 0:
         return math.inf
-    events: list[dpa.DpEvent] = [dpa.GaussianDpEvent(2.0 * s) for s in sig]
+    if eps_label is None:
+        from dpft.privacy.ldp import local_epsilon_composed
+
+        return local_epsilon_composed(sig, delta)
+    # The Gaussian releases compose exactly into one Gaussian, σ = (Σ σ_j⁻²)^(-1/2) (GDP): one PLD.
+    events: list[dpa.DpEvent] = [dpa.GaussianDpEvent(2.0 * sum(s ** -2 for s in sig) ** -0.5)] if sig else []
     if eps_label is not None:
         events.append(rr_event(eps_label, num_labels))
     if not events:
