@@ -35,26 +35,10 @@ def load_causal_lm(name: str, seed: int = 0):
     Raises:
         ModelError: not loadable as a causal LM (the message says what to give instead).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(name)
-    torch.manual_seed(seed)
-    try:
-        tok = _named_tokenizer(AutoTokenizer.from_pretrained(path), path)
-        model = AutoModelForCausalLM.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ModelError(
-            f"cannot load {name!r} as a causal language model ({exc.__class__.__name__}: {str(exc)[:200]}); "
-            "the text task needs a decoder (GPT-2, Llama, Qwen2 …) folder with config.json and weights"
-        ) from None
-    if tok.pad_token_id is None:
-        if tok.eos_token_id is not None:
-            tok.pad_token = tok.eos_token
-        else:
-            tok.pad_token_id = 0
-    if getattr(model.config, "pad_token_id", None) is None:
-        model.config.pad_token_id = tok.pad_token_id
-    return tok, model
+    return _load_lm(AutoModelForCausalLM, name, seed, "a causal language model",
+                    "the text task needs a decoder (GPT-2, Llama, Qwen2 …) folder with config.json and weights")
 
 
 def load_seq2seq_lm(name: str, seed: int = 0):
@@ -64,18 +48,24 @@ def load_seq2seq_lm(name: str, seed: int = 0):
     Raises:
         ModelError: not loadable as an encoder-decoder LM (the message says what to give instead).
     """
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoModelForSeq2SeqLM
+
+    return _load_lm(AutoModelForSeq2SeqLM, name, seed, "a sequence-to-sequence model",
+                    "the seq2seq task needs an encoder-decoder (T5, BART …) folder with config.json and weights")
+
+
+def _load_lm(auto_cls, name: str, seed: int, what: str, need: str):
+    """``(tokenizer, auto_cls.from_pretrained(name))``; the tokenizer gets a pad token (EOS, or
+    id 0) if it has none, and the model's config that pad id. Raises ModelError naming ``need``."""
+    from transformers import AutoTokenizer
 
     path = resolve_model_path(name)
     torch.manual_seed(seed)
     try:
         tok = _named_tokenizer(AutoTokenizer.from_pretrained(path), path)
-        model = AutoModelForSeq2SeqLM.from_pretrained(path)
+        model = auto_cls.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ModelError(
-            f"cannot load {name!r} as a sequence-to-sequence model ({exc.__class__.__name__}: {str(exc)[:200]}); "
-            "the seq2seq task needs an encoder-decoder (T5, BART …) folder with config.json and weights"
-        ) from None
+        raise ModelError(f"cannot load {name!r} as {what} ({exc.__class__.__name__}: {str(exc)[:200]}); {need}") from None
     if tok.pad_token_id is None:
         if tok.eos_token_id is not None:
             tok.pad_token = tok.eos_token
