@@ -55,36 +55,24 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
     Raises:
         ValueError: an unknown name (the known ones listed).
     """
-    if name is None:
+    from dpft.audit.planted import planting
+
+    with planting(name, PLANTED) as p:
+        from dpft import api
+        from dpft.grads import live
+        from dpft.integrations import hf
+
+        noop = lambda *a, **k: None  # noqa: E731
+        if name == "double_capture":
+            p.set(live.LiveBookKeeping, "_check_one_capture", noop)
+        elif name == "unfrozen_param":
+            p.set(api.DPOptimizer, "check_unclipped_grads", noop)
+            p.set(hf.DPTrainer, "_check_params", noop)
+            p.set(hf.DPTrainer, "_check_unclipped_grads", noop)
+        elif name == "packing_collator":
+            p.set(hf, "check_unpacked_batch", noop)
+            p.set(api, "check_unpacked_batch", noop)
         yield
-        return
-    if name not in PLANTED:
-        raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(PLANTED)}")
-    from dpft import api
-    from dpft.grads import live
-    from dpft.integrations import hf
-
-    saved: list[tuple[object, str, object]] = []
-
-    def patch(obj, attr, value):
-        saved.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, value)
-
-    noop = lambda *a, **k: None  # noqa: E731
-    if name == "double_capture":
-        patch(live.LiveBookKeeping, "_check_one_capture", noop)
-    elif name == "unfrozen_param":
-        patch(api.DPOptimizer, "check_unclipped_grads", noop)
-        patch(hf.DPTrainer, "_check_params", noop)
-        patch(hf.DPTrainer, "_check_unclipped_grads", noop)
-    elif name == "packing_collator":
-        patch(hf, "check_unpacked_batch", noop)
-        patch(api, "check_unpacked_batch", noop)
-    try:
-        yield
-    finally:
-        for obj, attr, value in reversed(saved):
-            setattr(obj, attr, value)
 
 
 # --------------------------------------------------------------------------- make_private

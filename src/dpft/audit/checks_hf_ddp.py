@@ -61,41 +61,29 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
     Raises:
         ValueError: an unknown name."""
-    if name is None:
+    from dpft.audit.planted import planting
+
+    with planting(name, PLANTED) as p:
+        from transformers import Trainer
+
+        from dpft.grads.groups import GROUP_KEY
+        from dpft.integrations import hf
+
+        if name == "hf_ddp_wrapped":
+            p.set(hf.DPTrainer, "create_accelerator_and_postprocess", Trainer.create_accelerator_and_postprocess)
+            p.set(hf.DPTrainer, "_check_not_ddp", lambda self, model: None)
+        elif name == "hf_ddp_unsharded":
+            p.set(hf.DPTrainer, "_share", lambda self, idx: idx)
+        elif name == "hf_user_rows_clipped_alone":
+            real = hf.DPTrainer._micro_batches
+
+            def micro_batches(self, idx):
+                for batch in real(self, idx):
+                    batch.pop(GROUP_KEY, None)
+                    yield batch
+
+            p.set(hf.DPTrainer, "_micro_batches", micro_batches)
         yield
-        return
-    if name not in PLANTED:
-        raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(PLANTED)}")
-    from transformers import Trainer
-
-    from dpft.grads.groups import GROUP_KEY
-    from dpft.integrations import hf
-
-    saved: list[tuple[object, str, object]] = []
-
-    def patch(obj, attr, value):
-        saved.append((obj, attr, obj.__dict__[attr]))
-        setattr(obj, attr, value)
-
-    if name == "hf_ddp_wrapped":
-        patch(hf.DPTrainer, "create_accelerator_and_postprocess", Trainer.create_accelerator_and_postprocess)
-        patch(hf.DPTrainer, "_check_not_ddp", lambda self, model: None)
-    elif name == "hf_ddp_unsharded":
-        patch(hf.DPTrainer, "_share", lambda self, idx: idx)
-    elif name == "hf_user_rows_clipped_alone":
-        real = hf.DPTrainer._micro_batches
-
-        def micro_batches(self, idx):
-            for batch in real(self, idx):
-                batch.pop(GROUP_KEY, None)
-                yield batch
-
-        patch(hf.DPTrainer, "_micro_batches", micro_batches)
-    try:
-        yield
-    finally:
-        for obj, attr, value in reversed(saved):
-            setattr(obj, attr, value)
 
 
 # --------------------------------------------------------------------------- one job

@@ -63,47 +63,35 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
     Raises:
         ValueError: an unknown name."""
-    if name is None:
+    from dpft.audit.planted import planting
+
+    with planting(name, PLANTED) as p:
+        from dpft.integrations import hf
+        from dpft.integrations import trl as dtrl
+
+        noop = lambda *a, **k: None  # noqa: E731
+        if name == "sft_packing_accepted":
+            p.set(dtrl, "check_sft_config", noop)
+            p.set(dtrl.DPSFTTrainer, "_check_prepared", noop)
+            p.set(hf, "check_unpacked_batch", noop)
+        elif name == "dpo_pair_split":
+            # each of a pair's two rows its own clipping group: a pair contributes up to 2C
+            from dpft.grads.groups import GROUP_KEY
+
+            orig = dtrl.pair_rows
+
+            def split(batch):
+                out = orig(batch)
+                out[GROUP_KEY] = torch.arange(out[GROUP_KEY].shape[0])
+                return out
+
+            p.set(dtrl, "pair_rows", split)
+            p.set(dtrl.DPDPOTrainer, "_micro_batches", _unchecked_micro_batches)
+            # and the engine's layout probe, which refuses a loss shared across clipping groups
+            from dpft.grads import bookkeeping
+
+            p.set(bookkeeping, "check_example_support", noop)
         yield
-        return
-    if name not in PLANTED:
-        raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(PLANTED)}")
-    from dpft.integrations import hf
-    from dpft.integrations import trl as dtrl
-
-    saved = []
-
-    def patch(obj, attr, value):
-        saved.append((obj, attr, obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)))
-        setattr(obj, attr, value)
-
-    noop = lambda *a, **k: None  # noqa: E731
-    if name == "sft_packing_accepted":
-        patch(dtrl, "check_sft_config", noop)
-        patch(dtrl.DPSFTTrainer, "_check_prepared", noop)
-        patch(hf, "check_unpacked_batch", noop)
-    elif name == "dpo_pair_split":
-        # each of a pair's two rows its own clipping group: a pair contributes up to 2C
-        from dpft.grads.groups import GROUP_KEY
-
-        orig = dtrl.pair_rows
-
-        def split(batch):
-            out = orig(batch)
-            out[GROUP_KEY] = torch.arange(out[GROUP_KEY].shape[0])
-            return out
-
-        patch(dtrl, "pair_rows", split)
-        patch(dtrl.DPDPOTrainer, "_micro_batches", _unchecked_micro_batches)
-        # and the engine's layout probe, which refuses a loss shared across clipping groups
-        from dpft.grads import bookkeeping
-
-        patch(bookkeeping, "check_example_support", noop)
-    try:
-        yield
-    finally:
-        for obj, attr, value in reversed(saved):
-            setattr(obj, attr, value)
 
 
 @contextlib.contextmanager

@@ -72,6 +72,23 @@ class _Patches:
 _MISSING = object()
 
 
+@contextlib.contextmanager
+def planting(name: Optional[str], known: tuple[str, ...]) -> Iterator[_Patches]:
+    """The frame of a check module's ``planted_bug(name)``: yields a :class:`_Patches` whose
+    ``set(obj, attr, value)`` calls are undone on exit (the class or module attribute restored,
+    an inherited one removed again). ``name`` None: nothing is planted (the caller sets nothing).
+
+    Raises:
+        ValueError: ``name`` is not one of ``known`` (they are listed)."""
+    if name is not None and name not in known:
+        raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(known)}")
+    p = _Patches()
+    try:
+        yield p
+    finally:
+        p.undo()
+
+
 def _clip_2c(orig):
     def scales(self, sq):
         c = self.max_norm
