@@ -98,6 +98,13 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
                    "parameters yet (use perf.sharding: ddp)")
     if recipe.task.user_column and private:
         why.append("user-level privacy (task.user_column): not with FSDP yet (use perf.sharding: ddp, or one process)")
+    if private and getattr(recipe.privacy, "mechanism", "gaussian") != "gaussian":
+        # banded MF keeps whole-tensor noise buffers; FSDP draws each shard's block noise itself
+        why.append(f"privacy.mechanism {recipe.privacy.mechanism!r}: FSDP draws independent Gaussian noise per "
+                   "shard only (use privacy.mechanism: gaussian, or perf.sharding: ddp)")
+    if private and getattr(recipe.batch, "max_batch_size", None) is not None:
+        why.append("batch.max_batch_size (truncated Poisson, fixed shapes): not verified with FSDP's placeholder "
+                   "micro-batches yet (drop it, or use perf.sharding: ddp)")
     if resume:
         why.append("--resume: a sharded run's checkpoint is not resumed yet (start a new --output-dir, or "
                    "train with perf.sharding: ddp)")
