@@ -36,25 +36,19 @@ TOL = 1e-4
 @contextlib.contextmanager
 def planted_bug(name: Optional[str]) -> Iterator[None]:
     """Plant one bug for the duration (None: nothing). Raises ValueError for an unknown name."""
-    if name is None:
-        yield
-        return
-    if name not in PLANTED:
-        raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(PLANTED)}")
-    from dpft.methods import ldp_train_pre as tp
+    from dpft.audit.planted import planting
 
-    cls = tp.TrainPreMechanism
-    saved = {k: cls.__dict__[k] for k in ("release", "event")}
-    if name == "train_pre_without_noise":
-        cls.release = lambda self, s, sens, q, step: (dict(s), self.event(q))
-    else:
-        cls.event = lambda self, q: dpa.ComposedDpEvent([dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.sigma_rep)),
-                                                         dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.sigma_grad))])
-    try:
+    with planting(name, PLANTED) as p:
+        from dpft.methods import ldp_train_pre as tp
+
+        cls = tp.TrainPreMechanism
+        if name == "train_pre_without_noise":
+            p.set(cls, "release", lambda self, s, sens, q, step: (dict(s), self.event(q)))
+        elif name == "train_pre_sampled_twice":
+            p.set(cls, "event", lambda self, q: dpa.ComposedDpEvent([
+                dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.sigma_rep)),
+                dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.sigma_grad))]))
         yield
-    finally:
-        for k, v in saved.items():
-            setattr(cls, k, v)
 
 
 def tiny_split(position: str = "encoder:1", max_norm: float = 0.5, autoencoder: bool = True, t: int = 8):

@@ -40,25 +40,20 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
     Raises:
         ValueError: an unknown name."""
-    if name is None:
-        yield
-        return
-    if name not in PLANTED:
-        raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(PLANTED)}")
+    from dpft.audit.planted import planting
     from dpft.data import tokenize
 
-    orig = tokenize.collate_seq2seq
+    with planting(name, PLANTED) as p:
+        if name == "seq2seq_targets_across_rows":
+            orig = tokenize.collate_seq2seq
 
-    def rolled(rows, pad_id, device=None):
-        out = orig(rows, pad_id, device)
-        out["labels"] = out["labels"].roll(1, dims=0)  # row i learns row i-1's target
-        return out
+            def rolled(rows, pad_id, device=None):
+                out = orig(rows, pad_id, device)
+                out["labels"] = out["labels"].roll(1, dims=0)  # row i learns row i-1's target
+                return out
 
-    tokenize.collate_seq2seq = rolled
-    try:
+            p.set(tokenize, "collate_seq2seq", rolled)
         yield
-    finally:
-        tokenize.collate_seq2seq = orig
 
 
 def _rows() -> list[dict]:
