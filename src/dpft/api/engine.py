@@ -6,7 +6,6 @@ import math
 import warnings
 from typing import Any, Optional
 
-import dp_accounting as dpa
 import torch
 from torch import nn
 from torch.utils.data import (
@@ -33,7 +32,9 @@ from dpft.step.clip import make_clip_policy
 from dpft.step.pipeline import DPStep
 from dpft.step.sample import PoissonSampler
 from dpft.step.unit import build_user_unit
-from dpft.step.truncated import TruncatedPoissonSampler, truncated_event
+from dpft.step.correlated import CyclicPoissonSampler
+from dpft.step.mechanisms import make_banded_mechanism, sampler_phase_event
+from dpft.step.truncated import TruncatedPoissonSampler
 
 
 def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
@@ -72,6 +73,8 @@ class PrivacyEngine:
         self.noise_multiplier: Optional[float] = None
         self._calls = 0
         self._sessions: list[LiveBookKeeping] = []
+        #: the last make_private's banded-MF loop (mechanism, optimizer, batches, σ, N); None otherwise.
+        self._banded: Optional[dict] = None
 
     def get_epsilon(self, delta: float) -> float:
         """ε(δ) of everything this engine released (PLD accountant of ``dp-accounting``).
@@ -96,6 +99,93 @@ class PrivacyEngine:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.ledger.save(path)
         return True
+
+    def save_noise_state(self, path) -> bool:
+        """Write the secret state of the last ``make_private(mechanism="banded_mf")`` to ``path``:
+        the last b − 1 noises, the next step, the examples' secret partition, σ and the ledger
+        (``torch.save``; mode 0600 from creation, written atomically). **Secret**: whoever holds it
+        can subtract most of the noise from the released weights; keep it with your private
+        checkpoints, never with a released model (``optimizer.state_dict()`` never holds it).
+        Call it between logical batches, when you checkpoint the model and optimizer. Under
+        ``torch.distributed`` rank 0 writes (the state is the same on every rank).
+
+        Returns:
+            Whether this process wrote the file.
+
+        Raises:
+            ValueError: the last make_private was not banded_mf, or a logical batch is open."""
+        loop = self._require_banded("save_noise_state")
+        opt, mech = loop["optimizer"], loop["mechanism"]
+        if opt._agg is not None and opt._agg_step is not None and opt._agg_step > opt._released_upto:
+            raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
+                             "micro-batch)")
+        world = self.world if self.world is not None else ddp.World()
+        if not world.is_main:
+            return False
+        from pathlib import Path
+
+        from dpft.step.correlated import write_secret
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_secret(path, {"format": "dpft-make_private-banded-noise-state", **mech.state(), "sigma": loop["sigma"],
+                            "n": loop["n"], "ledger": self.ledger.to_json()})
+        return True
+
+    def load_noise_state(self, path) -> None:
+        """Continue a banded_mf loop saved by :meth:`save_noise_state`: call it on a fresh
+        ``PrivacyEngine`` right after ``make_private`` with the same arguments (and after loading
+        the model's and optimizer's checkpoint), before the first step. Restores the noise
+        buffers, the secret partition, the step counter of the loader and optimizer, and the
+        ledger (it continues: the saved releases stay in it). The next steps draw fresh secret
+        randomness. Resuming from a state older than the last release (a crash between two
+        saves) would replay batches under new noise, which the accounting does not cover: save
+        the state whenever you checkpoint, and resume from the matching pair.
+
+        Raises:
+            FileNotFoundError: ``path`` is missing (a banded_mf loop cannot continue without it).
+            ValueError: not a banded_mf make_private, steps already made, or another σ, N,
+                bands or number of steps."""
+        loop = self._require_banded("load_noise_state")
+        mech, opt, batches = loop["mechanism"], loop["optimizer"], loop["batches"]
+        if mech.next_step != 0 or opt.logical_steps != 0 or batches.next_step != 0:
+            raise ValueError("load_noise_state: this loop already made steps; call it right after make_private")
+        from pathlib import Path
+
+        def read():
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"load_noise_state: {path} (the secret noise state of a banded_mf loop) is "
+                                        "missing; the correlated noise cannot continue without it — start a new "
+                                        "loop instead (its ledger composes with the old one)")
+            return torch.load(path, weights_only=True, map_location="cpu")
+
+        world = self.world if self.world is not None else ddp.World()
+        st = ddp.on_rank0(world, read)
+        if st.get("format") != "dpft-make_private-banded-noise-state":
+            raise ValueError(f"load_noise_state: {path} is not a make_private banded_mf noise state")
+        if int(st["n"]) != loop["n"] or not math.isclose(float(st["sigma"]), loop["sigma"], rel_tol=1e-9,
+                                                           abs_tol=1e-12):
+            raise ValueError(f"load_noise_state: the state was saved with N = {st['n']}, σ = {st['sigma']:.6g}; this "
+                             f"loop has N = {loop['n']}, σ = {loop['sigma']:.6g}. Call make_private with the same "
+                             "arguments on a fresh PrivacyEngine")
+        try:
+            mech.load_state(st, dict(opt.dp_step.params))
+        except ValueError as exc:
+            raise ValueError(f"load_noise_state: {exc}") from None
+        k = mech.next_step
+        saved = PrivacyLedger.from_json(st["ledger"])
+        self.ledger.entries = list(saved.entries)
+        if not saved.certified:
+            self.ledger.mark_not_certified(saved.not_certified_reason or "marked not certified")
+        self.ledger._cache.clear()
+        batches.next_step = k
+        opt._released_upto = k - 1
+        opt.logical_steps = k
+
+    def _require_banded(self, what: str) -> dict:
+        if self._banded is None:
+            raise ValueError(f"{what}: the last make_private of this engine is not mechanism='banded_mf' (only "
+                             "banded matrix factorization has secret state beyond the key)")
+        return self._banded
 
     def detach(self) -> None:
         """Remove the hooks from every module made private by this engine."""
@@ -141,6 +231,8 @@ class PrivacyEngine:
         max_rows_per_user: int = 4,
         user_clipping: str = "group",
         max_batch_size: Optional[int] = None,
+        mechanism: str = "gaussian",
+        bands: Optional[int] = None,
     ):
         """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
 
@@ -229,6 +321,19 @@ class PrivacyEngine:
                 logical batch, a uniformly random subset when more are drawn; the ledger records
                 ``TruncatedSubsampledGaussianDpEvent`` and σ is calibrated on it. The batch
                 shapes stay your collate function's (no padding here; ``dpft train`` pads).
+            mechanism: ``"gaussian"`` (default: DP-SGD, independent noise) or ``"banded_mf"``:
+                banded matrix factorization (docs/mechanisms.md; Choquette-Choo et al. 2023,
+                step/correlated.py), as ``dpft train``'s ``privacy.mechanism``. Each example gets
+                a secret partition in {0..b−1}; step t Poisson-samples partition t mod b at rate
+                p = b·B/N; step t's noise is row t of C⁻¹Z (C b-banded Toeplitz, optimised for
+                the planned steps); the ledger records PoissonSampled(p, Gaussian(σ)) at steps
+                t ≡ 0 (mod b) and NoOp at the others, and σ is calibrated on those events. Needs
+                ``epochs`` or ``steps``; steps must run in order (a logical batch left without
+                ``optimizer.step()`` stops the run). The secret noise state ((b − 1) × the
+                trainable parameters in fp32) is never in ``optimizer.state_dict()``: save it with
+                :meth:`save_noise_state` (an owner-only file; never release it) and restore it
+                with :meth:`load_noise_state` to continue; without it a loop cannot be resumed.
+            bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
@@ -243,7 +348,10 @@ class PrivacyEngine:
                 and ``epochs``; both or neither of ``target_epsilon``/``noise_multiplier``; a
                 target ε without δ or without a length; a criterion that cannot be made
                 per-example; BatchNorm (it mixes the examples of a batch); optimizer parameters
-                that are not trainable parameters of ``module``; an unknown clipping style.
+                that are not trainable parameters of ``module``; an unknown clipping style;
+                ``banded_mf`` with ``user_ids`` or ``max_batch_size`` (no certified event), with
+                b < 1, with b·B > N (p > 1), without ``epochs``/``steps``, or with noise buffers
+                above 16 GiB.
             dpft.accounting.calibrate.CalibrationError: the target cannot be met (δ ≥ 1/N, or
                 unreachable with this q and number of steps), with the reason.
             dpft.distributed.DistributedError: a module wrapped in ``DistributedDataParallel``
@@ -297,6 +405,26 @@ class PrivacyEngine:
         if user_clipping not in ("group", "per_example_over_k"):
             raise ValueError(f"make_private: user_clipping must be 'group' or 'per_example_over_k', got "
                              f"{user_clipping!r}")
+        if mechanism not in ("gaussian", "banded_mf"):
+            raise ValueError(f"make_private: mechanism must be 'gaussian' or 'banded_mf', got {mechanism!r}")
+        banded = mechanism == "banded_mf"
+        if banded:
+            bands = 4 if bands is None else bands
+            if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
+                raise ValueError(f"make_private: bands must be an integer ≥ 1, got {bands!r}")
+            if user_ids is not None:
+                raise ValueError("make_private: mechanism='banded_mf' is for example-level DP; user-level privacy "
+                                 "(user_ids=) with banded noise has no certified accounting here; drop user_ids or "
+                                 "use mechanism='gaussian'")
+            if max_batch_size is not None:
+                raise ValueError("make_private: banded_mf with truncated Poisson (max_batch_size) has no "
+                                 "dp-accounting event; drop max_batch_size or use mechanism='gaussian'")
+            if steps is None and epochs is None:
+                raise ValueError("make_private: mechanism='banded_mf' needs epochs or steps (its coefficients are "
+                                 "optimised for that number of steps)")
+        elif bands is not None:
+            raise ValueError("make_private: bands is the b of mechanism='banded_mf'; set mechanism='banded_mf' "
+                             "or drop bands")
         # torch.distributed: an initialised group, or torchrun's environment (the group is made).
         world = ddp.init_from_env()
         bn = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -371,14 +499,24 @@ class PrivacyEngine:
             sampler: Any = unit.sampler
             n_units = unit.n
         else:
-            sampler = (PoissonSampler(n, expected_batch_size, rng) if max_batch_size is None
-                       else TruncatedPoissonSampler(n, expected_batch_size, rng, max_batch_size))
+            if banded:  # b-min-separated cyclic Poisson (step/correlated.py)
+                try:
+                    sampler = CyclicPoissonSampler(n, expected_batch_size, rng, bands)
+                except ValueError:
+                    raise ValueError(f"make_private: banded_mf with bands = {bands} samples each of {bands} "
+                                     f"partitions of N = {n} examples at rate p = b·B/N = "
+                                     f"{bands * expected_batch_size / n:.3g} > 1; lower bands or expected_batch_size"
+                                     ) from None
+            else:
+                sampler = (PoissonSampler(n, expected_batch_size, rng) if max_batch_size is None
+                           else TruncatedPoissonSampler(n, expected_batch_size, rng, max_batch_size))
             n_units = n
         q = sampler.q
         steps_per_epoch = max(1, n_units // expected_batch_size)
         if world.distributed:  # every rank must describe the same mechanism over the same data
             mine = (n, n_units, expected_batch_size, steps, epochs, noise_multiplier, target_epsilon, target_delta,
-                    float(max_grad_norm), clipping, user_clipping if unit else None, max_rows_per_user if unit else None)
+                    float(max_grad_norm), clipping, user_clipping if unit else None, max_rows_per_user if unit else None,
+                    mechanism, bands, max_batch_size)
             if ddp.any_rank(world, mine != ddp.broadcast_object(world, mine)):
                 raise ddp.DistributedError(
                     "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, "
@@ -415,12 +553,11 @@ class PrivacyEngine:
         # DDP: rank 0 calibrates, every rank gets its σ (one value for the world).
         # max_batch_size: truncated Poisson (step/truncated.py), accounted and calibrated on
         # TruncatedSubsampledGaussianDpEvent (issue 28; shapes stay the user's collate's).
-        trunc_event = None if max_batch_size is None else (lambda s: dpa.SelfComposedDpEvent(
-            truncated_event(n, q, max_batch_size, s), planned))
+        # mechanism='banded_mf': ⌈n/b⌉ × PoissonSampled(p, Gaussian(σ)) (the CLI's helper).
         sigma = resolve_sigma(noise_multiplier=None if target_epsilon is not None else noise_multiplier,
                               target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n_units,
                               prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(world, f),
-                              phase_event=trunc_event)
+                              phase_event=sampler_phase_event(sampler, n, q, planned))
 
         # ---------------------------------------------------------------- the DP step
         self._calls = calls
@@ -442,6 +579,9 @@ class PrivacyEngine:
                                hardened=self.hardened_noise)
         if max_batch_size is not None:
             spec.mechanism.truncation = (n, int(max_batch_size))
+        if banded:  # noise C⁻¹Z from the shared key: identical buffers on every rank under DDP
+            spec = spec.replace(mechanism=make_banded_mechanism(engine.params, sigma, clip.sensitivity, rng, sampler,
+                                                                planned, hardened=self.hardened_noise))
         dp_step = DPStep(spec, self.ledger, n_units, world_group=world.group)
         dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
         session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)
@@ -454,6 +594,8 @@ class PrivacyEngine:
                                        groups=unit is not None and user_clipping == "group")
         loader = DPDataLoader(dataset, batches, dp_opt, **loader_kwargs)
         self.noise_multiplier = sigma
+        self._banded = (dict(mechanism=spec.mechanism, optimizer=dp_opt, batches=batches, sigma=sigma, n=n)
+                        if banded else None)
         if per_example_criterion is None:
             return module, dp_opt, loader
         per_example_criterion._session = session

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = ["banded_coefficients", "prefix_sum_loss", "inverse_coefficients", "CyclicPoissonSampler",
            "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "save_noise_state", "load_noise_state",
-           "resume_noise_state", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES", "MAX_BUFFER_BYTES"]
+           "resume_noise_state", "write_secret", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES", "MAX_BUFFER_BYTES"]
 
 #: Secret noise state of a banded-MF run: ``run_dir/NOISE_STATE_FILE``, mode 0600, outside the
 #: release set (never in checkpoint/, never pushed).
@@ -211,6 +211,10 @@ class BandedMFMechanism(GaussianMechanism):
         self.buffers: list[dict[str, torch.Tensor]] = []
         #: The step whose noise comes next.
         self.next_step = 0
+        #: The :class:`CyclicPoissonSampler` whose secret partition is saved and restored with the
+        #: buffers (a resume under a fresh secret key must keep it, or b-min-separation breaks
+        #: across the resume); None: the buffers alone.
+        self.sampler: Optional[CyclicPoissonSampler] = None
 
     def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
         """``{name: sum + y_step}`` (see the class docstring); updates the buffers."""
@@ -250,12 +254,26 @@ class BandedMFMechanism(GaussianMechanism):
 
     # -- secret state
     def state(self) -> dict:
-        return {"next_step": self.next_step, "coeffs": self.coeffs,
-                "buffers": [{k: v.detach().cpu() for k, v in b.items()} for b in self.buffers]}
+        st = {"next_step": self.next_step, "coeffs": self.coeffs,
+              "buffers": [{k: v.detach().cpu() for k, v in b.items()} for b in self.buffers]}
+        if self.sampler is not None:
+            st["partition"] = self.sampler.partition.detach().cpu().clone()
+        return st
 
     def load_state(self, st: dict, device_of: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """Restore :meth:`state` (and the sampler's secret partition when a sampler is attached).
+
+        Raises:
+            ValueError: other coefficients; a partition missing or of another N."""
         if [round(x, 12) for x in st["coeffs"]] != [round(x, 12) for x in self.coeffs]:
             raise ValueError("banded_mf: the saved noise state has other coefficients (another bands or steps)")
+        if self.sampler is not None:
+            part = st.get("partition")
+            if part is None or tuple(part.shape) != tuple(self.sampler.partition.shape):
+                raise ValueError("banded_mf: the saved noise state has no partition of these "
+                                 f"{self.sampler.n} examples (another dataset, or written before partitions were "
+                                 "saved); without it the participations would not stay b steps apart")
+            self.sampler.partition = part.to(torch.long).clone()
         dev = {k: v.device for k, v in (device_of or {}).items()}
         self.buffers = [{k: v.to(dev.get(k, "cpu")) for k, v in b.items()} for b in st["buffers"]]
         self.next_step = int(st["next_step"])
@@ -286,12 +304,17 @@ def save_noise_state(run_dir, mechanism: BandedMFMechanism, step: int) -> Path:
     outside the release set. ``step``: the checkpoint's step (must equal the buffers' step)."""
     if mechanism.next_step != int(step):
         raise ValueError(f"noise buffers at step {mechanism.next_step}, checkpoint at step {step}")
-    path = Path(run_dir) / NOISE_STATE_FILE
+    return write_secret(Path(run_dir) / NOISE_STATE_FILE, mechanism.state())
+
+
+def write_secret(path, obj) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically, owner-only (mode 0600 from creation on)."""
+    path = Path(path)
     tmp = path.with_name("." + path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as f:
-        torch.save(mechanism.state(), f)
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

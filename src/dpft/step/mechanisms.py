@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-__all__ = ["check_mechanisms", "make_sampler", "phase_event_of", "install_mechanism", "mechanism_info"]
+__all__ = ["check_mechanisms", "make_sampler", "phase_event_of", "install_mechanism", "mechanism_info",
+           "sampler_phase_event", "make_banded_mechanism"]
 
 
 def _banded(recipe) -> bool:
@@ -64,19 +65,46 @@ def make_sampler(recipe, n_rows: int, rng) -> Optional[Any]:
 def phase_event_of(recipe, unit, steps: int) -> Optional[Callable[[float], Any]]:
     """``σ -> DpEvent`` of the training phase when it is not ``steps`` × PoissonSampled(q,
     Gaussian(σ)) — for σ calibration on the very events the run records; None otherwise."""
+    s = unit.sampler
+    if _banded(recipe) or getattr(s, "max_batch_size", None) is not None:
+        return sampler_phase_event(s, unit.n, unit.q, steps)
+    return None
+
+
+def sampler_phase_event(sampler, n: int, q: float, steps: int) -> Optional[Callable[[float], Any]]:
+    """``σ -> DpEvent`` of ``steps`` steps drawn by ``sampler`` (the event σ is calibrated on and
+    the run records): ⌈steps/b⌉ × PoissonSampled(p, Gaussian(σ)) for a
+    :class:`~dpft.step.correlated.CyclicPoissonSampler` (banded MF), ``steps`` ×
+    TruncatedSubsampledGaussian(N, q, B_max, σ) for a truncated sampler; None for plain Poisson.
+    Shared by ``dpft train`` (:func:`phase_event_of`), ``make_private`` and ``DPTrainer``."""
     import dp_accounting as dpa
 
-    s = unit.sampler
-    if _banded(recipe):
-        from dpft.step.correlated import banded_phase_event
+    from dpft.step.correlated import CyclicPoissonSampler, banded_phase_event
 
+    s = sampler
+    if isinstance(s, CyclicPoissonSampler):
         return lambda sigma: banded_phase_event(sigma, s.partition_rate, steps, s.bands)
     if getattr(s, "max_batch_size", None) is not None:
         from dpft.step.truncated import truncated_event
 
-        return lambda sigma: dpa.SelfComposedDpEvent(truncated_event(unit.n, unit.q, s.max_batch_size, sigma),
-                                                     int(steps))
+        return lambda sigma: dpa.SelfComposedDpEvent(truncated_event(n, q, s.max_batch_size, sigma), int(steps))
     return None
+
+
+def make_banded_mechanism(params, sigma: float, sensitivity: float, rng, sampler, steps: int, hardened: bool = True):
+    """The banded-MF mechanism for ``steps`` steps of the cyclic Poisson ``sampler`` (its secret
+    partition travels with the noise state, so a resume keeps b-min-separation), after the
+    buffer-memory check (step/correlated.py). Shared by every way in.
+
+    Raises:
+        ValueError: the noise buffers ((b − 1) × ``params`` in fp32) above the limit."""
+    from dpft.step.correlated import BandedMFMechanism, banded_coefficients, check_buffer_memory
+
+    check_buffer_memory(params, sampler.bands)
+    mech = BandedMFMechanism(sigma, sensitivity, rng, banded_coefficients(steps, sampler.bands),
+                             sampler.partition_rate, hardened=hardened)
+    mech.sampler = sampler
+    return mech
 
 
 def install_mechanism(spec, recipe, unit, rng, sigma: float, steps: int):
@@ -98,15 +126,13 @@ def install_mechanism(spec, recipe, unit, rng, sigma: float, steps: int):
         return spec
     if _banded(r):
         from dpft.run.errors import TrainingError
-        from dpft.step.correlated import BandedMFMechanism, banded_coefficients, check_buffer_memory
 
         params = spec.params if spec.params is not None else spec.engine.params
         try:
-            check_buffer_memory(params, r.privacy.bands)
+            mech = make_banded_mechanism(params, sigma, spec.mechanism.sensitivity, rng, s, steps,
+                                         hardened=spec.mechanism.hardened)
         except ValueError as exc:
             raise TrainingError(str(exc)) from None
-        mech = BandedMFMechanism(sigma, spec.mechanism.sensitivity, rng, banded_coefficients(steps, r.privacy.bands),
-                                 s.partition_rate, hardened=spec.mechanism.hardened)
         return spec.replace(mechanism=mech)
     return spec
 
