@@ -115,6 +115,9 @@ from dpft.step.build import build_step_spec, make_engine, resolve_sigma
 from dpft.step.postprocess import Transform
 from dpft.grads.groups import GROUP_KEY, PerExampleOverK
 from dpft.step.sample import PoissonSampler, UserPoissonSampler, user_index
+from dpft.step.correlated import NOISE_STATE_FILE, CyclicPoissonSampler
+from dpft.step.mechanisms import make_banded_mechanism, sampler_phase_event
+from dpft.step.truncated import TruncatedPoissonSampler
 
 __all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
 
@@ -169,6 +172,19 @@ class DPArguments:
         max_rows_per_user: k, the most rows of a sampled user per step (user level only).
         user_clipping: ``group`` (exact: the user's summed gradient clipped to C) or
             ``per_example_over_k`` (each row clipped to C/k: ≤ k · C/k = C; cheaper, harsher).
+        max_batch_size: truncated Poisson (docs/mechanisms.md, step/truncated.py): at most this
+            many rows per logical batch (a uniformly random subset when more are drawn); the
+            ledger records ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)`` and σ is
+            calibrated on it. Example level only; physical batches stay the collator's.
+        mechanism: ``gaussian`` (default, DP-SGD) or ``banded_mf`` (banded matrix factorization,
+            Choquette-Choo et al. 2023; step/correlated.py): secret partitions, step t samples
+            partition t mod b at p = b·B/N, step t's noise is row t of C⁻¹Z, the ledger records
+            PoissonSampled(p, Gaussian(σ)) at t ≡ 0 (mod b) and NoOp otherwise. Its secret noise
+            buffers ((b − 1) × trainable parameters, fp32) are written at every checkpoint to
+            ``output_dir/noise_state.secret.pt`` (mode 0600, outside ``checkpoint-*``: never
+            publish it); ``resume_from_checkpoint`` restores them and refuses without them.
+            Example level only, not with ``max_batch_size``.
+        bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
 
     Raises:
         ValueError: an out-of-range value, or neither/both of ``target_epsilon`` and
@@ -192,6 +208,9 @@ class DPArguments:
     user_column: Optional[str] = None
     max_rows_per_user: int = 4
     user_clipping: str = "group"
+    max_batch_size: Optional[int] = None
+    mechanism: str = "gaussian"
+    bands: Optional[int] = None
 
     def __post_init__(self) -> None:
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -222,6 +241,27 @@ class DPArguments:
         if self.user_clipping not in ("group", "per_example_over_k"):
             raise ValueError(f"DPArguments.user_clipping must be 'group' or 'per_example_over_k', "
                              f"got {self.user_clipping!r}")
+        if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool)
+                                                or int(self.max_batch_size) != self.max_batch_size
+                                                or self.max_batch_size < 1):
+            raise ValueError(f"DPArguments.max_batch_size must be a positive integer, got {self.max_batch_size}")
+        if self.mechanism not in ("gaussian", "banded_mf"):
+            raise ValueError(f"DPArguments.mechanism must be 'gaussian' or 'banded_mf', got {self.mechanism!r}")
+        if self.mechanism == "banded_mf":
+            if self.bands is None:
+                self.bands = 4
+            if isinstance(self.bands, bool) or int(self.bands) != self.bands or self.bands < 1:
+                raise ValueError(f"DPArguments.bands must be an integer ≥ 1, got {self.bands!r}")
+            if self.max_batch_size is not None:
+                raise ValueError("DPArguments: banded_mf with truncated Poisson (max_batch_size) has no dp-accounting "
+                                 "event; drop max_batch_size or use mechanism='gaussian'")
+        elif self.bands is not None:
+            raise ValueError("DPArguments.bands is the b of mechanism='banded_mf'; set mechanism='banded_mf' or "
+                             "drop bands")
+        if self.user_column is not None and (self.mechanism == "banded_mf" or self.max_batch_size is not None):
+            raise ValueError("DPArguments: user-level privacy (user_column) with banded_mf or max_batch_size has no "
+                             "certified accounting here; drop user_column, or use mechanism='gaussian' without "
+                             "max_batch_size")
 
 
 # --------------------------------------------------------------------------- per-example loss
@@ -430,11 +470,16 @@ class DPTrainer(Trainer):
         self._loops = 0
         ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
         self.ledger = ledger if ledger is not None else PrivacyLedger()
+        #: banded_mf: cyclic Poisson over secret partitions; max_batch_size: truncated Poisson
+        #: (docs/mechanisms.md; the CLI's samplers). None: plain or user-level Poisson (below).
+        mech_sampler = self._mechanism_sampler(eb)
         # The same builder as `dpft train`'s plan and make_private (step/build.py); DDP: rank 0
-        # calibrates and every rank gets its σ.
+        # calibrates and every rank gets its σ — on the events this run records (the CLI's helper).
         self.sigma = resolve_sigma(noise_multiplier=dp_args.noise_multiplier, target_epsilon=dp_args.target_epsilon,
                                    delta=dp_args.target_delta, q=self.q, steps=self.total_steps, n=self.n,
-                                   prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(self.world, f))
+                                   prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(self.world, f),
+                                   phase_event=None if mech_sampler is None else
+                                   sampler_phase_event(mech_sampler, self.n, self.q, self.total_steps))
 
         causal = _is_causal_lm(self.model)
         self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(causal, tuple(self.label_names or ()))
@@ -445,7 +490,9 @@ class DPTrainer(Trainer):
                     "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
         from dpft.models.load import is_head_param
 
-        if self.user_level:
+        if mech_sampler is not None:
+            self.sampler = mech_sampler
+        elif self.user_level:
             self.sampler = UserPoissonSampler(users, eb, int(dp_args.max_rows_per_user), self._run_rng)
         else:
             self.sampler = PoissonSampler(self.n, eb, self._run_rng)
@@ -453,6 +500,7 @@ class DPTrainer(Trainer):
                                sampler=self.sampler, optimizer=_TrainerStepsOptimizer(),
                                head_mask=lambda names: [is_head_param(n) for n in names],
                                hardened=dp_args.hardened_noise, transforms=list(transforms or []), phase="train")
+        spec = self._install_mechanism(spec)
         self.mechanism = spec.mechanism
         self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self._save_live_ledger,
                               world_group=self.world.group)
@@ -462,6 +510,39 @@ class DPTrainer(Trainer):
             self._warn_frozen_in_optimizer(self.optimizer)
         #: Un-noised statistics of the last logical step (never logged; for the data holder).
         self.last_private_stats: dict[str, Any] = {}
+
+    def _mechanism_sampler(self, eb: int):
+        """The sampler of ``banded_mf`` (:class:`~dpft.step.correlated.CyclicPoissonSampler`) or of
+        ``max_batch_size`` (:class:`~dpft.step.truncated.TruncatedPoissonSampler`); None otherwise.
+        Its secret partition (banded) is drawn once, from the first loop's randomness."""
+        dp = self.dp_args
+        if dp.mechanism == "banded_mf":
+            try:
+                return CyclicPoissonSampler(self.n, eb, self._run_rng, int(dp.bands))
+            except ValueError:
+                _refuse(f"banded_mf with bands = {dp.bands} samples each of {dp.bands} partitions of N = {self.n} "
+                        f"rows at rate p = b·B/N = {dp.bands * eb / self.n:.3g} > 1; lower bands or expected_batch_size")
+        if dp.max_batch_size is not None:
+            return TruncatedPoissonSampler(self.n, eb, self._run_rng, int(dp.max_batch_size))
+        return None
+
+    def _install_mechanism(self, spec):
+        """The step spec with ``max_batch_size`` recorded by the Gaussian mechanism (its ledger event
+        becomes ``TruncatedSubsampledGaussianDpEvent``) or with the banded-MF mechanism (the CLI's
+        builder, step/mechanisms.py). No padding here: the rows are the collator's."""
+        dp = self.dp_args
+        if spec.mechanism is None:
+            return spec
+        if dp.max_batch_size is not None:
+            spec.mechanism.truncation = (self.n, int(dp.max_batch_size))
+        if dp.mechanism == "banded_mf":
+            try:
+                mech = make_banded_mechanism(self.engine.params, self.sigma, spec.mechanism.sensitivity, self._run_rng,
+                                             self.sampler, self.total_steps, hardened=dp.hardened_noise)
+            except ValueError as exc:
+                _refuse(str(exc))
+            spec = spec.replace(mechanism=mech)
+        return spec
 
     def _make_clip(self):
         """The clip policy; at user level with ``per_example_over_k`` each row is clipped to C/k
@@ -932,6 +1013,12 @@ class DPTrainer(Trainer):
         hold one set of trainable weights (rank 0's are broadcast if not: they are the ones saved)."""
         ddp.check_in_sync(self.world, self.engine.params)
         super()._save_checkpoint(model, trial)
+        if self._banded and self.world.is_main:
+            # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
+            # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step.
+            from dpft.step.correlated import save_noise_state
+
+            save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
 
     def _save_rng_state(self, output_dir: str) -> None:
         """``Trainer._save_rng_state`` on rank 0 only: rank 0 alone writes the run's files (the
@@ -965,6 +1052,10 @@ class DPTrainer(Trainer):
         if resume_from_checkpoint:
             self._resume_dp_state(str(resume_from_checkpoint))
         else:
+            if self._banded and self.mechanism.next_step > 0:
+                _refuse(f"banded_mf: this DPTrainer already released {self.mechanism.next_step} correlated steps; a "
+                        "new train() would restart at step 0 against its noise buffers. Make a new DPTrainer (its "
+                        "ledger composes), or resume_from_checkpoint")
             self._check_fresh_output_dir()
         out = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=None,
                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -1002,7 +1093,15 @@ class DPTrainer(Trainer):
                 st = json.load(f)
             ck = PrivacyLedger.load(os.path.join(ckpt, LEDGER_NAME)).to_json()
             lv = PrivacyLedger.load(live).to_json() if os.path.isfile(live) else None
-            return {"state": st, "ledger": ck, "live": lv}
+            noise = None
+            if self._banded:  # banded_mf: the secret noise state, or refuse
+                ns = os.path.join(self.args.output_dir, NOISE_STATE_FILE)
+                if not os.path.isfile(ns):
+                    _refuse(f"resume_from_checkpoint: {ns} (the secret noise buffers of this banded_mf run) is "
+                            "missing; the correlated noise cannot continue without it. Start a new output_dir (the "
+                            "ledger of this one keeps what was spent)")
+                noise = torch.load(ns, weights_only=True, map_location="cpu")
+            return {"state": st, "ledger": ck, "live": lv, "noise": noise}
 
         got = ddp.on_rank0(self.world, read)
         st = got["state"]
@@ -1021,7 +1120,8 @@ class DPTrainer(Trainer):
         for k in ("max_grad_norm", "clipping", "target_delta", "expected_batch_size"):
             if st.get("dp_args", {}).get(k) != ours["dp_args"][k]:
                 diff.append(f"dp_args.{k}")
-        for k, default in (("user_column", None), ("max_rows_per_user", 4), ("user_clipping", "group")):
+        for k, default in (("user_column", None), ("max_rows_per_user", 4), ("user_clipping", "group"),
+                           ("max_batch_size", None), ("mechanism", "gaussian"), ("bands", None)):
             if st.get("dp_args", {}).get(k, default) != ours["dp_args"][k]:
                 diff.append(f"dp_args.{k}")
         if diff:
@@ -1038,6 +1138,33 @@ class DPTrainer(Trainer):
                 ledger = live_ledger
         if not ck_ledger.certified:
             ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
+        if self._banded:
+            self._resume_noise_state(got["noise"], int(st.get("global_step", -1)), ledger.steps - ck_ledger.steps)
         self.ledger = ledger
         self.dp_step.ledger = ledger
         self._live_written = True
+
+    @property
+    def _banded(self) -> bool:
+        """A banded_mf run (secret noise state beyond the key)."""
+        return self.dp_args.mechanism == "banded_mf" and getattr(self, "mechanism", None) is not None
+
+    def _resume_noise_state(self, state: Optional[dict], step: int, replayed: int) -> None:
+        """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``.
+
+        Refused: releases after the checkpoint (``replayed`` > 0: a crash between checkpoints —
+        releasing those steps again would reuse earlier batches under fresh noise, which the
+        banded-MF accounting does not cover), a state of another step (resume from the last
+        checkpoint: the file holds the newest one's state), or other coefficients / N."""
+        if replayed > 0:
+            _refuse(f"resume_from_checkpoint: {replayed} banded_mf release(s) were made after this checkpoint (step "
+                    f"{step}); replaying them is not covered by the banded-MF accounting. Start a new output_dir (the "
+                    "ledger of this one keeps what was spent)")
+        if state is None or int(state["next_step"]) != step:
+            _refuse(f"resume_from_checkpoint: the secret noise state is at step "
+                    f"{None if state is None else state['next_step']}, the checkpoint at step {step}; resume from the "
+                    "last checkpoint, or start a new output_dir")
+        try:
+            self.mechanism.load_state(state, self.engine.params)
+        except ValueError as exc:
+            _refuse(f"resume_from_checkpoint: {exc}")
