@@ -3,7 +3,8 @@ tests/test_ddp_api.py (not a test file). Also run in-process as the 1-process re
 
 :func:`run_jobs` runs, in one world, each job of ``cfg["jobs"]``: a reproducible make_private loop
 on a tiny MLP (rank r initialises it from seed ``r``: the world must start from rank 0's weights),
-at example level or at user level (``user_ids`` a field of dict rows), logging per logical step the
+at example level or at user level (``user_ids`` a field of dict rows), or with banded-MF noise
+(``mechanism``/``bands``: the secret buffers and partition are logged), logging per logical step the
 world's batch and this rank's share, and at the end the ledger, ε, the weights and whether
 ``save_ledger`` wrote (each rank saves into its own directory: only rank 0's may fill). With
 ``probe`` it also checks that a ``DistributedDataParallel``-wrapped model is refused.
@@ -69,7 +70,8 @@ def run_job(job: dict, rank: int, out_dir: Path) -> dict:
             data_loader=DataLoader(rows, batch_size=3 if user_level else 8),
             noise_multiplier=job.get("sigma", 0.8), max_grad_norm=0.5, steps=job.get("steps", 5),
             max_physical_batch_size=3, user_ids="user" if user_level else None, max_rows_per_user=2,
-            user_clipping=job.get("user_clipping", "group"))
+            user_clipping=job.get("user_clipping", "group"), mechanism=job.get("mechanism", "gaussian"),
+            bands=job.get("bands"))
         while opt.logical_steps < job.get("steps", 5):
             for b in dl:
                 opt.zero_grad()
@@ -77,6 +79,9 @@ def run_job(job: dict, rank: int, out_dir: Path) -> dict:
                 opt.step()
     finally:
         loader_mod._PoissonMicroBatches.share = real_share
+    mech = opt.dp_step.spec.mechanism  # banded_mf: the secret noise buffers (must agree across ranks)
+    log["buffers"] = [{k: v.flatten().tolist() for k, v in b.items()} for b in getattr(mech, "buffers", [])]
+    log["partition"] = getattr(getattr(mech, "sampler", None), "partition", torch.zeros(0)).tolist()
     log["ledger"] = engine.ledger.to_json()
     log["epsilon"] = engine.get_epsilon(1e-3)
     log["weights"] = {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import ddp_api_worker as worker  # tests/ddp_api_worker.py: the loop each rank runs
 from test_ddp import free_port, files_under
 
-JOBS = {"example": {}, "user": {"user_level": True}}
+JOBS = {"example": {}, "user": {"user_level": True}, "banded": {"mechanism": "banded_mf", "bands": 2}}
 SECURE = {"secure_user": {"user_level": True, "seed": None, "steps": 3}}  # 2 processes only
 
 
@@ -67,6 +67,21 @@ def test_two_processes_equal_one(one_and_two, job):
     for n, w in one["weights"].items():
         assert r0["weights"][n] == r1["weights"][n]
         torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
+
+
+def test_banded_noise_buffers_identical_on_every_rank(one_and_two):
+    """make_private(mechanism="banded_mf") under 2 processes (issue 28): the secret partition and the
+    noise buffers (C⁻¹Z from the shared key) are bit-identical on both ranks and equal the
+    1-process run's; the ledger holds the banded events (PoissonSampled at t ≡ 0 mod b, NoOp else)."""
+    one = one_and_two["one"]["jobs"]["banded"]
+    r0, r1 = (log["jobs"]["banded"] for log in one_and_two["two"])
+    assert r0["buffers"] and r0["buffers"] == r1["buffers"] and r0["partition"] == r1["partition"]
+    assert r0["partition"] == one["partition"] and set(r0["partition"]) == {0, 1}
+    for b0, b1 in zip(r0["buffers"], one["buffers"]):
+        for k in b0:  # the noise itself is exact; float order of the all-reduce does not enter it
+            assert b0[k] == b1[k]
+    kinds = [(e["event"]["type"], e["count"]) for e in r0["ledger"]["entries"]]
+    assert kinds == [("PoissonSampledDpEvent", 1), ("NoOpDpEvent", 1)] * 2 + [("PoissonSampledDpEvent", 1)]
 
 
 def test_secure_mode_one_batch_for_the_world(one_and_two):
