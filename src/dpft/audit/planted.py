@@ -171,3 +171,9 @@ ALL = ALL + SEQ2SEQ_PLANTED
 # un-noised clipped sum; the two releases of a step recorded as two separately sampled events.
 EWFT_PLANTED = ("train_pre_without_noise", "train_pre_sampled_twice")
 ALL = ALL + EWFT_PLANTED
+# issue 28: mechanisms in make_private / DPTrainer (audit/checks_mechanisms_api.py plants them):
+# make_private's cyclic sampler ignoring the partitions, the banded noise buffers in the DP
+# optimizer's state_dict, DPTrainer recording plain Poisson events under max_batch_size.
+MECHANISMS_API_PLANTED = ("api_banded_every_partition", "api_noise_state_in_optimizer",
+                          "trainer_truncation_not_recorded")
+ALL = ALL + MECHANISMS_API_PLANTED

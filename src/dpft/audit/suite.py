@@ -116,6 +116,9 @@ OPTIONAL_CHECKS = (
       "banded_buffers_reset", "banded_unnormalised")),
     ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows",)),
     ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
+    # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
+    ("dpft.audit.checks_mechanisms_api", "mechanisms_api_checks",
+     ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
 )
 
 

@@ -1147,7 +1147,7 @@ class DPTrainer(Trainer):
     @property
     def _banded(self) -> bool:
         """A banded_mf run (secret noise state beyond the key)."""
-        return self.dp_args.mechanism == "banded_mf" and getattr(self, "mechanism", None) is not None
+        return hasattr(getattr(self, "mechanism", None), "buffers")
 
     def _resume_noise_state(self, state: Optional[dict], step: int, replayed: int) -> None:
         """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``.
