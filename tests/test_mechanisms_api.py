@@ -178,6 +178,26 @@ def test_make_private_banded_refusals(tmp_path, monkeypatch):
         eng.load_noise_state(tmp_path / "missing.pt")
 
 
+def test_secret_partition_travels_with_the_noise_state():
+    """Secure mode: a resumed run has a fresh key, so a fresh sampler draws other partitions; the
+    noise state carries the old ones (else an example could participate at steps s − 1 and s)."""
+    from dpft.step.correlated import CyclicPoissonSampler
+    from dpft.step.mechanisms import make_banded_mechanism
+
+    params = {"w": torch.zeros(3)}
+    s1 = CyclicPoissonSampler(200, 10, Randomness(), 4)
+    m1 = make_banded_mechanism(params, 1.0, 1.0, Randomness(), s1, 8)
+    m1.add_noise({"w": torch.zeros(3)}, 0)
+    s2 = CyclicPoissonSampler(200, 10, Randomness(), 4)
+    assert not torch.equal(s1.partition, s2.partition)
+    m2 = make_banded_mechanism(params, 1.0, 1.0, Randomness(), s2, 8)
+    m2.load_state(m1.state())
+    assert torch.equal(s2.partition, s1.partition) and m2.next_step == 1
+    with pytest.raises(ValueError, match="no partition of these 100 examples"):
+        make_banded_mechanism(params, 1.0, 1.0, Randomness(), CyclicPoissonSampler(100, 10, Randomness(), 4),
+                              8).load_state(m1.state())
+
+
 # ----------------------------------------------------------------------------- DPTrainer
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
