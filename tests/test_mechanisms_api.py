@@ -118,24 +118,28 @@ def test_make_private_banded_resume_from_the_secret_file_equals_one_run(tmp_path
         e.detach()
 
 
-def test_make_private_truncated_calibrates_on_the_truncated_event():
+def test_make_private_truncated_records_the_truncated_event():
+    """Every logical batch ≤ B_max and the ledger is steps × TruncatedSubsampledGaussian; σ
+    calibration on that event is the same helper as DPTrainer's (calibrated in the DPTrainer test)."""
+    from dpft.step.mechanisms import sampler_phase_event
+
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
     eng = PrivacyEngine()
     module, opt, crit, loader = eng.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-        dataset=data, expected_batch_size=16, max_grad_norm=1.0, target_epsilon=4.0, target_delta=1e-3, steps=4,
-        max_batch_size=12)
+        dataset=data, expected_batch_size=16, max_grad_norm=1.0, noise_multiplier=1.7, steps=4, max_batch_size=12)
     while opt.logical_steps < 4:
         for x, y in loader:
             assert len(x) <= 12
             crit(module(x), y).backward()
             opt.step()
             opt.zero_grad()
-    sigma = eng.noise_multiplier
-    assert _flat(eng.ledger) == [truncated_event(40, 0.4, 12, sigma)] * 4
-    assert eng.get_epsilon(1e-3) <= 4.0 + 1e-6 and eng.get_epsilon(1e-3) == pytest.approx(4.0, abs=0.03)
+    assert _flat(eng.ledger) == [truncated_event(40, 0.4, 12, 1.7)] * 4
+    # the phase event σ is calibrated on (resolve_sigma) is the composition of the recorded events
+    assert sampler_phase_event(opt.dp_step.spec.sampler, 40, 0.4, 4)(1.7) == dpa.SelfComposedDpEvent(
+        truncated_event(40, 0.4, 12, 1.7), 4)
     eng.detach()
 
 
@@ -244,16 +248,17 @@ def _record_noise(mech, out):
 
 
 def test_dptrainer_banded_checkpoint_resume_noise_and_refusals(tmp_path):
-    """4 steps of b = 2 with a checkpoint at step 2 and a stop; a new DPTrainer resumes from it: the
-    4 released noises are C⁻¹Z (the buffers crossed the resume), the ledger continues (2 events,
-    ε at the target), the secret file is 0600 outside checkpoint-*/; without it resume refuses."""
+    """3 steps of b = 2 with a checkpoint at step 2 and a stop; a new DPTrainer resumes from it: the
+    3 released noises are C⁻¹Z (the buffers crossed the resume), the ledger continues (2 events,
+    its ε that of the banded phase event), the secret file is 0600 outside checkpoint-*/; without it resume refuses."""
     out = tmp_path / "out"
-    dp = DPArguments(target_epsilon=4.0, target_delta=1e-3, expected_batch_size=8, mechanism="banded_mf", bands=2,
+    sigma = 0.8  # fixed: σ calibration on the banded events is the make_private test's (the same helper)
+    dp = DPArguments(noise_multiplier=sigma, target_delta=1e-3, expected_batch_size=8, mechanism="banded_mf", bands=2,
                      reproducible_seed=SEED)
     noises: list = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t1 = _trainer(out, dp, 4, save_steps=2, callbacks=[_StopAt(2)])
+        t1 = _trainer(out, dp, 3, save_steps=2, callbacks=[_StopAt(2)])
         _record_noise(t1.mechanism, noises)
         t1.train()
         secret = out / NOISE_STATE_FILE
@@ -265,44 +270,41 @@ def test_dptrainer_banded_checkpoint_resume_noise_and_refusals(tmp_path):
         assert bufs and not any(v.shape == b.shape and torch.equal(v, b) for v in flat for b in bufs)
         with pytest.raises(ValueError, match="already released 2 correlated steps"):
             t1.train()  # a second fresh train() would restart at step 0 against the buffers
-        dp2 = DPArguments(noise_multiplier=t1.sigma, target_delta=1e-3, expected_batch_size=8,
-                          mechanism="banded_mf", bands=2, reproducible_seed=SEED)
-        t2 = _trainer(out, dp2, 4, save_steps=2)
+        t2 = _trainer(out, dp, 3)
         _record_noise(t2.mechanism, noises)
         t2.train(resume_from_checkpoint=str(out / "checkpoint-2"))
-    assert t2.state.global_step == 4 and len(noises) == 4
+    assert t2.state.global_step == 3 and len(noises) == 3
     p = 2 * 8 / 40
-    assert _flat(t2.ledger) == _banded_events(p, t1.sigma, 4, 2)
-    assert t2.get_epsilon() <= 4.0 + 1e-6 and t2.get_epsilon() == pytest.approx(4.0, abs=0.03)
+    assert _flat(t2.ledger) == _banded_events(p, t1.sigma, 3, 2)
+    assert t2.get_epsilon() == pytest.approx(epsilon_of([banded_phase_event(sigma, p, 3, 2)], 1e-3).epsilon)
     rng = Randomness(SEED).child("hf-train-loop-1")
-    cm = torch.from_numpy(_toeplitz(banded_coefficients(4, 2), 4))
+    cm = torch.from_numpy(_toeplitz(banded_coefficients(3, 2), 3))
     for name, t in noises[0].items():
         y = torch.stack([s[name].flatten() for s in noises])
-        z = torch.stack([rng.stream("noise", k, name).normal(t.shape).double().flatten() for k in range(4)])
+        z = torch.stack([rng.stream("noise", k, name).normal(t.shape).double().flatten() for k in range(3)])
         assert float((cm @ y - t1.sigma * z).abs().max()) < 1e-5
     # Resume without the secret file, or from a checkpoint older than the state: refused.
     secret.unlink()
     with pytest.raises(ValueError, match="is missing; the correlated noise cannot continue"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trainer(out, dp2, 4, save_steps=2).train(resume_from_checkpoint=str(out / "checkpoint-4"))
+        _trainer(out, dp, 3).train(resume_from_checkpoint=str(out / "checkpoint-2"))
 
 
-def test_dptrainer_truncated_calibrates_and_records():
+def test_dptrainer_truncated_calibrates_on_the_truncated_event(tmp_path):
+    """σ is calibrated on 3 × TruncatedSubsampledGaussian(N, q, B_max, σ) and the mechanism records
+    that event (a training run's batches and ledger: audit/checks_mechanisms_api.trainer_truncated,
+    run by tests/test_audit.py and by the planted-bug test below)."""
+    from dpft.step.truncated import TruncatedPoissonSampler
+
     dp = DPArguments(target_epsilon=4.0, target_delta=1e-3, expected_batch_size=16, max_batch_size=11)
-    sizes = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tr = _trainer("unused-out", dp, 3)
-        orig = tr.dp_step.indices
-        tr.dp_step.indices = lambda t: (lambda i: sizes.append(len(i)) or i)(orig(t))
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as d:
-            tr.args.output_dir = d
-            tr.train()
-    assert len(sizes) == 3 and max(sizes) <= 11
-    assert _flat(tr.ledger) == [truncated_event(40, 0.4, 11, tr.sigma)] * 3
-    assert tr.get_epsilon() <= 4.0 + 1e-6 and tr.get_epsilon() == pytest.approx(4.0, abs=0.03)
+        tr = _trainer(tmp_path / "out", dp, 3)
+    assert isinstance(tr.sampler, TruncatedPoissonSampler) and tr.sampler.max_batch_size == 11
+    assert tr.mechanism.truncation == (40, 11) and tr.mechanism.event(0.4) == truncated_event(40, 0.4, 11, tr.sigma)
+    eps = epsilon_of([dpa.SelfComposedDpEvent(truncated_event(40, 0.4, 11, tr.sigma), 3)], 1e-3).epsilon
+    assert eps <= 4.0 + 1e-6 and eps == pytest.approx(4.0, abs=0.03)
+    assert max(len(tr.sampler.indices(t)) for t in range(20)) <= 11
 
 
 def test_dpt_arguments_refusals(tmp_path):
