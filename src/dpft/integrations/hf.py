@@ -58,6 +58,12 @@ What changes inside ``Trainer`` (DESIGN.md "The DP step, as data flows"):
   ``q = expected_batch_size / U``, at most ``max_rows_per_user`` rows each per step, each user's
   summed gradient clipped to C (the CLI's ``task.user_column`` machinery: step/sample.py
   ``UserPoissonSampler``, grads/groups.py); N, q, δ < 1/N and the ledger count users.
+* **Mechanisms** (issue 28, docs/mechanisms.md): ``DPArguments(max_batch_size=B)`` — truncated
+  Poisson, ``TruncatedSubsampledGaussianDpEvent`` recorded and calibrated on;
+  ``DPArguments(mechanism="banded_mf", bands=b)`` — banded matrix factorization (cyclic Poisson
+  over secret partitions, noise C⁻¹Z, PoissonSampled(p, σ) every b-th step); its secret noise
+  state goes to ``output_dir/noise_state.secret.pt`` (0600, outside ``checkpoint-*``) at every
+  checkpoint and is required to resume. The same samplers and mechanism as ``dpft train``.
 * **Ledger.** ``output_dir/ledger.json`` is rewritten after every release (rank 0), and each
   checkpoint (and ``save_model``) gets ``ledger.json`` and ``dp_state.json`` (σ, q, N, steps;
   never the seed). ``train(resume_from_checkpoint=...)`` continues the ledger of the output
