@@ -39,7 +39,8 @@ def _weights_close(a_dir, b_dir):
 @pytest.mark.slow
 def test_banded_mf_two_processes_equal_one_and_resume(tiny_model_dir, csv, tmp_path):  # noqa: F811
     b = 3
-    ov = overrides(tiny_model_dir, csv, **{"privacy.reproducible": True, "privacy.noise_multiplier": 0.8,
+    # σ = 2: a cheap PLD (the test is about the noise being the world's, not about its size).
+    ov = overrides(tiny_model_dir, csv, **{"privacy.reproducible": True, "privacy.noise_multiplier": 2.0,
                                            "privacy.mechanism": "banded_mf", "privacy.bands": b})
     # One process, 6 steps (2·b: steps 3-5 subtract the buffers of steps 1-4); keep the buffers
     # after step 4 (where the 2-process run below is interrupted).
@@ -101,7 +102,8 @@ def test_banded_mf_two_processes_equal_one_and_resume(tiny_model_dir, csv, tmp_p
 
 def test_truncated_poisson_two_processes_equal_one_with_fixed_shapes(tiny_model_dir, csv, tmp_path):  # noqa: F811
     p, length, b_max, steps = 2, 16, 6, 4
-    ov = overrides(tiny_model_dir, csv, **{"privacy.reproducible": True, "privacy.noise_multiplier": 0.8,
+    # σ = 3: the truncated event's PLD takes ~0.8 s (σ = 0.8: ~5 s per ε, several per run).
+    ov = overrides(tiny_model_dir, csv, **{"privacy.reproducible": True, "privacy.noise_multiplier": 3.0,
                                            "batch.max_batch_size": b_max, "batch.max_physical_batch_size": p,
                                            "schedule.steps": steps, "eval.every_steps": steps,
                                            "checkpoint_every": steps})
