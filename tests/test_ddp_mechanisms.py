@@ -139,6 +139,9 @@ def test_truncated_poisson_two_processes_equal_one_with_fixed_shapes(tiny_model_
             assert len(r["micro"][s]) == math.ceil(share / p)
             assert all(m[:2] == [p, length] for m in r["micro"][s]), r["micro"][s]
             assert sum(m[2] for m in r["micro"][s]) == share
+    steps_s = [str(t) for t in range(steps)]
+    assert any(len(r0["micro"][s]) != len(r1["micro"][s]) for s in steps_s)  # uneven shares were run
+    assert any(m[2] < p for r in (r0, r1) for s in steps_s for m in r["micro"][s])  # padded rows were run
     assert json.loads((one / "ledger.json").read_text()) == json.loads((two / "ledger.json").read_text())
     rep_two = json.loads((two / "report.json").read_text())
     assert rep_two["privacy"]["epsilon"] == rep_one["privacy"]["epsilon"]
