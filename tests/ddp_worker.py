@@ -8,12 +8,19 @@ working directory), ``cwds`` (one working directory per rank: the run directory 
 other than 0 must stay empty, which shows that only rank 0 writes), ``log_dir`` (where each
 rank writes ``rank<r>.json``: the logical batch and the rank's share of every step, a digest of
 its final weights, its report's ε), ``resume`` (bool), ``kill`` (``{"rank": r, "step": t}``:
-that rank SIGKILLs itself at the start of logical step t, a crash nobody can catch), ``probe``
+that rank SIGKILLs itself at the start of logical step t, a crash nobody can catch), ``interrupt``
+(``{"rank": r, "step": t}``: that rank alone gets a SIGINT at the start of logical step t, as
+Ctrl-C or a scheduler's SIGTERM reaching one process first; the rank's ``interrupted`` log is the
+``TrainingInterrupted`` message), ``probe``
 (after the run, check that per-rank ``Randomness()`` objects are refused and that a
 weight changed on rank 1 is found and replaced by rank 0's), ``plant`` (a planted rank
 mismatch the per-step digest must stop: ``"tokenise"`` — rank 1's rows have other token
 lengths, so it sorts and shards the logical batch differently; ``"noise"`` — rank 1's
 mechanism draws from another key).
+
+Each rank also logs the shape of every micro-batch it runs (``micro``: step → ``[[rows, tokens,
+real rows], …]``, real rows from ``example_mask`` under truncated Poisson) and, for banded_mf,
+a SHA-256 of its secret noise buffers after every step (``noise``: step → hex).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ def run_rank(cfg: dict, rank: int) -> None:
     from dpft import distributed as ddp
     from dpft.run.loop import Trainer
 
-    log: dict = {"rank": rank, "batches": {}, "shares": {}}
+    log: dict = {"rank": rank, "batches": {}, "shares": {}, "micro": {}, "noise": {}}
 
     def flush() -> None:
         # Atomic: a rank terminated by its agent mid-write must not leave half a file.
@@ -45,7 +52,7 @@ def run_rank(cfg: dict, rank: int) -> None:
         tmp.write_text(json.dumps(log))
         os.replace(tmp, log_path)
 
-    real_shard, real_step, real_run = ddp.shard, Trainer.step, Trainer.run
+    real_shard, real_step, real_run, real_micro = ddp.shard, Trainer.step, Trainer.run, Trainer.micro_batches
     current = {"step": -1, "trainer": None}
 
     def shard(idx, world):
@@ -63,10 +70,27 @@ def run_rank(cfg: dict, rank: int) -> None:
         if kill and kill["rank"] == rank and kill["step"] == t:
             flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        stop = cfg.get("interrupt")
+        if stop and stop["rank"] == rank and stop["step"] == t:
+            os.kill(os.getpid(), signal.SIGINT)  # the run's handler: finish this step, then stop
         current["step"] = t
         out = real_step(self, t)
+        bufs = getattr(self.mechanism, "buffers", None)
+        if bufs is not None:  # banded_mf: the secret noise state this rank holds after step t
+            h = hashlib.sha256()
+            for b in bufs:
+                for n in sorted(b):
+                    h.update(b[n].float().contiguous().numpy().tobytes())
+            log["noise"][str(t)] = h.hexdigest()
         flush()
         return out
+
+    def micro_batches(self, idx):
+        rows = log["micro"].setdefault(str(current["step"]), [])
+        for b in real_micro(self, idx):
+            mask = b.get("example_mask")
+            rows.append([*b["input_ids"].shape, int(mask.sum()) if mask is not None else int(b["input_ids"].shape[0])])
+            yield b
 
     def run(self):
         current["trainer"] = self
@@ -78,13 +102,19 @@ def run_rank(cfg: dict, rank: int) -> None:
             self.dp_step.spec.mechanism.rng = Randomness()  # rank 1's noise from its own key
         return real_run(self)
 
-    ddp.shard, Trainer.step, Trainer.run = shard, step, run
+    ddp.shard, Trainer.step, Trainer.run, Trainer.micro_batches = shard, step, run, micro_batches
     try:
         rep = dpft.train(cfg["recipe"], cfg["output_dir"], resume=cfg.get("resume", False), progress=False)
     except Exception as exc:
         log["error"] = f"{type(exc).__name__}: {exc}"
         flush()
         raise
+    except KeyboardInterrupt as exc:  # TrainingInterrupted: the run checkpointed and stopped
+        log["interrupted"] = str(exc)
+        log["ledger_steps"] = current["trainer"].ledger.steps
+        flush()
+        ddp.shutdown()
+        return
     t = current["trainer"]
     h = hashlib.sha256()
     from dpft.fsdp import full_state  # FSDP: the gathered weights (plain tensors pass through)

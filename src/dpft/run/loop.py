@@ -391,10 +391,14 @@ class Trainer:
                     out = self.step(step)
                     self._step_mark = None
                     done = step + 1
+                    # DDP: one stop decision for the world before the eval/checkpoint decisions
+                    # (both collective): a signal reaching one rank first must not make it
+                    # checkpoint while the others go on (a collective mismatch).
+                    stopping = self._stop_requested(stop)
                     if self.on_step is not None:
                         self.on_step(done, self.params)
                     row: dict[str, Any] = {"step": done, **out, "lr": self.scheduler.get_last_lr()[0]}
-                    if done == self.total_steps or (done % r.eval.every_steps == 0 and not stop.requested):
+                    if done == self.total_steps or (done % r.eval.every_steps == 0 and not stopping):
                         last_eval = self.evaluate()
                         row.update(last_eval)
                         row["epsilon"] = self.epsilon_now() if self.world.is_main else None  # DDP: rank 0 reports ε
@@ -406,7 +410,7 @@ class Trainer:
                         post["ε"] = f"{row['epsilon']:.3g}"
                     bar.set_postfix(post)
                     bar.update(1)
-                    if done % r.checkpoint_every == 0 or done == self.total_steps or stop.requested:
+                    if done % r.checkpoint_every == 0 or done == self.total_steps or stopping:
                         self.save(done)
             except _Abandon:
                 abandoned = True  # nothing of step `done` was released and no weight changed
@@ -489,10 +493,17 @@ class Trainer:
 
     def _stop_requested(self, stop: StopOnSignal) -> bool:
         """Whether to stop before the next step; under DDP, whether any rank was signalled (all
-        ranks stop at the same step)."""
+        ranks stop at the same step). A rank not signalled itself takes the world's signal
+        (``stop.signum``), so it too checkpoints and raises :class:`TrainingInterrupted`."""
         if not self.world.distributed:
             return stop.requested
-        return ddp.all_sum(self.world, [float(stop.requested)])[0] > 0
+        import torch.distributed as dist
+
+        sig = torch.tensor([stop.signum or 0], dtype=torch.int64, device=ddp._host(self.world))
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.world.group)
+        if int(sig) and stop.signum is None:
+            stop.signum = int(sig)
+        return bool(int(sig))
 
     def save_model(self) -> None:
         """The model and tokenizer in ``model/`` as ``AutoModelFor…``/``pipeline`` load them, with
