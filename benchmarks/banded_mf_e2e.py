@@ -134,10 +134,11 @@ def truncation_prediction(n_data: int, batch: int, epochs: float, eps: float, ma
 _TASKS: dict = {}
 
 
-def row_losses(run_dir: Path) -> dict[int, tuple[float, int]]:
+def row_losses(run_dir: Path, pretrained: bool = False) -> dict[int, tuple[float, int]]:
     """``{dev row: (summed completion-token loss in nats, tokens)}`` of a finished run's released
-    model on the run's own dev-loss rows (cached in ``dev_row_loss.jsonl``)."""
-    f = run_dir / "dev_row_loss.jsonl"
+    model (``pretrained``: of the model it started from) on the run's own dev-loss rows (cached in
+    ``dev_row_loss.jsonl`` / ``dev_row_loss_pretrained.jsonl``)."""
+    f = run_dir / ("dev_row_loss_pretrained.jsonl" if pretrained else "dev_row_loss.jsonl")
     if f.is_file():
         return {r["index"]: (r["loss_sum"], r["tokens"]) for r in map(json.loads, f.read_text().splitlines())}
     import torch
@@ -156,7 +157,9 @@ def row_losses(run_dir: Path) -> dict[int, tuple[float, int]]:
     if key not in _TASKS:
         _TASKS[key] = list(load_instruct_task(rec.task, tok, rec.model.max_length, seed=rec.seed, private=False).dev)
     rows = _TASKS[key]
-    if (run_dir / "model" / "adapter_config.json").is_file():  # LoRA: model/ holds the adapter
+    if pretrained:
+        model = AutoModelForCausalLM.from_pretrained(rec.model.name).eval()
+    elif (run_dir / "model" / "adapter_config.json").is_file():  # LoRA: model/ holds the adapter
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(run_dir / "model").eval()
@@ -174,7 +177,7 @@ def row_losses(run_dir: Path) -> dict[int, tuple[float, int]]:
                 out[k + i] = (s, int(n))
     rep = json.loads((run_dir / "report.json").read_text())["metrics"]["dev_loss"]
     mine = sum(s for s, _ in out.values()) / sum(n for _, n in out.values())
-    if abs(mine - rep) > 1e-3 * max(1.0, abs(rep)):  # the same rows and loss as the run's own evaluation
+    if not pretrained and abs(mine - rep) > 1e-3 * max(1.0, abs(rep)):  # the same rows and loss as the run's own evaluation
         raise RuntimeError(f"{run_dir}: per-row dev loss {mine:.5f} ≠ report's dev_loss {rep:.5f}")
     f.write_text("".join(json.dumps({"index": i, "loss_sum": s, "tokens": n}) + "\n" for i, (s, n) in out.items()))
     return out
@@ -218,6 +221,12 @@ def eps_table(rows: list[dict], eps: float, title: str) -> list[str]:
                      f"{epss} | {_ms([x['dev_loss'] for x in m])} | {_ms([x.get('dev_bleu') for x in m], '{:.2f}')} | "
                      f"{_ms([x.get('dev_rouge_l') for x in m], '{:.2f}')} | {statistics.fmean(r['wall_s'] for r in rs):.0f} |")
     ref = {r["seed"]: r for r in by.get("dpsgd", [])}
+    base = []
+    for r in ref.values():  # the starting point on the same rows: is training helping at all?
+        rl = row_losses(Path(r["dir"]), pretrained=True)
+        base.append(sum(x for x, _ in rl.values()) / sum(n for _, n in rl.values()))
+    if base:
+        lines.append(f"| pretrained stories260K (no training; ε = 0) | {len(base)} | 0 | | | {_ms(base)} | | | |")
     lines += ["", "Paired against **dpsgd** (seed S of the arm vs seed S of dpsgd: same training subset, same "
               "dev rows). Dev-loss differences (arm − dpsgd; negative = the arm is better): per-seed mean ± sd "
               "and a paired t-test over seeds; pooled over (seed, dev row) pairs: paired bootstrap 95 % CI of the "
@@ -415,7 +424,14 @@ def main():
         md += ["## Truncated vs plain Poisson: speed and memory", "",
                f"ε = {max(a.eps):g}, the same settings, {a.speed_steps} steps per run, no generation; each run in its "
                f"own process (peak RSS of that process), variants alternated {a.speed_repeats}×. The forward "
-               "pre-hook records the (rows × tokens) shape of every training-mode model call (the micro-batches).", "", *spd, ""]
+               "pre-hook records the (rows × tokens) shape of every training-mode model call: the micro-batches, plus "
+               "the engine's one-time two-example usage check before the first step (`grads/bookkeeping.py` "
+               "`check_usage`: the 2 × T shape).", "", *spd, "",
+               "Fixed shapes pay only where shapes are compiled for: on CPU in eager mode they cost the padding (every "
+               "row to model.max_length, every micro-batch to max_physical_batch_size). `torch.compile` is refused for "
+               "private runs (`perf.compile`, `dpft/perf.py` COMPILE_REFUSAL: the engine's hooks break the graph), so "
+               "no dpft configuration gains speed from them today; a GPU gain needs a compiled or CUDA-graph-captured "
+               "private step (one capture for the one shape instead of one per shape).", ""]
     md += ["## What the table does not show", "",
            "* One small model and task scale (stories260K, N = " + str(a.n) + ", " + f"{a.epochs:g}" + " epochs, one B, "
            "one lr for every arm and ε, tuned on nothing but a one-seed probe of DP-SGD at the largest ε): the best lr "
