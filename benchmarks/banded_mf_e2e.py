@@ -414,8 +414,9 @@ def main():
           "python benchmarks/banded_mf_e2e.py " + " ".join(sys.argv[1:]) + "`", "",
           "## Prediction", "",
           "Computed from the accountant alone (no training). The banded table chose b = 4 before any run (the best b "
-          "at ε = 3 and close to the best at ε = 8; neutral at ε = 1); the truncation table was added after the "
-          "B + 4√B arm came out worse, to explain it (and chose B_max = 40 for the extra arm).", "",
+          "at ε = 3 and close to the best at ε = 8; neutral at ε = 1)" + ("" if a.no_truncated else
+          "; the truncation table was added after the B + 4√B arm came out worse, to explain it (and chose "
+          "B_max = 40 for the extra arm)") + ".", "",
           *pred, "", "## Results", ""]
     for s in sections:
         md += [*s, ""]
