@@ -32,7 +32,13 @@ a short run with an ``on_step`` hook timing every step and a forward pre-hook re
 micro-batch shapes; peak RSS from ``getrusage``.
 
     PYTHONPATH=src DPFT_DATA_DIR=/work/shared/data HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 \\
-      python benchmarks/banded_mf_e2e.py --seeds 0,1,2 --eps 8,3,1 --bands 4 --speed --jobs 1
+      python benchmarks/banded_mf_e2e.py --seeds 0,1,2 --eps 8,3,1 --bands 4 --speed --lr-sweep 0.03,0.3 \
+        --extra-truncated 40 --jobs 1 --out /tmp/e2e_runs/full_lr0.1
+    (same) python benchmarks/banded_mf_e2e.py --seeds 0,1,2 --eps 8,3,1 --bands 4 --lr 0.03 --no-truncated \
+        --lr-sweep 0.01,0.1,0.3 --jobs 1 --out /tmp/e2e_runs/full_lr0.03 \
+        --results benchmarks/results/banded_mf_e2e_lr0.03.md
+
+(about 1.5–2.5 min per run on one shared CPU thread; 29 + 12 runs, the second reusing the lr check.)
 
 Runs go to ``--out`` (default /tmp/e2e_runs/banded_mf_e2e; finished runs are reused).
 """
