@@ -38,7 +38,8 @@ micro-batch shapes; peak RSS from ``getrusage``.
         --lr-sweep 0.01,0.1,0.3 --jobs 1 --out /tmp/e2e_runs/full_lr0.03 \
         --results benchmarks/results/banded_mf_e2e_lr0.03.md
 
-(about 1.5–2.5 min per run on one shared CPU thread; 29 + 12 runs, the second reusing the lr check.)
+(about 1.5–2.5 min per run on one shared CPU thread; 28 runs for the first, 16 more for the second, which
+reuses the lr-check runs of the first.)
 
 Runs go to ``--out`` (default /tmp/e2e_runs/banded_mf_e2e; finished runs are reused).
 """
