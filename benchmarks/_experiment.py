@@ -144,6 +144,52 @@ def _paired_bits(row: dict[str, Any], metric_file: str = "dev_predictions.jsonl"
     return load_correct(f) if f.is_file() else None
 
 
+def paired_row_losses(pairs: list[tuple[dict[int, tuple[float, int]], dict[int, tuple[float, int]]]],
+                      n_boot: int = 5000, seed: int = 0) -> dict[str, Any]:
+    """Paired comparison of a continuous per-example metric (generation tasks: the dev loss of
+    each dev row), arm A against arm B.
+
+    Args:
+        pairs: one ``(A, B)`` per seed pair, each ``{dev row: (summed loss, tokens)}`` over the
+            same rows (the token counts are the rows' own, equal in A and B).
+
+    Returns:
+        ``{"seed_pairs", "per_seed"`` (token-weighted loss(A) − loss(B) per seed), ``"t_p"`` (paired
+        t-test of those over seeds, two-sided; nan with one pair), ``"pooled"``, ``"lo"``, ``"hi"``
+        (the token-weighted difference pooled over (seed, row) pairs and its percentile bootstrap
+        CI, rows resampled with their pair), ``"wilcoxon_p"`` (signed-rank test of the per-row
+        mean-loss differences, pooled)}``. Pooled tests treat (seed, row) pairs as independent.
+    """
+    import numpy as np
+    from scipy import stats
+
+    from dpft.eval.paired import PairedError
+
+    la, lb, tok, per_seed = [], [], [], []
+    for a, b in pairs:
+        if set(a) != set(b):
+            raise PairedError("the runs scored different dev rows: compare runs of the same seed")
+        keys = sorted(a)
+        sa = np.array([a[k][0] for k in keys])
+        sb = np.array([b[k][0] for k in keys])
+        n = np.array([a[k][1] for k in keys], dtype=float)
+        per_seed.append(float(sa.sum() / n.sum() - sb.sum() / n.sum()))
+        la.append(sa)
+        lb.append(sb)
+        tok.append(n)
+    sa, sb, n = np.concatenate(la), np.concatenate(lb), np.concatenate(tok)
+    keep = n > 0
+    sa, sb, n = sa[keep], sb[keep], n[keep]
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(n), size=(n_boot, len(n)))
+    boots = (sa[idx].sum(1) - sb[idx].sum(1)) / n[idx].sum(1)
+    lo, hi = np.quantile(boots, [0.025, 0.975])
+    t_p = float(stats.ttest_1samp(per_seed, 0.0).pvalue) if len(per_seed) > 1 else float("nan")
+    return {"seed_pairs": len(per_seed), "per_seed": per_seed, "t_p": t_p,
+            "pooled": float((sa.sum() - sb.sum()) / n.sum()), "lo": float(lo), "hi": float(hi),
+            "wilcoxon_p": float(stats.wilcoxon(sa / n, sb / n).pvalue)}
+
+
 def _mean_sd(xs: list[float]) -> str:
     if not xs:
         return "—"
