@@ -7,7 +7,7 @@ calibrated per arm on its own ledger events):
 
 * ``dpsgd``: plain Poisson, independent noise (the reference);
 * ``banded_b{b}``: ``privacy.mechanism: banded_mf`` with b bands (cyclic Poisson, p = bB/N);
-* ``truncated``: plain noise, ``batch.max_batch_size`` = B + 4√B (truncation probability ≈ 3e-5,
+* ``truncated``: plain noise, ``batch.max_batch_size`` = B + 4√B (check steps × P[truncation] ≪ δ first: docs/mechanisms.md; truncation probability ≈ 3e-5,
   its ε cost negligible) — utility should equal ``dpsgd``.
 
 Every arm runs once per seed (≥ 3), paired on the same dev examples (McNemar, paired bootstrap):
