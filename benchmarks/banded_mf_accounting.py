@@ -42,8 +42,11 @@ def jax_amplified_bandmf_event(noise_multiplier, iterations, num_bands, sampling
                                    rounds)
 
 
-def ledger_of_run(sigma, p, steps, bands):
-    m = BandedMFMechanism(sigma, 1.0, Randomness(), banded_coefficients(steps, bands), p)
+def ledger_of_run(sigma, p, steps, bands, coeffs=None):
+    """The ledger the real mechanism fills over ``steps`` releases (``coeffs``: the strategy's
+    coefficients, default ``banded_coefficients(steps, bands)``)."""
+    coeffs = banded_coefficients(steps, bands) if coeffs is None else coeffs
+    m = BandedMFMechanism(sigma, 1.0, Randomness(), coeffs, p)
     led = PrivacyLedger()
     for t in range(steps):
         led.record("train", m.release({"w": torch.zeros(1)}, 1.0, p / bands, t)[1])

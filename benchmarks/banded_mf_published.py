@@ -33,31 +33,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from banded_mf_accounting import ledger_of_run  # noqa: E402
 from dpft.accounting.calibrate import calibrate_sigma  # noqa: E402
-from dpft.accounting.ledger import PrivacyLedger  # noqa: E402
-from dpft.privacy.randomness import Randomness  # noqa: E402
-from dpft.step.correlated import BandedMFMechanism, banded_phase_event  # noqa: E402
-
-
-def square_root_start(b: int) -> np.ndarray:
-    """The banded square-root coefficients c_j = binom(2j, j)/4ʲ, normalised (‖c‖ = 1): the start
-    point of :func:`banded_coefficients` (its optimisation over 1,000 coefficients is not needed
-    for accounting, which depends only on the column norms and the band)."""
-    c = np.exp([math.lgamma(2 * k + 1) - 2 * math.lgamma(k + 1) - 2 * k * math.log(2) for k in range(b)])
-    return c / np.linalg.norm(c)
-
-
-def toeplitz_c(coeffs: np.ndarray, n: int) -> np.ndarray:
-    """The n × n lower-triangular banded Toeplitz strategy C[t, t − j] = c_j."""
-    c = np.zeros((n, n))
-    for j, v in enumerate(coeffs):
-        c += np.diag(np.full(n - j, v), -j)
-    return c
+from dpft.step.correlated import (banded_coefficients, banded_phase_event, square_root_coefficients,  # noqa: E402
+                                  strategy_matrix)
 
 
 def square_sensitivity(c_matrix: np.ndarray, separation: int, max_participation: int) -> float:
@@ -80,14 +64,10 @@ def square_sensitivity(c_matrix: np.ndarray, separation: int, max_participation:
 
 
 def ledger_epsilon(sigma: float, p: float, steps: int, coeffs: np.ndarray, delta: float) -> tuple[float, int]:
-    """ε (PLD) of the ledger the real mechanism fills over ``steps`` releases, and its number of
-    non-no-op events."""
-    m = BandedMFMechanism(sigma, 1.0, Randomness(), coeffs, p)
-    led = PrivacyLedger()
-    for t in range(steps):
-        led.record("train", m.release({"w": torch.zeros(1)}, 1.0, p / len(coeffs), t)[1])
-    k = sum(1 for t in range(steps) if t % len(coeffs) == 0)
-    return led.epsilon(delta).epsilon, k
+    """ε (PLD) of the ledger the real mechanism fills over ``steps`` releases
+    (banded_mf_accounting.ledger_of_run), and its number of non-no-op events."""
+    led = ledger_of_run(sigma, p, steps, len(coeffs), coeffs)
+    return led.epsilon(delta).epsilon, sum(1 for t in range(steps) if t % len(coeffs) == 0)
 
 
 def main():
@@ -100,8 +80,8 @@ def main():
     # 1. Gboard pt-BR / es-US
     n, b, sigma, delta = 2000, 1000, 8.35, 1e-10
     pub_eps, pub_rho = 0.9935500950539097, 0.014342572340349278
-    coeffs = square_root_start(b)
-    sens2 = square_sensitivity(toeplitz_c(coeffs, n), b, 2)
+    coeffs = square_root_coefficients(b)  # accounting needs only the column norms and the band
+    sens2 = square_sensitivity(strategy_matrix(coeffs, n), b, 2)
     eps, k = ledger_epsilon(sigma, 1.0, n, coeffs, delta)
     rho = sens2 / (2 * sigma ** 2)
     out += ["## 1. Production DP-BandMF (Gboard pt-BR and es-US; google-research/federated "
@@ -119,7 +99,6 @@ def main():
     # 2. jax_privacy doctests via amplified_bandmf_event's definition
     b, n, p, delta = 4, 2048, 0.1, 1e-6
     pub_eps, pub_sigma = 3.769686577205207, 9.661830157637436
-    from dpft.step.correlated import banded_coefficients
     coeffs = banded_coefficients(n, b)
     eps, k = ledger_epsilon(3.0, p, n, coeffs, delta)
     sig = calibrate_sigma(1.0, delta, p, n, phase_event=lambda s: banded_phase_event(s, p, n, b))

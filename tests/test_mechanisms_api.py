@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import dp_accounting as dpa
 import numpy as np
@@ -18,17 +17,10 @@ from torch.utils.data import TensorDataset
 from dpft import PrivacyEngine
 from dpft.accounting.ledger import epsilon_of
 from dpft.privacy.randomness import Randomness
-from dpft.step.correlated import NOISE_STATE_FILE, banded_coefficients, banded_phase_event
+from dpft.step.correlated import NOISE_STATE_FILE, banded_coefficients, banded_phase_event, strategy_matrix
 from dpft.step.truncated import truncated_event
 
 N, B, BANDS, STEPS, SEED = 48, 4, 3, 6, 11
-
-
-def _toeplitz(c, n):
-    cm = np.zeros((n, n))
-    for j, v in enumerate(c):
-        cm += np.diag(np.full(n - j, float(v)), -j)
-    return cm
 
 
 def _banded_events(p, sigma, steps, bands):
@@ -81,7 +73,7 @@ def test_make_private_banded_events_epsilon_and_noise_is_c_inv_z(tmp_path):
     assert eps == pytest.approx(epsilon_of([banded_phase_event(sigma, p, STEPS, BANDS)], 1e-3).epsilon)
     # The released noises Y (= B × the SGD steps) solve C·Y = σC_clip·Z, Z from the streams of the seed.
     rng = Randomness(SEED).child("make_private:1")
-    cinv = np.linalg.inv(_toeplitz(banded_coefficients(STEPS, BANDS), STEPS))
+    cinv = np.linalg.inv(strategy_matrix(banded_coefficients(STEPS, BANDS), STEPS))
     for name in ("weight", "bias"):
         y = np.stack([d[name].flatten().numpy() * B for d in deltas])
         z = np.stack([rng.stream("noise", t, name).normal(deltas[0][name].shape).double().flatten().numpy()
@@ -278,7 +270,7 @@ def test_dptrainer_banded_checkpoint_resume_noise_and_refusals(tmp_path):
     assert _flat(t2.ledger) == _banded_events(p, t1.sigma, 3, 2)
     assert t2.get_epsilon() == pytest.approx(epsilon_of([banded_phase_event(sigma, p, 3, 2)], 1e-3).epsilon)
     rng = Randomness(SEED).child("hf-train-loop-1")
-    cm = torch.from_numpy(_toeplitz(banded_coefficients(3, 2), 3))
+    cm = torch.from_numpy(strategy_matrix(banded_coefficients(3, 2), 3))
     for name, t in noises[0].items():
         y = torch.stack([s[name].flatten() for s in noises])
         z = torch.stack([rng.stream("noise", k, name).normal(t.shape).double().flatten() for k in range(3)])

@@ -64,7 +64,7 @@ import torch
 
 from dpft.privacy.randomness import Randomness
 
-__all__ = ["World", "DistributedError", "init_from_env", "shared_randomness", "check_same_randomness", "shard", "on_rank0", "all_sum",
+__all__ = ["World", "DistributedError", "init_from_env", "shared_randomness", "check_same_randomness", "shard", "on_rank0", "all_sum", "all_max",
            "any_rank", "broadcast_object", "broadcast_module", "check_in_sync", "check_step_digest", "check_methods", "barrier",
            "shard_units", "refuse_ddp_wrapper", "refuse_sharded_model", "SHARDED_FIX"]
 
@@ -387,15 +387,20 @@ def all_sum(world: World, values: Iterable[float]) -> list[float]:
     return [float(x) for x in t.cpu()]
 
 
-def any_rank(world: World, flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank (a no-op alone)."""
+def all_max(world: World, value: int) -> int:
+    """The largest ``value`` (an integer) over all ranks (a no-op alone)."""
     if not world.distributed:
-        return bool(flag)
+        return int(value)
     import torch.distributed as dist
 
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_host(world))
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_host(world))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(t.item())
+    return int(t.item())
+
+
+def any_rank(world: World, flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (a no-op alone)."""
+    return all_max(world, 1 if flag else 0) > 0
 
 
 def barrier(world: World) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from dpft.audit.whitebox import Check
 from dpft.privacy.randomness import Randomness
+from dpft.step.correlated import strategy_matrix
 
 __all__ = ["PLANTED", "mechanism_checks"]
 
@@ -209,13 +210,6 @@ def _run_noise(coeffs, sigma, c_clip, steps, dim, rng, canary_step=None, canary=
     return torch.stack(out), m
 
 
-def _toeplitz(c, n):
-    cm = np.zeros((n, n))
-    for j, v in enumerate(c):
-        cm += np.diag(np.full(n - j, v), -j)
-    return cm
-
-
 def _noise_structure() -> Check:
     from dpft.step.correlated import banded_coefficients
 
@@ -224,10 +218,10 @@ def _noise_structure() -> Check:
     rng = Randomness(seed=11)
     y, m = _run_noise(c, sigma, c_clip, steps, dim, rng)
     z = torch.stack([rng.stream("noise", t, "w").normal((dim,)).double() for t in range(steps)]) * (sigma * c_clip)
-    cm = _toeplitz(m.coeffs, steps)
+    cm = strategy_matrix(m.coeffs, steps)
     exact = float((torch.from_numpy(cm) @ y - z).abs().max())
     emp = (y @ y.T / dim).numpy()
-    ci = np.linalg.inv(_toeplitz(c, steps))
+    ci = np.linalg.inv(strategy_matrix(c, steps))
     theory = (sigma * c_clip) ** 2 * ci @ ci.T
     err = float(np.abs(emp - theory).max() / np.abs(theory).max())
     ok = exact < 1e-4 * sigma * c_clip and err < 0.15
@@ -243,14 +237,12 @@ def _canary_game(rounds: int = 150) -> Check:
     c = banded_coefficients(steps, bands)
     g = torch.zeros(dim)
     g[0] = c_clip
-    cm = torch.from_numpy(_toeplitz(c, steps))
-    col = cm[:, s]
     stats = {False: [], True: []}
     single = {False: [], True: []}
     for r in range(rounds):
         for present in (False, True):
             y, m = _run_noise(c, sigma, c_clip, steps, dim, Randomness(), s if present else None, g if present else None)
-            mcm = torch.from_numpy(_toeplitz(m.coeffs, steps))  # the adversary knows the mechanism's C
+            mcm = torch.from_numpy(strategy_matrix(m.coeffs, steps))  # the adversary knows the mechanism's C
             u = mcm @ y  # = C·x + σC·z: one block per participation
             mcol = mcm[:, s]
             stats[present].append(float(u[:, 0] @ mcol) / (sigma * c_clip * float(mcol.norm())))

@@ -28,7 +28,6 @@ noise from the streams) and look at what they release, record and write:
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import warnings
@@ -36,7 +35,6 @@ from pathlib import Path
 from typing import Optional
 
 import dp_accounting as dpa
-import numpy as np
 import torch
 
 from dpft.audit.whitebox import Check
@@ -89,13 +87,6 @@ class planted_bug:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _toeplitz(c, n: int) -> np.ndarray:
-    cm = np.zeros((n, n))
-    for j, v in enumerate(c):
-        cm += np.diag(np.full(n - j, float(v)), -j)
-    return cm
-
-
 def _record_noise(mech) -> list[dict[str, torch.Tensor]]:
     """Wrap the mechanism instance's ``add_noise``: each step's released − clipped sum."""
     out: list[dict[str, torch.Tensor]] = []
@@ -113,10 +104,10 @@ def _record_noise(mech) -> list[dict[str, torch.Tensor]]:
 def _noise_is_c_inv_z(noises, rng, sigma_std: float, steps: int, bands: int) -> tuple[float, float]:
     """max |C·Y − σC·Z| over tensors (C from banded_coefficients(steps, b); Z from ``rng``'s streams)
     and the scale σC, for the recorded noises of steps 0..len−1."""
-    from dpft.step.correlated import banded_coefficients
+    from dpft.step.correlated import banded_coefficients, strategy_matrix
 
     n = len(noises)
-    cm = torch.from_numpy(_toeplitz(banded_coefficients(steps, bands), n))
+    cm = torch.from_numpy(strategy_matrix(banded_coefficients(steps, bands), n))
     worst = 0.0
     for name, t in noises[0].items():
         y = torch.stack([s[name].flatten() for s in noises])
@@ -156,7 +147,7 @@ def make_private_banded() -> list[Check]:
     from dpft.privacy.randomness import Randomness
     from dpft.step.correlated import banded_phase_event
 
-    n, batch, bands, steps, sigma, delta, c_clip = 48, 4, 3, 7, 0.9, 1e-3, 0.5
+    n, batch, bands, steps, sigma, c_clip = 48, 4, 3, 7, 0.9, 0.5
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
     data = TensorDataset(torch.randn(n, 5) * 3, torch.randint(0, 2, (n,)), torch.arange(n))

@@ -113,7 +113,6 @@ from dpft.api import UnclippedParameterError, check_unpacked_batch, prediction_s
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.base import PerExampleEngine, PerExampleLoss
-from dpft.privacy.randomness import Randomness
 from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
@@ -121,7 +120,8 @@ from dpft.step.build import build_step_spec, make_engine, resolve_sigma
 from dpft.step.postprocess import Transform
 from dpft.grads.groups import GROUP_KEY, PerExampleOverK
 from dpft.step.sample import PoissonSampler, UserPoissonSampler, user_index
-from dpft.step.correlated import NOISE_STATE_FILE, CyclicPoissonSampler
+from dpft.run.errors import TrainingError
+from dpft.step.correlated import CyclicPoissonSampler, load_noise_state, resume_noise_state
 from dpft.step.mechanisms import make_banded_mechanism, sampler_phase_event
 from dpft.step.truncated import TruncatedPoissonSampler
 
@@ -376,6 +376,10 @@ class _LogicalSteps(Dataset):
 
 def _collate_token(items: list) -> dict[str, int]:
     return {_TOKEN: int(items[0])}
+
+
+#: How the banded-MF resume refusals (step/correlated.py) name DPTrainer's resume option and the fix.
+_RESUME_WORDS = ("resume_from_checkpoint", "output_dir")
 
 
 def _refuse(msg: str) -> None:
@@ -1100,13 +1104,11 @@ class DPTrainer(Trainer):
             ck = PrivacyLedger.load(os.path.join(ckpt, LEDGER_NAME)).to_json()
             lv = PrivacyLedger.load(live).to_json() if os.path.isfile(live) else None
             noise = None
-            if self._banded:  # banded_mf: the secret noise state, or refuse
-                ns = os.path.join(self.args.output_dir, NOISE_STATE_FILE)
-                if not os.path.isfile(ns):
-                    _refuse(f"resume_from_checkpoint: {ns} (the secret noise buffers of this banded_mf run) is "
-                            "missing; the correlated noise cannot continue without it. Start a new output_dir (the "
-                            "ledger of this one keeps what was spent)")
-                noise = torch.load(ns, weights_only=True, map_location="cpu")
+            if self._banded:  # banded_mf: the secret noise state, or refuse (the CLI's reader)
+                try:
+                    noise = load_noise_state(self.args.output_dir, *_RESUME_WORDS)
+                except FileNotFoundError as exc:
+                    _refuse(str(exc))
             return {"state": st, "ledger": ck, "live": lv, "noise": noise}
 
         got = ddp.on_rank0(self.world, read)
@@ -1156,21 +1158,11 @@ class DPTrainer(Trainer):
         return hasattr(getattr(self, "mechanism", None), "buffers")
 
     def _resume_noise_state(self, state: Optional[dict], step: int, replayed: int) -> None:
-        """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``.
-
-        Refused: releases after the checkpoint (``replayed`` > 0: a crash between checkpoints —
-        releasing those steps again would reuse earlier batches under fresh noise, which the
-        banded-MF accounting does not cover), a state of another step (resume from the last
-        checkpoint: the file holds the newest one's state), or other coefficients / N."""
-        if replayed > 0:
-            _refuse(f"resume_from_checkpoint: {replayed} banded_mf release(s) were made after this checkpoint (step "
-                    f"{step}); replaying them is not covered by the banded-MF accounting. Start a new output_dir (the "
-                    "ledger of this one keeps what was spent)")
-        if state is None or int(state["next_step"]) != step:
-            _refuse(f"resume_from_checkpoint: the secret noise state is at step "
-                    f"{None if state is None else state['next_step']}, the checkpoint at step {step}; resume from the "
-                    "last checkpoint, or start a new output_dir")
+        """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``, with the
+        CLI's refusals (step/correlated.py ``resume_noise_state``): releases after the checkpoint,
+        a state of another step (resume from the last checkpoint: the file holds the newest one's
+        state), other coefficients or another N."""
         try:
-            self.mechanism.load_state(state, self.engine.params)
-        except ValueError as exc:
-            _refuse(f"resume_from_checkpoint: {exc}")
+            resume_noise_state(self.mechanism, state, step, replayed, self.engine.params, *_RESUME_WORDS)
+        except TrainingError as exc:
+            _refuse(str(exc))

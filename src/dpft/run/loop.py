@@ -497,13 +497,10 @@ class Trainer:
         (``stop.signum``), so it too checkpoints and raises :class:`TrainingInterrupted`."""
         if not self.world.distributed:
             return stop.requested
-        import torch.distributed as dist
-
-        sig = torch.tensor([stop.signum or 0], dtype=torch.int64, device=ddp._host(self.world))
-        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.world.group)
-        if int(sig) and stop.signum is None:
-            stop.signum = int(sig)
-        return bool(int(sig))
+        sig = ddp.all_max(self.world, stop.signum or 0)
+        if sig and stop.signum is None:
+            stop.signum = sig
+        return bool(sig)
 
     def save_model(self) -> None:
         """The model and tokenizer in ``model/`` as ``AutoModelFor…``/``pipeline`` load them, with

@@ -62,7 +62,8 @@ from dpft.step.sample import PoissonSampler
 if TYPE_CHECKING:
     from dpft.privacy.randomness import Randomness
 
-__all__ = ["banded_coefficients", "prefix_sum_loss", "inverse_coefficients", "CyclicPoissonSampler",
+__all__ = ["banded_coefficients", "strategy_matrix", "square_root_coefficients", "prefix_sum_loss",
+           "inverse_coefficients", "CyclicPoissonSampler",
            "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "save_noise_state", "load_noise_state",
            "resume_noise_state", "write_secret", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES", "MAX_BUFFER_BYTES"]
 
@@ -83,6 +84,14 @@ def inverse_coefficients(c: np.ndarray, n: int) -> np.ndarray:
     imp = np.zeros(int(n))
     imp[0] = 1.0
     return lfilter([1.0], np.asarray(c, dtype=np.float64), imp)
+
+
+def strategy_matrix(coeffs, n: int) -> np.ndarray:
+    """The n × n lower-triangular b-banded Toeplitz strategy C, ``C[t, t − j] = c_j`` (float64)."""
+    cm = np.zeros((n, n))
+    for j, v in enumerate(coeffs):
+        cm += np.diag(np.full(n - j, float(v)), -j)
+    return cm
 
 
 def prefix_sum_loss(c: np.ndarray, n: int) -> float:
@@ -110,6 +119,14 @@ banded_coefficients.__doc__ = """Optimal b-banded Toeplitz strategy coefficients
     """
 
 
+def square_root_coefficients(bands: int) -> np.ndarray:
+    """The banded square root c_j = binom(2j, j)/4ʲ, j < b, normalised to ‖c‖₂ = 1
+    (Fichtenberger et al. 2023): :func:`banded_coefficients`' start point. ``(b,)`` float64."""
+    j = range(int(bands))
+    c = np.exp([math.lgamma(2 * k + 1) - 2 * math.lgamma(k + 1) - 2 * k * math.log(2) for k in j])
+    return c / np.linalg.norm(c)
+
+
 @functools.lru_cache(maxsize=32)
 def _banded_coefficients(n: int, bands: int) -> np.ndarray:
     from scipy.optimize import minimize
@@ -118,9 +135,7 @@ def _banded_coefficients(n: int, bands: int) -> np.ndarray:
     if n < 1 or b < 1:
         raise ValueError(f"need n ≥ 1 steps and b ≥ 1 bands, got n = {n}, b = {b}")
     b = min(b, n)
-    j = np.arange(b)
-    start = np.exp([math.lgamma(2 * k + 1) - 2 * math.lgamma(k + 1) - 2 * k * math.log(2) for k in j])
-    start /= np.linalg.norm(start)
+    start = square_root_coefficients(b)
     if b == 1:
         return start
 
@@ -321,33 +336,37 @@ def write_secret(path, obj) -> Path:
     return path
 
 
-def load_noise_state(run_dir) -> dict:
-    """Read the secret noise state. Raises FileNotFoundError naming the file and the fix."""
+def load_noise_state(run_dir, where: str = "--resume", fresh: str = "--output-dir") -> dict:
+    """Read the secret noise state. Raises FileNotFoundError naming the file and the fix
+    (``where``: the way in's resume option; ``fresh``: what to start anew)."""
     path = Path(run_dir) / NOISE_STATE_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"--resume: {path} (the secret noise buffers of this banded_mf run) is missing; "
-                                "the correlated noise cannot continue without it — start a new --output-dir")
+        raise FileNotFoundError(f"{where}: {path} (the secret noise buffers of this banded_mf run) is missing; "
+                                f"the correlated noise cannot continue without it — start a new {fresh}")
     return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def resume_noise_state(mechanism: BandedMFMechanism, state: Optional[dict], step: int, replayed: int,
-                       params: dict[str, torch.Tensor]) -> None:
-    """Restore the buffers for a resume at checkpoint ``step``.
+                       params: dict[str, torch.Tensor], where: str = "--resume", fresh: str = "--output-dir") -> None:
+    """Restore the buffers (and the sampler's partition) for a resume at checkpoint ``step``;
+    ``where`` / ``fresh`` name the way in's resume option and what to start anew (``dpft train``:
+    ``--resume`` / ``--output-dir``; DPTrainer: ``resume_from_checkpoint`` / ``output_dir``).
 
     Raises:
         TrainingError: releases were made past the checkpoint (``replayed`` > 0: a crash between
             checkpoints — releasing those steps again would reuse earlier batches under fresh noise,
-            which Theorem 4's accounting does not cover), or the state is of another step."""
+            which Theorem 4's accounting does not cover), the state is of another step, or of
+            other coefficients / another partition."""
     from dpft.run.errors import TrainingError
 
     if replayed > 0:
-        raise TrainingError(f"--resume: {replayed} banded_mf release(s) were made after the checkpoint at step "
+        raise TrainingError(f"{where}: {replayed} banded_mf release(s) were made after the checkpoint at step "
                             f"{step}; replaying them is not covered by the banded-MF accounting. Start a new "
-                            "--output-dir (the ledger of this directory keeps what was spent)")
+                            f"{fresh} (the ledger of this directory keeps what was spent)")
     if state is None or int(state["next_step"]) != int(step):
-        raise TrainingError(f"--resume: the secret noise state is at step {None if state is None else state['next_step']}"
-                            f", the checkpoint at step {step}; start a new --output-dir")
+        raise TrainingError(f"{where}: the secret noise state is at step {None if state is None else state['next_step']}"
+                            f", the checkpoint at step {step}; start a new {fresh}")
     try:
         mechanism.load_state(state, params)
     except ValueError as exc:
-        raise TrainingError(f"--resume: {exc}") from None
+        raise TrainingError(f"{where}: {exc}") from None

@@ -65,10 +65,7 @@ def make_sampler(recipe, n_rows: int, rng) -> Optional[Any]:
 def phase_event_of(recipe, unit, steps: int) -> Optional[Callable[[float], Any]]:
     """``σ -> DpEvent`` of the training phase when it is not ``steps`` × PoissonSampled(q,
     Gaussian(σ)) — for σ calibration on the very events the run records; None otherwise."""
-    s = unit.sampler
-    if _banded(recipe) or getattr(s, "max_batch_size", None) is not None:
-        return sampler_phase_event(s, unit.n, unit.q, steps)
-    return None
+    return sampler_phase_event(unit.sampler, unit.n, unit.q, steps)
 
 
 def sampler_phase_event(sampler, n: int, q: float, steps: int) -> Optional[Callable[[float], Any]]:
