@@ -9,6 +9,8 @@ what cannot be certified is refused.
 
 from __future__ import annotations
 
+import math
+
 import copy
 import runpy
 import warnings
@@ -166,7 +168,8 @@ def test_handwritten_module_equals_reference_engine(clipping):
         model, adversarial_data(), ce_loss, tiny_to_batch, tiny_forward, clipping=clipping, epochs=2)
     assert max_norm > 10 * 0.05  # the clip was active (adversarial examples)
     assert max(micro) <= 3
-    assert opt.logical_steps == eng.ledger.steps == 2 * (30 // 8)
+    # one rule in every way in (step/plan.planned_steps): ⌈epochs · N / B⌉ = ⌈60 / 8⌉, as dpft train and DPTrainer
+    assert opt.logical_steps == eng.ledger.steps == math.ceil(2 * 30 / 8)
     assert len(set(sizes)) > 1  # Poisson: the logical batch size varies
 
 
@@ -306,7 +309,7 @@ def test_epsilon_equals_dp_accounting_and_noise_once_per_logical_batch(monkeypat
         module=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), criterion=nn.CrossEntropyLoss(),
         data_loader=DataLoader(adversarial_data(n), batch_size=b, shuffle=True), noise_multiplier=sigma,
         max_grad_norm=1.0, steps=30, max_physical_batch_size=1)
-    assert len(loader) == n // b
+    assert len(loader) == math.ceil(n / b)
     sizes, n_true = train(module, opt, crit, loader, epochs=2)
     assert eng.ledger.steps == opt.logical_steps == len(calls) == 30  # capped at the planned steps
     assert calls == sorted(set(calls))  # one draw per logical step, never a stream twice

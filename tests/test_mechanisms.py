@@ -63,7 +63,6 @@ def test_fixed_shapes_and_padded_rows_contribute_nothing():
 
 def test_truncated_run_records_the_truncated_event_with_fixed_shapes(tiny_model_dir, sst_like_files, tmp_path):
     from dpft.run.loop import Trainer
-    from dpft.step.mechanisms import phase_event_of
 
     r = files_recipe(tiny_model_dir, sst_like_files, **{"batch.max_batch_size": 6, "batch.max_physical_batch_size": 4,
                                                         "privacy.noise_multiplier": 1.0})
@@ -75,7 +74,8 @@ def test_truncated_run_records_the_truncated_event_with_fixed_shapes(tiny_model_
     rep = tr.run()
     want = truncated_event(n, q, 6, 1.0)
     assert [(e.event, e.count) for e in tr.ledger.entries] == [(want, 3)]
-    assert phase_event_of(r, tr.plan.unit, 3)(1.0) == dpa.SelfComposedDpEvent(want, 3)  # what σ is calibrated on
+    pp = tr.plan.privacy  # what σ is calibrated on
+    assert pp.mechanism.phase_event(pp.sampler, n, q, 3)(1.0) == dpa.SelfComposedDpEvent(want, 3)
     m = rep["dp"]["mechanism"]
     assert m["max_batch_size"] == 6 and m["truncation_probability_per_step"] == pytest.approx(
         truncation_probability(n, q, 6))

@@ -6,4 +6,10 @@ class TrainingError(RuntimeError):
     """The run cannot continue (non-finite loss, mismatched resume…); message names the fix."""
 
 
-__all__ = ["TrainingError"]
+class PlanError(TrainingError, ValueError):
+    """A privacy plan that cannot be certified as asked (step/plan.py, step/mechanisms.py); the
+    message names the setting and the fix. A ``TrainingError`` for the CLI's driver and a
+    ``ValueError`` for the Python ways in (``make_private``, ``DPTrainer``)."""
+
+
+__all__ = ["TrainingError", "PlanError"]

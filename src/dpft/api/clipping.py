@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from dpft.step.clip import EPS, ClipPolicy
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.grads.groups import PerExampleOverK
+from dpft.step.clip import EPS, ClipPolicy, make_clip_policy
 
 
 class GroupClip(ClipPolicy):
@@ -101,3 +103,34 @@ def _group_clip(c: float, params: dict, optimizer: torch.optim.Optimizer) -> Gro
     index = {g: k for k, g in enumerate(used)}
     fractions = [float(given[g]) if given[g] is not None else share for g in used]
     return GroupClip(c, [index[where[id(p)]] for p in params.values()], fractions)
+
+
+def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
+    raise RuntimeError("make_private drives the book-keeping engine from the user's loop")
+
+
+def api_clip_and_engine(module, optimizer: torch.optim.Optimizer, clipping: str, max_grad_norm: float,
+                        head_fraction: float, head_parameters, norm_mode: str, over_k: Optional[int] = None):
+    """``make_private``'s clip policy and book-keeping engine (the plan's ``parts``).
+
+    Args:
+        clipping: one of :data:`CLIPPING_STYLES`; max_grad_norm: C.
+        over_k: user level with ``per_example_over_k``: each row clipped to C/k (k rows ≤ C).
+
+    Returns:
+        ``(clip, engine)``; the engine's clip is the returned policy.
+
+    Raises:
+        ValueError: a head_body split without head or body; a parameter in no param group."""
+    c_row = max_grad_norm / over_k if over_k else max_grad_norm
+    clip = (make_clip_policy(clipping, c_row, head_fraction=head_fraction)
+            if clipping != "per_group" else GroupClip(c_row, [0], [1.0]))
+    engine = BookKeepingEngine(module, _not_called, clip, norm_mode=norm_mode)
+    if clipping == "head_body":
+        clip.set_head_mask(_head_mask(engine.params, head_parameters))
+    elif clipping == "per_group":
+        clip = _group_clip(c_row, engine.params, optimizer)
+    if over_k:
+        clip = PerExampleOverK(clip, over_k)
+    engine.clip = clip
+    return clip, engine

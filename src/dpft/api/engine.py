@@ -3,46 +3,26 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    Dataset,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
-)
+from torch.utils.data import DataLoader, Dataset
 
 from dpft import distributed as ddp
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.api.clipping import CLIPPING_STYLES, GroupClip, _group_clip, _head_mask
+from dpft.api.arguments import adapt_data, check_arguments, check_optimizer, user_values
+from dpft.api.clipping import api_clip_and_engine
 from dpft.api.criterion import PerExampleCriterion
 from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
-from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.grads.groups import PerExampleOverK
+from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
 from dpft.privacy.randomness import Randomness
-from dpft.step.build import build_step_spec, resolve_sigma
-from dpft.step.clip import make_clip_policy
 from dpft.step.pipeline import DPStep
-from dpft.step.sample import PoissonSampler
+from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.step.unit import build_user_unit
-from dpft.step.correlated import CyclicPoissonSampler
-from dpft.step.mechanisms import make_banded_mechanism, sampler_phase_event
-from dpft.step.truncated import TruncatedPoissonSampler
 
-
-def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
-    raise RuntimeError("make_private drives the book-keeping engine from the user's loop")
-
-
-_LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
-                "multiprocessing_context", "persistent_workers", "pin_memory_device")
 
 
 class PrivacyEngine:
@@ -73,8 +53,10 @@ class PrivacyEngine:
         self.noise_multiplier: Optional[float] = None
         self._calls = 0
         self._sessions: list[LiveBookKeeping] = []
-        #: the last make_private's banded-MF loop (mechanism, optimizer, batches, σ, N); None otherwise.
-        self._banded: Optional[dict] = None
+        #: the last make_private's stateful parts (api/state.py); None before the first.
+        self._loop: Optional[LoopState] = None
+        #: the live release record (``<state path>.releases.json``), once a state was saved.
+        self._live_path = None
 
     def get_epsilon(self, delta: float) -> float:
         """ε(δ) of everything this engine released (PLD accountant of ``dp-accounting``).
@@ -101,11 +83,14 @@ class PrivacyEngine:
         return True
 
     def save_noise_state(self, path) -> bool:
-        """Write the secret state of the last ``make_private(mechanism="banded_mf")`` to ``path``:
-        the last b − 1 noises, the next step, the examples' secret partition, σ and the ledger
-        (``torch.save``; mode 0600 from creation, written atomically). **Secret**: whoever holds it
-        can subtract most of the noise from the released weights; keep it with your private
-        checkpoints, never with a released model (``optimizer.state_dict()`` never holds it).
+        """Write the secret state of the last ``make_private`` with a stateful mechanism
+        (``mechanism="banded_mf"``) to ``path``: the last b − 1 noises, the next step, the
+        examples' secret partition, a keyed fingerprint of the training rows' content, σ and the
+        ledger (``torch.save``; mode 0600 from creation, written atomically). **Secret**: whoever
+        holds it can subtract most of the noise from the released weights; keep it with your
+        private checkpoints, never with a released model (``optimizer.state_dict()`` never holds
+        it). From this call on, every release also rewrites the live release record
+        ``<path>.releases.json`` (the ledger; not secret), which :meth:`load_noise_state` needs.
         Call it between logical batches, when you checkpoint the model and optimizer. Under
         ``torch.distributed`` rank 0 writes (the state is the same on every rank).
 
@@ -113,79 +98,35 @@ class PrivacyEngine:
             Whether this process wrote the file.
 
         Raises:
-            ValueError: the last make_private was not banded_mf, or a logical batch is open."""
-        loop = self._require_banded("save_noise_state")
-        opt, mech = loop["optimizer"], loop["mechanism"]
-        if opt._agg is not None and opt._agg_step is not None and opt._agg_step > opt._released_upto:
-            raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
-                             "micro-batch)")
-        world = self.world if self.world is not None else ddp.World()
-        if not world.is_main:
-            return False
-        from pathlib import Path
-
-        from dpft.step.correlated import write_secret
-
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_secret(path, {"format": "dpft-make_private-banded-noise-state", **mech.state(), "sigma": loop["sigma"],
-                            "n": loop["n"], "ledger": self.ledger.to_json()})
-        return True
+            ValueError: the last make_private has no secret state, or a logical batch is open."""
+        return self._require_state("save_noise_state").save(self, path)
 
     def load_noise_state(self, path) -> None:
-        """Continue a banded_mf loop saved by :meth:`save_noise_state`: call it on a fresh
-        ``PrivacyEngine`` right after ``make_private`` with the same arguments (and after loading
-        the model's and optimizer's checkpoint), before the first step. Restores the noise
-        buffers, the secret partition, the step counter of the loader and optimizer, and the
-        ledger (it continues: the saved releases stay in it). The next steps draw fresh secret
-        randomness. Resuming from a state older than the last release (a crash between two
-        saves) would replay batches under new noise, which the accounting does not cover: save
-        the state whenever you checkpoint, and resume from the matching pair.
+        """Continue a loop saved by :meth:`save_noise_state`: call it on a fresh ``PrivacyEngine``
+        right after ``make_private`` with the same arguments and the same training rows in the same
+        order (and after loading the model's and optimizer's checkpoint), before the first step.
+        Restores the noise buffers, the secret partition, the step counter of the loader and
+        optimizer, and appends the saved releases to the ledger. The next steps draw fresh secret
+        randomness.
 
         Raises:
             FileNotFoundError: ``path`` is missing (a banded_mf loop cannot continue without it).
-            ValueError: not a banded_mf make_private, steps already made, or another σ, N,
-                bands or number of steps."""
-        loop = self._require_banded("load_noise_state")
-        mech, opt, batches = loop["mechanism"], loop["optimizer"], loop["batches"]
-        if mech.next_step != 0 or opt.logical_steps != 0 or batches.next_step != 0:
-            raise ValueError("load_noise_state: this loop already made steps; call it right after make_private")
-        from pathlib import Path
+            ValueError: no secret state in this loop; steps already made; another σ, N, bands or
+                number of steps; other training rows or the same rows reordered; releases made
+                after the state was saved (the live record holds more), or the record missing
+                (api/state.py) — each naming the fix."""
+        self._require_state("load_noise_state").load(self, path)
 
-        def read():
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"load_noise_state: {path} (the secret noise state of a banded_mf loop) is "
-                                        "missing; the correlated noise cannot continue without it — start a new "
-                                        "loop instead (its ledger composes with the old one)")
-            return torch.load(path, weights_only=True, map_location="cpu")
-
-        world = self.world if self.world is not None else ddp.World()
-        st = ddp.on_rank0(world, read)
-        if st.get("format") != "dpft-make_private-banded-noise-state":
-            raise ValueError(f"load_noise_state: {path} is not a make_private banded_mf noise state")
-        if int(st["n"]) != loop["n"] or not math.isclose(float(st["sigma"]), loop["sigma"], rel_tol=1e-9,
-                                                           abs_tol=1e-12):
-            raise ValueError(f"load_noise_state: the state was saved with N = {st['n']}, σ = {st['sigma']:.6g}; this "
-                             f"loop has N = {loop['n']}, σ = {loop['sigma']:.6g}. Call make_private with the same "
-                             "arguments on a fresh PrivacyEngine")
-        try:
-            mech.load_state(st, dict(opt.dp_step.params))
-        except ValueError as exc:
-            raise ValueError(f"load_noise_state: {exc}") from None
-        k = mech.next_step
-        saved = PrivacyLedger.from_json(st["ledger"])
-        self.ledger.entries = list(saved.entries)
-        if not saved.certified:
-            self.ledger.mark_not_certified(saved.not_certified_reason or "marked not certified")
-        self.ledger._cache.clear()
-        batches.next_step = k
-        opt._released_upto = k - 1
-        opt.logical_steps = k
-
-    def _require_banded(self, what: str) -> dict:
-        if self._banded is None:
+    def _require_state(self, what: str) -> LoopState:
+        if self._loop is None or not self._loop.plan.mechanism.stateful:
             raise ValueError(f"{what}: the last make_private of this engine is not mechanism='banded_mf' (only "
                              "banded matrix factorization has secret state beyond the key)")
-        return self._banded
+        return self._loop
+
+    def _on_release(self) -> None:
+        """After every ledger append: the live release record, once a state was saved."""
+        if self._live_path is not None:
+            write_live_record(self._live_path, self.ledger, self.world)
 
     def detach(self) -> None:
         """Remove the hooks from every module made private by this engine."""
@@ -360,159 +301,26 @@ class PrivacyEngine:
             dpft.grads.bookkeeping.UnattributedUseError: (first training micro-batch) a
                 trainable parameter used outside the forward of the module that owns it.
         """
-        # ---------------------------------------------------------------- what is refused
-        if not isinstance(module, nn.Module):
-            raise ValueError(f"make_private: module must be an nn.Module, got {type(module).__name__}")
-        if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError("make_private: optimizer must be a plain torch.optim.Optimizer (not yet private)")
-        if module.__dict__.get("_dpft_private"):
-            raise ValueError("make_private: this module is already private (PrivacyEngine.detach() first)")
-        if not poisson_sampling:
-            raise ValueError("make_private: poisson_sampling=False is refused: the accountant assumes "
-                             "Poisson sampling (PoissonSampledDpEvent), and shuffled fixed-size batches "
-                             "would not be what is certified")
-        if not batch_first:
-            raise ValueError("make_private: batch_first=False is not supported; put the example "
-                             "dimension first")
-        if noise_generator is not None:
-            raise ValueError("make_private: noise_generator is refused; the noise comes from the "
-                             "engine's secret randomness (PrivacyEngine(reproducible_seed=...) for tests)")
-        if clipping not in CLIPPING_STYLES:
-            raise ValueError(f"make_private: clipping must be one of {CLIPPING_STYLES}, got {clipping!r}")
-        if steps is not None and epochs is not None:
-            raise ValueError("make_private: give epochs or steps, not both")
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise ValueError(f"make_private: steps must be a positive integer, got {steps!r}")
-        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
-                                   or not (epochs > 0 and math.isfinite(epochs))):
-            raise ValueError(f"make_private: epochs must be a positive number (1.5 allowed), got {epochs!r}")
-        if (target_epsilon is None) == (noise_multiplier is None):
-            raise ValueError("make_private: give exactly one of target_epsilon (with target_delta and "
-                             "epochs or steps) and noise_multiplier")
-        if target_epsilon is not None:
-            if target_delta is None:
-                raise ValueError("make_private: target_epsilon needs target_delta")
-            if steps is None and epochs is None:
-                raise ValueError("make_private: target_epsilon needs epochs or steps (σ is calibrated "
-                                 "for that number of noisy steps)")
-        if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"make_private: noise_multiplier must be finite and ≥ 0, got {noise_multiplier}")
-        if max_physical_batch_size is not None and max_physical_batch_size < 1:
-            raise ValueError("make_private: max_physical_batch_size must be ≥ 1")
-        ddp.refuse_ddp_wrapper(module, "make_private")
-        if max_rows_per_user is not None and (isinstance(max_rows_per_user, bool) or int(max_rows_per_user) < 1):
-            raise ValueError(f"make_private: max_rows_per_user must be ≥ 1, got {max_rows_per_user!r}")
-        if user_clipping not in ("group", "per_example_over_k"):
-            raise ValueError(f"make_private: user_clipping must be 'group' or 'per_example_over_k', got "
-                             f"{user_clipping!r}")
-        if mechanism not in ("gaussian", "banded_mf"):
-            raise ValueError(f"make_private: mechanism must be 'gaussian' or 'banded_mf', got {mechanism!r}")
-        banded = mechanism == "banded_mf"
-        if banded:
-            bands = 4 if bands is None else bands
-            if isinstance(bands, bool) or not isinstance(bands, int) or bands < 1:
-                raise ValueError(f"make_private: bands must be an integer ≥ 1, got {bands!r}")
-            if user_ids is not None:
-                raise ValueError("make_private: mechanism='banded_mf' is for example-level DP; user-level privacy "
-                                 "(user_ids=) with banded noise has no certified accounting here; drop user_ids or "
-                                 "use mechanism='gaussian'")
-            if max_batch_size is not None:
-                raise ValueError("make_private: banded_mf with truncated Poisson (max_batch_size) has no "
-                                 "dp-accounting event; drop max_batch_size or use mechanism='gaussian'")
-            if steps is None and epochs is None:
-                raise ValueError("make_private: mechanism='banded_mf' needs epochs or steps (its coefficients are "
-                                 "optimised for that number of steps)")
-        elif bands is not None:
-            raise ValueError("make_private: bands is the b of mechanism='banded_mf'; set mechanism='banded_mf' "
-                             "or drop bands")
-        # torch.distributed: an initialised group, or torchrun's environment (the group is made).
-        world = ddp.init_from_env()
-        bn = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        if bn:
-            raise ValueError(f"make_private: BatchNorm mixes the examples of a batch, so per-example "
-                             f"gradients are not per example: {bn[:3]}; use LayerNorm or GroupNorm")
-
-        per_example_criterion = None if criterion is None else PerExampleCriterion(criterion)
-
-        # ---------------------------------------------------------------- data
-        if (data_loader is None) == (dataset is None):
-            raise ValueError("make_private: give exactly one of data_loader and dataset")
-        loader_kwargs: dict[str, Any] = {}
-        if data_loader is not None:
-            if isinstance(data_loader, DPDataLoader):
-                raise ValueError("make_private: this data loader is already private")
-            dataset = data_loader.dataset
-            if not (type(data_loader.batch_sampler) is BatchSampler
-                    and type(data_loader.sampler) in (SequentialSampler, RandomSampler)):
-                raise ValueError(
-                    f"make_private: the data loader's sampler ({type(data_loader.sampler).__name__}, "
-                    f"batch sampler {type(data_loader.batch_sampler).__name__}) cannot be replaced "
-                    "by Poisson sampling over the whole dataset without changing who is sampled; "
-                    "pass dataset=<the examples to train on> and expected_batch_size=...")
-            if expected_batch_size is None:
-                expected_batch_size = data_loader.batch_size
-            for k in _LOADER_KEYS:
-                if hasattr(data_loader, k):
-                    loader_kwargs[k] = getattr(data_loader, k)
-            if loader_kwargs.get("num_workers", 0) > 0:
-                loader_kwargs["prefetch_factor"] = data_loader.prefetch_factor
-            else:
-                loader_kwargs.pop("persistent_workers", None)
-        else:
-            loader_kwargs["num_workers"] = num_workers
-            if collate_fn is not None:
-                loader_kwargs["collate_fn"] = collate_fn
-        if isinstance(dataset, IterableDataset):
-            raise ValueError("make_private: an IterableDataset cannot be Poisson-sampled (N and "
-                             "random access are needed); use a map-style dataset")
-        try:
-            n = len(dataset)  # type: ignore[arg-type]
-        except TypeError:
-            raise ValueError("make_private: the dataset has no len(); N is needed for q = batch / N") from None
-        if expected_batch_size is None:
-            raise ValueError("make_private: expected_batch_size is needed (the loader has no batch_size)")
-        expected_batch_size = int(expected_batch_size)
-        if not 1 <= expected_batch_size <= n:
-            raise ValueError(f"make_private: expected batch size {expected_batch_size} must be between 1 "
-                             f"and N = {n}")
-        # ---------------------------------------------------------------- the privacy unit
+        mech = check_arguments(
+            module=module, optimizer=optimizer, poisson_sampling=poisson_sampling, batch_first=batch_first,
+            noise_generator=noise_generator, clipping=clipping, steps=steps, epochs=epochs,
+            target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
+            max_physical_batch_size=max_physical_batch_size, max_rows_per_user=max_rows_per_user,
+            user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
+            user_ids=user_ids)
+        world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
+        dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
+                                                                    num_workers, collate_fn)
         calls = self._calls + 1
-        if world.distributed and not self._shared:
-            if self._calls:
-                raise ddp.DistributedError("make_private: this PrivacyEngine already made a private loop in "
-                                           "one process; make a new PrivacyEngine under torch.distributed")
-            # One key for the world: rank 0's, broadcast (reproducible: derived from the seed).
-            self._rng = ddp.shared_randomness(world, self._seed)
-            self._shared = True
-        ddp.check_same_randomness(world, self._rng)
-        rng = self._rng.child(f"make_private:{calls}")
+        rng = self._world_randomness(world).child(f"make_private:{calls}")
         unit = None
         if user_ids is not None:
-            if max_batch_size is not None:
-                raise ValueError("make_private: max_batch_size (truncated Poisson) is for example-level DP; at user "
-                                 "level (user_ids=) the batch is bounded by max_rows_per_user per sampled user")
-            values, column = _user_values(dataset, user_ids, n)
+            values, column = user_values(dataset, user_ids, n)
             try:
                 unit = build_user_unit(values, expected_batch_size, max_rows_per_user, rng, user_clipping, column)
             except ValueError as exc:
                 raise ValueError(f"make_private (user level, user_ids={column!r}): {exc}") from None
-            sampler: Any = unit.sampler
-            n_units = unit.n
-        else:
-            if banded:  # b-min-separated cyclic Poisson (step/correlated.py)
-                try:
-                    sampler = CyclicPoissonSampler(n, expected_batch_size, rng, bands)
-                except ValueError:
-                    raise ValueError(f"make_private: banded_mf with bands = {bands} samples each of {bands} "
-                                     f"partitions of N = {n} examples at rate p = b·B/N = "
-                                     f"{bands * expected_batch_size / n:.3g} > 1; lower bands or expected_batch_size"
-                                     ) from None
-            else:
-                sampler = (PoissonSampler(n, expected_batch_size, rng) if max_batch_size is None
-                           else TruncatedPoissonSampler(n, expected_batch_size, rng, max_batch_size))
-            n_units = n
-        q = sampler.q
-        steps_per_epoch = max(1, n_units // expected_batch_size)
+        n_units = unit.n if unit is not None else n
         if world.distributed:  # every rank must describe the same mechanism over the same data
             mine = (n, n_units, expected_batch_size, steps, epochs, noise_multiplier, target_epsilon, target_delta,
                     float(max_grad_norm), clipping, user_clipping if unit else None, max_rows_per_user if unit else None,
@@ -522,126 +330,49 @@ class PrivacyEngine:
                     "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, "
                     "batch size, steps/epochs, σ or target, C, clipping); call make_private with the same data and "
                     "arguments on every rank")
-        planned = steps if steps is not None else (
-            max(1, math.ceil(epochs * steps_per_epoch - 1e-9)) if epochs is not None else None)
+        planned = None if steps is None and epochs is None else planned_steps(n_units, expected_batch_size, steps,
+                                                                                epochs)
+        names = check_optimizer(module, optimizer)
+        group = unit is not None and user_clipping == "group"
 
-        # ---------------------------------------------------------------- optimizer params
-        trainable = {id(p) for p in module.parameters() if p.requires_grad}
-        all_params = {id(p) for p in module.parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in all_params:
-                    raise ValueError("make_private: the optimizer holds parameters that are not "
-                                     "parameters of module; their gradients would not be private")
-        if not trainable:
-            raise ValueError("make_private: module has no trainable parameter (requires_grad)")
-        names = {id(p): n for n, p in module.named_parameters()}
-        held_frozen = [names[id(p)] for g in optimizer.param_groups for p in g["params"]
-                       if id(p) not in trainable]
-        if held_frozen:
-            # Harmless while frozen (no gradient, the optimizer skips them); unfrozen later, their
-            # raw gradient would be applied, which DPOptimizer.step() refuses.
-            warnings.warn(
-                f"make_private: the optimizer holds {len(held_frozen)} frozen parameter(s) "
-                f"({', '.join(held_frozen[:3])}{', ...' if len(held_frozen) > 3 else ''}) that the DP "
-                "engine does not clip; they must stay frozen (optimizer.step() refuses them with a "
-                "gradient). To train them, set requires_grad before make_private", stacklevel=3)
+        def parts(sampler):  # per_example_over_k (user level): each row clipped to C/k
+            return api_clip_and_engine(module, optimizer, clipping, max_grad_norm, head_fraction, head_parameters,
+                                       norm_mode, sampler.k if unit is not None and not group else None)
 
-        # ---------------------------------------------------------------- noise
-        # The same builders as `dpft train`'s plan (step/build.py): σ explicit, or calibrated on the
-        # events this loop will record after those the ledger already holds; δ < 1/N checked.
-        # DDP: rank 0 calibrates, every rank gets its σ (one value for the world).
-        # max_batch_size: truncated Poisson (step/truncated.py), accounted and calibrated on
-        # TruncatedSubsampledGaussianDpEvent (issue 28; shapes stay the user's collate's).
-        # mechanism='banded_mf': ⌈n/b⌉ × PoissonSampled(p, Gaussian(σ)) (the CLI's helper).
-        sigma = resolve_sigma(noise_multiplier=None if target_epsilon is not None else noise_multiplier,
-                              target_epsilon=target_epsilon, delta=target_delta, q=q, steps=planned, n=n_units,
-                              prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(world, f),
-                              phase_event=sampler_phase_event(sampler, n, q, planned))
-
-        # ---------------------------------------------------------------- the DP step
+        # DDP: rank 0 calibrates σ (on the events this loop records, after those the ledger holds).
+        plan = build_privacy_plan(
+            n=n_units, expected_batch_size=expected_batch_size, steps=planned or 0, mechanism=mech, rng=rng,
+            parts=parts, optimizer=optimizer, noise_multiplier=None if target_epsilon is not None else noise_multiplier,
+            target_epsilon=target_epsilon, delta=target_delta, prior=self.ledger.events(),
+            calibrate=lambda f: ddp.on_rank0(world, f), sampler=unit.sampler if unit is not None else None,
+            hardened=self.hardened_noise, rows=dataset)
         self._calls = calls
         ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
-        # per_example_over_k (user level): each row clipped to C/k, a user's ≤ k rows sum to ≤ C.
-        over_k = unit is not None and user_clipping == "per_example_over_k"
-        c_row = max_grad_norm / sampler.k if over_k else max_grad_norm
-        clip = (make_clip_policy(clipping, c_row, head_fraction=head_fraction)
-                if clipping != "per_group" else GroupClip(c_row, [0], [1.0]))
-        engine = BookKeepingEngine(module, _not_called, clip, norm_mode=norm_mode)
-        if clipping == "head_body":
-            clip.set_head_mask(_head_mask(engine.params, head_parameters))
-        elif clipping == "per_group":
-            clip = _group_clip(c_row, engine.params, optimizer)
-        if over_k:
-            clip = PerExampleOverK(clip, sampler.k)
-        engine.clip = clip
-        spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
-                               hardened=self.hardened_noise)
-        if max_batch_size is not None:
-            spec.mechanism.truncation = (n, int(max_batch_size))
-        if banded:  # noise C⁻¹Z from the shared key: identical buffers on every rank under DDP
-            spec = spec.replace(mechanism=make_banded_mechanism(engine.params, sigma, clip.sensitivity, rng, sampler,
-                                                                planned, hardened=self.hardened_noise))
-        dp_step = DPStep(spec, self.ledger, n_units, world_group=world.group)
+        dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
         dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
-        session = LiveBookKeeping(engine, dp_opt._on_result, loss_reduction=loss_reduction)
-        dp_opt.session = session
-        dp_opt.param_names = names
+        session = LiveBookKeeping(plan.engine, dp_opt._on_result, loss_reduction=loss_reduction)
+        dp_opt.session, dp_opt.param_names = session, names
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)
-        self.world = world
-        batches = _PoissonMicroBatches(sampler, steps_per_epoch, max_physical_batch_size, planned, world=world,
-                                       groups=unit is not None and user_clipping == "group")
+        self.world, self.noise_multiplier = world, plan.sigma
+        batches = _PoissonMicroBatches(plan.sampler, max(1, math.ceil(n_units / expected_batch_size)),
+                                       max_physical_batch_size, planned, world=world, groups=group)
         loader = DPDataLoader(dataset, batches, dp_opt, **loader_kwargs)
-        self.noise_multiplier = sigma
-        self._banded = (dict(mechanism=spec.mechanism, optimizer=dp_opt, batches=batches, sigma=sigma, n=n)
-                        if banded else None)
-        if per_example_criterion is None:
+        self._loop = LoopState(plan, dp_opt, batches, n)
+        if criterion is None:
             return module, dp_opt, loader
-        per_example_criterion._session = session
-        return module, dp_opt, per_example_criterion, loader
+        per_example = PerExampleCriterion(criterion)
+        per_example._session = session
+        return module, dp_opt, per_example, loader
 
-
-def _user_values(dataset, user_ids: Any, n: int) -> tuple[list, str]:
-    """One user id per dataset row, as plain hashable values, and how they were named.
-
-    ``user_ids``: a field name (``datasets.Dataset`` column, or key of dict rows) or a sequence
-    aligned with the dataset (tensor/array elements become Python numbers: a 0-d tensor hashes
-    by identity and would make every row its own user).
-
-    Raises:
-        ValueError: a field the rows lack, a sequence of the wrong length, a multi-element id.
-    """
-    column = "user_ids"
-    if isinstance(user_ids, str):
-        column = user_ids
-        cols = getattr(dataset, "column_names", None)
-        if cols is not None:
-            if user_ids not in cols:
-                raise ValueError(f"make_private: user_ids={user_ids!r} is not a column of the dataset ({cols})")
-            values = dataset[user_ids]
-        else:
-            values = []
-            for i in range(n):
-                row = dataset[i]
-                if not hasattr(row, "keys") or user_ids not in row.keys():
-                    raise ValueError(f"make_private: row {i} of the dataset has no field {user_ids!r}; pass "
-                                     "user_ids as a sequence aligned with the dataset instead")
-                values.append(row[user_ids])
-    else:
-        values = user_ids
-    if hasattr(values, "tolist") and not isinstance(values, list):
-        values = values.tolist()
-    values = list(values)
-    if len(values) != n:
-        raise ValueError(f"make_private: user_ids has {len(values)} entries for a dataset of {n} rows (one user "
-                         "id per row, in dataset order)")
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor) or hasattr(v, "item") and not isinstance(v, (str, bytes)):
-            size = v.numel() if isinstance(v, torch.Tensor) else getattr(v, "size", 1)
-            if size != 1:
-                raise ValueError("make_private: a user id must be one value per row, got a multi-element tensor")
-            v = v.item()
-        out.append(v)
-    return out, column
+    def _world_randomness(self, world) -> Randomness:
+        """The engine's secret key; under torch.distributed rank 0's, broadcast (reproducible:
+        derived from the seed), checked to be the same on every rank."""
+        if world.distributed and not self._shared:
+            if self._calls:
+                raise ddp.DistributedError("make_private: this PrivacyEngine already made a private loop in "
+                                           "one process; make a new PrivacyEngine under torch.distributed")
+            self._rng = ddp.shared_randomness(world, self._seed)
+            self._shared = True
+        ddp.check_same_randomness(world, self._rng)
+        return self._rng

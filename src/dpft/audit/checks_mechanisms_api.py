@@ -60,7 +60,7 @@ class planted_bug:
         self._cm = planting(self.name, PLANTED)
         p = self._cm.__enter__()
         if self.name == "api_banded_every_partition":
-            from dpft.api import engine as api_engine
+            from dpft.step import mechanisms
             from dpft.step.correlated import CyclicPoissonSampler
 
             class EveryPartition(CyclicPoissonSampler):
@@ -68,7 +68,7 @@ class planted_bug:
                     draw = self.rng.stream("sample", int(step)).bernoulli((self.n,), self.partition_rate)
                     return torch.nonzero(draw).flatten()
 
-            p.set(api_engine, "CyclicPoissonSampler", EveryPartition)
+            p.set(mechanisms, "CyclicPoissonSampler", EveryPartition)  # the family's batch selection
         elif self.name == "api_noise_state_in_optimizer":
             from dpft.api.optimizer import DPOptimizer
 
@@ -77,9 +77,9 @@ class planted_bug:
 
             p.set(DPOptimizer, "state_dict", state_dict)
         elif self.name == "trainer_truncation_not_recorded":
-            from dpft.integrations.hf import DPTrainer
+            from dpft.step.mechanisms import TruncatedPoisson
 
-            p.set(DPTrainer, "_install_mechanism", lambda self, spec: spec)
+            p.set(TruncatedPoisson, "install", lambda self, spec, **kw: spec)
         return self
 
     def __exit__(self, *exc):

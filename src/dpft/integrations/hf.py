@@ -99,11 +99,11 @@ import json
 import math
 import os
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional
+from dataclasses import asdict
+from typing import Any, Mapping, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
@@ -116,14 +116,17 @@ from dpft.grads.base import PerExampleEngine, PerExampleLoss
 from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
-from dpft.step.build import build_step_spec, make_engine, resolve_sigma
+from dpft.step.build import make_engine
 from dpft.step.postprocess import Transform
 from dpft.grads.groups import GROUP_KEY, PerExampleOverK
 from dpft.step.sample import PoissonSampler, UserPoissonSampler, user_index
 from dpft.run.errors import TrainingError
-from dpft.step.correlated import CyclicPoissonSampler, load_noise_state, resume_noise_state
-from dpft.step.mechanisms import make_banded_mechanism, sampler_phase_event
-from dpft.step.truncated import TruncatedPoissonSampler
+from dpft.step.correlated import load_noise_state, resume_noise_state
+from dpft.step.plan import build_privacy_plan, planned_steps
+from dpft.integrations.hf_args import DPArguments
+from dpft.integrations.hf_checks import check_trainer, check_training_arguments
+from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm
+from dpft.models.load import is_head_param
 
 __all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
 
@@ -136,210 +139,6 @@ DP_STATE_NAME = "dp_state.json"
 _TOKEN = "dpft_logical_step"
 #: ``Trainer`` log keys that are private statistics (un-noised loss) or noise-dominated noise.
 _LOSS_KEYS = ("loss", "train_loss")
-_CLIP_STYLES = ("flat", "per_layer", "automatic", "auto", "auto_s", "head_body")
-
-
-@dataclass(kw_only=True)
-class DPArguments:
-    """Privacy settings of a :class:`DPTrainer` (keyword-only; usable with ``HfArgumentParser``).
-
-    Attributes:
-        target_delta: δ of the guarantee; must be below 1/N.
-        expected_batch_size: expected logical batch size qN (Poisson sampling with
-            ``q = expected_batch_size / len(train_dataset)``).
-        target_epsilon: ε to calibrate σ for (over all steps of ``train()``); give this or
-            ``noise_multiplier``.
-        noise_multiplier: σ, fixed (ε is then whatever the ledger says).
-        max_grad_norm: the per-example clip norm C (L2 sensitivity of the clipped sum).
-        clipping: ``flat`` | ``per_layer`` | ``automatic`` (AUTO-S) | ``head_body``.
-        clipping_gamma: AUTO-S stability constant.
-        head_fraction: share of C² given to the task head with ``head_body``.
-        head_learning_rate: learning rate of the task head (parameters named ``classifier``/
-            ``score``/``pooler``/``lm_head``) in the optimizer ``Trainer`` creates; None: the
-            head uses ``TrainingArguments.learning_rate`` like the rest. A fresh head under DP
-            needs far larger steps than pretrained weights (the CLI's ``optimizer.head_lr``).
-            With your own ``optimizers=(opt, sched)``, use its param groups instead.
-        max_physical_batch_size: rows per forward/backward (memory only, never privacy);
-            default ``TrainingArguments.per_device_train_batch_size``.
-        reproducible_seed: None (default) = secret randomness from the OS CSPRNG. An int makes
-            batches and noise reproducible; ε then holds only while that seed stays secret.
-        hardened_noise: draw each noise coordinate as the sum of four normals / 2.
-        engine: ``bookkeeping`` (fast path) or ``reference`` (``torch.func``, exact, slower).
-        log_private_train_loss: also log the un-noised training loss (a private statistic,
-            not covered by ε; off by default).
-        user_column: None (default) = one row is one privacy unit. The name of a column of
-            ``train_dataset`` holding a user id per row = **user-level** DP (add/remove one
-            user): users are Poisson-sampled with ``q = expected_batch_size / U`` (U distinct
-            ids; ``expected_batch_size`` then counts users), a sampled user brings a fresh
-            random subset of at most ``max_rows_per_user`` of its rows, and the user's summed
-            gradient is clipped to ``max_grad_norm`` (:class:`~dpft.step.sample.UserPoissonSampler`,
-            grads/groups.py; Chua et al. 2024 "Mind the Privacy Unit!", Alg. 1). δ < 1/U, the
-            ledger's q, ε and epochs count users. The column is dropped before collation.
-        max_rows_per_user: k, the most rows of a sampled user per step (user level only).
-        user_clipping: ``group`` (exact: the user's summed gradient clipped to C) or
-            ``per_example_over_k`` (each row clipped to C/k: ≤ k · C/k = C; cheaper, harsher).
-        max_batch_size: truncated Poisson (docs/mechanisms.md, step/truncated.py): at most this
-            many rows per logical batch (a uniformly random subset when more are drawn); the
-            ledger records ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)`` and σ is
-            calibrated on it. Example level only; physical batches stay the collator's.
-        mechanism: ``gaussian`` (default, DP-SGD) or ``banded_mf`` (banded matrix factorization,
-            Choquette-Choo et al. 2023; step/correlated.py): secret partitions, step t samples
-            partition t mod b at p = b·B/N, step t's noise is row t of C⁻¹Z, the ledger records
-            PoissonSampled(p, Gaussian(σ)) at t ≡ 0 (mod b) and NoOp otherwise. Its secret noise
-            buffers ((b − 1) × trainable parameters, fp32) are written at every checkpoint to
-            ``output_dir/noise_state.secret.pt`` (mode 0600, outside ``checkpoint-*``: never
-            publish it); ``resume_from_checkpoint`` restores them and refuses without them.
-            Example level only, not with ``max_batch_size``.
-        bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
-
-    Raises:
-        ValueError: an out-of-range value, or neither/both of ``target_epsilon`` and
-            ``noise_multiplier``.
-    """
-
-    target_delta: float
-    expected_batch_size: int
-    target_epsilon: Optional[float] = None
-    noise_multiplier: Optional[float] = None
-    max_grad_norm: float = 1.0
-    clipping: str = "flat"
-    clipping_gamma: float = 0.01
-    head_fraction: float = 0.5
-    head_learning_rate: Optional[float] = None
-    max_physical_batch_size: Optional[int] = None
-    reproducible_seed: Optional[int] = None
-    hardened_noise: bool = True
-    engine: str = "bookkeeping"
-    log_private_train_loss: bool = False
-    user_column: Optional[str] = None
-    max_rows_per_user: int = 4
-    user_clipping: str = "group"
-    max_batch_size: Optional[int] = None
-    mechanism: str = "gaussian"
-    bands: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError("DPArguments: set exactly one of target_epsilon (σ is calibrated for it) "
-                             "and noise_multiplier (σ fixed)")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ValueError(f"DPArguments.target_epsilon must be > 0, got {self.target_epsilon}")
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
-            raise ValueError(f"DPArguments.noise_multiplier must be ≥ 0, got {self.noise_multiplier}")
-        if not 0 < self.target_delta < 1:
-            raise ValueError(f"DPArguments.target_delta must be in (0, 1), got {self.target_delta}")
-        if int(self.expected_batch_size) != self.expected_batch_size or self.expected_batch_size < 1:
-            raise ValueError(f"DPArguments.expected_batch_size must be a positive integer, got {self.expected_batch_size}")
-        if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
-            raise ValueError(f"DPArguments.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
-        if self.clipping not in _CLIP_STYLES:
-            raise ValueError(f"DPArguments.clipping must be one of flat, per_layer, automatic, head_body; "
-                             f"got {self.clipping!r}")
-        if self.head_learning_rate is not None and not self.head_learning_rate > 0:
-            raise ValueError(f"DPArguments.head_learning_rate must be > 0, got {self.head_learning_rate}")
-        if self.engine not in ("bookkeeping", "reference"):
-            raise ValueError(f"DPArguments.engine must be 'bookkeeping' or 'reference', got {self.engine!r}")
-        make_clip_policy(self.clipping, self.max_grad_norm, self.clipping_gamma, self.head_fraction)  # checks C
-        if self.user_column is not None and (not isinstance(self.user_column, str) or not self.user_column):
-            raise ValueError(f"DPArguments.user_column must be a column name, got {self.user_column!r}")
-        if int(self.max_rows_per_user) != self.max_rows_per_user or self.max_rows_per_user < 1:
-            raise ValueError(f"DPArguments.max_rows_per_user must be a positive integer, got {self.max_rows_per_user}")
-        if self.user_clipping not in ("group", "per_example_over_k"):
-            raise ValueError(f"DPArguments.user_clipping must be 'group' or 'per_example_over_k', "
-                             f"got {self.user_clipping!r}")
-        if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool)
-                                                or int(self.max_batch_size) != self.max_batch_size
-                                                or self.max_batch_size < 1):
-            raise ValueError(f"DPArguments.max_batch_size must be a positive integer, got {self.max_batch_size}")
-        if self.mechanism not in ("gaussian", "banded_mf"):
-            raise ValueError(f"DPArguments.mechanism must be 'gaussian' or 'banded_mf', got {self.mechanism!r}")
-        if self.mechanism == "banded_mf":
-            if self.bands is None:
-                self.bands = 4
-            if isinstance(self.bands, bool) or int(self.bands) != self.bands or self.bands < 1:
-                raise ValueError(f"DPArguments.bands must be an integer ≥ 1, got {self.bands!r}")
-            if self.max_batch_size is not None:
-                raise ValueError("DPArguments: banded_mf with truncated Poisson (max_batch_size) has no dp-accounting "
-                                 "event; drop max_batch_size or use mechanism='gaussian'")
-        elif self.bands is not None:
-            raise ValueError("DPArguments.bands is the b of mechanism='banded_mf'; set mechanism='banded_mf' or "
-                             "drop bands")
-        if self.user_column is not None and (self.mechanism == "banded_mf" or self.max_batch_size is not None):
-            raise ValueError("DPArguments: user-level privacy (user_column) with banded_mf or max_batch_size has no "
-                             "certified accounting here; drop user_column, or use mechanism='gaussian' without "
-                             "max_batch_size")
-
-
-# --------------------------------------------------------------------------- per-example loss
-
-
-def _is_causal_lm(model: torch.nn.Module) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names: set[str] = set()
-    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([v] if isinstance(v, str) else list(v))
-    return type(base).__name__ in names
-
-
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, Mapping):
-        return out["logits"]
-    return out[0]
-
-
-def hf_per_example_loss(causal: bool, label_keys: tuple[str, ...] = ("labels",)) -> PerExampleLoss:
-    """The per-example loss ``loss_fn(forward, batch) -> (B,)`` (nats) for a Hugging Face batch.
-
-    The model gets every key of the batch except the label keys. Then:
-
-    * ``causal``: next-token cross-entropy, **summed** over each example's predicted tokens
-      (``labels`` shifted by one, ``-100`` ignored; without ``labels``, ``input_ids`` where
-      ``attention_mask`` is 1), as dpft's CLI does for causal LMs;
-    * integer labels ``(B,)`` with logits ``(B, C)``: cross-entropy (sequence classification);
-      labels ``(B, T)`` with logits ``(B, T, C)``: token cross-entropy summed per example,
-      ``-100`` ignored (token classification);
-    * float labels: squared error (logits ``(B, 1)``, regression) or binary cross-entropy
-      summed over labels (multi-label), as ``transformers`` picks them.
-
-    Raises (when called): ValueError if a supervised batch holds no labels.
-    """
-    keys = tuple(dict.fromkeys(("labels", "label", "label_ids", *label_keys)))
-
-    def loss_fn(forward: Callable[..., Any], batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        inputs = {k: v for k, v in batch.items() if k not in keys}
-        labels = next((batch[k] for k in keys if k in batch), None)
-        logits = _logits(forward(**inputs))
-        if causal:
-            if labels is None:
-                labels = batch["input_ids"]
-                if "attention_mask" in batch:
-                    labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
-            shift = logits[:, :-1].float()
-            tok = torch.nn.functional.cross_entropy(shift.transpose(1, 2), labels[:, 1:],
-                                                    ignore_index=-100, reduction="none")
-            return tok.sum(dim=1)
-        if labels is None:
-            raise ValueError("DPTrainer: the training batch holds no `labels`; have the data collator add them, "
-                             "or pass DPTrainer(loss_fn=...) with a per-example loss")
-        logits = logits.float()
-        if labels.is_floating_point():
-            b = labels.shape[0]
-            if logits.shape[-1] == 1:  # regression (num_labels == 1)
-                return ((logits.reshape(b, -1) - labels.reshape(b, -1).float()) ** 2).sum(dim=1)
-            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none")
-            return bce.reshape(bce.shape[0], -1).sum(dim=1)
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                               ignore_index=-100, reduction="none")
-        return ce.reshape(labels.shape[0], -1).sum(dim=1)
-
-    return loss_fn
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -421,7 +220,7 @@ class DPTrainer(Trainer):
                             "max_grad_norm=..., expected_batch_size=...)")
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
-        self._check_training_arguments(args)
+        check_training_arguments(args)
         ddp.refuse_sharded_model(model, type(self).__name__)  # before Trainer (and TRL) prepare anything
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
@@ -433,7 +232,7 @@ class DPTrainer(Trainer):
         args.average_tokens_across_devices = False
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.dp_args = dp_args
-        self._check_trainer(loss_fn)
+        check_trainer(self, loss_fn, DPTrainer)
         #: This process's place in the world (``torchrun`` / ``accelerate launch``; one process
         #: alone): the process group accelerate created, joined through dpft.distributed.
         self.world = ddp.init_from_env()
@@ -445,6 +244,7 @@ class DPTrainer(Trainer):
         eb = int(dp_args.expected_batch_size)
         #: Row-level (None) or user-level: the privacy unit's sampler over the rows.
         self.user_level = dp_args.user_column is not None
+        users = None
         if self.user_level:
             users = self._user_ids(ds, dp_args.user_column)
             self.n = int(users.max()) + 1  # U: the privacy units (ledger q, δ, epochs count users)
@@ -457,12 +257,9 @@ class DPTrainer(Trainer):
                 _refuse(f"dp_args.expected_batch_size = {eb} exceeds len(train_dataset) = {self.n}; "
                         "lower expected_batch_size")
         check_delta(dp_args.target_delta, self.n)
-        self.q = eb / self.n
         self.steps_per_epoch = max(1, math.ceil(self.n / eb))
-        if self.args.max_steps is not None and self.args.max_steps > 0:
-            self.total_steps = int(self.args.max_steps)
-        else:
-            self.total_steps = max(1, math.ceil(self.args.num_train_epochs * self.n / eb))
+        max_steps = self.args.max_steps if self.args.max_steps is not None and self.args.max_steps > 0 else None
+        self.total_steps = planned_steps(self.n, eb, max_steps, self.args.num_train_epochs)
         self.args.max_steps = self.total_steps
         self.physical_batch_size = int(dp_args.max_physical_batch_size or self.args.per_device_train_batch_size)
         # DDP: every rank must run the same privacy settings over the same rows and parameters
@@ -480,37 +277,29 @@ class DPTrainer(Trainer):
         self._loops = 0
         ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
         self.ledger = ledger if ledger is not None else PrivacyLedger()
-        #: banded_mf: cyclic Poisson over secret partitions; max_batch_size: truncated Poisson
-        #: (docs/mechanisms.md; the CLI's samplers). None: plain or user-level Poisson (below).
-        mech_sampler = self._mechanism_sampler(eb)
-        # The same builder as `dpft train`'s plan and make_private (step/build.py); DDP: rank 0
-        # calibrates and every rank gets its σ — on the events this run records (the CLI's helper).
-        self.sigma = resolve_sigma(noise_multiplier=dp_args.noise_multiplier, target_epsilon=dp_args.target_epsilon,
-                                   delta=dp_args.target_delta, q=self.q, steps=self.total_steps, n=self.n,
-                                   prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(self.world, f),
-                                   phase_event=None if mech_sampler is None else
-                                   sampler_phase_event(mech_sampler, self.n, self.q, self.total_steps))
-
         causal = _is_causal_lm(self.model)
         self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(causal, tuple(self.label_names or ()))
-        self.clip = self._make_clip()
-        self.engine = self._make_engine()
+
+        def parts(sampler):
+            self.clip = self._make_clip()
+            return self.clip, self._make_engine()
+
+        # The one plan builder of every way in (step/plan.py); DDP: rank 0 calibrates σ on the
+        # events this run records and every rank gets it.
+        self.plan = build_privacy_plan(
+            n=self.n, expected_batch_size=eb, steps=self.total_steps, mechanism=dp_args.mechanism_part(),
+            rng=self._run_rng, parts=parts, optimizer=_TrainerStepsOptimizer(),
+            noise_multiplier=dp_args.noise_multiplier, target_epsilon=dp_args.target_epsilon,
+            delta=dp_args.target_delta, prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(self.world, f),
+            sampler=(UserPoissonSampler(users, eb, int(dp_args.max_rows_per_user), self._run_rng)
+                     if self.user_level else None),
+            hardened=dp_args.hardened_noise, transforms=list(transforms or []),
+            head_mask=lambda names: [is_head_param(n) for n in names], rows=ds, phase="train")
+        self.sigma, self.q, self.sampler = self.plan.sigma, self.plan.q, self.plan.sampler
+        self.engine, spec = self.plan.engine, self.plan.spec
         if self.user_level and dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups", False):
             _refuse(f"user_clipping='group' needs an engine that clips a user's rows as one ({type(self.engine).__name__} "
                     "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
-        from dpft.models.load import is_head_param
-
-        if mech_sampler is not None:
-            self.sampler = mech_sampler
-        elif self.user_level:
-            self.sampler = UserPoissonSampler(users, eb, int(dp_args.max_rows_per_user), self._run_rng)
-        else:
-            self.sampler = PoissonSampler(self.n, eb, self._run_rng)
-        spec = build_step_spec(engine=self.engine, clip=self.clip, sigma=self.sigma, rng=self._run_rng,
-                               sampler=self.sampler, optimizer=_TrainerStepsOptimizer(),
-                               head_mask=lambda names: [is_head_param(n) for n in names],
-                               hardened=dp_args.hardened_noise, transforms=list(transforms or []), phase="train")
-        spec = self._install_mechanism(spec)
         self.mechanism = spec.mechanism
         self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self._save_live_ledger,
                               world_group=self.world.group)
@@ -520,39 +309,6 @@ class DPTrainer(Trainer):
             self._warn_frozen_in_optimizer(self.optimizer)
         #: Un-noised statistics of the last logical step (never logged; for the data holder).
         self.last_private_stats: dict[str, Any] = {}
-
-    def _mechanism_sampler(self, eb: int):
-        """The sampler of ``banded_mf`` (:class:`~dpft.step.correlated.CyclicPoissonSampler`) or of
-        ``max_batch_size`` (:class:`~dpft.step.truncated.TruncatedPoissonSampler`); None otherwise.
-        Its secret partition (banded) is drawn once, from the first loop's randomness."""
-        dp = self.dp_args
-        if dp.mechanism == "banded_mf":
-            try:
-                return CyclicPoissonSampler(self.n, eb, self._run_rng, int(dp.bands))
-            except ValueError:
-                _refuse(f"banded_mf with bands = {dp.bands} samples each of {dp.bands} partitions of N = {self.n} "
-                        f"rows at rate p = b·B/N = {dp.bands * eb / self.n:.3g} > 1; lower bands or expected_batch_size")
-        if dp.max_batch_size is not None:
-            return TruncatedPoissonSampler(self.n, eb, self._run_rng, int(dp.max_batch_size))
-        return None
-
-    def _install_mechanism(self, spec):
-        """The step spec with ``max_batch_size`` recorded by the Gaussian mechanism (its ledger event
-        becomes ``TruncatedSubsampledGaussianDpEvent``) or with the banded-MF mechanism (the CLI's
-        builder, step/mechanisms.py). No padding here: the rows are the collator's."""
-        dp = self.dp_args
-        if spec.mechanism is None:
-            return spec
-        if dp.max_batch_size is not None:
-            spec.mechanism.truncation = (self.n, int(dp.max_batch_size))
-        if dp.mechanism == "banded_mf":
-            try:
-                mech = make_banded_mechanism(self.engine.params, self.sigma, spec.mechanism.sensitivity, self._run_rng,
-                                             self.sampler, self.total_steps, hardened=dp.hardened_noise)
-            except ValueError as exc:
-                _refuse(str(exc))
-            spec = spec.replace(mechanism=mech)
-        return spec
 
     def _make_clip(self):
         """The clip policy; at user level with ``per_example_over_k`` each row is clipped to C/k
@@ -600,93 +356,6 @@ class DPTrainer(Trainer):
         dp.pop("log_private_train_loss", None)
         return {"dp_args": dp, "rows": len(self.train_dataset), "units": self.n, "total_steps": self.total_steps,
                 "trainable": [[n, list(p.shape)] for n, p in self.model.named_parameters() if p.requires_grad]}
-
-    # ------------------------------------------------------------------ checks
-    @staticmethod
-    def _check_training_arguments(args: TrainingArguments) -> None:
-        ga = getattr(args, "gradient_accumulation_steps", 1)
-        if ga != 1:
-            _refuse(f"gradient_accumulation_steps = {ga}: the logical batch is drawn by Poisson sampling and "
-                    "processed in physical batches by DPTrainer itself. Set gradient_accumulation_steps=1 and "
-                    "choose DPArguments.expected_batch_size (the logical batch) and "
-                    "DPArguments.max_physical_batch_size (memory) instead")
-        mgn = getattr(args, "max_grad_norm", 0.0)
-        if mgn not in (None, 0, 0.0, 1.0):
-            _refuse(f"TrainingArguments.max_grad_norm = {mgn} clips the already-noised average gradient, not "
-                    "each example's. Set the per-example clip norm with DPArguments.max_grad_norm and leave "
-                    "TrainingArguments.max_grad_norm at its default (DPTrainer switches it off)")
-        strategy = getattr(args, "train_sampling_strategy", "random")
-        if strategy not in (None, "random") or getattr(args, "group_by_length", False):
-            _refuse(f"train_sampling_strategy = {strategy!r}: DPTrainer draws every logical batch by Poisson "
-                    "sampling (each example independently with q = expected_batch_size / N), which its ε "
-                    "assumes; remove train_sampling_strategy / group_by_length")
-        tokens = getattr(args, "include_num_input_tokens_seen", "no")
-        if tokens not in (None, False, "no"):
-            _refuse("include_num_input_tokens_seen counts the tokens of the private sampled batches (not "
-                    "covered by ε); leave it off")
-        if getattr(args, "fp16", False):
-            # accelerate's fp16 path wraps the optimizer in a *dynamic* GradScaler: its step()
-            # divides p.grad (here the already-unscaled noisy gradient) by the scale and skips
-            # steps after overflows, and the scale it keeps is a function of which private
-            # examples overflowed (dpft/perf.py). bf16 needs no scaler.
-            _refuse("fp16=True: Trainer's fp16 uses a dynamic GradScaler, whose optimizer step would divide the "
-                    "noisy gradient by its scale and skip steps on overflow, and whose scale follows the private "
-                    "examples' overflow history (not covered by ε). Use bf16=True, or the dpft CLI with "
-                    "perf.dtype: fp16 and a static perf.loss_scale")
-        if getattr(args, "auto_find_batch_size", False):
-            _refuse("auto_find_batch_size restarts training after an out-of-memory error, releasing noisy "
-                    "gradients again; set DPArguments.max_physical_batch_size instead")
-        if getattr(args, "label_smoothing_factor", 0.0):
-            _refuse("label_smoothing_factor applies to Trainer's batch loss, which DPTrainer does not use; "
-                    "pass DPTrainer(loss_fn=...) with a per-example smoothed loss")
-        if "lomo" in str(getattr(args, "optim", "")).lower():
-            _refuse("LOMO optimizers fuse the update into the backward pass; choose another optim")
-        if getattr(args, "fsdp", None):
-            _refuse(f"TrainingArguments.fsdp = {args.fsdp!r}: accelerate's FSDP shards the model and reduce-scatters "
-                    f"the unclipped gradient in its hooks; DPTrainer clips per example on whole parameters. "
-                    f"Remove fsdp; {ddp.SHARDED_FIX}")
-        if str(os.environ.get("ACCELERATE_USE_FSDP", "")).lower() in ("1", "true", "yes"):
-            _refuse("accelerate's FSDP plugin is on (ACCELERATE_USE_FSDP=true: accelerate launch --use_fsdp or an "
-                    "accelerate config with distributed_type: FSDP); it shards the model and reduce-scatters the "
-                    f"unclipped gradient. Launch without FSDP; {ddp.SHARDED_FIX}")
-        if getattr(args, "deepspeed", None) or str(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")).lower() in (
-                "1", "true", "yes"):
-            _refuse("DeepSpeed is not supported (ZeRO partitions and reduces the unclipped gradient); train on one "
-                    "device per process (DDP: torchrun or accelerate launch), or use `dpft train` with "
-                    "perf.sharding: fsdp for a model beyond one device")
-        if getattr(args, "world_size", 1) > 1:
-            from transformers.training_args import ParallelMode
-
-            if args.parallel_mode != ParallelMode.DISTRIBUTED:
-                _refuse(f"world_size = {args.world_size} in parallel mode {args.parallel_mode}: DPTrainer runs "
-                        "several processes only under torch.distributed data parallelism; launch with torchrun "
-                        "--nproc_per_node=K or accelerate launch --multi_gpu --num_processes K")
-        if getattr(args, "n_gpu", 1) > 1:
-            _refuse(f"{args.n_gpu} GPUs visible (torch.nn.DataParallel); expose one device, e.g. "
-                    "CUDA_VISIBLE_DEVICES=0")
-
-    def _check_trainer(self, loss_fn) -> None:
-        for meth in ("get_train_dataloader", "_get_train_sampler"):
-            if getattr(type(self), meth) is not getattr(DPTrainer, meth):
-                _refuse(f"{type(self).__name__}.{meth} is overridden: a custom (shuffled, fixed-size) train "
-                        "sampler or dataloader breaks the Poisson sampling DPTrainer's ε assumes; remove the "
-                        "override (DPTrainer samples every logical batch itself)")
-        if self.model_init is not None:
-            _refuse("model_init re-creates the model in train(); pass model= instead")
-        if self.compute_loss_func is not None and loss_fn is None:
-            _refuse("compute_loss_func returns a batch loss; DPTrainer needs one loss per example: pass "
-                    "loss_fn=lambda forward, batch: ... returning a (B,) tensor")
-        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
-            _refuse("DeepSpeed and FSDP are not supported (accelerate's plugin shards the model and reduces the "
-                    f"unclipped gradient); train on one device per process, or {ddp.SHARDED_FIX}")
-        ds = self.train_dataset
-        if ds is None:
-            _refuse("train_dataset is required")
-        if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__"):
-            _refuse("train_dataset must support len() and indexing (Poisson sampling picks rows by index); "
-                    "convert an IterableDataset to a map-style dataset")
-        if len(ds) == 0:
-            _refuse("train_dataset is empty")
 
     def _make_engine(self) -> PerExampleEngine:
         from dpft.perf import Precision

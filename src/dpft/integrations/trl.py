@@ -74,7 +74,8 @@ from trl import SFTConfig, SFTTrainer
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.api import PackedBatchError
 from dpft.grads.base import PerExampleLoss
-from dpft.integrations.hf import DPArguments, DPTrainer, _logits
+from dpft.integrations.hf import DPArguments, DPTrainer
+from dpft.integrations.hf_loss import logits_of as _logits
 from dpft.step.postprocess import Transform
 
 __all__ = ["DPSFTTrainer", "sft_per_example_loss", "check_sft_config", "DPDPOTrainer", "dpo_per_pair_loss",

@@ -546,10 +546,9 @@ def _last_eval(d: Path, state_file: Optional[Path]) -> dict[str, Any]:
 def mechanism_section(trainer) -> dict:
     """``{"mechanism": …}`` for truncated Poisson or banded_mf runs (public parameters; the
     truncation probability from N, q and the bound), else {}."""
-    from dpft.step.mechanisms import mechanism_info
-
-    unit = getattr(getattr(trainer, "plan", None), "unit", None)
-    info = mechanism_info(trainer.recipe, unit, trainer.total_steps) if unit is not None and trainer.private else {}
+    privacy = getattr(getattr(trainer, "plan", None), "privacy", None)
+    info = privacy.mechanism.info(privacy.sampler, trainer.total_steps) if privacy is not None and trainer.private \
+        else {}
     return {"mechanism": info} if info else {}
 
 

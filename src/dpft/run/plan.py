@@ -42,9 +42,10 @@ from dpft.perf import Placement, build_placement, place_model
 from dpft.privacy.randomness import Randomness
 from dpft import distributed as ddp
 from dpft.run.checkpoint import continue_ledger
-from dpft.run.errors import TrainingError
-from dpft.step.build import build_clip, build_step_spec, make_engine, resolve_sigma
-from dpft.step.mechanisms import check_mechanisms, install_mechanism, phase_event_of
+from dpft.errors import PlanError, TrainingError
+from dpft.step.build import build_clip, make_engine
+from dpft.step.mechanisms import Mechanism, mechanism_of_recipe
+from dpft.step.plan import PrivacyPlan, build_privacy_plan
 from dpft.step.unit import PrivacyUnit, build_unit, check_user_level
 
 __all__ = ["RunPlan", "build_plan", "evaluate_with_methods"]
@@ -99,6 +100,13 @@ class RunPlan:
     evaluator: DevEvaluator
     #: ``perf.sharding: fsdp``: parameters are FSDP2 shards and the step is ``dpft.fsdp.FSDPStep``.
     sharded: bool = False
+    #: The privacy plan of the training phase (step/plan.py: the builder every way in shares).
+    privacy: Optional[PrivacyPlan] = None
+
+    @property
+    def mechanism(self) -> Mechanism:
+        """The mechanism family object (sampler, event, install, report info)."""
+        return self.privacy.mechanism
 
 
 def evaluate_with_methods(methods: list, ctx: Run, base: Callable[[], dict]) -> dict:
@@ -146,13 +154,13 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                                 [m.name for m in methods if not getattr(m, "supports_device", False)])
     if r.task.user_column and private:  # refusals that need no data, before any loading
         check_user_level(r, [m.name for m in methods])
-    check_mechanisms(r, [m.name for m in methods])  # truncated Poisson, banded_mf
+    mechanism = _recipe_mechanism(r, private, [m.name for m in methods])  # refusals before any loading
 
     task = load_rows(r, private)
     tokenizer, model = build_model(r, num_labels(task))
     model = place_model(model, r.perf, placement.device)
     data = build_train_data(r, task, tokenizer, hide_counts=private or bool(methods), progress=progress)
-    unit = build_unit(r, data.train_tok, data.task.notes, rng, private)
+    unit = build_unit(r, data.train_tok, data.task.notes, rng, private, mechanism)
     s = r.schedule
     total_steps = s.steps or max(1, math.ceil(s.epochs * unit.n / r.batch.expected_batch_size))
 
@@ -175,30 +183,32 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
         ctx.model = shard_model(ctx.model, world, r.perf.dtype)
     total_steps = ctx.total_steps
 
-    if private:
-        p = r.privacy
-        # DDP: rank 0 calibrates and every rank gets its σ (one value for the world).
-        sigma = resolve_sigma(noise_multiplier=p.noise_multiplier, target_epsilon=p.target_epsilon, delta=p.delta,
-                              q=unit.q, steps=total_steps, n=unit.n, prior=ledger.events(),
-                              calibrate=lambda f: ddp.on_rank0(world, f),
-                              phase_event=phase_event_of(r, unit, total_steps))
-        clip = build_clip(p, r.task.user_clipping if unit.user_level else None, r.task.max_rows_per_user)
-        engine = make_engine(p.engine, ctx.model, ctx.loss_fn, clip)
-    else:
-        from dpft.grads.base import NonPrivateEngine
-        from dpft.step.clip import make_clip_policy
+    p = r.privacy
 
-        sigma = 0.0
-        engine = NonPrivateEngine(ctx.model, ctx.loss_fn, make_clip_policy("flat", 1.0))
-        clip = engine.clip
+    def parts(sampler):
+        if not private:
+            from dpft.grads.base import NonPrivateEngine
+            from dpft.step.clip import make_clip_policy
+
+            engine = NonPrivateEngine(ctx.model, ctx.loss_fn, make_clip_policy("flat", 1.0))
+            return engine.clip, engine
+        clip = build_clip(p, r.task.user_clipping if unit.user_level else None, r.task.max_rows_per_user)
+        return clip, make_engine(p.engine, ctx.model, ctx.loss_fn, clip)
+
+    # DDP: rank 0 calibrates and every rank gets its σ (one value for the world).
+    privacy = build_privacy_plan(
+        n=unit.n, expected_batch_size=r.batch.expected_batch_size, steps=total_steps, mechanism=mechanism,
+        rng=rng, parts=parts, optimizer=None, noise_multiplier=p.noise_multiplier,
+        target_epsilon=p.target_epsilon, delta=p.delta, prior=ledger.events(),
+        calibrate=lambda f: ddp.on_rank0(world, f), sampler=unit.sampler, private=private,
+        hardened=p.hardened_noise, transforms=list(transforms or []),
+        head_mask=lambda names: [is_head_param(n) for n in names],
+        hooks=[lambda spec, m=m: m.build(spec, ctx) for m in methods],  # each returns a changed copy
+        rows=ctx.train_tok, padded=True, phase=phase, optimizer_factory=lambda params: build_optimizer(
+            r.optimizer, params))
+    sigma = privacy.sigma if private else 0.0
     ctx.sigma = sigma
-    spec = build_step_spec(engine=engine, clip=clip, sigma=sigma if private else None, rng=rng,
-                           sampler=unit.sampler, optimizer=build_optimizer(r.optimizer, engine.params),
-                           head_mask=lambda names: [is_head_param(n) for n in names],
-                           hardened=r.privacy.hardened_noise, transforms=list(transforms or []), phase=phase)
-    for m in methods:  # each returns a changed copy of the step's parts
-        spec = m.build(spec, ctx)
-    spec = install_mechanism(spec, r, unit, rng, sigma, total_steps)  # truncation mask, banded_mf noise
+    spec = privacy.spec
     if placement.precision.mixed and not getattr(spec.engine, "supports_precision", False):
         raise TrainingError(f"perf.dtype {placement.precision.dtype}: the {type(spec.engine).__name__} of this "
                             "recipe does not apply autocast; use perf.dtype: fp32")
@@ -212,4 +222,21 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                    model=ctx.model, loss_fn=ctx.loss_fn, train_tok=ctx.train_tok, unit=unit, total_steps=total_steps,
                    sigma=sigma, methods=methods, ctx=ctx, spec=spec,
                    params=spec.params if spec.params is not None else spec.engine.params, optimizer=spec.optimizer,
-                   scheduler=build_scheduler(spec.optimizer, s, total_steps), evaluator=evaluator, sharded=sharded)
+                   scheduler=build_scheduler(spec.optimizer, s, total_steps), evaluator=evaluator, sharded=sharded,
+                   privacy=privacy)
+
+
+def _recipe_mechanism(r, private: bool, method_names: list[str]) -> Mechanism:
+    """The recipe's mechanism, after its refusals (from the recipe alone, before any loading).
+
+    Raises:
+        TrainingError: naming the reason and the fix."""
+    try:
+        mechanism = mechanism_of_recipe(r)
+    except PlanError as exc:
+        raise PlanError(f"cannot certify this recipe: {exc}") from None
+    why = mechanism.refusals(user_level=bool(r.task.user_column) and private,
+                             methods=method_names if private else (), schedule=bool(r.batch.schedule))
+    if why:
+        raise PlanError("cannot certify this recipe: " + "; ".join(why))
+    return mechanism

@@ -50,12 +50,13 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import dp_accounting as dpa
 import numpy as np
 import torch
 
+from dpft.step.fingerprint import check_rows, rows_fingerprint
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler
 
@@ -230,6 +231,11 @@ class BandedMFMechanism(GaussianMechanism):
         #: buffers (a resume under a fresh secret key must keep it, or b-min-separation breaks
         #: across the resume); None: the buffers alone.
         self.sampler: Optional[CyclicPoissonSampler] = None
+        #: The training rows the sampler indexes (any map-style dataset): the state carries a
+        #: keyed fingerprint of their content (step/fingerprint.py), so a resume with other or
+        #: reordered rows is refused; None: no check (the audit's bare mechanisms).
+        self.rows: Any = None
+        self._rows_fp: Optional[dict] = None
 
     def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
         """``{name: sum + y_step}`` (see the class docstring); updates the buffers."""
@@ -273,15 +279,23 @@ class BandedMFMechanism(GaussianMechanism):
               "buffers": [{k: v.detach().cpu() for k, v in b.items()} for b in self.buffers]}
         if self.sampler is not None:
             st["partition"] = self.sampler.partition.detach().cpu().clone()
+        if self.rows is not None:
+            if self._rows_fp is None:  # the rows do not change during a run: hashed once
+                self._rows_fp = rows_fingerprint(self.rows)
+            st["rows"] = dict(self._rows_fp)
         return st
 
     def load_state(self, st: dict, device_of: Optional[dict[str, torch.Tensor]] = None) -> None:
         """Restore :meth:`state` (and the sampler's secret partition when a sampler is attached).
 
         Raises:
-            ValueError: other coefficients; a partition missing or of another N."""
+            ValueError: other coefficients; a partition missing or of another N; (with
+                :attr:`rows` set) other training rows, or the same rows reordered."""
         if [round(x, 12) for x in st["coeffs"]] != [round(x, 12) for x in self.coeffs]:
             raise ValueError("banded_mf: the saved noise state has other coefficients (another bands or steps)")
+        if self.rows is not None:
+            check_rows(st.get("rows"), self.rows, "banded_mf", "start a new run (the ledger keeps what was spent)")
+            self._rows_fp = dict(st["rows"])
         if self.sampler is not None:
             part = st.get("partition")
             if part is None or tuple(part.shape) != tuple(self.sampler.partition.shape):

@@ -81,19 +81,21 @@ def _user_sampler(recipe, train_tok, rng):
         raise DataError(f"user-level privacy (task.user_column {r.task.user_column!r}): {exc}") from None
 
 
-def build_unit(recipe, train_tok, task_notes: list, rng, private: bool) -> PrivacyUnit:
+def build_unit(recipe, train_tok, task_notes: list, rng, private: bool, mechanism=None) -> PrivacyUnit:
     """The run's privacy unit and sampler over its tokenised training rows.
 
-    A user column in a non-private run is ignored with a note (no privacy unit).
+    A user column in a non-private run is ignored with a note (no privacy unit). ``mechanism``
+    (step/mechanisms.py) draws example-level batches (default: plain Poisson).
 
     Raises:
         DataError: a user column the rows lack, or a row without a user id.
         TrainingError: ``batch.schedule`` without an explicit σ (no calibration for a variable q).
     """
-    from dpft.run.errors import TrainingError
-    from dpft.step.sample import PoissonSampler
+    from dpft.errors import TrainingError
+    from dpft.step.mechanisms import Mechanism
 
     r = recipe
+    mechanism = mechanism if mechanism is not None else Mechanism()
     n_rows = len(train_tok)
     if r.task.user_column and not private:
         task_notes.append(f"task.user_column {r.task.user_column!r} ignored: a non-private run has no privacy unit")
@@ -109,10 +111,8 @@ def build_unit(recipe, train_tok, task_notes: list, rng, private: bool) -> Priva
         if private and r.privacy.noise_multiplier is None:
             raise TrainingError("batch.schedule: set privacy.noise_multiplier (σ calibration for a "
                                 "variable q is not implemented; `dpft report` gives the certified ε)")
-    else:
-        from dpft.step.mechanisms import make_sampler  # truncated Poisson, cyclic Poisson (banded_mf)
-
-        sampler = make_sampler(r, n_rows, rng) or PoissonSampler(n_rows, r.batch.expected_batch_size, rng)
+    else:  # the mechanism's batch selection: plain, truncated or cyclic Poisson (step/mechanisms.py)
+        sampler = mechanism.sampler(n_rows, r.batch.expected_batch_size, rng)  # PlanError names the fix
     return PrivacyUnit(sampler, n_rows, sampler.q, False, {"unit": "example", "n_units": n_rows})
 
 

@@ -1,0 +1,230 @@
+"""The front end of ``make_private``: its arguments checked (each refusal names the fix) and the
+user's data loader adapted to Poisson sampling. The privacy plan itself is step/plan.py's, as in
+every way in."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from dpft import distributed as ddp
+from dpft.api.clipping import CLIPPING_STYLES
+from dpft.api.loader import DPDataLoader
+from dpft.api.optimizer import DPOptimizer
+from dpft.errors import PlanError
+from dpft.step.mechanisms import Mechanism, mechanism_of
+
+__all__ = ["check_arguments", "adapt_data", "check_optimizer", "user_values", "LOADER_KEYS"]
+
+LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+               "multiprocessing_context", "persistent_workers", "pin_memory_device")
+
+
+def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_generator, clipping, steps, epochs,
+                    target_epsilon, target_delta, noise_multiplier, max_physical_batch_size, max_rows_per_user,
+                    user_clipping, mechanism, bands, max_batch_size, user_ids) -> Mechanism:
+    """Refuse what ``make_private`` cannot certify or cannot tell apart, before any work.
+
+    Returns:
+        The mechanism asked for (step/mechanisms.py).
+
+    Raises:
+        ValueError: naming the argument and the fix (see ``make_private``).
+        dpft.distributed.DistributedError: a module wrapped in DistributedDataParallel.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"make_private: module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError("make_private: optimizer must be a plain torch.optim.Optimizer (not yet private)")
+    if module.__dict__.get("_dpft_private"):
+        raise ValueError("make_private: this module is already private (PrivacyEngine.detach() first)")
+    if not poisson_sampling:
+        raise ValueError("make_private: poisson_sampling=False is refused: the accountant assumes "
+                         "Poisson sampling (PoissonSampledDpEvent), and shuffled fixed-size batches "
+                         "would not be what is certified")
+    if not batch_first:
+        raise ValueError("make_private: batch_first=False is not supported; put the example "
+                         "dimension first")
+    if noise_generator is not None:
+        raise ValueError("make_private: noise_generator is refused; the noise comes from the "
+                         "engine's secret randomness (PrivacyEngine(reproducible_seed=...) for tests)")
+    if clipping not in CLIPPING_STYLES:
+        raise ValueError(f"make_private: clipping must be one of {CLIPPING_STYLES}, got {clipping!r}")
+    if steps is not None and epochs is not None:
+        raise ValueError("make_private: give epochs or steps, not both")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"make_private: steps must be a positive integer, got {steps!r}")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                               or not (epochs > 0 and math.isfinite(epochs))):
+        raise ValueError(f"make_private: epochs must be a positive number (1.5 allowed), got {epochs!r}")
+    if (target_epsilon is None) == (noise_multiplier is None):
+        raise ValueError("make_private: give exactly one of target_epsilon (with target_delta and "
+                         "epochs or steps) and noise_multiplier")
+    if target_epsilon is not None:
+        if target_delta is None:
+            raise ValueError("make_private: target_epsilon needs target_delta")
+        if steps is None and epochs is None:
+            raise ValueError("make_private: target_epsilon needs epochs or steps (σ is calibrated "
+                             "for that number of noisy steps)")
+    if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"make_private: noise_multiplier must be finite and ≥ 0, got {noise_multiplier}")
+    if max_physical_batch_size is not None and max_physical_batch_size < 1:
+        raise ValueError("make_private: max_physical_batch_size must be ≥ 1")
+    ddp.refuse_ddp_wrapper(module, "make_private")
+    if max_rows_per_user is not None and (isinstance(max_rows_per_user, bool) or int(max_rows_per_user) < 1):
+        raise ValueError(f"make_private: max_rows_per_user must be ≥ 1, got {max_rows_per_user!r}")
+    if user_clipping not in ("group", "per_example_over_k"):
+        raise ValueError(f"make_private: user_clipping must be 'group' or 'per_example_over_k', got "
+                         f"{user_clipping!r}")
+
+    try:
+        mech = mechanism_of(mechanism, bands, max_batch_size)
+    except PlanError as exc:
+        raise PlanError(f"make_private: {exc}") from None
+    why = mech.refusals(user_level=user_ids is not None)
+    if why:
+        raise PlanError("make_private: " + "; ".join(why))
+    if mech.stateful and steps is None and epochs is None:
+        raise ValueError(f"make_private: mechanism={mechanism!r} needs epochs or steps (its coefficients are "
+                         "optimised for that number of steps)")
+    bn = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if bn:
+        raise ValueError(f"make_private: BatchNorm mixes the examples of a batch, so per-example "
+                         f"gradients are not per example: {bn[:3]}; use LayerNorm or GroupNorm")
+    return mech
+
+
+def adapt_data(data_loader, dataset, expected_batch_size: Optional[int], num_workers: int, collate_fn):
+    """The examples to sample from and the loader settings to keep.
+
+    Returns:
+        ``(dataset, N rows, expected batch, loader kwargs)``.
+
+    Raises:
+        ValueError: both or neither of ``data_loader``/``dataset``; a private loader; a custom
+            sampler; an iterable dataset or one without ``len``; a batch size outside [1, N].
+    """
+    if (data_loader is None) == (dataset is None):
+        raise ValueError("make_private: give exactly one of data_loader and dataset")
+    loader_kwargs: dict[str, Any] = {}
+    if data_loader is not None:
+        if isinstance(data_loader, DPDataLoader):
+            raise ValueError("make_private: this data loader is already private")
+        dataset = data_loader.dataset
+        if not (type(data_loader.batch_sampler) is BatchSampler
+                and type(data_loader.sampler) in (SequentialSampler, RandomSampler)):
+            raise ValueError(
+                f"make_private: the data loader's sampler ({type(data_loader.sampler).__name__}, "
+                f"batch sampler {type(data_loader.batch_sampler).__name__}) cannot be replaced "
+                "by Poisson sampling over the whole dataset without changing who is sampled; "
+                "pass dataset=<the examples to train on> and expected_batch_size=...")
+        if expected_batch_size is None:
+            expected_batch_size = data_loader.batch_size
+        for k in LOADER_KEYS:
+            if hasattr(data_loader, k):
+                loader_kwargs[k] = getattr(data_loader, k)
+        if loader_kwargs.get("num_workers", 0) > 0:
+            loader_kwargs["prefetch_factor"] = data_loader.prefetch_factor
+        else:
+            loader_kwargs.pop("persistent_workers", None)
+    else:
+        loader_kwargs["num_workers"] = num_workers
+        if collate_fn is not None:
+            loader_kwargs["collate_fn"] = collate_fn
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("make_private: an IterableDataset cannot be Poisson-sampled (N and "
+                         "random access are needed); use a map-style dataset")
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError("make_private: the dataset has no len(); N is needed for q = batch / N") from None
+    if expected_batch_size is None:
+        raise ValueError("make_private: expected_batch_size is needed (the loader has no batch_size)")
+    expected_batch_size = int(expected_batch_size)
+    if not 1 <= expected_batch_size <= n:
+        raise ValueError(f"make_private: expected batch size {expected_batch_size} must be between 1 "
+                         f"and N = {n}")
+    return dataset, n, expected_batch_size, loader_kwargs
+
+
+def check_optimizer(module, optimizer) -> dict:
+    """The optimizer must hold only parameters of ``module``; frozen ones held are warned about.
+
+    Returns:
+        ``{id(parameter): name}`` of ``module``'s parameters.
+
+    Raises:
+        ValueError: a parameter that is not ``module``'s, or no trainable parameter.
+    """
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    all_params = {id(p) for p in module.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in all_params:
+                raise ValueError("make_private: the optimizer holds parameters that are not "
+                                 "parameters of module; their gradients would not be private")
+    if not trainable:
+        raise ValueError("make_private: module has no trainable parameter (requires_grad)")
+    names = {id(p): n for n, p in module.named_parameters()}
+    held_frozen = [names[id(p)] for g in optimizer.param_groups for p in g["params"]
+                   if id(p) not in trainable]
+    if held_frozen:
+        # Harmless while frozen (no gradient, the optimizer skips them); unfrozen later, their
+        # raw gradient would be applied, which DPOptimizer.step() refuses.
+        warnings.warn(
+            f"make_private: the optimizer holds {len(held_frozen)} frozen parameter(s) "
+            f"({', '.join(held_frozen[:3])}{', ...' if len(held_frozen) > 3 else ''}) that the DP "
+            "engine does not clip; they must stay frozen (optimizer.step() refuses them with a "
+            "gradient). To train them, set requires_grad before make_private", stacklevel=3)
+
+    return names
+
+
+def user_values(dataset, user_ids: Any, n: int) -> tuple[list, str]:
+    """One user id per dataset row, as plain hashable values, and how they were named.
+
+    ``user_ids``: a field name (``datasets.Dataset`` column, or key of dict rows) or a sequence
+    aligned with the dataset (tensor/array elements become Python numbers: a 0-d tensor hashes
+    by identity and would make every row its own user).
+
+    Raises:
+        ValueError: a field the rows lack, a sequence of the wrong length, a multi-element id.
+    """
+    column = "user_ids"
+    if isinstance(user_ids, str):
+        column = user_ids
+        cols = getattr(dataset, "column_names", None)
+        if cols is not None:
+            if user_ids not in cols:
+                raise ValueError(f"make_private: user_ids={user_ids!r} is not a column of the dataset ({cols})")
+            values = dataset[user_ids]
+        else:
+            values = []
+            for i in range(n):
+                row = dataset[i]
+                if not hasattr(row, "keys") or user_ids not in row.keys():
+                    raise ValueError(f"make_private: row {i} of the dataset has no field {user_ids!r}; pass "
+                                     "user_ids as a sequence aligned with the dataset instead")
+                values.append(row[user_ids])
+    else:
+        values = user_ids
+    if hasattr(values, "tolist") and not isinstance(values, list):
+        values = values.tolist()
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"make_private: user_ids has {len(values)} entries for a dataset of {n} rows (one user "
+                         "id per row, in dataset order)")
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor) or hasattr(v, "item") and not isinstance(v, (str, bytes)):
+            size = v.numel() if isinstance(v, torch.Tensor) else getattr(v, "size", 1)
+            if size != 1:
+                raise ValueError("make_private: a user id must be one value per row, got a multi-element tensor")
+            v = v.item()
+        out.append(v)
+    return out, column

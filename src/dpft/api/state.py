@@ -1,0 +1,132 @@
+"""Saving and restoring a ``make_private`` loop's secret state, with its live release record.
+
+The secret state (a stateful mechanism's buffers, secret partition and a keyed fingerprint of
+the training rows, step/fingerprint.py) is written by ``PrivacyEngine.save_noise_state(path)``;
+from then on every release also rewrites the **live release record** ``<path>.releases.json``
+(the ledger, rank 0, atomically). ``load_noise_state(path)`` refuses, naming the fix:
+
+- a state older than the last release (the record holds more releases than the state: a crash
+  between two saves) — resuming would replay those steps under fresh noise, which the
+  accounting does not cover, and the old ledger would under-count them;
+- other training rows, or the same rows reordered (the partition is by row position);
+- a record that is missing (the state alone cannot show that nothing was released after it).
+
+The engine's ledger is appended to, never swapped: the saved releases are added after what the
+engine already holds when that is a prefix of them, and refused otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpft import distributed as ddp
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.step.correlated import write_secret
+
+__all__ = ["LoopState", "live_record_path", "write_live_record"]
+
+_FORMAT = "dpft-make_private-banded-noise-state"
+
+
+def live_record_path(path) -> Path:
+    """The live release record beside a saved state ``path``."""
+    path = Path(path)
+    return path.with_name(path.name + ".releases.json")
+
+
+def write_live_record(path: Path, ledger: PrivacyLedger, world) -> None:
+    """Rewrite the live release record (rank 0; the ledger never shrinks)."""
+    if world is None or world.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ledger.save(path)
+
+
+def _flat(ledger: PrivacyLedger) -> list:
+    return [(e.phase, e.event) for e in ledger.entries for _ in range(e.count)]
+
+
+@dataclass
+class LoopState:
+    """The stateful parts of the last ``make_private`` loop: its plan, optimizer, batches and N."""
+
+    plan: Any
+    optimizer: Any
+    batches: Any
+    n: int
+
+    def save(self, engine, path) -> bool:
+        """See ``PrivacyEngine.save_noise_state``. Returns whether this process wrote the file."""
+        opt, mech = self.optimizer, self.plan.spec.mechanism
+        if opt._agg is not None and opt._agg_step is not None and opt._agg_step > opt._released_upto:
+            raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
+                             "micro-batch)")
+        world = engine.world if engine.world is not None else ddp.World()
+        engine._live_path = live_record_path(path)  # every later release rewrites the record
+        if not world.is_main:
+            return False
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_secret(path, {"format": _FORMAT, **mech.state(), "sigma": self.plan.sigma, "n": self.n,
+                            "ledger": engine.ledger.to_json()})
+        write_live_record(engine._live_path, engine.ledger, world)
+        return True
+
+    def load(self, engine, path) -> None:
+        """See ``PrivacyEngine.load_noise_state``."""
+        mech, opt, batches = self.plan.spec.mechanism, self.optimizer, self.batches
+        if mech.next_step != 0 or opt.logical_steps != 0 or batches.next_step != 0:
+            raise ValueError("load_noise_state: this loop already made steps; call it right after make_private")
+        record = live_record_path(path)
+
+        def read():
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"load_noise_state: {path} (the secret noise state of a banded_mf loop) is "
+                                        "missing; the correlated noise cannot continue without it — start a new "
+                                        "loop instead (its ledger composes with the old one)")
+            live = PrivacyLedger.load(record).to_json() if record.is_file() else None
+            return torch.load(path, weights_only=True, map_location="cpu"), live
+
+        world = engine.world if engine.world is not None else ddp.World()
+        st, live = ddp.on_rank0(world, read)
+        if st.get("format") != _FORMAT:
+            raise ValueError(f"load_noise_state: {path} is not a make_private banded_mf noise state")
+        sigma = self.plan.sigma
+        if int(st["n"]) != self.n or not math.isclose(float(st["sigma"]), sigma, rel_tol=1e-9, abs_tol=1e-12):
+            raise ValueError(f"load_noise_state: the state was saved with N = {st['n']}, σ = {st['sigma']:.6g}; this "
+                             f"loop has N = {self.n}, σ = {sigma:.6g}. Call make_private with the same "
+                             "arguments on a fresh PrivacyEngine")
+        saved = PrivacyLedger.from_json(st["ledger"])
+        fix = ("start a new loop with a fresh PrivacyEngine (its releases compose with those in "
+               f"{record.name}: keep that ledger)")
+        if live is None:
+            raise ValueError(f"load_noise_state: {record} (the live record of the releases made after this state was "
+                             "saved) is missing, so a state older than the last release cannot be told apart; keep "
+                             f"the record beside the state, or {fix}")
+        made = PrivacyLedger.from_json(live).steps
+        if made != saved.steps:
+            raise ValueError(f"load_noise_state: {made - saved.steps} release(s) were made after this state was saved "
+                             f"({made} in the live record {record.name}, {saved.steps} in the state); resuming would "
+                             "replay those steps under fresh noise, which the accounting does not cover, and the "
+                             f"state's ledger would under-count them. Resume from the state saved at the last release, "
+                             f"or {fix}")
+        try:
+            mech.load_state(st, dict(opt.dp_step.params))
+        except ValueError as exc:
+            raise ValueError(f"load_noise_state: {exc}") from None
+        held, want = _flat(engine.ledger), _flat(saved)
+        if want[:len(held)] != held:
+            raise ValueError("load_noise_state: this PrivacyEngine's ledger holds releases that the saved state's "
+                             "ledger does not start with; load the state into a fresh PrivacyEngine")
+        for phase, event in want[len(held):]:  # appended to, never swapped
+            engine.ledger.record(phase, event)
+        if not saved.certified:
+            engine.ledger.mark_not_certified(saved.not_certified_reason or "marked not certified")
+        k = mech.next_step
+        batches.next_step = k
+        opt._released_upto = k - 1
+        opt.logical_steps = k
+        engine._live_path = record
