@@ -28,7 +28,7 @@ from dpft import distributed as ddp
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.step.correlated import write_secret
 
-__all__ = ["LoopState", "live_record_path", "write_live_record"]
+__all__ = ["LoopState", "live_record_path", "write_live_record", "check_fresh"]
 
 _FORMAT = "dpft-make_private-banded-noise-state"
 
@@ -44,6 +44,18 @@ def write_live_record(path: Path, ledger: PrivacyLedger, world) -> None:
     if world is None or world.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         ledger.save(path)
+
+
+def check_fresh(made: int, saved: int, record: str, fix: str) -> None:
+    """Refuse a state whose ledger holds fewer releases (``saved``) than the live record (``made``).
+
+    Raises:
+        ValueError: naming how many releases the state misses and the fix."""
+    if made != saved:
+        raise ValueError(f"load_noise_state: {made - saved} release(s) were made after this state was saved "
+                         f"({made} in the live record {record}, {saved} in the state); resuming would replay those "
+                         "steps under fresh noise, which the accounting does not cover, and the state's ledger would "
+                         f"under-count them. Resume from the state saved at the last release, or {fix}")
 
 
 def _flat(ledger: PrivacyLedger) -> list:
@@ -106,13 +118,7 @@ class LoopState:
             raise ValueError(f"load_noise_state: {record} (the live record of the releases made after this state was "
                              "saved) is missing, so a state older than the last release cannot be told apart; keep "
                              f"the record beside the state, or {fix}")
-        made = PrivacyLedger.from_json(live).steps
-        if made != saved.steps:
-            raise ValueError(f"load_noise_state: {made - saved.steps} release(s) were made after this state was saved "
-                             f"({made} in the live record {record.name}, {saved.steps} in the state); resuming would "
-                             "replay those steps under fresh noise, which the accounting does not cover, and the "
-                             f"state's ledger would under-count them. Resume from the state saved at the last release, "
-                             f"or {fix}")
+        check_fresh(PrivacyLedger.from_json(live).steps, saved.steps, record.name, fix)
         try:
             mech.load_state(st, dict(opt.dp_step.params))
         except ValueError as exc:

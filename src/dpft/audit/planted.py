@@ -177,3 +177,7 @@ ALL = ALL + EWFT_PLANTED
 MECHANISMS_API_PLANTED = ("api_banded_every_partition", "api_noise_state_in_optimizer",
                           "trainer_truncation_not_recorded")
 ALL = ALL + MECHANISMS_API_PLANTED
+# issue 34: the one resume path (audit/checks_resume.py plants them): the banded state restored by
+# row index without the rows' fingerprint; make_private loading a state older than its last release.
+RESUME_PLANTED = ("resume_rows_by_index", "api_stale_state_accepted")
+ALL = ALL + RESUME_PLANTED

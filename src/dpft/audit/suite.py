@@ -119,6 +119,8 @@ OPTIONAL_CHECKS = (
     # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
     ("dpft.audit.checks_mechanisms_api", "mechanisms_api_checks",
      ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
+    # issue 34: the one state/resume path (the review's two reproductions, every way in)
+    ("dpft.audit.checks_resume", "resume_checks", ("resume_rows_by_index", "api_stale_state_accepted")),
 )
 
 

@@ -1,0 +1,155 @@
+"""Audit checks of the one state/resume path (issue 34): the independent review's two
+reproductions must be refused in every way in.
+
+* **rows by content** — a banded-MF run resumed with the same training rows in another order
+  (a dataset shuffled without a seed, a re-exported file) would put examples into other secret
+  partitions, so they could participate fewer than b steps apart and the recorded
+  participations would no longer bound ε. The saved state carries a keyed fingerprint of the
+  rows' content (step/fingerprint.py); ``make_private`` + ``load_noise_state`` and ``DPTrainer``
+  resume must refuse, the same rows in order must resume (planted ``resume_rows_by_index``: the
+  fingerprint check skipped, so only N is compared — the reviewed behaviour).
+* **no stale state** — ``make_private`` saved at step 2, released steps 2–3, then a fresh engine
+  loads the step-2 state: it must refuse (the live release record holds 4 releases, the state 2);
+  otherwise it would replay two steps under fresh noise with a 2-step ledger (planted
+  ``api_stale_state_accepted``: the live-record comparison skipped).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from dpft.audit.whitebox import Check
+
+__all__ = ["PLANTED", "resume_checks", "planted_bug"]
+
+PLANTED = ("resume_rows_by_index", "api_stale_state_accepted")
+_N, _B, _BANDS, _STEPS, _SEED = 36, 3, 3, 6, 5
+
+
+class planted_bug:
+    """Plant one bug of :data:`PLANTED` for the duration (None: nothing)."""
+
+    def __init__(self, name: Optional[str]):
+        self.name = name
+
+    def __enter__(self):
+        from dpft.audit.planted import planting
+
+        self._cm = planting(self.name, PLANTED)
+        p = self._cm.__enter__()
+        if self.name == "resume_rows_by_index":
+            from dpft.step import correlated
+
+            p.set(correlated, "check_rows", lambda saved, rows, where, fix: None)
+        elif self.name == "api_stale_state_accepted":
+            from dpft.api import state
+
+            p.set(state, "check_fresh", lambda made, saved, record, fix: None)
+        return self
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def _data(order=None) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(_N, 4, generator=g), torch.randint(0, 2, (_N,), generator=g)
+    return TensorDataset(x[order], y[order]) if order is not None else TensorDataset(x, y)
+
+
+def _loop(data, upto: int, save=None, load=None):
+    from dpft import PrivacyEngine
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    eng = PrivacyEngine(reproducible_seed=_SEED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, opt, crit, loader = eng.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+            dataset=data, expected_batch_size=_B, max_grad_norm=1.0, steps=_STEPS, noise_multiplier=1.0,
+            mechanism="banded_mf", bands=_BANDS)
+        if load is not None:
+            eng.load_noise_state(load)
+        while opt.logical_steps < upto:
+            for x, y in loader:
+                crit(module(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if save is not None and opt.logical_steps == save[0]:
+                    eng.save_noise_state(save[1])
+                if opt.logical_steps >= upto:
+                    break
+    eng.detach()
+    return eng
+
+
+def _refused(fn) -> tuple[bool, str]:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as exc:
+        return True, str(exc).split(";")[0][:160]
+    return False, "accepted"
+
+
+def resume_checks(planted: Optional[str] = None) -> list[Check]:
+    """The two reproductions through make_private (reordered rows, stale state) and DPTrainer
+    (reordered rows); ``planted`` one of :data:`PLANTED` (or None)."""
+    with planted_bug(planted), tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "noise.secret.pt"
+        _loop(_data(), 3, save=(3, path))
+        perm = torch.randperm(_N, generator=torch.Generator().manual_seed(1))
+        ref_mp, why_mp = _refused(lambda: _loop(_data(perm), _STEPS, load=path))
+        same_ok, _ = _refused(lambda: _loop(_data(), _STEPS, load=path))
+        stale = Path(d) / "stale.secret.pt"
+        _loop(_data(), 4, save=(2, stale))
+        ref_stale, why_stale = _refused(lambda: _loop(_data(), _STEPS, load=stale))
+        ref_tr, why_tr = _trainer_reordered(Path(d) / "hf")
+    return [
+        Check("resume: make_private refuses the same rows reordered (banded_mf)", ref_mp and not same_ok,
+              f"reordered: {why_mp}; same order: {'refused' if same_ok else 'resumed'}", {"refused": ref_mp}),
+        Check("resume: make_private refuses a noise state older than its last release", ref_stale,
+              f"saved at step 2, 4 released: {why_stale}", {"refused": ref_stale}),
+        Check("resume: DPTrainer refuses the same rows reordered (banded_mf)", ref_tr, why_tr, {"refused": ref_tr}),
+    ]
+
+
+def _trainer_reordered(out: Path) -> tuple[bool, str]:
+    import datasets
+    from transformers import (BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments,
+                              default_data_collator)
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (24, 5), generator=g)
+    ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(24, 5).long().tolist(),
+                                     "labels": torch.randint(0, 2, (24,), generator=g).tolist()})
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step >= 2
+
+    def trainer(data, callbacks=None):
+        torch.manual_seed(0)
+        cfg = BertConfig(vocab_size=64, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=16, max_position_embeddings=16)
+        args = TrainingArguments(output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
+                                 use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=3,
+                                 save_strategy="steps", save_steps=2)
+        dp = DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=6, mechanism="banded_mf",
+                         bands=2, reproducible_seed=_SEED)
+        return DPTrainer(model=BertForSequenceClassification(cfg).train(), args=args, train_dataset=data,
+                         data_collator=default_data_collator, dp_args=dp, callbacks=callbacks)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(ds, [StopAt()]).train()
+        return _refused(lambda: trainer(ds.shuffle(seed=3)).train(resume_from_checkpoint=str(out / "checkpoint-2")))

@@ -1,0 +1,217 @@
+"""Issue 34: one privacy plan for every way in (step/plan.py), the mechanisms as one family
+(step/mechanisms.py), and the one state/resume path: the review's two reproductions — (1) the
+same rows back in another order under banded MF, (2) a make_private noise state older than its
+last release — refused in every way in."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from conftest import files_recipe, tiny_classifier
+from dpft import PrivacyEngine
+from dpft.errors import PlanError, TrainingError
+from dpft.step.fingerprint import RowsMismatch, check_rows, rows_fingerprint
+from dpft.step.mechanisms import BandedMF, Mechanism, TruncatedPoisson, mechanism_of
+from dpft.step.plan import PrivacyPlan, planned_steps
+
+N, B, BANDS, STEPS, SEED = 48, 4, 3, 6, 11
+
+
+# ----------------------------------------------------------------------------- the plan's parts
+def test_one_steps_rule_and_mechanism_family():
+    assert planned_steps(30, 8, epochs=2) == 8 == planned_steps(30, 8, steps=8)  # ⌈60/8⌉ in every way in
+    assert planned_steps(100, 10, epochs=1) == 10 and planned_steps(5, 10, epochs=0.1) == 1
+    assert type(mechanism_of()) is Mechanism and isinstance(mechanism_of(max_batch_size=5), TruncatedPoisson)
+    assert mechanism_of("banded_mf").bands == 4 and mechanism_of("banded_mf", 1).bands == 1
+    with pytest.raises(PlanError, match="no dp-accounting event; drop max_batch_size"):
+        mechanism_of("banded_mf", 2, 5)
+    assert isinstance(PlanError("x"), ValueError) and isinstance(PlanError("x"), TrainingError)
+    # each refusal says which part of the maths forbids it
+    why = BandedMF(2).refusals(user_level=True, methods=["rmt"])
+    assert len(why) == 2 and "b-min-separation is per example" in why[0] and "their own steps" in why[1]
+    assert Mechanism().refusals(user_level=True, methods=["rmt"]) == []
+    with pytest.raises(PlanError, match=r"p = b·B/N = 2 > 1; lower bands"):
+        BandedMF(4).sampler(10, 5, None)
+    assert dataclasses.is_dataclass(PrivacyPlan) and PrivacyPlan.__dataclass_params__.frozen
+
+
+def test_rows_fingerprint_is_keyed_by_content_and_order():
+    rows = [{"input_ids": torch.tensor([1, 2, 3]), "labels": 1}, {"input_ids": [4, 5], "labels": 0}]
+    fp = rows_fingerprint(rows)
+    same = [{"input_ids": [1, 2, 3], "labels": 1}, {"input_ids": torch.tensor([4, 5]), "labels": 0}]
+    check_rows(fp, same, "x", "fix")  # a tensor and a list of the same numbers are the same row
+    with pytest.raises(RowsMismatch, match="same 2 training rows in another order"):
+        check_rows(fp, rows[::-1], "x", "fix")
+    with pytest.raises(RowsMismatch, match="differ"):
+        check_rows(fp, [rows[0], {"input_ids": [4, 6], "labels": 0}], "x", "fix")
+    with pytest.raises(RowsMismatch, match="no fingerprint"):
+        check_rows(None, rows, "x", "fix")
+    other = rows_fingerprint(rows)  # a fresh 128-bit salt: another digest for the same rows
+    assert other["salt"] != fp["salt"] and other["ordered"] != fp["ordered"] and len(bytes.fromhex(fp["salt"])) == 16
+
+
+# ----------------------------------------------------------------------------- make_private
+def _data(order=None):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, 4, generator=g), torch.randint(0, 3, (N,), generator=g)
+    if order is not None:
+        x, y = x[order], y[order]
+    return TensorDataset(x, y)
+
+
+def _mp(data, upto, save=None, load=None, sigma=0.9):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    eng = PrivacyEngine(reproducible_seed=SEED)
+    module, opt, crit, loader = eng.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+        dataset=data, expected_batch_size=B, max_grad_norm=0.5, steps=STEPS, noise_multiplier=sigma,
+        mechanism="banded_mf", bands=BANDS)
+    if load is not None:
+        eng.load_noise_state(load)
+    while opt.logical_steps < upto:
+        for x, y in loader:
+            crit(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if save is not None and opt.logical_steps == save[0]:
+                eng.save_noise_state(save[1])
+            if opt.logical_steps >= upto:
+                break
+    return eng, opt
+
+
+def test_make_private_refuses_reordered_or_other_rows(tmp_path):
+    path = tmp_path / "noise.secret.pt"
+    _mp(_data(), 3, save=(3, path))
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=f"same {N} training rows in another order"):
+        _mp(_data(perm), STEPS, load=path)
+    other = _data()
+    other.tensors[0][0, 0] += 1.0
+    with pytest.raises(ValueError, match="training rows differ"):
+        _mp(other, STEPS, load=path)
+    eng, opt = _mp(_data(), STEPS, load=path)  # the same rows in the same order resume
+    assert opt.logical_steps == STEPS and eng.ledger.steps == STEPS
+
+
+def test_make_private_refuses_a_state_older_than_its_last_release(tmp_path):
+    """The review's reproduction: save at step 2, release 2 more, crash; a fresh engine loading the
+    step-2 state would replay steps 2-3 under fresh noise with a 2-step ledger. Refused; the live
+    record holds all 4 releases."""
+    from dpft.accounting.ledger import PrivacyLedger
+    from dpft.api.state import live_record_path
+
+    path = tmp_path / "noise.secret.pt"
+    eng, _ = _mp(_data(), 4, save=(2, path))
+    assert eng.ledger.steps == 4 and PrivacyLedger.load(live_record_path(path)).steps == 4
+    with pytest.raises(ValueError, match=r"2 release\(s\) were made after this state was saved"):
+        _mp(_data(), STEPS, load=path)
+    live_record_path(path).unlink()
+    with pytest.raises(ValueError, match="live record of the releases"):
+        _mp(_data(), STEPS, load=path)
+
+
+def test_make_private_appends_the_saved_ledger_never_swaps(tmp_path):
+    path = tmp_path / "noise.secret.pt"
+    _mp(_data(), 3, save=(3, path))
+    eng, opt = _mp(_data(), STEPS, load=path)
+    assert [e.phase for e in eng.ledger.entries] and eng.ledger.steps == STEPS  # 3 saved + 3 new
+    # the resumed loop kept the live record: the step-3 state is now stale and refused
+    with pytest.raises(ValueError, match="were made after this state was saved"):
+        _mp(_data(), STEPS, load=path)
+    # an engine whose ledger holds other releases than the state starts with is refused
+    path = tmp_path / "again.secret.pt"
+    _mp(_data(), 3, save=(3, path))
+    torch.manual_seed(0)
+    eng2 = PrivacyEngine(reproducible_seed=SEED)
+    import dp_accounting as dpa
+
+    eng2.ledger.record("earlier", dpa.GaussianDpEvent(1.0))
+    model = nn.Linear(4, 3)
+    eng2.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      criterion=nn.CrossEntropyLoss(), dataset=_data(), expected_batch_size=B, max_grad_norm=0.5,
+                      steps=STEPS, noise_multiplier=0.9, mechanism="banded_mf", bands=BANDS)
+    with pytest.raises(ValueError, match="does not start with"):
+        eng2.load_noise_state(path)
+
+
+# ----------------------------------------------------------------------------- DPTrainer
+def test_dptrainer_refuses_reordered_rows_on_banded_resume(tmp_path):
+    import datasets
+    from transformers import TrainerCallback, TrainingArguments, default_data_collator
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (40, 6), generator=g)
+    rows = {"input_ids": ids.tolist(), "attention_mask": torch.ones(40, 6, dtype=torch.long).tolist(),
+            "labels": torch.randint(0, 2, (40,), generator=g).tolist()}
+    ds = datasets.Dataset.from_dict(rows)
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step >= 2
+
+    def trainer(data, callbacks=None):
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=1e-2, per_device_train_batch_size=8,
+                                 report_to=[], use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=3,
+                                 save_strategy="steps", save_steps=2)
+        dp = DPArguments(noise_multiplier=0.8, target_delta=1e-3, expected_batch_size=8, mechanism="banded_mf",
+                         bands=2, reproducible_seed=SEED)
+        return DPTrainer(model=tiny_classifier("bert").train(), args=args, train_dataset=data,
+                         data_collator=default_data_collator, dp_args=dp, callbacks=callbacks)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer(ds, [StopAt()]).train()
+        with pytest.raises(ValueError, match="same 40 training rows in another order"):
+            trainer(ds.shuffle(seed=3)).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+        t = trainer(ds)
+        t.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert t.state.global_step == 3
+
+
+# ----------------------------------------------------------------------------- dpft train
+def test_cli_refuses_reordered_rows_on_banded_resume(tiny_model_dir, sst_like_files, tmp_path):
+    import pandas as pd
+
+    from dpft.run.loop import Trainer
+
+    kw = {"privacy.mechanism": "banded_mf", "privacy.bands": 3, "privacy.noise_multiplier": 1.0,
+          "schedule.steps": 6, "checkpoint_every": 3, "eval.every_steps": 6, "batch.expected_batch_size": 6,
+          "task.dev_file": str(sst_like_files["csv"])}
+    r = files_recipe(tiny_model_dir, sst_like_files, **kw)
+    part = Trainer(r, tmp_path / "part", progress=False)
+    part._t_run = time.time()
+    (tmp_path / "part").mkdir()
+    for t in range(3):
+        part.step(t)
+    part.save(3)
+    df = pd.read_csv(sst_like_files["csv"])
+    df.iloc[::-1].to_csv(sst_like_files["csv"], index=False)  # the same rows, re-exported in another order
+    with pytest.raises(TrainingError, match="another order"):
+        Trainer(r, tmp_path / "part", resume=True, progress=False).run()
+    df.to_csv(sst_like_files["csv"], index=False)
+    res = Trainer(r, tmp_path / "part", resume=True, progress=False)
+    res.run()
+    assert res.ledger.steps == 6
+
+
+def test_audit_catches_the_planted_resume_bugs():
+    from dpft.audit import checks_resume as cr
+    from dpft.audit.planted import ALL
+
+    assert all(c.passed for c in cr.resume_checks(None)), [c for c in cr.resume_checks(None) if not c.passed]
+    assert set(cr.PLANTED) <= set(ALL)
+    for bug in cr.PLANTED:
+        with cr.planted_bug(bug):
+            checks = cr.resume_checks(bug)
+        assert any(not c.passed for c in checks), bug
