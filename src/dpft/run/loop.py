@@ -212,7 +212,7 @@ class Trainer:
             yield from fixed_shape_batches(fixed_micro_batches(ddp.shard(idx, self.world),
                                                                r.batch.max_physical_batch_size),
                                            self.train_tok, self.pad_id, self.with_token_types, r.model.max_length,
-                                           self.device)
+                                           self.device, collate=collate)
             return
         for micro in micros:
             batch = collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,

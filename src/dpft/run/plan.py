@@ -12,7 +12,7 @@ evaluation, checkpoints, release, report). In order::
     model           models/build.py      build_model          tokenizer, model, trainable params
                     perf.py              place_model          device, checkpointing
     data            data/prepare.py      build_train_data     tokenised train/dev rows
-    unit            step/unit.py         build_unit           privacy unit, Poisson sampler, N, q
+    unit            run/unit.py          build_unit           privacy unit, Poisson sampler, N, q
     methods         methods/base.py      Method.prepare       earlier phases (Run.train_phase; ledger)
     σ               step/build.py        resolve_sigma        calibrated on the ledger's events
     step spec       step/build.py        build_clip, make_engine, build_step_spec; Method.build
@@ -46,7 +46,8 @@ from dpft.errors import PlanError, TrainingError
 from dpft.step.build import build_clip, make_engine
 from dpft.step.mechanisms import Mechanism, mechanism_of_recipe
 from dpft.step.plan import PrivacyPlan, build_privacy_plan
-from dpft.step.unit import PrivacyUnit, build_unit, check_user_level
+from dpft.run.unit import build_unit, check_user_level
+from dpft.step.unit import PrivacyUnit
 
 __all__ = ["RunPlan", "build_plan", "evaluate_with_methods"]
 

@@ -56,7 +56,7 @@ def make_engine(kind: str, model, loss_fn, clip, **engine_kw):
             from dpft.grads.bookkeeping import BookKeepingEngine
         except ImportError:
             if kind == "bookkeeping":
-                from dpft.run.errors import TrainingError
+                from dpft.errors import TrainingError
 
                 raise TrainingError("the book-keeping engine is not available in this install") from None
             return ReferenceEngine(model, loss_fn, clip)

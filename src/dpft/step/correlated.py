@@ -371,7 +371,7 @@ def resume_noise_state(mechanism: BandedMFMechanism, state: Optional[dict], step
             checkpoints — releasing those steps again would reuse earlier batches under fresh noise,
             which Theorem 4's accounting does not cover), the state is of another step, or of
             other coefficients / another partition."""
-    from dpft.run.errors import TrainingError
+    from dpft.errors import TrainingError
 
     if replayed > 0:
         raise TrainingError(f"{where}: {replayed} banded_mf release(s) were made after the checkpoint at step "

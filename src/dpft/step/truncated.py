@@ -130,11 +130,12 @@ def pad_to_length(batch: dict[str, torch.Tensor], length: int, pad_id: int) -> d
     return out
 
 
-def fixed_shape_batches(chunks, rows, pad_id: int, with_token_types: bool, length: int, device=None):
+def fixed_shape_batches(chunks, rows, pad_id: int, with_token_types: bool, length: int, device=None, *,
+                        collate):
     """Collate :func:`fixed_micro_batches` output into ``(P, length)`` batches with
-    ``batch[EXAMPLE_MASK]`` (a generator; ``rows``: the tokenised dataset)."""
-    from dpft.data.tokenize import collate
-
+    ``batch[EXAMPLE_MASK]`` (a generator; ``rows``: the tokenised dataset; ``collate(rows, pad_id,
+    with_token_types)``: the way in's collate function, e.g. ``dpft.data.tokenize.collate`` — handed
+    in, so that the step imports nothing of the data layer)."""
     for chunk, mask in chunks:
         batch = pad_to_length(collate(list(rows.select(chunk.tolist())), pad_id, with_token_types), length, pad_id)
         batch[EXAMPLE_MASK] = mask
