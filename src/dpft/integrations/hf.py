@@ -95,22 +95,17 @@ size; the interface follows Opacus' and the ``transformers`` Trainer's conventio
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import warnings
 from dataclasses import asdict
 from typing import Any, Mapping, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from dpft import distributed as ddp
 from dpft.accounting.calibrate import check_delta
-from dpft.api import UnclippedParameterError, check_unpacked_batch, prediction_summary
-from dpft.accounting.io import atomic_write_text
+from dpft.api import UnclippedParameterError, prediction_summary
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.base import PerExampleEngine, PerExampleLoss
 from dpft.step import DPStep
@@ -118,27 +113,17 @@ from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.build import make_engine
 from dpft.step.postprocess import Transform
-from dpft.grads.groups import GROUP_KEY, PerExampleOverK
-from dpft.step.sample import PoissonSampler, UserPoissonSampler, user_index
-from dpft.run.errors import TrainingError
-from dpft.step.correlated import load_noise_state, resume_noise_state
+from dpft.grads.groups import PerExampleOverK
+from dpft.step.sample import UserPoissonSampler, user_index
 from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.integrations.hf_args import DPArguments
+from dpft.integrations.hf_data import TOKEN, PoissonData
+from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
-from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm
+from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
 
 __all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
-
-#: The privacy ledger's file name, in ``output_dir`` and in every checkpoint.
-LEDGER_NAME = "ledger.json"
-#: σ, q, N, steps and the privacy settings of a run, in every checkpoint (resume checks them).
-DP_STATE_NAME = "dp_state.json"
-
-#: Key of the placeholder batches the replaced train dataloader yields (one per logical step).
-_TOKEN = "dpft_logical_step"
-#: ``Trainer`` log keys that are private statistics (un-noised loss) or noise-dominated noise.
-_LOSS_KEYS = ("loss", "train_loss")
 
 # --------------------------------------------------------------------------- helpers
 
@@ -160,27 +145,6 @@ class _TrainerStepsOptimizer:
         return None
 
 
-class _LogicalSteps(Dataset):
-    """One placeholder per logical step of an epoch; the rows are drawn in ``training_step``."""
-
-    def __init__(self, n: int):
-        self.n = int(n)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, k: int) -> int:
-        return int(k)
-
-
-def _collate_token(items: list) -> dict[str, int]:
-    return {_TOKEN: int(items[0])}
-
-
-#: How the banded-MF resume refusals (step/correlated.py) name DPTrainer's resume option and the fix.
-_RESUME_WORDS = ("resume_from_checkpoint", "output_dir")
-
-
 def _refuse(msg: str) -> None:
     raise ValueError(f"DPTrainer: {msg}")
 
@@ -188,7 +152,7 @@ def _refuse(msg: str) -> None:
 # --------------------------------------------------------------------------- the trainer
 
 
-class DPTrainer(Trainer):
+class DPTrainer(PoissonData, PrivateState, Trainer):
     """``transformers.Trainer`` with DP-SGD / DP-Adam: Poisson sampling, per-example clipping,
     Gaussian noise once per logical batch, one privacy ledger (see the module docstring).
 
@@ -278,7 +242,8 @@ class DPTrainer(Trainer):
         ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         causal = _is_causal_lm(self.model)
-        self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(causal, tuple(self.label_names or ()))
+        self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(
+            causal, tuple(self.label_names or ()), seq2seq=is_seq2seq(self.model))
 
         def parts(sampler):
             self.clip = self._make_clip()
@@ -435,96 +400,6 @@ class DPTrainer(Trainer):
                 opt.add_param_group(g)
         return opt
 
-    # ------------------------------------------------------------------ data
-    def get_train_dataloader(self) -> DataLoader:
-        """One placeholder batch per logical step (``ceil(N / expected_batch_size)`` per epoch).
-
-        The rows of step ``t`` are drawn in :meth:`training_step` by Poisson sampling. Each call
-        starts a new training loop with its own child of the secret randomness, so no two
-        releases of this trainer ever share noise."""
-        self._loops += 1
-        self._run_rng = self.rng.child(f"hf-train-loop-{self._loops}")
-        self.sampler.rng = self._run_rng
-        self.mechanism.rng = self._run_rng
-        ds = self.train_dataset
-        collator = self.data_collator
-        try:
-            import datasets
-
-            is_hf_ds = isinstance(ds, datasets.Dataset)
-        except ImportError:  # pragma: no cover - datasets is a dependency
-            is_hf_ds = False
-        if is_hf_ds:
-            ds = self._remove_unused_columns(ds, description="training")
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description="training")
-        self._dp_rows, self._dp_collator = ds, collator
-        return DataLoader(_LogicalSteps(self.steps_per_epoch), batch_size=1, shuffle=False,
-                          collate_fn=_collate_token)
-
-    def num_examples(self, dataloader: DataLoader) -> int:
-        if isinstance(getattr(dataloader, "dataset", None), _LogicalSteps):
-            return self.n
-        return super().num_examples(dataloader)
-
-    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
-        """The expected logical batch size qN (the realised sizes are private)."""
-        return int(self.dp_args.expected_batch_size)
-
-    def _rows(self, idx: torch.Tensor) -> list:
-        ds, keys = self._dp_rows, idx.tolist()
-        if hasattr(ds, "__getitems__"):
-            rows = ds.__getitems__(keys)
-            if isinstance(rows, list) and len(rows) == len(keys):
-                return rows
-        return [ds[i] for i in keys]
-
-    def _logical_order(self, idx: torch.Tensor) -> torch.Tensor:
-        """The order step ``t`` runs its logical batch ``idx`` in, which DDP shards it by (the same
-        on every rank): by length (stable) so that physical batches carry little padding, when the
-        rows have ``input_ids``; at user level grouped by user as the sampler returns it. The set
-        of examples (all that privacy depends on) is unchanged."""
-        if self.user_level or len(idx) < 2:
-            return idx
-        rows = self._rows(idx)
-        if not (rows and isinstance(rows[0], Mapping) and "input_ids" in rows[0]):
-            return idx
-        lengths = torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)
-        return idx[torch.argsort(lengths, stable=True)]
-
-    def _share(self, idx: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the logical batch ``idx`` (in :meth:`_logical_order`): every K-th
-        example, or at user level every K-th *user* with all its sampled rows (a user's rows are
-        clipped as one, so they never straddle two ranks). One process: all of ``idx``."""
-        if self.user_level:
-            return ddp.shard_units(idx, self.sampler.users[idx], self.world)
-        return ddp.shard(idx, self.world)
-
-    def _micro_batches(self, idx: torch.Tensor):
-        """Collated physical batches of this rank's share of the logical batch ``idx`` (in
-        :meth:`_logical_order`; built one at a time): at most ``max_physical_batch_size`` rows
-        each; at user level whole users (the user column dropped), with their local user ids
-        under ``GROUP_KEY`` when ``user_clipping='group'``."""
-        mine = self._share(idx)
-        if not len(mine):
-            return
-        if self.user_level:
-            micros = self.sampler.micro_batches(mine, self.physical_batch_size)
-        else:
-            micros = PoissonSampler.micro_batches(mine, self.physical_batch_size)
-        col = self.dp_args.user_column
-        for micro in micros:
-            chunk = self._rows(micro)
-            if col is not None:
-                chunk = [{k: v for k, v in r.items() if k != col} if isinstance(r, Mapping) else r for r in chunk]
-            batch = self._dp_collator(chunk)
-            # One sampled row must stay one example: a packing / padding-free collator would clip
-            # several rows as one (and removing a row would reshuffle later packs).
-            check_unpacked_batch(batch, len(chunk), "DPTrainer")
-            if self.user_level and self.dp_args.user_clipping == "group":
-                batch[GROUP_KEY] = self.sampler.groups(micro)
-            yield self._prepare_inputs(batch)
-
     # ------------------------------------------------------------------ no DDP buckets
     def create_accelerator_and_postprocess(self) -> None:
         """``Trainer``'s accelerator, told never to wrap a model in ``DistributedDataParallel``.
@@ -573,7 +448,7 @@ class DPTrainer(Trainer):
         gradient. The noisy gradient is left in ``p.grad`` for ``Trainer``'s optimizer step.
 
         Returns 0 (the un-noised loss is private) unless ``log_private_train_loss``."""
-        if not (isinstance(inputs, Mapping) and _TOKEN in inputs):
+        if not (isinstance(inputs, Mapping) and TOKEN in inputs):
             raise RuntimeError("DPTrainer.training_step got a batch that its Poisson sampler did not produce; "
                                "do not replace DPTrainer's train dataloader")
         self._check_not_ddp(model)
@@ -650,188 +525,3 @@ class DPTrainer(Trainer):
                         "DPArguments(clipping='head_body', head_learning_rate=...) (README, \"With the Hugging "
                         "Face Trainer\")", stacklevel=2)
         return out
-
-    # ------------------------------------------------------------------ privacy
-    def get_epsilon(self, delta: Optional[float] = None) -> float:
-        """ε at ``delta`` (default ``target_delta``) of everything in the ledger (PLD accountant)."""
-        return float(self.ledger.epsilon(self.dp_args.target_delta if delta is None else delta).epsilon)
-
-    def dp_state(self) -> dict[str, Any]:
-        """The run's privacy settings and spend (``dp_state.json``; never the seed)."""
-        dp = asdict(self.dp_args)
-        dp["reproducible"] = dp.pop("reproducible_seed") is not None
-        unit = "user" if self.user_level else "example"
-        return {"sigma": self.sigma, "q": self.q, "n": self.n, "total_steps": self.total_steps,
-                "global_step": int(self.state.global_step), "ledger_steps": self.ledger.steps,
-                "epsilon": self.get_epsilon() if self.ledger.certified else None,
-                "accountant": f"PLD (dp-accounting), add/remove-one {unit}", "unit": unit,
-                "world_size": self.world.world_size, "dp_args": dp}
-
-    def _write_dp_files(self, directory: str) -> None:
-        if not self.is_world_process_zero():
-            return
-        os.makedirs(directory, exist_ok=True)
-        self.ledger.save(os.path.join(directory, LEDGER_NAME))
-        atomic_write_text(os.path.join(directory, DP_STATE_NAME), json.dumps(self.dp_state(), indent=1))
-
-    def _save_live_ledger(self) -> None:
-        """``output_dir/ledger.json`` after every release (rank 0; never shrinks)."""
-        if not self.is_world_process_zero():
-            return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        self.ledger.save(os.path.join(self.args.output_dir, LEDGER_NAME))
-        self._live_written = True
-
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model`` plus ``ledger.json`` and ``dp_state.json`` (checkpoints too)."""
-        super().save_model(output_dir, _internal_call)
-        self._write_dp_files(output_dir if output_dir is not None else self.args.output_dir)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """``Trainer._save_checkpoint`` (every rank calls it), after checking that the ranks still
-        hold one set of trainable weights (rank 0's are broadcast if not: they are the ones saved)."""
-        ddp.check_in_sync(self.world, self.engine.params)
-        super()._save_checkpoint(model, trial)
-        if self._banded and self.world.is_main:
-            # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
-            # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step.
-            from dpft.step.correlated import save_noise_state
-
-            save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        """``Trainer._save_rng_state`` on rank 0 only: rank 0 alone writes the run's files (the
-        dropout masks are reseeded at every step from the secret stream, whatever this state)."""
-        if self.world.is_main:
-            super()._save_rng_state(output_dir)
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """``Trainer.log`` with ``epsilon`` added and the un-noised loss and ``grad_norm`` removed."""
-        logs = dict(logs)
-        if not self.dp_args.log_private_train_loss:
-            for k in _LOSS_KEYS:
-                logs.pop(k, None)
-        logs.pop("grad_norm", None)
-        if self.ledger.certified:
-            logs["epsilon"] = self.get_epsilon()
-        super().log(logs, *args, **kwargs)
-
-    # ------------------------------------------------------------------ train / resume
-    def train(self, resume_from_checkpoint: Optional[str | bool] = None, trial=None,
-              ignore_keys_for_eval: Optional[list[str]] = None, **kwargs) -> TrainOutput:
-        """``Trainer.train`` with the ledger continued on resume. The returned ``training_loss``
-        is NaN unless ``log_private_train_loss`` (the un-noised loss is private)."""
-        if trial is not None:
-            _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
-                    "releases compose; it is not supported")
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint:
-            self._resume_dp_state(str(resume_from_checkpoint))
-        else:
-            if self._banded and self.mechanism.next_step > 0:
-                _refuse(f"banded_mf: this DPTrainer already released {self.mechanism.next_step} correlated steps; a "
-                        "new train() would restart at step 0 against its noise buffers. Make a new DPTrainer (its "
-                        "ledger composes), or resume_from_checkpoint")
-            self._check_fresh_output_dir()
-        out = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=None,
-                            ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        self._save_live_ledger()
-        if not self.dp_args.log_private_train_loss:
-            metrics = {k: v for k, v in out.metrics.items() if k not in _LOSS_KEYS}
-            out = TrainOutput(out.global_step, float("nan"), metrics)
-        return out
-
-    def hyperparameter_search(self, *args, **kwargs):
-        _refuse("hyperparameter search trains on the private data once per trial, and the trials' releases "
-                "compose; it is not supported")
-
-    def _check_fresh_output_dir(self) -> None:
-        live = os.path.join(self.args.output_dir, LEDGER_NAME)
-        # DDP: rank 0 reads the output directory; every rank gets its answer (and raises alike).
-        if ddp.on_rank0(self.world, lambda: os.path.isfile(live)) and not self._live_written:
-            _refuse(f"{live} holds the privacy ledger of an earlier run in this output_dir. Pass "
-                    "train(resume_from_checkpoint=True) to continue that run (its releases stay in the ledger), "
-                    "or choose a new output_dir. Nothing was overwritten")
-        if self.ledger.steps and any(e.phase == "train" for e in self.ledger.entries):
-            warnings.warn(f"this DPTrainer already released {self.ledger.steps} noisy steps; a new train() adds "
-                          "its releases to the same ledger, so ε will exceed the target it was calibrated for",
-                          stacklevel=3)
-
-    def _resume_dp_state(self, ckpt: str) -> None:
-        live = os.path.join(self.args.output_dir, LEDGER_NAME)
-
-        def read() -> dict:  # DDP: rank 0 reads the checkpoint and the live ledger; every rank gets them
-            path = os.path.join(ckpt, DP_STATE_NAME)
-            if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt, LEDGER_NAME)):
-                _refuse(f"{ckpt} holds no {DP_STATE_NAME}/{LEDGER_NAME}: it was not written by DPTrainer, so what "
-                        "it released is unknown; start from the model weights with a new DPTrainer instead")
-            with open(path) as f:
-                st = json.load(f)
-            ck = PrivacyLedger.load(os.path.join(ckpt, LEDGER_NAME)).to_json()
-            lv = PrivacyLedger.load(live).to_json() if os.path.isfile(live) else None
-            noise = None
-            if self._banded:  # banded_mf: the secret noise state, or refuse (the CLI's reader)
-                try:
-                    noise = load_noise_state(self.args.output_dir, *_RESUME_WORDS)
-                except FileNotFoundError as exc:
-                    _refuse(str(exc))
-            return {"state": st, "ledger": ck, "live": lv, "noise": noise}
-
-        got = ddp.on_rank0(self.world, read)
-        st = got["state"]
-        was, now = int(st.get("world_size", 1)), self.world.world_size
-        if was != now:
-            how = ("in one process (python script.py)" if was == 1 else
-                   f"with {was} processes (torchrun --nproc_per_node={was} script.py, or accelerate launch "
-                   f"--num_processes {was} script.py)")
-            _refuse(f"resume_from_checkpoint: {ckpt} was written by {was} process(es) but this run has {now}; "
-                    f"each rank's share of a logical batch, its dropout stream and the order of the all-reduced sums "
-                    f"depend on the world size. Resume it {how}, or start a new output_dir")
-        ours = self.dp_state()
-        diff = [k for k in ("n", "q", "total_steps") if st.get(k) != ours[k]]
-        if not math.isclose(float(st.get("sigma", -1)), self.sigma, rel_tol=1e-9, abs_tol=1e-12):
-            diff.append("sigma")
-        for k in ("max_grad_norm", "clipping", "target_delta", "expected_batch_size"):
-            if st.get("dp_args", {}).get(k) != ours["dp_args"][k]:
-                diff.append(f"dp_args.{k}")
-        for k, default in (("user_column", None), ("max_rows_per_user", 4), ("user_clipping", "group"),
-                           ("max_batch_size", None), ("mechanism", "gaussian"), ("bands", None)):
-            if st.get("dp_args", {}).get(k, default) != ours["dp_args"][k]:
-                diff.append(f"dp_args.{k}")
-        if diff:
-            _refuse(f"resume_from_checkpoint: {ckpt} was written with other privacy settings ({', '.join(diff)} "
-                    "differ); resume with the same DPArguments, max_steps / num_train_epochs and train_dataset, "
-                    "or start a new output_dir")
-        ck_ledger = PrivacyLedger.from_json(got["ledger"])
-        ledger = ck_ledger
-        if got["live"] is not None:
-            live_ledger = PrivacyLedger.from_json(got["live"])
-            # The live ledger holds every release made in this directory, including the steps after
-            # the checkpoint that the resumed run replays (with fresh randomness: new releases).
-            if live_ledger.steps >= ck_ledger.steps:
-                ledger = live_ledger
-        if not ck_ledger.certified:
-            ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
-        if self._banded:
-            self._resume_noise_state(got["noise"], int(st.get("global_step", -1)), ledger.steps - ck_ledger.steps)
-        self.ledger = ledger
-        self.dp_step.ledger = ledger
-        self._live_written = True
-
-    @property
-    def _banded(self) -> bool:
-        """A banded_mf run (secret noise state beyond the key)."""
-        return hasattr(getattr(self, "mechanism", None), "buffers")
-
-    def _resume_noise_state(self, state: Optional[dict], step: int, replayed: int) -> None:
-        """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``, with the
-        CLI's refusals (step/correlated.py ``resume_noise_state``): releases after the checkpoint,
-        a state of another step (resume from the last checkpoint: the file holds the newest one's
-        state), other coefficients or another N."""
-        try:
-            resume_noise_state(self.mechanism, state, step, replayed, self.engine.params, *_RESUME_WORDS)
-        except TrainingError as exc:
-            _refuse(str(exc))

@@ -9,7 +9,7 @@ import torch
 
 from dpft.grads.base import PerExampleLoss
 
-__all__ = ["hf_per_example_loss", "is_causal_lm", "logits_of"]
+__all__ = ["hf_per_example_loss", "is_causal_lm", "is_seq2seq", "logits_of"]
 
 
 
@@ -33,7 +33,14 @@ def logits_of(out: Any) -> torch.Tensor:
     return out[0]
 
 
-def hf_per_example_loss(causal: bool, label_keys: tuple[str, ...] = ("labels",)) -> PerExampleLoss:
+def is_seq2seq(model: torch.nn.Module) -> bool:
+    """An encoder-decoder model (T5, BART, …): its config says ``is_encoder_decoder``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(getattr(base, "config", None), "is_encoder_decoder", False))
+
+
+def hf_per_example_loss(causal: bool, label_keys: tuple[str, ...] = ("labels",),
+                        seq2seq: bool = False) -> PerExampleLoss:
     """The per-example loss ``loss_fn(forward, batch) -> (B,)`` (nats) for a Hugging Face batch.
 
     The model gets every key of the batch except the label keys. Then:
@@ -45,9 +52,12 @@ def hf_per_example_loss(causal: bool, label_keys: tuple[str, ...] = ("labels",))
       labels ``(B, T)`` with logits ``(B, T, C)``: token cross-entropy summed per example,
       ``-100`` ignored (token classification);
     * float labels: squared error (logits ``(B, 1)``, regression) or binary cross-entropy
-      summed over labels (multi-label), as ``transformers`` picks them.
+      summed over labels (multi-label), as ``transformers`` picks them;
+    * ``seq2seq`` (encoder-decoder): the target tokens' cross-entropy summed per example, with the
+      collator's ``decoder_input_ids`` (``DataCollatorForSeq2Seq(tokenizer, model=model)``).
 
-    Raises (when called): ValueError if a supervised batch holds no labels.
+    Raises (when called): ValueError if a supervised batch holds no labels, or a seq2seq batch no
+    ``decoder_input_ids``.
     """
     keys = tuple(dict.fromkeys(("labels", "label", "label_ids", *label_keys)))
 
@@ -67,12 +77,15 @@ def hf_per_example_loss(causal: bool, label_keys: tuple[str, ...] = ("labels",))
         if labels is None:
             raise ValueError("DPTrainer: the training batch holds no `labels`; have the data collator add them, "
                              "or pass DPTrainer(loss_fn=...) with a per-example loss")
+        if seq2seq and "decoder_input_ids" not in batch:
+            raise ValueError("DPTrainer: an encoder-decoder batch needs `decoder_input_ids` (the labels shifted right); "
+                             "use transformers.DataCollatorForSeq2Seq(tokenizer, model=model) as the data collator")
         logits = logits.float()
         if labels.is_floating_point():
             b = labels.shape[0]
             if logits.shape[-1] == 1:  # regression (num_labels == 1)
                 return ((logits.reshape(b, -1) - labels.reshape(b, -1).float()) ** 2).sum(dim=1)
-            bce = torch.nn.functional.binary_cross_entropy_withlogits_of(logits, labels.float(), reduction="none")
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none")
             return bce.reshape(bce.shape[0], -1).sum(dim=1)
         ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                ignore_index=-100, reduction="none")

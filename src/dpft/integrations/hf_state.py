@@ -1,0 +1,221 @@
+"""The ledger, ``dp_state.json``, checkpoints and resume of :class:`~dpft.integrations.hf.DPTrainer`
+(a mixin): the live ledger after every release, the secret noise state of a stateful mechanism
+outside ``checkpoint-*``, and a resume that continues the ledger and refuses what would replay
+releases, other settings or other rows (the plan's state path, step/correlated.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict
+from typing import Any, Optional
+
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
+
+from dpft import distributed as ddp
+from dpft.accounting.io import atomic_write_text
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.errors import TrainingError
+from dpft.integrations.hf_checks import refuse as _refuse
+from dpft.step.correlated import load_noise_state, resume_noise_state
+
+__all__ = ["PrivateState", "LEDGER_NAME", "DP_STATE_NAME"]
+
+#: The privacy ledger's file name, in ``output_dir`` and in every checkpoint.
+LEDGER_NAME = "ledger.json"
+#: σ, q, N, steps and the privacy settings of a run, in every checkpoint (resume checks them).
+DP_STATE_NAME = "dp_state.json"
+#: ``Trainer`` log keys that are private statistics (un-noised loss) or noise-dominated noise.
+_LOSS_KEYS = ("loss", "train_loss")
+#: How DPTrainer names its resume option and what to start anew (the CLI's messages' words).
+_RESUME_WORDS = ("resume_from_checkpoint", "output_dir")
+
+
+class PrivateState:
+    """Mixin of :class:`~dpft.integrations.hf.DPTrainer`: ε, files, checkpoints, train and resume."""
+
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """ε at ``delta`` (default ``target_delta``) of everything in the ledger (PLD accountant)."""
+        return float(self.ledger.epsilon(self.dp_args.target_delta if delta is None else delta).epsilon)
+
+    def dp_state(self) -> dict[str, Any]:
+        """The run's privacy settings and spend (``dp_state.json``; never the seed)."""
+        dp = asdict(self.dp_args)
+        dp["reproducible"] = dp.pop("reproducible_seed") is not None
+        unit = "user" if self.user_level else "example"
+        return {"sigma": self.sigma, "q": self.q, "n": self.n, "total_steps": self.total_steps,
+                "global_step": int(self.state.global_step), "ledger_steps": self.ledger.steps,
+                "epsilon": self.get_epsilon() if self.ledger.certified else None,
+                "accountant": f"PLD (dp-accounting), add/remove-one {unit}", "unit": unit,
+                "world_size": self.world.world_size, "dp_args": dp}
+
+    def _write_dp_files(self, directory: str) -> None:
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(directory, exist_ok=True)
+        self.ledger.save(os.path.join(directory, LEDGER_NAME))
+        atomic_write_text(os.path.join(directory, DP_STATE_NAME), json.dumps(self.dp_state(), indent=1))
+
+    def _save_live_ledger(self) -> None:
+        """``output_dir/ledger.json`` after every release (rank 0; never shrinks)."""
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        self.ledger.save(os.path.join(self.args.output_dir, LEDGER_NAME))
+        self._live_written = True
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` plus ``ledger.json`` and ``dp_state.json`` (checkpoints too)."""
+        super().save_model(output_dir, _internal_call)
+        self._write_dp_files(output_dir if output_dir is not None else self.args.output_dir)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """``Trainer._save_checkpoint`` (every rank calls it), after checking that the ranks still
+        hold one set of trainable weights (rank 0's are broadcast if not: they are the ones saved)."""
+        ddp.check_in_sync(self.world, self.engine.params)
+        super()._save_checkpoint(model, trial)
+        if self._banded and self.world.is_main:
+            # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
+            # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step.
+            from dpft.step.correlated import save_noise_state
+
+            save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """``Trainer._save_rng_state`` on rank 0 only: rank 0 alone writes the run's files (the
+        dropout masks are reseeded at every step from the secret stream, whatever this state)."""
+        if self.world.is_main:
+            super()._save_rng_state(output_dir)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """``Trainer.log`` with ``epsilon`` added and the un-noised loss and ``grad_norm`` removed."""
+        logs = dict(logs)
+        if not self.dp_args.log_private_train_loss:
+            for k in _LOSS_KEYS:
+                logs.pop(k, None)
+        logs.pop("grad_norm", None)
+        if self.ledger.certified:
+            logs["epsilon"] = self.get_epsilon()
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ train / resume
+    def train(self, resume_from_checkpoint: Optional[str | bool] = None, trial=None,
+              ignore_keys_for_eval: Optional[list[str]] = None, **kwargs) -> TrainOutput:
+        """``Trainer.train`` with the ledger continued on resume. The returned ``training_loss``
+        is NaN unless ``log_private_train_loss`` (the un-noised loss is private)."""
+        if trial is not None:
+            _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
+                    "releases compose; it is not supported")
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            self._resume_dp_state(str(resume_from_checkpoint))
+        else:
+            if self._banded and self.mechanism.next_step > 0:
+                _refuse(f"banded_mf: this DPTrainer already released {self.mechanism.next_step} correlated steps; a "
+                        "new train() would restart at step 0 against its noise buffers. Make a new DPTrainer (its "
+                        "ledger composes), or resume_from_checkpoint")
+            self._check_fresh_output_dir()
+        out = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=None,
+                            ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        self._save_live_ledger()
+        if not self.dp_args.log_private_train_loss:
+            metrics = {k: v for k, v in out.metrics.items() if k not in _LOSS_KEYS}
+            out = TrainOutput(out.global_step, float("nan"), metrics)
+        return out
+
+    def hyperparameter_search(self, *args, **kwargs):
+        _refuse("hyperparameter search trains on the private data once per trial, and the trials' releases "
+                "compose; it is not supported")
+
+    def _check_fresh_output_dir(self) -> None:
+        live = os.path.join(self.args.output_dir, LEDGER_NAME)
+        # DDP: rank 0 reads the output directory; every rank gets its answer (and raises alike).
+        if ddp.on_rank0(self.world, lambda: os.path.isfile(live)) and not self._live_written:
+            _refuse(f"{live} holds the privacy ledger of an earlier run in this output_dir. Pass "
+                    "train(resume_from_checkpoint=True) to continue that run (its releases stay in the ledger), "
+                    "or choose a new output_dir. Nothing was overwritten")
+        if self.ledger.steps and any(e.phase == "train" for e in self.ledger.entries):
+            warnings.warn(f"this DPTrainer already released {self.ledger.steps} noisy steps; a new train() adds "
+                          "its releases to the same ledger, so ε will exceed the target it was calibrated for",
+                          stacklevel=3)
+
+    def _resume_dp_state(self, ckpt: str) -> None:
+        live = os.path.join(self.args.output_dir, LEDGER_NAME)
+
+        def read() -> dict:  # DDP: rank 0 reads the checkpoint and the live ledger; every rank gets them
+            path = os.path.join(ckpt, DP_STATE_NAME)
+            if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt, LEDGER_NAME)):
+                _refuse(f"{ckpt} holds no {DP_STATE_NAME}/{LEDGER_NAME}: it was not written by DPTrainer, so what "
+                        "it released is unknown; start from the model weights with a new DPTrainer instead")
+            with open(path) as f:
+                st = json.load(f)
+            ck = PrivacyLedger.load(os.path.join(ckpt, LEDGER_NAME)).to_json()
+            lv = PrivacyLedger.load(live).to_json() if os.path.isfile(live) else None
+            noise = None
+            if self._banded:  # banded_mf: the secret noise state, or refuse (the CLI's reader)
+                try:
+                    noise = load_noise_state(self.args.output_dir, *_RESUME_WORDS)
+                except FileNotFoundError as exc:
+                    _refuse(str(exc))
+            return {"state": st, "ledger": ck, "live": lv, "noise": noise}
+
+        got = ddp.on_rank0(self.world, read)
+        st = got["state"]
+        was, now = int(st.get("world_size", 1)), self.world.world_size
+        if was != now:
+            how = ("in one process (python script.py)" if was == 1 else
+                   f"with {was} processes (torchrun --nproc_per_node={was} script.py, or accelerate launch "
+                   f"--num_processes {was} script.py)")
+            _refuse(f"resume_from_checkpoint: {ckpt} was written by {was} process(es) but this run has {now}; "
+                    f"each rank's share of a logical batch, its dropout stream and the order of the all-reduced sums "
+                    f"depend on the world size. Resume it {how}, or start a new output_dir")
+        ours = self.dp_state()
+        diff = [k for k in ("n", "q", "total_steps") if st.get(k) != ours[k]]
+        if not math.isclose(float(st.get("sigma", -1)), self.sigma, rel_tol=1e-9, abs_tol=1e-12):
+            diff.append("sigma")
+        for k in ("max_grad_norm", "clipping", "target_delta", "expected_batch_size"):
+            if st.get("dp_args", {}).get(k) != ours["dp_args"][k]:
+                diff.append(f"dp_args.{k}")
+        for k, default in (("user_column", None), ("max_rows_per_user", 4), ("user_clipping", "group"),
+                           ("max_batch_size", None), ("mechanism", "gaussian"), ("bands", None)):
+            if st.get("dp_args", {}).get(k, default) != ours["dp_args"][k]:
+                diff.append(f"dp_args.{k}")
+        if diff:
+            _refuse(f"resume_from_checkpoint: {ckpt} was written with other privacy settings ({', '.join(diff)} "
+                    "differ); resume with the same DPArguments, max_steps / num_train_epochs and train_dataset, "
+                    "or start a new output_dir")
+        ck_ledger = PrivacyLedger.from_json(got["ledger"])
+        ledger = ck_ledger
+        if got["live"] is not None:
+            live_ledger = PrivacyLedger.from_json(got["live"])
+            # The live ledger holds every release made in this directory, including the steps after
+            # the checkpoint that the resumed run replays (with fresh randomness: new releases).
+            if live_ledger.steps >= ck_ledger.steps:
+                ledger = live_ledger
+        if not ck_ledger.certified:
+            ledger.mark_not_certified(ck_ledger.not_certified_reason or "run marked not certified")
+        if self._banded:
+            self._resume_noise_state(got["noise"], int(st.get("global_step", -1)), ledger.steps - ck_ledger.steps)
+        self.ledger = ledger
+        self.dp_step.ledger = ledger
+        self._live_written = True
+
+    @property
+    def _banded(self) -> bool:
+        """A banded_mf run (secret noise state beyond the key)."""
+        return hasattr(getattr(self, "mechanism", None), "buffers")
+
+    def _resume_noise_state(self, state: Optional[dict], step: int, replayed: int) -> None:
+        """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``, with the
+        CLI's refusals (step/correlated.py ``resume_noise_state``): releases after the checkpoint,
+        a state of another step (resume from the last checkpoint: the file holds the newest one's
+        state), other coefficients or another N."""
+        try:
+            resume_noise_state(self.mechanism, state, step, replayed, self.engine.params, *_RESUME_WORDS)
+        except TrainingError as exc:
+            _refuse(str(exc))
