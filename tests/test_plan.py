@@ -215,3 +215,55 @@ def test_audit_catches_the_planted_resume_bugs():
         with cr.planted_bug(bug):
             checks = cr.resume_checks(bug)
         assert any(not c.passed for c in checks), bug
+
+
+# ----------------------------------------------------------------------------- methods
+def test_rmt_through_make_private_and_dptrainer_and_refusals():
+    """RMT (post-processing) through make_private(methods=…) is the CLI's transform on the same
+    noisy gradient; a method that needs the driver refuses with the reason."""
+    from dpft.step.postprocess import rmt_transform
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            self.seen = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+            return super().step(closure)
+
+    def run(methods):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 3))
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 3, (64,), generator=g))
+        eng = PrivacyEngine(reproducible_seed=SEED)
+        module, opt, crit, loader = eng.make_private(
+            module=model, optimizer=Capture(model.parameters(), lr=0.0), criterion=nn.CrossEntropyLoss(),
+            dataset=data, expected_batch_size=16, max_grad_norm=1.0, steps=1, noise_multiplier=0.3,
+            methods=methods)
+        for x, y in loader:
+            crit(module(x), y).backward()
+            if opt.step():
+                break
+        return model, opt
+
+    m0, opt0 = run(None)
+    m1, opt1 = run([{"name": "rmt", "method": "rmt", "min_dim": 2}])
+    assert len(opt1.dp_step.spec.transforms) == len(opt0.dp_step.spec.transforms) + 1
+    names = [n for n, _ in m0.named_parameters()]
+    noisy = dict(zip(names, opt0.original_optimizer.seen))
+    ctx = {"noise_std": 0.3 * 1.0 / 16, "step": 0, "q": 16 / 64}
+    want = rmt_transform(m0, list(noisy), type("C", (), {"kappa": 1.05, "rank": None, "min_dim": 2})())(noisy, ctx)
+    for n, g in zip(names, opt1.original_optimizer.seen):
+        assert torch.allclose(g, want[n], atol=1e-6), n
+    assert any(not torch.allclose(want[n], noisy[n]) for n in noisy)  # RMT shrank something
+    with pytest.raises(ValueError, match="method 'dp_adam_ac' cannot run here: it needs dpft train's driver"):
+        run([{"name": "dp_adam_ac", "adaptive_clip": True}])
+    with pytest.raises(ValueError, match="switched off by its own config"):
+        run([{"name": "rmt"}])
+    with pytest.raises(ValueError, match="NOT CERTIFIED"):
+        run([{"name": "rmt", "method": "rmt", "diagnostics": True}])
+    from dpft.integrations.hf import DPArguments
+
+    with pytest.raises(ValueError, match="build their own steps"):
+        DPArguments(target_epsilon=1.0, target_delta=1e-3, expected_batch_size=4, mechanism="banded_mf",
+                    methods=[{"name": "rmt", "method": "rmt"}])
+    assert DPArguments(target_epsilon=1.0, target_delta=1e-3, expected_batch_size=4,
+                       methods=[{"name": "rmt", "method": "rmt"}]).methods

@@ -27,7 +27,7 @@ LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_ini
 
 def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_generator, clipping, steps, epochs,
                     target_epsilon, target_delta, noise_multiplier, max_physical_batch_size, max_rows_per_user,
-                    user_clipping, mechanism, bands, max_batch_size, user_ids) -> Mechanism:
+                    user_clipping, mechanism, bands, max_batch_size, user_ids, methods=()) -> Mechanism:
     """Refuse what ``make_private`` cannot certify or cannot tell apart, before any work.
 
     Returns:
@@ -86,7 +86,7 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
         mech = mechanism_of(mechanism, bands, max_batch_size)
     except PlanError as exc:
         raise PlanError(f"make_private: {exc}") from None
-    why = mech.refusals(user_level=user_ids is not None)
+    why = mech.refusals(user_level=user_ids is not None, methods=[m.name for m in methods])
     if why:
         raise PlanError("make_private: " + "; ".join(why))
     if mech.stateful and steps is None and epochs is None:

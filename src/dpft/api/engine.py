@@ -18,6 +18,7 @@ from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
+from dpft.methods.python import python_hooks, python_methods
 from dpft.privacy.randomness import Randomness
 from dpft.step.pipeline import DPStep
 from dpft.step.plan import build_privacy_plan, planned_steps
@@ -174,6 +175,7 @@ class PrivacyEngine:
         max_batch_size: Optional[int] = None,
         mechanism: str = "gaussian",
         bands: Optional[int] = None,
+        methods: Optional[list] = None,
     ):
         """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
 
@@ -275,6 +277,10 @@ class PrivacyEngine:
                 :meth:`save_noise_state` (an owner-only file; never release it) and restore it
                 with :meth:`load_noise_state` to continue; without it a loop cannot be resumed.
             bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
+            methods: the recipe's method plug-ins, as ``dpft train``'s ``methods:`` list (``[{"name":
+                "rmt", "method": "rmt", "kappa": 1.05}]``): their ``build`` changes this loop's step
+                through the same plan (methods/python.py). A method that needs ``dpft train``'s driver
+                (earlier phases, the recipe's optimizer, the run folder) refuses with its reason.
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
@@ -301,13 +307,14 @@ class PrivacyEngine:
             dpft.grads.bookkeeping.UnattributedUseError: (first training micro-batch) a
                 trainable parameter used outside the forward of the module that owns it.
         """
+        meths = python_methods(methods, "make_private")
         mech = check_arguments(
             module=module, optimizer=optimizer, poisson_sampling=poisson_sampling, batch_first=batch_first,
             noise_generator=noise_generator, clipping=clipping, steps=steps, epochs=epochs,
             target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
             max_physical_batch_size=max_physical_batch_size, max_rows_per_user=max_rows_per_user,
             user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
-            user_ids=user_ids)
+            user_ids=user_ids, methods=meths)
         world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
         dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
                                                                     num_workers, collate_fn)
@@ -345,7 +352,8 @@ class PrivacyEngine:
             parts=parts, optimizer=optimizer, noise_multiplier=None if target_epsilon is not None else noise_multiplier,
             target_epsilon=target_epsilon, delta=target_delta, prior=self.ledger.events(),
             calibrate=lambda f: ddp.on_rank0(world, f), sampler=unit.sampler if unit is not None else None,
-            hardened=self.hardened_noise, rows=dataset)
+            hardened=self.hardened_noise, rows=dataset,
+            hooks=python_hooks(meths, model=module, n=n_units, ledger=self.ledger, rng=rng, where="make_private"))
         self._calls = calls
         ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
         dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)

@@ -60,7 +60,7 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
     with planting(name, PLANTED) as p:
         from dpft import api
         from dpft.grads import live
-        from dpft.integrations import hf
+        from dpft.integrations import hf, hf_data
 
         noop = lambda *a, **k: None  # noqa: E731
         if name == "double_capture":
@@ -70,7 +70,7 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
             p.set(hf.DPTrainer, "_check_params", noop)
             p.set(hf.DPTrainer, "_check_unclipped_grads", noop)
         elif name == "packing_collator":
-            p.set(hf, "check_unpacked_batch", noop)
+            p.set(hf_data, "check_unpacked_batch", noop)
             p.set(api, "check_unpacked_batch", noop)
         yield
 

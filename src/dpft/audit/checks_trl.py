@@ -66,14 +66,14 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
     from dpft.audit.planted import planting
 
     with planting(name, PLANTED) as p:
-        from dpft.integrations import hf
+        from dpft.integrations import hf_data
         from dpft.integrations import trl as dtrl
 
         noop = lambda *a, **k: None  # noqa: E731
         if name == "sft_packing_accepted":
             p.set(dtrl, "check_sft_config", noop)
             p.set(dtrl.DPSFTTrainer, "_check_prepared", noop)
-            p.set(hf, "check_unpacked_batch", noop)
+            p.set(hf_data, "check_unpacked_batch", noop)
         elif name == "dpo_pair_split":
             # each of a pair's two rows its own clipping group: a pair contributes up to 2C
             from dpft.grads.groups import GROUP_KEY

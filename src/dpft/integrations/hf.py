@@ -117,6 +117,7 @@ from dpft.grads.groups import PerExampleOverK
 from dpft.step.sample import UserPoissonSampler, user_index
 from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.integrations.hf_args import DPArguments
+from dpft.methods.python import python_hooks, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
@@ -259,7 +260,9 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
             sampler=(UserPoissonSampler(users, eb, int(dp_args.max_rows_per_user), self._run_rng)
                      if self.user_level else None),
             hardened=dp_args.hardened_noise, transforms=list(transforms or []),
-            head_mask=lambda names: [is_head_param(n) for n in names], rows=ds, phase="train")
+            head_mask=lambda names: [is_head_param(n) for n in names], rows=ds, phase="train",
+            hooks=python_hooks(python_methods(dp_args.methods, "DPArguments"), model=self.model, n=self.n,
+                               ledger=self.ledger, rng=self._run_rng, where="DPTrainer"))
         self.sigma, self.q, self.sampler = self.plan.sigma, self.plan.q, self.plan.sampler
         self.engine, spec = self.plan.engine, self.plan.spec
         if self.user_level and dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups", False):

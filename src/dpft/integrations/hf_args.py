@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dpft.errors import PlanError
+from dpft.methods.python import python_methods
 from dpft.step.clip import make_clip_policy
 from dpft.step.mechanisms import Mechanism, mechanism_of
 
@@ -67,6 +68,9 @@ class DPArguments:
             publish it); ``resume_from_checkpoint`` restores them and refuses without them.
             Example level only, not with ``max_batch_size``.
         bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
+    methods: method plug-ins, as ``dpft train``'s ``methods:`` list (``[{"name": "rmt", "method":
+        "rmt"}]``), applied to the step through the same plan (methods/python.py); one that needs
+        ``dpft train``'s driver refuses with its reason.
 
     Raises:
         ValueError: an out-of-range value, or neither/both of ``target_epsilon`` and
@@ -93,6 +97,7 @@ class DPArguments:
     max_batch_size: Optional[int] = None
     mechanism: str = "gaussian"
     bands: Optional[int] = None
+    methods: Optional[list] = None
 
     def __post_init__(self) -> None:
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
@@ -133,7 +138,8 @@ class DPArguments:
             part = self.mechanism_part()
         except PlanError as exc:
             raise PlanError(f"DPArguments: {exc}") from None
-        why = part.refusals(user_level=self.user_column is not None)
+        names = [m.name for m in python_methods(self.methods, "DPArguments")]
+        why = part.refusals(user_level=self.user_column is not None, methods=names)
         if why:
             raise PlanError("DPArguments: " + "; ".join(why))
 

@@ -461,7 +461,7 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
     def _micro_batches(self, idx: torch.Tensor):
         """Physical batches of the sampled pairs: ``2P`` rows each, a pair's rows one group."""
         from dpft.grads.groups import GROUP_KEY
-        from dpft.integrations import hf
+        from dpft.integrations import hf_data
 
         mine = self._share(idx)  # DDP: this rank's pairs only (each rank clipping all would count a pair K times)
         if not len(mine):
@@ -471,7 +471,7 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
             chunk = rows[k:k + self.physical_batch_size]
             batch = pair_rows(self._dp_collator(chunk))
             # One sampled pair must be exactly two rows of one group.
-            hf.check_unpacked_batch(batch, 2 * len(chunk), "DPDPOTrainer")
+            hf_data.check_unpacked_batch(batch, 2 * len(chunk), "DPDPOTrainer")
             if not torch.equal(batch[GROUP_KEY], torch.arange(len(chunk)).repeat_interleave(2)):
                 raise PackedBatchError("DPDPOTrainer: the collated batch is not two rows per sampled pair")
             yield self._prepare_inputs(batch)

@@ -90,6 +90,14 @@ class Method:
     #: does not declare it is run on the CPU (``perf.device: auto``) or refused (perf.py).
     supports_device: ClassVar[bool] = False
 
+    @classmethod
+    def python_refusal(cls, cfg: BaseModel) -> Optional[str]:
+        """Why this method cannot run through ``make_private(methods=…)`` / ``DPArguments(methods=…)``
+        (None: it can). Default: it needs ``dpft train``'s driver (its earlier phases, the recipe's
+        optimizer or its run folder); a method that only changes the step's parts overrides this."""
+        return ("it needs dpft train's driver (its earlier private phases, the recipe's optimizer or data, or the "
+                "run folder); run it with `dpft train`")
+
     def __init__(self, cfg: BaseModel, recipe: Any):
         self.cfg = cfg
         self.recipe = recipe

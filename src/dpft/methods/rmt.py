@@ -78,6 +78,14 @@ class RMTDenoise(Method):
     def enabled(cls, cfg: DenoiseCfg) -> bool:
         return cfg.method == "rmt"
 
+    @classmethod
+    def python_refusal(cls, cfg: DenoiseCfg) -> Optional[str]:
+        """RMT is post-processing of the noisy gradient: it runs in every way in, except its NOT
+        CERTIFIED diagnostics (they write the clean gradient's statistics into a run folder)."""
+        if cfg.diagnostics:
+            return "diagnostics: true keeps un-noised gradient statistics (NOT CERTIFIED research runs only)"
+        return None
+
     def prepare(self, run) -> None:
         if self.cfg.diagnostics and run.private:
             run.ledger.mark_not_certified(DIAGNOSTICS_REASON)
