@@ -267,3 +267,40 @@ def test_rmt_through_make_private_and_dptrainer_and_refusals():
                     methods=[{"name": "rmt", "method": "rmt"}])
     assert DPArguments(target_epsilon=1.0, target_delta=1e-3, expected_batch_size=4,
                        methods=[{"name": "rmt", "method": "rmt"}]).methods
+
+
+# ----------------------------------------------------------------------------- model cards (issue 36 item 4)
+def test_dptrainer_lora_card_states_the_guarantee(tmp_path):
+    """DPTrainer + LoRA: the adapter folder's README is dpft's card (ε, δ, unit and N, mechanism),
+    not PEFT's template, and create_model_card (what push_to_hub calls) writes the same; no
+    absolute local path in it."""
+    import datasets
+    from peft import LoraConfig, get_peft_model
+    from transformers import TrainingArguments, default_data_collator
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (32, 6), generator=g)
+    ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(32, 6).long().tolist(),
+                                     "labels": torch.randint(0, 2, (32,), generator=g).tolist()})
+    base = tiny_classifier("bert")
+    base.config._name_or_path = str(tmp_path / "my-local-base")  # a local folder: named by its last part only
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"]))
+    out = tmp_path / "out"
+    args = TrainingArguments(output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
+                             use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=2, save_strategy="no")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = DPTrainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator,
+                       dp_args=DPArguments(target_epsilon=3.0, target_delta=1e-3, expected_batch_size=8))
+        tr.train()
+        tr.save_model()
+    card = (out / "README.md").read_text()
+    assert (out / "adapter_config.json").is_file()
+    assert "differential privacy" in card and f"ε = {tr.get_epsilon():.4g} at δ = 0.001" in card
+    assert "N = 32" in card and "Poisson-subsampled Gaussian" in card and "What the ε covers" in card
+    assert "dp_epsilon:" in card and str(tmp_path) not in card and "my-local-base" in card
+    (out / "README.md").unlink()
+    tr.create_model_card()
+    assert "dp_epsilon:" in (out / "README.md").read_text()

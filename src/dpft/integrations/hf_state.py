@@ -18,6 +18,7 @@ from dpft import distributed as ddp
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.errors import TrainingError
+from dpft.integrations.hf_card import write_trainer_card
 from dpft.integrations.hf_checks import refuse as _refuse
 from dpft.step.correlated import load_noise_state, resume_noise_state
 
@@ -67,9 +68,19 @@ class PrivateState:
         self._live_written = True
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model`` plus ``ledger.json`` and ``dp_state.json`` (checkpoints too)."""
+        """``Trainer.save_model`` plus ``ledger.json``, ``dp_state.json`` and dpft's model card
+        (``README.md``, over PEFT's template for an adapter) — checkpoints too."""
         super().save_model(output_dir, _internal_call)
-        self._write_dp_files(output_dir if output_dir is not None else self.args.output_dir)
+        directory = output_dir if output_dir is not None else self.args.output_dir
+        self._write_dp_files(directory)
+        if self.is_world_process_zero():
+            write_trainer_card(self, directory)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """dpft's card in ``output_dir/README.md`` instead of ``Trainer``'s (``push_to_hub`` calls
+        this before uploading, so the pushed card states the guarantee)."""
+        if self.is_world_process_zero():
+            write_trainer_card(self, self.args.output_dir)
 
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint`` (every rank calls it), after checking that the ranks still
