@@ -63,7 +63,7 @@ from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
 from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW
 from dpft.grads.lora import check_adapter_layers
-from dpft.grads.registry import register_layer, rule_for
+from dpft.grads.registry import register_layer, rule_for, rules_for
 from dpft.step.clip import ClipPolicy, check_finite_norms
 
 
@@ -231,11 +231,16 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
     check_adapter_layers(model, {id(p) for p in params.values()})
     named = dict(model.named_modules())
     owners: dict[int, tuple[str, nn.Module, dict[str, str]]] = {}
+    # Parameters of a child that a rule of its parent accounts for (kinds.LayerKind.claims: T5's
+    # relative-attention bias table, which only the attention can hand a per-example copy).
+    claimed = {} if kinds is not None else _claimed_parameters(model, set(pid))
     for mname, m in model.named_modules():
         for pname, p in m._parameters.items():
             if p is None or id(p) not in pid:
                 continue
-            if isinstance(m, (nn.ParameterDict, nn.ParameterList)) and mname:
+            if (id(m), pname) in claimed:
+                owner, role, label = claimed[(id(m), pname)]
+            elif isinstance(m, (nn.ParameterDict, nn.ParameterList)) and mname:
                 parent, _, child = mname.rpartition(".")
                 owner, role, label = named[parent], f"{child}.{pname}", parent
             else:
@@ -264,6 +269,22 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
             kind = FallbackKind()
         units.append(Unit(owner, kind, roles, label or "<root>"))
     return units
+
+
+def _claimed_parameters(model: nn.Module, trainable: set[int]) -> dict[tuple[int, str], tuple]:
+    """``(id(child module), parameter name) -> (parent module, role path, parent label)`` for the
+    trainable parameters that a rule of an ancestor claims (``LayerKind.claims``)."""
+    out: dict[tuple[int, str], tuple] = {}
+    for mname, m in model.named_modules():
+        for kind in rules_for(m):
+            paths = [q for q in kind.claims(m) if id(m.get_parameter(q)) in trainable]
+            if not paths:
+                continue
+            for q in paths:
+                child, _, pname = q.rpartition(".")
+                out[(id(m.get_submodule(child)), pname)] = (m, q, mname or "<root>")
+            break
+    return out
 
 
 class BookKeepingEngine(PerExampleEngine):

@@ -96,10 +96,17 @@ class Capture:
         self.pending: dict[int, int] = {}
         #: A forward was re-run inside the backward (activation checkpointing in use).
         self.recomputed = False
+        #: id(unit) -> results of the rule's ``pre_forward`` for calls not yet finished (a stack:
+        #: the post-hook of the same call takes the last one).
+        self._pre: dict[int, list] = {}
 
     def _register(self) -> None:
         if not self.handles:
             for u in self.units:
+                if u.kind.has_pre_forward:
+                    self.handles.append(
+                        u.module.register_forward_pre_hook(self._make_pre_hook(u), with_kwargs=True)
+                    )
                 self.handles.append(
                     u.module.register_forward_hook(self._make_hook(u), with_kwargs=True)
                 )
@@ -130,6 +137,31 @@ class Capture:
         self.active = False
         self._remove()
 
+    def _make_pre_hook(self, unit: Unit) -> Callable:
+        """Forward pre-hook of a rule with ``pre_forward``: hands the module its per-example
+        inputs (on every run of the forward, checkpoint re-runs included, so that a re-run builds
+        the same graph); the post-hook of the same call records them."""
+
+        def pre(module, args, kwargs):
+            if not self.active or (self.phase == "backward" and not in_backward()):
+                return None
+            res = unit.kind.pre_forward(module, args, kwargs, self.batch)
+            self._pre.setdefault(id(unit), []).append(res)
+            if res is None:
+                return None
+            new_args, new_kwargs, _, tensors = res
+            for t in tensors:
+                if not t.requires_grad:  # weights switched off: a leaf whose gradient is the "B"
+                    t.requires_grad_(True)
+            return new_args, new_kwargs
+
+        return pre
+
+    def _take_pre(self, unit: Unit):
+        """The ``pre_forward`` result of the call whose post-hook runs now (None: declined)."""
+        stack = self._pre.get(id(unit))
+        return stack.pop() if stack else None
+
     def _make_hook(self, unit: Unit) -> Callable:
         def hook(module, args, kwargs, output):
             if not self.active:
@@ -153,6 +185,9 @@ class Capture:
         return state, new_out, watched
 
     def _on_forward(self, unit: Unit, args, kwargs, output):
+        pre = self._take_pre(unit) if unit.kind.has_pre_forward else None
+        if unit.kind.has_pre_forward and pre is None:
+            return None  # the rule declined this call: its parameters were not used by it
         self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
         if self.mode != "probe" and not torch.is_grad_enabled():
             # No graph is built (a reentrant checkpoint's first pass, or a no_grad region):
@@ -160,6 +195,8 @@ class Capture:
             # re-runs it inside the backward, where it is recorded.
             self.pending[id(unit)] = self.pending.get(id(unit), 0) + 1
             return None
+        if pre is not None:
+            return self._record_inputs(unit, pre)
         state, new_out, watched = self._save(unit, args, kwargs, output)
         for t in watched:
             self.versions.append((t, t._version, unit))
@@ -171,6 +208,28 @@ class Capture:
         if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
             self.probe_inputs.setdefault(id(unit), []).append(state)
         return self._record(unit, state, new_out, output, leaves=True)
+
+    def _record_inputs(self, unit: Unit, pre) -> None:
+        """Record a call whose gradient slots are the per-example tensors its rule's
+        ``pre_forward`` handed the forward (hooks on them receive the gradient of every use)."""
+        _, _, state, tensors = pre
+        if self.mode == "probe":
+            self.probe_inputs.setdefault(id(unit), []).append(state)
+            if self.check_outputs:
+                self._keep_outputs(unit, tensors)
+            return None
+        if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
+            self.probe_inputs.setdefault(id(unit), []).append(state)
+        rec = _Record(unit, state)
+        rec.grads = [None] * len(tensors)
+        rec.pending = len(tensors)
+        rec.flat = [0] * len(tensors)
+        self.records.append(rec)
+        for slot, t in enumerate(tensors):
+            t.register_hook(self._grad_hook(rec, slot))
+        if self.check_outputs:
+            self._keep_outputs(unit, tensors)
+        return None
 
     def _keep_outputs(self, unit: Unit, out) -> None:
         b = self.batch
@@ -219,16 +278,21 @@ class Capture:
     def _on_recompute(self, unit: Unit, args, kwargs, output):
         """A unit's forward re-run inside the backward by activation checkpointing."""
         self.recomputed = True
-        if self.mode == "probe":
+        pre = self._take_pre(unit) if unit.kind.has_pre_forward else None
+        if self.mode == "probe" or (unit.kind.has_pre_forward and pre is None):
             return None
         if self.pending.get(id(unit), 0) > 0:
             # Reentrant: the original call ran without a graph; this one's graph is the one
             # the gradients flow through.
             self.pending[id(unit)] -= 1
+            if pre is not None:
+                return self._record_inputs(unit, pre)
             state, new_out, _ = self._save(unit, args, kwargs, output)
             return self._record(unit, state, new_out, output, leaves=False)
         # Non-reentrant: already recorded in the forward. Replay the graph change only (the
         # recomputed graph must save the same tensors as the original one).
+        if pre is not None:  # the pre-hook already handed the re-run its per-example inputs
+            return None
         _, new_out, _ = unit.kind.save(unit.module, args, kwargs, output, self.batch)
         out = new_out if new_out is not None else output
         for t in torch.utils._pytree.tree_leaves(out):

@@ -51,6 +51,29 @@ class LayerKind:
                       roles: tuple[str, ...]) -> dict[str, Contribution]:
         raise NotImplementedError
 
+    #: The rule hands the module per-example inputs before its forward (:meth:`pre_forward`).
+    has_pre_forward = False
+
+    def claims(self, module: nn.Module) -> tuple[str, ...]:
+        """Parameter paths of *child* modules that this rule accounts for on ``module`` (the
+        owner of those parameters then gets no unit of its own; ``discover_units``). Default:
+        none. Used where a parameter is applied to a batch-independent tensor inside the parent's
+        forward (T5's relative-attention bias table), so that only the parent can hand it a
+        per-example copy."""
+        return ()
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict, batch: int
+                    ) -> Optional[tuple[tuple, dict, Any, list[torch.Tensor]]]:
+        """Only for rules with ``has_pre_forward``: run as a forward pre-hook while capturing.
+
+        Returns None (the call is left alone and records nothing), or ``(args, kwargs, state,
+        tensors)``: the forward runs on the new ``args``/``kwargs``; ``tensors`` are per-example
+        tensors ``(B, ...)`` handed to it (made to require grad if they do not), whose total
+        gradients (every use, inside the forward and after it) are passed, in order, as
+        ``grads`` to :meth:`contributions` with ``state`` (``save`` is not called).
+        """
+        return None
+
 
 def first_input(args: tuple, kwargs: dict, name: str = "input") -> torch.Tensor:
     if args:
