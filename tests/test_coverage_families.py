@@ -49,9 +49,6 @@ RTOL = 1e-4
 
 #: (family, mode) -> a regex the refusal must match; every other cell must be exact.
 EXPECTED_REFUSALS: dict[tuple[str, str], str] = {
-    # T5's relative-attention bias table is used on (T, T) bucket ids shared by every example:
-    # the layout check of the first micro-batch finds its rows influence every example's loss.
-    ("T5", "full"): r"relative_attention_bias: its output .* is not laid out example by example",
     # DeBERTa-v2 with relative attention (as DeBERTa-v3 checkpoints) applies its LayerNorm and its
     # query/key projections (and their LoRA adapters) to the shared relative-position table.
     ("DeBERTa-v2", "full"): r"encoder\.LayerNorm: its output .* not laid out example by example",
@@ -368,3 +365,100 @@ def test_peft_guard_refuses_an_unknown_lora_variant():
     layer.lora_variant["default"] = SomeFutureVariant()
     with pytest.raises(UnknownAdapterError, match="LoRA variant \\['SomeFutureVariant'\\]"):
         _private(model, task)
+
+
+# ------------------------------------------- relative position biases vs the torch.func reference
+
+#: Families whose attention adds a learned relative-position bias computed from a table shared by
+#: every example (issue 36 item 10): checked engine against engine as well.
+RELATIVE = ("T5",)
+
+
+def _batch(task: str) -> dict[str, torch.Tensor]:
+    ids, mask, tgt = make_data(task).tensors
+    if task == "cls":
+        return {"input_ids": ids, "attention_mask": mask, "labels": tgt}
+    start = torch.zeros(B, 1, dtype=tgt.dtype)
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": torch.cat([start, tgt[:, :-1]], 1),
+            "labels": tgt}
+
+
+def _loss(task: str):
+    def loss_fn(fwd, b):
+        kw = {k: v for k, v in b.items() if k != "labels"}
+        logits = fwd(**kw).logits
+        if task == "cls":
+            return F.cross_entropy(logits, b["labels"], reduction="none")
+        return F.cross_entropy(logits.transpose(1, 2), b["labels"], reduction="none").mean(1)
+    return loss_fn
+
+
+def engine_vs_reference(family: str, mode: str, norm_mode: str = "auto", model: nn.Module | None = None,
+                        ref_model: nn.Module | None = None) -> dict:
+    """Book-keeping against ``ReferenceEngine`` (``vmap(grad)``) on one micro-batch of B = 4:
+    max |Δ| of the per-example norms, max |Δ| of the clipped sums
+    (relative to the largest entry), and the parameters whose gradient came from a shared table.
+    C is the median norm, so some examples are clipped and some are not. ``ref_model``: the same
+    weights for the reference (one without activation checkpointing, which torch.func refuses)."""
+    from dpft.grads.bookkeeping import BookKeepingEngine
+    from dpft.grads.reference import ReferenceEngine
+    from dpft.step.clip import FlatClip
+
+    task, base = build(family)
+    if model is None:
+        model = adapt(base, task, mode).eval()
+    batch, loss_fn = _batch(task), _loss(task)
+    ref_model = model if ref_model is None else ref_model
+    probe = ReferenceEngine(ref_model, loss_fn, FlatClip(1e9)).clipped_sum(batch)
+    C = float(probe.norms.median())  # the lower middle: 2 of 4 examples clipped, 2 not
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = ReferenceEngine(ref_model, loss_fn, FlatClip(C)).clipped_sum(batch)
+        bk = BookKeepingEngine(model, loss_fn, FlatClip(C), norm_mode=norm_mode).clipped_sum(batch)
+    assert ref.n == bk.n == B and list(ref.grad_sum) == list(bk.grad_sum)
+    d_norm = float((bk.norms - ref.norms).abs().max())
+    scale = max(float(g.abs().max()) for g in ref.grad_sum.values())
+    d_sum = max(float((bk.grad_sum[n] - ref.grad_sum[n]).abs().max()) for n in ref.grad_sum) / scale
+    clipped = int((ref.scales[:, 0] < 1).sum())
+    return {"d_norm": d_norm, "norm": float(ref.norms.max()), "d_sum": d_sum, "clipped": clipped,
+            "shared": [n for n in ref.grad_sum if "relative_attention_bias" in n or "rel_embeddings" in n]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", RELATIVE)
+def test_relative_bias_families_match_the_reference_engine(family, mode):
+    """Per-example norms and clipped sums of the book-keeping engine equal the torch.func
+    reference's (fp32 tolerance), with some examples clipped; in full fine-tuning the shared
+    relative-position table is among the trained parameters and gets its exact share."""
+    r = engine_vs_reference(family, mode)
+    print(f"{family} {mode}: max|Δ norm| {r['d_norm']:.1e} (norms ≤ {r['norm']:.2f}), max|Δ sum|/max {r['d_sum']:.1e}, "
+          f"{r['clipped']}/{B} clipped")
+    assert r["d_norm"] <= 1e-5 * max(1.0, r["norm"]), r
+    assert r["d_sum"] <= 1e-5, r
+    assert 0 < r["clipped"] < B
+    if mode == "full":
+        assert r["shared"], "the relative-position table should be trained in full fine-tuning"
+
+
+@pytest.mark.parametrize("norm_mode", ["ghost", "instantiate"])
+def test_t5_relative_bias_both_norm_routes(norm_mode):
+    r = engine_vs_reference("T5", "full", norm_mode)
+    assert r["d_norm"] <= 1e-5 * max(1.0, r["norm"]) and r["d_sum"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_t5_relative_bias_under_activation_checkpointing(reentrant):
+    """Training mode (no dropout) with Hugging Face activation checkpointing: the per-example bias
+    is handed again to the forwards re-run in the backward and each call is recorded once."""
+    tf = transformers
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0))
+    model.config.use_cache = False
+    ref_model = copy.deepcopy(model).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    r = engine_vs_reference("T5", "full", model=model, ref_model=ref_model)
+    assert len(r["shared"]) == 2  # the encoder's and the decoder's table
+    assert r["d_norm"] <= 1e-5 * max(1.0, r["norm"]) and r["d_sum"] <= 1e-5, r

@@ -353,7 +353,13 @@ class BookKeepingEngine(PerExampleEngine):
                 losses = self.loss_fn(self._forward(), b1)
             for u in cap.changed_inputs():
                 u.clone_input = True
-            self.verify_uses(losses, cap.calls, cap.probe_inputs, None if groups is None else groups[:nb])
+            # The layout check's backward passes re-run checkpointed forwards: the hooks stay on
+            # for them (a rule's pre_forward must hand those re-runs the same inputs).
+            cap.open_backward()
+            try:
+                self.verify_uses(losses, cap.calls, cap.probe_inputs, None if groups is None else groups[:nb])
+            finally:
+                cap.close()
         self._checked = True
 
     def verify_uses(self, losses: torch.Tensor, calls: Mapping[int, int],
