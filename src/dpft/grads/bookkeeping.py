@@ -268,6 +268,12 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
                 _warned_fallback.add(cls)
             kind = FallbackKind()
         units.append(Unit(owner, kind, roles, label or "<root>"))
+    if kinds is None:  # modules hooked only to hand a shared tensor per example (LayerKind.layout_only)
+        trainable = set(pid)
+        for mname, m in model.named_modules():
+            lay = next((k for k in rules_for(m) if k.layout_only), None)
+            if lay is not None and lay.needed(m, trainable, bool(claimed)):
+                units.append(Unit(m, lay, {}, mname or "<root>"))
     return units
 
 

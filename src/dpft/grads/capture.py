@@ -39,6 +39,10 @@ class _Record:
     #: Per output slot: ``n`` when that output is a flattened ``(B*n, ...)`` (its gradient is
     #: reshaped to ``(B, n, ...)`` before the rule sees it), else 0.
     flat: list = field(default_factory=list)
+    #: Slots are a rule's per-example inputs (``pre_forward``): their gradients are summed over
+    #: every delivery (reentrant checkpointing runs one backward per checkpointed block, each
+    #: delivering its share to a tensor they all read) and reduced when the backward is over.
+    accumulate: bool = False
 
 
 class Capture:
@@ -115,6 +119,9 @@ class Capture:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for u in self.units:  # a forward that raised left a pre_forward change on its module
+            if u.kind.has_pre_forward:
+                u.kind.post_forward(u.module)
 
     def __enter__(self) -> "Capture":
         self.phase = "forward"
@@ -169,8 +176,16 @@ class Capture:
             if self.phase == "backward":
                 if not in_backward():  # a forward of a submodule after the pass: not ours
                     return None
-                return self._on_recompute(unit, args, kwargs, output)
-            return self._on_forward(unit, args, kwargs, output)
+                try:
+                    return self._on_recompute(unit, args, kwargs, output)
+                finally:
+                    if unit.kind.has_pre_forward:
+                        unit.kind.post_forward(module)
+            try:
+                return self._on_forward(unit, args, kwargs, output)
+            finally:
+                if unit.kind.has_pre_forward:
+                    unit.kind.post_forward(module)
 
         return hook
 
@@ -220,7 +235,7 @@ class Capture:
             return None
         if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
             self.probe_inputs.setdefault(id(unit), []).append(state)
-        rec = _Record(unit, state)
+        rec = _Record(unit, state, accumulate=True)
         rec.grads = [None] * len(tensors)
         rec.pending = len(tensors)
         rec.flat = [0] * len(tensors)
@@ -311,6 +326,10 @@ class Capture:
 
     def _deliver(self, rec: _Record, slot: int, g: Optional[torch.Tensor]) -> None:
         if rec.done:
+            return
+        if rec.accumulate:  # finished when the backward is over (backward(), or the live flush)
+            if g is not None:
+                rec.grads[slot] = g if rec.grads[slot] is None else rec.grads[slot] + g
             return
         rec.grads[slot] = g
         rec.pending -= 1

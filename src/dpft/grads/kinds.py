@@ -74,6 +74,21 @@ class LayerKind:
         """
         return None
 
+    def post_forward(self, module: nn.Module) -> None:
+        """Only for rules with ``has_pre_forward``: run after every forward of ``module`` whose
+        pre-hook ran (and when the capture closes): undo what :meth:`pre_forward` changed on the
+        module for the duration of its forward (an instance override of a method). Idempotent."""
+
+    #: A rule that only changes how a module computes while capturing (per-example copies of a
+    #: shared tensor, :meth:`pre_forward`) and accounts for no parameter of its own: the engine
+    #: gives it a unit when :meth:`needed` says so (``discover_units``).
+    layout_only = False
+
+    def needed(self, module: nn.Module, trainable: set[int], claimed: bool) -> bool:
+        """``layout_only`` rules: whether ``module`` must be hooked, given the ids of the trainable
+        parameters and whether some rule claimed a parameter of a shared table."""
+        return False
+
 
 def first_input(args: tuple, kwargs: dict, name: str = "input") -> torch.Tensor:
     if args:
