@@ -109,17 +109,17 @@ class FallbackKind(LayerKind):
         rows = 0  # n > 0: every output is a flattened token-major (B*n, ...) tensor
         shared = False  # the output is batch-independent: every input is shared by all examples
         if batch > 1 and lead == {1} and type(module).__module__.startswith("peft.tuners.lora.dora"):
-            # A DoRA magnitude on a shared tensor (DeBERTa's relative-position table through
-            # query_proj/key_proj): its lora_A/lora_B on the same tensor have no per-example rule
+            # A DoRA magnitude on a shared tensor (a relative-position table projected once for
+            # the batch; DeBERTa-v2's is handed per example by grads/relbias.py): its lora_A/lora_B on the same tensor have no per-example rule
             # either (kinds.py LayoutError), and expanding its output to (B, ...) breaks model code
             # that keeps that tensor's batch dim of 1 (a bmm shape error). Refused like them, by
             # name, if a gradient reaches it (Capture, verify_uses).
             return LayoutError(
                 f"a DoRA magnitude applied to a tensor without the example dimension (output shape "
                 f"{tuple(outs[0].shape)} for {batch} examples: a table shared by every example, such as "
-                "DeBERTa's relative positions), so neither it nor the layer's lora_A/lora_B has an exact "
+                "a relative-position table), so neither it nor the layer's lora_A/lora_B has an exact "
                 "per-example rule (the torch.func fallback would have to expand that tensor per example). "
-                "Leave this layer out of target_modules (DeBERTa: train value_proj/dense/intermediate), or "
+                "Leave this layer out of target_modules, or "
                 "use ReferenceEngine (exact, one backward per example)"), None, []
         if batch > 1 and lead == {1}:
             shared = True

@@ -1,4 +1,10 @@
-"""Book-keeping rule for T5's relative-attention bias (T5, mT5, LongT5-style ``T5Attention``).
+"""Book-keeping rules for relative-position tables shared by every example of a batch (issue 36
+item 10): T5's relative-attention bias (T5, mT5 and other ``T5Attention`` copies) and DeBERTa-v2's
+relative attention (second half of this file). In both, the model computes a table once for the
+batch and broadcasts it; while capturing, the rule hands the model a per-example copy (a stride-0
+``expand``, same values) so that each example's gradient of the table arrives on its own.
+
+T5.
 
 Forward (Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a Unified
 Text-to-Text Transformer", sec. 2.1; Hugging Face ``T5Attention.compute_bias``): the first
