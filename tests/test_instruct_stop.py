@@ -160,3 +160,30 @@ def test_cli_summary_of_an_instruct_run_gives_exact_match_and_rouge_l(tmp_path, 
     gen_cfg = json.loads((tmp_path / "run" / "model" / "generation_config.json").read_text())
     eos = gen_cfg["eos_token_id"]
     assert tiny_tokenizer().eos_token_id in ([eos] if isinstance(eos, int) else eos)
+
+
+def test_trl_chat_rows_end_in_the_turn_marker_that_generation_must_stop_at(tmp_path):
+    """What DPSFTTrainer hits (issue 36 item 9): TRL renders ChatML turns ending in <|im_end|> (a
+    target) while the model's generation config stops only at </s>, so generations never end.
+    ``check_prepared_rows`` on TRL's prepared rows finds <|im_end|>; ``set_generation_stop`` makes
+    generation (and the saved generation_config.json) stop there."""
+    import datasets
+
+    trl = pytest.importorskip("trl")
+    tok = tiny_tokenizer(CHATML)
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "completion": [{"role": "assistant", "content": r["completion"]}]} for r in ROWS]
+    model = tiny_llama(len(tok))
+    t = trl.SFTTrainer(model=model, args=trl.SFTConfig(output_dir=str(tmp_path / "out"), max_length=40, report_to=[],
+                                                       use_cpu=True),
+                       train_dataset=datasets.Dataset.from_list(rows), processing_class=tok)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    gen_eos = t.model.generation_config.eos_token_id
+    assert end not in ([gen_eos] if isinstance(gen_eos, int) else gen_eos)  # the bug: never stops at the turn end
+    stop = check_prepared_rows(t.train_dataset, tok, max_length=40)
+    assert stop == [end]
+    set_generation_stop(t.model, stop)
+    assert end in t.model.generation_config.eos_token_id
+    t.model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "generation_config.json").read_text())["eos_token_id"]
+    assert end in saved
