@@ -160,7 +160,8 @@ def _deberta_v2_module(module):
 
 
 def _per_example_bias(self, query_layer, key_layer, relative_pos, rel_embeddings, scale_factor):
-    """Hugging Face ``DisentangledSelfAttention.disentangled_attention_bias`` (transformers 4.4x-5.x)
+    """Hugging Face ``DisentangledSelfAttention.disentangled_attention_bias`` (as of transformers 5.24;
+    a drift is caught by tests/test_coverage_families.py against the torch.func reference)
     with the relative table projected per example: ``rel_embeddings`` is ``(2k, d)`` (shared: a
     stride-0 copy per example is taken here) or ``(B, 2k, d)`` (``DebertaV2TableKind``'s copy)."""
     mod = _deberta_v2_module(self)
