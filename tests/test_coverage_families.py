@@ -531,3 +531,15 @@ def test_deberta_v2_capture_leaves_the_model_unchanged():
     with torch.no_grad():
         after = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_mt5_relative_bias_matches_the_reference_engine():
+    """mT5's attention is a copy of T5's (``MT5Attention``): the same rule, checked the same way."""
+    tf = transformers
+    torch.manual_seed(0)
+    model = tf.MT5ForConditionalGeneration(tf.MT5Config(
+        vocab_size=V, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)).eval()
+    r = engine_vs_reference("T5", "full", model=model)
+    assert r["d_norm"] <= TOL and r["d_sum"] <= TOL, r
+    assert len(r["shared"]) == 2

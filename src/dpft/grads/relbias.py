@@ -1,5 +1,5 @@
 """Book-keeping rules for relative-position tables shared by every example of a batch (issue 36
-item 10): T5's relative-attention bias (T5, mT5 and other ``T5Attention`` copies) and DeBERTa-v2's
+item 10): T5's relative-attention bias (T5, mT5) and DeBERTa-v2's
 relative attention (second half of this file). In both, the model computes a table once for the
 batch and broadcasts it; while capturing, the rule hands the model a per-example copy (a stride-0
 ``expand``, same values) so that each example's gradient of the table arrives on its own.
@@ -42,9 +42,10 @@ from dpft.grads.contrib import Outer, PerExample
 from dpft.grads.kinds import LayerKind
 from dpft.grads.registry import register_layer
 
-#: Attention classes with T5's bucketed relative bias (``T5Attention`` and its copies).
-T5_ATTENTION_CLASSES = ("T5Attention", "MT5Attention", "UMT5Attention", "LongT5Attention",
-                        "SwitchTransformersAttention", "Pop2PianoAttention")
+#: Attention classes with T5's bucketed relative bias whose ``compute_bias(q_len, k_len, device=)``
+#: this rule follows (T5, and mT5's copy of it). Other copies (UMT5: a bias in every layer; LongT5's
+#: local attention: per-block bias) are not matched: the engine's layout check refuses them by name.
+T5_ATTENTION_CLASSES = ("T5Attention", "MT5Attention")
 
 
 def _stock_embedding(m) -> bool:
