@@ -104,7 +104,7 @@ def test_model_card_states_the_guarantee(tiny_model_dir, labelled_files, tmp_pat
     assert f"{dp['sampling_rate']:.6f}" in text and f"| steps | {dp['steps']} |" in text
     assert "| clipping norm C | 1 (flat) |" in text and "PLD" in text and "dp-accounting" in text
     assert "What it does not cover" in text and "(dp-accounting) (dp-accounting)" not in text and "NOT covered by ε" in text  # own dev split
-    assert "import dpft.models.export" in text  # how to load the mean-pooling head
+    assert "trust_remote_code=True" in text  # how to load the mean-pooling head without dpft (issue 36)
 
 
 def test_nodp_card_says_no_guarantee(tiny_model_dir, labelled_files, tmp_path):

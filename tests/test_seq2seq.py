@@ -177,17 +177,9 @@ def test_seq2seq_recipe_validates():
         load_recipe(None, {"task.name": "seq2seq", "task.test_file": "x.csv"})
 
 
-def test_t5_full_fine_tuning_is_refused_before_any_data_is_read(tmp_path, monkeypatch):
-    from dpft.models.load import ModelError
-    from dpft.run.loop import Trainer
-
-    monkeypatch.chdir(ROOT)
-    ov = _overrides(tmp_path, "T5", "full", **{"task.train_file": str(tmp_path / "missing.csv")})
-    with pytest.raises(ModelError, match=r"relative_attention_bias.*trainable.mode: lora"):
-        Trainer(load_recipe(ROOT / "recipes/e2e-t5-lora.yaml", ov), tmp_path / "run", progress=False)
-
-
-@pytest.mark.parametrize("family,mode", [("T5", "lora"), ("BART", "full")])
+# T5 full: its relative-attention bias table has an exact rule (grads/relbias.py, issue 36); it was
+# refused before.
+@pytest.mark.parametrize("family,mode", [("T5", "lora"), ("T5", "full"), ("BART", "full")])
 def test_dpft_train_seq2seq_two_steps_ledger_generation_and_reload(tmp_path, monkeypatch, family, mode):
     import dp_accounting as dpa
 
@@ -257,8 +249,13 @@ def test_audit_seq2seq_leave_one_out_passes_and_catches_its_planted_bug():
     from dpft.audit.checks_seq2seq import PLANTED, seq2seq_checks
 
     honest = seq2seq_checks(None)
-    assert len(honest) == 2 and all(c.passed for c in honest), [c.message for c in honest]
+    assert len(honest) == 4 and all(c.passed for c in honest), [c.message for c in honest]
     bad = seq2seq_checks("seq2seq_targets_across_rows")
     assert any(not c.passed for c in bad) and max(c.stats["loo_over_C"] for c in bad) > 1.5
+    # issue 36: the shared relative tables' rules, with every example given the batch's gradient
+    bad = {c.name: c for c in seq2seq_checks("relative_table_batch_summed")}
+    failed = [n for n, c in bad.items() if not c.passed]
+    assert any("T5 full" in n for n in failed) and any("DeBERTa-v2" in n for n in failed), \
+        {n: c.stats["loo_over_C"] for n, c in bad.items()}
     assert set(PLANTED) <= set(planted.ALL)
     assert ("dpft.audit.checks_seq2seq", "seq2seq_checks", PLANTED) in suite.OPTIONAL_CHECKS

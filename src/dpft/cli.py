@@ -235,6 +235,7 @@ def train(
 ):
     """Fine-tune a model under (ε, δ)-DP as a recipe says; flags override recipe keys."""
     from dpft.config import load_recipe
+    from dpft.report.lm import generation_summary
     from dpft.report.report import epsilon_line
     from dpft.run.loop import Trainer, TrainingError, TrainingInterrupted
 
@@ -346,6 +347,8 @@ def train(
         typer.echo(f"dev loss: {rep['metrics']['dev_loss']:.4f} nats/token, perplexity {rep['metrics']['dev_perplexity']:.3f}")
     if rep.get("test"):
         typer.echo(f"test accuracy: {rep['test']['test_accuracy']:.4f} ({rep['test']['n']} examples; once, after training)")
+    for line in generation_summary(rep):  # instruct: exact match, ROUGE-L; a warning if all generations agree
+        typer.secho(line, fg="yellow" if line.startswith("WARNING") else None)
     typer.echo(epsilon_line(rep))
 
 

@@ -164,8 +164,9 @@ def plant(name: Optional[str]) -> Iterator[dict]:
 FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted")
 ALL = ALL + FSDP_PLANTED
 # ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
-# collated with the next row's target.
-SEQ2SEQ_PLANTED = ("seq2seq_targets_across_rows",)
+# collated with the next row's target; relative-position table rules (issue 36) giving every example the
+# batch-summed gradient of the shared table.
+SEQ2SEQ_PLANTED = ("seq2seq_targets_across_rows", "relative_table_batch_summed")
 ALL = ALL + SEQ2SEQ_PLANTED
 # EW-FT ldp.train_pre (issue 29; audit/checks_ewft.py plants them): pre(·) updated from the
 # un-noised clipped sum; the two releases of a step recorded as two separately sampled events.

@@ -114,7 +114,7 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_mechanisms", "mechanism_checks",
      ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
       "banded_buffers_reset", "banded_unnormalised")),
-    ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows",)),
+    ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows", "relative_table_batch_summed")),
     ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
     # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
     ("dpft.audit.checks_mechanisms_api", "mechanisms_api_checks",

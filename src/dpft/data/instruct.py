@@ -54,6 +54,7 @@ from typing import Any, Optional, Sequence
 import datasets
 
 from dpft.config import TaskCfg
+from dpft.data.stop import learned_stop_ids
 from dpft.data.tasks import DataError, _load_file
 
 #: Column names the trainer uses itself; a data column with one of these names is refused.
@@ -81,6 +82,9 @@ class InstructData:
     truncated: Optional[dict] = None
     #: One row = one example (never packed).
     unit: str = "example"
+    #: Token ids the completions end with (EOS, a chat template's end of turn): generation stops
+    #: there (data/stop.py; issue 36 item 9).
+    stop_ids: list[int] = field(default_factory=list)
 
     @property
     def num_labels(self) -> int:
@@ -357,6 +361,12 @@ def load_instruct_task(cfg: TaskCfg, tokenizer, max_length: int, seed: int = 0,
     pc_tr, pc_dv = tr_used != [cfg.messages_column], dv_used != [cfg.messages_column]
     tr = encode(tr_conv, tokenizer, template, max_length, cfg.separator, pc_tr)
     dv = encode(dv_conv, tokenizer, template, max_length, cfg.separator, pc_dv)
+    # Every complete completion must end in a token generation stops at (data/stop.py).
+    stop = learned_stop_ids(({"input_ids": a, "labels": b} for a, b in zip(tr["input_ids"], tr["labels"])),
+                            tokenizer, f"{cfg.train_file} (training rows)", cut_right=tr["cut_right"])
+    stop += [i for i in learned_stop_ids(({"input_ids": a, "labels": b} for a, b in zip(dv["input_ids"], dv["labels"])),
+                                         tokenizer, f"{cfg.dev_file or cfg.train_file} (dev rows)",
+                                         cut_right=dv["cut_right"]) if i not in stop]
     groups = group_references(dv, dv_conv, [_shown_prompt(c) for c in dv_conv])
     train = _tokenised(train_ds, tr_used, tr, keep=cfg.user_column)
     dev = _tokenised(dev_ds, dv_used, dv, keep=cfg.user_column)
@@ -383,4 +393,4 @@ def load_instruct_task(cfg: TaskCfg, tokenizer, max_length: int, seed: int = 0,
     notes.append(f"dev generation: {len(groups)} distinct prompts, {sum(len(g['references']) for g in groups)} "
                  "references (multi-reference scoring)")
     return InstructData("instruct", train, dev, f"instruction data: {cfg.train_file}", template, max_length,
-                        groups, notes, truncated=truncated)
+                        groups, notes, truncated=truncated, stop_ids=stop)

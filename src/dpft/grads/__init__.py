@@ -5,4 +5,4 @@ Importing the package registers the built-in rules (each rule file registers its
 """
 
 from dpft.grads import registry  # noqa: F401  (first: the rules below register into it)
-from dpft.grads import conv1d, embedding, layernorm, linear, lora, rmsnorm  # noqa: F401,E402
+from dpft.grads import conv1d, embedding, layernorm, linear, lora, relbias, rmsnorm  # noqa: F401,E402

@@ -63,7 +63,7 @@ from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss
 from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW
 from dpft.grads.lora import check_adapter_layers
-from dpft.grads.registry import register_layer, rule_for
+from dpft.grads.registry import register_layer, rule_for, rules_for
 from dpft.step.clip import ClipPolicy, check_finite_norms
 
 
@@ -109,17 +109,17 @@ class FallbackKind(LayerKind):
         rows = 0  # n > 0: every output is a flattened token-major (B*n, ...) tensor
         shared = False  # the output is batch-independent: every input is shared by all examples
         if batch > 1 and lead == {1} and type(module).__module__.startswith("peft.tuners.lora.dora"):
-            # A DoRA magnitude on a shared tensor (DeBERTa's relative-position table through
-            # query_proj/key_proj): its lora_A/lora_B on the same tensor have no per-example rule
+            # A DoRA magnitude on a shared tensor (a relative-position table projected once for
+            # the batch; DeBERTa-v2's is handed per example by grads/relbias.py): its lora_A/lora_B on the same tensor have no per-example rule
             # either (kinds.py LayoutError), and expanding its output to (B, ...) breaks model code
             # that keeps that tensor's batch dim of 1 (a bmm shape error). Refused like them, by
             # name, if a gradient reaches it (Capture, verify_uses).
             return LayoutError(
                 f"a DoRA magnitude applied to a tensor without the example dimension (output shape "
                 f"{tuple(outs[0].shape)} for {batch} examples: a table shared by every example, such as "
-                "DeBERTa's relative positions), so neither it nor the layer's lora_A/lora_B has an exact "
+                "a relative-position table), so neither it nor the layer's lora_A/lora_B has an exact "
                 "per-example rule (the torch.func fallback would have to expand that tensor per example). "
-                "Leave this layer out of target_modules (DeBERTa: train value_proj/dense/intermediate), or "
+                "Leave this layer out of target_modules, or "
                 "use ReferenceEngine (exact, one backward per example)"), None, []
         if batch > 1 and lead == {1}:
             shared = True
@@ -231,11 +231,16 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
     check_adapter_layers(model, {id(p) for p in params.values()})
     named = dict(model.named_modules())
     owners: dict[int, tuple[str, nn.Module, dict[str, str]]] = {}
+    # Parameters of a child that a rule of its parent accounts for (kinds.LayerKind.claims: T5's
+    # relative-attention bias table, which only the attention can hand a per-example copy).
+    claimed = {} if kinds is not None else _claimed_parameters(model, set(pid))
     for mname, m in model.named_modules():
         for pname, p in m._parameters.items():
             if p is None or id(p) not in pid:
                 continue
-            if isinstance(m, (nn.ParameterDict, nn.ParameterList)) and mname:
+            if (id(m), pname) in claimed:
+                owner, role, label = claimed[(id(m), pname)]
+            elif isinstance(m, (nn.ParameterDict, nn.ParameterList)) and mname:
                 parent, _, child = mname.rpartition(".")
                 owner, role, label = named[parent], f"{child}.{pname}", parent
             else:
@@ -263,7 +268,29 @@ def discover_units(model: nn.Module, params: Mapping[str, nn.Parameter],
                 _warned_fallback.add(cls)
             kind = FallbackKind()
         units.append(Unit(owner, kind, roles, label or "<root>"))
+    if kinds is None:  # modules hooked only to hand a shared tensor per example (LayerKind.layout_only)
+        trainable = set(pid)
+        for mname, m in model.named_modules():
+            lay = next((k for k in rules_for(m) if k.layout_only), None)
+            if lay is not None and lay.needed(m, trainable, bool(claimed)):
+                units.append(Unit(m, lay, {}, mname or "<root>"))
     return units
+
+
+def _claimed_parameters(model: nn.Module, trainable: set[int]) -> dict[tuple[int, str], tuple]:
+    """``(id(child module), parameter name) -> (parent module, role path, parent label)`` for the
+    trainable parameters that a rule of an ancestor claims (``LayerKind.claims``)."""
+    out: dict[tuple[int, str], tuple] = {}
+    for mname, m in model.named_modules():
+        for kind in rules_for(m):
+            paths = [q for q in kind.claims(m) if id(m.get_parameter(q)) in trainable]
+            if not paths:
+                continue
+            for q in paths:
+                child, _, pname = q.rpartition(".")
+                out[(id(m.get_submodule(child)), pname)] = (m, q, mname or "<root>")
+            break
+    return out
 
 
 class BookKeepingEngine(PerExampleEngine):
@@ -332,7 +359,13 @@ class BookKeepingEngine(PerExampleEngine):
                 losses = self.loss_fn(self._forward(), b1)
             for u in cap.changed_inputs():
                 u.clone_input = True
-            self.verify_uses(losses, cap.calls, cap.probe_inputs, None if groups is None else groups[:nb])
+            # The layout check's backward passes re-run checkpointed forwards: the hooks stay on
+            # for them (a rule's pre_forward must hand those re-runs the same inputs).
+            cap.open_backward()
+            try:
+                self.verify_uses(losses, cap.calls, cap.probe_inputs, None if groups is None else groups[:nb])
+            finally:
+                cap.close()
         self._checked = True
 
     def verify_uses(self, losses: torch.Tensor, calls: Mapping[int, int],

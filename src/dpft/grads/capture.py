@@ -39,6 +39,10 @@ class _Record:
     #: Per output slot: ``n`` when that output is a flattened ``(B*n, ...)`` (its gradient is
     #: reshaped to ``(B, n, ...)`` before the rule sees it), else 0.
     flat: list = field(default_factory=list)
+    #: Slots are a rule's per-example inputs (``pre_forward``): their gradients are summed over
+    #: every delivery (reentrant checkpointing runs one backward per checkpointed block, each
+    #: delivering its share to a tensor they all read) and reduced when the backward is over.
+    accumulate: bool = False
 
 
 class Capture:
@@ -96,10 +100,17 @@ class Capture:
         self.pending: dict[int, int] = {}
         #: A forward was re-run inside the backward (activation checkpointing in use).
         self.recomputed = False
+        #: id(unit) -> results of the rule's ``pre_forward`` for calls not yet finished (a stack:
+        #: the post-hook of the same call takes the last one).
+        self._pre: dict[int, list] = {}
 
     def _register(self) -> None:
         if not self.handles:
             for u in self.units:
+                if u.kind.has_pre_forward:
+                    self.handles.append(
+                        u.module.register_forward_pre_hook(self._make_pre_hook(u), with_kwargs=True)
+                    )
                 self.handles.append(
                     u.module.register_forward_hook(self._make_hook(u), with_kwargs=True)
                 )
@@ -108,6 +119,9 @@ class Capture:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for u in self.units:  # a forward that raised left a pre_forward change on its module
+            if u.kind.has_pre_forward:
+                u.kind.post_forward(u.module)
 
     def __enter__(self) -> "Capture":
         self.phase = "forward"
@@ -130,6 +144,31 @@ class Capture:
         self.active = False
         self._remove()
 
+    def _make_pre_hook(self, unit: Unit) -> Callable:
+        """Forward pre-hook of a rule with ``pre_forward``: hands the module its per-example
+        inputs (on every run of the forward, checkpoint re-runs included, so that a re-run builds
+        the same graph); the post-hook of the same call records them."""
+
+        def pre(module, args, kwargs):
+            if not self.active or (self.phase == "backward" and not in_backward()):
+                return None
+            res = unit.kind.pre_forward(module, args, kwargs, self.batch)
+            self._pre.setdefault(id(unit), []).append(res)
+            if res is None:
+                return None
+            new_args, new_kwargs, _, tensors = res
+            for t in tensors:
+                if not t.requires_grad:  # weights switched off: a leaf whose gradient is the "B"
+                    t.requires_grad_(True)
+            return new_args, new_kwargs
+
+        return pre
+
+    def _take_pre(self, unit: Unit):
+        """The ``pre_forward`` result of the call whose post-hook runs now (None: declined)."""
+        stack = self._pre.get(id(unit))
+        return stack.pop() if stack else None
+
     def _make_hook(self, unit: Unit) -> Callable:
         def hook(module, args, kwargs, output):
             if not self.active:
@@ -137,8 +176,16 @@ class Capture:
             if self.phase == "backward":
                 if not in_backward():  # a forward of a submodule after the pass: not ours
                     return None
-                return self._on_recompute(unit, args, kwargs, output)
-            return self._on_forward(unit, args, kwargs, output)
+                try:
+                    return self._on_recompute(unit, args, kwargs, output)
+                finally:
+                    if unit.kind.has_pre_forward:
+                        unit.kind.post_forward(module)
+            try:
+                return self._on_forward(unit, args, kwargs, output)
+            finally:
+                if unit.kind.has_pre_forward:
+                    unit.kind.post_forward(module)
 
         return hook
 
@@ -153,6 +200,9 @@ class Capture:
         return state, new_out, watched
 
     def _on_forward(self, unit: Unit, args, kwargs, output):
+        pre = self._take_pre(unit) if unit.kind.has_pre_forward else None
+        if unit.kind.has_pre_forward and pre is None:
+            return None  # the rule declined this call: its parameters were not used by it
         self.calls[id(unit)] = self.calls.get(id(unit), 0) + 1
         if self.mode != "probe" and not torch.is_grad_enabled():
             # No graph is built (a reentrant checkpoint's first pass, or a no_grad region):
@@ -160,6 +210,8 @@ class Capture:
             # re-runs it inside the backward, where it is recorded.
             self.pending[id(unit)] = self.pending.get(id(unit), 0) + 1
             return None
+        if pre is not None:
+            return self._record_inputs(unit, pre)
         state, new_out, watched = self._save(unit, args, kwargs, output)
         for t in watched:
             self.versions.append((t, t._version, unit))
@@ -171,6 +223,28 @@ class Capture:
         if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
             self.probe_inputs.setdefault(id(unit), []).append(state)
         return self._record(unit, state, new_out, output, leaves=True)
+
+    def _record_inputs(self, unit: Unit, pre) -> None:
+        """Record a call whose gradient slots are the per-example tensors its rule's
+        ``pre_forward`` handed the forward (hooks on them receive the gradient of every use)."""
+        _, _, state, tensors = pre
+        if self.mode == "probe":
+            self.probe_inputs.setdefault(id(unit), []).append(state)
+            if self.check_outputs:
+                self._keep_outputs(unit, tensors)
+            return None
+        if self.keep_fallback_inputs and getattr(unit.kind, "is_fallback", False):
+            self.probe_inputs.setdefault(id(unit), []).append(state)
+        rec = _Record(unit, state, accumulate=True)
+        rec.grads = [None] * len(tensors)
+        rec.pending = len(tensors)
+        rec.flat = [0] * len(tensors)
+        self.records.append(rec)
+        for slot, t in enumerate(tensors):
+            t.register_hook(self._grad_hook(rec, slot))
+        if self.check_outputs:
+            self._keep_outputs(unit, tensors)
+        return None
 
     def _keep_outputs(self, unit: Unit, out) -> None:
         b = self.batch
@@ -219,16 +293,21 @@ class Capture:
     def _on_recompute(self, unit: Unit, args, kwargs, output):
         """A unit's forward re-run inside the backward by activation checkpointing."""
         self.recomputed = True
-        if self.mode == "probe":
+        pre = self._take_pre(unit) if unit.kind.has_pre_forward else None
+        if self.mode == "probe" or (unit.kind.has_pre_forward and pre is None):
             return None
         if self.pending.get(id(unit), 0) > 0:
             # Reentrant: the original call ran without a graph; this one's graph is the one
             # the gradients flow through.
             self.pending[id(unit)] -= 1
+            if pre is not None:
+                return self._record_inputs(unit, pre)
             state, new_out, _ = self._save(unit, args, kwargs, output)
             return self._record(unit, state, new_out, output, leaves=False)
         # Non-reentrant: already recorded in the forward. Replay the graph change only (the
         # recomputed graph must save the same tensors as the original one).
+        if pre is not None:  # the pre-hook already handed the re-run its per-example inputs
+            return None
         _, new_out, _ = unit.kind.save(unit.module, args, kwargs, output, self.batch)
         out = new_out if new_out is not None else output
         for t in torch.utils._pytree.tree_leaves(out):
@@ -247,6 +326,10 @@ class Capture:
 
     def _deliver(self, rec: _Record, slot: int, g: Optional[torch.Tensor]) -> None:
         if rec.done:
+            return
+        if rec.accumulate:  # finished when the backward is over (backward(), or the live flush)
+            if g is not None:
+                rec.grads[slot] = g if rec.grads[slot] is None else rec.grads[slot] + g
             return
         rec.grads[slot] = g
         rec.pending -= 1

@@ -51,6 +51,44 @@ class LayerKind:
                       roles: tuple[str, ...]) -> dict[str, Contribution]:
         raise NotImplementedError
 
+    #: The rule hands the module per-example inputs before its forward (:meth:`pre_forward`).
+    has_pre_forward = False
+
+    def claims(self, module: nn.Module) -> tuple[str, ...]:
+        """Parameter paths of *child* modules that this rule accounts for on ``module`` (the
+        owner of those parameters then gets no unit of its own; ``discover_units``). Default:
+        none. Used where a parameter is applied to a batch-independent tensor inside the parent's
+        forward (T5's relative-attention bias table), so that only the parent can hand it a
+        per-example copy."""
+        return ()
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict, batch: int
+                    ) -> Optional[tuple[tuple, dict, Any, list[torch.Tensor]]]:
+        """Only for rules with ``has_pre_forward``: run as a forward pre-hook while capturing.
+
+        Returns None (the call is left alone and records nothing), or ``(args, kwargs, state,
+        tensors)``: the forward runs on the new ``args``/``kwargs``; ``tensors`` are per-example
+        tensors ``(B, ...)`` handed to it (made to require grad if they do not), whose total
+        gradients (every use, inside the forward and after it) are passed, in order, as
+        ``grads`` to :meth:`contributions` with ``state`` (``save`` is not called).
+        """
+        return None
+
+    def post_forward(self, module: nn.Module) -> None:
+        """Only for rules with ``has_pre_forward``: run after every forward of ``module`` whose
+        pre-hook ran (and when the capture closes): undo what :meth:`pre_forward` changed on the
+        module for the duration of its forward (an instance override of a method). Idempotent."""
+
+    #: A rule that only changes how a module computes while capturing (per-example copies of a
+    #: shared tensor, :meth:`pre_forward`) and accounts for no parameter of its own: the engine
+    #: gives it a unit when :meth:`needed` says so (``discover_units``).
+    layout_only = False
+
+    def needed(self, module: nn.Module, trainable: set[int], claimed: bool) -> bool:
+        """``layout_only`` rules: whether ``module`` must be hooked, given the ids of the trainable
+        parameters and whether some rule claimed a parameter of a shared table."""
+        return False
+
 
 def first_input(args: tuple, kwargs: dict, name: str = "input") -> torch.Tensor:
     if args:

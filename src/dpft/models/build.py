@@ -40,10 +40,6 @@ def build_model(recipe, num_labels: int | None):
     if r.model.dropout is not None:
         set_dropout(model, r.model.dropout)
     model = select_trainable(model, r.trainable)
-    if r.task.name == "seq2seq" and r.privacy.enabled and r.privacy.engine != "reference":
-        from dpft.models.causal import check_seq2seq_trainable
-
-        check_seq2seq_trainable(model)  # T5's relative bias: refused before any data is read
     if getattr(r.model, "adapter", None) is not None:
         from dpft.models.adapters import add_adapters
 

@@ -75,26 +75,3 @@ def _load_lm(auto_cls, name: str, seed: int, what: str, need: str):
         model.config.pad_token_id = tok.pad_token_id
     return tok, model
 
-
-#: Parameters used on tensors shared by every example of a batch (no example dimension), which
-#: the book-keeping engine refuses at its first micro-batch (coverage table, issue 27): T5's
-#: relative-attention bias table (on ``(T, T)`` bucket ids).
-SHARED_TENSOR_PARAMS = ("relative_attention_bias",)
-
-
-def check_seq2seq_trainable(model) -> None:
-    """Refuse, before any data is read, a private seq2seq run that would train a parameter used on
-    a batch-independent tensor (T5's ``relative_attention_bias``): its per-example gradient has no
-    book-keeping rule (the engine would refuse it at the first step).
-
-    Raises:
-        ModelError: naming the module and the fix (LoRA, which leaves it frozen, or the reference
-            engine).
-    """
-    for n, p in model.named_parameters():
-        if p.requires_grad and any(k in n.split(".") for k in SHARED_TENSOR_PARAMS):
-            raise ModelError(
-                f"{n.rsplit('.', 1)[0]}: T5's relative-attention bias is applied to (T, T) position buckets "
-                "shared by every example, so its per-example gradient has no exact book-keeping rule (issue 27 "
-                "coverage table: T5 full fine-tuning is refused). Use trainable.mode: lora (e.g. target_modules: "
-                "[q, k, v, o, wi, wo]), or privacy.engine: reference (exact, one backward per example, slow)")

@@ -10,12 +10,12 @@ A classification run's ``model/`` loads with ``AutoModelForSequenceClassificatio
   [CLS] through a tanh layer, which the mean-pooled head never trained), so mapping it onto
   ``BertForSequenceClassification`` would change its outputs. It is saved as
   :class:`DpftMeanPoolForSequenceClassification` (``model_type: dpft_mean_pool``: the encoder's
-  own config nested under ``encoder``, weights ``encoder.*`` and ``classifier.*``), which this
-  module registers with transformers' ``AutoConfig`` and ``AutoModelForSequenceClassification``
-  when it is imported — no ``trust_remote_code``, no
-  code in the model folder. ``import dpft.models.export`` before ``from_pretrained`` /
-  ``pipeline`` (dpft's own loaders do it). Without dpft, transformers refuses the folder
-  ("unrecognized model type dpft_mean_pool") rather than load a different head.
+  own config nested under ``encoder``, weights ``encoder.*`` and ``classifier.*``). Following the
+  Hugging Face convention for custom heads, its modeling code (``hf_mean_pool.py``, torch and
+  transformers only) is saved in the folder and ``config.json`` names it in ``auto_map``, so a
+  person with only transformers loads it as trained with ``trust_remote_code=True``
+  (``AutoModelForSequenceClassification.from_pretrained`` or ``pipeline``; issue 36 item 5).
+  With dpft imported the classes are registered locally and no ``trust_remote_code`` is needed.
 
 LoRA runs save the adapter in PEFT's format (the trained head with it, as
 ``modules_to_save``) and, on request (``output.merge_lora``), the merged model as above.

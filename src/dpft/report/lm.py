@@ -16,6 +16,21 @@ def extra_sections(trainer) -> dict[str, Any]:
     return out
 
 
+def generation_summary(rep: dict[str, Any]) -> list[str]:
+    """The CLI's final-summary lines of an instruct run's dev generation (issue 36 item 9): exact
+    match and ROUGE-L F (0–100, eval/metrics.py), and a ``WARNING`` line when every generation is
+    the same text. None for other runs."""
+    g = rep.get("generation")
+    if not g:
+        return []
+    m, st = g["metrics"], g["settings"]
+    out = [f"dev generation: exact match {m['dev_exact_match']:.1f} %, ROUGE-L F {m['dev_rouge_l']:.2f}, BLEU "
+           f"{m['dev_bleu']:.2f} ({st['prompts']} prompts, {st['decoding']})"]
+    if g.get("warning"):
+        out.append(f"WARNING: {g['warning']}")
+    return out
+
+
 def adam_ac_markdown(rep: dict[str, Any]) -> list[str]:
     """Markdown lines of the DP-Adam-AC section (methods/dp_adam_ac.py)."""
     lines: list[str] = []
@@ -68,6 +83,8 @@ def render_extra(rep: dict[str, Any]) -> list[str]:
                   f"against {st['references']} references (multi-reference; eval/metrics.py)", "",
                   "| BLEU (sacrebleu) | ROUGE-L F (rouge-score) | exact match |", "|---|---|---|",
                   f"| {m['dev_bleu']:.2f} | {m['dev_rouge_l']:.2f} | {m['dev_exact_match']:.1f} % |", ""]
+        if g.get("warning"):  # every dev generation the same text (data/stop.py)
+            lines += [f"**Warning:** {g['warning']}.", ""]
         if g.get("samples_withheld"):
             lines += ["### Generations", "", f"{g['samples_withheld']} dev generations and their references are not "
                       "printed: the dev set is your own data (not a public benchmark), and its texts are not "

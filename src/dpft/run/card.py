@@ -114,16 +114,19 @@ def _usage(model_dir: Path) -> list[str]:
         return ["```python", "from transformers import pipeline",
                 "gen = pipeline(\"text-generation\", model=\"PATH_TO_THIS_FOLDER\")",
                 "print(gen(\"Once upon a time\", max_new_tokens=40))", "```", ""]
-    pre = []
     if cfg.get("model_type") == "dpft_mean_pool":
-        pre = ["import dpft.models.export  # registers dpft's mean-pooling head with transformers (no remote code)"]
-    return ["```python", *pre, "from transformers import pipeline",
+        # The head's code is in the folder (hf_mean_pool.py, named by auto_map): transformers alone
+        # loads it with trust_remote_code=True (issue 36 item 5).
+        return ["```python", "from transformers import pipeline",
+                "clf = pipeline(\"text-classification\", model=\"PATH_TO_THIS_FOLDER\", trust_remote_code=True)",
+                "print(clf([\"a gripping, funny film\", \"dull and far too long\"]))", "```", "",
+                "The head is a linear layer on the masked mean of the encoder's last hidden states (how the "
+                "model was trained), not BERT's [CLS] pooler: `model_type: dpft_mean_pool` in `config.json`, its "
+                "code in `hf_mean_pool.py` beside it (torch and transformers only; `auto_map` names it), hence "
+                "`trust_remote_code=True`; with dpft imported it is not needed.", ""]
+    return ["```python", "from transformers import pipeline",
             "clf = pipeline(\"text-classification\", model=\"PATH_TO_THIS_FOLDER\")",
-            "print(clf([\"a gripping, funny film\", \"dull and far too long\"]))", "```", "",
-            *(["The head is a linear layer on the masked mean of the encoder's last hidden states (how the "
-               "model was trained), not BERT's [CLS] pooler: `model_type: dpft_mean_pool` in `config.json`. "
-               "Without `import dpft.models.export`, transformers refuses the folder rather than load another head.",
-               ""] if pre else [])]
+            "print(clf([\"a gripping, funny film\", \"dull and far too long\"]))", "```", ""]
 
 
 def _from_methods(rep: dict[str, Any], hook: str):

@@ -452,7 +452,7 @@ class Trainer:
                         stack.enter_context(m.weights())
                     self.generation = generation_eval(self.model, self.tokenizer, self.task.groups, e.max_new_tokens,
                                                       e.num_beams, e.batch_size, e.max_generate_prompts,
-                                                      e.num_samples)
+                                                      e.num_samples, stop_ids=getattr(self.task, "stop_ids", None))
                 last_eval.update(self.generation["metrics"])
             elapsed = self.elapsed_before + (time.time() - self._t_run)
             self.save_model()

@@ -16,8 +16,17 @@ def save_run_model(trainer) -> dict[str, str]:
 
     r = trainer.recipe
     labels = None if trainer.causal else list(trainer.task.label_names)
-    return save_standard(trainer.model, trainer.tokenizer, Path(trainer.run_dir) / "model", labels=labels,
-                         merge_lora=r.output.merge_lora, base_name=resolve_model_path(r.model.name))
+    stop = getattr(trainer.task, "stop_ids", None)
+    if stop:  # instruct: generation stops where the completions were trained to end (data/stop.py)
+        from dpft.data.stop import set_generation_stop
+
+        set_generation_stop(trainer.model, stop)
+    out = save_standard(trainer.model, trainer.tokenizer, Path(trainer.run_dir) / "model", labels=labels,
+                        merge_lora=r.output.merge_lora, base_name=resolve_model_path(r.model.name))
+    gc = getattr(trainer.model, "generation_config", None)
+    if stop and gc is not None and not (Path(out["model"]) / "generation_config.json").is_file():
+        gc.save_pretrained(out["model"])  # a LoRA adapter folder: dpft predict reads its stop ids
+    return out
 
 
 def after_report(trainer, rep: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from dpft.data.tasks import (REGISTRY, DataError, _check_missing_labels, _col, _int_labels, _load_file, _rows,
                              _ROW)
+from dpft.data.stop import generation_stop_ids, identical_generations
 from dpft.eval.dev import classify
 
 #: Default output name beside the input when ``--output`` is not given.
@@ -170,7 +171,8 @@ def predict(run_dir: str | Path, file: str | Path, output: Optional[str | Path] 
     elif kind == "causal_lm":
         col = rec.task.prompt_column if rec.task.name == "instruct" else (rec.task.text_column or "text")
         rows = read_rows(file, col, None, None, [])
-        res = _generate(model, tok, _col(rows, "text"), batch_size, max_new_tokens, progress)
+        res = _generate(model, tok, _col(rows, "text"), batch_size, max_new_tokens, progress,
+                        _stop_ids(model_dir, model, tok))
         lines = [{"row": i + 1, "prompt": p, "generation": g} for i, (p, g) in enumerate(zip(_col(rows, "text"), res))]
         summary: dict[str, Any] = {"kind": kind}
     else:
@@ -188,9 +190,27 @@ def predict(run_dir: str | Path, file: str | Path, output: Optional[str | Path] 
         summary = {"kind": kind, "labels": names}
         if "accuracy" in res:
             summary["accuracy"] = res["accuracy"]
+    if kind in ("causal_lm", "seq2seq_lm"):
+        warning = identical_generations([x["generation"] for x in lines])
+        if warning:  # a model that ignores its prompts (issue 36 item 9)
+            summary["warning"] = warning
+            print(f"WARNING: {warning}", file=sys.stderr)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
     return {"output": str(out_path), "n": len(lines), **summary}
+
+
+def _stop_ids(model_dir: Path, model, tok) -> list[int]:
+    """Where a generation ends: the run's saved ``generation_config.json`` (an instruct run adds the
+    token its completions end with, data/stop.py), the model's own and the tokenizer's EOS."""
+    ids = generation_stop_ids(model, tok)
+    if (model_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        saved = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        saved = [] if saved is None else [saved] if isinstance(saved, int) else list(saved)
+        ids += [int(i) for i in saved if int(i) not in ids]
+    return ids
 
 
 def _cfg_of(model):
@@ -199,8 +219,10 @@ def _cfg_of(model):
 
 
 @torch.no_grad()
-def _generate(model, tok, prompts: Sequence[str], batch_size: int, max_new_tokens: int, progress: bool) -> list[str]:
-    """Greedy continuations, left-padded batches."""
+def _generate(model, tok, prompts: Sequence[str], batch_size: int, max_new_tokens: int, progress: bool,
+              stop_ids: Optional[Sequence[int]] = None) -> list[str]:
+    """Greedy continuations, left-padded batches, ending at ``stop_ids`` (None: the model's
+    generation config)."""
     from tqdm.auto import tqdm
 
     side = tok.padding_side
@@ -210,8 +232,9 @@ def _generate(model, tok, prompts: Sequence[str], batch_size: int, max_new_token
     try:
         for k in tqdm(range(0, len(prompts), batch_size), desc="generate", disable=not progress, file=sys.stderr):
             enc = tok(list(prompts[k:k + batch_size]), return_tensors="pt", padding=True).to(device)
+            stop = {} if not stop_ids else {"eos_token_id": list(stop_ids)}
             gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
+                                 pad_token_id=tok.pad_token_id, **stop)
             outs += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     finally:
         tok.padding_side = side
