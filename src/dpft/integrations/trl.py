@@ -74,6 +74,7 @@ from trl import SFTConfig, SFTTrainer
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.api import PackedBatchError
 from dpft.grads.base import PerExampleLoss
+from dpft.data.stop import check_prepared_rows, set_generation_stop
 from dpft.integrations.hf import DPArguments, DPTrainer
 from dpft.integrations.hf_loss import logits_of as _logits
 from dpft.step.postprocess import Transform
@@ -225,6 +226,11 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
             raise PackedBatchError(f"DPSFTTrainer: SFTTrainer chose padding-free batches; use {PACKING_FIX}")
         if "seq_lengths" in (getattr(self.train_dataset, "column_names", None) or []):
             raise PackedBatchError(f"DPSFTTrainer: the prepared train_dataset holds packed rows; use {PACKING_FIX}")
+        # Every complete completion must end in a stop token among its targets, and generation must
+        # stop at the one the data taught (ChatML's <|im_end|>, not only </s>): issue 36 item 9.
+        tok = getattr(self.processing_class, "tokenizer", self.processing_class)
+        stop = check_prepared_rows(self.train_dataset, tok, max_length=getattr(self.args, "max_length", None))
+        set_generation_stop(self.model, stop)
 
     @staticmethod
     def _check_router_aux_loss(model: Any, args: Any, enabled: bool = False) -> None:
