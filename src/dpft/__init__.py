@@ -35,7 +35,25 @@ _NAMES = {
     "DPArguments": "dpft.integrations.hf",
 }
 
-__all__ = ["__version__", "train", *_NAMES]
+__all__ = ["__version__", "train", "tune", *_NAMES]
+
+
+def tune(recipe: Any, output_dir: Any, *, resume: bool = False, progress: bool = True,
+         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Private hyperparameter search (the CLI's ``dpft tune`` from Python; run/tune.py): returns report.json.
+
+    Args: as :func:`train`; ``recipe`` needs a ``tune:`` section; its ``privacy.target_epsilon`` is the
+    budget of the whole search."""
+    from dpft.config import Recipe, load_recipe
+    from dpft.run.tune import tune as _tune
+
+    if isinstance(recipe, Recipe):
+        rec = recipe if not overrides else load_recipe(None, {**recipe.model_dump(mode="json"), **overrides})
+    elif isinstance(recipe, dict):
+        rec = load_recipe(None, {**recipe, **(overrides or {})})
+    else:
+        rec = load_recipe(recipe, overrides or {})
+    return _tune(rec, output_dir, resume=resume, progress=progress)
 
 
 def __getattr__(name: str) -> Any:

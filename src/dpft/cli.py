@@ -184,6 +184,44 @@ def _time_first_step(trainer) -> None:
 
 
 @app.command()
+def tune(
+    recipe: Path = typer.Argument(..., help="YAML recipe with a tune: section."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the search (K and the trials done are kept)."),
+    epsilon: Optional[float] = typer.Option(None, help="privacy.target_epsilon of the WHOLE search."),
+    set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set tune.trials.mean=8"),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+):
+    """Private random hyperparameter search: K ~ the declared law of DP trials, each scored privately; only
+    the best trial's model is released; the whole search is charged (Papernot & Steinke 2022)."""
+    import json as _json
+
+    from dpft.config import load_recipe
+    from dpft.run.errors import TrainingError
+    from dpft.run.tune import tune as run_tune
+
+    ov, origins = _overrides((("--epsilon", "privacy.target_epsilon", epsilon),
+                              ("--output-dir", "output_dir", str(output_dir) if output_dir else None)), set)
+    try:
+        rec = load_recipe(recipe, ov, origins)
+        _name_run(rec, ov)
+        run_dir = Path(rec.output_dir) if rec.output_dir else Path("runs") / f"{rec.name}-tune"
+        rep = run_tune(rec, run_dir, resume=resume, progress=not quiet)
+    except (ValueError, TrainingError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    s = rep["selection"]
+    typer.echo(f"run directory: {run_dir}")
+    typer.echo(f"search ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} (target {rep['target_epsilon']:g}): RDP bound "
+               f"{s['epsilon_rdp']:.4g}; naive composition of {s['naive_k']} trials {s['epsilon_naive']:.4g}; "
+               f"one trial {s['per_trial_epsilon']:.4g}; E[K] = {s['mean_k']:.3g}")
+    if rep.get("chosen"):
+        typer.echo(f"chosen: {_json.dumps(rep['chosen']['hyperparameters'])} (noisy score "
+                   f"{rep['chosen']['noisy_score']:.1f})")
+    else:
+        typer.echo("K = 0: no model released (the ε above is spent)")
+
+
+@app.command()
 def train(
     recipe: Optional[Path] = typer.Argument(None, help="YAML recipe (see recipes/)."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
@@ -277,6 +315,11 @@ def train(
         _name_run(rec, ov)
         if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading
             _fail(f"test file not found: {rec.task.test_file}")
+        from dpft.run.auto import resolve_auto
+
+        rec, chosen = resolve_auto(rec)  # batch/steps auto (accounting/budget.py), before the plan
+        if chosen:
+            typer.echo(chosen, err=True)
         taken = None
         if rec.output_dir:
             run_dir = Path(rec.output_dir)
