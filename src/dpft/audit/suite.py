@@ -119,6 +119,8 @@ OPTIONAL_CHECKS = (
     # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
     ("dpft.audit.checks_mechanisms_api", "mechanisms_api_checks",
      ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
+    # issue 35: private hyperparameter search (dpft tune)
+    ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released")),
 )
 
 

@@ -48,7 +48,7 @@ from dpft.config_tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
 from dpft.run.errors import TrainingError
 
-__all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials"]
+__all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search"]
 
 PRIVATE = "tune_private"
 
@@ -161,6 +161,20 @@ def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pai
     return Recipe.model_validate(apply_overrides(d, dict(hp)))
 
 
+def private_score(correct: int, score_sigma: Optional[float], ledger: PrivacyLedger, rng: Randomness, i: int,
+                  ledger_path: Optional[Path] = None) -> float:
+    """Trial ``i``'s released score: ``correct`` + N(0, σ_s²) from the secret stream ("tune_score", i),
+    the ``GaussianDpEvent(σ_s)`` recorded in the trial's ledger (and saved) BEFORE the draw
+    (sensitivity 1: one scoring row changes the count by at most 1 under add/remove); or the exact
+    count when ``score_sigma`` is None (a public dev file: no private data)."""
+    if score_sigma is None:
+        return float(correct)
+    ledger.record("score", dpa.GaussianDpEvent(score_sigma))
+    if ledger_path is not None:
+        ledger.save(ledger_path)
+    return correct + score_sigma * float(rng.stream("tune_score", i).normal((1,))[0])
+
+
 def _save_state(path: Path, state: dict) -> None:
     atomic_write_text(path, json.dumps(state, indent=1))
 
@@ -240,16 +254,11 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         trainer.run()
         correct = round(float(trainer.evaluate()["dev_accuracy"]) * len(score_rows))
         ledger = trainer.ledger
-        if score_sigma is None:
-            score = float(correct)  # public dev file: exact, no release of private data
-        else:
-            ledger.record("score", dpa.GaussianDpEvent(score_sigma))  # recorded before the draw
-            ledger.save(tdir / "ledger.json")
-            score = correct + score_sigma * float(rng.stream("tune_score", i).normal((1,))[0])
+        score = private_score(correct, score_sigma, ledger, rng, i, tdir / "ledger.json")
         tr.update({"score": score, "events": [json.loads(json.dumps(_ev(e))) for e in ledger.events()],
                    "trial_epsilon": ledger.epsilon(r.privacy.delta).epsilon, "sigma": sigma})
         _save_state(state_path, state)
-    return _finish(r, run_dir, state, dist, candidates, keep_trials)
+    return finish_search(r, run_dir, state, dist, candidates, keep_trials)
 
 
 def _ev(e):
@@ -258,7 +267,7 @@ def _ev(e):
     return event_to_dict(e)
 
 
-def _finish(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, candidates: list, keep: bool) -> dict:
+def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, candidates: list, keep: bool) -> dict:
     from dpft.accounting.ledger import event_from_dict
 
     priv = run_dir / PRIVATE
