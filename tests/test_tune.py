@@ -177,10 +177,17 @@ def test_tiny_tune_releases_one_model_and_resume_keeps_k(tiny_model_dir, sst_lik
     assert rep["chosen"]["hyperparameters"] in [t["hyperparameters"] for t in state2["trials"]]
 
 
-def test_audit_tune_checks_pass_and_catch_planted_bugs():
-    from dpft.audit.checks_tune import PLANTED, tune_checks
+def test_audit_tune_planted_bugs_are_caught():
+    from dpft.audit import checks_tune as C
+
+    assert C._k_law(None).passed and not C._k_law("k_fixed").passed
+    assert C._noisy_score(None).passed and not C._noisy_score("score_without_noise").passed
+    assert C._one_release(None).passed and not C._one_release("losing_models_released").passed
+
+
+@pytest.mark.slow
+def test_audit_tune_checks_pass():
+    from dpft.audit.checks_tune import tune_checks
 
     checks = tune_checks()
     assert len(checks) == 4 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
-    for bug in PLANTED:
-        assert not all(c.passed for c in tune_checks(planted=bug)), bug
