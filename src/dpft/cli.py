@@ -207,6 +207,10 @@ def tune(
         _name_run(rec, ov)
         run_dir = Path(rec.output_dir) if rec.output_dir else Path("runs") / f"{rec.name}-tune"
         rep = run_tune(rec, run_dir, resume=resume, progress=not quiet)
+    except KeyboardInterrupt:  # a trial's own checkpoint and the search state (K, trials) are on disk
+        typer.secho(f"search interrupted; resume with: dpft tune {recipe} -o {run_dir} --resume (K is kept)",
+                    fg="yellow", err=True)
+        raise typer.Exit(130)
     except (ValueError, TrainingError, FileNotFoundError) as exc:
         _fail(str(exc))
     s = rep["selection"]

@@ -64,7 +64,7 @@ def check_tune_recipe(r: Recipe) -> None:
         TuneError: no ``tune:`` section, a non-private or σ-fixed recipe, a method, a task or
             mechanism the search does not support yet."""
     if r.tune is None:
-        raise TuneError("dpft tune needs a tune: section (search space and trials); see recipes/tune-minilm.yaml")
+        raise TuneError("dpft tune needs a tune: section (search space and trials); see recipes/tune-sst2-minilm.yaml")
     p = r.privacy
     if not p.enabled or p.target_epsilon is None or p.noise_multiplier is not None:
         raise TuneError("dpft tune spends privacy.target_epsilon on the whole search: set it, and no "
