@@ -161,7 +161,8 @@ def test_tiny_tune_releases_one_model_and_resume_keeps_k(tiny_model_dir, sst_lik
     assert state2["k"] == k and all(t["score"] is not None for t in state2["trials"])
     # one release folder: the chosen model; no trial folder is left
     assert (out / "model" / "config.json").is_file()
-    assert not any(p.name.startswith("trial_") for p in (out / "tune_private").iterdir())
+    assert not any(p.name.startswith("trial_") or p.suffix == ".jsonl" for p in (out / "tune_private").iterdir())
+    assert T.tune(rec, out, resume=True, progress=False)["epsilon"] == rep["epsilon"]  # finished: nothing reruns
     assert "Hyperparameter search (covered)" in (out / "model" / "README.md").read_text()
     # ledger: one selection entry, no trials in the released file (K is not released)
     led = json.loads((out / "ledger.json").read_text())

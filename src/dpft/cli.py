@@ -192,37 +192,25 @@ def tune(
     set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set tune.trials.mean=8"),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
 ):
-    """Private random hyperparameter search: K ~ the declared law of DP trials, each scored privately; only
-    the best trial's model is released; the whole search is charged (Papernot & Steinke 2022)."""
-    import json as _json
-
+    """Private random hyperparameter search (run/tune.py): K ~ the declared law of DP trials, each scored
+    privately; only the best trial's model is released; the whole search is charged."""
     from dpft.config import load_recipe
     from dpft.run.errors import TrainingError
-    from dpft.run.tune import tune as run_tune
+    from dpft.run.tune import summary, tune as run_tune
 
     ov, origins = _overrides((("--epsilon", "privacy.target_epsilon", epsilon),
                               ("--output-dir", "output_dir", str(output_dir) if output_dir else None)), set)
+    run_dir = output_dir
     try:
         rec = load_recipe(recipe, ov, origins)
         _name_run(rec, ov)
         run_dir = Path(rec.output_dir) if rec.output_dir else Path("runs") / f"{rec.name}-tune"
-        rep = run_tune(rec, run_dir, resume=resume, progress=not quiet)
-    except KeyboardInterrupt:  # a trial's own checkpoint and the search state (K, trials) are on disk
-        typer.secho(f"search interrupted; resume with: dpft tune {recipe} -o {run_dir} --resume (K is kept)",
-                    fg="yellow", err=True)
+        typer.echo(f"run directory: {run_dir}\n{summary(run_tune(rec, run_dir, resume=resume, progress=not quiet))}")
+    except KeyboardInterrupt:  # a trial's checkpoint and the search state (K, trials) are on disk
+        typer.secho(f"interrupted; resume with: dpft tune {recipe} -o {run_dir} --resume (K is kept)", err=True)
         raise typer.Exit(130)
     except (ValueError, TrainingError, FileNotFoundError) as exc:
         _fail(str(exc))
-    s = rep["selection"]
-    typer.echo(f"run directory: {run_dir}")
-    typer.echo(f"search ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} (target {rep['target_epsilon']:g}): RDP bound "
-               f"{s['epsilon_rdp']:.4g}; naive composition of {s['naive_k']} trials {s['epsilon_naive']:.4g}; "
-               f"one trial {s['per_trial_epsilon']:.4g}; E[K] = {s['mean_k']:.3g}")
-    if rep.get("chosen"):
-        typer.echo(f"chosen: {_json.dumps(rep['chosen']['hyperparameters'])} (noisy score "
-                   f"{rep['chosen']['noisy_score']:.1f})")
-    else:
-        typer.echo("K = 0: no model released (the ε above is spent)")
 
 
 @app.command()

@@ -137,6 +137,7 @@ def _one_release(planted) -> Check:
                 import shutil
 
                 shutil.copytree(priv / f"trial_{t['index']}" / "model", run / f"model_trial_{t['index']}")
+        priv.mkdir(parents=True, exist_ok=True)
         T.finish_search(r, run, state, dist, [cand], keep=False)
         models = sorted(p.relative_to(run).as_posix() for p in run.rglob("weights.txt"))
         ok = models == ["model/weights.txt"] and (run / "model" / "weights.txt").read_text() == "trial 1"

@@ -48,7 +48,7 @@ from dpft.config_tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
 from dpft.run.errors import TrainingError
 
-__all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search"]
+__all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search", "summary"]
 
 PRIVATE = "tune_private"
 
@@ -232,6 +232,8 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     if resume:
         state = json.loads(state_path.read_text())
         sigmas = state["sigmas"]
+        if state.get("finished"):  # nothing left to run or release: the report stands
+            return json.loads((run_dir / "report.json").read_text())
     else:
         sigmas, _ = calibrate_search(r.privacy.target_epsilon, r.privacy.delta, dist, plans, score_sigma)
         k, trials = draw_trials(r, dist, rng)
@@ -323,10 +325,25 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         rep["chosen"] = None  # Poisson K = 0: nothing released, the ε above is still spent
     atomic_write_text(run_dir / "report.json", json.dumps(rep, indent=1, default=str))
     atomic_write_text(run_dir / "report.md", _markdown(rep))
-    if not keep:
+    state["finished"] = True
+    _save_state(priv / "state.json", state)
+    if not keep:  # the losing models and the copies of the private rows
         for t in trials:
             shutil.rmtree(priv / f"trial_{t['index']}", ignore_errors=True)
+        for f in ("fit.jsonl", "score.jsonl"):
+            (priv / f).unlink(missing_ok=True)
     return rep
+
+
+def summary(rep: dict) -> str:
+    """The lines ``dpft tune`` prints: the search's ε by each bound, and the choice."""
+    s = rep["selection"]
+    out = (f"search ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} (target {rep['target_epsilon']:g}): RDP bound "
+           f"{s['epsilon_rdp']:.4g}; naive composition of k* = {s['naive_k']} trials {s['epsilon_naive']:.4g}; "
+           f"one trial {s['per_trial_epsilon']:.4g}; E[K] = {s['mean_k']:.3g}")
+    c = rep.get("chosen")
+    return out + ("\nK = 0: no model released (the ε above is spent)" if not c else
+                  f"\nchosen: {json.dumps(c['hyperparameters'])} (noisy score {c['noisy_score']:.1f})")
 
 
 def _markdown(rep: dict) -> str:
