@@ -23,7 +23,7 @@ from typing import Optional
 import dp_accounting as dpa
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpft.accounting.ledger import _quiet_absl  # absl's RDP convergence notes: not errors
+from dpft.accounting.quiet import quiet_absl as _quiet_absl  # absl's RDP notes: not errors
 
 __all__ = ["BudgetChoice", "choose_batch_and_steps", "scaled_lr", "B_REF", "BudgetError"]
 

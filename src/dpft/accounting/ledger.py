@@ -12,9 +12,7 @@ spent, and resuming never counts budget twice nor loses it.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -25,6 +23,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpft.accounting import selection as _sel
+from dpft.accounting.quiet import quiet_absl as _quiet_absl
 
 #: Neighbouring relation used by every accountant of dpft unless a phase says otherwise.
 ADD_OR_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -99,23 +98,6 @@ class PrivacyReport:
 def pld_accountant(discretization: float = 1e-4) -> pld_privacy_accountant.PLDAccountant:
     """A fresh PLD accountant (add/remove-one, pessimistic discretisation of dp-accounting)."""
     return pld_privacy_accountant.PLDAccountant(ADD_OR_REMOVE, value_discretization_interval=discretization)
-
-
-class _DropWarnings(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.WARNING
-
-
-@contextlib.contextmanager
-def _quiet_absl():
-    """Drop absl warnings (dp-accounting's RDP code logs "failed to converge … Excluding this
-    order" through absl): the RDP value is a cross-check only, PLD is the reported one."""
-    logger, flt = logging.getLogger("absl"), _DropWarnings()
-    logger.addFilter(flt)
-    try:
-        yield
-    finally:
-        logger.removeFilter(flt)
 
 
 def _canonical(events: Iterable[dpa.DpEvent]) -> list[dpa.DpEvent]:

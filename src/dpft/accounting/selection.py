@@ -47,6 +47,8 @@ import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpft.accounting.quiet import quiet_absl
+
 __all__ = ["KDistribution", "RandomKSelectionDpEvent", "SelectionBound", "ORDERS", "rdp_curve", "base_rdp",
            "selection_rdp_curve", "selection_epsilon", "naive_epsilon", "calibrate_search", "PROFILE_BOUND",
            "candidate_event", "check_trials_covered", "gdp_sigma", "SelectionError"]
@@ -198,7 +200,8 @@ def rdp_curve(event: dpa.DpEvent, orders: Sequence[float] = ORDERS) -> np.ndarra
     if not acc.supports(event):
         raise SelectionError(f"the RDP accountant does not support {type(event).__name__}; a search over it "
                              "cannot be bounded by Papernot & Steinke's theorem")
-    acc.compose(event)
+    with quiet_absl():
+        acc.compose(event)
     return np.asarray(acc._rdp, dtype=float)  # noqa: SLF001 - the accountant's own curve, no copy of its maths
 
 

@@ -43,7 +43,7 @@ from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.accounting.selection import (KDistribution, RandomKSelectionDpEvent, calibrate_search, candidate_event,
                                        check_trials_covered, selection_epsilon)
-from dpft.config import Recipe, apply_overrides
+from dpft.config import Recipe, apply_overrides, dump_recipe
 from dpft.config_tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
 from dpft.run.errors import TrainingError
@@ -310,6 +310,13 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         if (run_dir / "model").exists():
             shutil.rmtree(run_dir / "model")
         shutil.copytree(src, run_dir / "model")
+        # the recipe of the released model (the user's recipe with the chosen values): `dpft predict RUN` reads it
+        d = r.model_dump(mode="json")
+        for a, b in (("schedule.steps", "epochs"), ("schedule.epochs", "steps")):
+            if a in best["hyperparameters"]:
+                d["schedule"][b] = None
+        chosen = Recipe.model_validate(apply_overrides(d, dict(best["hyperparameters"])))
+        atomic_write_text(run_dir / "recipe.yaml", dump_recipe(chosen))
         rep["chosen"] = {"hyperparameters": best["hyperparameters"], "noisy_score": best["score"],
                          "sigma": best["sigma"], "trial_epsilon": best["trial_epsilon"]}
         card = run_dir / "model" / "README.md"
