@@ -180,6 +180,10 @@ def test_tiny_tune_releases_one_model_and_resume_keeps_k(tiny_model_dir, sst_lik
 
 def test_audit_tune_planted_bugs_are_caught():
     from dpft.audit import checks_tune as C
+    from dpft.audit import planted, suite
+
+    assert set(C.PLANTED) <= set(planted.ALL)
+    assert ("dpft.audit.checks_tune", "tune_checks", C.PLANTED) in suite.OPTIONAL_CHECKS
 
     assert C._k_law(None).passed and not C._k_law("k_fixed").passed
     assert C._noisy_score(None).passed and not C._noisy_score("score_without_noise").passed

@@ -212,13 +212,20 @@ def base_rdp(candidates: Sequence[dpa.DpEvent], orders: Sequence[float] = ORDERS
     return np.max(np.stack([rdp_curve(c, orders) for c in candidates]), axis=0)
 
 
-def _pld_accountants(events: Sequence[dpa.DpEvent]) -> list:
-    out = []
-    for ev in events:
+_PLD_CACHE: dict[str, object] = {}
+
+
+def _pld(event: dpa.DpEvent):
+    """The PLD of ``event`` (dp-accounting, pessimistic, grid 1e-4), cached by the event's repr
+    (events are values: equal reprs are equal events); at most 32 kept."""
+    key = repr(event)
+    if key not in _PLD_CACHE:
         acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=1e-4)
-        acc.compose(ev)
-        out.append(acc)
-    return out
+        acc.compose(event)
+        if len(_PLD_CACHE) >= 32:
+            _PLD_CACHE.pop(next(iter(_PLD_CACHE)))
+        _PLD_CACHE[key] = acc._pld  # noqa: SLF001 - the accountant's own distribution
+    return _PLD_CACHE[key]
 
 
 def selection_rdp_curve(candidates: Sequence[dpa.DpEvent], dist: KDistribution,
@@ -230,10 +237,10 @@ def selection_rdp_curve(candidates: Sequence[dpa.DpEvent], dist: KDistribution,
     eps = base_rdp(candidates, orders) if base is None else np.asarray(base, dtype=float)
     if dist.kind == "poisson":
         out = np.full_like(lam, math.inf)
-        plds = _pld_accountants(candidates)  # Q's privacy profile δ̂(ε̂): worst over the candidates
+        plds = [_pld(c) for c in candidates]  # Q's privacy profile δ̂(ε̂): worst over the candidates
         for i, la in enumerate(lam):
             eps_hat = math.log1p(1.0 / (la - 1.0))  # e^ε̂ = 1 + 1/(λ−1), the theorem's largest ε̂
-            delta_hat = max(float(a.get_delta(eps_hat)) for a in plds)
+            delta_hat = max(float(p.get_delta_for_epsilon(eps_hat)) for p in plds)
             out[i] = eps[i] + dist.mu * delta_hat + math.log(dist.mu) / (la - 1.0)
         return out
     eta, gamma = dist.eta, dist.gamma
@@ -262,9 +269,7 @@ class SelectionBound:
 
 
 def _pld_epsilon(event: dpa.DpEvent, delta: float) -> float:
-    acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=1e-4)
-    acc.compose(event)
-    return float(acc.get_epsilon(delta))
+    return float(_pld(event).get_epsilon_for_delta(delta))
 
 
 def naive_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: float) -> tuple[float, int]:
@@ -274,7 +279,7 @@ def naive_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta:
     if k == 0:
         return 0.0, 0
     worst = max(candidates, key=lambda c: _pld_epsilon(c, delta / 2))
-    return _pld_epsilon(dpa.SelfComposedDpEvent(worst, k), delta / 2), k
+    return float(_pld(worst).self_compose(k).get_epsilon_for_delta(delta / 2)), k
 
 
 def selection_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: float,
