@@ -78,6 +78,9 @@ def check_tune_recipe(r: Recipe) -> None:
     if p.mechanism != "gaussian" or r.batch.schedule or r.batch.max_batch_size:
         raise TuneError("dpft tune supports the Gaussian mechanism with plain Poisson sampling (no banded_mf, "
                         "batch.schedule or batch.max_batch_size)")
+    if r.batch.expected_batch_size == "auto" or r.schedule.steps == "auto":
+        raise TuneError("dpft tune: batch/steps auto is for dpft train; give numbers or search them in tune.space "
+                        "(batch.expected_batch_size / schedule.steps: {choice: [...]})")
     if r.task.dev_public and not r.task.dev_file and r.task.name in ("files",):
         raise TuneError("task.dev_public: true needs a task.dev_file (a dev set held out of the training file is "
                         "private data)")
@@ -319,13 +322,14 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         atomic_write_text(run_dir / "recipe.yaml", dump_recipe(chosen))
         rep["chosen"] = {"hyperparameters": best["hyperparameters"], "noisy_score": best["score"],
                          "sigma": best["sigma"], "trial_epsilon": best["trial_epsilon"]}
+        _card(run_dir, priv / f"trial_{best['index']}" / "report.json", total, state["score_sigma"] is not None)
         card = run_dir / "model" / "README.md"
         note = (f"\n\n## Hyperparameter search (covered)\n\nThese hyperparameters were chosen by a private random "
                 f"search (dpft tune): K ~ {dist.kind} with E[K] = {dist.mean():.3g}, each trial a DP run scored "
                 f"{'exactly on a public dev file' if state['score_sigma'] is None else 'by a noisy count'}; only "
                 f"this model was released. The whole search, this model included, is (ε = {total.epsilon:.4g}, "
                 f"δ = {delta:g})-DP (Papernot & Steinke 2022, Theorem {'6' if dist.kind == 'poisson' else '2'}, "
-                "RDP from dp-accounting). The ε of one trial stated above is NOT the guarantee of this model.\n")
+                "RDP from dp-accounting): the ε stated above.\n")
         if card.exists():
             card.write_text(card.read_text() + note)
     else:
@@ -340,6 +344,25 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         for f in ("fit.jsonl", "score.jsonl"):
             (priv / f).unlink(missing_ok=True)
     return rep
+
+
+def _card(run_dir: Path, trial_report: Path, total, private_dev: bool) -> None:
+    """The released model's card from its trial's report, with the SEARCH's ε (the trial's own ε is not the
+    guarantee of a selected model) and without dev metrics computed on private scoring rows."""
+    from dpft.run.card import write_model_cards
+
+    if not trial_report.is_file():
+        return
+    rep = json.loads(trial_report.read_text())
+    rep["privacy"].update({"epsilon": total.epsilon, "epsilon_rdp": total.epsilon_rdp,
+                           "accountant": "random-K selection (Papernot & Steinke 2022, RDP), dp-accounting"})
+    if private_dev:
+        rep["metrics"] = {}  # the trial's dev rows were the private scoring rows: never released
+        cov = rep.get("coverage") or {}
+        cov["dev"] = ("Trials were scored by a noisy count of correct predictions on held-out private rows; the "
+                      "counts' noise is in the search's ε. No exact dev metric on private rows is released.")
+        rep["coverage"] = cov
+    write_model_cards(run_dir, rep)
 
 
 def summary(rep: dict) -> str:
