@@ -4,8 +4,8 @@
   the selection; Papernot & Steinke 2022), the released model evaluated once on the test file;
 * ``hand``:  the hand-tuned recipe (``recipes/sst2-minilm.yaml`` by default) trained once at ε,
   tuning NOT charged (what users do today);
-* ``nodp``:  non-private random search over the same space with the same number of trials as the
-  ``tune`` arm's seed drew (exact dev scores on the same held-out rows), then evaluated once.
+* ``nodp``:  non-private search over the SAME K hyperparameter draws as the ``tune`` arm's seed
+  (exact dev accuracy on a split held out of the training rows), the best evaluated once.
 
 Usage (sizes are arguments; the full evidence needs a GPU or hours of CPU)::
 
@@ -41,6 +41,18 @@ def _test_accuracy(run_dir: Path, test_file: str) -> float:
     return float(predict(run_dir, test_file, output=run_dir / "test_predictions.jsonl", progress=False)["accuracy"])
 
 
+def _held_out_dev(rec) -> dict:
+    """Overrides that make a registered task read its training file as ``files`` with a dev split held out
+    of it (dev_fraction), so that the non-private search never selects on the test file."""
+    from dpft.data.tasks import REGISTRY, data_dir
+
+    spec = REGISTRY.get(rec.task.name)
+    if spec is None or spec.train_file is None or data_dir() is None:
+        return {}
+    return {"task.name": "files", "task.train_file": str(data_dir() / spec.train_file), "task.dev_file": None,
+            "task.text_column": spec.text, "task.text_pair_column": spec.pair, "task.label_column": spec.label}
+
+
 def run_seed(args, seed: int, out: Path) -> dict:
     base = {"seed": seed, "privacy.target_epsilon": args.epsilon}
     if args.max_train_examples:
@@ -68,16 +80,12 @@ def run_seed(args, seed: int, out: Path) -> dict:
         train(hand, d, progress=False)
     row.update(hand_eps=json.loads((d / "report.json").read_text())["privacy"].get("epsilon"),
                hand_acc=_test_accuracy(d, args.test_file))
-    # (c) non-private search, same space and the same K, exact scores on a held-out dev split
-    from dpft.run.tune import draw_trials
-    from dpft.accounting.selection import KDistribution
-    from dpft.privacy.randomness import Randomness
-
-    t = rec.tune.trials
-    _, trials = draw_trials(rec, KDistribution.with_mean(t.distribution, t.mean, t.eta), Randomness(seed))
+    # (c) non-private search over the same K hyperparameter draws as (a), scored exactly on a dev split
+    # held out of the TRAINING rows (never on the test file)
+    state = json.loads((out / f"tune-s{seed}" / "tune_private" / "state.json").read_text())
     best = None
-    for i, tr in enumerate(trials[:k]):
-        ov = {**base, **tr["hyperparameters"], "privacy.enabled": False}
+    for i, tr in enumerate(state["trials"]):
+        ov = {**base, **tr["hyperparameters"], "privacy.enabled": False, **_held_out_dev(rec)}
         r2 = load_recipe(args.recipe, ov)
         r2.tune = None
         d = out / f"nodp-s{seed}-t{i}"
