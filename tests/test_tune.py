@@ -163,6 +163,9 @@ def test_tiny_tune_releases_one_model_and_resume_keeps_k(tiny_model_dir, sst_lik
     assert (out / "model" / "config.json").is_file()
     assert not any(p.name.startswith("trial_") or p.suffix == ".jsonl" for p in (out / "tune_private").iterdir())
     assert T.tune(rec, out, resume=True, progress=False)["epsilon"] == rep["epsilon"]  # finished: nothing reruns
+    with pytest.raises(T.TuneError, match="recipe differs"):
+        T.tune(tune_recipe(tiny_model_dir, sst_like_files, **{"tune.trials.mean": 5.0}), out, resume=True,
+               progress=False)
     assert "Hyperparameter search (covered)" in (out / "model" / "README.md").read_text()
     # ledger: one selection entry, no trials in the released file (K is not released)
     led = json.loads((out / "ledger.json").read_text())

@@ -178,6 +178,14 @@ def private_score(correct: int, score_sigma: Optional[float], ledger: PrivacyLed
     return correct + score_sigma * float(rng.stream("tune_score", i).normal((1,))[0])
 
 
+def _comparable(r: Recipe) -> dict:
+    """The recipe as a resume compares it (``perf`` and ``output_dir`` never change the guarantee)."""
+    d = json.loads(json.dumps(r.model_dump(mode="json")))
+    d.pop("perf", None)
+    d.pop("output_dir", None)
+    return d
+
+
 def _save_state(path: Path, state: dict) -> None:
     atomic_write_text(path, json.dumps(state, indent=1))
 
@@ -201,6 +209,13 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
                         "--output-dir (nothing was overwritten)")
     if resume and not state_path.exists():
         raise TuneError(f"--resume: {run_dir} holds no search state ({state_path})")
+    if resume:  # before any data is copied: a finished search reruns nothing; another recipe is refused
+        state = json.loads(state_path.read_text())
+        if state.get("recipe") != _comparable(r):
+            raise TuneError(f"--resume: the recipe differs from the one that started the search in {run_dir}; "
+                            "resume with the same recipe, or use a new --output-dir")
+        if state.get("finished"):
+            return json.loads((run_dir / "report.json").read_text())
     priv.mkdir(parents=True, exist_ok=True)
     os.chmod(priv, 0o700)
     rng = rng or Randomness(r.seed if r.privacy.reproducible else None)
@@ -233,14 +248,11 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     plans = [_steps_and_q(r, c, n) for c in combos]
     score_sigma = None if public else tc.score_noise_multiplier
     if resume:
-        state = json.loads(state_path.read_text())
         sigmas = state["sigmas"]
-        if state.get("finished"):  # nothing left to run or release: the report stands
-            return json.loads((run_dir / "report.json").read_text())
     else:
         sigmas, _ = calibrate_search(r.privacy.target_epsilon, r.privacy.delta, dist, plans, score_sigma)
         k, trials = draw_trials(r, dist, rng)
-        state = {"k": k, "distribution": dist.as_dict(), "sigmas": sigmas, "configurations": combos,
+        state = {"recipe": _comparable(r), "k": k, "distribution": dist.as_dict(), "sigmas": sigmas, "configurations": combos,
                  "n_fit": n, "n_score": len(score_rows), "score_sigma": score_sigma, "trials": trials}
         _save_state(state_path, state)  # K persisted before the first trial: a resume never redraws it
     candidates = [candidate_event(s, q, steps, score_sigma) for s, (q, steps) in zip(sigmas, plans)]
