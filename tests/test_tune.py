@@ -199,3 +199,21 @@ def test_audit_tune_checks_pass():
 
     checks = tune_checks()
     assert len(checks) == 4 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
+
+
+def test_cli_tune_refusals_before_loading(tmp_path):
+    from typer.testing import CliRunner
+
+    from dpft.cli import app
+
+    f = tmp_path / "r.yaml"
+    f.write_text("task: {name: files, train_file: nowhere.csv}\n")
+    res = CliRunner().invoke(app, ["tune", str(f), "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "tune: section" in res.output
+    f.write_text("task: {name: files, train_file: nowhere.csv}\nprivacy: {noise_multiplier: 1.0}\n"
+                 "tune: {trials: {mean: 3}}\n")
+    res = CliRunner().invoke(app, ["tune", str(f), "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "noise_multiplier" in res.output
+    f.write_text("tune: {space: {schedule.steps: {log_uniform: [10, 100]}}}\n")
+    res = CliRunner().invoke(app, ["tune", str(f), "-o", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "must be a choice" in res.output
