@@ -334,7 +334,8 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         atomic_write_text(run_dir / "recipe.yaml", dump_recipe(chosen))
         rep["chosen"] = {"hyperparameters": best["hyperparameters"], "noisy_score": best["score"],
                          "sigma": best["sigma"], "trial_epsilon": best["trial_epsilon"]}
-        _card(run_dir, priv / f"trial_{best['index']}" / "report.json", total, state["score_sigma"] is not None)
+        _card(r, run_dir, priv / f"trial_{best['index']}" / "report.json", total, state["score_sigma"] is not None,
+              state.get("n_fit", 0) + (state.get("n_score", 0) if state["score_sigma"] is not None else 0))
         card = run_dir / "model" / "README.md"
         note = (f"\n\n## Hyperparameter search (covered)\n\nThese hyperparameters were chosen by a private random "
                 f"search (dpft tune): K ~ {dist.kind} with E[K] = {dist.mean():.3g}, each trial a DP run scored "
@@ -358,7 +359,7 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
     return rep
 
 
-def _card(run_dir: Path, trial_report: Path, total, private_dev: bool) -> None:
+def _card(r: Recipe, run_dir: Path, trial_report: Path, total, private_dev: bool, n_private: int) -> None:
     """The released model's card from its trial's report, with the SEARCH's ε (the trial's own ε is not the
     guarantee of a selected model) and without dev metrics computed on private scoring rows."""
     from dpft.run.card import write_model_cards
@@ -366,6 +367,13 @@ def _card(run_dir: Path, trial_report: Path, total, private_dev: bool) -> None:
     if not trial_report.is_file():
         return
     rep = json.loads(trial_report.read_text())
+    rep["name"] = r.name
+    if n_private:  # the guarantee covers the fit AND the scoring rows: N of the private data
+        rep["task"]["n_train"] = n_private
+        if isinstance((rep.get("dp") or {}).get("privacy_unit"), dict):
+            rep["dp"]["privacy_unit"]["n_units"] = n_private
+    rep["task"].update({"name": r.task.name, "train_file": r.task.train_file,
+                        "source": f"files: {r.task.train_file}" if r.task.train_file else "its training split"})
     rep["privacy"].update({"epsilon": total.epsilon, "epsilon_rdp": total.epsilon_rdp,
                            "accountant": "random-K selection (Papernot & Steinke 2022, RDP), dp-accounting"})
     if private_dev:
@@ -375,6 +383,15 @@ def _card(run_dir: Path, trial_report: Path, total, private_dev: bool) -> None:
                       "counts' noise is in the search's ε. No exact dev metric on private rows is released.")
         rep["coverage"] = cov
     write_model_cards(run_dir, rep)
+    card = run_dir / "model" / "README.md"
+    text = card.read_text() if card.is_file() else ""
+    start = text.find("ε is computed by the PLD accountant")
+    if start >= 0:  # the card's sentence about a training run's ledger, said of the search instead
+        end = text.find("\n\n", start)
+        card.write_text(text[:start] + (
+            "ε is computed from the search's ledger (`ledger.json`): one random-K selection event holding every "
+            "configuration's per-trial events (each Poisson-subsampled Gaussian step and the noisy score) and the "
+            "law of K, bounded by Papernot & Steinke (2022) on dp-accounting's RDP curves.") + text[end:])
 
 
 def summary(rep: dict) -> str:
