@@ -35,7 +35,26 @@ _NAMES = {
     "DPArguments": "dpft.integrations.hf",
 }
 
-__all__ = ["__version__", "train", *_NAMES]
+__all__ = ["__version__", "train", "tune", *_NAMES]
+
+
+def tune(recipe: Any, output_dir: Any, *, resume: bool = False, progress: bool = True,
+         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Private hyperparameter search (the CLI's ``dpft tune`` from Python; run/tune.py): returns report.json.
+
+    Args: as :func:`train`; ``recipe`` needs a ``tune:`` section; its ``privacy.target_epsilon`` is the
+    budget of the whole search."""
+    from dpft.config import Recipe, apply_overrides, load_recipe
+    from dpft.run.tune import tune as _tune
+
+    if isinstance(recipe, Recipe):
+        rec = recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
+                                                                             dict(overrides)))
+    elif isinstance(recipe, dict):
+        rec = load_recipe(None, apply_overrides(dict(recipe), dict(overrides or {})))
+    else:
+        rec = load_recipe(recipe, overrides)
+    return _tune(rec, output_dir, resume=resume, progress=progress)
 
 
 def __getattr__(name: str) -> Any:
@@ -74,5 +93,12 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
         rec = load_recipe(None, apply_overrides(dict(recipe), dict(overrides or {})))
     else:
         rec = load_recipe(recipe, overrides)
+    from dpft.run.auto import resolve_auto
+
+    rec, chosen = resolve_auto(rec)  # batch/steps auto (accounting/budget.py)
+    if chosen and progress:
+        import sys
+
+        print(chosen, file=sys.stderr)
     out = Path(output_dir or rec.output_dir or Path("runs") / rec.name)
     return Trainer(rec, out, resume=resume, progress=progress).run()

@@ -184,6 +184,36 @@ def _time_first_step(trainer) -> None:
 
 
 @app.command()
+def tune(
+    recipe: Path = typer.Argument(..., help="YAML recipe with a tune: section."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the search (K and the trials done are kept)."),
+    epsilon: Optional[float] = typer.Option(None, help="privacy.target_epsilon of the WHOLE search."),
+    set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set tune.trials.mean=8"),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+):
+    """Private random hyperparameter search (run/tune.py): K ~ the declared law of DP trials, each scored
+    privately; only the best trial's model is released; the whole search is charged."""
+    from dpft.config import load_recipe
+    from dpft.run.errors import TrainingError
+    from dpft.run.tune import summary, tune as run_tune
+
+    ov, origins = _overrides((("--epsilon", "privacy.target_epsilon", epsilon),
+                              ("--output-dir", "output_dir", str(output_dir) if output_dir else None)), set)
+    run_dir = output_dir
+    try:
+        rec = load_recipe(recipe, ov, origins)
+        _name_run(rec, ov)
+        run_dir = Path(rec.output_dir) if rec.output_dir else Path("runs") / f"{rec.name}-tune"
+        typer.echo(f"run directory: {run_dir}\n{summary(run_tune(rec, run_dir, resume=resume, progress=not quiet))}")
+    except KeyboardInterrupt:  # a trial's checkpoint and the search state (K, trials) are on disk
+        typer.secho(f"interrupted; resume with: dpft tune {recipe} -o {run_dir} --resume (K is kept)", err=True)
+        raise typer.Exit(130)
+    except (ValueError, TrainingError, FileNotFoundError) as exc:
+        _fail(str(exc))
+
+
+@app.command()
 def train(
     recipe: Optional[Path] = typer.Argument(None, help="YAML recipe (see recipes/)."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
@@ -278,6 +308,11 @@ def train(
         _name_run(rec, ov)
         if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading
             _fail(f"test file not found: {rec.task.test_file}")
+        from dpft.run.auto import resolve_auto
+
+        rec, chosen = resolve_auto(rec)  # batch/steps auto (accounting/budget.py), before the plan
+        if chosen:
+            typer.echo(chosen, err=True)
         taken = None
         if rec.output_dir:
             run_dir = Path(rec.output_dir)

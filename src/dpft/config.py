@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Annotated, Any, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+
+from dpft.config_tune import TuneCfg
+
+#: ``auto``: chosen by accounting/budget.py (issue 35) before the run is planned.
+Auto = Literal["auto"]
+_PosInt = Annotated[int, Field(ge=1)]
 
 
 class _Strict(BaseModel):
@@ -65,6 +71,8 @@ class TaskCfg(_Strict):
     #: Use only the first n training examples (after a seeded shuffle); N is then n.
     max_train_examples: Optional[int] = Field(None, ge=1)
     max_dev_examples: Optional[int] = Field(None, ge=1)
+    #: The dev file is public (not private data): ``dpft tune`` scores trials on it exactly.
+    dev_public: bool = False
     #: Fraction of train held out as dev when the task has no dev file.
     dev_fraction: float = Field(0.1, gt=0, lt=1)
     #: ``text`` task (causal LM) only: the privacy unit. ``block`` = the corpus is tokenised,
@@ -197,8 +205,10 @@ class OptimizerCfg(_Strict):
 
 
 class ScheduleCfg(_Strict):
-    #: Number of logical (noisy) steps; or give epochs (steps = epochs / q).
-    steps: Optional[int] = Field(None, ge=1)
+    #: Number of logical (noisy) steps; or give epochs (steps = epochs / q); ``auto``: see compute_budget.
+    steps: Optional[_PosInt | Auto] = None
+    #: Examples processed (B·T) for ``steps: auto`` / ``batch.expected_batch_size: auto``; None = 3 epochs.
+    compute_budget: Optional[int] = Field(None, ge=1)
     epochs: Optional[float] = Field(None, gt=0)
     warmup_steps: int = Field(0, ge=0)
     decay: Literal["linear", "constant"] = "linear"
@@ -211,8 +221,8 @@ class ScheduleCfg(_Strict):
 
 
 class BatchCfg(_Strict):
-    #: Expected logical batch size q·N (Poisson sampling rate q = this / N).
-    expected_batch_size: int = Field(256, ge=1)
+    #: Expected logical batch size q·N (Poisson sampling rate q = this / N); ``auto``: accounting/budget.py.
+    expected_batch_size: _PosInt | Auto = 256
     #: Largest micro-batch run through the model at once (memory bound).
     max_physical_batch_size: int = Field(32, ge=1)
     #: Variable sampling rate: ``[[from_step, expected_batch_size], ...]`` (steps 0-based,
@@ -342,6 +352,8 @@ class Recipe(_Strict):
     #: sections ``subspace:`` (DP-SFT), ``ldp:`` (EW-FT / DP-Forward), ``adam_ac:`` (DP-Adam-AC)
     #: and ``denoise:`` (RMT) are accepted and moved here.
     methods: list[Any] = []
+    #: Private hyperparameter search (``dpft tune``; config_tune.py). Ignored by ``dpft train``.
+    tune: Optional[TuneCfg] = None
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
     output_dir: Optional[str] = None

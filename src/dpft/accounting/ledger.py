@@ -12,9 +12,7 @@ spent, and resuming never counts budget twice nor loses it.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -24,6 +22,9 @@ import dp_accounting as dpa
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpft.accounting import selection as _sel
+from dpft.accounting.quiet import quiet_absl as _quiet_absl
+
 #: Neighbouring relation used by every accountant of dpft unless a phase says otherwise.
 ADD_OR_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
 
@@ -32,6 +33,8 @@ _EVENT_CLASSES = {
     for cls in vars(dpa.dp_event).values()
     if isinstance(cls, type) and issubclass(cls, dpa.DpEvent)
 }
+#: The random-K selection of a hyperparameter search (accounting/selection.py): no dp-accounting class.
+_EVENT_CLASSES[_sel.RandomKSelectionDpEvent.__name__] = _sel.RandomKSelectionDpEvent
 
 
 def event_to_dict(event: dpa.DpEvent) -> dict[str, Any]:
@@ -97,23 +100,6 @@ def pld_accountant(discretization: float = 1e-4) -> pld_privacy_accountant.PLDAc
     return pld_privacy_accountant.PLDAccountant(ADD_OR_REMOVE, value_discretization_interval=discretization)
 
 
-class _DropWarnings(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.WARNING
-
-
-@contextlib.contextmanager
-def _quiet_absl():
-    """Drop absl warnings (dp-accounting's RDP code logs "failed to converge … Excluding this
-    order" through absl): the RDP value is a cross-check only, PLD is the reported one."""
-    logger, flt = logging.getLogger("absl"), _DropWarnings()
-    logger.addFilter(flt)
-    try:
-        yield
-    finally:
-        logger.removeFilter(flt)
-
-
 def _canonical(events: Iterable[dpa.DpEvent]) -> list[dpa.DpEvent]:
     """The same composition with ``NoOpDpEvent`` dropped and equal events merged into one
     ``SelfComposedDpEvent`` each (composition is commutative, so ε is unchanged; banded_mf
@@ -145,6 +131,8 @@ def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
     events = _canonical(events)
     if not events:
         return PrivacyReport(0.0, delta, 0.0)
+    if any(isinstance(e, _sel.RandomKSelectionDpEvent) for e in events):
+        return _epsilon_with_selection(events, delta)
     event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
     pld = pld_accountant()
     pld.compose(event)
@@ -156,6 +144,42 @@ def epsilon_of(events: Iterable[dpa.DpEvent], delta: float) -> PrivacyReport:
         else:  # e.g. TruncatedSubsampledGaussianDpEvent: PLD only, no RDP cross-check
             eps_rdp = math.nan
     return PrivacyReport(float(pld.get_epsilon(delta)), delta, eps_rdp)
+
+
+def _epsilon_with_selection(events: list[dpa.DpEvent], delta: float) -> PrivacyReport:
+    """ε(δ) of a composition that holds random-K selections (hyperparameter searches), which the
+    dp-accounting accountants cannot compose. Two valid bounds, the smaller reported:
+
+    * RDP: the selections' RDP curves (Papernot & Steinke 2022, accounting/selection.py) plus the
+      RDP curve of the other events (dp-accounting), converted by dp-accounting;
+    * basic composition: each selection at δ/(2s) by its own best bound, the other events by PLD
+      at δ/2 (or the selections share all of δ when there is nothing else); ε's add.
+
+    A trial whose recorded events are not covered by the selection's candidates (a resumed trial
+    that released steps again) is composed on top, in full.
+    """
+    sels = [e for e in events if isinstance(e, _sel.RandomKSelectionDpEvent)]
+    rest = [e for e in events if not isinstance(e, _sel.RandomKSelectionDpEvent)]
+    for s in sels:  # uncovered trials: counted again, in full (never in our favour)
+        rest += [s.trials[i] for i in _sel.check_trials_covered(s)]
+    orders = list(_sel.ORDERS)
+    with _quiet_absl():
+        curve = sum(_sel.selection_rdp_curve(s.candidates, s.distribution) for s in sels)
+        try:
+            if rest:
+                curve = curve + _sel.rdp_curve(dpa.ComposedDpEvent(rest))
+            eps_rdp = float(rdp_privacy_accountant.compute_epsilon(orders, list(curve), delta)[0])
+        except _sel.SelectionError:  # e.g. truncated Poisson elsewhere in the run: basic composition only
+            eps_rdp = math.inf
+    d_sel = (delta / 2 if rest else delta) / len(sels)
+    eps_basic = sum(_sel.selection_epsilon(s.candidates, s.distribution, d_sel).epsilon for s in sels)
+    if rest:
+        pld = pld_accountant()
+        pld.compose(dpa.ComposedDpEvent(rest))
+        eps_basic += float(pld.get_epsilon(delta / 2))
+    return PrivacyReport(min(eps_rdp, eps_basic), delta, eps_rdp,
+                         accountant="random-K selection (Papernot & Steinke 2022, RDP) composed with the run's "
+                                    "other events (RDP, or PLD by basic composition: the smaller)")
 
 
 class PrivacyLedger:

@@ -99,6 +99,11 @@ def audit(
 
     try:  # a bad recipe, missing data (offline without DPFT_DATA_DIR), an unusable δ: one line, no traceback
         r = load_recipe(recipe)
+        from dpft.run.auto import resolve_auto
+
+        r, chosen = resolve_auto(r)  # batch/steps auto: the audit checks the plan dpft train would run
+        if chosen:
+            typer.echo(chosen, err=True)
         if not r.privacy.enabled:
             typer.secho("error: the recipe is not private (privacy.enabled: false); nothing to audit", fg="red",
                         err=True)

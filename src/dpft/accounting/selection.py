@@ -1,0 +1,365 @@
+"""The privacy cost of private selection with a random number of trials K (hyperparameter search).
+
+A search runs K independent trials of a DP base mechanism Q (draw hyperparameters, train with
+DP-SGD, release a noisy score) and releases only the best trial; K itself is random and secret.
+Papernot & Steinke (ICLR 2022, "Hyperparameter tuning with Rényi differential privacy") bound
+the Rényi DP of that selection from Q's RDP curve:
+
+* Theorem 2, K ~ truncated negative binomial D_{η,γ} (η > −1, 0 < γ < 1; η = 1 geometric,
+  η = 0 logarithmic):  for every λ > 1 and λ̂ ≥ 1,
+  ε'(λ) = ε(λ) + (1+η)(1 − 1/λ̂) ε(λ̂) + (1+η) log(1/γ)/λ̂ + log E[K] / (λ − 1),
+  E[K] = η(1−γ) / (γ(1−γ^η))  (η ≠ 0),  (1/γ − 1)/log(1/γ)  (η = 0).
+* Theorem 6, K ~ Poisson(μ): if Q is also (ε̂, δ̂)-DP with e^ε̂ ≤ 1 + 1/(λ−1),
+  ε'(λ) = ε(λ) + μ δ̂ + log(μ) / (λ − 1).
+
+Q's RDP curve ε(λ) comes from ``dp_accounting``'s RDP accountant on Q's events and its privacy
+profile δ̂(ε̂) from the PLD accountant (never an accountant of our own); the selection's RDP
+curve is converted to (ε, δ) by ``dp_accounting``'s RDP conversion. λ̂ is minimised over the
+accountant's orders (any λ̂ ≥ 1 is allowed, so a minimum over a subset is still a valid bound).
+
+Beside it, *naive composition at the K quantile*: with k* the smallest k with P[K > k*] ≤ δ/2,
+the search is (ε_{k*}(δ/2), δ/2 + P[K > k*])-DP, ε_{k*} the PLD ε of k* trials. It is valid
+(and used when tighter) only when every trial has the same events; with several hyperparameter
+configurations of different privacy cost it is shown for comparison only.
+
+Several configurations: Q draws its hyperparameters at random (independently of the data), so Q
+is a mixture of the configurations' mechanisms with data-independent weights; Rényi divergence
+is jointly quasi-convex, so Q's RDP curve is bounded by the pointwise maximum of the
+configurations' curves — which is what :func:`base_rdp` returns.
+
+NOT implemented: the privacy-profile bound of Koskela, Redberg & Wang (ICML 2024, "Privacy
+profiles for private selection"); see the module's ``PROFILE_BOUND`` note.
+
+The selection is recorded in the ledger as one :class:`RandomKSelectionDpEvent` (an event that
+``dp_accounting`` does not know): accounting/ledger.py composes it with the run's other events
+through :func:`selection_rdp_curve` (RDP) or by basic composition, whichever is smaller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import attr
+import dp_accounting as dpa
+import numpy as np
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpft.accounting.quiet import quiet_absl
+
+__all__ = ["KDistribution", "RandomKSelectionDpEvent", "SelectionBound", "ORDERS", "rdp_curve", "base_rdp",
+           "selection_rdp_curve", "selection_epsilon", "naive_epsilon", "calibrate_search", "PROFILE_BOUND",
+           "candidate_event", "check_trials_covered", "gdp_sigma", "SelectionError"]
+
+#: RDP orders λ (and λ̂) used throughout: dp-accounting's defaults.
+ORDERS: tuple[float, ...] = tuple(float(x) for x in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+
+#: Why the privacy-profile bound of Koskela, Redberg & Wang (2024) is not computed (yet).
+PROFILE_BOUND = ("not implemented: the theorem's statement could not be checked against the paper in this "
+                 "build; the RDP bound of Papernot & Steinke 2022 is used")
+
+_ADD_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+class SelectionError(ValueError):
+    """A search whose privacy cannot be bounded as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class KDistribution:
+    """The law of the number of trials K.
+
+    ``kind``: ``truncated_negative_binomial`` (parameters η > −1, 0 < γ < 1; support K ≥ 1;
+    P[K=k] ∝ (1−γ)^k Π_{l<k} (l+η)/(l+1)) or ``poisson`` (μ > 0; K = 0 releases nothing).
+    Source: Papernot & Steinke 2022, §3 (Definition of D_{η,γ}) and Theorem 6.
+    """
+
+    kind: str
+    eta: float = 1.0
+    gamma: float = 0.5
+    mu: float = 1.0
+
+    def __post_init__(self):
+        if self.kind == "truncated_negative_binomial":
+            if not (self.eta > -1 and 0 < self.gamma < 1):
+                raise SelectionError(f"truncated negative binomial needs η > −1 and 0 < γ < 1 (got η = {self.eta}, "
+                                     f"γ = {self.gamma})")
+        elif self.kind == "poisson":
+            if not self.mu > 0:
+                raise SelectionError(f"Poisson K needs μ > 0 (got {self.mu})")
+        else:
+            raise SelectionError(f"unknown K distribution {self.kind!r}: truncated_negative_binomial or poisson")
+
+    @classmethod
+    def with_mean(cls, kind: str, mean: float, eta: float = 1.0) -> "KDistribution":
+        """The distribution of ``kind`` with E[K] = ``mean`` (γ found by bisection for the truncated
+        negative binomial, E[K] being decreasing in γ; μ = mean for Poisson).
+
+        Raises:
+            SelectionError: mean ≤ 1 for the truncated negative binomial (K ≥ 1 always), or ≤ 0."""
+        if kind == "poisson":
+            return cls("poisson", mu=float(mean))
+        if not mean > 1:
+            raise SelectionError(f"a truncated negative binomial K has E[K] > 1; got mean {mean}")
+        lo, hi = 1e-12, 1 - 1e-12
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if cls(kind, eta=eta, gamma=mid).mean() > mean:
+                lo = mid
+            else:
+                hi = mid
+        return cls(kind, eta=eta, gamma=(lo + hi) / 2)
+
+    def as_dict(self) -> dict:
+        if self.kind == "poisson":
+            return {"kind": "poisson", "mu": self.mu, "mean": self.mean()}
+        return {"kind": self.kind, "eta": self.eta, "gamma": self.gamma, "mean": self.mean()}
+
+    def mean(self) -> float:
+        """E[K] (Papernot & Steinke 2022, Theorem 2)."""
+        if self.kind == "poisson":
+            return self.mu
+        g, e = self.gamma, self.eta
+        if e == 0:
+            return (1 / g - 1) / math.log(1 / g)
+        return e * (1 - g) / (g * (1 - g ** e))
+
+    def pmf(self, k: int) -> float:
+        """P[K = k]."""
+        if self.kind == "poisson":
+            return math.exp(k * math.log(self.mu) - self.mu - math.lgamma(k + 1)) if k >= 0 else 0.0
+        if k < 1:
+            return 0.0
+        g, e = self.gamma, self.eta
+        if e == 0:  # logarithmic
+            return (1 - g) ** k / (k * math.log(1 / g))
+        # (1−γ)^k / (γ^{−η} − 1) · Γ(k+η) / (Γ(η) k!), in logs (Γ(η) < 0 for −1 < η < 0: signs cancel)
+        log_ratio = math.lgamma(k + e) - math.lgamma(e) - math.lgamma(k + 1)  # lgamma = log|Γ|
+        return math.exp(k * math.log(1 - g) + log_ratio) / abs(g ** (-e) - 1)
+
+    def cdf(self, k: int) -> float:
+        """P[K ≤ k] (summed pmf; 0 below the support)."""
+        return min(1.0, sum(self.pmf(j) for j in range(0, k + 1)))
+
+    def tail_quantile(self, tail: float, k_max: int = 1_000_000) -> int:
+        """Smallest k with P[K > k] ≤ ``tail`` (the pmf summed up to k)."""
+        total, k = 0.0, 0
+        while k < k_max:
+            total += self.pmf(k)
+            if 1.0 - total <= tail:
+                return k
+            k += 1
+        raise SelectionError(f"P[K > k] stays above {tail:g} up to k = {k_max}")
+
+    def sample(self, u: float) -> int:
+        """K from one uniform ``u`` in [0, 1) by inversion of the CDF (``u`` from the run's secret
+        randomness: privacy/randomness.py)."""
+        if not 0 <= u < 1:
+            raise ValueError(f"u must be in [0, 1), got {u}")
+        total, k = 0.0, 0
+        while True:
+            total += self.pmf(k)
+            if u < total or k > 10_000_000:
+                return k
+            k += 1
+
+
+@attr.define(frozen=True)
+class RandomKSelectionDpEvent(dpa.DpEvent):
+    """Ledger event of a random-K private selection (``dp_accounting`` has none).
+
+    Attributes:
+        candidates: the per-trial events of every hyperparameter configuration the search can draw
+            (the base mechanism Q is their data-independent mixture); the bound uses their
+            pointwise maximum RDP.
+        kind, eta, gamma, mu: the law of K (:class:`KDistribution`).
+        trials: the events each trial actually spent (for audit; every one must be covered by a
+            candidate, which :func:`check_trials_covered` checks).
+    """
+
+    candidates: list = attr.field(factory=list)
+    kind: str = "truncated_negative_binomial"
+    eta: float = 1.0
+    gamma: float = 0.5
+    mu: float = 1.0
+    trials: list = attr.field(factory=list)
+
+    @property
+    def distribution(self) -> KDistribution:
+        return KDistribution(self.kind, self.eta, self.gamma, self.mu)
+
+
+def rdp_curve(event: dpa.DpEvent, orders: Sequence[float] = ORDERS) -> np.ndarray:
+    """RDP ε(λ) of ``event`` at ``orders`` from dp-accounting's RDP accountant (add/remove-one).
+
+    Raises:
+        SelectionError: the RDP accountant does not support the event (e.g. truncated Poisson)."""
+    acc = rdp_privacy_accountant.RdpAccountant(list(orders), _ADD_REMOVE)
+    if not acc.supports(event):
+        raise SelectionError(f"the RDP accountant does not support {type(event).__name__}; a search over it "
+                             "cannot be bounded by Papernot & Steinke's theorem")
+    with quiet_absl():
+        acc.compose(event)
+    return np.asarray(acc._rdp, dtype=float)  # noqa: SLF001 - the accountant's own curve, no copy of its maths
+
+
+def base_rdp(candidates: Sequence[dpa.DpEvent], orders: Sequence[float] = ORDERS) -> np.ndarray:
+    """Pointwise maximum of the candidates' RDP curves (joint quasi-convexity; module docstring)."""
+    if not candidates:
+        raise SelectionError("a selection needs at least one candidate trial event")
+    return np.max(np.stack([rdp_curve(c, orders) for c in candidates]), axis=0)
+
+
+_PLD_CACHE: dict[str, object] = {}
+
+
+def _pld(event: dpa.DpEvent):
+    """The PLD of ``event`` (dp-accounting, pessimistic, grid 1e-4), cached by the event's repr
+    (events are values: equal reprs are equal events); at most 32 kept."""
+    key = repr(event)
+    if key not in _PLD_CACHE:
+        acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=1e-4)
+        acc.compose(event)
+        if len(_PLD_CACHE) >= 32:
+            _PLD_CACHE.pop(next(iter(_PLD_CACHE)))
+        _PLD_CACHE[key] = acc._pld  # noqa: SLF001 - the accountant's own distribution
+    return _PLD_CACHE[key]
+
+
+def selection_rdp_curve(candidates: Sequence[dpa.DpEvent], dist: KDistribution,
+                        orders: Sequence[float] = ORDERS, base: Optional[np.ndarray] = None) -> np.ndarray:
+    """RDP ε'(λ) of the selection at each λ in ``orders`` (λ > 1; Papernot & Steinke 2022,
+    Theorem 2 for the truncated negative binomial, Theorem 6 for Poisson). ``inf`` where the
+    theorem gives nothing."""
+    lam = np.asarray(orders, dtype=float)
+    eps = base_rdp(candidates, orders) if base is None else np.asarray(base, dtype=float)
+    if dist.kind == "poisson":
+        out = np.full_like(lam, math.inf)
+        plds = [_pld(c) for c in candidates]  # Q's privacy profile δ̂(ε̂): worst over the candidates
+        for i, la in enumerate(lam):
+            eps_hat = math.log1p(1.0 / (la - 1.0))  # e^ε̂ = 1 + 1/(λ−1), the theorem's largest ε̂
+            delta_hat = max(float(p.get_delta_for_epsilon(eps_hat)) for p in plds)
+            out[i] = eps[i] + dist.mu * delta_hat + math.log(dist.mu) / (la - 1.0)
+        return out
+    eta, gamma = dist.eta, dist.gamma
+    # min over λ̂ of (1+η)(1 − 1/λ̂) ε(λ̂) + (1+η) log(1/γ)/λ̂
+    hat = np.min((1 + eta) * (1 - 1 / lam) * eps + (1 + eta) * math.log(1 / gamma) / lam)
+    return eps + hat + math.log(dist.mean()) / (lam - 1.0)
+
+
+@dataclass
+class SelectionBound:
+    """ε at δ of a search, by each bound; ``epsilon`` is the smallest valid one."""
+
+    epsilon: float
+    delta: float
+    epsilon_rdp: float
+    epsilon_naive: float
+    naive_k: int
+    naive_valid: bool
+    per_trial_epsilon: float
+    mean_k: float
+    profile_bound: str = PROFILE_BOUND
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("epsilon", "delta", "epsilon_rdp", "epsilon_naive", "naive_k",
+                                              "naive_valid", "per_trial_epsilon", "mean_k", "profile_bound")}
+
+
+def _pld_epsilon(event: dpa.DpEvent, delta: float) -> float:
+    return float(_pld(event).get_epsilon_for_delta(delta))
+
+
+def naive_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: float) -> tuple[float, int]:
+    """(ε, k*) of naive composition at the quantile: k* = smallest k with P[K > k] ≤ δ/2, ε = the
+    PLD ε at δ/2 of k* compositions of the most expensive candidate (module docstring)."""
+    k = dist.tail_quantile(delta / 2)
+    if k == 0:
+        return 0.0, 0
+    worst = max(candidates, key=lambda c: _pld_epsilon(c, delta / 2))
+    return float(_pld(worst).self_compose(k).get_epsilon_for_delta(delta / 2)), k
+
+
+def selection_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: float,
+                      naive: bool = True) -> SelectionBound:
+    """ε(δ) of the random-K selection over ``candidates``: RDP (Papernot & Steinke) converted by
+    dp-accounting, naive composition at the K quantile beside it; the smaller valid one.
+
+    Raises:
+        SelectionError: δ not in (0, 1), no candidates, or events without an RDP curve."""
+    if not 0 < delta < 1:
+        raise SelectionError(f"δ must be in (0, 1), got {delta}")
+    curve = selection_rdp_curve(candidates, dist)
+    eps_rdp = float(rdp_privacy_accountant.compute_epsilon(list(ORDERS), list(curve), delta)[0])
+    per_trial = max(_pld_epsilon(c, delta) for c in candidates)
+    eps_naive, k = naive_epsilon(candidates, dist, delta) if naive else (math.inf, 0)
+    valid = len({repr(c) for c in candidates}) == 1
+    best = min(eps_rdp, eps_naive) if valid else eps_rdp
+    return SelectionBound(best, delta, eps_rdp, eps_naive, k, valid, per_trial, dist.mean())
+
+
+def check_trials_covered(event: RandomKSelectionDpEvent, rtol: float = 1e-9) -> list[int]:
+    """Indices of recorded trials whose RDP curve exceeds every candidate's (not covered by the
+    bound; the ledger then composes them on top)."""
+    if not event.trials:
+        return []
+    base = base_rdp(event.candidates)
+    return [i for i, t in enumerate(event.trials) if np.any(rdp_curve(t) > base * (1 + rtol) + 1e-12)]
+
+
+def gdp_sigma(mu: float, q: float, steps: int) -> float:
+    """σ with q√T·√(e^{1/σ²} − 1) = μ (the CLT μ-GDP of Poisson-subsampled Gaussian steps; Bu et al.
+    2020): used only to give every configuration a *similar* privacy cost inside the calibration
+    below; the certified ε is always recomputed from the accountants."""
+    x = mu / (q * math.sqrt(steps))
+    return 1.0 / math.sqrt(math.log1p(x * x))
+
+
+def calibrate_search(target_epsilon: float, delta: float, dist: KDistribution, configs: Sequence[tuple[float, int]],
+                     score_sigma: Optional[float], rel_tol: float = 2e-3) -> tuple[list[float], SelectionBound]:
+    """Per-trial σ of each (q, steps) configuration such that the whole search spends ``target_epsilon``.
+
+    Bisection on a common μ (each configuration's σ from :func:`gdp_sigma`, so that their costs are
+    alike); each candidate's event is ``steps`` × PoissonSampled(q, Gaussian(σ)) composed with the
+    score's ``Gaussian(score_sigma)`` (None: a public dev set, no score event). The returned σ's
+    satisfy selection ε ≤ target (the bracket's safe end).
+
+    Raises:
+        SelectionError: the target cannot be met even with σ = 500 on every configuration (the score
+            alone, or log E[K]/(λ−1) terms, exceed it): raise ε, lower E[K] or raise the score's σ."""
+
+    def events(mu):
+        sig = [min(500.0, max(0.3, gdp_sigma(mu, q, t))) for q, t in configs]
+        return sig, [candidate_event(s, q, t, score_sigma) for s, (q, t) in zip(sig, configs)]
+
+    def eps(mu):
+        sig, evs = events(mu)
+        curve = selection_rdp_curve(evs, dist)
+        return float(rdp_privacy_accountant.compute_epsilon(list(ORDERS), list(curve), delta)[0])
+
+    lo, hi = 1e-4, 1.0
+    if eps(lo) > target_epsilon:
+        raise SelectionError(f"a search with E[K] = {dist.mean():.3g} cannot meet ε = {target_epsilon:g} at δ = "
+                             f"{delta:g} even with very large noise; raise ε, lower the mean number of trials, or "
+                             "raise tune.score_noise_multiplier")
+    while eps(hi) <= target_epsilon and hi < 1e4:
+        lo, hi = hi, hi * 2
+    while (hi - lo) > rel_tol * lo:
+        mid = (lo + hi) / 2
+        if eps(mid) <= target_epsilon:
+            lo = mid
+        else:
+            hi = mid
+    sig, evs = events(lo)
+    return sig, selection_epsilon(evs, dist, delta)
+
+
+def candidate_event(sigma: float, q: float, steps: int, score_sigma: Optional[float]) -> dpa.DpEvent:
+    """One trial's events: ``steps`` DP-SGD steps at (σ, q), then the noisy score count (sensitivity 1
+    under add/remove of one row of the scoring split: noise std = ``score_sigma``)."""
+    train = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(sigma)), steps)
+    if score_sigma is None:
+        return train
+    return dpa.ComposedDpEvent([train, dpa.GaussianDpEvent(score_sigma)])

@@ -1,0 +1,155 @@
+"""Audit checks of the private hyperparameter search (``dpft tune``, issue 35).
+
+* **K law** — 2,000 K's drawn through the search's own path (:func:`dpft.run.tune.draw_trials`,
+  one secret key each) follow the declared law (chi-square on the cells with ≥ 5 expected);
+  planted ``k_fixed`` (K = round(E[K]) every time) fails it.
+* **selection ε** — the ledger's ε of a ``RandomKSelectionDpEvent`` equals an independent
+  evaluation of Papernot & Steinke's theorem (E[K] summed from the pmf, not the closed form; λ̂
+  scanned in a loop; Poisson δ̂ from a fresh PLD accountant) on 4 configurations (η = 1, 0, 0.5
+  and Poisson).
+* **noisy score** — the score of a trial on private rows carries Gaussian noise from the secret
+  stream and records ``GaussianDpEvent(σ_s)`` before the draw; planted ``score_without_noise``
+  (the exact count released) fails it.
+* **one release** — after a search, the run directory holds the chosen trial's model only and no
+  trial folder; planted ``losing_models_released`` (every trial's model copied into the run
+  directory) fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import dp_accounting as dpa
+import numpy as np
+
+from dpft.accounting.ledger import PrivacyLedger, event_to_dict
+from dpft.accounting.selection import ORDERS, KDistribution, RandomKSelectionDpEvent, candidate_event
+from dpft.audit.whitebox import Check
+from dpft.config import Recipe
+from dpft.privacy.randomness import Randomness
+from dpft.run import tune as T
+
+__all__ = ["PLANTED", "tune_checks"]
+
+#: Planted bugs :func:`tune_checks` must catch.
+PLANTED = ("k_fixed", "score_without_noise", "losing_models_released")
+
+
+def _k_law(planted) -> Check:
+    from scipy.stats import chisquare
+
+    dist = KDistribution.with_mean("truncated_negative_binomial", 3.0, eta=1.0)
+    r = Recipe.model_validate({"tune": {"trials": {"mean": 3.0}}})
+    patch = (mock.patch.object(KDistribution, "sample", lambda self, u: int(round(self.mean())))
+             if planted == "k_fixed" else mock.patch.object(T, "PRIVATE", T.PRIVATE))
+    n = 2000
+    with patch:
+        ks = np.array([T.draw_trials(r, dist, Randomness(None))[0] for _ in range(n)])
+    top = 8
+    exp = np.array([n * dist.pmf(k) for k in range(1, top)] + [n * (1 - dist.cdf(top - 1))])
+    obs = np.array([(ks == k).sum() for k in range(1, top)] + [(ks >= top).sum()])
+    p = float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+    ok = p > 1e-4
+    return Check("tune: K drawn from the declared law", ok,
+                 f"chi-square p = {p:.3g} on {n} draws of K (geometric, E[K] = 3; mean drawn {ks.mean():.3f})",
+                 {"p_value": p, "mean": float(ks.mean())})
+
+
+def _independent_rdp_epsilon(cand, dist: KDistribution, delta: float) -> float:
+    """Papernot & Steinke 2022 Thm 2 / Thm 6 evaluated afresh (E[K] from the pmf; loops)."""
+    from dp_accounting.pld import pld_privacy_accountant
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    acc = rdp_privacy_accountant.RdpAccountant(list(ORDERS))
+    acc.compose(cand)
+    eps = [float(x) for x in acc._rdp]  # noqa: SLF001
+    mean_k = sum(k * dist.pmf(k) for k in range(0, 200000))
+    out = []
+    if dist.kind == "poisson":
+        pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+        pld.compose(cand)
+        for lam, e in zip(ORDERS, eps):
+            out.append(e + dist.mu * float(pld.get_delta(math.log(1 + 1 / (lam - 1)))) + math.log(dist.mu) / (lam - 1))
+    else:
+        best = math.inf
+        for lh, eh in zip(ORDERS, eps):
+            best = min(best, (1 + dist.eta) * (1 - 1 / lh) * eh + (1 + dist.eta) * math.log(1 / dist.gamma) / lh)
+        out = [e + best + math.log(mean_k) / (lam - 1) for lam, e in zip(ORDERS, eps)]
+    return float(rdp_privacy_accountant.compute_epsilon(list(ORDERS), out, delta)[0])
+
+
+def _selection_epsilon() -> Check:
+    delta = 1e-5
+    # small step counts: the PLD of the naive bound and of the Poisson theorem's δ̂ stay fast
+    configs = [(KDistribution("truncated_negative_binomial", 1.0, 0.1), candidate_event(1.2, 0.02, 60, 10.0)),
+               (KDistribution("truncated_negative_binomial", 0.0, 0.05), candidate_event(0.9, 0.01, 80, 8.0)),
+               (KDistribution("truncated_negative_binomial", 0.5, 0.2), candidate_event(2.0, 0.05, 40, None)),
+               (KDistribution("poisson", mu=6.0), candidate_event(1.5, 0.02, 40, 10.0))]
+    rows, ok = [], True
+    for dist, cand in configs:
+        led = PrivacyLedger()
+        led.record("tune", RandomKSelectionDpEvent(candidates=[cand], kind=dist.kind, eta=dist.eta, gamma=dist.gamma,
+                                                   mu=dist.mu))
+        got = led.epsilon(delta).epsilon
+        ind = _independent_rdp_epsilon(cand, dist, delta)
+        # the ledger may be smaller only through the (valid) naive bound; never larger than the theorem
+        good = got <= ind * (1 + 1e-6) and (abs(got - ind) <= 1e-6 * ind or got < ind)
+        ok &= good
+        rows.append(f"{dist.kind}(η={dist.eta:g}, γ={dist.gamma:.3g}, μ={dist.mu:g}): ledger {got:.5f} vs "
+                    f"independent {ind:.5f}")
+    return Check("tune: selection ε equals an independent evaluation of the theorem", ok, "; ".join(rows))
+
+
+def _noisy_score(planted) -> Check:
+    patch = (mock.patch.object(T, "private_score", lambda c, s, led, rng, i, path=None: float(c))
+             if planted == "score_without_noise" else mock.patch.object(T, "PRIVATE", T.PRIVATE))
+    with patch:
+        leds = [PrivacyLedger(), PrivacyLedger()]
+        a = T.private_score(40, 10.0, leds[0], Randomness(None), 0)
+        b = T.private_score(40, 10.0, leds[1], Randomness(None), 0)
+    events = [e.event for led in leds for e in led.entries]
+    ok = a != b and a != 40.0 and events == [dpa.GaussianDpEvent(10.0)] * 2
+    return Check("tune: private scores are noised and recorded", ok,
+                 f"two keys gave scores {a:.3f}, {b:.3f} for the count 40; ledger events {len(events)}")
+
+
+def _one_release(planted) -> Check:
+    with tempfile.TemporaryDirectory() as d:
+        run = Path(d) / "run"
+        priv = run / T.PRIVATE
+        r = Recipe.model_validate({"privacy": {"target_epsilon": 8.0, "delta": 1e-5},
+                                   "tune": {"trials": {"mean": 3.0}}})
+        dist = KDistribution.with_mean("truncated_negative_binomial", 3.0)
+        cand = candidate_event(1.0, 0.02, 50, 10.0)
+        trials = []
+        for i, score in enumerate([3.0, 9.0, 5.0]):
+            (priv / f"trial_{i}" / "model").mkdir(parents=True)
+            (priv / f"trial_{i}" / "model" / "weights.txt").write_text(f"trial {i}")
+            trials.append({"index": i, "hyperparameters": {"optimizer.lr": 10.0 ** -i}, "score": score,
+                           "sigma": 1.0, "trial_epsilon": 1.0,
+                           "events": [json.loads(json.dumps(event_to_dict(cand)))]})
+        state = {"k": 3, "trials": trials, "score_sigma": 10.0, "configurations": [{}], "sigmas": [1.0]}
+        if planted == "losing_models_released":  # every trial's model beside the chosen one
+            for t in trials:
+                import shutil
+
+                shutil.copytree(priv / f"trial_{t['index']}" / "model", run / f"model_trial_{t['index']}")
+        priv.mkdir(parents=True, exist_ok=True)
+        T.finish_search(r, run, state, dist, [cand], keep=False)
+        models = sorted(p.relative_to(run).as_posix() for p in run.rglob("weights.txt"))
+        ok = models == ["model/weights.txt"] and (run / "model" / "weights.txt").read_text() == "trial 1"
+    return Check("tune: only the chosen trial's model is released", ok, f"model files left: {models}")
+
+
+def tune_checks(planted: str | None = None) -> list:
+    """The search's checks (tens of seconds on a CPU). ``planted``: None or one of :data:`PLANTED`.
+
+    Raises:
+        ValueError: an unknown planted bug."""
+    if planted is not None and planted not in PLANTED:
+        raise ValueError(f"unknown planted tune bug {planted!r}; known: {PLANTED}")
+    return [_k_law(planted), _selection_epsilon(), _noisy_score(planted), _one_release(planted)]

@@ -1,0 +1,426 @@
+"""``dpft tune RECIPE``: private random hyperparameter search charged to the ledger (issue 35).
+
+The search (Papernot & Steinke 2022, accounting/selection.py):
+
+1. the private training rows are split, each row by a hash of its own content, into *fit* rows
+   and *scoring* rows (``tune.score_fraction``), so that adding or removing one row moves no other
+   row; with ``task.dev_public: true`` the whole training set is fit and the (public) dev file
+   scores;
+2. per-trial σ of every (q, steps) configuration is calibrated so that the WHOLE search spends
+   ``privacy.target_epsilon`` (selection bound on the trials' dp-accounting events);
+3. K ~ the declared law and every trial's hyperparameters are drawn from the run's secret
+   randomness and written to ``tune_private/state.json`` *before* the first trial (a resume
+   never redraws K);
+4. each trial is a full DP run (``run/loop.py`` Trainer over ``run/plan.py`` build_plan) in
+   ``tune_private/trial_i``; its score is the count of correct predictions on the scoring rows +
+   N(0, σ_s²) (sensitivity 1 under add/remove of one scoring row; the ``GaussianDpEvent(σ_s)`` is
+   recorded in the trial's ledger before the draw), or the exact count on a public dev file;
+5. the best trial's ``model/`` is copied to ``RUN/model``; ``RUN/ledger.json`` holds one
+   ``RandomKSelectionDpEvent`` (candidates = every configuration's per-trial events, the law of
+   K); ``RUN/report.json``/``report.md`` state the chosen hyperparameters, its noisy score and the
+   search's ε. The trial folders (the losing models) are deleted.
+
+What is NOT released, and why: K and the other trials' hyperparameters and scores. The
+selection theorem covers the output of the best trial only; publishing every trial's score
+would be K more releases (and K itself), so they stay in ``tune_private/`` (mode 0700) for the
+data holder, outside the release set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import dp_accounting as dpa
+
+from dpft.accounting.io import atomic_write_text
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.accounting.selection import (KDistribution, RandomKSelectionDpEvent, calibrate_search, candidate_event,
+                                       check_trials_covered, selection_epsilon)
+from dpft.config import Recipe, apply_overrides, dump_recipe
+from dpft.config_tune import PRIVACY_KEYS
+from dpft.privacy.randomness import Randomness
+from dpft.run.errors import TrainingError
+
+__all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search", "summary"]
+
+PRIVATE = "tune_private"
+
+
+class TuneError(TrainingError):
+    """A search that cannot run as asked; the message names the fix."""
+
+
+def check_tune_recipe(r: Recipe) -> None:
+    """Refusals that need no data (before any loading).
+
+    Raises:
+        TuneError: no ``tune:`` section, a non-private or σ-fixed recipe, a method, a task or
+            mechanism the search does not support yet."""
+    if r.tune is None:
+        raise TuneError("dpft tune needs a tune: section (search space and trials); see recipes/tune-sst2-minilm.yaml")
+    p = r.privacy
+    if not p.enabled or p.target_epsilon is None or p.noise_multiplier is not None:
+        raise TuneError("dpft tune spends privacy.target_epsilon on the whole search: set it, and no "
+                        "privacy.noise_multiplier (each trial's σ is calibrated from it)")
+    if r.methods:
+        raise TuneError("dpft tune runs plain DP-SGD/Adam trials; remove methods: (their phases are not yet bounded "
+                        "inside a search)")
+    if r.task.name in ("text", "instruct", "seq2seq") or r.task.user_column:
+        raise TuneError("dpft tune scores classifiers by a noisy count of correct predictions; this task is not "
+                        "supported yet")
+    if p.mechanism != "gaussian" or r.batch.schedule or r.batch.max_batch_size:
+        raise TuneError("dpft tune supports the Gaussian mechanism with plain Poisson sampling (no banded_mf, "
+                        "batch.schedule or batch.max_batch_size)")
+    if r.batch.expected_batch_size == "auto" or r.schedule.steps == "auto":
+        raise TuneError("dpft tune: batch/steps auto is for dpft train; give numbers or search them in tune.space "
+                        "(batch.expected_batch_size / schedule.steps: {choice: [...]})")
+    if r.task.dev_public and not r.task.dev_file and r.task.name in ("files",):
+        raise TuneError("task.dev_public: true needs a task.dev_file (a dev set held out of the training file is "
+                        "private data)")
+
+
+def configurations(r: Recipe) -> list[dict[str, Any]]:
+    """Every combination of the privacy-relevant choices (batch size, steps/epochs): each is one
+    candidate mechanism of the selection bound."""
+    combos: list[dict[str, Any]] = [{}]
+    for key in PRIVACY_KEYS:
+        spec = (r.tune.space or {}).get(key)
+        if spec is None:
+            continue
+        combos = [{**c, key: v} for c in combos for v in spec["choice"]]
+    return combos
+
+
+def _steps_and_q(r: Recipe, combo: dict, n: int) -> tuple[float, int]:
+    b = int(combo.get("batch.expected_batch_size", r.batch.expected_batch_size))
+    steps = combo.get("schedule.steps")
+    epochs = combo.get("schedule.epochs")
+    if steps is None and epochs is None:
+        steps, epochs = r.schedule.steps, r.schedule.epochs
+    t = int(steps) if steps else max(1, math.ceil(float(epochs) * n / b))
+    if b > n:
+        raise TuneError(f"tune: expected batch size {b} exceeds the {n} fit rows; choose smaller batches")
+    return b / n, t
+
+
+def split_rows(texts: list[str], fraction: float, salt: str) -> list[bool]:
+    """True for a scoring row: BLAKE2b(salt, row text) below ``fraction`` — each row's side depends on its
+    own content only (adding or removing one row moves no other row, so a row is in one mechanism's
+    data: the fit rows' training or the scoring rows' count)."""
+    out = []
+    for t in texts:
+        h = hashlib.blake2b(t.encode("utf-8"), key=salt.encode()[:64] or b"dpft", digest_size=8).digest()
+        out.append(int.from_bytes(h, "big") / 2 ** 64 < fraction)
+    return out
+
+
+def draw_trials(r: Recipe, dist: KDistribution, rng: Randomness) -> tuple[int, list[dict[str, Any]]]:
+    """K from the declared law (one secret uniform, inverse CDF) and K hyperparameter draws
+    (secret uniforms: log-uniform or a uniform choice)."""
+    k = dist.sample(float(rng.stream("tune_k").uniform((1,))[0]))
+    trials = []
+    for i in range(k):
+        hp = {}
+        for j, (key, spec) in enumerate(sorted((r.tune.space or {}).items())):
+            u = float(rng.stream("tune_hp", i, j).uniform((1,))[0])
+            kind, vals = next(iter(spec.items()))
+            if kind == "log_uniform":
+                lo, hi = math.log(float(vals[0])), math.log(float(vals[1]))
+                hp[key] = math.exp(lo + u * (hi - lo))
+            else:
+                hp[key] = vals[min(len(vals) - 1, int(u * len(vals)))]
+        trials.append({"index": i, "hyperparameters": hp})
+    return k, trials
+
+
+def _write_split(rows, path: Path, label_names: list[str]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            out = {"text": row["text"], "label": label_names[int(row["label"])]}
+            if "text_pair" in row:
+                out["text_pair"] = row["text_pair"]
+            f.write(json.dumps(out) + "\n")
+
+
+def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pair: bool) -> Recipe:
+    d = r.model_dump(mode="json")
+    d["tune"] = None
+    d["output_dir"] = None
+    d["task"].update({"name": "files", "train_file": str(fit), "dev_file": str(score), "text_column": "text",
+                      "label_column": "label", "text_pair_column": "text_pair" if pair else None,
+                      "max_train_examples": None, "max_dev_examples": None, "dev_public": False})
+    d["privacy"].update({"noise_multiplier": sigma, "target_epsilon": None})
+    if "schedule.steps" in hp:
+        d["schedule"]["epochs"] = None
+    if "schedule.epochs" in hp:
+        d["schedule"]["steps"] = None
+    return Recipe.model_validate(apply_overrides(d, dict(hp)))
+
+
+def private_score(correct: int, score_sigma: Optional[float], ledger: PrivacyLedger, rng: Randomness, i: int,
+                  ledger_path: Optional[Path] = None) -> float:
+    """Trial ``i``'s released score: ``correct`` + N(0, σ_s²) from the secret stream ("tune_score", i),
+    the ``GaussianDpEvent(σ_s)`` recorded in the trial's ledger (and saved) BEFORE the draw
+    (sensitivity 1: one scoring row changes the count by at most 1 under add/remove); or the exact
+    count when ``score_sigma`` is None (a public dev file: no private data)."""
+    if score_sigma is None:
+        return float(correct)
+    ledger.record("score", dpa.GaussianDpEvent(score_sigma))
+    if ledger_path is not None:
+        ledger.save(ledger_path)
+    return correct + score_sigma * float(rng.stream("tune_score", i).normal((1,))[0])
+
+
+def _comparable(r: Recipe) -> dict:
+    """The recipe as a resume compares it (``perf`` and ``output_dir`` never change the guarantee)."""
+    d = json.loads(json.dumps(r.model_dump(mode="json")))
+    d.pop("perf", None)
+    d.pop("output_dir", None)
+    return d
+
+
+def _save_state(path: Path, state: dict) -> None:
+    atomic_write_text(path, json.dumps(state, indent=1))
+
+
+def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bool = True,
+         rng: Optional[Randomness] = None, keep_trials: bool = False) -> dict[str, Any]:
+    """Run the private search of ``recipe`` in ``run_dir`` (module docstring). Returns the report.
+
+    Raises:
+        TuneError, SelectionError, DataError: each naming the fix (recipe refusals before loading)."""
+    from dpft.data.tasks import load_task
+    from dpft.run.loop import Trainer
+
+    r = recipe
+    check_tune_recipe(r)
+    run_dir = Path(run_dir)
+    priv = run_dir / PRIVATE
+    state_path = priv / "state.json"
+    if state_path.exists() and not resume:
+        raise TuneError(f"{run_dir} already holds a search; pass --resume to continue it or choose another "
+                        "--output-dir (nothing was overwritten)")
+    if resume and not state_path.exists():
+        raise TuneError(f"--resume: {run_dir} holds no search state ({state_path})")
+    if resume:  # before any data is copied: a finished search reruns nothing; another recipe is refused
+        state = json.loads(state_path.read_text())
+        if state.get("recipe") != _comparable(r):
+            raise TuneError(f"--resume: the recipe differs from the one that started the search in {run_dir}; "
+                            "resume with the same recipe, or use a new --output-dir")
+        if state.get("finished"):
+            return json.loads((run_dir / "report.json").read_text())
+    priv.mkdir(parents=True, exist_ok=True)
+    os.chmod(priv, 0o700)
+    rng = rng or Randomness(r.seed if r.privacy.reproducible else None)
+    tc = r.tune
+    public = bool(r.task.dev_public)
+    # A dev file equal to the training file keeps load_task from splitting by a permutation of all rows.
+    own_file = (r.task.name == "files" or r.task.train_file) and not r.task.dev_file
+    task_cfg = r.task.model_copy(update={"dev_file": r.task.train_file}) if own_file else r.task
+    task = load_task(task_cfg, seed=r.seed)
+    fit_path, score_path = priv / "fit.jsonl", priv / "score.jsonl"
+    if public:
+        fit_rows, score_rows = task.train, task.dev
+    else:
+        side = split_rows([t + "\x00" + str(p) for t, p in zip(task.train["text"], task.train["text_pair"]
+                                                                if task.has_pair else [""] * len(task.train))],
+                          tc.score_fraction, f"dpft-tune-{r.seed}")
+        fit_rows = task.train.select([i for i, s in enumerate(side) if not s])
+        score_rows = task.train.select([i for i, s in enumerate(side) if s])
+    if len(score_rows) == 0 or len(fit_rows) < 2:
+        raise TuneError(f"tune: {len(fit_rows)} fit and {len(score_rows)} scoring rows; raise tune.score_fraction "
+                        "or give more data (or a public task.dev_file with task.dev_public: true)")
+    _write_split(fit_rows, fit_path, task.label_names)
+    _write_split(score_rows, score_path, task.label_names)
+    n = len(fit_rows)
+    if r.privacy.delta >= 1.0 / n:
+        raise TuneError(f"δ = {r.privacy.delta:g} is not below 1/N = {1 / n:.3g} for the {n} fit rows; lower δ")
+    t = tc.trials
+    dist = KDistribution.with_mean(t.distribution, t.mean, t.eta)
+    combos = configurations(r)
+    plans = [_steps_and_q(r, c, n) for c in combos]
+    score_sigma = None if public else tc.score_noise_multiplier
+    if resume:
+        sigmas = state["sigmas"]
+    else:
+        sigmas, _ = calibrate_search(r.privacy.target_epsilon, r.privacy.delta, dist, plans, score_sigma)
+        k, trials = draw_trials(r, dist, rng)
+        state = {"recipe": _comparable(r), "k": k, "distribution": dist.as_dict(), "sigmas": sigmas, "configurations": combos,
+                 "n_fit": n, "n_score": len(score_rows), "score_sigma": score_sigma, "trials": trials}
+        _save_state(state_path, state)  # K persisted before the first trial: a resume never redraws it
+    candidates = [candidate_event(s, q, steps, score_sigma) for s, (q, steps) in zip(sigmas, plans)]
+    for tr in state["trials"]:
+        if tr.get("score") is not None:
+            continue
+        i, hp = tr["index"], tr["hyperparameters"]
+        combo = {k2: hp[k2] for k2 in PRIVACY_KEYS if k2 in hp}
+        sigma = sigmas[combos.index(combo)]
+        tdir = priv / f"trial_{i}"
+        rec = _trial_recipe(r, hp, sigma, fit_path, score_path, task.has_pair)
+        if progress:
+            print(f"trial {i + 1}: {json.dumps(hp)} σ = {sigma:.4f}", file=sys.stderr)
+        trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=progress,
+                          rng=rng.child(f"trial{i}"))
+        trainer.run()
+        correct = round(float(trainer.evaluate()["dev_accuracy"]) * len(score_rows))
+        ledger = trainer.ledger
+        score = private_score(correct, score_sigma, ledger, rng, i, tdir / "ledger.json")
+        tr.update({"score": score, "events": [json.loads(json.dumps(_ev(e))) for e in ledger.events()],
+                   "trial_epsilon": ledger.epsilon(r.privacy.delta).epsilon, "sigma": sigma})
+        _save_state(state_path, state)
+    return finish_search(r, run_dir, state, dist, candidates, keep_trials)
+
+
+def _ev(e):
+    from dpft.accounting.ledger import event_to_dict
+
+    return event_to_dict(e)
+
+
+def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, candidates: list, keep: bool) -> dict:
+    from dpft.accounting.ledger import event_from_dict
+
+    priv = run_dir / PRIVATE
+    delta = r.privacy.delta
+    trials = state["trials"]
+    actual = [dpa.ComposedDpEvent([event_from_dict(e) for e in t["events"]]) for t in trials]
+    full = RandomKSelectionDpEvent(candidates=candidates, kind=dist.kind, eta=dist.eta, gamma=dist.gamma,
+                                   mu=dist.mu, trials=actual)
+    private_ledger = PrivacyLedger()
+    private_ledger.record("tune", full)
+    private_ledger.save(priv / "ledger_with_trials.json")
+    # Released ledger: the selection without its trials (their number is K, which is not released);
+    # a trial not covered by the candidates (released again after a crash) is composed on top, in full.
+    ledger = PrivacyLedger.load(run_dir / "ledger.json") if (run_dir / "ledger.json").exists() else PrivacyLedger()
+    ledger.entries = [e for e in ledger.entries if e.phase not in ("tune", "tune_uncovered")]
+    ledger.record("tune", RandomKSelectionDpEvent(candidates=candidates, kind=dist.kind, eta=dist.eta,
+                                                  gamma=dist.gamma, mu=dist.mu))
+    for i in check_trials_covered(full):
+        ledger.record("tune_uncovered", actual[i])
+    ledger.save(run_dir / "ledger.json")
+    bound = selection_epsilon(candidates, dist, delta)
+    total = ledger.epsilon(delta)
+    rep: dict[str, Any] = {
+        "kind": "private hyperparameter search (dpft tune)",
+        "epsilon": total.epsilon, "delta": delta, "target_epsilon": r.privacy.target_epsilon,
+        "accountant": total.accountant, "selection": bound.as_dict(), "k_distribution": dist.as_dict(),
+        "score": "noisy count of correct predictions on held-out private rows" if state["score_sigma"] is not None
+        else "exact count of correct predictions on the public dev file",
+        "score_noise_multiplier": state["score_sigma"],
+        "configurations": [{"config": c, "sigma": s} for c, s in zip(state["configurations"], state["sigmas"])],
+        "not_released": "K, and the other trials' hyperparameters and scores (tune_private/, mode 0700): the "
+                        "selection theorem covers the chosen trial's output only",
+    }
+    done = [t for t in trials if t.get("score") is not None]
+    if done:
+        best = max(done, key=lambda t: t["score"])
+        src = priv / f"trial_{best['index']}" / "model"
+        if (run_dir / "model").exists():
+            shutil.rmtree(run_dir / "model")
+        shutil.copytree(src, run_dir / "model")
+        # the recipe of the released model (the user's recipe with the chosen values): `dpft predict RUN` reads it
+        d = r.model_dump(mode="json")
+        for a, b in (("schedule.steps", "epochs"), ("schedule.epochs", "steps")):
+            if a in best["hyperparameters"]:
+                d["schedule"][b] = None
+        chosen = Recipe.model_validate(apply_overrides(d, dict(best["hyperparameters"])))
+        atomic_write_text(run_dir / "recipe.yaml", dump_recipe(chosen))
+        rep["chosen"] = {"hyperparameters": best["hyperparameters"], "noisy_score": best["score"],
+                         "sigma": best["sigma"], "trial_epsilon": best["trial_epsilon"]}
+        _card(r, run_dir, priv / f"trial_{best['index']}" / "report.json", total, state["score_sigma"] is not None,
+              state.get("n_fit", 0) + (state.get("n_score", 0) if state["score_sigma"] is not None else 0))
+        card = run_dir / "model" / "README.md"
+        note = (f"\n\n## Hyperparameter search (covered)\n\nThese hyperparameters were chosen by a private random "
+                f"search (dpft tune): K ~ {dist.kind} with E[K] = {dist.mean():.3g}, each trial a DP run scored "
+                f"{'exactly on a public dev file' if state['score_sigma'] is None else 'by a noisy count'}; only "
+                f"this model was released. The whole search, this model included, is (ε = {total.epsilon:.4g}, "
+                f"δ = {delta:g})-DP (Papernot & Steinke 2022, Theorem {'6' if dist.kind == 'poisson' else '2'}, "
+                "RDP from dp-accounting): the ε stated above.\n")
+        if card.exists():
+            card.write_text(card.read_text() + note)
+    else:
+        rep["chosen"] = None  # Poisson K = 0: nothing released, the ε above is still spent
+    atomic_write_text(run_dir / "report.json", json.dumps(rep, indent=1, default=str))
+    atomic_write_text(run_dir / "report.md", _markdown(rep))
+    state["finished"] = True
+    _save_state(priv / "state.json", state)
+    if not keep:  # the losing models and the copies of the private rows
+        for t in trials:
+            shutil.rmtree(priv / f"trial_{t['index']}", ignore_errors=True)
+        for f in ("fit.jsonl", "score.jsonl"):
+            (priv / f).unlink(missing_ok=True)
+    return rep
+
+
+def _card(r: Recipe, run_dir: Path, trial_report: Path, total, private_dev: bool, n_private: int) -> None:
+    """The released model's card from its trial's report, with the SEARCH's ε (the trial's own ε is not the
+    guarantee of a selected model) and without dev metrics computed on private scoring rows."""
+    from dpft.run.card import write_model_cards
+
+    if not trial_report.is_file():
+        return
+    rep = json.loads(trial_report.read_text())
+    rep["name"] = r.name
+    if n_private:  # the guarantee covers the fit AND the scoring rows: N of the private data
+        rep["task"]["n_train"] = n_private
+        if isinstance((rep.get("dp") or {}).get("privacy_unit"), dict):
+            rep["dp"]["privacy_unit"]["n_units"] = n_private
+    rep["task"].update({"name": r.task.name, "train_file": r.task.train_file,
+                        "source": f"files: {r.task.train_file}" if r.task.train_file else "its training split"})
+    rep["privacy"].update({"epsilon": total.epsilon, "epsilon_rdp": total.epsilon_rdp,
+                           "accountant": "random-K selection (Papernot & Steinke 2022, RDP), dp-accounting"})
+    if private_dev:
+        rep["metrics"] = {}  # the trial's dev rows were the private scoring rows: never released
+        cov = rep.get("coverage") or {}
+        cov["dev"] = ("Trials were scored by a noisy count of correct predictions on held-out private rows; the "
+                      "counts' noise is in the search's ε. No exact dev metric on private rows is released.")
+        rep["coverage"] = cov
+    write_model_cards(run_dir, rep)
+    card = run_dir / "model" / "README.md"
+    text = card.read_text() if card.is_file() else ""
+    start = text.find("ε is computed by the PLD accountant")
+    if start >= 0:  # the card's sentence about a training run's ledger, said of the search instead
+        end = text.find("\n\n", start)
+        card.write_text(text[:start] + (
+            "ε is computed from the search's ledger (`ledger.json`): one random-K selection event holding every "
+            "configuration's per-trial events (each Poisson-subsampled Gaussian step and the noisy score) and the "
+            "law of K, bounded by Papernot & Steinke (2022) on dp-accounting's RDP curves.") + text[end:])
+
+
+def summary(rep: dict) -> str:
+    """The lines ``dpft tune`` prints: the search's ε by each bound, and the choice."""
+    s = rep["selection"]
+    out = (f"search ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} (target {rep['target_epsilon']:g}): RDP bound "
+           f"{s['epsilon_rdp']:.4g}; naive composition of k* = {s['naive_k']} trials {s['epsilon_naive']:.4g}; "
+           f"one trial {s['per_trial_epsilon']:.4g}; E[K] = {s['mean_k']:.3g}")
+    c = rep.get("chosen")
+    return out + ("\nK = 0: no model released (the ε above is spent)" if not c else
+                  f"\nchosen: {json.dumps(c['hyperparameters'])} (noisy score {c['noisy_score']:.1f})")
+
+
+def _markdown(rep: dict) -> str:
+    s = rep["selection"]
+    lines = ["# dpft tune", "", f"**ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}** for the whole search "
+             f"(target {rep['target_epsilon']:g}); {rep['accountant']}.", "",
+             "| bound | ε |", "|---|---|",
+             f"| Papernot & Steinke 2022 (RDP → (ε, δ), dp-accounting) | {s['epsilon_rdp']:.4g} |",
+             f"| naive composition of k* = {s['naive_k']} trials (P[K > k*] ≤ δ/2) | {s['epsilon_naive']:.4g}"
+             f"{'' if s['naive_valid'] else ' (comparison only: configurations differ)'} |",
+             f"| privacy profile (Koskela et al. 2024) | {s['profile_bound']} |",
+             f"| one trial (PLD) | {s['per_trial_epsilon']:.4g} |", "",
+             f"K ~ {json.dumps(rep['k_distribution'])}; score: {rep['score']}.", ""]
+    if rep.get("chosen"):
+        c = rep["chosen"]
+        lines += [f"Chosen: {json.dumps(c['hyperparameters'])}, noisy score {c['noisy_score']:.1f}, σ = "
+                  f"{c['sigma']:.4f}.", ""]
+    else:
+        lines += ["K = 0 (Poisson): no model was released; the ε above is spent all the same.", ""]
+    lines += [f"Not released: {rep['not_released']}."]
+    return "\n".join(lines) + "\n"
