@@ -41,6 +41,7 @@ from dpft.optim import build_optimizer, build_scheduler
 from dpft.perf import Placement, build_placement, place_model
 from dpft.privacy.randomness import Randomness
 from dpft import distributed as ddp
+from dpft.run.auto import has_auto
 from dpft.run.checkpoint import continue_ledger
 from dpft.errors import PlanError, TrainingError
 from dpft.step.build import build_clip, make_engine
@@ -135,6 +136,9 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
         the fix; refusals that need no data come before any loading.
     """
     r = recipe
+    if has_auto(r):  # every way in resolves `auto` first (dpft train, dpft.train, dpft audit do)
+        raise TrainingError("batch.expected_batch_size / schedule.steps 'auto': resolve them with "
+                            "dpft.run.auto.resolve_auto(recipe) before building the plan")
     run_dir = Path(run_dir)
     private = r.privacy.enabled
     world, rng = ddp.build_world(r.model_dump(mode="json"), r.seed if r.privacy.reproducible else None, rng)
