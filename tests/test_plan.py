@@ -304,3 +304,32 @@ def test_dptrainer_lora_card_states_the_guarantee(tmp_path):
     (out / "README.md").unlink()
     tr.create_model_card()
     assert "dp_epsilon:" in (out / "README.md").read_text()
+
+
+def test_make_private_steps_the_lr_scheduler_at_every_release_empty_batches_included():
+    """Issue 36 item 6: with q = 1/30 many logical batches are empty; each still releases noise and
+    must advance the schedule (the README's `if optimizer.step(): scheduler.step()` left 110 of 300
+    releases at a stale rate)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(60, 4, generator=g), torch.randint(0, 2, (60,), generator=g))
+    eng = PrivacyEngine(reproducible_seed=SEED)
+    module, dp_opt, crit, loader = eng.make_private(
+        module=model, optimizer=opt, criterion=nn.CrossEntropyLoss(), dataset=data, expected_batch_size=2,
+        max_grad_norm=1.0, steps=40, noise_multiplier=1.0, lr_scheduler=sched)
+    stepped = 0
+    while dp_opt.logical_steps < 40:
+        for x, y in loader:
+            crit(module(x), y).backward()
+            stepped += bool(dp_opt.step())
+            dp_opt.zero_grad()
+    assert eng.ledger.steps == 40 == sched.last_epoch and stepped < 40  # empty batches never reached the loop
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0 / 41)
+    other = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=1.0), lambda t: 1.0)
+    with pytest.raises(ValueError, match="made over the optimizer you pass"):
+        PrivacyEngine().make_private(module=nn.Linear(4, 2), optimizer=torch.optim.SGD(nn.Linear(4, 2).parameters(),
+                                     lr=1.0), dataset=data, expected_batch_size=2, max_grad_norm=1.0, steps=4,
+                                     noise_multiplier=1.0, lr_scheduler=other)

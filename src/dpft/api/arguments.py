@@ -27,7 +27,8 @@ LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_ini
 
 def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_generator, clipping, steps, epochs,
                     target_epsilon, target_delta, noise_multiplier, max_physical_batch_size, max_rows_per_user,
-                    user_clipping, mechanism, bands, max_batch_size, user_ids, methods=()) -> Mechanism:
+                    user_clipping, mechanism, bands, max_batch_size, user_ids, methods=(),
+                    lr_scheduler=None) -> Mechanism:
     """Refuse what ``make_private`` cannot certify or cannot tell apart, before any work.
 
     Returns:
@@ -82,6 +83,9 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
         raise ValueError(f"make_private: user_clipping must be 'group' or 'per_example_over_k', got "
                          f"{user_clipping!r}")
 
+    if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is not optimizer:
+        raise ValueError("make_private: lr_scheduler must be a torch.optim.lr_scheduler made over the optimizer you "
+                         "pass (the DP optimizer steps it once per noisy update)")
     try:
         mech = mechanism_of(mechanism, bands, max_batch_size)
     except PlanError as exc:

@@ -176,6 +176,7 @@ class PrivacyEngine:
         mechanism: str = "gaussian",
         bands: Optional[int] = None,
         methods: Optional[list] = None,
+        lr_scheduler: Any = None,
     ):
         """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
 
@@ -277,6 +278,10 @@ class PrivacyEngine:
                 :meth:`save_noise_state` (an owner-only file; never release it) and restore it
                 with :meth:`load_noise_state` to continue; without it a loop cannot be resumed.
             bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
+            lr_scheduler: a ``torch.optim.lr_scheduler`` over ``optimizer``, stepped by the DP optimizer
+                after every noisy update — including those of empty Poisson batches, which release
+                noise without reaching your loop (so ``if optimizer.step(): scheduler.step()`` would
+                leave the schedule behind). Do not call its ``step()`` yourself.
             methods: the recipe's method plug-ins, as ``dpft train``'s ``methods:`` list (``[{"name":
                 "rmt", "method": "rmt", "kappa": 1.05}]``): their ``build`` changes this loop's step
                 through the same plan (methods/python.py). A method that needs ``dpft train``'s driver
@@ -314,7 +319,7 @@ class PrivacyEngine:
             target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
             max_physical_batch_size=max_physical_batch_size, max_rows_per_user=max_rows_per_user,
             user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
-            user_ids=user_ids, methods=meths)
+            user_ids=user_ids, methods=meths, lr_scheduler=lr_scheduler)
         world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
         dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
                                                                     num_workers, collate_fn)
@@ -359,7 +364,7 @@ class PrivacyEngine:
         dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
         dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
         session = LiveBookKeeping(plan.engine, dp_opt._on_result, loss_reduction=loss_reduction)
-        dp_opt.session, dp_opt.param_names = session, names
+        dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, lr_scheduler
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)
         self.world, self.noise_multiplier = world, plan.sigma

@@ -59,6 +59,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._agg: Optional[Aggregator] = None
         self._agg_step: Optional[int] = None
         self._released_upto = -1
+        #: an LR scheduler stepped once per release, empty Poisson batches included (make_private's
+        #: ``lr_scheduler``): a release is a step for the schedule, and an empty batch never
+        #: reaches the user's loop.
+        self.lr_scheduler = None
         self._warned: set[str] = set()
         self._engine_ids = {id(p) for p in dp_step.params.values()}
         #: id → name of the module's parameters (for error messages); set by make_private.
@@ -228,6 +232,8 @@ class DPOptimizer(torch.optim.Optimizer):
                               self.dp_step.params)
         self.logical_steps += 1
         self.last_step = out
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         if self.planned_steps is not None and self.logical_steps > self.planned_steps:
             self._warn_once("budget", f"make_private: more than the {self.planned_steps} planned "
                                       "logical steps were applied; ε now exceeds the target")
