@@ -167,6 +167,9 @@ def train(
     recipe: Optional[Path] = typer.Argument(None, help="YAML recipe (see recipes/)."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its checkpoint."),
+    allow_overspend: bool = typer.Option(
+        False, "--allow-overspend", help="--resume: run every planned step even when steps released before a "
+                                         "crash make ε end above the target (default: stop within it)."),
     no_dp: bool = typer.Option(False, "--no-dp", help="Non-private reference run (no guarantee)."),
     model: Optional[str] = typer.Option(None, help="model.name: HF folder, hub id or 'minilm'."),
     task: Optional[str] = typer.Option(None, help="task.name (sst2, sst5, imdb, qnli, files)."),
@@ -268,7 +271,7 @@ def train(
             lock = lock_output_dir(run_dir, resume)
         if taken is not None:
             typer.echo(f"{taken} holds an earlier run; this run writes to {run_dir}", err=True)
-        trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
+        trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet, allow_overspend=allow_overspend)
         main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
         quiet = quiet or not main
         # A forward-LDP method's run (methods/ewft.py ``LDPRun``) lives on the method, not the Trainer.
