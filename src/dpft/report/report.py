@@ -14,6 +14,7 @@ from typing import Any, Optional
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
 from dpft.report.lm import render_extra
+from dpft.report.partial import is_train_run, reprint_interrupted
 
 #: Headline qualifier of a run in reproducible mode (privacy.reproducible).
 REPRODUCIBLE_WARNING = ("REPRODUCIBLE MODE: the sampling and noise were derived from the recorded seed; "
@@ -453,6 +454,8 @@ def reprint(run_dir: str | Path) -> str:
     if not d.is_dir():
         raise FileNotFoundError(f"{d} is not a folder: give a dpft run directory or a DPTrainer output_dir")
     if not (d / "report.json").is_file():
+        if is_train_run(d):  # a dpft train run stopped before its report (not a DPTrainer folder)
+            return reprint_interrupted(d)
         if (d / "ledger.json").is_file() or _hf_state_file(d) is not None:
             return reprint_hf(d)
         raise FileNotFoundError(f"no report.json in {d} (a dpft train run directory) and no ledger.json or "
