@@ -44,3 +44,35 @@ def test_report_of_an_interrupted_train_run_gives_its_certified_epsilon(tmp_path
     eps2 = _interrupted(tmp_path / "early", with_checkpoint=False)
     r = CliRunner().invoke(app, ["report", str(tmp_path / "early")])
     assert r.exit_code == 0 and f"ε = {eps2:.4g} at δ = 0.001" in r.output and "no checkpoint yet" in r.output
+
+
+def test_resume_of_a_finished_run_is_refused_before_loading_and_rewrites_nothing(tmp_path, monkeypatch,
+                                                                                   sst_like_files):
+    """Old: --resume on a finished run evaluated the test set a second time and rewrote the
+    release files (report, model card, model)."""
+    import dpft.data.tasks as tasks
+    import dpft.models.build as build
+
+    def boom(*a, **k):
+        raise AssertionError("loaded data or a model")
+
+    monkeypatch.setattr(tasks, "load_task", boom)
+    monkeypatch.setattr(build, "load_classifier", boom)
+    d = tmp_path / "run"
+    _interrupted(d)
+    st = json.loads((d / "checkpoint" / "state.json").read_text())
+    st["step"] = 12
+    (d / "checkpoint" / "state.json").write_text(json.dumps(st))
+    (d / "report.json").write_text("{}")
+    before = {p.name: p.stat().st_mtime_ns for p in d.rglob("*")}
+    r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "-o", str(d), "--resume"])
+    assert r.exit_code == 2, r.output
+    flat = " ".join(r.output.split())
+    assert (f"error: --resume: the run in {d} is finished (step 12 of 12, report.json written); nothing to resume and "
+            f"nothing was rewritten. Its report: dpft report {d}") in flat
+    assert {p.name: p.stat().st_mtime_ns for p in d.rglob("*")} == before
+    # the same folder stopped at its last step but before its report: --resume still writes them
+    (d / "report.json").unlink()
+    from dpft.run.rundir import check_output_dir
+
+    check_output_dir(d, resume=True)
