@@ -253,6 +253,13 @@ def train(
     if epochs is not None:
         ov["schedule.steps"] = None
     try:
+        if recipe is None:  # no recipe: the task's tuned one under the flags, not bare defaults (issue 36)
+            from dpft.run.defaults import default_overrides
+
+            base, what = default_overrides(ov.get("task.name", "files"), ov.get("model.name", "minilm"))
+            ov, origins = {**base, **ov}, {**{k: f"the default recipe ({k})" for k in base}, **origins}
+            if not quiet and int(os.environ.get("RANK", "0") or 0) == 0:
+                typer.echo(what, err=True)
         rec = load_recipe(recipe, ov, origins)
         # a causal-LM corpus or instruction file keeps its task; a classifier's file is 'files'
         if train_file and not task and rec.task.name not in ("text", "instruct", "seq2seq"):
