@@ -267,6 +267,10 @@ def train(
         _name_run(rec, ov)
         if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading
             _fail(f"test file not found: {rec.task.test_file}")
+        from dpft.models.load import model_source_problem
+
+        if model_source_problem(rec.model.name):  # a missing folder, an uncached hub id offline: before any loading
+            _fail(model_source_problem(rec.model.name))
         taken = None
         if rec.output_dir:
             run_dir = Path(rec.output_dir)
@@ -378,12 +382,17 @@ def push(
     token: Optional[str] = typer.Option(None, help="Hub token (default: your `hf auth login` token)."),
 ):
     """Upload the run's release set (model at the root, model card, report, ledger) to the Hub."""
-    from dpft.run.hub import push as _push
+    from dpft.run.hub import push as _push, push_failure
 
     try:
         url = _push(run_dir, repo_id, private=not public, token=token)
     except FileNotFoundError as exc:
         _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - offline, no network, token: one line (run/hub.py)
+        msg = push_failure(exc, repo_id)
+        if msg is None:
+            raise
+        _fail(msg)
     typer.echo(f"pushed {run_dir} to {repo_id}: {url}")
 
 
