@@ -80,6 +80,26 @@ def model_load_message(name: str, exc: BaseException, what: str, need: str) -> s
     return f"cannot load {name!r} as {what} ({exc.__class__.__name__}: {first}); {need}"
 
 
+def import_peft():
+    """``peft``, imported with bitsandbytes' import-time warnings silenced. peft imports bitsandbytes
+    whenever it is installed (peft/helpers.py), and bitsandbytes then warns "Failed to load …" on a
+    machine without its kernels, although the models dpft loads are never quantized (a QLoRA user
+    loads a quantized model and imports bitsandbytes first, and so sees its messages). Issue 36."""
+    import logging
+    import sys
+
+    if "peft" in sys.modules:
+        return sys.modules["peft"]
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import peft
+    finally:
+        log.setLevel(level)
+    return peft
+
+
 def set_dropout(model: nn.Module, p: float) -> int:
     """Set the probability of every ``nn.Dropout`` in ``model`` to ``p``; returns how many."""
     n = 0
@@ -209,7 +229,8 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
     if cfg.mode == "units":
         return _select_units(model, cfg)
     if cfg.mode == "lora":
-        from peft import LoraConfig, TaskType, get_peft_model
+        peft = import_peft()
+        LoraConfig, TaskType, get_peft_model = peft.LoraConfig, peft.TaskType, peft.get_peft_model
 
         leaf_names = {n.split(".")[-1] for n, _ in model.named_modules()}
         missing = [t for t in cfg.lora.target_modules if t not in leaf_names]
@@ -271,7 +292,8 @@ def _select_units(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
 
     names = set(resolve_units(model, cfg.units, with_head=cfg.units_with_head))
     if cfg.units_lora:
-        from peft import LoraConfig, TaskType, get_peft_model
+        peft = import_peft()
+        LoraConfig, TaskType, get_peft_model = peft.LoraConfig, peft.TaskType, peft.get_peft_model
 
         targets = lora_targets_in_units(model, names, cfg.lora.target_modules)
         if not targets:
