@@ -12,7 +12,7 @@ import typer
 
 from dpft import config as _cfg
 from dpft.run.lock import RunLock
-from dpft.run.rundir import holds_run, lock_output_dir
+from dpft.run.rundir import holds_run, lock_output_dir, release_output_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Differentially private fine-tuning of language models.")
@@ -334,7 +334,7 @@ def train(
         _fail(f"cannot write{where}: {exc.strerror or exc}; choose another --output-dir or free the disk")
     finally:
         if lock is not None:
-            lock.release()
+            release_output_dir(lock)
     if not main:
         return
     typer.echo(f"run directory: {run_dir}")

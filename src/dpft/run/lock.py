@@ -186,25 +186,35 @@ class RunLock:
         Idempotent: acquiring a lock this object already holds does nothing."""
         if self._fd is not None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        if fcntl is None:  # pragma: no cover - no flock on this system
-            self.log(f"warning: no OS file locks here: {self.what} is not protected against a second run")
-            self._fd = fd
-            return self
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            holder = read_holder(self.path)
-            for _ in range(20):  # the holder writes its record just after taking the lock
-                if holder is not None:
-                    break
-                time.sleep(0.05)
+        for _ in range(10):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            if fcntl is None:  # pragma: no cover - no flock on this system
+                self.log(f"warning: no OS file locks here: {self.what} is not protected against a second run")
+                self._fd = fd
+                return self
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
                 holder = read_holder(self.path)
-            raise RunLockError(self._refusal(holder)) from None
+                for _ in range(20):  # the holder writes its record just after taking the lock
+                    if holder is not None:
+                        break
+                    time.sleep(0.05)
+                    holder = read_holder(self.path)
+                raise RunLockError(self._refusal(holder)) from None
+            try:  # still the file at this path? (a holder may have removed it: see release(remove=True))
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        else:  # pragma: no cover - the file vanished ten times in a row
+            raise RunLockError(f"{self.what}: its lock file {self.path} keeps being removed; retry")
         previous = read_holder(self.path)
         if previous is not None:
             # Free but not emptied: its holder ended without releasing it (crash, kill -9).
@@ -237,14 +247,24 @@ class RunLock:
         return (f"{self.what} is in use by {describe_holder(holder)}{extra}: one process writes a run folder at "
                 f"a time (lock file {self.path}); {fix}")
 
-    def release(self) -> None:
-        """Empty the lock file and release the lock (idempotent; a clean release leaves no stale lock)."""
+    def release(self, remove: bool = False) -> None:
+        """Empty the lock file and release the lock (idempotent; a clean release leaves no stale lock).
+
+        ``remove``: delete the lock file too (while still holding it, so that a process that
+        opened it meanwhile sees it gone and retries on a new one), and its folder when that is
+        then empty: for a run refused before it wrote anything."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
         _HELD.discard(self)
         try:
             os.ftruncate(fd, 0)
+            if remove:
+                self.path.unlink()
+                try:
+                    self.path.parent.rmdir()  # only when empty
+                except OSError:
+                    pass
         except OSError:
             pass
         try:

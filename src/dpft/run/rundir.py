@@ -12,7 +12,7 @@ from pathlib import Path
 from dpft.errors import TrainingError
 from dpft.run.lock import LOCK_NAME, RunLock, is_locked
 
-__all__ = ["check_output_dir", "finished_run", "holds_run", "lock_output_dir"]
+__all__ = ["check_output_dir", "finished_run", "holds_run", "lock_output_dir", "release_output_dir"]
 
 
 def holds_run(d: Path) -> bool:
@@ -78,10 +78,21 @@ def lock_output_dir(run_dir: Path, resume: bool) -> RunLock:
         if is_locked(run_dir / LOCK_NAME):  # a live run is writing it: name that run instead
             RunLock.for_dir(run_dir).acquire()  # raises RunLockError naming the holder
         raise
+    created = not run_dir.exists()
     lock = RunLock.for_dir(run_dir).acquire()
+    #: True when this run created the folder: a run refused before writing anything removes it.
+    lock.created_dir = created
     try:
         check_output_dir(run_dir, resume)
     except TrainingError:
-        lock.release()
+        release_output_dir(lock)
         raise
     return lock
+
+
+def release_output_dir(lock: RunLock) -> None:
+    """Release the run folder's lock; a folder this run created and left holding nothing but the
+    lock file (a run refused before training: a bad device, model or data) is removed."""
+    d = lock.path.parent
+    empty = getattr(lock, "created_dir", False) and d.is_dir() and [p.name for p in d.iterdir()] == [LOCK_NAME]
+    lock.release(remove=empty)
