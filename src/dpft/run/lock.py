@@ -225,8 +225,10 @@ class RunLock:
                      "which no longer holds it" if here else "on another host, which no longer holds it")
             self.log(f"{self.what}: taking over a stale lock left by {describe_holder(previous)}, {state} "
                      f"(it ended without releasing {self.path.name}, e.g. killed)")
+        prog = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+        prog_name = prog.parent.name if prog.name == "__main__.py" else prog.name  # python -m dpft: dpft
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                  "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else ""}
+                  "command": " ".join([prog_name, *sys.argv[1:]])}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)
