@@ -249,6 +249,7 @@ def test_resume_needs_the_same_world_size(one_and_two, tiny_model_dir, csv, tmp_
     one = tmp_path / "one"
     Trainer(load_recipe(None, overrides(tiny_model_dir, csv, **{"schedule.steps": 1, "privacy.noise_multiplier": 1.0})),
             one, progress=False).run()
+    (one / "report.json").unlink()  # else --resume refuses a finished run first (issue 36)
     flags = ["-m", "dpft", "train", str(one / "recipe.yaml"), "-o", str(one), "--resume", "--quiet"]
     proc = torchrun(flags)
     assert proc.returncode != 0
@@ -259,7 +260,9 @@ def test_resume_needs_the_same_world_size(one_and_two, tiny_model_dir, csv, tmp_
 def test_killed_run_resumes_with_the_single_process_ledger_rules(tiny_model_dir, csv, tmp_path):
     """Secure mode (the key is drawn by rank 0 and broadcast). Rank 0 is SIGKILLed at the start
     of step 5 (index 4), after the checkpoint of step 3: the live ledger holds steps 1-4; the
-    resumed 2-process run replays 4-6 with fresh randomness and appends them (7 releases)."""
+    resumed 2-process run replays step 4 with fresh randomness, appends it and stops at step 5
+    of 6 so that ε stays within the plan's (issue 36: 6 releases, as planned; rank 0 decides and
+    every rank stops there)."""
     ov = overrides(tiny_model_dir, csv, **{"privacy.noise_multiplier": 1.0})
     failure, logs = launch_worker(tmp_path, ov, kill={"rank": 0, "step": 4})
     assert isinstance(failure, ProcessExitedException)
@@ -276,13 +279,13 @@ def test_killed_run_resumes_with_the_single_process_ledger_rules(tiny_model_dir,
     failure, logs = launch_worker(tmp_path, ov, resume=True)
     assert failure is None, failure
     after = PrivacyLedger.load(run / "ledger.json")
-    assert after.steps == 7  # 4 before the kill + steps 4-6 replayed: never shrunk
+    assert after.steps == 6  # 4 before the kill + steps 4-5 after it: never shrunk, never above the plan
     assert after.to_json()["entries"][0]["event"] == before.to_json()["entries"][0]["event"]
-    assert logs[0]["ledger_steps"] == logs[1]["ledger_steps"] == 7
+    assert logs[0]["ledger_steps"] == logs[1]["ledger_steps"] == 6
     assert logs[0]["digest"] == logs[1]["digest"]
-    assert set(logs[0]["batches"]) == {"3", "4", "5"}
+    assert set(logs[0]["batches"]) == set(logs[1]["batches"]) == {"3", "4"}
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == [1, 2, 3, 4, 5]
     assert files_under(tmp_path / "rank1") == []
 
 

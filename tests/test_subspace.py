@@ -255,7 +255,7 @@ def test_resume_reuses_the_basis_and_equals_an_uninterrupted_run(tiny_model_dir,
     with pytest.raises(KeyboardInterrupt):
         b.run()
     monkeypatch.setattr(Trainer, "step", real_step)
-    c = Trainer(rec, tmp_path / "b", resume=True, progress=False)
+    c = Trainer(rec, tmp_path / "b", resume=True, progress=False, allow_overspend=True)  # all 4 steps (issue 36)
     rep_c = c.run()
     for n, p in a.model.named_parameters():
         torch.testing.assert_close(p, dict(c.model.named_parameters())[n], rtol=0, atol=0)

@@ -64,7 +64,7 @@ def __getattr__(name: str) -> Any:
 
 
 def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress: bool = True,
-          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+          overrides: dict[str, Any] | None = None, allow_overspend: bool = False) -> dict[str, Any]:
     """Run a recipe end to end (the CLI's ``dpft train`` from Python) and return report.json.
 
     Args:
@@ -73,18 +73,23 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
         resume: continue the run in ``output_dir`` from its last checkpoint.
         progress: show the progress bar.
         overrides: dotted keys applied on top (``{"privacy.target_epsilon": 3}``).
+        allow_overspend: with ``resume``, run every planned step even when releases made before a
+            crash take ε above the target (default: stop within it; run/checkpoint.py).
 
     Returns:
         The report dict (also written to ``<output_dir>/report.json``): ``privacy`` holds the
         certified ε from the run's ledger, ``metrics`` the final dev metrics.
 
     Raises:
-        RecipeError, DataError, ModelError, CalibrationError, TrainingError — each names the fix.
+        RecipeError, DataError, ModelError, CalibrationError, TrainingError — each names the fix;
+        RunLockError (a TrainingError): another process writes ``output_dir`` (run/lock.py).
     """
+    import os
     from pathlib import Path
 
     from dpft.config import Recipe, apply_overrides, load_recipe
     from dpft.run.loop import Trainer
+    from dpft.run.rundir import lock_output_dir, release_output_dir
 
     if isinstance(recipe, Recipe):
         rec = recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
@@ -101,4 +106,10 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
 
         print(chosen, file=sys.stderr)
     out = Path(output_dir or rec.output_dir or Path("runs") / rec.name)
-    return Trainer(rec, out, resume=resume, progress=progress).run()
+    # One process writes a run folder (run/lock.py): rank 0 of a torchrun world holds its lock.
+    lock = lock_output_dir(out, resume) if int(os.environ.get("RANK", "0") or 0) == 0 else None
+    try:
+        return Trainer(rec, out, resume=resume, progress=progress, allow_overspend=allow_overspend).run()
+    finally:
+        if lock is not None:
+            release_output_dir(lock)

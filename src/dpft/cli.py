@@ -11,6 +11,8 @@ from typing import Any, List, Optional, get_args
 import typer
 
 from dpft import config as _cfg
+from dpft.run.lock import RunLock
+from dpft.run.rundir import holds_run, lock_output_dir, release_output_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Differentially private fine-tuning of language models.")
@@ -83,9 +85,6 @@ def _default_run_dir(name: str, no_dp: bool, resume: bool) -> tuple[Path, Option
     first = Path("runs") / base
     cands = [first] + [Path("runs") / f"{base}-{k}" for k in range(2, 10_000)]
 
-    def holds_run(d: Path) -> bool:
-        return any((d / f).exists() for f in ("checkpoint", ".checkpoint.old", "report.json"))
-
     if resume:
         with_ck = [d for d in cands[:1] if holds_run(d)]
         for d in cands[1:]:
@@ -98,26 +97,6 @@ def _default_run_dir(name: str, no_dp: bool, resume: bool) -> tuple[Path, Option
         if not holds_run(d):
             return d, (first if d != first else None)
     raise typer.BadParameter(f"runs/{base}-K: no free run directory; give --output-dir")
-
-
-def _check_output_dir(run_dir: Path, resume: bool) -> None:
-    """Refuse, before anything is loaded, a run directory this run cannot use: not a folder,
-    not writable, no checkpoint to resume, or an earlier run's checkpoint without --resume."""
-    if run_dir.exists() and not run_dir.is_dir():
-        _fail(f"output folder {run_dir} is a file; give --output-dir a folder")
-    probe = run_dir
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        what = "output folder" if probe == run_dir else f"folder {probe} (where the output folder {run_dir} would go)"
-        _fail(f"cannot write to the {what}: permission denied; choose a writable --output-dir")
-    has_ck = (run_dir / "checkpoint" / "state.json").is_file() or (run_dir / ".checkpoint.old" / "state.json").is_file()
-    if resume and not has_ck:
-        _fail(f"--resume: no checkpoint in {run_dir}; run without --resume to start fresh (or give the "
-              "--output-dir of the run to continue)")
-    if not resume and has_ck:
-        _fail(f"{run_dir} already holds a run; pass --resume to continue it or choose another --output-dir "
-              "(nothing was overwritten)")
 
 
 def _resume_command(run_dir: Path) -> str:
@@ -218,6 +197,9 @@ def train(
     recipe: Optional[Path] = typer.Argument(None, help="YAML recipe (see recipes/)."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Run directory."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its checkpoint."),
+    allow_overspend: bool = typer.Option(
+        False, "--allow-overspend", help="--resume: run every planned step even when steps released before a "
+                                         "crash make ε end above the target (default: stop within it)."),
     no_dp: bool = typer.Option(False, "--no-dp", help="Non-private reference run (no guarantee)."),
     model: Optional[str] = typer.Option(None, help="model.name: HF folder, hub id or 'minilm'."),
     task: Optional[str] = typer.Option(None, help="task.name (sst2, sst5, imdb, qnli, files)."),
@@ -271,6 +253,7 @@ def train(
 
     if steps is not None and epochs is not None:
         _fail("give --steps or --epochs, not both")
+    lock = None
     ov, origins = _overrides((
         ("--model", "model.name", model), ("--task", "task.name", task), ("--train-file", "task.train_file", train_file),
         ("--dev-file", "task.dev_file", dev_file), ("--test-file", "task.test_file", test_file),
@@ -301,6 +284,18 @@ def train(
     if epochs is not None:
         ov["schedule.steps"] = None
     try:
+        if recipe is None:  # no recipe: the task's tuned one under the flags, not bare defaults (issue 36)
+            from dpft.run.defaults import default_overrides
+
+            base, what = default_overrides(ov.get("task.name", "files"), ov.get("model.name", "minilm"))
+            if (base.get("schedule.steps") is not None and not {"batch.expected_batch_size", "schedule.steps",
+                                                                 "schedule.epochs"} & set(ov)):
+                # a newcomer's `--epsilon 3 --train-file f.csv`: (B, T) by the accountant (issue 35 item 3)
+                base.update({"batch.expected_batch_size": "auto", "schedule.steps": "auto"})
+                what += "; expected batch and steps: auto (chosen below)"
+            ov, origins = {**base, **ov}, {**{k: f"the default recipe ({k})" for k in base}, **origins}
+            if not quiet and int(os.environ.get("RANK", "0") or 0) == 0:
+                typer.echo(what, err=True)
         rec = load_recipe(recipe, ov, origins)
         # a causal-LM corpus or instruction file keeps its task; a classifier's file is 'files'
         if train_file and not task and rec.task.name not in ("text", "instruct", "seq2seq"):
@@ -308,6 +303,10 @@ def train(
         _name_run(rec, ov)
         if rec.task.test_file and not Path(rec.task.test_file).is_file():  # before any loading
             _fail(f"test file not found: {rec.task.test_file}")
+        from dpft.models.load import model_source_problem
+
+        if model_source_problem(rec.model.name):  # a missing folder, an uncached hub id offline: before any loading
+            _fail(model_source_problem(rec.model.name))
         from dpft.run.auto import resolve_auto
 
         rec, chosen = resolve_auto(rec)  # batch/steps auto (accounting/budget.py), before the plan
@@ -318,12 +317,13 @@ def train(
             run_dir = Path(rec.output_dir)
         else:
             run_dir, taken = _default_run_dir(rec.name, no_dp, resume)
-        # Checked before any model or data is loaded (tens of seconds for a real model).
+        # Checked before any model or data is loaded (tens of seconds for a real model), and locked
+        # for this process before anything is written (run/lock.py; under torchrun rank 0 holds it).
         if int(os.environ.get("RANK", "0") or 0) == 0:
-            _check_output_dir(run_dir, resume)
+            lock = lock_output_dir(run_dir, resume)
         if taken is not None:
             typer.echo(f"{taken} holds an earlier run; this run writes to {run_dir}", err=True)
-        trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet)
+        trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet, allow_overspend=allow_overspend)
         main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
         quiet = quiet or not main
         # A forward-LDP method's run (methods/ewft.py ``LDPRun``) lives on the method, not the Trainer.
@@ -373,6 +373,9 @@ def train(
     except OSError as exc:  # e.g. a folder that became read-only, a full disk
         where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
         _fail(f"cannot write{where}: {exc.strerror or exc}; choose another --output-dir or free the disk")
+    finally:
+        if lock is not None:
+            release_output_dir(lock)
     if not main:
         return
     typer.echo(f"run directory: {run_dir}")
@@ -422,12 +425,17 @@ def push(
     token: Optional[str] = typer.Option(None, help="Hub token (default: your `hf auth login` token)."),
 ):
     """Upload the run's release set (model at the root, model card, report, ledger) to the Hub."""
-    from dpft.run.hub import push as _push
+    from dpft.run.hub import push as _push, push_failure
 
     try:
         url = _push(run_dir, repo_id, private=not public, token=token)
     except FileNotFoundError as exc:
         _fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - offline, no network, token: one line (run/hub.py)
+        msg = push_failure(exc, repo_id)
+        if msg is None:
+            raise
+        _fail(msg)
     typer.echo(f"pushed {run_dir} to {repo_id}: {url}")
 
 
@@ -613,8 +621,9 @@ def selft(
                        granularity=granularity, n_select=n_select, score_steps=score_steps, lora=lora,
                        cache_dir=str(cache_dir) if cache_dir else None)
         run_dir = Path(rec.output_dir or f"runs/{rec.name}-selft")
-        rep = run_selft(rec, cfg, run_dir, candidates=pool, progress=not quiet,
-                        log=lambda m: typer.echo(m, err=True), train_phase=train_phase)  # the driver runs phase 2
+        with RunLock.for_dir(run_dir):  # one process writes a run folder (run/lock.py)
+            rep = run_selft(rec, cfg, run_dir, candidates=pool, progress=not quiet,
+                            log=lambda m: typer.echo(m, err=True), train_phase=train_phase)  # the driver runs phase 2
     except (ValueError, TrainingError, FileNotFoundError, GeneratorError) as exc:
         _fail(str(exc))
     typer.echo(f"run directory: {run_dir}")

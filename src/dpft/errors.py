@@ -12,4 +12,9 @@ class PlanError(TrainingError, ValueError):
     ``ValueError`` for the Python ways in (``make_private``, ``DPTrainer``)."""
 
 
-__all__ = ["TrainingError", "PlanError"]
+class RunLockError(TrainingError):
+    """Another process holds the run folder (or state file) this one would write
+    (``run/lock.py``); the message names the holder and the fix."""
+
+
+__all__ = ["TrainingError", "PlanError", "RunLockError"]

@@ -106,12 +106,13 @@ def _messages_of(value: Any, row: int) -> list[dict[str, str]]:
                             '{"role": ..., "content": ...} objects') from None
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(f"row {row}: messages must be a non-empty list of {{role, content}} objects, got "
-                        f"{str(value)[:80]!r}")
+                        f"{'an empty list' if isinstance(value, (list, tuple)) else 'a ' + type(value).__name__}")
     out = []
     for k, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"row {row}, message {k + 1}: expected {{\"role\": str, \"content\": str}}, got "
-                            f"{str(m)[:80]!r}")
+            got = (f"an object with keys {sorted(map(str, m))[:6]}" if isinstance(m, dict)
+                   else f"a {type(m).__name__}")  # its structure only: the cell's text is a training row
+            raise DataError(f"row {row}, message {k + 1}: expected {{\"role\": str, \"content\": str}}, got {got}")
         out.append({"role": m["role"].strip().lower(), "content": m["content"]})
     if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
         raise DataError(f"row {row}: no assistant message with content; the loss is on assistant tokens only, "

@@ -213,8 +213,8 @@ def _int_labels(ds: datasets.Dataset, where: str, column: str) -> list[int]:
     frac: list[int] = []
     first_frac = None
     for v, r in zip(_col(ds, "label"), _col(ds, _ROW)):
-        if isinstance(v, str) or not isinstance(v, (int, float)):
-            raise DataError(f"{where}: label {v!r} in column {column!r} at {_rows([r])} is not a number while "
+        if isinstance(v, str) or not isinstance(v, (int, float)):  # its value is not quoted: it may be text
+            raise DataError(f"{where}: the label in column {column!r} at {_rows([r])} is not a number while "
                             "other labels are; labels must be all integers 0..K-1 or all strings")
         if isinstance(v, float) and not v.is_integer():
             frac.append(r)
@@ -248,16 +248,64 @@ def _check_two_classes(data: "TaskData", where: str, column: str) -> None:
     Raises:
         DataError: one class (the run would learn a constant and report a perfect dev score).
     """
-    seen = set(_col(data.train, "label"))
-    if len(seen) < 2:
-        only = data.label_names[next(iter(seen))] if seen and next(iter(seen)) < len(data.label_names) else "?"
-        raise DataError(f"{where}: the training rows have one class ({only!r} in column {column!r}); a classifier "
-                        "needs at least two. Check --label-column (is it the label?) or add rows of the other "
-                        "classes")
+    if len(set(_col(data.train, "label"))) < 2:
+        _one_class(where, column)
+
+
+def _one_class(where: str, column: str) -> None:
+    # The class's value is not quoted: a label column may hold text (no message quotes a row).
+    raise DataError(f"{where}: the training rows have one class (column {column!r}); a classifier needs at least "
+                    "two. Check --label-column (is it the label?) or add rows of the other classes")
+
+
+#: A class needs at least this many training rows (fewer: DP noise swamps it, or the value is a typo or
+#: not a label), checked from :data:`MIN_ROWS_CHECKED` training rows on (smaller files are toy data).
+MIN_ROWS_PER_CLASS = 5
+MIN_ROWS_CHECKED = 100
+#: At most max(this, N/10) classes: more cannot be labels (text and label columns swapped?).
+MAX_CLASSES_FLOOR = 10
+
+
+def _check_label_set(values: list, where: str, column: str, text_column: str) -> None:
+    """Refuse a label column that is not a set of labels, from the training rows' values alone,
+    before any model is loaded (issue 36 item 2): more classes than N/10 (and more than
+    :data:`MAX_CLASSES_FLOOR`), or a class with fewer than :data:`MIN_ROWS_PER_CLASS` rows (in a
+    file of at least :data:`MIN_ROWS_CHECKED` rows); one class; integer labels with gaps
+    (``{0, 5}`` would silently size a 6-class head). Messages give counts, never a label value
+    (a label column may hold the training texts: text and label columns swapped).
+
+    Raises:
+        DataError: naming the count and the fix."""
+    counts: dict = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    n, k = len(values), len(counts)
+    if k < 2:
+        _one_class(where, column)
+    swap = (f"Check that --label-column names the label and --text-column the text (now {column!r} and "
+            f"{text_column!r}: swapped?)")
+    if k > MAX_CLASSES_FLOOR and k > n / 10:
+        raise DataError(f"{where}: column {column!r} has {k} distinct values in {n} training rows (more than N/10 "
+                        f"= {n // 10} and more than {MAX_CLASSES_FLOOR}): too many to be class labels, and a classifier cannot learn {k} classes "
+                        f"from {n} rows under DP. {swap}, or merge rare classes")
+    rare = sum(1 for c in counts.values() if c < MIN_ROWS_PER_CLASS) if n >= MIN_ROWS_CHECKED else 0
+    if rare:
+        raise DataError(f"{where}: {rare} of the {k} classes in column {column!r} have fewer than "
+                        f"{MIN_ROWS_PER_CLASS} training rows (the smallest has {min(counts.values())}); DP noise "
+                        f"swamps a class that rare. {swap}, or merge or drop the rare classes")
+    if all(isinstance(v, int) for v in counts):
+        hi = max(counts)
+        gaps = [i for i in range(hi + 1) if i not in counts]
+        if gaps:
+            shown = ", ".join(map(str, gaps[:5])) + (", …" if len(gaps) > 5 else "")
+            raise DataError(f"{where}: integer labels in column {column!r} run 0..{hi} but {len(gaps)} of those never "
+                            f"occur in the training rows ({shown}): the head would have {hi + 1} classes for {k} "
+                            "present. Renumber the labels 0..K-1, or write them as strings (e.g. \"c5\"), which "
+                            "dpft maps to classes itself")
 
 
 def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "label",
-                   label_names: Optional[list[str]] = None):
+                   label_names: Optional[list[str]] = None, text_column: str = "text"):
     """Map labels to ints. Strings get a sorted label set from train; ints must be in range.
 
     ``train_where``/``dev_where`` name the file (or split) each comes from; ``column`` is the
@@ -275,17 +323,21 @@ def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "
         _check_missing_labels(ds, where, column)
     tr_vals = _col(train, "label")
     if all(isinstance(v, str) for v in tr_vals):
+        if label_names is None:  # the training rows' values are the label set: check they are labels first
+            _check_label_set(tr_vals, train_where, column, text_column)
         names = label_names if label_names is not None else sorted(set(tr_vals))
         index = {n: i for i, n in enumerate(names)}
         for ds, where in splits:
-            unknown = [(r, v) for v, r in zip(_col(ds, "label"), _col(ds, _ROW)) if v not in index]
-            if unknown:
-                vals = sorted({str(v) for _, v in unknown})
-                raise DataError(f"{where}: labels {vals[:5]} in column {column!r} at {_rows([r for r, _ in unknown])} "
-                                f"are not in the label set {names}; fix or drop those rows")
+            unknown = [r for v, r in zip(_col(ds, "label"), _col(ds, _ROW)) if v not in index]
+            if unknown:  # values not quoted (they may be text); the rows are named
+                raise DataError(f"{where}: {len(unknown)} label{'s' if len(unknown) > 1 else ''} in column {column!r} "
+                                f"at {_rows(unknown)} are not among the {len(names)} labels of the training rows "
+                                f"({train_where}); fix or drop those rows (labels match exactly, case included)")
         return (_with_labels(train, [index[v] for v in tr_vals]),
                 _with_labels(dev, [index[v] for v in _col(dev, "label")]), names)
     tr_ints = _int_labels(train, train_where, column)
+    if label_names is None:
+        _check_label_set(tr_ints, train_where, column, text_column)
     dv_ints = _int_labels(dev, dev_where, column)
     k = len(label_names) if label_names is not None else max(tr_ints) + 1
     names = label_names or [str(i) for i in range(k)]
@@ -356,7 +408,7 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
             split = train.train_test_split(test_size=cfg.dev_fraction, seed=seed)
             train, dev = split["train"], split["test"]
             notes.append(f"dev = {cfg.dev_fraction:.0%} of {cfg.train_file} held out (seed {seed})")
-        train, dev, names = _encode_labels(train, dev, cfg.train_file, dev_where, label)
+        train, dev, names = _encode_labels(train, dev, cfg.train_file, dev_where, label, text_column=text)
         data = TaskData("files", train, dev, names, f"files: {cfg.train_file}", notes)
     else:
         if cfg.name not in REGISTRY:

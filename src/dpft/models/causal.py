@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dpft.models.load import ModelError, resolve_model_path
+from dpft.models.load import ModelError, model_load_message, resolve_model_path
 
 
 def _named_tokenizer(tok, path: str):
@@ -65,7 +65,7 @@ def _load_lm(auto_cls, name: str, seed: int, what: str, need: str):
         tok = _named_tokenizer(AutoTokenizer.from_pretrained(path), path)
         model = auto_cls.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load {name!r} as {what} ({exc.__class__.__name__}: {str(exc)[:200]}); {need}") from None
+        raise ModelError(model_load_message(name, exc, what, need)) from None
     if tok.pad_token_id is None:
         if tok.eos_token_id is not None:
             tok.pad_token = tok.eos_token

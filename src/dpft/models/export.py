@@ -26,6 +26,7 @@ the ``AutoModelForSeq2SeqLM`` it is.
 from __future__ import annotations
 
 import copy
+import sys
 import json
 from pathlib import Path
 from typing import Optional, Sequence
@@ -40,11 +41,12 @@ from dpft.models.standard import (ADAPTER_META, MODEL_TYPE, DpftMeanPoolConfig, 
 
 
 def _is_peft(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(model, PeftModel)
+    # A PeftModel exists only once peft is imported: a model of a process that never imported it
+    # is not one, and importing peft here would import bitsandbytes (and its "Failed to load"
+    # warning) on every run (issue 36).
+    peft = sys.modules.get("peft")
+    pm = getattr(peft, "PeftModel", None) if peft is not None else None
+    return pm is not None and isinstance(model, pm)
 
 
 def save_standard(model: nn.Module, tokenizer, out: str | Path, labels: Optional[Sequence[str]] = None,

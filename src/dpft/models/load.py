@@ -34,6 +34,72 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def model_source_problem(name: str) -> str | None:
+    """Why model ``name`` cannot be loaded, found without loading anything (a missing folder, a
+    folder without config.json, a hub id that is not cached while ``HF_HUB_OFFLINE`` is set), or
+    None when it may load. Checked by ``dpft train`` before any data or model is read."""
+    if name in EMBEDDED:
+        return None
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
+            return None
+        return f"model folder {name} has no config.json; give a folder written by save_pretrained (config and weights)"
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:  # a path, not a hub id
+        return f"model folder {name} not found; give an existing folder with config.json and weights, or a hub id"
+    if not _offline():
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except Exception:  # noqa: BLE001 - a malformed id: the offline message below still holds
+        pass
+    return (f"model {name!r} is neither a local folder nor in the Hugging Face cache, and HF_HUB_OFFLINE=1 forbids "
+            f"downloading it: download it once online (hf download {name}), give a folder with config.json and "
+            "weights, or use --model minilm (embedded, works offline)")
+
+
+def model_load_message(name: str, exc: BaseException, what: str, need: str) -> str:
+    """A one-line ModelError message for ``exc`` raised while loading ``name``: the offline
+    explanation when the hub could not be reached, else the exception's first line, whole (it
+    used to be cut at 200 characters, mid-URL)."""
+    text = str(exc)
+    if _offline() or "couldn't connect" in text or "offline mode" in text.lower():
+        problem = model_source_problem(name)
+        if problem:
+            return problem
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), exc.__class__.__name__)
+    if len(first) > 400:
+        first = first[:400].rsplit(" ", 1)[0] + " …"
+    return f"cannot load {name!r} as {what} ({exc.__class__.__name__}: {first}); {need}"
+
+
+def import_peft():
+    """``peft``, imported with bitsandbytes' import-time warnings silenced. peft imports bitsandbytes
+    whenever it is installed (peft/helpers.py), and bitsandbytes then warns "Failed to load …" on a
+    machine without its kernels, although the models dpft loads are never quantized (a QLoRA user
+    loads a quantized model and imports bitsandbytes first, and so sees its messages). Issue 36."""
+    import logging
+    import sys
+
+    if "peft" in sys.modules:
+        return sys.modules["peft"]
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import peft
+    finally:
+        log.setLevel(level)
+    return peft
+
+
 def set_dropout(model: nn.Module, p: float) -> int:
     """Set the probability of every ``nn.Dropout`` in ``model`` to ``p``; returns how many."""
     n = 0
@@ -75,10 +141,8 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
     except (OSError, ValueError) as exc:
-        raise ModelError(
-            f"cannot load model {name!r} ({exc.__class__.__name__}: {str(exc)[:200]}). Give a folder "
-            "with config.json and weights, a hub id (online), or 'minilm' for the embedded default"
-        ) from None
+        raise ModelError(model_load_message(name, exc, "a classifier", "give a folder with config.json and "
+                                            "weights, a hub id (online), or 'minilm' for the embedded default")) from None
     finally:
         hf_logging.set_verbosity(verbosity)
     if getattr(model.config, "pad_token_id", None) is None and tok.pad_token_id is not None:
@@ -165,7 +229,8 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
     if cfg.mode == "units":
         return _select_units(model, cfg)
     if cfg.mode == "lora":
-        from peft import LoraConfig, TaskType, get_peft_model
+        peft = import_peft()
+        LoraConfig, TaskType, get_peft_model = peft.LoraConfig, peft.TaskType, peft.get_peft_model
 
         leaf_names = {n.split(".")[-1] for n, _ in model.named_modules()}
         missing = [t for t in cfg.lora.target_modules if t not in leaf_names]
@@ -227,7 +292,8 @@ def _select_units(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
 
     names = set(resolve_units(model, cfg.units, with_head=cfg.units_with_head))
     if cfg.units_lora:
-        from peft import LoraConfig, TaskType, get_peft_model
+        peft = import_peft()
+        LoraConfig, TaskType, get_peft_model = peft.LoraConfig, peft.TaskType, peft.get_peft_model
 
         targets = lora_targets_in_units(model, names, cfg.lora.target_modules)
         if not targets:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
 from dpft.report.lm import render_extra
+from dpft.report.partial import is_train_run, reprint_interrupted
 
 #: Headline qualifier of a run in reproducible mode (privacy.reproducible).
 REPRODUCIBLE_WARNING = ("REPRODUCIBLE MODE: the sampling and noise were derived from the recorded seed; "
@@ -56,6 +57,7 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
                # every release of the training phase in the ledger (more than the plan's steps
                # when a resume released steps again) and those repeats (run/loop.py ``replays``)
                "released_steps": released_steps(trainer), "replays": list(getattr(trainer, "replays", [])),
+               "resume_cap": getattr(trainer, "resume_cap", None),  # issue 36: ε capped across a crash
                "target_epsilon": (r.privacy.target_epsilon if trainer.private and r.privacy.noise_multiplier is None
                                   else None),
                "clipping": r.privacy.clipping.model_dump() if trainer.private else None,
@@ -203,6 +205,10 @@ def steps_cell(dp: dict[str, Any]) -> str:
     if rel is None or rel == dp["steps"]:
         return f"{dp['steps'] if rel is None else rel}"
     why = " (steps released twice after an interrupt: see the headline)" if dp.get("replays") else ""
+    cap = dp.get("resume_cap") or {}
+    if cap and cap.get("stop", dp["steps"]) < cap.get("planned_steps", dp["steps"]):  # run/checkpoint.py
+        why = (f" (stopped at step {cap['stop']} of the {cap['planned_steps']} planned: steps released before a "
+               "crash ran again after the resume, and the run stopped early so that ε stays within the target)")
     return f"{rel} released (ledger), {dp['steps']} planned{why}"
 
 
@@ -448,6 +454,8 @@ def reprint(run_dir: str | Path) -> str:
     if not d.is_dir():
         raise FileNotFoundError(f"{d} is not a folder: give a dpft run directory or a DPTrainer output_dir")
     if not (d / "report.json").is_file():
+        if is_train_run(d):  # a dpft train run stopped before its report (not a DPTrainer folder)
+            return reprint_interrupted(d)
         if (d / "ledger.json").is_file() or _hf_state_file(d) is not None:
             return reprint_hf(d)
         raise FileNotFoundError(f"no report.json in {d} (a dpft train run directory) and no ledger.json or "

@@ -106,3 +106,58 @@ def continue_ledger(world, run_dir: Path, live: Path, resume: bool, ledger) -> t
                            not_certified_reason=earlier.not_certified_reason or ledger.not_certified_reason)
     return merged, [f"{live} held {earlier.steps} releases of an earlier attempt in this directory (crashed before "
                     "its first checkpoint); they are carried in this ledger"]
+
+
+def cap_resumed_run(trainer, allow_overspend: bool = False, log=None):
+    """The target ε as a hard cap on a resumed run (issue 36 item 3; accounting/cap.py).
+
+    Counts the releases ``trainer``'s ledger already holds (those past the checkpoint, made by an
+    attempt killed before its next checkpoint, included), and unless ``allow_overspend`` lowers
+    ``trainer.total_steps`` to the last step that keeps ε(δ) within the recipe's target (or,
+    with a fixed ``privacy.noise_multiplier``, within the ε the plan reaches without a crash).
+    ``log`` gets, before the first step, the line saying how many releases the ledger holds, how
+    many steps remain and the ε the run ends at. Under DDP rank 0 computes and every rank gets it.
+
+    Returns the :class:`~dpft.accounting.cap.ResumeCap` as a dict for the report (with
+    ``allow_overspend``), or None for a run without a gradient mechanism (non-private, forward LDP).
+    """
+    from dpft.accounting.cap import resume_cap
+    from dpft import distributed as ddp
+
+    mech, r = trainer.mechanism, trainer.recipe
+    if not trainer.private or mech is None:
+        return None
+    p, phase, led = r.privacy, trainer.phase, trainer.ledger
+    held = sum(e.count for e in led.entries if e.phase == phase)
+    step_event = mech.event_at if hasattr(mech, "event_at") else (lambda s: mech.event(trainer.dp_step.q_at(s)))
+    target = p.target_epsilon if p.noise_multiplier is None else None
+
+    def compute():
+        return resume_cap(led.events(), step_event, trainer.start_step, trainer.total_steps, p.delta, target, held,
+                          [e.composed() for e in led.entries if e.phase != phase])
+
+    cap = ddp.on_rank0(trainer.world, compute)
+    past = held - cap.start
+    holds = (f"resume: the ledger holds {held} releases of this run's steps"
+             + (f" ({cap.start} up to the checkpoint at step {cap.start}, {past} after it by the attempt that "
+                "stopped before its next checkpoint: those steps run again as new releases)" if past > 0
+                else f" (up to the checkpoint at step {cap.start})"))
+    goal = f"the target ε = {cap.target:g}" if target is not None else f"the planned ε = {cap.target:.4g}"
+    if allow_overspend or cap.stop == cap.planned:
+        over = cap.epsilon_planned > cap.target * (1 + 1e-9)
+        line = (f"{holds}; {cap.planned - cap.start} steps remain (to step {cap.planned}); this run ends at "
+                f"ε = {cap.epsilon_planned:.4g} at δ = {p.delta:g}"
+                + (f", ABOVE {goal} (--allow-overspend)" if over else ""))
+    else:
+        trainer.total_steps = cap.stop
+        line = (f"{holds}; {cap.stop - cap.start} steps remain: the run stops at step {cap.stop} of the "
+                f"{cap.planned} planned ({cap.early} early) so that ε stays within {goal}; it ends at "
+                f"ε = {cap.epsilon_end:.4g} at δ = {p.delta:g} (--allow-overspend runs all {cap.planned} steps "
+                f"and ends at ε = {cap.epsilon_planned:.4g})")
+        if cap.stop == cap.start and cap.epsilon_end > cap.target * (1 + 1e-9):
+            line += "; the ledger alone is already above the target: no step runs"
+    if log is not None and trainer.world.is_main:
+        log(line)
+    return {"start": cap.start, "planned_steps": cap.planned, "stop": trainer.total_steps, "held": held,
+            "target_epsilon": cap.target, "epsilon_end": cap.epsilon_end, "epsilon_planned": cap.epsilon_planned,
+            "allow_overspend": bool(allow_overspend), "line": line}

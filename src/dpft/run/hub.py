@@ -71,3 +71,43 @@ def push(run_dir: str | Path, repo_id: str, private: bool = True, token: Optiona
         res = api.upload_folder(folder_path=str(stage), repo_id=repo_id, repo_type="model",
                                 commit_message=commit_message or f"dpft run {Path(run_dir).name}")
     return str(res)
+
+
+def push_failure(exc: BaseException, repo_id: str) -> Optional[str]:
+    """One line naming why ``dpft push`` failed and the fix, for the failures a user meets (offline
+    mode, no network, no or a refused token, no permission, a bad repository id); None for any
+    other exception (then its traceback is the useful report). Nothing was uploaded in each case:
+    the upload is one commit, made last."""
+    chain, e = [], exc
+    while e is not None and len(chain) < 8:  # the exception and its causes
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    names = {c.__class__.__name__ for c in chain}
+    again = "then run the same dpft push again (nothing was uploaded)"
+    if "OfflineModeIsEnabled" in names:
+        return f"cannot push: offline mode is on (HF_HUB_OFFLINE=1); unset HF_HUB_OFFLINE on a machine with network, {again}"
+    if "LocalTokenNotFoundError" in names:
+        return f"cannot push: no Hugging Face token; log in with `hf auth login` or pass --token, {again}"
+    if "HFValidationError" in names:
+        return f"cannot push: {repo_id!r} is not a valid repository id; give OWNER/NAME (e.g. you/sst2-dp)"
+    status = next((getattr(getattr(c, "response", None), "status_code", None) for c in chain
+                   if getattr(getattr(c, "response", None), "status_code", None) is not None), None)
+    if status == 401:
+        return f"cannot push: the Hub refused the token (401 Unauthorized); log in again with `hf auth login` or pass a valid --token, {again}"
+    if status == 403:
+        return (f"cannot push: this token may not create or write {repo_id} (403 Forbidden); use a token with write "
+                f"access to that owner, {again}")
+    network = ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException", "NetworkError", "ConnectionError",
+               "gaierror", "ProxyError", "SSLError")
+    if names & set(network) or any(isinstance(c, (ConnectionError, TimeoutError)) for c in chain):
+        from huggingface_hub import constants
+
+        cause = next(c for c in chain if c.__class__.__name__ in network or isinstance(c, (ConnectionError,
+                                                                                             TimeoutError)))
+        first = (str(cause).splitlines() or [""])[0][:160]
+        return (f"cannot push: cannot reach the Hugging Face Hub at {constants.ENDPOINT} "
+                f"({cause.__class__.__name__}: {first}); check the network, proxy or HF_ENDPOINT, {again}")
+    if status is not None:
+        first = (str(chain[0]).splitlines() or [""])[0][:200]
+        return f"cannot push: the Hub answered {status} ({first}); {again}"
+    return None

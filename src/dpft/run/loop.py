@@ -54,8 +54,12 @@ class Trainer:
                  transforms: Optional[list[Transform]] = None, progress: bool = True,
                  ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
                  phase: str = "train", live_ledger_path: Optional[str | Path] = None,
-                 on_step: Optional[Callable[[int, dict], None]] = None):
+                 on_step: Optional[Callable[[int, dict], None]] = None, allow_overspend: bool = False):
         t0 = time.time()
+        #: A resumed run may end above the target ε (issue 36: by default it stops within it).
+        self.allow_overspend = allow_overspend
+        #: The resume's budget (run/checkpoint.py ``cap_resumed_run``), for the report; None: not resumed.
+        self.resume_cap: Optional[dict] = None
         #: Called as ``on_step(done, params)`` after each completed step (a method's phase hook).
         self.on_step = on_step
         #: Everything the run is, resolved once before the loop (run/plan.py).
@@ -354,6 +358,10 @@ class Trainer:
         self._t_run = time.time()
         if self.resume:
             self.load()
+            from dpft.run.checkpoint import cap_resumed_run
+
+            # The target ε is a hard cap across crashes: said before the first step (issue 36).
+            self.resume_cap = cap_resumed_run(self, self.allow_overspend, lambda m: tqdm.write(m, file=sys.stderr))
             # metrics.jsonl may hold rows past the checkpoint: rewrite it from the checkpoint.
             if main:
                 atomic_write_text(self.run_dir / "metrics.jsonl",
