@@ -289,7 +289,7 @@ def train(
 
             base, what = default_overrides(ov.get("task.name", "files"), ov.get("model.name", "minilm"))
             if (base.get("schedule.steps") is not None and not {"batch.expected_batch_size", "schedule.steps",
-                                                                 "schedule.epochs"} & set(ov)):
+                                                                 "schedule.epochs"} & ov.keys()):
                 # a newcomer's `--epsilon 3 --train-file f.csv`: (B, T) by the accountant (issue 35 item 3)
                 base.update({"batch.expected_batch_size": "auto", "schedule.steps": "auto"})
                 what += "; expected batch and steps: auto (chosen below)"
