@@ -333,3 +333,72 @@ def test_make_private_steps_the_lr_scheduler_at_every_release_empty_batches_incl
         PrivacyEngine().make_private(module=nn.Linear(4, 2), optimizer=torch.optim.SGD(nn.Linear(4, 2).parameters(),
                                      lr=1.0), dataset=data, expected_batch_size=2, max_grad_norm=1.0, steps=4,
                                      noise_multiplier=1.0, lr_scheduler=other)
+
+
+# ----------------------------------------------------------------------------- DPTrainer: lock and ε cap (issue 36)
+def _hf_rows(n=40):
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (n, 6), generator=g)
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(n, 6).long().tolist(),
+                                       "labels": torch.randint(0, 2, (n,), generator=g).tolist()})
+
+
+def _hf_trainer(out, max_steps, callbacks=None, save_steps=None, **dp):
+    from transformers import TrainingArguments, default_data_collator
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    args = TrainingArguments(output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
+                             use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=max_steps,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500)
+    return DPTrainer(model=tiny_classifier("bert").train(), args=args, train_dataset=_hf_rows(),
+                     data_collator=default_data_collator, callbacks=callbacks,
+                     dp_args=DPArguments(target_epsilon=2.0, target_delta=1e-3, expected_batch_size=8, **dp))
+
+
+def test_dptrainer_resume_after_a_crash_ends_within_the_target(tmp_path, capsys):
+    """A run planned for 6 steps checkpoints at 4 and dies after releasing step 5 (the live ledger
+    holds 5); its resume counts that release and stops at step 5, ending at ε ≤ 2 — said before
+    the first step. allow_overspend keeps the old behaviour (7 releases, ε > 2)."""
+    from transformers import TrainerCallback
+
+    from dpft.accounting.ledger import PrivacyLedger
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step >= 5
+
+    out = tmp_path / "out"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _hf_trainer(out, 6, [Crash()], save_steps=4).train()
+        assert PrivacyLedger.load(out / "ledger.json").steps == 5
+        import shutil
+
+        shutil.copytree(out, tmp_path / "copy")
+        tr = _hf_trainer(out, 6, save_steps=4)
+        tr.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+        assert "stops at step 5 of the 6 planned (1 early)" in capsys.readouterr().err
+        assert tr.state.global_step == 5 and tr.ledger.steps == 6 and tr.get_epsilon() <= 2.0 + 1e-9
+        over = _hf_trainer(tmp_path / "copy", 6, save_steps=4, allow_overspend=True)
+        over.train(resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-4"))
+    assert over.ledger.steps == 7 and over.get_epsilon() > 2.0
+
+
+def test_dptrainer_output_dir_is_owned_by_one_process(tmp_path):
+    from dpft.errors import TrainingError
+    from dpft.run.lock import RunLock
+
+    out = tmp_path / "out"
+    held = RunLock.for_dir(out).acquire()  # another run (here: another open file description) holds it
+    try:
+        with warnings.catch_warnings(), pytest.raises(TrainingError, match="is in use by pid"):
+            warnings.simplefilter("ignore")
+            _hf_trainer(out, 2).train()
+    finally:
+        held.release()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _hf_trainer(out, 2).train().global_step == 2

@@ -119,7 +119,7 @@ from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.integrations.hf_args import DPArguments
 from dpft.methods.python import python_hooks, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
-from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, PrivateState
+from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
@@ -273,6 +273,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
                               world_group=self.world.group)
         self._live_written = False
         self._params_checked = False
+        self._stop_at: Optional[int] = None  # a resumed run's ε cap (hf_state.py CapStop)
+        self.add_callback(CapStop(self))
         if self.optimizer is not None:
             self._warn_frozen_in_optimizer(self.optimizer)
         #: Un-noised statistics of the last logical step (never logged; for the data holder).

@@ -68,6 +68,9 @@ class DPArguments:
             publish it); ``resume_from_checkpoint`` restores them and refuses without them.
             Example level only, not with ``max_batch_size``.
         bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
+    allow_overspend: a resumed run may end above the target ε (default False: after a crash
+        between checkpoints the replayed releases are counted and the run stops early so that
+        ε stays within the target; accounting/cap.py).
     methods: method plug-ins, as ``dpft train``'s ``methods:`` list (``[{"name": "rmt", "method":
         "rmt"}]``), applied to the step through the same plan (methods/python.py); one that needs
         ``dpft train``'s driver refuses with its reason.
@@ -91,6 +94,7 @@ class DPArguments:
     hardened_noise: bool = True
     engine: str = "bookkeeping"
     log_private_train_loss: bool = False
+    allow_overspend: bool = False
     user_column: Optional[str] = None
     max_rows_per_user: int = 4
     user_clipping: str = "group"

@@ -8,21 +8,25 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
+from transformers import TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from dpft import distributed as ddp
 from dpft.accounting.io import atomic_write_text
+from dpft.accounting.cap import resume_cap
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.errors import TrainingError
 from dpft.integrations.hf_card import write_trainer_card
 from dpft.integrations.hf_checks import refuse as _refuse
+from dpft.run.lock import RunLock
 from dpft.step.correlated import load_noise_state, resume_noise_state
 
-__all__ = ["PrivateState", "LEDGER_NAME", "DP_STATE_NAME"]
+__all__ = ["PrivateState", "CapStop", "LEDGER_NAME", "DP_STATE_NAME"]
 
 #: The privacy ledger's file name, in ``output_dir`` and in every checkpoint.
 LEDGER_NAME = "ledger.json"
@@ -32,6 +36,18 @@ DP_STATE_NAME = "dp_state.json"
 _LOSS_KEYS = ("loss", "train_loss")
 #: How DPTrainer names its resume option and what to start anew (the CLI's messages' words).
 _RESUME_WORDS = ("resume_from_checkpoint", "output_dir")
+
+
+class CapStop(TrainerCallback):
+    """Stops a resumed run at the step its ε cap allows (``trainer._stop_at``; None: no cap)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        stop = getattr(self.trainer, "_stop_at", None)
+        if stop is not None and state.global_step >= stop:
+            control.should_training_stop = True
 
 
 class PrivateState:
@@ -119,21 +135,30 @@ class PrivateState:
         if trial is not None:
             _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
                     "releases compose; it is not supported")
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint:
-            self._resume_dp_state(str(resume_from_checkpoint))
-        else:
-            if self._banded and self.mechanism.next_step > 0:
-                _refuse(f"banded_mf: this DPTrainer already released {self.mechanism.next_step} correlated steps; a "
-                        "new train() would restart at step 0 against its noise buffers. Make a new DPTrainer (its "
-                        "ledger composes), or resume_from_checkpoint")
-            self._check_fresh_output_dir()
-        out = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=None,
-                            ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        self._save_live_ledger()
+        # One process owns output_dir (run/lock.py; under torchrun / accelerate rank 0 holds it).
+        lock = RunLock.for_dir(self.args.output_dir, fix="wait for that run to finish, stop it (kill PID), or "
+                               "give this trainer another output_dir") if self.world.is_main else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            if resume_from_checkpoint is True:
+                resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+                if resume_from_checkpoint is None:
+                    raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            if resume_from_checkpoint:
+                self._resume_dp_state(str(resume_from_checkpoint))
+            else:
+                if self._banded and self.mechanism.next_step > 0:
+                    _refuse(f"banded_mf: this DPTrainer already released {self.mechanism.next_step} correlated steps; "
+                            "a new train() would restart at step 0 against its noise buffers. Make a new DPTrainer "
+                            "(its ledger composes), or resume_from_checkpoint")
+                self._check_fresh_output_dir()
+            out = super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=None,
+                                ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            self._save_live_ledger()
+        finally:
+            if lock is not None:
+                lock.release()
         if not self.dp_args.log_private_train_loss:
             metrics = {k: v for k, v in out.metrics.items() if k not in _LOSS_KEYS}
             out = TrainOutput(out.global_step, float("nan"), metrics)
@@ -215,6 +240,41 @@ class PrivateState:
         self.ledger = ledger
         self.dp_step.ledger = ledger
         self._live_written = True
+        self._cap_resume(int(st.get("global_step", 0)))
+
+    def _cap_resume(self, start: int) -> None:
+        """The target ε as a hard cap across crashes (issue 36 item 3; accounting/cap.py): releases
+        made after the checkpoint by an attempt that died are counted, and the resumed run stops
+        early so that ε stays within the target (or within the plan's ε for a fixed σ) unless
+        ``DPArguments.allow_overspend``. Says before the first step what it will do."""
+        dp, led, mech = self.dp_args, self.ledger, self.mechanism
+        held = sum(e.count for e in led.entries if e.phase == "train")
+        step_event = mech.event_at if hasattr(mech, "event_at") else (lambda s: mech.event(self.q))
+        target = dp.target_epsilon if dp.noise_multiplier is None else None
+        cap = ddp.on_rank0(self.world, lambda: resume_cap(
+            led.events(), step_event, start, self.total_steps, dp.target_delta, target, held,
+            [e.composed() for e in led.entries if e.phase != "train"]))
+        goal = f"the target ε = {cap.target:g}" if target is not None else f"the planned ε = {cap.target:.4g}"
+        head = (f"DPTrainer resume: the ledger holds {held} training releases ({start} up to the checkpoint"
+                + (f", {held - start} after it, run again as new releases)" if held > start else ")"))
+        if dp.allow_overspend or cap.stop == cap.planned:
+            self._stop_at = None
+            line = (f"{head}; {cap.planned - start} steps remain; the run ends at ε = {cap.epsilon_planned:.4g} at "
+                    f"δ = {dp.target_delta:g}" + (f", ABOVE {goal} (allow_overspend)"
+                                                   if cap.epsilon_planned > cap.target * (1 + 1e-9) else ""))
+        else:
+            if cap.stop <= start:
+                _refuse(f"{head}: no step fits within {goal} any more (the releases after the checkpoint spent it). "
+                        "The model of the last run is what the budget bought; pass DPArguments(allow_overspend=True) "
+                        "to run on above the target")
+            self._stop_at = cap.stop
+            line = (f"{head}; the run stops at step {cap.stop} of the {cap.planned} planned ({cap.early} early) so "
+                    f"that ε stays within {goal}; it ends at ε = {cap.epsilon_end:.4g} at δ = {dp.target_delta:g} "
+                    f"(DPArguments(allow_overspend=True) runs all {cap.planned} steps: ε = {cap.epsilon_planned:.4g})")
+        self.resume_cap = {"start": start, "planned": cap.planned, "stop": cap.stop if self._stop_at else cap.planned,
+                           "held": held, "allow_overspend": dp.allow_overspend}
+        if self.world.is_main:
+            print(line, file=sys.stderr)
 
     @property
     def _banded(self) -> bool:
