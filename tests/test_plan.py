@@ -402,3 +402,17 @@ def test_dptrainer_output_dir_is_owned_by_one_process(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert _hf_trainer(out, 2).train().global_step == 2
+
+
+def test_make_private_state_path_is_owned_by_one_process(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "noise.secret.pt"
+    _mp(_data(), 3, save=(3, path))  # this process now owns the state path
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_plan as t; from pathlib import Path; "
+            f"t._mp(t._data(), 6, load=Path({str(path)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "is in use by pid" in out.stderr, out.stderr[-2000:]
+    eng, opt = _mp(_data(), STEPS, load=path)  # a second engine of the same process shares it
+    assert opt.logical_steps == STEPS

@@ -307,11 +307,6 @@ def train(
 
         if model_source_problem(rec.model.name):  # a missing folder, an uncached hub id offline: before any loading
             _fail(model_source_problem(rec.model.name))
-        from dpft.run.auto import resolve_auto
-
-        rec, chosen = resolve_auto(rec)  # batch/steps auto (accounting/budget.py), before the plan
-        if chosen:
-            typer.echo(chosen, err=True)
         taken = None
         if rec.output_dir:
             run_dir = Path(rec.output_dir)
@@ -323,6 +318,12 @@ def train(
             lock = lock_output_dir(run_dir, resume)
         if taken is not None:
             typer.echo(f"{taken} holds an earlier run; this run writes to {run_dir}", err=True)
+        from dpft.run.auto import resolve_auto
+
+        # batch/steps auto (accounting/budget.py): reads N, so after the folder checks, before the plan
+        rec, chosen = resolve_auto(rec)
+        if chosen and not quiet:
+            typer.echo(chosen, err=True)
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet, allow_overspend=allow_overspend)
         main = trainer.world.is_main  # DDP (torchrun): rank 0 alone talks; the others are quiet
         quiet = quiet or not main

@@ -11,7 +11,8 @@ from then on every release also rewrites the **live release record** ``<path>.re
 - other training rows, or the same rows reordered (the partition is by row position);
 - a record that is missing (the state alone cannot show that nothing was released after it).
 
-The engine's ledger is appended to, never swapped: the saved releases are added after what the
+One process owns a state path (``<path>.lock``, run/lock.py). The engine's ledger is appended to,
+never swapped: the saved releases are added after what the
 engine already holds when that is a prefix of them, and refused otherwise.
 """
 
@@ -26,6 +27,7 @@ import torch
 
 from dpft import distributed as ddp
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.run.lock import RunLock
 from dpft.step.correlated import write_secret
 
 __all__ = ["LoopState", "live_record_path", "write_live_record", "check_fresh"]
@@ -58,6 +60,24 @@ def check_fresh(made: int, saved: int, record: str, fix: str) -> None:
                          f"under-count them. Resume from the state saved at the last release, or {fix}")
 
 
+#: State-path locks this process holds (lock file → RunLock): engines of one process share them
+#: (a notebook's second engine resuming the first one's state), other processes are refused.
+_HELD: dict = {}
+
+
+def own_state_path(engine, path) -> None:
+    """One process owns a state path: the first engine of this process that saves or loads there
+    takes ``<path>.lock`` (run/lock.py), held until the process exits; later engines of the same
+    process share it.
+
+    Raises:
+        RunLockError: another live process holds it (named, with the fix)."""
+    key = str(RunLock.for_file(path).path.resolve())
+    if key not in _HELD:
+        _HELD[key] = RunLock.for_file(path).acquire()
+    engine._state_lock = _HELD[key]
+
+
 def _flat(ledger: PrivacyLedger) -> list:
     return [(e.phase, e.event) for e in ledger.entries for _ in range(e.count)]
 
@@ -78,9 +98,11 @@ class LoopState:
             raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
                              "micro-batch)")
         world = engine.world if engine.world is not None else ddp.World()
-        engine._live_path = live_record_path(path)  # every later release rewrites the record
         if not world.is_main:
+            engine._live_path = live_record_path(path)
             return False
+        own_state_path(engine, path)
+        engine._live_path = live_record_path(path)  # every later release rewrites the record
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_secret(path, {"format": _FORMAT, **mech.state(), "sigma": self.plan.sigma, "n": self.n,
                             "ledger": engine.ledger.to_json()})
@@ -103,6 +125,8 @@ class LoopState:
             return torch.load(path, weights_only=True, map_location="cpu"), live
 
         world = engine.world if engine.world is not None else ddp.World()
+        if world.is_main:
+            own_state_path(engine, path)
         st, live = ddp.on_rank0(world, read)
         if st.get("format") != _FORMAT:
             raise ValueError(f"load_noise_state: {path} is not a make_private banded_mf noise state")

@@ -57,10 +57,9 @@ def _last_dev(d: Path) -> dict[str, Any]:
     return last
 
 
-def reprint_interrupted(d: Path) -> str:
-    """Markdown report of a ``dpft train`` folder without ``report.json`` (see the module docstring)."""
-    from dpft.report.report import epsilon_line, privacy_section, steps_cell
-
+def reprint_interrupted(d: Path, epsilon_line, privacy_section, steps_cell) -> str:
+    """Markdown report of a ``dpft train`` folder without ``report.json`` (see the module docstring);
+    report/report.py hands in its row builders (so this module does not import it back)."""
     state = _state(d)
     rec = _recipe(d, state)
     p = rec.get("privacy") or {}

@@ -455,7 +455,7 @@ def reprint(run_dir: str | Path) -> str:
         raise FileNotFoundError(f"{d} is not a folder: give a dpft run directory or a DPTrainer output_dir")
     if not (d / "report.json").is_file():
         if is_train_run(d):  # a dpft train run stopped before its report (not a DPTrainer folder)
-            return reprint_interrupted(d)
+            return reprint_interrupted(d, epsilon_line, privacy_section, steps_cell)
         if (d / "ledger.json").is_file() or _hf_state_file(d) is not None:
             return reprint_hf(d)
         raise FileNotFoundError(f"no report.json in {d} (a dpft train run directory) and no ledger.json or "

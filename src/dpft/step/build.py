@@ -8,6 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+from dpft.accounting.calibrate import calibrate_sigma, check_delta
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.grads.groups import PerExampleOverK
+from dpft.grads.reference import ReferenceEngine
+from dpft.step.clip import make_clip_policy
+from dpft.step.noise import GaussianMechanism
+from dpft.step.pipeline import StepSpec
+
 __all__ = ["resolve_sigma", "make_engine", "build_clip", "build_step_spec"]
 
 
@@ -30,8 +38,6 @@ def resolve_sigma(*, noise_multiplier: Optional[float], target_epsilon: Optional
     Raises:
         CalibrationError: δ ≥ 1/N, or no σ reaches the target.
     """
-    from dpft.accounting.calibrate import calibrate_sigma, check_delta
-
     if delta is not None:
         check_delta(delta, n)
     if noise_multiplier is not None:
@@ -47,19 +53,8 @@ def make_engine(kind: str, model, loss_fn, clip, **engine_kw):
     """The per-example engine: ``bookkeeping`` (fast path, grads/bookkeeping.py) · ``reference``
     (``torch.func``, grads/reference.py) · ``auto`` (book-keeping, else reference).
 
-    Raises:
-        TrainingError: ``bookkeeping`` asked for and not available."""
-    from dpft.grads.reference import ReferenceEngine
-
+    Unknown kinds give the reference engine (the recipe schema names the three)."""
     if kind in ("auto", "bookkeeping"):
-        try:
-            from dpft.grads.bookkeeping import BookKeepingEngine
-        except ImportError:
-            if kind == "bookkeeping":
-                from dpft.errors import TrainingError
-
-                raise TrainingError("the book-keeping engine is not available in this install") from None
-            return ReferenceEngine(model, loss_fn, clip)
         return BookKeepingEngine(model, loss_fn, clip, **engine_kw)
     return ReferenceEngine(model, loss_fn, clip)
 
@@ -74,9 +69,6 @@ def build_step_spec(*, engine, clip, sigma: Optional[float], rng, sampler, optim
     ``rng`` (the run's secret randomness; step/noise.py). ``head_mask`` maps the engine's
     parameter names to head flags for a clip policy that splits C between head and body.
     """
-    from dpft.step.noise import GaussianMechanism
-    from dpft.step.pipeline import StepSpec
-
     if head_mask is not None and hasattr(clip, "set_head_mask"):
         clip.set_head_mask(head_mask(list(engine.params)))
     mechanism: Any = None if sigma is None else GaussianMechanism(sigma, clip.sensitivity, rng, hardened=hardened)
@@ -88,9 +80,6 @@ def build_clip(privacy_cfg, user_clipping: Optional[str] = None, max_rows_per_us
     """The recipe's clip policy (step/clip.py ``make_clip_policy``: flat, per-layer, head/body,
     automatic, adaptive). At user level with ``per_example_over_k`` each row is clipped to C/k:
     at most k rows per sampled user, so a user's contribution stays ≤ C (grads/groups.py)."""
-    from dpft.grads.groups import PerExampleOverK
-    from dpft.step.clip import make_clip_policy
-
     c = privacy_cfg.clipping
     if user_clipping == "per_example_over_k":
         k = max_rows_per_user

@@ -56,6 +56,7 @@ import dp_accounting as dpa
 import numpy as np
 import torch
 
+from dpft.errors import TrainingError
 from dpft.step.fingerprint import check_rows, rows_fingerprint
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler
@@ -371,8 +372,6 @@ def resume_noise_state(mechanism: BandedMFMechanism, state: Optional[dict], step
             checkpoints — releasing those steps again would reuse earlier batches under fresh noise,
             which Theorem 4's accounting does not cover), the state is of another step, or of
             other coefficients / another partition."""
-    from dpft.errors import TrainingError
-
     if replayed > 0:
         raise TrainingError(f"{where}: {replayed} banded_mf release(s) were made after the checkpoint at step "
                             f"{step}; replaying them is not covered by the banded-MF accounting. Start a new "
