@@ -30,7 +30,11 @@ def test_data_flags_only_give_the_tuned_classification_recipe(tmp_path, sst_like
     rec = captured["recipe"]
     assert rec.trainable.mode == "last_k" and rec.trainable.last_k == 2
     assert rec.privacy.clipping.style == "head_body" and rec.privacy.clipping.head_fraction == 0.5
-    assert rec.optimizer.lr == 3e-4 and rec.optimizer.head_lr == 1e-2
+    # no batch or steps flag: (B, T) chosen by the accountant (issue 35), the recipe's lr 3e-4 at B = 256
+    # scaled by the square-root rule (accounting/budget.py)
+    assert "auto: B = " in r.output and isinstance(rec.batch.expected_batch_size, int)
+    assert rec.optimizer.lr == pytest.approx(3e-4 * (rec.batch.expected_batch_size / 256) ** 0.5)
+    assert rec.optimizer.head_lr == 1e-2
     assert rec.model.pooling == "mean" and rec.model.dropout == 0.0
     assert rec.task.name == "files"
 

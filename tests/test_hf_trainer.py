@@ -264,7 +264,11 @@ def test_resume_continues_the_ledger(tmp_path):
     # A fresh run may not overwrite that run's ledger.
     with pytest.raises(ValueError, match="earlier run"):
         tiny_trainer(tmp_path, args=args, dp=dp).train()
-    # Resuming from step 2 replays steps 3-4 with fresh randomness: new releases, all counted.
+    # Resuming from step 2 would replay steps 3-4: the ε cap refuses (issue 36: no step fits within the plan's ε)...
+    with pytest.raises(ValueError, match="no step fits within the planned ε"):
+        tiny_trainer(tmp_path, args=args, dp=dp).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    # ... and allow_overspend replays them with fresh randomness: new releases, all counted.
+    dp = DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=8, allow_overspend=True)
     tr2 = tiny_trainer(tmp_path, args=args, dp=dp)
     tr2.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert tr2.state.global_step == 4 and tr2.ledger.steps == 6

@@ -289,8 +289,9 @@ def train(
 
             base, what = default_overrides(ov.get("task.name", "files"), ov.get("model.name", "minilm"))
             if (base.get("schedule.steps") is not None and not {"batch.expected_batch_size", "schedule.steps",
-                                                                 "schedule.epochs"} & ov.keys()):
-                # a newcomer's `--epsilon 3 --train-file f.csv`: (B, T) by the accountant (issue 35 item 3)
+                                                                 "schedule.epochs", "optimizer.lr"} & ov.keys()):
+                # a newcomer's `--epsilon 3 --train-file f.csv`: (B, T) by the accountant and the lr scaled
+                # with B (issue 35 item 3); any of these flags given keeps the tuned recipe's values
                 base.update({"batch.expected_batch_size": "auto", "schedule.steps": "auto"})
                 what += "; expected batch and steps: auto (chosen below)"
             ov, origins = {**base, **ov}, {**{k: f"the default recipe ({k})" for k in base}, **origins}

@@ -158,7 +158,7 @@ class PrivateState:
             self._save_live_ledger()
         finally:
             if lock is not None:
-                lock.release()
+                lock.release(remove=True)  # the folder keeps only the run's files
         if not self.dp_args.log_private_train_loss:
             metrics = {k: v for k, v in out.metrics.items() if k not in _LOSS_KEYS}
             out = TrainOutput(out.global_step, float("nan"), metrics)
