@@ -24,6 +24,7 @@ _NAMES = {
     "DPStep": "dpft.step.pipeline",
     "StepSpec": "dpft.step.pipeline",
     "Recipe": "dpft.config",
+    "PluginConfig": "dpft.config_base",
     "load_recipe": "dpft.config",
     "PrivacyLedger": "dpft.accounting.ledger",
     "Method": "dpft.methods.base",

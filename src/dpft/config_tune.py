@@ -4,9 +4,11 @@ Kept apart from config.py (which imports it) so that the recipe schema stays wit
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from dpft.config_base import PluginConfig
 
 #: Recipe keys a search may vary. The first group changes the privacy cost of a trial (q, steps):
 #: those must be ``choice`` (a finite set of configurations, each calibrated and bounded).
@@ -15,8 +17,7 @@ FREE_KEYS = ("optimizer.lr", "optimizer.head_lr", "optimizer.weight_decay", "pri
              "trainable.last_k", "trainable.lora.r", "trainable.lora.alpha")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+_Strict = PluginConfig
 
 
 class TrialsCfg(_Strict):

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from pydantic import Field
 
-from dpft.config import _Strict
+from dpft.config_base import PluginConfig
 from dpft.methods.base import Method, register_method
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
@@ -34,7 +34,7 @@ PAPER_REASON = ("reproduce_paper: the clip norm C is the percentile of raw, un-n
                 "19-27), so data-dependent statistics steer training outside the Gaussian mechanism")
 
 
-class AdamACCfg(_Strict):
+class AdamACCfg(PluginConfig):
     """DP-Adam-AC pieces (Yang, "DP-Adam-AC", Alg. 1), made private where the paper leaks.
 
     Adaptive clipping is Andrew et al. 2021's private quantile estimate (privacy/clipping.py);

@@ -39,7 +39,8 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.config import TaskCfg, _Strict
+from dpft.config import TaskCfg
+from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
 from dpft.grads.subspace import COORDS, SubspaceEngine
 from dpft.methods.base import Method, MethodError, register_method
@@ -64,7 +65,7 @@ PAPER_NOISE_NOTE = (
     "the run reproduces the paper's utility, its true ε is smaller.")
 
 
-class SubspaceCfg(_Strict):
+class SubspaceCfg(PluginConfig):
     """DP-SFT (Zheng et al., AAAI 2026): stage 1 builds a k-dimensional basis P from a
     fine-tuning trajectory, stage 2 privatises per-example coordinates Pᵀg_i in R^k
     (methods/dpsft.py). The basis spans exactly the trainable parameters (``trainable``)."""

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import Field
 
-from dpft.config import _Strict
+from dpft.config_base import PluginConfig
 
 from dpft.privacy.label_rr import (example_epsilon_with_label, label_epsilon, randomized_response, rr_keep_probability)
 from dpft.privacy.ldp import (LDPError, local_epsilon_composed)
@@ -18,7 +18,7 @@ from dpft.privacy.ldp import (LDPError, local_epsilon_composed)
 PHASE = "ldp-forward"
 
 
-class LdpAutoencoderCfg(_Strict):
+class LdpAutoencoderCfg(PluginConfig):
     """Stacked autoencoder around the forward noise (EW-FT Section 5.3), pre-trained on public text."""
 
     #: Widths, hidden size first: [384, 64] (MiniLM; the paper's 768×64), [384, 256, 64] …;
@@ -33,7 +33,7 @@ class LdpAutoencoderCfg(_Strict):
     pretrain_batch_size: int = Field(32, ge=1)
 
 
-class LdpTrainPreCfg(_Strict):
+class LdpTrainPreCfg(PluginConfig):
     """``ldp.train_pre``: pre(·) trained by DP-SGD through the noise layer (methods/ldp_train_pre.py).
 
     Each step releases the noisy codes (σ_rep, sensitivity 2C) and the noisy clipped sum of
@@ -53,7 +53,7 @@ class LdpTrainPreCfg(_Strict):
     engine: Literal["bookkeeping", "reference"] = "bookkeeping"
 
 
-class LdpCfg(_Strict):
+class LdpCfg(PluginConfig):
     """Forward-pass local DP (EW-FT / DP-Forward; privacy/ldp.py, accounting/ewpba.py).
 
     The noise is on the forward pass (clip the hidden matrix to C, add N(0, σ_e²(2C)²)); the

@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from dpft.config import _Strict
+from dpft.config_base import PluginConfig
 from dpft.methods.base import Method, register_method
 
 #: Why a diagnostics run cannot be certified.
@@ -28,7 +28,7 @@ DIAGNOSTICS_REASON = ("denoise.diagnostics: the run reads each step's clean (un-
 DIAGNOSTICS_FILE = "rmt_diagnostics.jsonl"
 
 
-class DenoiseCfg(_Strict):
+class DenoiseCfg(PluginConfig):
     """Post-processing of the noisy gradient (free under DP): ``rmt`` = singular-value
     shrinkage of each 2-D weight gradient (transforms/rmt/)."""
 
