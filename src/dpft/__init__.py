@@ -45,17 +45,22 @@ def tune(recipe: Any, output_dir: Any, *, resume: bool = False, progress: bool =
 
     Args: as :func:`train`; ``recipe`` needs a ``tune:`` section; its ``privacy.target_epsilon`` is the
     budget of the whole search."""
-    from dpft.config import Recipe, apply_overrides, load_recipe
     from dpft.run.tune import tune as _tune
 
-    if isinstance(recipe, Recipe):
-        rec = recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
-                                                                             dict(overrides)))
-    elif isinstance(recipe, dict):
-        rec = load_recipe(None, apply_overrides(dict(recipe), dict(overrides or {})))
-    else:
-        rec = load_recipe(recipe, overrides)
+    rec = _recipe_of(recipe, overrides)
     return _tune(rec, output_dir, resume=resume, progress=progress)
+
+
+def _recipe_of(recipe: Any, overrides: dict[str, Any] | None):
+    """A :class:`Recipe` from a Recipe, a dict of keys or a YAML path, with ``overrides`` applied."""
+    from dpft.config import Recipe, apply_overrides, load_recipe
+
+    if isinstance(recipe, Recipe):
+        return recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
+                                                                              dict(overrides)))
+    if isinstance(recipe, dict):
+        return load_recipe(None, apply_overrides(dict(recipe), dict(overrides or {})))
+    return load_recipe(recipe, overrides)
 
 
 def __getattr__(name: str) -> Any:
@@ -88,17 +93,10 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
     import os
     from pathlib import Path
 
-    from dpft.config import Recipe, apply_overrides, load_recipe
     from dpft.run.loop import Trainer
     from dpft.run.rundir import lock_output_dir, release_output_dir
 
-    if isinstance(recipe, Recipe):
-        rec = recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
-                                                                             dict(overrides)))
-    elif isinstance(recipe, dict):
-        rec = load_recipe(None, apply_overrides(dict(recipe), dict(overrides or {})))
-    else:
-        rec = load_recipe(recipe, overrides)
+    rec = _recipe_of(recipe, overrides)
     from dpft.run.auto import resolve_auto
 
     rec, chosen = resolve_auto(rec)  # batch/steps auto (accounting/budget.py)
