@@ -416,3 +416,25 @@ def test_make_private_state_path_is_owned_by_one_process(tmp_path):
     assert out.returncode != 0 and "is in use by pid" in out.stderr, out.stderr[-2000:]
     eng, opt = _mp(_data(), STEPS, load=path)  # a second engine of the same process shares it
     assert opt.logical_steps == STEPS
+
+
+@pytest.mark.parametrize("when", [0, 2])
+def test_make_private_names_a_parameter_frozen_after_it(when):
+    """Issue 36 item 6: freezing a parameter after make_private crashed in torch's hook code naming
+    no fix (before the first step), or kept training it (later); now both name it and the fix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    eng = PrivacyEngine(reproducible_seed=SEED)
+    m, opt, crit, loader = eng.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+        dataset=_data(), expected_batch_size=8, max_grad_norm=1.0, steps=6, noise_multiplier=1.0,
+        max_physical_batch_size=4)
+    with pytest.raises(ValueError, match=r"frozen after make_private \(0.weight\).*Set requires_grad before"):
+        while True:
+            for x, y in loader:
+                if opt.logical_steps == when:
+                    model[0].weight.requires_grad_(False)
+                crit(m(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    assert eng.ledger.steps == when  # nothing was released with the frozen parameter

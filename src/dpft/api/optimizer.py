@@ -11,7 +11,7 @@ import torch
 
 from dpft import distributed as ddp
 from dpft.api.guards import UnclippedParameterError
-from dpft.grads.live import LiveBookKeeping
+from dpft.grads.live import FrozenAfterPrivateError, LiveBookKeeping
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError
 from dpft.step.pipeline import DPStep, StepOutput
@@ -260,6 +260,9 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("make_private: optimizer.step(closure) is not supported")
         self._flush()
         self.check_unclipped_grads()
+        frozen = [self.param_names.get(id(p), n) for n, p in self.dp_step.params.items() if not p.requires_grad]
+        if frozen:  # frozen by the user since make_private (the engine's own freezes are undone by the flush)
+            raise FrozenAfterPrivateError(frozen)
         if self.current_step is None:
             raise RuntimeError(
                 "make_private: optimizer.step() outside a micro-batch of the data loader that "

@@ -110,6 +110,17 @@ class _LiveCapture(Capture):
         super()._deliver(rec, slot, g)
 
 
+class FrozenAfterPrivateError(ValueError):
+    """A parameter the DP engine clips was frozen (``requires_grad=False``) after ``make_private``."""
+
+    def __init__(self, names: list[str]):
+        super().__init__(
+            f"make_private: {len(names)} parameter(s) the DP engine clips were frozen after make_private "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); the engine clips and noises the parameters "
+            "that were trainable when make_private ran. Set requires_grad before make_private (call "
+            "PrivacyEngine.detach(), freeze, then make_private again on a new optimizer), or unfreeze them")
+
+
 def _drop_grad(p: torch.Tensor) -> None:
     p.grad = None
 
@@ -193,6 +204,9 @@ class LiveBookKeeping:
             for p in params:
                 p.requires_grad_(False)
         elif not self._grad_drops:
+            frozen = [n for n, p in self.engine.params.items() if not p.requires_grad]
+            if frozen:
+                raise FrozenAfterPrivateError(frozen)
             # First micro-batch: the weights take part in the graph (for the usage check); the
             # non-private gradient the backward accumulates is dropped as soon as it lands.
             self._grad_drops = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
