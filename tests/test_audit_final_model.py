@@ -165,3 +165,35 @@ def test_cli_final_model_attaches_to_a_run(small_bert, data_csv, tmp_path):
     bad = CliRunner().invoke(app, ["audit", str(recipe), "--final-model", "--canaries", "5", "-o",
                                    str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "at least 20" in bad.output
+
+
+def test_dirac_canaries_ride_every_release_with_the_run_noise():
+    from dpft.audit.dirac import dirac_canaries
+    from dpft.step.noise import GaussianMechanism
+
+    class Mech(GaussianMechanism):  # only what release needs: σ, C and the event
+        def __init__(self, sigma):
+            self.sigma, self.sensitivity, self.rng = sigma, 1.0, Randomness()
+
+        def event(self, q):
+            return None
+
+    grads = {"a": torch.zeros(30), "b": torch.zeros(4, 5)}
+    orig = GaussianMechanism.release
+    with dirac_canaries(40, Randomness()) as wb:
+        for step in range(25):
+            Mech(0.0).release(grads, 2.0, 0.5, step)  # σ = 0: the release is the canaries alone
+    assert wb.releases == 25 and grads["a"].abs().sum() == 0  # the caller's sums are not touched
+    coords = [(n, int(c)) for n, _, cs in wb._where for c in cs]
+    assert len(set(coords)) == 40
+    inc = wb.included
+    assert bool((wb.scores[~inc] == 0).all()) and bool((wb.scores[inc] > 0).all())  # q·T ≈ 12 joins each
+    assert abs(wb.scores[inc].mean().item() - 12.5) < 3
+    assert GaussianMechanism.release is orig  # the patch ends with the run
+    with dirac_canaries(40, Randomness()) as wb2:
+        for step in range(25):
+            Mech(1.0).release(grads, 1.0, 0.5, step)
+    from dpft.audit.estimators import epsilon_lower_bound
+
+    b = epsilon_lower_bound(wb2.scores[wb2.included].tolist(), wb2.scores[~wb2.included].tolist(), delta=1e-5)
+    assert b.epsilon > 0  # σ = 1 over 25 releases: in and out separate

@@ -46,6 +46,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 import dpft.run.plan as run_plan
+from dpft.audit.dirac import dirac_canaries
 from dpft.audit.estimators import METHODS, epsilon_lower_bound
 from dpft.audit.planted import plant
 from dpft.data.prepare import is_causal
@@ -271,7 +272,8 @@ def _weights_of_record(trainer):
 
 
 def audit_final_model(recipe, out_dir: str | Path, *, m: int = 500, designs: Optional[Sequence[str]] = None,
-                      confidence: float = 0.95, planted: Optional[str] = None, progress: bool = True) -> dict:
+                      confidence: float = 0.95, planted: Optional[str] = None, progress: bool = True,
+                      dirac: Optional[int] = None) -> dict:
     """Train ``recipe`` once in ``out_dir`` with canaries and audit the final model (module docstring).
 
     Args:
@@ -280,6 +282,8 @@ def audit_final_model(recipe, out_dir: str | Path, *, m: int = 500, designs: Opt
             thresholds inside, none across designs or estimators).
         planted: a name of :data:`FINAL_MODEL_PLANTED`: the auditor's self-test (the bug is
             patched in for the whole run; the result says so).
+        dirac: Dirac gradient canaries of the white-box audit on the same run (audit/dirac.py;
+            None: as many as m; 0: none). Private recipes only.
 
     Returns:
         The audit as a dict (also written to ``out_dir/final_model_audit.json`` and attached to
@@ -299,7 +303,9 @@ def audit_final_model(recipe, out_dir: str | Path, *, m: int = 500, designs: Opt
     rng = Randomness(r.seed if r.privacy.reproducible else None)
     t0 = time.perf_counter()
     sets: list[CanarySet] = []
-    with plant(planted), canaries_in_training(designs, m, rng, sets):
+    dirac = m if dirac is None else int(dirac)
+    white = dirac_canaries(dirac, rng) if dirac and r.privacy.enabled else contextlib.nullcontext()
+    with plant(planted), canaries_in_training(designs, m, rng, sets), white as wb:
         trainer = Trainer(r, out_dir, rng=rng, progress=progress)
         rows_of = dict(pad_id=trainer.pad_id, with_token_types=trainer.with_token_types, device=trainer.device)
         for s in sets:
@@ -318,15 +324,22 @@ def audit_final_model(recipe, out_dir: str | Path, *, m: int = 500, designs: Opt
         results.append({"design": s.design, "m": m, "included": int(inc.sum()), "bounds": bounds,
                         "mean_score_in": float(sc[inc].mean()), "mean_score_out": float(sc[~inc].mean()),
                         "scores_in": sc[inc].tolist(), "scores_out": sc[~inc].tolist()})
+    whitebox = None
+    if wb is not None and wb.releases:
+        inc = wb.included
+        whitebox = {"m": dirac, "included": int(inc.sum()), "releases": wb.releases,
+                    "bounds": {meth: epsilon_lower_bound(wb.scores[inc].tolist(), wb.scores[~inc].tolist(),
+                                                         delta=delta, method=meth, confidence=confidence).as_dict()
+                               for meth in ("fdp", "steinke")}}
     head = results[0]["bounds"]["fdp"]
     out = {"kind": "final-model one-run audit (black-box)", "recipe": r.name, "planted": planted,
            "private": trainer.private, "certified_epsilon": eps, "delta": delta, "confidence": confidence,
            "n_train_with_canaries": trainer.n, "steps": trainer.total_steps, "sigma": trainer.sigma,
-           "designs": results,
+           "designs": results, "whitebox": whitebox,
            "headline": {"epsilon_hat": head["epsilon"], "method": "fdp", "design": results[0]["design"], "m": m,
                         "confidence": confidence},
-           "violation": eps is not None and any(b["epsilon"] > eps + 1e-9 for x in results
-                                                 for b in x["bounds"].values()),
+           "violation": eps is not None and any(b["epsilon"] > eps + 1e-9 for x in results + [whitebox or {}]
+                                                 for b in x.get("bounds", {}).values()),
            "seconds": time.perf_counter() - t0}
     (out_dir / "final_model_audit.json").write_text(json.dumps(out, indent=2))
     if report is not None:
@@ -341,7 +354,9 @@ def audit_summary(audit: dict, same_run: bool) -> dict:
             "method": METHODS[audit["headline"]["method"]], "planted": audit.get("planted"),
             "certified_epsilon_of_audit_run": audit["certified_epsilon"], "same_run": same_run,
             "designs": [{"design": x["design"], "m": x["m"],
-                         **{k: b["epsilon"] for k, b in x["bounds"].items()}} for x in audit["designs"]]}
+                         **{k: b["epsilon"] for k, b in x["bounds"].items()}} for x in audit["designs"]],
+            "whitebox": None if not audit.get("whitebox") else {
+                "m": audit["whitebox"]["m"], **{k: b["epsilon"] for k, b in audit["whitebox"]["bounds"].items()}}}
 
 
 def attach_audit(run_dir: str | Path, audit: dict, same_run: bool = False) -> dict:
@@ -379,6 +394,11 @@ def render_audit_md(audit: dict) -> str:
         b = x["bounds"]
         lines.append(f"| {x['design']} | {x['m']} | {x['included']} | {b['fdp']['epsilon']:.3f} | "
                      f"{b['steinke']['epsilon']:.3f} | {x['mean_score_in']:.4g} | {x['mean_score_out']:.4g} |")
+    wbx = audit.get("whitebox")
+    if wbx:
+        b = wbx["bounds"]
+        lines.append(f"| white-box Dirac (every release) | {wbx['m']} | {wbx['included']} | {b['fdp']['epsilon']:.3f} | "
+                     f"{b['steinke']['epsilon']:.3f} | | |")
     lines += ["", f"Each ε̂ is a lower bound at {audit['confidence']:.0%} confidence on its own (threshold chosen "
               "with a Bonferroni correction; none across designs or estimators). " + AUDIT_MEANING, ""]
     return "\n".join(lines)

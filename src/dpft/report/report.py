@@ -213,6 +213,9 @@ def audited_lines(rep: dict[str, Any]) -> list[str]:
              else "a run of the same recipe with the canaries added")
     line = (f"**Audited:** ε̂ ≥ {a['epsilon_hat']:.3g} at {a['confidence']:.0%} confidence by a final-model audit "
             f"with m = {a['m']} canaries ({a['method']}; {a['design']} canaries, black-box, on {where})")
+    if a.get("whitebox"):
+        line += (f"; white-box upper reference on the same run, {a['whitebox']['m']} Dirac gradient canaries on every "
+                 f"release: ε̂ ≥ {a['whitebox']['fdp']:.3g}")
     if a.get("planted"):
         line = f"**PLANTED BUG `{a['planted']}` (auditor self-test, not an audit):** " + line[len("**Audited:** "):]
     return [line + ".", "", AUDIT_MEANING, ""]
