@@ -137,7 +137,8 @@ def test_non_private_run_gives_a_large_bound_and_noise_a_small_one(small_bert, d
     assert "**Audited:** ε̂ ≥ 0 at 95% confidence by a final-model audit with m = 200 canaries" in report
     assert "does not show that the certified ε is tight" in report
     card = (tmp_path / "noisy" / "model" / "README.md").read_text()
-    assert "**Audited:** ε̂ ≥" in card and "(ε" in card and "m = 200 canaries" in card
+    assert "**Audited:** ε̂ ≥" in card and "m = 200 canaries" in card and "dp_audited_epsilon_lower_bound:" in card
+    assert noisy["whitebox"]["m"] == 200 and "white-box upper reference" in card
     assert json.loads((tmp_path / "noisy" / "report.json").read_text())["final_model_audit"]["m"] == 200
 
 

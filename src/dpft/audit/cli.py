@@ -102,6 +102,8 @@ def audit(
         None, "--canary-design", help="--final-model: classifier random|mislabel, causal LM rare|random "
                                       "(repeat to compare designs in one run; default random / rare)."),
     confidence: float = typer.Option(0.95, "--confidence", help="--final-model: confidence of each ε̂."),
+    dirac: Optional[int] = typer.Option(None, "--dirac", help="--final-model: Dirac gradient canaries of the "
+                                        "white-box audit on the same run (default: as many as --canaries; 0: none)."),
     attach: Optional[Path] = typer.Option(None, "--attach",
                                           help="--final-model: also put the audited line in this finished run's "
                                                "report and model card."),
@@ -110,7 +112,7 @@ def audit(
     import time
 
     if final_model:
-        return _final_model(recipe, out, canaries, canary_design, confidence, attach, plant)
+        return _final_model(recipe, out, canaries, canary_design, confidence, attach, plant, dirac)
 
     from tqdm.auto import tqdm
 
@@ -162,7 +164,7 @@ def audit(
 
 
 def _final_model(recipe: Path, out: Optional[Path], m: int, designs: Optional[List[str]], confidence: float,
-                 attach: Optional[Path], plant: Optional[str]) -> None:
+                 attach: Optional[Path], plant: Optional[str], dirac: Optional[int] = None) -> None:
     """``dpft audit RECIPE --final-model`` (audit/final_model.py)."""
     from dpft.audit.final_model import attach_audit, audit_final_model, eps_ratio, render_audit_md
     from dpft.config import load_recipe
@@ -176,7 +178,7 @@ def _final_model(recipe: Path, out: Optional[Path], m: int, designs: Optional[Li
         out = Path(out or f"audit-final-{r.name}")
         if (out / "checkpoint").exists():
             raise ValueError(f"{out} already holds a run; choose another --output-dir")
-        res = audit_final_model(r, out, m=m, designs=designs, confidence=confidence, planted=plant)
+        res = audit_final_model(r, out, m=m, designs=designs, confidence=confidence, planted=plant, dirac=dirac)
     except (ValueError, OSError) as exc:  # bad recipe or option, missing data: one line, no traceback
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from None
@@ -190,6 +192,10 @@ def _final_model(recipe: Path, out: Optional[Path], m: int, designs: Optional[Li
         b = x["bounds"]
         typer.echo(f"  {x['design']} canaries (m = {x['m']}): ε̂ ≥ {b['fdp']['epsilon']:.3f} (f-DP), "
                    f"≥ {b['steinke']['epsilon']:.3f} (Steinke) at {confidence:.0%} confidence")
+    if res.get("whitebox"):
+        b = res["whitebox"]["bounds"]
+        typer.echo(f"  white-box, {res['whitebox']['m']} Dirac canaries on every release: ε̂ ≥ {b['fdp']['epsilon']:.3f} "
+                   f"(f-DP), ≥ {b['steinke']['epsilon']:.3f} (Steinke)")
     ratio = eps_ratio(res)
     if ratio is not None:
         typer.echo(f"  ε̂/ε = {ratio:.2f}")

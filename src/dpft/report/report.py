@@ -212,7 +212,8 @@ def audited_lines(rep: dict[str, Any]) -> list[str]:
     where = ("this run, trained with the canaries" if a.get("same_run")
              else "a run of the same recipe with the canaries added")
     line = (f"**Audited:** ε̂ ≥ {a['epsilon_hat']:.3g} at {a['confidence']:.0%} confidence by a final-model audit "
-            f"with m = {a['m']} canaries ({a['method']}; {a['design']} canaries, black-box, on {where})")
+            f"with m = {a['m']} canaries ({a['method']}; {a['design']} canaries, black-box, on {where})"
+            + (" — it detected no leakage at this power" if a["epsilon_hat"] == 0 else ""))
     if a.get("whitebox"):
         line += (f"; white-box upper reference on the same run, {a['whitebox']['m']} Dirac gradient canaries on every "
                  f"release: ε̂ ≥ {a['whitebox']['fdp']:.3g}")

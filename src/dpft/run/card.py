@@ -163,6 +163,9 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         dp_delta=p.get("delta") if p.get("guarantee") == "certified" else None,
         dp_guarantee=p.get("guarantee"),
         dp_privacy_unit=((rep["dp"].get("privacy_unit") or {}).get("unit") if rep["dp"].get("private") else None),
+        # a final-model audit's lower bound (audit/final_model.py), when one is attached
+        dp_audited_epsilon_lower_bound=(rep.get("final_model_audit") or {}).get("epsilon_hat"),
+        dp_audit_confidence=(rep.get("final_model_audit") or {}).get("confidence"),
     )
     lines = [
         f"# {rep['name']}", "",
