@@ -55,11 +55,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 4.0, 8.0, math.inf])
-    ap.add_argument("--plant", action="store_true", help="also noise/4 and clipping off at ε = 4")
+    ap.add_argument("--plant", action="store_true", help="also noise/4 and clipping off at the first --eps")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "final_model_audit"))
+    ap.add_argument("--append", help="JSON of an earlier invocation (same sizes) whose rows come first")
     a = ap.parse_args()
-    runs = [(e, None) for e in a.eps] + ([(4.0, "noise/4"), (4.0, "clipping off")] if a.plant else [])
-    rows = []
+    runs = [(e, None) for e in a.eps]
+    if a.plant:  # the planted bugs right after the first ε (the calibration comes before the sweep)
+        runs[1:1] = [(a.eps[0], "noise/4"), (a.eps[0], "clipping off")]
+    rows = json.loads(Path(a.append).read_text())["rows"] if a.append else []
     for eps, bug in runs:
         for seed in range(a.seeds):
             d = Path(tempfile.mkdtemp(prefix="fma-"))
@@ -69,10 +72,16 @@ def main() -> None:
             row = {"eps_target": eps, "planted": bug, "seed": seed, "certified": res["certified_epsilon"],
                    "sigma": res["sigma"], "n": res["n_train_with_canaries"], "seconds": time.perf_counter() - t0,
                    **{f"{x['design']}_{k}": b["epsilon"] for x in res["designs"] for k, b in x["bounds"].items()},
-                   **{f"{x['design']}_gap": x["mean_score_in"] - x["mean_score_out"] for x in res["designs"]}}
+                   **{f"{x['design']}_gap": x["mean_score_in"] - x["mean_score_out"] for x in res["designs"]},
+                   **{f"wb_{k}": b["epsilon"] for k, b in ((res.get("whitebox") or {}).get("bounds") or {}).items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
             shutil.rmtree(d, ignore_errors=True)
+            write(a, rows)
+
+
+def write(a, rows: list) -> None:
+    """The table so far (rewritten after every run: a stopped benchmark keeps its rows)."""
     Path(a.out + ".json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2))
     cmd = "DPFT_DATA_DIR=../shared/data PYTHONPATH=src python benchmarks/final_model_audit.py " + " ".join(sys.argv[1:])
     lines = ["# Final-model one-run audit (issue 37): ε̂ / ε, black-box", "",
@@ -83,18 +92,20 @@ def main() -> None:
              f"C = 1, δ = 1e-5. m = {a.m} canaries per design, both designs in the same run (N grows by the "
              f"included ones). ε̂ at 95 % confidence each; seeds per row: {a.seeds}. CPU (2 shared cores).", "",
              "| ε target | planted | seed | certified ε | σ | rare ε̂ f-DP | rare ε̂ Steinke | random ε̂ f-DP | "
-             "random ε̂ Steinke | ε̂/ε (rare, f-DP) | score gap rare / random (nats) | time (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "random ε̂ Steinke | white-box ε̂ f-DP / Steinke | ε̂/ε (rare, f-DP) | white-box ε̂/ε | "
+             "mean score gap rare / random (nats) | time (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cert = r["certified"]
         ratio = "—" if cert is None else f"{r['rare_fdp'] / cert:.2f}"
+        wb = "—" if r.get("wb_fdp") is None else f"{r['wb_fdp']:.3f} / {r['wb_steinke']:.3f}"
+        wratio = "—" if cert is None or r.get("wb_fdp") is None else f"{r['wb_fdp'] / cert:.2f}"
         lines.append(f"| {'∞ (non-private)' if math.isinf(r['eps_target']) else r['eps_target']:} | "
                      f"{r['planted'] or '—'} | {r['seed']} | {'none' if cert is None else f'{cert:.3f}'} | "
                      f"{r['sigma']:.3g} | {r['rare_fdp']:.3f} | {r['rare_steinke']:.3f} | {r['random_fdp']:.3f} | "
-                     f"{r['random_steinke']:.3f} | {ratio} | {r['rare_gap']:.3g} / {r['random_gap']:.3g} | "
+                     f"{r['random_steinke']:.3f} | {wb} | {ratio} | {wratio} | {r['rare_gap']:.3g} / {r['random_gap']:.3g} | "
                      f"{r['seconds']:.0f} |")
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
