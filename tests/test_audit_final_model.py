@@ -198,3 +198,29 @@ def test_dirac_canaries_ride_every_release_with_the_run_noise():
 
     b = epsilon_lower_bound(wb2.scores[wb2.included].tolist(), wb2.scores[~wb2.included].tolist(), delta=1e-5)
     assert b.epsilon > 0  # σ = 1 over 25 releases: in and out separate
+
+
+@pytest.mark.slow  # 15–35 s: the real stories260K Llama, two canary designs, white-box on the same run
+def test_causal_lm_audit_with_two_designs(shared_data, tmp_path):
+    import pandas as pd
+
+    from dpft.config import load_recipe
+
+    words = "the cat sat on a mat and the dog ran to the park with a red ball".split()
+    texts = [" ".join(words[(i + j) % len(words)] for j in range(8)) for i in range(120)]
+    pd.DataFrame({"text": texts}).to_csv(tmp_path / "t.csv", index=False)
+    r = load_recipe(None, {
+        "model.name": str(shared_data / "models" / "stories260K"), "model.max_length": 16, "task.name": "text",
+        "task.unit": "document", "task.train_file": str(tmp_path / "t.csv"), "batch.expected_batch_size": 16,
+        "batch.max_physical_batch_size": 64, "schedule.steps": 4, "eval.every_steps": 1000, "checkpoint_every": 1000,
+        "privacy.delta": 1e-3, "privacy.noise_multiplier": 1.0, "optimizer.lr": 1e-3})
+    assert fm.default_designs(r) == ["rare"]
+    res = fm.audit_final_model(r, tmp_path / "run", m=24, designs=["rare", "random"], dirac=30, progress=False)
+    assert [x["design"] for x in res["designs"]] == ["rare", "random"]
+    assert res["whitebox"]["m"] == 30 and res["whitebox"]["releases"] == 4
+    assert res["certified_epsilon"] > 0 and not res["violation"]
+    for x in res["designs"]:
+        assert len(x["scores_in"]) + len(x["scores_out"]) == 24
+        assert all(b["confidence"] == 0.95 for b in x["bounds"].values())
+    card = (tmp_path / "run" / "model" / "README.md").read_text()
+    assert "rare canaries, black-box" in card
