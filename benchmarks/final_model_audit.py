@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--dirac", type=int, default=5000, help="white-box Dirac canaries on the same run")
     ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 4.0, 8.0, math.inf])
     ap.add_argument("--plant", action="store_true", help="also noise/4 and clipping off at the first --eps")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "final_model_audit"))
@@ -68,8 +69,9 @@ def main() -> None:
             d = Path(tempfile.mkdtemp(prefix="fma-"))
             t0 = time.perf_counter()
             res = audit_final_model(recipe(eps, a), d / "run", m=a.m, designs=["rare", "random"], planted=bug,
-                                    progress=False)
-            row = {"eps_target": eps, "planted": bug, "seed": seed, "certified": res["certified_epsilon"],
+                                    progress=False, dirac=a.dirac)
+            row = {"eps_target": eps, "planted": bug, "seed": seed, "dirac": a.dirac if res.get("whitebox") else None,
+                   "certified": res["certified_epsilon"],
                    "sigma": res["sigma"], "n": res["n_train_with_canaries"], "seconds": time.perf_counter() - t0,
                    **{f"{x['design']}_{k}": b["epsilon"] for x in res["designs"] for k, b in x["bounds"].items()},
                    **{f"{x['design']}_gap": x["mean_score_in"] - x["mean_score_out"] for x in res["designs"]},
@@ -92,13 +94,13 @@ def write(a, rows: list) -> None:
              f"C = 1, δ = 1e-5. m = {a.m} canaries per design, both designs in the same run (N grows by the "
              f"included ones). ε̂ at 95 % confidence each; seeds per row: {a.seeds}. CPU (2 shared cores).", "",
              "| ε target | planted | seed | certified ε | σ | rare ε̂ f-DP | rare ε̂ Steinke | random ε̂ f-DP | "
-             "random ε̂ Steinke | white-box ε̂ f-DP / Steinke | ε̂/ε (rare, f-DP) | white-box ε̂/ε | "
+             "random ε̂ Steinke | white-box ε̂ f-DP / Steinke (Dirac m) | ε̂/ε (rare, f-DP) | white-box ε̂/ε | "
              "mean score gap rare / random (nats) | time (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cert = r["certified"]
         ratio = "—" if cert is None else f"{r['rare_fdp'] / cert:.2f}"
-        wb = "—" if r.get("wb_fdp") is None else f"{r['wb_fdp']:.3f} / {r['wb_steinke']:.3f}"
+        wb = "—" if r.get("wb_fdp") is None else f"{r['wb_fdp']:.3f} / {r['wb_steinke']:.3f} ({r.get('dirac', 200)})"
         wratio = "—" if cert is None or r.get("wb_fdp") is None else f"{r['wb_fdp'] / cert:.2f}"
         lines.append(f"| {'∞ (non-private)' if math.isinf(r['eps_target']) else r['eps_target']:} | "
                      f"{r['planted'] or '—'} | {r['seed']} | {'none' if cert is None else f'{cert:.3f}'} | "
