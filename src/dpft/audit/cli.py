@@ -195,14 +195,14 @@ def _final_model(recipe: Path, out: Optional[Path], m: int, designs: Optional[Li
                    f"≥ {b['steinke']['epsilon']:.3f} (Steinke) at {confidence:.0%} confidence")
     if res.get("whitebox"):
         b = res["whitebox"]["bounds"]
-        typer.echo(f"  white-box, {res['whitebox']['m']} Dirac canaries on every release: ε̂ ≥ {b['fdp']['epsilon']:.3f} "
-                   f"(f-DP), ≥ {b['steinke']['epsilon']:.3f} (Steinke)")
+        typer.echo(f"  white-box, {res['whitebox']['m']} Dirac canaries on every release: "
+                   f"ε̂ ≥ {b['fdp']['epsilon']:.3f} (f-DP), ≥ {b['steinke']['epsilon']:.3f} (Steinke)")
     ratio = eps_ratio(res)
     if ratio is not None:
         typer.echo(f"  ε̂/ε = {ratio:.2f}")
     if res.get("gaussian_curve_rejected") and not res["violation"]:
-        typer.secho("  an f-DP ε̂ exceeds the certified ε: the run is not μ-GDP at that (ε, δ) point (a warning: the "
-                    "PLD-certified mechanism need not be Gaussian-shaped; the (ε, δ) claim itself is not rejected)",
+        typer.secho("  an f-DP ε̂ exceeds the certified ε: the run is not μ-GDP at that (ε, δ) point (a warning: "
+                    "the PLD-certified mechanism need not be Gaussian-shaped; the (ε, δ) claim itself is not rejected)",
                     fg="yellow")
     if res["violation"]:
         typer.secho("  ε̂ exceeds the certified ε: the training code leaks more than it certifies", fg="red")

@@ -41,7 +41,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -395,7 +395,8 @@ def render_audit_md(audit: dict) -> str:
     lines += [f"Certified ε of the audit run = {'none (not private)' if eps is None else f'{eps:.3f}'} at "
               f"δ = {audit['delta']:g}; N = {audit['n_train_with_canaries']} rows (canaries included), "
               f"T = {audit['steps']}, σ = {audit['sigma']:.4g}; {audit['seconds']:.0f} s.", "",
-              f"| design | m | in | ε̂ f-DP | ε̂ Steinke | mean score in | mean score out |", "|---|---|---|---|---|---|---|"]
+              "| design | m | in | ε̂ f-DP | ε̂ Steinke | mean score in | mean score out |",
+              "|---|---|---|---|---|---|---|"]
     for x in audit["designs"]:
         b = x["bounds"]
         lines.append(f"| {x['design']} | {x['m']} | {x['included']} | {b['fdp']['epsilon']:.3f} | "
@@ -403,8 +404,8 @@ def render_audit_md(audit: dict) -> str:
     wbx = audit.get("whitebox")
     if wbx:
         b = wbx["bounds"]
-        lines.append(f"| white-box Dirac (every release) | {wbx['m']} | {wbx['included']} | {b['fdp']['epsilon']:.3f} | "
-                     f"{b['steinke']['epsilon']:.3f} | | |")
+        lines.append(f"| white-box Dirac (every release) | {wbx['m']} | {wbx['included']} | "
+                     f"{b['fdp']['epsilon']:.3f} | {b['steinke']['epsilon']:.3f} | | |")
     lines += ["", f"Each ε̂ is a lower bound at {audit['confidence']:.0%} confidence on its own (threshold chosen "
               "with a Bonferroni correction; none across designs or estimators). " + AUDIT_MEANING, ""]
     return "\n".join(lines)
