@@ -202,7 +202,8 @@ def _final_model(recipe: Path, out: Optional[Path], m: int, designs: Optional[Li
         typer.echo(f"  ε̂/ε = {ratio:.2f}")
     if res.get("gaussian_curve_rejected") and not res["violation"]:
         typer.secho("  an f-DP ε̂ exceeds the certified ε: the run is not μ-GDP at that (ε, δ) point (a warning: "
-                    "the PLD-certified mechanism need not be Gaussian-shaped; the (ε, δ) claim itself is not rejected)",
+                    "the PLD-certified mechanism need not be Gaussian-shaped; the (ε, δ) claim itself is not "
+                    "rejected)",
                     fg="yellow")
     if res["violation"]:
         typer.secho("  ε̂ exceeds the certified ε: the training code leaks more than it certifies", fg="red")
