@@ -75,7 +75,8 @@ def main() -> None:
                    "sigma": res["sigma"], "n": res["n_train_with_canaries"], "seconds": time.perf_counter() - t0,
                    **{f"{x['design']}_{k}": b["epsilon"] for x in res["designs"] for k, b in x["bounds"].items()},
                    **{f"{x['design']}_gap": x["mean_score_in"] - x["mean_score_out"] for x in res["designs"]},
-                   **{f"wb_{k}": b["epsilon"] for k, b in ((res.get("whitebox") or {}).get("bounds") or {}).items()}}
+                   **{f"wb_{k}": b["epsilon"] for k, b in ((res.get("whitebox") or {}).get("bounds") or {}).items()},
+                   **{f"wb_sum_{k}": v for k, v in ((res.get("whitebox") or {}).get("bounds_sum") or {}).items()}}
             rows.append(row)
             print(json.dumps(row), flush=True)
             shutil.rmtree(d, ignore_errors=True)

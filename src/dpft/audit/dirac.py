@@ -8,10 +8,12 @@ included with a secret fair coin. An included canary joins each logical step by 
 Poisson draw at the step's rate q, exactly as a training example of sensitivity C would; the
 auditor sees every noised sum the step releases and scores canary i by
 
-    score_i = Σ_t release_t[j_i] / C
+    score_i = Σ_t log(1 − q_t + q_t · exp((x_{t,i} − ½) / σ²)),   x_{t,i} = release_t[j_i] / C,
 
-(the sum of its coordinate over all releases; in: mean qT, out: mean ≈ 0; sd σ√T either way).
-ε̂ comes from :mod:`dpft.audit.estimators` as for the black-box audit.
+the log-likelihood ratio of "in" (each release carries C with probability q_t) against "out"
+(noise alone), the Neyman–Pearson test of one canary's participation given all releases at the
+claimed σ; :attr:`DiracCanaries.sums` keeps the plain Σ_t x_{t,i} too. ε̂ comes from
+:mod:`dpft.audit.estimators` as for the black-box audit.
 
 The canaries are added to the clipped sum that :class:`~dpft.step.noise.GaussianMechanism`
 releases (a patch of ``release`` for the duration of the run, like audit/planted.py's bugs): each
@@ -24,6 +26,7 @@ audit's canaries go through the whole step and can. Other mechanisms (banded MF)
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -42,8 +45,8 @@ class DiracCanaries:
             participation: ``audit_dirac_sample``).
 
     Attributes:
-        included: ``(m,)`` bool secret coins. scores: ``(m,)`` float64 Σ_t release_t[j_i] / C.
-        releases: releases seen.
+        included: ``(m,)`` bool secret coins. scores: ``(m,)`` float64 log-likelihood ratios
+        (module docstring); sums: ``(m,)`` float64 Σ_t release_t[j_i] / C. releases: releases seen.
     """
 
     def __init__(self, m: int, rng: Randomness):
@@ -51,6 +54,7 @@ class DiracCanaries:
         self.rng = rng
         self.included = rng.stream("audit_dirac_coin").bernoulli((self.m,), 0.5)
         self.scores = torch.zeros(self.m, dtype=torch.float64)
+        self.sums = torch.zeros(self.m, dtype=torch.float64)
         self.releases = 0
         self._where: Optional[list[tuple[str, torch.Tensor, torch.Tensor]]] = None
 
@@ -88,11 +92,19 @@ class DiracCanaries:
                 out[name] = t
         return out
 
-    def observe(self, released: dict[str, torch.Tensor], sensitivity: float) -> None:
-        """Add each canary's coordinate of a release (÷ C) to its score."""
+    def observe(self, released: dict[str, torch.Tensor], sensitivity: float, q: float, sigma: float) -> None:
+        """Add each canary's log-likelihood ratio for one release (rate q, claimed noise σ) to its
+        score, and its coordinate (÷ C) to its sum."""
+        x = torch.empty(self.m, dtype=torch.float64)
         for name, idx, coord in self._where:
-            vals = released[name].detach().reshape(-1)[coord.to(released[name].device)].double().cpu()
-            self.scores[idx] += vals / sensitivity
+            x[idx] = released[name].detach().reshape(-1)[coord.to(released[name].device)].double().cpu() / sensitivity
+        self.sums += x
+        if sigma > 0 and q > 0:  # log(1 − q + q·e^z) = logaddexp(log(1 − q), log q + z), stable for large z
+            z = (x - 0.5) / sigma ** 2
+            lo = torch.tensor(math.log1p(-q) if q < 1 else -math.inf, dtype=torch.float64)
+            self.scores += torch.logaddexp(lo.expand_as(z), math.log(q) + z)
+        else:
+            self.scores += x
         self.releases += 1
 
 
@@ -105,7 +117,7 @@ def dirac_canaries(m: int, rng: Randomness) -> Iterator[DiracCanaries]:
 
     def release(self, grad_sum, sensitivity, q, step):
         noisy, event = orig(self, state.inject(grad_sum, float(sensitivity), float(q), step), sensitivity, q, step)
-        state.observe(noisy, float(sensitivity))
+        state.observe(noisy, float(sensitivity), float(q), float(self.sigma))
         return noisy, event
 
     GaussianMechanism.release = release

@@ -330,9 +330,15 @@ def audit_final_model(recipe, out_dir: str | Path, *, m: int = 500, designs: Opt
     if wb is not None and wb.releases:
         inc = wb.included
         whitebox = {"m": dirac, "included": int(inc.sum()), "releases": wb.releases,
+                    "score": "log-likelihood ratio over every release (audit/dirac.py)",
                     "bounds": {meth: epsilon_lower_bound(wb.scores[inc].tolist(), wb.scores[~inc].tolist(),
                                                          delta=delta, method=meth, confidence=confidence).as_dict()
-                               for meth in ("fdp", "steinke")}}
+                               for meth in ("fdp", "steinke")},
+                    # the plain sum of the canary's coordinate (Steinke et al.'s score), for comparison
+                    "bounds_sum": {meth: epsilon_lower_bound(wb.sums[inc].tolist(), wb.sums[~inc].tolist(),
+                                                             delta=delta, method=meth,
+                                                             confidence=confidence).as_dict()["epsilon"]
+                                   for meth in ("fdp", "steinke")}}
     head = results[0]["bounds"]["fdp"]
     out = {"kind": "final-model one-run audit (black-box)", "recipe": r.name, "planted": planted,
            "private": trainer.private, "certified_epsilon": eps, "delta": delta, "confidence": confidence,
