@@ -55,15 +55,18 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--dirac", type=int, default=5000, help="white-box Dirac canaries on the same run")
-    ap.add_argument("--eps", type=float, nargs="+", default=[1.0, 4.0, 8.0, math.inf])
+    ap.add_argument("--eps", type=float, nargs="*", default=[1.0, 4.0, 8.0, math.inf])
     ap.add_argument("--plant", action="store_true", help="also noise/4 and clipping off at the first --eps")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "final_model_audit"))
-    ap.add_argument("--append", help="JSON of an earlier invocation (same sizes) whose rows come first")
+    ap.add_argument("--append", nargs="*", default=[],
+                    help="JSON files of earlier invocations (same sizes) whose rows come first")
     a = ap.parse_args()
     runs = [(e, None) for e in a.eps]
     if a.plant:  # the planted bugs right after the first ε (the calibration comes before the sweep)
         runs[1:1] = [(a.eps[0], "noise/4"), (a.eps[0], "clipping off")]
-    rows = json.loads(Path(a.append).read_text())["rows"] if a.append else []
+    rows = [row for f in a.append for row in json.loads(Path(f).read_text())["rows"]]
+    if not runs:  # only the table of earlier rows
+        return write(a, rows)
     for eps, bug in runs:
         for seed in range(a.seeds):
             d = Path(tempfile.mkdtemp(prefix="fma-"))
@@ -101,7 +104,10 @@ def write(a, rows: list) -> None:
     for r in rows:
         cert = r["certified"]
         ratio = "—" if cert is None else f"{r['rare_fdp'] / cert:.2f}"
-        wb = "—" if r.get("wb_fdp") is None else f"{r['wb_fdp']:.3f} / {r['wb_steinke']:.3f} ({r.get('dirac', 200)})"
+        wb = "—" if r.get("wb_fdp") is None else f"{r['wb_fdp']:.3f} / {r['wb_steinke']:.3f} ({r.get('dirac', 200)}"
+        if r.get("wb_fdp") is not None:  # score: log-likelihood ratio (sum of coordinates in older rows)
+            wb += (f"; LR score, sum: {r['wb_sum_fdp']:.3f} / {r['wb_sum_steinke']:.3f})" if "wb_sum_fdp" in r
+                   else "; sum score)")
         wratio = "—" if cert is None or r.get("wb_fdp") is None else f"{r['wb_fdp'] / cert:.2f}"
         lines.append(f"| {'∞ (non-private)' if math.isinf(r['eps_target']) else r['eps_target']:} | "
                      f"{r['planted'] or '—'} | {r['seed']} | {'none' if cert is None else f'{cert:.3f}'} | "
