@@ -12,6 +12,11 @@
   :func:`run_audit`; the check modules ``checks_randomness`` and ``checks_api`` join when installed.
 * :mod:`dpft.audit.planted` — the planted bugs of the auditor's self-test (``--plant NAME``).
 * :mod:`dpft.audit.cli` — ``dpft audit RECIPE``.
+* :mod:`dpft.audit.final_model` — ``dpft audit RECIPE --final-model`` (issue 37): the recipe
+  trained once with secret-coin canaries, the final model scored (black-box), ε̂ on the model
+  card; :mod:`dpft.audit.dirac` its white-box reference (Dirac gradient canaries on every
+  release); :mod:`dpft.audit.estimators` the one-run estimators (Steinke et al. 2023, f-DP of
+  Mahloujifar et al. 2025, as jax_privacy's ``CanaryScoreAuditor``).
 
 An ε̂ below the certified ε is *not* evidence of tightness: every row carries the cap, the
 largest ε̂ its trial count could have certified.

@@ -15,13 +15,21 @@ audit says so by failing. ``--plant NAME`` (hidden) is the auditor's self-test
 ``audit_scores.png``; exits 1 when ε̂ > ε for a canary audit or a check fails, 2 for a recipe
 or flag it cannot audit. Not walked yet: DDP (a recipe's ``perf`` world size; the Trainer is
 built in one process).
+
+``--final-model`` (issue 37, ``audit/final_model.py``) instead trains the recipe once through the
+Trainer with secret-coin canaries and audits the final model only (one-run ε̂ of Steinke et al.
+2023 and Mahloujifar et al. 2025 at ``--confidence``); it writes ``final_model_audit.json`` /
+``.md`` and the run (report, model card with the audited line) in the output folder, attaches
+the audited line to ``--attach RUN_DIR`` too, and exits 1 when a Steinke ε̂ (the test of the
+(ε, δ) claim itself) exceeds the certified ε.
+A non-private recipe is accepted here (the calibration: its ε̂ must be large).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -87,9 +95,25 @@ def audit(
                                        help="Output folder (default: audit-<recipe name>); --out is an alias."),
     plant: Optional[str] = typer.Option(None, "--plant", hidden=True,
                                         help="Self-test: plant a bug (dpft.audit.planted.ALL); the audit must FAIL."),
+    final_model: bool = typer.Option(False, "--final-model",
+                                     help="Train the recipe once with secret-coin canaries and audit the final "
+                                          "model only (one-run ε̂, black-box)."),
+    canaries: int = typer.Option(500, "--canaries", "-m", help="--final-model: canaries per design."),
+    canary_design: Optional[List[str]] = typer.Option(
+        None, "--canary-design", help="--final-model: classifier random|mislabel, causal LM rare|random "
+                                      "(repeat to compare designs in one run; default random / rare)."),
+    confidence: float = typer.Option(0.95, "--confidence", help="--final-model: confidence of each ε̂."),
+    dirac: Optional[int] = typer.Option(None, "--dirac", help="--final-model: Dirac gradient canaries of the "
+                                        "white-box audit on the same run (default: as many as --canaries; 0: none)."),
+    attach: Optional[Path] = typer.Option(None, "--attach",
+                                          help="--final-model: also put the audited line in this finished run's "
+                                               "report and model card."),
 ) -> None:
     """Audit the DP step empirically: white-box checks and canary audits (ε̂ vs certified ε)."""
     import time
+
+    if final_model:
+        return _final_model(recipe, out, canaries, canary_design, confidence, attach, plant, dirac)
 
     from tqdm.auto import tqdm
 
@@ -142,4 +166,50 @@ def audit(
     for n in rep.notes:
         typer.echo(f"  not run: {n}")
     if not rep.passed:
+        raise typer.Exit(1)
+
+
+def _final_model(recipe: Path, out: Optional[Path], m: int, designs: Optional[List[str]], confidence: float,
+                 attach: Optional[Path], plant: Optional[str], dirac: Optional[int] = None) -> None:
+    """``dpft audit RECIPE --final-model`` (audit/final_model.py)."""
+    from dpft.audit.final_model import attach_audit, audit_final_model, eps_ratio, render_audit_md
+    from dpft.config import load_recipe
+
+    if attach is not None and not (attach / "report.json").is_file():
+        typer.secho(f"error: --attach {attach}: no report.json there (give a finished `dpft train` run folder)",
+                    fg="red", err=True)
+        raise typer.Exit(2)
+    try:
+        r = load_recipe(recipe)
+        out = Path(out or f"audit-final-{r.name}")
+        if (out / "checkpoint").exists():
+            raise ValueError(f"{out} already holds a run; choose another --output-dir")
+        res = audit_final_model(r, out, m=m, designs=designs, confidence=confidence, planted=plant, dirac=dirac)
+    except (ValueError, OSError) as exc:  # bad recipe or option, missing data: one line, no traceback
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    (out / "final_model_audit.md").write_text(render_audit_md(res))
+    if attach is not None:
+        attach_audit(attach, res, same_run=False)
+    eps = res["certified_epsilon"]
+    typer.echo(f"final-model audit{' (PLANTED ' + plant + ')' if plant else ''}: {out / 'final_model_audit.md'} "
+               f"({res['seconds']:.0f} s); certified ε = {'none' if eps is None else f'{eps:.3f}'}")
+    for x in res["designs"]:
+        b = x["bounds"]
+        typer.echo(f"  {x['design']} canaries (m = {x['m']}): ε̂ ≥ {b['fdp']['epsilon']:.3f} (f-DP), "
+                   f"≥ {b['steinke']['epsilon']:.3f} (Steinke) at {confidence:.0%} confidence")
+    if res.get("whitebox"):
+        b = res["whitebox"]["bounds"]
+        typer.echo(f"  white-box, {res['whitebox']['m']} Dirac canaries on every release: "
+                   f"ε̂ ≥ {b['fdp']['epsilon']:.3f} (f-DP), ≥ {b['steinke']['epsilon']:.3f} (Steinke)")
+    ratio = eps_ratio(res)
+    if ratio is not None:
+        typer.echo(f"  ε̂/ε = {ratio:.2f}")
+    if res.get("gaussian_curve_rejected") and not res["violation"]:
+        typer.secho("  an f-DP ε̂ exceeds the certified ε: the run is not μ-GDP at that (ε, δ) point (a warning: "
+                    "the PLD-certified mechanism need not be Gaussian-shaped; the (ε, δ) claim itself is not "
+                    "rejected)",
+                    fg="yellow")
+    if res["violation"]:
+        typer.secho("  ε̂ exceeds the certified ε: the training code leaks more than it certifies", fg="red")
         raise typer.Exit(1)

@@ -199,6 +199,31 @@ def epsilon_line(rep: dict[str, Any]) -> str:
     return f"ε: {p['guarantee']}"
 
 
+#: What a final-model audit's lower bound does and does not mean (report and model card).
+AUDIT_MEANING = ("A lower bound: it shows that the training code leaks at least this much about canaries built to "
+                 "be easy to detect (ε̂ above the certified ε would reveal a bug); it does not show that the certified "
+                 "ε is tight, nor what leaks about ordinary rows.")
+
+
+def audited_lines(rep: dict[str, Any]) -> list[str]:
+    """"audited: ε̂ ≥ x at 95 % confidence …" and its meaning, when a final-model audit
+    (audit/final_model.py) is attached to the report; else no lines."""
+    a = rep.get("final_model_audit")
+    if not a:
+        return []
+    where = ("this run, trained with the canaries" if a.get("same_run")
+             else "a run of the same recipe with the canaries added")
+    line = (f"**Audited:** ε̂ ≥ {a['epsilon_hat']:.3g} at {a['confidence']:.0%} confidence by a final-model audit "
+            f"with m = {a['m']} canaries ({a['method']}; {a['design']} canaries, black-box, on {where})"
+            + (" — it detected no leakage at this power" if a["epsilon_hat"] == 0 else ""))
+    if a.get("whitebox"):
+        line += (f"; white-box upper reference on the same run, {a['whitebox']['m']} Dirac gradient canaries on every "
+                 f"release: ε̂ ≥ {a['whitebox']['fdp']:.3g}")
+    if a.get("planted"):
+        line = f"**PLANTED BUG `{a['planted']}` (auditor self-test, not an audit):** " + line[len("**Audited:** "):]
+    return [line + ".", "", AUDIT_MEANING, ""]
+
+
 def steps_cell(dp: dict[str, Any]) -> str:
     """The table's steps: the ledger's count of releases, and the plan when they differ."""
     rel = dp.get("released_steps")
@@ -219,6 +244,7 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "",
         f"**Privacy:** {epsilon_line(rep)}",
         "",
+        *audited_lines(rep),
         (f"**Dev accuracy:** {m['dev_accuracy']:.4f} ({t['n_dev']} examples), dev loss {m['dev_loss']:.4f} nats"
          if "dev_accuracy" in m else
          f"**Dev loss:** {m['dev_loss']:.4f} nats/token, perplexity {m['dev_perplexity']:.3f} ({t['n_dev']} examples)"),

@@ -4,7 +4,8 @@ Built with ``huggingface_hub.ModelCard`` / ``ModelCardData`` from ``report.json`
 released file), so the card says nothing the report does not: ε and δ from the run's ledger
 (PLD accountant of dp-accounting, RDP cross-check), the privacy unit and N, the mechanism
 (Poisson-subsampled Gaussian: σ, q, steps, C), and what the ε covers and does not cover
-(README "What the printed ε means"; report ``coverage``).
+(README "What the printed ε means"; report ``coverage``), and the ε̂ of a final-model audit where
+one is attached (report ``final_model_audit``, audit/final_model.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from dpft.report.report import epsilon_line, mechanism_lines, unit_line
+from dpft.report.report import audited_lines, epsilon_line, mechanism_lines, unit_line
 
 #: Registered tasks whose data is a Hugging Face dataset (for the card's ``datasets:``).
 _HUB_DATASETS = {"sst2": "glue", "qnli": "glue", "sst5": "SetFit/sst5", "imdb": "imdb"}
@@ -165,6 +166,9 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         dp_delta=p.get("delta") if p.get("guarantee") == "certified" else None,
         dp_guarantee=p.get("guarantee"),
         dp_privacy_unit=((rep["dp"].get("privacy_unit") or {}).get("unit") if rep["dp"].get("private") else None),
+        # a final-model audit's lower bound (audit/final_model.py), when one is attached
+        dp_audited_epsilon_lower_bound=(rep.get("final_model_audit") or {}).get("epsilon_hat"),
+        dp_audit_confidence=(rep.get("final_model_audit") or {}).get("confidence"),
     )
     lines = [
         f"# {rep['name']}", "",
@@ -173,6 +177,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         f"{_data_name(t)} with dpft (differentially private fine-tuning).", "",
         _headline(rep), "",
         f"**Privacy:** {epsilon_line(rep)}", "",
+        *audited_lines(rep),
         "## Privacy guarantee", "",
         "| item | value |", "|---|---|", *_mechanism_rows(rep), "",
     ]
