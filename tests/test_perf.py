@@ -432,10 +432,11 @@ def test_dptrainer_refuses_fp16_and_checkpointing_with_reference(tmp_path):
 
     from conftest import tiny_classifier
     from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf_checks import check_training_arguments
     from transformers import default_data_collator
 
     with pytest.raises(ValueError, match="dynamic GradScaler"):
-        DPTrainer._check_training_arguments(SimpleNamespace(fp16=True))
+        check_training_arguments(SimpleNamespace(fp16=True))
     dp = DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=8, engine="reference")
     with pytest.raises(ValueError, match="needs DPArguments.engine='bookkeeping'"):
         DPTrainer(model=tiny_classifier("bert"), args=targs(tmp_path / "o", max_steps=1, activation_checkpointing=True),

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from dpft.accounting.cap import pld_epsilon, resume_cap
 from dpft.accounting.ledger import PrivacyLedger
+from conftest import files_recipe
 from dpft.cli import app
 
 
@@ -101,3 +102,27 @@ def test_resume_after_a_crash_between_checkpoints_ends_within_the_target(tiny_mo
     assert r.exit_code == 2 and f"--resume: the run in {out} is finished (step {stop} of {stop}" in " ".join(
         r.output.split())
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == before
+
+
+def test_a_small_trainable_part_is_checkpointed_at_every_release(tiny_model_dir, sst_like_files, tmp_path):
+    """Issue 36 item 3: with LoRA, a head or biases (a small part) the run checkpoints at every release,
+    so a crash leaves nothing to replay; a large trainable part keeps checkpoint_every; the recipe key
+    forces either."""
+    from dpft.run.checkpoint import release_checkpoints
+    from dpft.run.loop import Trainer
+
+    head = files_recipe(tiny_model_dir, sst_like_files, **{"trainable.mode": "head", "privacy.noise_multiplier": 1.0,
+                                                           "schedule.steps": 4, "checkpoint_every": 50})
+    tr = Trainer(head, tmp_path / "head", progress=False)
+    assert tr.release_checkpoints
+    saved = []
+    real = tr.save
+    tr.save = lambda step: (saved.append(step), real(step))
+    tr.run()
+    assert saved == [1, 2, 3, 4]
+    full = files_recipe(tiny_model_dir, sst_like_files, **{"privacy.noise_multiplier": 1.0})
+    assert not Trainer(full, tmp_path / "full", progress=False).release_checkpoints  # full fine-tuning
+    forced = files_recipe(tiny_model_dir, sst_like_files, **{"privacy.noise_multiplier": 1.0,
+                                                             "checkpoint_every_release": True})
+    assert release_checkpoints(forced, True, False, {})
+    assert not release_checkpoints(forced, True, True, {})  # FSDP: its own checkpoints

@@ -266,6 +266,10 @@ class Recipe(_Strict):
     tune: Optional[TuneCfg] = None
     #: Write a checkpoint every this many steps (and at the end).
     checkpoint_every: int = Field(50, ge=1)
+    #: Also checkpoint at every release (issue 36: a crash then replays nothing). None (auto): when
+    #: the trainable part is small — ``trainable.mode`` lora, head or bias, at most 20M parameters —
+    #: so the checkpoint is cheap; true / false force it.
+    checkpoint_every_release: Optional[bool] = None
     output_dir: Optional[str] = None
 
     @model_validator(mode="before")

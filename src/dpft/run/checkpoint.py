@@ -161,3 +161,21 @@ def cap_resumed_run(trainer, allow_overspend: bool = False, log=None):
     return {"start": cap.start, "planned_steps": cap.planned, "stop": trainer.total_steps, "held": held,
             "target_epsilon": cap.target, "epsilon_end": cap.epsilon_end, "epsilon_planned": cap.epsilon_planned,
             "allow_overspend": bool(allow_overspend), "line": line}
+
+
+#: Trainable modes whose part is small (LoRA, a head, biases) and the most parameters of a part
+#: checkpointed at every release by default (``checkpoint_every_release``).
+CHEAP_MODES, CHEAP_PARAMS = ("lora", "head", "bias"), 20_000_000
+
+
+def release_checkpoints(recipe, private: bool, sharded: bool, params: dict) -> bool:
+    """Whether a run checkpoints at every release: the recipe's ``checkpoint_every_release``, or
+    (None) when the run is private, unsharded, trains a small part (``trainable.mode`` in
+    :data:`CHEAP_MODES`) of at most :data:`CHEAP_PARAMS` parameters: then a checkpoint costs little
+    and a crash leaves no release to replay."""
+    want = getattr(recipe, "checkpoint_every_release", None)
+    if want is not None:
+        return bool(want) and not sharded
+    if not private or sharded or recipe.trainable.mode not in CHEAP_MODES:
+        return False
+    return sum(p.numel() for p in params.values()) <= CHEAP_PARAMS

@@ -27,6 +27,7 @@ from dpft.grads.groups import GROUP_KEY
 from dpft.privacy.randomness import Randomness
 from dpft import distributed as ddp
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
+from dpft.run.checkpoint import release_checkpoints
 from dpft.run.plan import build_plan, evaluate_with_methods
 from dpft.run.release import DiagnosticsLog, split_row
 from dpft.step import DPStep
@@ -90,6 +91,9 @@ class Trainer:
         else:
             self.dp_step = DPStep(p.spec, self.ledger, self.n, on_release=self.save_live_ledger,
                                   world_group=self.world.group)
+        #: Checkpoint at every release (config ``checkpoint_every_release``): cheap when the trainable
+        #: part is small, and a crash then leaves nothing to replay (issue 36 item 3).
+        self.release_checkpoints = release_checkpoints(recipe, self.private, p.sharded, self.params)
         self.start_step = 0
         #: Step of the last checkpoint written or resumed from (None: none yet).
         self._last_checkpoint: Optional[int] = None
@@ -418,7 +422,8 @@ class Trainer:
                         post["ε"] = f"{row['epsilon']:.3g}"
                     bar.set_postfix(post)
                     bar.update(1)
-                    if done % r.checkpoint_every == 0 or done == self.total_steps or stopping:
+                    if (done % r.checkpoint_every == 0 or done == self.total_steps or stopping
+                            or self.release_checkpoints):
                         self.save(done)
             except _Abandon:
                 abandoned = True  # nothing of step `done` was released and no weight changed
