@@ -210,7 +210,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
         head_mask=lambda names: [is_head_param(n) for n in names],
         hooks=[lambda spec, m=m: m.build(spec, ctx) for m in methods],  # each returns a changed copy
         rows=ctx.train_tok, padded=True, phase=phase, optimizer_factory=lambda params: build_optimizer(
-            r.optimizer, params))
+            r.optimizer, params), on_sigma=lambda sig: setattr(ctx, "sigma", sig if private else 0.0))
     sigma = privacy.sigma if private else 0.0
     ctx.sigma = sigma
     spec = privacy.spec

@@ -91,7 +91,8 @@ def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanis
                        hardened: bool = True, transforms: Sequence = (),
                        head_mask: Optional[Callable[[list[str]], list[bool]]] = None,
                        hooks: Sequence[Callable[[Any], Any]] = (), rows: Any = None, padded: bool = False,
-                       phase: str = "train") -> PrivacyPlan:
+                       phase: str = "train", on_sigma: Optional[Callable[[Optional[float]], None]] = None
+                       ) -> PrivacyPlan:
     """The privacy plan of one phase (see the module docstring for the order).
 
     Args:
@@ -108,6 +109,8 @@ def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanis
         sampler: the unit's own sampler (user level, a batch schedule) instead of the
             mechanism's; private: False gives a phase with no mechanism (σ None).
         hooks: ``spec -> spec`` (the methods' ``build``), applied before the mechanism's install.
+        on_sigma: called with σ as soon as it is resolved, before ``parts`` and the hooks (a
+            method's ``build`` reads ``run.sigma``: DP-Adam-AC's gradient and count noise).
         rows: the training rows the sampler indexes (a stateful mechanism fingerprints them).
         padded: rows are padded to fixed shapes (truncated Poisson masks the padding).
 
@@ -122,6 +125,8 @@ def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanis
     if private:
         sigma = resolve_sigma(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta, q=q, steps=steps, n=n, prior=prior,
                               calibrate=calibrate, phase_event=event)
+    if on_sigma is not None:
+        on_sigma(sigma)
     clip, engine = parts(sampler)
     if optimizer_factory is not None:
         optimizer = optimizer_factory(engine.params)
