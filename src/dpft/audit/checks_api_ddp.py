@@ -57,7 +57,7 @@ _CACHE: dict = {}
 def _plant(name: Optional[str], rank: int) -> list:
     """Apply planted bug ``name`` in this worker; returns what to undo."""
     from dpft import distributed as ddp
-    from dpft.api import engine as api_engine
+    from dpft.step import plan as step_plan
 
     saved: list = []
 
@@ -71,7 +71,7 @@ def _plant(name: Optional[str], rank: int) -> list:
         real = ddp.shard
         patch(ddp, "shard_units", lambda idx, units, world: real(idx, world))
     elif name == "ddp_noise_per_rank":
-        real_build = api_engine.build_step_spec
+        real_build = step_plan.build_step_spec  # the one plan builder's (every way in)
 
         def build(**kw):
             spec = real_build(**kw)
@@ -79,7 +79,7 @@ def _plant(name: Optional[str], rank: int) -> list:
                 spec.mechanism.rng = kw["rng"].child(f"rank{rank}")
             return spec
 
-        patch(api_engine, "build_step_spec", build)
+        patch(step_plan, "build_step_spec", build)
         patch(ddp, "check_step_digest", lambda *a, **k: None)
     elif name is not None:
         raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(PLANTED)}")
