@@ -45,15 +45,15 @@ class _RunStub:
 
 @contextmanager
 def _planted(planted: Optional[str]):
-    from dpft.methods import ewft
+    from dpft.methods import ewft_parts  # where ldp_stream looks rank_parts up
 
-    real = ewft.rank_parts
+    real = ewft_parts.rank_parts
     if planted == "shared_rank_ldp_noise":
-        ewft.rank_parts = lambda run: ()  # every rank draws the same stream
+        ewft_parts.rank_parts = lambda run: ()  # every rank draws the same stream
     try:
         yield
     finally:
-        ewft.rank_parts = real
+        ewft_parts.rank_parts = real
 
 
 def _release(run: _RunStub, step: int, h: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dpft.privacy.label_rr import make_corrected_classification_loss, rr_transit
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, local_epsilon,
                               local_epsilon_composed, parse_position, pretrain_autoencoder)
 
+from dpft.methods import ewft_parts
 from dpft.methods.ewft_parts import (  # noqa: F401 (public here: the ldp: section's models and statements)
     PHASE,
     LdpAutoencoderCfg,
@@ -456,7 +457,7 @@ class ForwardLDP(Method):
         try:
             for noisy in (not keep, keep):  # the headline last (its predictions are the ones kept)
                 layer.eval_noise = noisy
-                layer.generator = run.rng.stream("ldp_eval", self._n_eval, *rank_parts(run), device=run.device)
+                layer.generator = run.rng.stream("ldp_eval", self._n_eval, *ewft_parts.rank_parts(run), device=run.device)
                 res = evaluate()
                 tag = "noisy" if noisy else "clean"
                 out.update({f"{k}_{tag}_inference": v for k, v in res.items()})
