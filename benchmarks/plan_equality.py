@@ -97,7 +97,7 @@ def trainer_cell(mech: dict, sft: bool = False):
         return _ledger(tr.ledger), {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
 
 
-def cli_cell(mech: dict):
+def cli_cell(mech: dict, extra: dict | None = None):
     import pandas as pd
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
@@ -124,6 +124,7 @@ def cli_cell(mech: dict):
             ov.update({"privacy.mechanism": "banded_mf", "privacy.bands": mech["bands"]})
         if mech.get("max_batch_size"):
             ov["batch.max_batch_size"] = mech["max_batch_size"]
+        ov.update(extra or {})
         r = load_recipe(None, ov)
         tr = Trainer(r, d / "run", progress=False)
         tr.run()
@@ -131,7 +132,11 @@ def cli_cell(mech: dict):
 
 
 WAYS = {"dpft train": cli_cell, "make_private": make_private_cell, "DPTrainer": trainer_cell,
-        "DPSFTTrainer-like (causal LM)": lambda m: trainer_cell(m, sft=True)}
+        "DPSFTTrainer-like (causal LM)": lambda m: trainer_cell(m, sft=True),
+        # methods through the plan's hooks (plain mechanism only: the others refuse methods)
+        "dpft train + RMT": lambda m: cli_cell(m, {"denoise.method": "rmt", "denoise.min_dim": 2}),
+        "dpft train + DP-Adam-AC (adaptive clip)": lambda m: cli_cell(
+            m, {"adam_ac.adaptive_clip": True, "adam_ac.bias_correction": True})}
 
 
 def main() -> None:
@@ -154,6 +159,8 @@ def main() -> None:
     res = {}
     for way in a.ways.split(","):
         for mname, mech in MECHS.items():
+            if "+" in way and mname != "gaussian":
+                continue
             try:
                 res[(way, mname)] = WAYS[way](mech)
             except Exception as exc:  # noqa: BLE001 - a cell that fails is reported, the rest still run
