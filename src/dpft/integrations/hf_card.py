@@ -77,7 +77,7 @@ def trainer_report(tr) -> dict[str, Any]:
         "model": {"name": name, "trainable": "parameters with requires_grad", "trainable_parameters": trainable,
                   "total_parameters": sum(p.numel() for p in params),
                   "max_length": getattr(getattr(base, "config", None), "max_position_embeddings", "?")},
-        "optimizer": {"name": str(getattr(tr.args, "optim", "adamw")), "lr": float(tr.args.learning_rate)},
+        "optimizer": {"name": str(getattr(tr.args.optim, "value", tr.args.optim)), "lr": float(tr.args.learning_rate)},
         "privacy": privacy, "dp": dp, "coverage": coverage,
         # build_card tells a language model by its dev metric: no private or exact dev figure is put here
         "metrics": {"dev_perplexity": math.nan} if _is_lm(base) else {},
