@@ -46,7 +46,7 @@ from dpft.grads.bookkeeping import BookKeepingEngine  # noqa: E402
 from dpft.grads.subspace import COORDS, SubspaceEngine  # noqa: E402
 from dpft.models.load import load_classifier, select_trainable  # noqa: E402
 from dpft.models.losses import classification_loss  # noqa: E402
-from dpft.privacy.clipping import FlatClip  # noqa: E402
+from dpft.step.clip import FlatClip  # noqa: E402
 from dpft.transforms.subspace import basis_from_snapshots, format_bytes  # noqa: E402
 
 CASES = {

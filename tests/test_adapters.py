@@ -11,7 +11,7 @@ from dpft.grads.bookkeeping import BookKeepingEngine
 from dpft.grads.reference import ReferenceEngine
 from dpft.models.adapters import AdapterError, BottleneckAdapter, add_adapters
 from dpft.models.losses import classification_loss
-from dpft.privacy.clipping import make_clip_policy
+from dpft.step.clip import make_clip_policy
 
 CFG = {"type": "houlsby", "reduction_factor": 4, "nonlinearity": "relu"}
 

@@ -17,7 +17,7 @@ from dpft.config import load_recipe
 from dpft.data.schedule import ScheduledPoissonSampler
 from dpft.data.text import chunk_blocks
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
-from dpft.privacy.clipping import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
+from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
 
 from conftest import SHARED_DATA
 

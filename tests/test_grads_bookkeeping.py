@@ -15,7 +15,7 @@ from dpft.grads.base import NonPrivateEngine
 from dpft.grads.bookkeeping import BookKeepingEngine, UnattributedUseError
 from dpft.grads.reference import ReferenceEngine
 from dpft.models.losses import causal_lm_loss, classification_loss
-from dpft.privacy.clipping import NoClip, make_clip_policy
+from dpft.step.clip import NoClip, make_clip_policy
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -161,7 +161,7 @@ def test_loss_is_completion_only_and_per_example():
 def test_bookkeeping_engine_matches_reference_on_instruct_batches():
     from dpft.grads.bookkeeping import BookKeepingEngine
     from dpft.grads.reference import ReferenceEngine
-    from dpft.privacy.clipping import make_clip_policy
+    from dpft.step.clip import make_clip_policy
 
     tok = tiny_tokenizer()
     convs = [pc("my router is slow", "restart it"), pc("hello", "charge the phone and then try again"),

@@ -28,7 +28,7 @@ from test_grads_bookkeeping import assert_same, batch_for, build  # noqa: E402
 from dpft.grads.bookkeeping import BookKeepingEngine  # noqa: E402
 from dpft.grads.reference import ReferenceEngine  # noqa: E402
 from dpft.perf import DeviceError, Precision, enable_activation_checkpointing, resolve_device  # noqa: E402
-from dpft.privacy.clipping import make_clip_policy  # noqa: E402
+from dpft.step.clip import make_clip_policy  # noqa: E402
 from dpft.step.clip import ClipPolicy  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ from dpft.grads.bookkeeping import BookKeepingEngine
 from dpft.grads.reference import ReferenceEngine
 from dpft.models.load import MeanPoolClassifier, load_classifier, select_trainable
 from dpft.models.losses import classification_loss
-from dpft.privacy.clipping import make_clip_policy
+from dpft.step.clip import make_clip_policy
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,7 +98,7 @@ def test_set_dropout_zero_makes_training_mode_deterministic():
 
 
 def test_head_body_clipping_budgets_and_sensitivity():
-    from dpft.privacy.clipping import HeadBodyClip, make_clip_policy
+    from dpft.step.clip import HeadBodyClip, make_clip_policy
 
     clip = make_clip_policy("head_body", 2.0, head_fraction=0.25)
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip 
 from dpft.grads.bookkeeping import BookKeepingEngine  # noqa: E402
 from dpft.grads.lora import UnknownAdapterError  # noqa: E402
 from dpft.models.losses import causal_lm_loss  # noqa: E402
-from dpft.privacy.clipping import make_clip_policy  # noqa: E402
+from dpft.step.clip import make_clip_policy  # noqa: E402
 
 DEVICE = os.environ.get("DPFT_QLORA_DEVICE", "cpu")
 V, B, T = 96, 4, 8

@@ -11,7 +11,7 @@ from conftest import random_batch, tiny_classifier
 from dpft.grads.base import NonPrivateEngine
 from dpft.grads.reference import ReferenceEngine
 from dpft.models.losses import classification_loss
-from dpft.privacy.clipping import AutoClip, FlatClip, PerLayerClip, make_clip_policy
+from dpft.step.clip import AutoClip, FlatClip, PerLayerClip, make_clip_policy
 
 
 def naive_per_example(model, batch):

@@ -8,7 +8,7 @@ import torch
 from dpft.privacy.randomness import Randomness
 
 from dpft.config import RecipeError, load_recipe
-from dpft.data.sampler import PoissonSampler
+from dpft.step.sample import PoissonSampler
 from dpft.data.tasks import DataError, load_task
 from dpft.data.tokenize import collate
 

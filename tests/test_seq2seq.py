@@ -113,7 +113,7 @@ def test_bookkeeping_equals_one_backward_per_example(family, mode, pairs):
     per-example reference (each example alone, clipped, summed) to fp32 rounding. BART in full
     fine-tuning on SHORT: its decoder position ids (T,) have the micro-batch's size as leading dim."""
     from dpft.grads.bookkeeping import BookKeepingEngine
-    from dpft.privacy.clipping import make_clip_policy
+    from dpft.step.clip import make_clip_policy
 
     tok = tiny_tokenizer()
     _, batch = _batch(tok, pairs)

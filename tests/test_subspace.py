@@ -14,7 +14,7 @@ from dpft.accounting.ledger import epsilon_of
 from dpft.grads.reference import ReferenceEngine
 from dpft.grads.subspace import COORDS, SubspaceEngine
 from dpft.models.losses import classification_loss
-from dpft.privacy.clipping import FlatClip
+from dpft.step.clip import FlatClip
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots,
                                       snapshot_schedule)
 

@@ -21,7 +21,7 @@ from dpft.grads.bookkeeping import BookKeepingEngine
 from dpft.grads.groups import GROUP_KEY, PerExampleOverK, split_groups
 from dpft.grads.reference import ReferenceEngine
 from dpft.models.losses import causal_lm_loss, classification_loss
-from dpft.privacy.clipping import make_clip_policy
+from dpft.step.clip import make_clip_policy
 from dpft.privacy.randomness import Randomness
 from dpft.step.sample import UserPoissonSampler, user_index
 

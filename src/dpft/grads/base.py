@@ -67,7 +67,7 @@ class PerExampleEngine(ABC):
     Args:
         model: the network; its trainable parameters are those with ``requires_grad``.
         loss_fn: per-example loss, see :data:`PerExampleLoss`.
-        clip: the clip policy (``privacy/clipping.py``).
+        clip: the clip policy (``step/clip.py``).
 
     Attributes:
         precision: autocast dtype and static loss scale of the forward/backward

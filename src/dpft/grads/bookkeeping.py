@@ -19,7 +19,7 @@ One step on a micro-batch of ``B`` examples:
    or factors ``(G, A)`` of a 2-D weight (``_hooks.py``);
 3. squared norms ``(B, G)`` per trainable parameter: ghost norms ``<A_i A_i^T, G_i G_i^T>`` or
    per-layer instantiation, whichever is cheaper, with exact cross terms for tied parameters;
-4. clip factors from the policy (``privacy/clipping.py``; flat, per-layer and automatic are
+4. clip factors from the policy (``step/clip.py``; flat, per-layer and automatic are
    orthogonal to all of the above);
 5. clipped sum per parameter as one matrix product ``(c * G)^T A`` (or ``index_add_`` for an
    embedding) -- no second backward pass.

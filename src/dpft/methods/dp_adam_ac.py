@@ -3,7 +3,7 @@ Using Adam Optimization with Adaptive Clipping", Alg. 1), a plug-in of the DP st
 
 This file wires pieces and holds no math of its own:
 
-- clip policy: ``AdaptiveQuantileClip`` (Andrew et al. 2021; privacy/clipping.py) when
+- clip policy: ``AdaptiveQuantileClip`` (Andrew et al. 2021; step/clip.py) when
   ``adam_ac.adaptive_clip``; the gradient noise uses σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) so the
   ledger's one ``GaussianDpEvent(σ)`` per step covers the gradient and the count;
 - optimizer: ``DPAdam`` (optim/dp_adam.py) with AdamBC's noise-variance correction and
@@ -37,7 +37,7 @@ PAPER_REASON = ("reproduce_paper: the clip norm C is the percentile of raw, un-n
 class AdamACCfg(PluginConfig):
     """DP-Adam-AC pieces (Yang, "DP-Adam-AC", Alg. 1), made private where the paper leaks.
 
-    Adaptive clipping is Andrew et al. 2021's private quantile estimate (privacy/clipping.py);
+    Adaptive clipping is Andrew et al. 2021's private quantile estimate (step/clip.py);
     γ nudging reads the *privatised* clip rate; DP-AdamBC is Tang et al. 2023 (optim/)."""
 
     #: Private adaptive clipping (noisy count of unclipped examples, geometric C update).

@@ -103,7 +103,7 @@ class GammaNudger:
 
     γ ← min(γ_max, γ·up) if ρ̃ < ρ_low; max(γ_min, γ·down) if ρ̃ > ρ_high; else unchanged,
     where ρ̃ is the clip rate. In dpft ρ̃ must be the *privatised* clip rate (from the noisy
-    count of privacy/clipping.py); the raw rate leaks and is used only under the paper's
+    count of step/clip.py); the raw rate leaks and is used only under the paper's
     reproduction flag.
     """
 
