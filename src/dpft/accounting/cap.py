@@ -21,7 +21,7 @@ import dp_accounting as dpa
 
 from dpft.accounting.ledger import _canonical, pld_accountant
 
-__all__ = ["ResumeCap", "pld_epsilon", "resume_cap"]
+__all__ = ["ResumeCap", "pld_epsilon", "resume_cap", "ledger_resume_cap"]
 
 #: Relative slack on the target (the same as the report's overspend test): float noise only.
 _RTOL = 1e-9
@@ -120,3 +120,16 @@ def resume_cap(ledger_events: Sequence[dpa.DpEvent], step_event: Callable[[int],
         stop = lo
     return ResumeCap(start=start, planned=planned, stop=stop, held=held, target=float(target),
                      epsilon_end=eps(stop), epsilon_planned=eps(planned))
+
+
+def ledger_resume_cap(ledger, phase: str, mechanism, q_at: Callable[[int], float], start: int, planned: int,
+                      delta: float, target: float | None = None) -> ResumeCap:
+    """:func:`resume_cap` of a run's ``ledger``: the releases of ``phase`` it holds are ``held``,
+    the other phases' events compose before them, and step ``s`` records ``mechanism.event_at(s)``
+    (a mechanism whose event depends on the step, e.g. banded MF) or ``mechanism.event(q_at(s))``.
+    Shared by ``dpft train --resume`` (run/checkpoint.py) and DPTrainer's resume."""
+    held = sum(e.count for e in ledger.entries if e.phase == phase)
+    step_event = (mechanism.event_at if hasattr(mechanism, "event_at")
+                  else (lambda s: mechanism.event(q_at(s))))
+    return resume_cap(ledger.events(), step_event, start, planned, delta, target, held,
+                      [e.composed() for e in ledger.entries if e.phase != phase])

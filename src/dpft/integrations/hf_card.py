@@ -7,11 +7,9 @@ absolute local path is written: a local base model is named by its folder name.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
-from dpft.accounting.ledger import NotCertifiedError
 from dpft.run.card import build_card
 
 __all__ = ["trainer_report", "write_trainer_card"]
@@ -32,12 +30,9 @@ def trainer_report(tr) -> dict[str, Any]:
     params = list(model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     if tr.ledger.certified:
-        try:
-            eps = tr.ledger.epsilon(delta)
-            privacy = {"guarantee": "certified", "epsilon": float(eps.epsilon), "delta": delta,
-                       "accountant": eps.accountant, "epsilon_rdp": float(eps.epsilon_rdp)}
-        except NotCertifiedError as exc:  # pragma: no cover - certified was checked
-            privacy = {"guarantee": "NOT CERTIFIED", "reason": str(exc)}
+        eps = tr.ledger.epsilon(delta)
+        privacy = {"guarantee": "certified", "epsilon": float(eps.epsilon), "delta": delta,
+                   "accountant": eps.accountant, "epsilon_rdp": float(eps.epsilon_rdp)}
     else:
         privacy = {"guarantee": "NOT CERTIFIED", "reason": tr.ledger.not_certified_reason or "marked not certified"}
     if dp_args.reproducible_seed is not None and privacy["guarantee"] == "certified":
@@ -74,19 +69,22 @@ def trainer_report(tr) -> dict[str, Any]:
         "name": f"{name}-dp" if name else "dpft-model",
         "task": {"name": type(tr).__name__, "source": f"train_dataset of {len(tr.train_dataset):,} rows",
                  "n_train": len(tr.train_dataset), "labels": getattr(getattr(base, "config", None), "id2label", None)},
-        "model": {"name": name, "trainable": "parameters with requires_grad", "trainable_parameters": trainable,
-                  "total_parameters": sum(p.numel() for p in params),
-                  "max_length": getattr(getattr(base, "config", None), "max_position_embeddings", "?")},
+        # max_length None: the card names no truncation (the user's tokenizer or collator sets it)
+        "model": {"name": name, "kind": _kind(base), "trainable": "parameters with requires_grad",
+                  "trainable_parameters": trainable, "total_parameters": sum(p.numel() for p in params),
+                  "max_length": None},
         "optimizer": {"name": str(getattr(tr.args.optim, "value", tr.args.optim)), "lr": float(tr.args.learning_rate)},
-        "privacy": privacy, "dp": dp, "coverage": coverage,
-        # build_card tells a language model by its dev metric: no private or exact dev figure is put here
-        "metrics": {"dev_perplexity": math.nan} if _is_lm(base) else {},
+        "privacy": privacy, "dp": dp, "coverage": coverage, "metrics": {},
     }
 
 
-def _is_lm(model) -> bool:
-    archs = getattr(getattr(model, "config", None), "architectures", None) or [type(model).__name__]
-    return any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs)
+def _kind(model) -> str:
+    """``classifier`` · ``causal`` · ``seq2seq``, from the model's config (as run/card.py names them)."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "seq2seq"
+    archs = getattr(cfg, "architectures", None) or [type(model).__name__]
+    return "causal" if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else "classifier"
 
 
 def write_trainer_card(tr, directory) -> Path:

@@ -18,7 +18,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from dpft import distributed as ddp
 from dpft.accounting.io import atomic_write_text
-from dpft.accounting.cap import resume_cap
+from dpft.accounting.cap import ledger_resume_cap
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.errors import TrainingError
 from dpft.integrations.hf_card import write_trainer_card
@@ -247,13 +247,11 @@ class PrivateState:
         made after the checkpoint by an attempt that died are counted, and the resumed run stops
         early so that ε stays within the target (or within the plan's ε for a fixed σ) unless
         ``DPArguments.allow_overspend``. Says before the first step what it will do."""
-        dp, led, mech = self.dp_args, self.ledger, self.mechanism
-        held = sum(e.count for e in led.entries if e.phase == "train")
-        step_event = mech.event_at if hasattr(mech, "event_at") else (lambda s: mech.event(self.q))
+        dp = self.dp_args
         target = dp.target_epsilon if dp.noise_multiplier is None else None
-        cap = ddp.on_rank0(self.world, lambda: resume_cap(
-            led.events(), step_event, start, self.total_steps, dp.target_delta, target, held,
-            [e.composed() for e in led.entries if e.phase != "train"]))
+        cap = ddp.on_rank0(self.world, lambda: ledger_resume_cap(
+            self.ledger, "train", self.mechanism, lambda s: self.q, start, self.total_steps, dp.target_delta, target))
+        held = cap.held
         goal = f"the target ε = {cap.target:g}" if target is not None else f"the planned ε = {cap.target:.4g}"
         head = (f"DPTrainer resume: the ledger holds {held} training releases ({start} up to the checkpoint"
                 + (f", {held - start} after it, run again as new releases)" if held > start else ")"))

@@ -147,8 +147,12 @@ def build_card(rep: dict[str, Any], model_dir: Path):
     from huggingface_hub import ModelCard, ModelCardData
 
     t, mod, cov = rep["task"], rep["model"], rep.get("coverage") or {}
-    causal = "dev_accuracy" not in (rep.get("metrics") or {}) and "dev_perplexity" in (rep.get("metrics") or {})
-    s2s = causal and t.get("name") == "seq2seq"  # encoder-decoder (data/seq2seq.py)
+    kind = mod.get("kind")  # a way in that knows its model says so (DPTrainer: integrations/hf_card.py)
+    if kind is None:  # a dpft train report: told by its dev metric and task
+        m = rep.get("metrics") or {}
+        lm = "dev_accuracy" not in m and "dev_perplexity" in m
+        kind = ("seq2seq" if t.get("name") == "seq2seq" else "causal") if lm else "classifier"
+    causal, s2s = kind in ("causal", "seq2seq"), kind == "seq2seq"
     base = mod["name"]
     hub_base = base if (base.count("/") == 1 and not Path(base).exists()) else None
     if base == "minilm":
@@ -201,7 +205,8 @@ def build_card(rep: dict[str, Any], model_dir: Path):
               "## Use", "", *(_from_methods(rep, "card_usage") or _usage(model_dir)),
               "## Training", "",
               f"- base model: `{base}`; trainable: {mod['trainable']} ({mod['trainable_parameters']:,} of "
-              f"{mod['total_parameters']:,} parameters); inputs truncated to {mod['max_length']} tokens",
+              f"{mod['total_parameters']:,} parameters)"
+              + (f"; inputs truncated to {mod['max_length']} tokens" if mod.get("max_length") else ""),
               f"- optimizer: {rep['optimizer']['name']}, lr {rep['optimizer']['lr']:g}",
               f"- task labels: {t.get('labels')}" if not causal else
               "- task: sequence to sequence (source → target, loss on target tokens)" if s2s else

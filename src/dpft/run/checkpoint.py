@@ -121,22 +121,18 @@ def cap_resumed_run(trainer, allow_overspend: bool = False, log=None):
     Returns the :class:`~dpft.accounting.cap.ResumeCap` as a dict for the report (with
     ``allow_overspend``), or None for a run without a gradient mechanism (non-private, forward LDP).
     """
-    from dpft.accounting.cap import resume_cap
+    from dpft.accounting.cap import ledger_resume_cap
     from dpft import distributed as ddp
 
     mech, r = trainer.mechanism, trainer.recipe
     if not trainer.private or mech is None:
         return None
-    p, phase, led = r.privacy, trainer.phase, trainer.ledger
-    held = sum(e.count for e in led.entries if e.phase == phase)
-    step_event = mech.event_at if hasattr(mech, "event_at") else (lambda s: mech.event(trainer.dp_step.q_at(s)))
+    p = r.privacy
     target = p.target_epsilon if p.noise_multiplier is None else None
-
-    def compute():
-        return resume_cap(led.events(), step_event, trainer.start_step, trainer.total_steps, p.delta, target, held,
-                          [e.composed() for e in led.entries if e.phase != phase])
-
-    cap = ddp.on_rank0(trainer.world, compute)
+    cap = ddp.on_rank0(trainer.world, lambda: ledger_resume_cap(
+        trainer.ledger, trainer.phase, mech, trainer.dp_step.q_at, trainer.start_step, trainer.total_steps, p.delta,
+        target))
+    held = cap.held
     past = held - cap.start
     holds = (f"resume: the ledger holds {held} releases of this run's steps"
              + (f" ({cap.start} up to the checkpoint at step {cap.start}, {past} after it by the attempt that "
