@@ -8,7 +8,8 @@ reproducible). Only the *final* model is then looked at (black-box): each canary
 much its loss dropped from the reference (the model as the driver built it, before the first
 step) to the released model,
 
-    score_i = loss_ref(c_i) − loss_final(c_i)   (nats; classifier: −log p(label), LM: summed
+    score_i = loss_ref(c_i) − loss_final(c_i)   (nats; classifier: the log-odds loss
+                                                 −log(p/(1−p)) of the canary's label, LM: summed
                                                  next-token loss),
 
 and the one-run estimators of :mod:`dpft.audit.estimators` (Steinke, Nasr & Jagielski 2023;
@@ -51,6 +52,7 @@ from dpft.audit.estimators import METHODS, epsilon_lower_bound
 from dpft.audit.planted import plant
 from dpft.data.prepare import is_causal
 from dpft.data.tokenize import collate
+from dpft.models.losses import classification_loss, model_inputs
 from dpft.privacy.randomness import Randomness
 from dpft.report.report import AUDIT_MEANING, render_markdown
 from dpft.run.card import write_model_cards
@@ -199,18 +201,35 @@ def make_canary_rows(design: str, m: int, tokenizer, data, recipe, stream) -> li
     return rows
 
 
+def log_odds_loss(forward, batch) -> torch.Tensor:
+    """``(B,)`` float64 log-odds loss −log(p_y/(1−p_y)) = logsumexp_{j≠y} l_j − l_y of a
+    sequence-classification head (nats). Unlike −log p_y it does not saturate: once a memorised
+    canary's margin passes ~16 nats, float32 cross-entropy is exactly 0, and included and excluded
+    canaries the model is merely sure about tie at the top (LiRA's logit scaling, Carlini et al.
+    2022, "Membership inference attacks from first principles", §4.2)."""
+    out = forward(**model_inputs(batch))
+    logits = (out.logits if hasattr(out, "logits") else out).double()
+    y = batch["labels"]
+    own = logits.gather(1, y[:, None]).squeeze(1)
+    others = logits.scatter(1, y[:, None], float("-inf"))
+    return torch.logsumexp(others, dim=1) - own
+
+
 @torch.no_grad()
 def canary_losses(model, loss_fn, rows: Sequence[dict], pad_id: int, with_token_types: bool,
                   device=None, batch_size: int = 64) -> torch.Tensor:
-    """``(len(rows),)`` float64 per-row losses (nats) of ``model`` under the run's ``loss_fn``
-    (classification: −log p(label); causal LM: summed next-token loss), eval mode, no grad."""
+    """``(len(rows),)`` float64 per-row losses (nats) of ``model``, eval mode, no grad: for the
+    plain classification loss the log-odds loss (:func:`log_odds_loss`), otherwise the run's
+    ``loss_fn`` (causal LM: summed next-token loss; a method's own loss, e.g. EW-FT's corrected
+    one, as it is)."""
+    fn = log_odds_loss if loss_fn is classification_loss else loss_fn
     was_training = model.training
     model.eval()
     out = []
     try:
         for s in range(0, len(rows), batch_size):
             batch = collate(list(rows[s:s + batch_size]), pad_id, with_token_types, device=device)
-            out.append(loss_fn(model, batch).detach().double().cpu())
+            out.append(fn(model, batch).detach().double().cpu())
     finally:
         model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
