@@ -12,6 +12,13 @@ import typer
 
 from dpft import config as _cfg
 from dpft.run.rundir import holds_run, lock_output_dir, release_output_dir
+from dpft.accounting.calibrate import CalibrationError, calibrate_sigma, check_delta, dp_sgd_event
+from dpft.accounting.ledger import epsilon_of
+from dpft.config import load_recipe
+from dpft.report.lm import generation_summary
+from dpft.report.report import epsilon_line, reprint
+from dpft.run.errors import TrainingError
+from dpft.run.tune import summary, tune as run_tune
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Differentially private fine-tuning of language models.")
@@ -120,10 +127,6 @@ def tune(
 ):
     """Private random hyperparameter search (run/tune.py): K ~ the declared law of DP trials, each scored
     privately; only the best trial's model is released; the whole search is charged."""
-    from dpft.config import load_recipe
-    from dpft.run.errors import TrainingError
-    from dpft.run.tune import summary, tune as run_tune
-
     ov, origins = _overrides((("--epsilon", "privacy.target_epsilon", epsilon),
                               ("--output-dir", "output_dir", str(output_dir) if output_dir else None)), set)
     run_dir = output_dir
@@ -193,9 +196,6 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar, plan or time estimate."),
 ):
     """Fine-tune a model under (ε, δ)-DP as a recipe says; flags override recipe keys."""
-    from dpft.config import load_recipe
-    from dpft.report.lm import generation_summary
-    from dpft.report.report import epsilon_line
     from dpft.run.loop import Trainer, TrainingError, TrainingInterrupted
 
     if steps is not None and epochs is not None:
@@ -398,9 +398,6 @@ def account(
     n: Optional[int] = typer.Option(None, "--n", help="Dataset size N (checks δ < 1/N)."),
 ):
     """Privacy accounting both ways: σ → ε (PLD and RDP), or target ε → σ."""
-    from dpft.accounting.calibrate import CalibrationError, calibrate_sigma, check_delta, dp_sgd_event
-    from dpft.accounting.ledger import epsilon_of
-
     if (noise_multiplier is None) == (epsilon is None):
         _fail("give exactly one of --noise-multiplier (σ → ε) or --epsilon (ε → σ)")
     try:
@@ -422,8 +419,6 @@ def account(
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="A finished run directory.")):
     """Reprint a run's report (ε recomputed from its ledger)."""
-    from dpft.report.report import reprint
-
     try:
         typer.echo(reprint(run_dir))
     except FileNotFoundError as exc:

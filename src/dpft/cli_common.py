@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, List, Optional, get_args
 
 import typer
+from dpft.config import _parse_scalar
 
 __all__ = ["fail", "choices", "overrides", "name_run"]
 
@@ -28,8 +29,6 @@ def overrides(flags: tuple = (), set: Optional[List[str]] = None) -> tuple[dict,
     ``flags``: ``(flag, recipe key, value)`` of every named option (value None = not given).
     Returns ``(overrides, origins)``; ``origins[key]`` is the flag as typed (``--set
     privacy.epsilon=3``, ``--epsilon 3``) so that a bad value blames that flag."""
-    from dpft.config import _parse_scalar
-
     out: dict[str, Any] = {}
     origins: dict[str, str] = {}
     for flag, key, value in flags:

@@ -12,6 +12,9 @@ import typer
 
 from dpft.cli_common import fail as _fail, name_run as _name_run, overrides as _overrides
 from dpft.run.lock import RunLock
+from dpft.config import load_recipe
+from dpft.report.report import epsilon_line
+from dpft.synth.generators import GeneratorError, HFCausalLMBackend, OpenAIChatBackend, build_candidate_pool
 
 __all__ = ["ldp_server", "ldp_client", "selft"]
 
@@ -33,7 +36,6 @@ def ldp_server(
                                                  "max_batch × T × k × 4 + max_batch × 8 + 64 KiB."),
 ):
     """Service provider of split forward-LDP training: trains post(·) on noisy codes only."""
-    from dpft.config import load_recipe
     from dpft.methods.ldp_split import load_or_create_token, make_server
 
     try:
@@ -67,7 +69,6 @@ def ldp_client(
     """Data holder of split forward-LDP training: pre(·) + encoder + clip + noise, sends noisy codes."""
     import os
 
-    from dpft.config import load_recipe
     from dpft.methods.ldp_split import LDPClient, read_token
 
     try:
@@ -119,11 +120,7 @@ def selft(
 ):
     """DP-SelFT: DP synthetic data → perturbation-aware unit selection → DP fine-tuning of the
     selected units; one ledger for both phases."""
-    from dpft.config import load_recipe
     from dpft.methods.selft import SelFTCfg, run_selft
-    from dpft.report.report import epsilon_line
-    from dpft.synth.generators import (GeneratorError, HFCausalLMBackend, OpenAIChatBackend,
-                                       build_candidate_pool)
     from dpft.run.loop import TrainingError, train_phase
 
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # DDP: selection draws its own key on each rank

@@ -46,6 +46,7 @@ from typing import ContextManager, Optional, Union
 
 import torch
 from torch import nn
+from dpft.run.errors import TrainingError
 
 __all__ = ["DeviceError", "Precision", "FP32", "DTYPES", "DEFAULT_FP16_LOSS_SCALE", "resolve_device",
            "check_dtype_on", "enable_activation_checkpointing", "uses_activation_checkpointing", "COMPILE_REFUSAL",
@@ -261,8 +262,6 @@ def build_placement(recipe, local_rank: Optional[int], progress: bool, not_devic
     """
     import sys
 
-    from dpft.run.errors import TrainingError
-
     p = recipe.perf
     device = resolve_device(p.device, local_rank=local_rank)
     check_dtype_on(p.dtype, device)
@@ -293,8 +292,6 @@ def place_model(model: nn.Module, perf, device: torch.device) -> nn.Module:
 
     Raises:
         TrainingError: the model cannot be checkpointed."""
-    from dpft.run.errors import TrainingError
-
     model.to(device)
     if perf.activation_checkpointing:
         try:

@@ -24,6 +24,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpft.accounting import selection as _sel
 from dpft.accounting.quiet import quiet_absl as _quiet_absl
+from dpft.accounting.io import atomic_write_text
 
 #: Neighbouring relation used by every accountant of dpft unless a phase says otherwise.
 ADD_OR_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -250,8 +251,6 @@ class PrivacyLedger:
         )
 
     def save(self, path) -> None:
-        from dpft.accounting.io import atomic_write_text
-
         atomic_write_text(path, json.dumps(self.to_json(), indent=1))
 
     @classmethod

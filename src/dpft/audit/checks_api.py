@@ -40,7 +40,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from dpft.audit.whitebox import Check
+from dpft.audit.whitebox import Check, tiny_classifier
+from dpft import PrivacyEngine, api
+from dpft.api import DoubleCaptureError, PackedBatchError, UnclippedParameterError
+from dpft.audit.planted import planting
+from dpft.grads import live
 
 PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
 #: Relative slack on ``‖S‖ ≤ C`` (fp32 sums and the 1e-6 in the clip factor's denominator).
@@ -55,11 +59,7 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
     Raises:
         ValueError: an unknown name (the known ones listed).
     """
-    from dpft.audit.planted import planting
-
     with planting(name, PLANTED) as p:
-        from dpft import api
-        from dpft.grads import live
         from dpft.integrations import hf, hf_data
 
         noop = lambda *a, **k: None  # noqa: E731
@@ -138,8 +138,6 @@ def _mp_step(model: nn.Module, dataset, criterion: nn.Module, train_step: Callab
     """One logical step of make_private on a copy of ``model`` (dropout off) over all of
     ``dataset`` (q = 1, SGD lr 1, noise multiplier ``sigma``); the released sum ``S``.
     ``freeze``: a parameter frozen when make_private is called and unfrozen right after."""
-    from dpft import PrivacyEngine
-
     model = copy.deepcopy(model)
     _no_dropout(model)
     params = dict(model.named_parameters())
@@ -178,8 +176,6 @@ def _norm_check(name: str, run: Callable[[], torch.Tensor], refused: tuple, what
 
 def make_private_checks() -> list[Check]:
     """The make_private checks (leave-one-out, two passes, unfrozen parameter)."""
-    from dpft.api import DoubleCaptureError, UnclippedParameterError
-
     torch.manual_seed(0)
     model = _Net()
     x, y = _mp_data()
@@ -208,8 +204,6 @@ def make_private_checks() -> list[Check]:
 
 
 def _tiny_bert():
-    from dpft.audit.whitebox import tiny_classifier
-
     return tiny_classifier("bert", vocab=64, max_len=16)
 
 
@@ -268,8 +262,6 @@ def _trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=Non
 
 def dp_trainer_checks(packing: bool = True) -> list[Check]:
     """The DPTrainer checks (leave-one-out, unfrozen parameter, packing collator)."""
-    from dpft.api import PackedBatchError, UnclippedParameterError
-
     model = _tiny_bert()
     rows = _bert_rows(model)
     out = []

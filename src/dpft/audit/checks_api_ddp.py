@@ -43,6 +43,10 @@ from typing import Optional
 import torch
 
 from dpft.audit.whitebox import Check
+from dpft import PrivacyEngine, distributed as ddp
+from dpft.audit.checks_api import _mp_data, _Net, _released_sum
+from dpft.distributed import DistributedError
+from dpft.step import plan as step_plan
 
 PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")
 TOL = 1e-3
@@ -56,9 +60,6 @@ _CACHE: dict = {}
 
 def _plant(name: Optional[str], rank: int) -> list:
     """Apply planted bug ``name`` in this worker; returns what to undo."""
-    from dpft import distributed as ddp
-    from dpft.step import plan as step_plan
-
     saved: list = []
 
     def patch(obj, attr, value):
@@ -93,9 +94,6 @@ def _world_step(rows: list[dict], *, user_level: bool, sigma: float = 0.0, c: fl
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from dpft import PrivacyEngine
-    from dpft.audit.checks_api import _Net, _released_sum
-
     torch.manual_seed(0)
     model = _Net()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -127,8 +125,6 @@ def _same_on_every_rank(s: torch.Tensor) -> bool:
 
 
 def _rows(user_level: bool) -> list[dict]:
-    from dpft.audit.checks_api import _mp_data
-
     x, y = _mp_data(6)
     if user_level:  # user 0: two rows with one large gradient; users 1-3 ordinary
         x[1], y[1] = x[0], y[0]
@@ -179,10 +175,6 @@ def _ddp_wrapper() -> Check:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, TensorDataset
 
-    from dpft import PrivacyEngine
-    from dpft.audit.checks_api import _Net, _mp_data
-    from dpft.distributed import DistributedError
-
     x, y = _mp_data(4)
     model = DistributedDataParallel(_Net())
     name = "api-ddp: make_private refuses a DistributedDataParallel-wrapped model"
@@ -209,8 +201,6 @@ def _entry(rank: int, plants: list, out: str, port: int) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    from dpft import distributed as ddp
 
     # A rank that fails stops the other at its next collective within minutes, not hours.
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))

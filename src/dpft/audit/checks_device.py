@@ -26,6 +26,10 @@ from typing import Any, Optional
 import torch
 
 from dpft.audit.whitebox import Check
+from dpft.methods import ewft_parts
+from dpft.methods.ewft import ldp_stream
+from dpft.privacy.ldp import GaussianLDP
+from dpft.privacy.randomness import Randomness
 
 __all__ = ["PLANTED", "device_checks"]
 
@@ -45,8 +49,6 @@ class _RunStub:
 
 @contextmanager
 def _planted(planted: Optional[str]):
-    from dpft.methods import ewft_parts  # where ldp_stream looks rank_parts up
-
     real = ewft_parts.rank_parts
     if planted == "shared_rank_ldp_noise":
         ewft_parts.rank_parts = lambda run: ()  # every rank draws the same stream
@@ -57,16 +59,11 @@ def _planted(planted: Optional[str]):
 
 
 def _release(run: _RunStub, step: int, h: torch.Tensor) -> torch.Tensor:
-    from dpft.methods.ewft import ldp_stream
-    from dpft.privacy.ldp import GaussianLDP
-
     layer = GaussianLDP(max_norm=1.0, sigma=1.0, generator=ldp_stream(run, step))
     return layer.release(h)
 
 
 def _ranks(planted: Optional[str]) -> Check:
-    from dpft.privacy.randomness import Randomness
-
     key = Randomness()  # one secret key, as every rank holds after distributed.shared_randomness
     h = torch.zeros(2, 4, 8)  # the same clean matrices on both ranks: any difference is the noise
     with _planted(planted):
@@ -85,9 +82,6 @@ def _ranks(planted: Optional[str]) -> Check:
 
 
 def _on_device() -> Check:
-    from dpft.methods.ewft import ldp_stream
-    from dpft.privacy.randomness import Randomness
-
     seen = []
 
     class Spy(Randomness):

@@ -27,7 +27,16 @@ from typing import Iterator, Optional
 import dp_accounting as dpa
 import torch
 
-from dpft.audit.whitebox import Check
+from dpft.audit.whitebox import Check, tiny_classifier
+from dpft.audit.planted import planting
+from dpft.methods import ldp_train_pre as tp
+from dpft.methods.ldp_train_pre import (
+    TrainPreEngine, TrainPreMechanism, combined_event, effective_sigma, pre_parameters
+)
+from dpft.models.losses import classification_loss
+from dpft.privacy.ldp import GaussianLDP, SplitClassifier, StackedAutoencoder, clip_frobenius
+from dpft.privacy.randomness import Randomness
+from dpft.step.clip import make_clip_policy
 
 PLANTED = ("train_pre_without_noise", "train_pre_sampled_twice")
 TOL = 1e-4
@@ -36,11 +45,7 @@ TOL = 1e-4
 @contextlib.contextmanager
 def planted_bug(name: Optional[str]) -> Iterator[None]:
     """Plant one bug for the duration (None: nothing). Raises ValueError for an unknown name."""
-    from dpft.audit.planted import planting
-
     with planting(name, PLANTED) as p:
-        from dpft.methods import ldp_train_pre as tp
-
         cls = tp.TrainPreMechanism
         if name == "train_pre_without_noise":
             p.set(cls, "release", lambda self, s, sens, q, step: (dict(s), self.event(q)))
@@ -54,10 +59,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 def tiny_split(position: str = "encoder:1", max_norm: float = 0.5, autoencoder: bool = True, t: int = 8):
     """A tiny random BERT (hidden 16, 2 blocks) cut at ``position`` with pre(·)'s blocks and the
     encoder trainable (as ``ldp.train_pre`` leaves them); eval mode for post(·) (no dropout)."""
-    from dpft.audit.whitebox import tiny_classifier
-    from dpft.methods.ldp_train_pre import pre_parameters
-    from dpft.privacy.ldp import GaussianLDP, SplitClassifier, StackedAutoencoder
-
     m = tiny_classifier("bert")
     torch.manual_seed(1)
     ae = StackedAutoencoder([16, 4]) if autoencoder else None
@@ -72,9 +73,6 @@ def reference_step(split, batch, noise: torch.Tensor, c_g: float, loss_fn) -> tu
     """Per example alone: (Σ_i clip_{C_g}(∇_pre ℓ_i), Σ_i ∇_post ℓ_i, [‖∇_pre ℓ_i‖]) with the
     representation noise ``noise[i]`` (autograd through the noise layer, one example at a time)."""
     from transformers.modeling_outputs import SequenceClassifierOutput
-
-    from dpft.methods.ldp_train_pre import pre_parameters
-    from dpft.privacy.ldp import clip_frobenius
 
     names = {id(p): n for n, p in split.named_parameters() if p.requires_grad}
     pre_ids = {id(p) for p in pre_parameters(split, 0, False)}
@@ -117,10 +115,6 @@ def _batch(b: int = 5, t: int = 8):
 def check_clipping() -> Check:
     """The engine's pre(·) sum = the per-example reference, clipped to C_g; post(·) plain.
     C_g is the median per-example norm, so some examples are clipped and some are not."""
-    from dpft.methods.ldp_train_pre import TrainPreEngine
-    from dpft.models.losses import classification_loss
-    from dpft.step.clip import make_clip_policy
-
     split = tiny_split()
     batch = _batch()
     b = batch["input_ids"].shape[0]
@@ -150,9 +144,6 @@ def check_clipping() -> Check:
 
 def check_noise(sigma_rep: float = 0.7, sigma_grad: float = 1.3, c_g: float = 0.5) -> Check:
     """pre(·)'s entries get N(0, (σ_grad C_g)²); post(·)'s get none."""
-    from dpft.methods.ldp_train_pre import TrainPreMechanism
-    from dpft.privacy.randomness import Randomness
-
     sums = {"pre.w": torch.zeros(20000), "post.w": torch.zeros(1000)}
     mech = TrainPreMechanism(sigma_rep, sigma_grad, c_g, Randomness(), ["pre.w"])
     noisy, _ = mech.release(sums, c_g, 0.1, step=0)
@@ -171,9 +162,6 @@ def check_event(sigma_rep: float = 0.9, sigma_grad: float = 1.4, q: float = 0.02
     over ``steps`` steps equals that of the recorded event (RDP: cheap; the ledger's PLD takes the
     same event)."""
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
-    from dpft.methods.ldp_train_pre import TrainPreMechanism, combined_event, effective_sigma
-    from dpft.privacy.randomness import Randomness
 
     mech = TrainPreMechanism(sigma_rep, sigma_grad, 1.0, Randomness(), [])
     recorded = mech.event(q)

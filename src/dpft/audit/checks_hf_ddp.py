@@ -43,7 +43,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from dpft.audit.whitebox import Check
+from dpft.audit.whitebox import Check, tiny_classifier
+from dpft.audit.planted import planting
+from dpft.grads.groups import GROUP_KEY
 
 PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
 #: The clip norm of the checks (small: every row of the tiny model is clipped).
@@ -61,12 +63,9 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
     Raises:
         ValueError: an unknown name."""
-    from dpft.audit.planted import planting
-
     with planting(name, PLANTED) as p:
         from transformers import Trainer
 
-        from dpft.grads.groups import GROUP_KEY
         from dpft.integrations import hf
 
         if name == "hf_ddp_wrapped":
@@ -91,8 +90,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
 def tiny_model():
     """The checks' tiny random BERT classifier (dropout 0; the same weights in every process)."""
-    from dpft.audit.whitebox import tiny_classifier
-
     return tiny_classifier("bert", vocab=64, max_len=16)
 
 

@@ -33,9 +33,18 @@ import math
 import numpy as np
 import torch
 
-from dpft.audit.whitebox import Check
+from dpft.audit.whitebox import Check, tiny_classifier
 from dpft.privacy.randomness import Randomness
-from dpft.step.correlated import strategy_matrix
+from dpft.step.correlated import (
+    BandedMFMechanism, CyclicPoissonSampler, banded_coefficients, banded_phase_event, strategy_matrix
+)
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.grads.reference import ReferenceEngine
+from dpft.models.losses import classification_loss
+from dpft.step import correlated, noise, truncated
+from dpft.step.clip import FlatClip
+from dpft.step.noise import GaussianMechanism
+from dpft.step.truncated import EXAMPLE_MASK, MaskedEngine, TruncatedPoissonSampler, truncated_event
 
 __all__ = ["PLANTED", "mechanism_checks"]
 
@@ -47,8 +56,6 @@ PLANTED = ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledg
 @contextlib.contextmanager
 def _planted(name):
     """Patch the real classes for the duration of the checks (undone on exit)."""
-    from dpft.step import correlated, noise, truncated
-
     saved = []
 
     def put(obj, attr, value):
@@ -105,8 +112,6 @@ def _planted(name):
 
 # ----------------------------------------------------------------------------- truncation
 def _truncation_bound() -> Check:
-    from dpft.step.truncated import TruncatedPoissonSampler
-
     n, b_max, steps = 400, 20, 40
     s = TruncatedPoissonSampler(n, 100, Randomness(), b_max)
     over, not_subset, lower_share = 0, 0, []
@@ -127,12 +132,6 @@ def _truncation_bound() -> Check:
 
 
 def _padding_zero() -> Check:
-    from dpft.audit.whitebox import tiny_classifier
-    from dpft.grads.reference import ReferenceEngine
-    from dpft.models.losses import classification_loss
-    from dpft.step.clip import FlatClip
-    from dpft.step.truncated import EXAMPLE_MASK, MaskedEngine
-
     model = tiny_classifier("bert")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 64, (6, 8), generator=g)
@@ -150,11 +149,6 @@ def _padding_zero() -> Check:
 
 def _events() -> Check:
     import dp_accounting as dpa
-
-    from dpft.accounting.ledger import PrivacyLedger
-    from dpft.step.correlated import BandedMFMechanism, CyclicPoissonSampler, banded_coefficients, banded_phase_event
-    from dpft.step.noise import GaussianMechanism
-    from dpft.step.truncated import truncated_event
 
     n, q, b_max, sigma = 500, 0.1, 60, 1.3
     mech = GaussianMechanism(sigma, 1.0, Randomness())
@@ -180,8 +174,6 @@ def _events() -> Check:
 
 # ----------------------------------------------------------------------------- banded MF
 def _min_separation() -> Check:
-    from dpft.step.correlated import CyclicPoissonSampler
-
     n, bands, steps = 300, 4, 24
     s = CyclicPoissonSampler(n, 30, Randomness(), bands)
     last = {}
@@ -199,8 +191,6 @@ def _min_separation() -> Check:
 
 def _run_noise(coeffs, sigma, c_clip, steps, dim, rng, canary_step=None, canary=None):
     """Released noisy sums x̂_t (steps × dim) of zero gradients (plus a canary at one step)."""
-    from dpft.step.correlated import BandedMFMechanism
-
     m = BandedMFMechanism(sigma, c_clip, rng, coeffs, 0.5)
     out = []
     for t in range(steps):
@@ -211,8 +201,6 @@ def _run_noise(coeffs, sigma, c_clip, steps, dim, rng, canary_step=None, canary=
 
 
 def _noise_structure() -> Check:
-    from dpft.step.correlated import banded_coefficients
-
     steps, bands, dim, sigma, c_clip = 8, 3, 4000, 0.7, 2.0
     c = banded_coefficients(steps, bands)
     rng = Randomness(seed=11)
@@ -231,8 +219,6 @@ def _noise_structure() -> Check:
 
 
 def _canary_game(rounds: int = 150) -> Check:
-    from dpft.step.correlated import banded_coefficients
-
     steps, bands, dim, sigma, c_clip, s = 8, 3, 16, 1.0, 1.0, 3
     c = banded_coefficients(steps, bands)
     g = torch.zeros(dim)

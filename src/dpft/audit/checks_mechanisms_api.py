@@ -37,7 +37,15 @@ from typing import Optional
 import dp_accounting as dpa
 import torch
 
-from dpft.audit.whitebox import Check
+from dpft.audit.whitebox import Check, tiny_classifier
+from dpft import PrivacyEngine
+from dpft.api.optimizer import DPOptimizer
+from dpft.audit.planted import planting
+from dpft.privacy.randomness import Randomness
+from dpft.step import mechanisms
+from dpft.step.correlated import CyclicPoissonSampler, banded_coefficients, banded_phase_event, strategy_matrix
+from dpft.step.mechanisms import TruncatedPoisson
+from dpft.step.truncated import truncated_event
 
 __all__ = ["PLANTED", "mechanisms_api_checks", "planted_bug", "make_private_banded", "make_private_truncated",
            "trainer_banded", "trainer_truncated"]
@@ -55,14 +63,9 @@ class planted_bug:
         self.name = name
 
     def __enter__(self):
-        from dpft.audit.planted import planting
-
         self._cm = planting(self.name, PLANTED)
         p = self._cm.__enter__()
         if self.name == "api_banded_every_partition":
-            from dpft.step import mechanisms
-            from dpft.step.correlated import CyclicPoissonSampler
-
             class EveryPartition(CyclicPoissonSampler):
                 def indices(self, step):
                     draw = self.rng.stream("sample", int(step)).bernoulli((self.n,), self.partition_rate)
@@ -70,15 +73,11 @@ class planted_bug:
 
             p.set(mechanisms, "CyclicPoissonSampler", EveryPartition)  # the family's batch selection
         elif self.name == "api_noise_state_in_optimizer":
-            from dpft.api.optimizer import DPOptimizer
-
             def state_dict(self):
                 return {**self.original_optimizer.state_dict(), "dp_noise_state": self.dp_step.spec.mechanism.state()}
 
             p.set(DPOptimizer, "state_dict", state_dict)
         elif self.name == "trainer_truncation_not_recorded":
-            from dpft.step.mechanisms import TruncatedPoisson
-
             p.set(TruncatedPoisson, "install", lambda self, spec, **kw: spec)
         return self
 
@@ -104,8 +103,6 @@ def _record_noise(mech) -> list[dict[str, torch.Tensor]]:
 def _noise_is_c_inv_z(noises, rng, sigma_std: float, steps: int, bands: int) -> tuple[float, float]:
     """max |C·Y − σC·Z| over tensors (C from banded_coefficients(steps, b); Z from ``rng``'s streams)
     and the scale σC, for the recorded noises of steps 0..len−1."""
-    from dpft.step.correlated import banded_coefficients, strategy_matrix
-
     n = len(noises)
     cm = torch.from_numpy(strategy_matrix(banded_coefficients(steps, bands), n))
     worst = 0.0
@@ -142,10 +139,6 @@ def make_private_banded() -> list[Check]:
     """make_private(mechanism="banded_mf"): noise, separation + events + ε, secret state."""
     from torch import nn
     from torch.utils.data import TensorDataset
-
-    from dpft import PrivacyEngine
-    from dpft.privacy.randomness import Randomness
-    from dpft.step.correlated import banded_phase_event
 
     n, batch, bands, steps, sigma, c_clip = 48, 4, 3, 7, 0.9, 0.5
     torch.manual_seed(0)
@@ -233,9 +226,6 @@ def make_private_truncated() -> Check:
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from dpft import PrivacyEngine
-    from dpft.step.truncated import truncated_event
-
     n, batch, b_max, steps, sigma = 40, 16, 12, 6, 1.0
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -275,7 +265,6 @@ def _rows(n: int, t: int = 6):
 def _trainer(out: str, dp, max_steps: int, save_steps: Optional[int] = None):
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.audit.whitebox import tiny_classifier
     from dpft.integrations.hf import DPTrainer
 
     args = TrainingArguments(output_dir=out, learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
@@ -301,7 +290,6 @@ def _record_batches(tr) -> dict[int, list[int]]:
 def trainer_banded() -> list[Check]:
     """DPTrainer(mechanism="banded_mf"): noise, separation + events, the secret file."""
     from dpft.integrations.hf import DPArguments
-    from dpft.privacy.randomness import Randomness
 
     bands, steps, sigma, c_clip = 2, 3, 0.9, 1.0
     dp = DPArguments(noise_multiplier=sigma, target_delta=1e-3, expected_batch_size=8, max_grad_norm=c_clip,
@@ -344,7 +332,6 @@ def trainer_banded() -> list[Check]:
 def trainer_truncated() -> Check:
     """DPTrainer(max_batch_size=B_max): every logical batch ≤ B_max; the truncated event."""
     from dpft.integrations.hf import DPArguments
-    from dpft.step.truncated import truncated_event
 
     steps, sigma, b_max, batch = 2, 1.0, 11, 16
     dp = DPArguments(noise_multiplier=sigma, target_delta=1e-3, expected_batch_size=batch, max_batch_size=b_max,

@@ -26,6 +26,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpft.audit.whitebox import Check
+from dpft import PrivacyEngine
+from dpft.api import state
+from dpft.audit.planted import planting
+from dpft.step import correlated
 
 __all__ = ["PLANTED", "resume_checks", "planted_bug"]
 
@@ -40,17 +44,11 @@ class planted_bug:
         self.name = name
 
     def __enter__(self):
-        from dpft.audit.planted import planting
-
         self._cm = planting(self.name, PLANTED)
         p = self._cm.__enter__()
         if self.name == "resume_rows_by_index":
-            from dpft.step import correlated
-
             p.set(correlated, "check_rows", lambda saved, rows, where, fix: None)
         elif self.name == "api_stale_state_accepted":
-            from dpft.api import state
-
             p.set(state, "check_fresh", lambda made, saved, record, fix: None)
         return self
 
@@ -65,8 +63,6 @@ def _data(order=None) -> TensorDataset:
 
 
 def _loop(data, upto: int, save=None, load=None):
-    from dpft import PrivacyEngine
-
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     eng = PrivacyEngine(reproducible_seed=_SEED)

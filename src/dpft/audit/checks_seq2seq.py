@@ -30,6 +30,12 @@ from typing import Iterator, Optional
 import torch
 
 from dpft.audit.whitebox import Check
+from dpft.audit.planted import planting
+from dpft.grads import relbias
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.grads.reference import ReferenceEngine
+from dpft.models.losses import seq2seq_lm_loss
+from dpft.step.clip import make_clip_policy
 
 PLANTED = ("seq2seq_targets_across_rows", "relative_table_batch_summed")
 TOL = 1e-3
@@ -47,7 +53,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
     Raises:
         ValueError: an unknown name."""
-    from dpft.audit.planted import planting
     from dpft.data import tokenize
 
     with planting(name, PLANTED) as p:
@@ -61,8 +66,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
             p.set(tokenize, "collate_seq2seq", rolled)
         if name == "relative_table_batch_summed":
-            from dpft.grads import relbias
-
             for cls in (relbias.T5RelativeBiasKind, relbias.DebertaV2TableKind):
                 p.set(cls, "contributions", _batch_summed(cls.contributions))
         yield
@@ -150,9 +153,6 @@ def _deberta_clip(model, rows) -> float:
     """Half the median per-example norm by the torch.func reference (independent of the rules)."""
     import warnings
 
-    from dpft.grads.reference import ReferenceEngine
-    from dpft.step.clip import make_clip_policy
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = ReferenceEngine(model, _deberta_loss, make_clip_policy("flat", 1e9)).clipped_sum(_deberta_batch(rows))
@@ -161,9 +161,6 @@ def _deberta_clip(model, rows) -> float:
 
 def _deberta_clipped_sum(model, rows, c: float) -> torch.Tensor:
     import warnings
-
-    from dpft.grads.bookkeeping import BookKeepingEngine
-    from dpft.step.clip import make_clip_policy
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -175,9 +172,6 @@ def _clipped_sum(model, rows) -> torch.Tensor:
     import warnings
 
     from dpft.data import tokenize
-    from dpft.grads.bookkeeping import BookKeepingEngine
-    from dpft.models.losses import seq2seq_lm_loss
-    from dpft.step.clip import make_clip_policy
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # BART's embeddings take the exact torch.func fallback

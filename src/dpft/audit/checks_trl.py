@@ -45,6 +45,10 @@ import trl  # noqa: F401 - this module's checks need TRL; an ImportError skips t
 
 from dpft.audit.checks_api import C, TOL, _loo_and_noise, _no_dropout, _released_sum
 from dpft.audit.whitebox import Check
+from dpft.api import PackedBatchError
+from dpft.audit.planted import planting
+from dpft.grads import bookkeeping
+from dpft.grads.groups import GROUP_KEY
 
 PLANTED = ("sft_packing_accepted", "dpo_pair_split")
 
@@ -63,8 +67,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
     Raises:
         ValueError: an unknown name."""
-    from dpft.audit.planted import planting
-
     with planting(name, PLANTED) as p:
         from dpft.integrations import hf_data
         from dpft.integrations import trl as dtrl
@@ -76,7 +78,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
             p.set(hf_data, "check_unpacked_batch", noop)
         elif name == "dpo_pair_split":
             # each of a pair's two rows its own clipping group: a pair contributes up to 2C
-            from dpft.grads.groups import GROUP_KEY
 
             orig = dtrl.pair_rows
 
@@ -88,7 +89,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
             p.set(dtrl, "pair_rows", split)
             p.set(dtrl.DPDPOTrainer, "_micro_batches", _unchecked_micro_batches)
             # and the engine's layout probe, which refuses a loss shared across clipping groups
-            from dpft.grads import bookkeeping
 
             p.set(bookkeeping, "check_example_support", noop)
         yield
@@ -272,8 +272,6 @@ def sft_checks() -> list[Check]:
 
 def packing_check(model=None, tok=None) -> Check:
     """``SFTConfig(packing=True)``: refused, or one clipped example per sampled conversation."""
-    from dpft.api import PackedBatchError
-
     if tok is None:
         tok = tiny_tokenizer()
     if model is None:

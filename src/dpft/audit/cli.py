@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from dpft.audit.planted import ALL
+from dpft.audit.suite import audit_recipe, total_units
+from dpft.config import load_recipe
 
 
 def plot_scores(results, path: Path) -> None:
@@ -117,10 +120,6 @@ def audit(
 
     from tqdm.auto import tqdm
 
-    from dpft.audit.planted import ALL
-    from dpft.audit.suite import audit_recipe, total_units
-    from dpft.config import load_recipe
-
     try:  # a bad recipe, missing data (offline without DPFT_DATA_DIR), an unusable δ: one line, no traceback
         r = load_recipe(recipe)
         from dpft.run.auto import resolve_auto
@@ -173,7 +172,6 @@ def _final_model(recipe: Path, out: Optional[Path], m: int, designs: Optional[Li
                  attach: Optional[Path], plant: Optional[str], dirac: Optional[int] = None) -> None:
     """``dpft audit RECIPE --final-model`` (audit/final_model.py)."""
     from dpft.audit.final_model import attach_audit, audit_final_model, eps_ratio, render_audit_md
-    from dpft.config import load_recipe
 
     if attach is not None and not (attach / "report.json").is_file():
         typer.secho(f"error: --attach {attach}: no report.json there (give a finished `dpft train` run folder)",

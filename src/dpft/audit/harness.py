@@ -25,6 +25,8 @@ from dpft.step import DPStep, StepSpec
 from dpft.step.clip import AdaptiveQuantileClip, ClipPolicy, make_clip_policy
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.grads.reference import ReferenceEngine
 
 
 class SlotModel(nn.Module):
@@ -57,13 +59,9 @@ def make_clip(style: str, c: float, head_fraction: float = 0.5, gamma: float = 0
 def make_audit_engine(kind: str, model: nn.Module, loss_fn, clip: ClipPolicy):
     """``bookkeeping[:auto|ghost|instantiate]`` or ``reference`` (the trainer's engines)."""
     if kind.startswith("bookkeeping"):
-        from dpft.grads.bookkeeping import BookKeepingEngine
-
         mode = kind.split(":", 1)[1] if ":" in kind else "auto"
         return BookKeepingEngine(model, loss_fn, clip, norm_mode=mode)
     if kind == "reference":
-        from dpft.grads.reference import ReferenceEngine
-
         return ReferenceEngine(model, loss_fn, clip)
     raise ValueError(f"unknown engine {kind!r}; use bookkeeping[:auto|ghost|instantiate] or reference")
 

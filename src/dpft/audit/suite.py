@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dpft.audit import whitebox as wb
+from dpft.audit import planted as pl, trainer_walk as tw, whitebox as wb
 from dpft.audit.blackbox import CanarySetup, multi_step_game, one_run_audit, one_step_game
+from dpft.privacy.randomness import Randomness
 
 
 @dataclass
@@ -158,9 +159,6 @@ def audit_recipe(recipe, quick: bool = True, planted: Optional[str] = None, prog
 
     Returns ``(calibration dict, AuditReport)``. Raises ``ValueError`` for a non-private recipe.
     """
-    from dpft.audit import planted as pl
-    from dpft.audit import trainer_walk as tw
-
     r = recipe
     if not r.privacy.enabled:
         raise ValueError("the recipe is not private (privacy.enabled: false); nothing to audit")
@@ -176,8 +174,6 @@ def audit_recipe(recipe, quick: bool = True, planted: Optional[str] = None, prog
         known = extra.get("known_seed", cal["seed"] if cal["reproducible"] else None)
         rng_factory = None
         if cal["reproducible"]:
-            from dpft.privacy.randomness import Randomness
-
             rng_factory = lambda: Randomness(known)  # noqa: E731 - the run's reproducible randomness
         rep = run_audit(plan["sigma"], plan["C"], plan["q"], plan["delta"], style=cal["style"], family=family,
                         quick=quick, known_seed=known, rng_factory=rng_factory, hardened=cal["hardened"],

@@ -37,6 +37,8 @@ import torch
 from scipy import stats
 
 from dpft.audit.whitebox import LEVEL, Check
+from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
+from dpft.accounting.ledger import PrivacyLedger
 
 #: Planted bug of this module: the audit's plan computed over rows for a user-level recipe
 #: (the calibration ``dpft audit`` used before it walked the Trainer).
@@ -60,8 +62,6 @@ def row_level_plan(trainer) -> dict:
     """PLANTED BUG ``row_level_user_recipe``: the plan computed over the training *rows* whatever
     the privacy unit (N = rows, q = expected batch / rows, σ calibrated for that q) — how
     ``dpft audit`` calibrated before it walked the Trainer."""
-    from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
-
     r = trainer.recipe
     n = len(trainer.train_tok)
     b = r.batch.expected_batch_size
@@ -79,8 +79,6 @@ def trainer_plan(trainer) -> dict:
     """The run's accounting as the Trainer will do it: unit, N, q, σ (ledger), noise σ (the
     mechanism's; larger than the ledger's only with adaptive clipping's split), T, C, δ and
     the certified ε of the whole run (earlier phases + T events of its step)."""
-    from dpft.accounting.ledger import PrivacyLedger
-
     t = trainer
     mech = t.mechanism
     if mech is None:
@@ -131,7 +129,6 @@ class _Capture:
 def audit_mode(trainer):
     """The Trainer made harmless for the audit: scratch ledger, no live-ledger writes, a no-op
     optimizer (the weights never move), dropout off; restored on exit."""
-    from dpft.accounting.ledger import PrivacyLedger
     from dpft.models.load import set_dropout
 
     t = trainer

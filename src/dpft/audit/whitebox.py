@@ -28,6 +28,7 @@ from dpft.audit.harness import build_step, make_clip, released_sum
 from dpft.privacy.randomness import Randomness
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler
+from dpft.models.losses import classification_loss
 
 LEVEL = 1e-4
 
@@ -107,8 +108,6 @@ def sensitivity_check(style: str, engine: str, c: float = 1.0, family: str = "be
                       tol: float = 1e-4) -> Check:
     """Leave-one-out sensitivity of the released sum (σ = 0) through ``DPStep`` on an
     adversarial batch: ``max_i ‖S(B) − S(B∖i)‖ ≤ C(1 + tol)``."""
-    from dpft.models.losses import classification_loss
-
     model = tiny_classifier(family)
     if scaled:
         _scale_up(model)

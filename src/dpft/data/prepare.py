@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from dpft.accounting.calibrate import check_delta
 
 __all__ = ["TrainData", "is_causal", "load_rows", "build_train_data"]
 
@@ -57,7 +58,6 @@ def load_rows(recipe, private: bool):
         DataError, CalibrationError: bad rows; δ ≥ 1/N."""
     if is_causal(recipe):
         return None
-    from dpft.accounting.calibrate import check_delta
     from dpft.data.tasks import load_task
 
     task = load_task(recipe.task, seed=recipe.seed)

@@ -8,6 +8,9 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from dpft import distributed as ddp
+from dpft.models.losses import model_inputs
+from dpft.run.errors import TrainingError
 
 if TYPE_CHECKING:
     import datasets
@@ -42,7 +45,6 @@ class DevEvaluator:
 
     def _lm(self, model) -> dict[str, float]:
         from dpft.eval.lm import lm_eval
-        from dpft import distributed as ddp
 
         w = self.world
         if getattr(self.data, "seq2seq", False):  # encoder-decoder: target tokens (data/seq2seq.py)
@@ -59,9 +61,6 @@ class DevEvaluator:
         return out
 
     def _classifier(self, model) -> dict[str, float]:
-        from dpft import distributed as ddp
-        from dpft.run.errors import TrainingError
-
         d, w = self.data, self.world
         keep = self.cfg.save_predictions
         if keep and w.distributed:
@@ -101,7 +100,6 @@ def classify(model, rows: datasets.Dataset, pad_id: int, with_token_types: bool,
     from tqdm.auto import tqdm
 
     from dpft.data.tokenize import collate
-    from dpft.models.losses import model_inputs
 
     was = model.training
     model.eval()

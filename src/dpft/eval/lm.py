@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dpft.data.tokenize import collate
-from dpft.models.losses import model_inputs
+from dpft.models.losses import model_inputs, seq2seq_lm_loss
 
 
 @torch.no_grad()
@@ -54,8 +54,6 @@ def seq2seq_eval(model, rows: Sequence[dict], pad_id: int, batch_size: int = 64)
     Returns:
         ``{"dev_loss": nats/target token, "dev_perplexity", "dev_tokens"}``.
     """
-    from dpft.models.losses import seq2seq_lm_loss
-
     was_training = model.training
     model.eval()
     total, count = 0.0, 0

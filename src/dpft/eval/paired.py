@@ -24,6 +24,7 @@ import math
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+from dpft.accounting.io import atomic_write_text
 
 PREDICTIONS_FILE = "dev_predictions.jsonl"
 
@@ -34,8 +35,6 @@ class PairedError(ValueError):
 
 def write_predictions(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> Path:
     """Write ``rows`` (dicts with ``index``, ``prediction``, ``correct``) as JSON lines."""
-    from dpft.accounting.io import atomic_write_text
-
     path = Path(path)
     atomic_write_text(path, "".join(json.dumps(dict(r)) + "\n" for r in rows))
     return path

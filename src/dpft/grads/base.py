@@ -22,6 +22,7 @@ from torch import nn
 from dpft.grads.contrib import full_precision
 from dpft.perf import FP32, Precision
 from dpft.step.clip import ClipPolicy, check_finite_norms
+from dpft.grads.groups import group_sum, n_groups
 
 #: ``loss_fn(forward, batch) -> (B,)`` per-example losses (nats). ``forward(**inputs)`` runs the
 #: model (possibly functionally); ``batch`` holds tensors with leading dimension B.
@@ -124,8 +125,6 @@ class PerExampleEngine(ABC):
         names = self.param_names
         b = next(iter(per_ex.values())).shape[0]
         if groups is not None:
-            from dpft.grads.groups import group_sum, n_groups
-
             if self.precision.zero_nonfinite:
                 raise ValueError("user-level (group) clipping does not support fp16; use perf.dtype: bf16 or fp32")
             ng = n_groups(groups)

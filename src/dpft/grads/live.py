@@ -56,6 +56,7 @@ from torch import nn
 from dpft.grads.capture import Capture
 from dpft.grads.base import ClippedBatch
 from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.perf import uses_activation_checkpointing
 
 
 class DoubleCaptureError(RuntimeError):
@@ -280,7 +281,6 @@ class LiveBookKeeping:
         Hugging Face module."""
         if getattr(self.engine, "recomputes", False):
             return True
-        from dpft.perf import uses_activation_checkpointing
 
         return uses_activation_checkpointing(self.engine.model)
 

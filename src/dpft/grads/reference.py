@@ -15,6 +15,7 @@ import torch
 from torch.func import functional_call, grad, vmap
 
 from dpft.grads.base import ClippedBatch, PerExampleEngine
+from dpft.grads.groups import split_groups
 
 _warned_loop = False
 
@@ -96,8 +97,6 @@ class ReferenceEngine(PerExampleEngine):
     def clipped_sum(self, batch: Mapping[str, torch.Tensor]) -> ClippedBatch:
         """Per-example clipped sum; with ``batch[GROUP_KEY]`` each group's summed gradient is
         clipped as one unit (user-level DP, grads/groups.py)."""
-        from dpft.grads.groups import split_groups
-
         batch, groups = split_groups(batch)
         grads, losses = self._per_example(batch)
         return self._finish(grads, float(losses.sum()), losses, groups)

@@ -24,7 +24,7 @@ from dpft.errors import TrainingError
 from dpft.integrations.hf_card import write_trainer_card
 from dpft.integrations.hf_checks import refuse as _refuse
 from dpft.run.lock import RunLock
-from dpft.step.correlated import load_noise_state, resume_noise_state
+from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
 
 __all__ = ["PrivateState", "CapStop", "LEDGER_NAME", "DP_STATE_NAME"]
 
@@ -106,7 +106,6 @@ class PrivateState:
         if self._banded and self.world.is_main:
             # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
             # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step.
-            from dpft.step.correlated import save_noise_state
 
             save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
 

@@ -78,6 +78,9 @@ from dpft.data.stop import check_prepared_rows, set_generation_stop
 from dpft.integrations.hf import DPArguments, DPTrainer
 from dpft.integrations.hf_loss import logits_of as _logits
 from dpft.step.postprocess import Transform
+from dpft import distributed as ddp
+from dpft.grads.groups import GROUP_KEY
+from dpft.integrations import hf_data
 
 __all__ = ["DPSFTTrainer", "sft_per_example_loss", "check_sft_config", "DPDPOTrainer", "dpo_per_pair_loss",
            "pair_rows", "check_dpo_config"]
@@ -310,8 +313,6 @@ def pair_rows(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     Raises:
         ValueError: no precomputed reference log-probabilities in the batch.
     """
-    from dpft.grads.groups import GROUP_KEY
-
     if "ref_chosen_logps" not in batch or "ref_rejected_logps" not in batch:
         raise ValueError("DPDPOTrainer: the preference batch holds no precomputed reference log-probabilities "
                          "(ref_chosen_logps / ref_rejected_logps)")
@@ -444,8 +445,6 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
         rank, no file. The reference weights are public, so these are inputs, not releases."""
         from torch.utils.data import DataLoader
 
-        from dpft import distributed as ddp
-
         world = ddp.init_from_env()
         if not world.distributed:
             return super()._precompute_ref_logps(dataset, name, batch_size)
@@ -466,9 +465,6 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
 
     def _micro_batches(self, idx: torch.Tensor):
         """Physical batches of the sampled pairs: ``2P`` rows each, a pair's rows one group."""
-        from dpft.grads.groups import GROUP_KEY
-        from dpft.integrations import hf_data
-
         mine = self._share(idx)  # DDP: this rank's pairs only (each rank clipping all would count a pair K times)
         if not len(mine):
             return

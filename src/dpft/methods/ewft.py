@@ -55,6 +55,14 @@ from dpft.methods.ewft_parts import (  # noqa: F401 (public here: the ldp: secti
     linked_section,
     label_section,
 )
+from dpft.accounting.ledger import PrivacyReport
+from dpft.config import TaskCfg
+from dpft.methods.ldp_train_pre import (
+    PHASE_TRAIN_PRE, TrainPreEngine, TrainPreMechanism, calibrate, check_trainable, combined_event, effective_sigma,
+    pre_parameters
+)
+from dpft.report.report import ldp_markdown
+from dpft.step.clip import make_clip_policy
 
 
 class LDPRun:
@@ -142,8 +150,6 @@ class LDPRun:
                                      pass_mask=c.mask_after_noise or "v" in f, pooled_release=pooled,
                                      release_cls=at_output and not pooled, train_pre="i" in f)
         if tp.enabled:
-            from dpft.methods.ldp_train_pre import check_trainable, pre_parameters
-
             if tp.blocks is not None and tp.blocks > self.split.cut:
                 raise LDPError(f"ldp.train_pre.blocks = {tp.blocks} > the {self.split.cut} blocks of pre(·) at "
                                f"position {c.position!r}; lower it or leave it unset (all)")
@@ -178,8 +184,6 @@ class LDPRun:
 
     def _train_pre_schedule(self, trainer, q: float) -> None:
         """σ_rep (the layer's, per epoch) and σ_grad of ``ldp.train_pre``, calibrated jointly."""
-        from dpft.methods.ldp_train_pre import calibrate, effective_sigma
-
         c, tp = self.cfg, self.cfg.train_pre
         if self.repro:
             raise LDPError("ldp.train_pre is the certified alternative to flaw (i): remove ldp.reproduce / "
@@ -221,7 +225,6 @@ class LDPRun:
 
     # ------------------------------------------------------------------ public pre-training
     def _pretrain(self, ae: StackedAutoencoder) -> list[float]:
-        from dpft.config import TaskCfg
         from dpft.data.tasks import load_task
 
         t, a = self.trainer, self.cfg.autoencoder
@@ -297,8 +300,6 @@ class LDPRun:
                     "ledger": [{"phase": e.phase, "count": e.count, "event": repr(e.event)}
                                for e in self.trainer.ledger.entries]}
         if self._below_floor():
-            from dpft.accounting.ledger import PrivacyReport
-
             rep = PrivacyReport(math.inf, d, math.inf, accountant=f"not computed: σ < {SIGMA_FLOOR} (reported as ∞)")
         else:
             rep = self.trainer.ledger.epsilon(d)
@@ -331,8 +332,6 @@ class LDPRun:
     def train_pre_section(self, rep_sigmas: list[float], delta: float) -> dict[str, Any]:
         """What ``ldp.train_pre`` releases and what each part protects; the linked-rows ε with the
         gradient releases (PLD replace-one, no amplification: G(2σ_rep) and G(σ_grad) per release)."""
-        from dpft.methods.ldp_train_pre import combined_event
-
         tp = self.cfg.train_pre
         k = len(rep_sigmas)
         linked = None
@@ -426,8 +425,6 @@ class ForwardLDP(Method):
         tp = self.cfg.train_pre
         if not tp.enabled:
             return spec
-        from dpft.methods.ldp_train_pre import PHASE_TRAIN_PRE, TrainPreEngine, TrainPreMechanism
-        from dpft.step.clip import make_clip_policy
 
         clip = make_clip_policy("flat", tp.max_grad_norm)
         eng = TrainPreEngine(self.ldp.split, run.loss_fn, clip, self.ldp.first_block, tp.embeddings, tp.engine)
@@ -475,8 +472,6 @@ class ForwardLDP(Method):
 
     @classmethod
     def markdown(cls, rep) -> list[str]:
-        from dpft.report.report import ldp_markdown
-
         x, p, met = rep["ldp"], rep["privacy"], rep.get("metrics", {})
         acc = [f"- Dev accuracy with inference noise {met['dev_accuracy_noisy_inference']:.4f}, without "
                f"{met['dev_accuracy_clean_inference']:.4f}. {x.get('inference', '')}"] \

@@ -13,6 +13,7 @@ from dpft.config_base import PluginConfig
 
 from dpft.privacy.label_rr import (example_epsilon_with_label, label_epsilon, randomized_response, rr_keep_probability)
 from dpft.privacy.ldp import (LDPError, local_epsilon_composed)
+from dpft.accounting.calibrate import calibrate_sigma
 
 
 PHASE = "ldp-forward"
@@ -163,8 +164,6 @@ def dp_forward_code_sigma(target_epsilon: float, delta: float, n: int, epochs: i
     composed N·E times to ``target_epsilon`` at ``delta`` (PLD, dp_accounting), σ relative to a
     sensitivity of 1 (noise std σ·C, flaw ii). SST-2 (N = 67,349, E = 3, δ = 1e-5):
     σ = 0.4216 / 0.3745 / 0.3195 at ε = 2 / 4 / 8. NOT a certified calibration."""
-    from dpft.accounting.calibrate import calibrate_sigma
-
     return calibrate_sigma(target_epsilon, delta, 1.0 / n, n * epochs)
 
 

@@ -45,6 +45,9 @@ from torch import nn
 
 from dpft.grads.base import ClippedBatch, PerExampleEngine
 from dpft.privacy.ldp import LDPError, clip_frobenius
+from dpft.accounting.calibrate import calibrate_sigma
+from dpft.step.build import make_engine
+from dpft.step.noise import GaussianMechanism
 
 #: Ledger phase of the combined per-step event.
 PHASE_TRAIN_PRE = "ldp-forward+dp-sgd"
@@ -88,8 +91,6 @@ def calibrate(target_epsilon: float, delta: float, q: float, steps: int, ratio: 
 
     Raises:
         CalibrationError: unreachable target."""
-    from dpft.accounting.calibrate import calibrate_sigma
-
     s_eff = calibrate_sigma(target_epsilon, delta, q, steps, prior=list(prior))
     s_rep, s_grad = split_sigmas(s_eff, ratio)
     # rounding must not lower the effective σ below the calibrated one
@@ -191,7 +192,6 @@ class TrainPreEngine(PerExampleEngine):
     def __init__(self, split, loss_fn, clip, first_block: int, embeddings: bool = False,
                  engine: str = "bookkeeping"):
         super().__init__(split, loss_fn, clip)
-        from dpft.step.build import make_engine
 
         if embeddings and first_block:
             raise LDPError("ldp.train_pre.embeddings needs every block of pre(·) trained (train_pre.blocks unset)")
@@ -260,8 +260,6 @@ class TrainPreMechanism:
     """
 
     def __init__(self, sigma_rep: float, sigma_grad: float, sensitivity: float, rng, pre_names):
-        from dpft.step.noise import GaussianMechanism
-
         self.sigma_rep = float(sigma_rep)
         self.sigma_grad = float(sigma_grad)
         self.gauss = GaussianMechanism(sigma_grad, sensitivity, rng)

@@ -19,6 +19,8 @@ from pydantic import Field
 
 from dpft.config_base import PluginConfig
 from dpft.methods.base import Method, register_method
+from dpft.step.postprocess import rmt_transform
+from dpft.transforms.rmt import RMTDenoiser, matrix_param_names, spike_report
 
 #: Why a diagnostics run cannot be certified.
 DIAGNOSTICS_REASON = ("denoise.diagnostics: the run reads each step's clean (un-noised) clipped gradient and writes "
@@ -93,7 +95,6 @@ class RMTDenoise(Method):
     def build(self, spec, run):
         if not run.private:
             return spec
-        from dpft.step.postprocess import rmt_transform
 
         params = spec.params if spec.params is not None else spec.engine.params
         if not self.cfg.diagnostics:
@@ -102,8 +103,6 @@ class RMTDenoise(Method):
         return spec.replace(mechanism=cap, transforms=[*spec.transforms, self._diagnostic_transform(run, params, cap)])
 
     def _diagnostic_transform(self, run, params, cap):
-        from dpft.transforms.rmt import RMTDenoiser, matrix_param_names, spike_report
-
         c = self.cfg
         den = RMTDenoiser(kappa=c.kappa, rank=c.rank, min_dim=c.min_dim, diagnostics=True)
         names = matrix_param_names(run.model, list(params))

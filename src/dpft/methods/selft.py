@@ -36,6 +36,8 @@ from dpft.selection.scoring import ScoreCache, ScoreSettings, rank_units, score_
 from dpft.synth.generators import load_candidate_file
 from dpft.synth.select_label import dp_select_and_label
 from dpft.methods.base import PhaseRunner, phase_runner
+from dpft.perf import resolve_device
+from dpft.privacy.randomness import Randomness
 
 SELECTORS = ("selft", "random_noise", "no_noise", "loss", "gradient", "attention")
 
@@ -164,8 +166,6 @@ def select_units(recipe: Any, cfg: SelFTCfg, candidates: Optional[list[str]] = N
 def _device(r: Any):
     """The recipe's ``perf.device`` (checked against this machine): the encoder of
     select-and-label and the unit scorer run there, as the fine-tuning phase does."""
-    from dpft.perf import resolve_device
-
     return resolve_device(r.perf.device)
 
 
@@ -212,8 +212,6 @@ def run_selft(recipe: Any, cfg: SelFTCfg, run_dir: str | Path, candidates: Optio
         the errors of :func:`select_units` and of the driver (``TrainingError``…).
     """
     import os
-
-    from dpft.privacy.randomness import Randomness
 
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ValueError(DDP_REFUSAL)

@@ -38,6 +38,8 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from dpft.models.standard import (ADAPTER_META, MODEL_TYPE, DpftMeanPoolConfig,  # noqa: F401 (re-exported)
                                   DpftMeanPoolForSequenceClassification, MeanPoolClassifier, _is_classifier,
                                   label_maps, register, to_standard)
+from dpft.models.adapters import ADAPTER_CONFIG, load_adapters, save_adapters, strip_adapters
+from dpft.models.load import load_classifier
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -73,7 +75,6 @@ def save_standard(model: nn.Module, tokenizer, out: str | Path, labels: Optional
             tokenizer.save_pretrained(merged_dir)
             written["merged"] = str(merged_dir)
     elif getattr(model, "dpft_adapter", None) is not None:  # bottleneck adapters (models/adapters.py)
-        from dpft.models.adapters import save_adapters, strip_adapters
 
         to_standard(strip_adapters(copy.deepcopy(model)), labels).save_pretrained(out)
         save_adapters(model, out)
@@ -155,7 +156,6 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
 
             model, kind = AutoModelForSeq2SeqLM.from_pretrained(path), "seq2seq_lm"
         elif (path / "dpft_head.safetensors").is_file():  # a run saved before issue 24
-            from dpft.models.load import load_classifier
 
             meta = json.loads((path / "dpft_head.json").read_text())
             _, model = load_classifier(str(path), int(meta["num_labels"]), pooling="mean", head_dropout=0.0)
@@ -164,7 +164,6 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
             model, kind = AutoModelForSequenceClassification.from_pretrained(path), "classification"
     else:
         raise FileNotFoundError(f"{path} holds no config.json or adapter_config.json: not a saved model folder")
-    from dpft.models.adapters import ADAPTER_CONFIG, load_adapters
 
     if (path / ADAPTER_CONFIG).is_file():  # bottleneck adapters saved beside the base
         model = load_adapters(model, path)

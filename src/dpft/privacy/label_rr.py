@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from dp_accounting.pld import pld_privacy_accountant
 
-from dpft.privacy.ldp import LDPError
+from dpft.privacy.ldp import LDPError, local_epsilon_composed
+from dpft.models.losses import model_inputs
+from dpft.privacy.randomness import Randomness
 
 
 def _check(eps: float, num_labels: int) -> None:
@@ -94,8 +96,6 @@ def randomized_response(labels: torch.Tensor, eps: float, num_labels: int,
         raise TypeError("randomized_response needs a dpft SecretStream, not a torch.Generator (a CPU generator "
                         "keeps 32 bits of its seed): pass dpft.privacy.randomness.Randomness().stream('label_rr')")
     if generator is None:
-        from dpft.privacy.randomness import Randomness
-
         generator = Randomness().stream("label_rr")
     keep = generator.bernoulli(tuple(y.shape), rr_keep_probability(eps, k))
     # "one of the other K − 1, uniformly": shift by 1 + U{0, …, K − 2} modulo K
@@ -133,8 +133,6 @@ def forward_corrected_loss(logits: torch.Tensor, noisy_labels: torch.Tensor, tra
 def make_corrected_classification_loss(transition: torch.Tensor) -> Callable:
     """A drop-in for ``models.losses.classification_loss`` (``loss_fn(forward, batch) → (B,)``)
     that applies :func:`forward_corrected_loss` with ``transition`` to ``batch["labels"]``."""
-    from dpft.models.losses import model_inputs
-
     def corrected_classification_loss(forward: Callable[..., object], batch: Mapping[str, torch.Tensor]):
         out = forward(**model_inputs(batch))
         logits = out.logits if hasattr(out, "logits") else out
@@ -172,8 +170,6 @@ def example_epsilon_with_label(sigmas: Sequence[float], delta: float, eps_label:
     if sig and min(sig) <= 0:
         return math.inf
     if eps_label is None:
-        from dpft.privacy.ldp import local_epsilon_composed
-
         return local_epsilon_composed(sig, delta)
     # The Gaussian releases compose exactly into one Gaussian, σ = (Σ σ_j⁻²)^(-1/2) (GDP): one PLD.
     events: list[dpa.DpEvent] = [dpa.GaussianDpEvent(2.0 * sum(s ** -2 for s in sig) ** -0.5)] if sig else []

@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from dp_accounting.gaussian_mechanism import get_epsilon_gaussian
 from torch import nn
+from dpft.privacy.randomness import Randomness
 
 
 class LDPError(ValueError):
@@ -195,8 +196,6 @@ class GaussianLDP(nn.Module):
     def noise_like(self, z: torch.Tensor) -> torch.Tensor:
         std = self.sigma * self.sensitivity  # σ_e · 2C: replace-one sensitivity, see module doc
         if self.generator is None:
-            from dpft.privacy.randomness import Randomness
-
             self.generator = Randomness().stream("ldp")  # secret, never the global torch generator
         n = self.generator.normal(z.shape, dtype=torch.float32, device=z.device)
         return (n * std).to(z.dtype)

@@ -13,8 +13,10 @@ from typing import Any, Optional
 
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger
-from dpft.report.lm import render_extra
+from dpft.report.lm import extra_sections, render_extra
 from dpft.report.partial import is_train_run, reprint_interrupted
+from dpft.methods.base import get_method
+from dpft.run.release import DIAGNOSTICS_FILE, RELEASE_SET, dev_statement
 
 #: Headline qualifier of a run in reproducible mode (privacy.reproducible).
 REPRODUCIBLE_WARNING = ("REPRODUCIBLE MODE: the sampling and noise were derived from the recorded seed; "
@@ -78,7 +80,6 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
     if test:  # task.test_file: evaluated once after training, reported apart from dev
         rep["test"] = {**test, "statement": test_statement(test["file"])}
     rep["task"]["notes"] = list(rep["task"]["notes"]) + list(getattr(trainer, "ledger_notes", []))
-    from dpft.report.lm import extra_sections
 
     rep.update(extra_sections(trainer))
     # Each method's own section (methods/base.py); a method may replace the privacy section
@@ -278,7 +279,6 @@ def render_markdown(rep: dict[str, Any]) -> str:
               f"| time | {rep['time_seconds']:.0f} s |", ""]
     if t["notes"]:
         lines += ["Notes:", *[f"- {n}" for n in t["notes"]], ""]
-    from dpft.methods.base import get_method
 
     for name in rep.get("methods", []):
         lines += get_method(name).markdown(rep)
@@ -335,8 +335,6 @@ def dev_is_public(task) -> bool:
 
 def coverage_section(trainer) -> dict[str, Any]:
     """What the run's ε covers and what it does not (every sentence must be true)."""
-    from dpft.run.release import DIAGNOSTICS_FILE, RELEASE_SET, dev_statement
-
     r = trainer.recipe
     t = r.task
     dev_public = dev_is_public(t)

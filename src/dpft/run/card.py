@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dpft.report.report import audited_lines, epsilon_line, mechanism_lines, unit_line
+from dpft.methods.base import registered
 
 #: Registered tasks whose data is a Hugging Face dataset (for the card's ``datasets:``).
 _HUB_DATASETS = {"sst2": "glue", "qnli": "glue", "sst5": "SetFit/sst5", "imdb": "imdb"}
@@ -133,8 +134,6 @@ def _usage(model_dir: Path) -> list[str]:
 def _from_methods(rep: dict[str, Any], hook: str):
     """The first registered method's answer to a card hook (methods/base.py ``card_mechanism``,
     ``card_usage``) for this report, else None: the card names no method."""
-    from dpft.methods.base import registered
-
     for cls in registered().values():
         out = getattr(cls, hook)(rep)
         if out is not None:

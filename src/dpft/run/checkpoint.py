@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from dpft import distributed as ddp
+from dpft.accounting.cap import ledger_resume_cap
+from dpft.accounting.ledger import PrivacyLedger
 
 CKPT = "checkpoint"
 
@@ -90,9 +93,6 @@ def continue_ledger(world, run_dir: Path, live: Path, resume: bool, ledger) -> t
     Returns ``(ledger, notes)``; the notes say what was carried, for the report. Under DDP rank 0
     reads the directory and every rank gets its answer.
     """
-    from dpft.accounting.ledger import PrivacyLedger
-    from dpft import distributed as ddp
-
     def earlier_ledger():
         if not resume and live.is_file() and not (Path(run_dir) / CKPT).exists():
             return PrivacyLedger.load(live).to_json()
@@ -121,9 +121,6 @@ def cap_resumed_run(trainer, allow_overspend: bool = False, log=None):
     Returns the :class:`~dpft.accounting.cap.ResumeCap` as a dict for the report (with
     ``allow_overspend``), or None for a run without a gradient mechanism (non-private, forward LDP).
     """
-    from dpft.accounting.cap import ledger_resume_cap
-    from dpft import distributed as ddp
-
     mech, r = trainer.mechanism, trainer.recipe
     if not trainer.private or mech is None:
         return None

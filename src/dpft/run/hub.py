@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Optional
+from dpft.run.release import DIAGNOSTICS_FILE, RELEASE_SET
 
 #: Run files uploaded under ``dpft_run/`` (each is in the release set).
 RUN_FILES = ("report.md", "report.json", "ledger.json", "metrics.jsonl", "training.png", "recipe.yaml")
@@ -24,8 +25,6 @@ def release_files(run_dir: str | Path) -> dict[str, Path]:
     Raises:
         FileNotFoundError: ``run_dir`` is not a finished run (no ``model/`` or ``report.json``).
     """
-    from dpft.run.release import DIAGNOSTICS_FILE, RELEASE_SET
-
     run_dir = Path(run_dir)
     if not (run_dir / "model").is_dir() or not (run_dir / "report.json").is_file():
         raise FileNotFoundError(f"{run_dir} is not a finished dpft run (needs model/ and report.json)")

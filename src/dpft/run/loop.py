@@ -25,9 +25,9 @@ from dpft.data.tokenize import collate
 from dpft.methods.base import register_phase_runner
 from dpft.grads.groups import GROUP_KEY
 from dpft.privacy.randomness import Randomness
-from dpft import distributed as ddp
+from dpft import distributed as ddp, fsdp
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
-from dpft.run.checkpoint import release_checkpoints
+from dpft.run.checkpoint import cap_resumed_run, check_world_size, load_checkpoint, release_checkpoints, save_checkpoint
 from dpft.run.plan import build_plan, evaluate_with_methods
 from dpft.run.release import DiagnosticsLog, split_row
 from dpft.step import DPStep
@@ -35,6 +35,16 @@ from dpft.step.clip import NonFiniteGradientError
 from dpft.step.postprocess import Transform  # noqa: F401 (Transform: public type)
 from dpft.step.sample import PoissonSampler
 from dpft.run.errors import TrainingError  # noqa: F401  (public here since issue 1)
+from dpft.eval.generate import generation_eval
+from dpft.eval.lm import sample_generations
+from dpft.eval.paired import write_predictions
+from dpft.fsdp import gathered, materialise, save_checkpoint as save_sharded
+from dpft.report.report import write_report
+from dpft.run.outputs import after_report, save_run_model
+from dpft.run.predict import evaluate_test_file
+from dpft.run.tracking import Trackers, public_config
+from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
+from dpft.step.truncated import fixed_micro_batches, fixed_shape_batches
 
 
 @dataclass
@@ -83,7 +93,6 @@ class Trainer:
         self.methods, self.ctx = p.methods, p.ctx
         self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
         if p.sharded:  # FSDP2 (dpft/fsdp.py): a rank short of micro-batches runs a placeholder one
-            from dpft import fsdp
 
             self.dp_step = fsdp.make_step(p, self.ledger, self.save_live_ledger, lambda: collate(
                 list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id, self.with_token_types,
@@ -145,7 +154,6 @@ class Trainer:
     @torch.no_grad()
     def _evaluate_model(self) -> dict[str, float]:
         if self.plan.sharded:  # FSDP: parameters gathered, so ranks may run different numbers of batches
-            from dpft.fsdp import gathered
 
             with gathered(self.model):
                 return self.plan.evaluator(self.model)
@@ -215,7 +223,6 @@ class Trainer:
             micros = PoissonSampler.micro_batches(mine, r.batch.max_physical_batch_size)
         groups = self.user_level and r.task.user_clipping == "group"
         if getattr(self.sampler, "max_batch_size", None) is not None:  # truncated Poisson: fixed shapes
-            from dpft.step.truncated import fixed_micro_batches, fixed_shape_batches
 
             yield from fixed_shape_batches(fixed_micro_batches(ddp.shard(idx, self.world),
                                                                r.batch.max_physical_batch_size),
@@ -244,10 +251,7 @@ class Trainer:
                 "history": self.history.rows, "world_size": self.world.world_size, "replays": self.replays}
 
     def save(self, step: int) -> None:
-        from dpft.run.checkpoint import save_checkpoint
-
         if self.plan.sharded:  # FSDP: gathered weights and optimizer state, written by rank 0
-            from dpft.fsdp import save_checkpoint as save_sharded
 
             return save_sharded(self, step)
         ddp.check_in_sync(self.world, self.params)  # DDP: the ranks still hold one set of weights
@@ -257,7 +261,6 @@ class Trainer:
         save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
                         scheduler=self.scheduler, ledger_json=self.ledger.to_json(), state=self._state())
         if hasattr(self.mechanism, "buffers"):  # banded_mf: secret noise state, outside the release set
-            from dpft.step.correlated import save_noise_state
 
             save_noise_state(self.run_dir, self.mechanism, step)
 
@@ -268,15 +271,12 @@ class Trainer:
         return d
 
     def load(self) -> None:
-        from dpft.run.checkpoint import check_world_size, load_checkpoint
-
         live = self.live_ledger_path
 
         def read():  # DDP: rank 0 reads checkpoint and live ledger; every rank gets them
             ck = load_checkpoint(self.run_dir)
             ck["live_ledger"] = PrivacyLedger.load(live).to_json() if live.is_file() else None
             if hasattr(self.mechanism, "buffers"):  # banded_mf: the secret noise buffers (or refuse)
-                from dpft.step.correlated import load_noise_state
 
                 try:
                     ck["noise_state"] = load_noise_state(self.run_dir)
@@ -317,8 +317,6 @@ class Trainer:
         extra = (sum(e.count for e in self.ledger.entries if e.phase == self.phase)
                  - sum(e.count for e in ck_ledger.entries if e.phase == self.phase))
         if hasattr(self.mechanism, "buffers"):
-            from dpft.step.correlated import resume_noise_state
-
             resume_noise_state(self.mechanism, ck.get("noise_state"), st["step"], extra, self.params)
         if extra > 0 and self.private:
             self.replays.append({"from_step": st["step"] + 1, "to_step": min(st["step"] + extra, self.total_steps),
@@ -351,8 +349,6 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train to ``total_steps`` (from the checkpoint with ``resume``); write the report."""
-        from dpft.report.report import write_report
-
         r = self.recipe
         if r.eval.save_predictions and self.world.distributed:  # refused before training, not after
             raise TrainingError("eval.save_predictions is not supported with DDP yet; run on one process")
@@ -362,7 +358,6 @@ class Trainer:
         self._t_run = time.time()
         if self.resume:
             self.load()
-            from dpft.run.checkpoint import cap_resumed_run
 
             # The target ε is a hard cap across crashes: said before the first step (issue 36).
             self.resume_cap = cap_resumed_run(self, self.allow_overspend, lambda m: tqdm.write(m, file=sys.stderr))
@@ -380,7 +375,6 @@ class Trainer:
             atomic_write_text(self.run_dir / "recipe.yaml", dump_recipe(r))
         self.diagnostics = DiagnosticsLog(self.run_dir) if r.log.private_diagnostics and main else None
         if r.log.report_to and main:  # log.report_to: released quantities only (run/tracking.py)
-            from dpft.run.tracking import Trackers, public_config
 
             self.trackers = Trackers(r.log.report_to, self.run_dir, r.name, public_config(r))
         if self.private or self.ledger.entries:
@@ -448,8 +442,6 @@ class Trainer:
 
         def finish() -> dict[str, Any]:  # DDP: rank 0 alone; every rank returns its report
             if self.causal and r.eval.prompts:
-                from dpft.eval.lm import sample_generations
-
                 e = r.eval
                 with contextlib.ExitStack() as stack:  # a method's weights of record (e.g. the EMA)
                     for m in self.methods:
@@ -457,7 +449,6 @@ class Trainer:
                     self.samples = sample_generations(self.model, self.tokenizer, e.prompts, e.max_new_tokens,
                                                       seed=r.seed)
             if getattr(self.task, "groups", None) and r.eval.generate:  # instruct: BLEU/ROUGE-L on dev prompts
-                from dpft.eval.generate import generation_eval
 
                 e = r.eval
                 with contextlib.ExitStack() as stack:
@@ -469,21 +460,16 @@ class Trainer:
                 last_eval.update(self.generation["metrics"])
             elapsed = self.elapsed_before + (time.time() - self._t_run)
             self.save_model()
-            from dpft.run.predict import evaluate_test_file
 
             self.test_metrics = evaluate_test_file(self)  # task.test_file: once, after the last step
             if r.eval.save_predictions and getattr(self, "dev_predictions", None):
-                from dpft.eval.paired import write_predictions
-
                 write_predictions(self.run_dir / "dev_predictions.jsonl", self.dev_predictions)
             rep = write_report(self, last_eval, elapsed)
-            from dpft.run.outputs import after_report
 
             after_report(self, rep)  # model card from the written report
             return rep
 
         if self.plan.sharded:  # FSDP: rank 0 alone saves and generates: a plain copy of the weights
-            from dpft.fsdp import materialise
 
             self.model = self.ctx.model = materialise(self.model)
         return ddp.on_rank0(self.world, finish)
@@ -518,8 +504,6 @@ class Trainer:
     def save_model(self) -> None:
         """The model and tokenizer in ``model/`` as ``AutoModelFor…``/``pipeline`` load them, with
         ``id2label`` (LoRA: the adapter; ``model_merged/`` on request) — run/outputs.py."""
-        from dpft.run.outputs import save_run_model
-
         save_run_model(self)
         for m in self.methods:  # e.g. EMA weights beside the raw ones
             m.finish(self.ctx)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from dpft.run.card import write_model_cards
 
 
 def save_run_model(trainer) -> dict[str, str]:
@@ -38,6 +39,4 @@ def after_report(trainer, rep: dict[str, Any]) -> None:
             tr.log({**rep["test"], "step": trainer.total_steps})
         tr.close()
     if trainer.recipe.output.model_card:
-        from dpft.run.card import write_model_cards
-
         write_model_cards(trainer.run_dir, rep)

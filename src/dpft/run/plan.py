@@ -49,6 +49,9 @@ from dpft.step.mechanisms import Mechanism, mechanism_of_recipe
 from dpft.step.plan import PrivacyPlan, build_privacy_plan
 from dpft.run.unit import build_unit, check_user_level
 from dpft.step.unit import PrivacyUnit
+from dpft.fsdp import check_recipe, shard_model
+from dpft.grads.base import NonPrivateEngine
+from dpft.step.clip import make_clip_policy
 
 __all__ = ["RunPlan", "build_plan", "evaluate_with_methods"]
 
@@ -152,7 +155,6 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     methods = active_methods(r)
     sharded = r.perf.sharding == "fsdp"
     if sharded:  # refusals that need no data, before any loading (dpft/fsdp.py)
-        from dpft.fsdp import check_recipe
 
         check_recipe(r, world.world_size, methods, private, resume)
     placement = build_placement(r, world.local_rank if world.distributed else None, progress,
@@ -183,7 +185,6 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
         m.prepare(ctx)
     ddp.broadcast_module(world, ctx.model)  # DDP: the world starts from rank 0's weights
     if sharded:  # FSDP2: shard after the broadcast, before the engine and optimizer see the parameters
-        from dpft.fsdp import shard_model
 
         ctx.model = shard_model(ctx.model, world, r.perf.dtype)
     total_steps = ctx.total_steps
@@ -192,9 +193,6 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
 
     def parts(sampler):
         if not private:
-            from dpft.grads.base import NonPrivateEngine
-            from dpft.step.clip import make_clip_policy
-
             engine = NonPrivateEngine(ctx.model, ctx.loss_fn, make_clip_policy("flat", 1.0))
             return engine.clip, engine
         clip = build_clip(p, r.task.user_clipping if unit.user_level else None, r.task.max_rows_per_user)

@@ -25,6 +25,9 @@ from dpft.data.tasks import (REGISTRY, DataError, _check_missing_labels, _col, _
                              _ROW)
 from dpft.data.stop import generation_stop_ids, identical_generations
 from dpft.eval.dev import classify
+from dpft.config import load_recipe
+from dpft.data.tokenize import tokenize_split
+from dpft.eval.generate import generate_ids
 
 #: Default output name beside the input when ``--output`` is not given.
 SUFFIX = ".predictions.jsonl"
@@ -105,7 +108,6 @@ def evaluate_test_file(trainer) -> Optional[dict[str, Any]]:
     r = trainer.recipe
     if not r.task.test_file or trainer.causal:
         return None
-    from dpft.data.tokenize import tokenize_split
 
     text, pair, label = columns_of(r.task)
     rows = read_rows(r.task.test_file, text, pair, label, trainer.task.label_names, require_labels=True)
@@ -145,7 +147,6 @@ def predict(run_dir: str | Path, file: str | Path, output: Optional[str | Path] 
     Raises:
         FileNotFoundError: no finished run in ``run_dir``. DataError: see :func:`read_rows`.
     """
-    from dpft.config import load_recipe
     from dpft.models.export import load_for_inference
 
     run_dir = Path(run_dir)
@@ -159,7 +160,6 @@ def predict(run_dir: str | Path, file: str | Path, output: Optional[str | Path] 
     out_path = Path(output) if output else Path(str(file) + SUFFIX)
     text, pair, label = columns_of(rec.task)
     if kind == "seq2seq_lm":  # encoder-decoder: greedy target of each row's source (eval/generate.py)
-        from dpft.eval.generate import generate_ids
 
         rows = read_rows(file, rec.task.prompt_column, None, None, [])
         srcs = _col(rows, "text")
@@ -176,8 +176,6 @@ def predict(run_dir: str | Path, file: str | Path, output: Optional[str | Path] 
         lines = [{"row": i + 1, "prompt": p, "generation": g} for i, (p, g) in enumerate(zip(_col(rows, "text"), res))]
         summary: dict[str, Any] = {"kind": kind}
     else:
-        from dpft.data.tokenize import tokenize_split
-
         id2label = {int(k): v for k, v in (getattr(_cfg_of(model), "id2label", None) or {}).items()}
         names = [id2label[i] for i in sorted(id2label)]
         rows = read_rows(file, text, pair, label, names)

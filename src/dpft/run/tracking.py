@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from dpft.run.release import PRIVATE_KEYS
+from dpft.config import dump_recipe
 
 #: Keys a tracker may receive besides ``dev_*`` / ``test_*`` metrics.
 ALLOWED = frozenset({"epsilon", "lr"})
@@ -98,7 +99,5 @@ def public_config(recipe) -> dict[str, Any]:
     """The recipe as sent to a tracker: public settings only (no mechanism seed unless
     reproducible, as in ``recipe.yaml``)."""
     import yaml
-
-    from dpft.config import dump_recipe
 
     return yaml.safe_load(dump_recipe(recipe))

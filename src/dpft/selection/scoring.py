@@ -41,6 +41,8 @@ from dpft.models.load import head_param_groups, is_head_param
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.models.units import resolve_units, unit_map
 from dpft.step.clip import make_clip_policy
+from dpft.accounting.io import atomic_write_text
+from dpft.grads.base import NonPrivateEngine
 
 Grads = dict[str, torch.Tensor]
 PERTURBATIONS = ("worst", "random", "none")
@@ -164,8 +166,6 @@ class UnitScore:
 
 
 def _engine(model, clip_norm: float, clip: bool, style: str = "flat", head_fraction: float = 0.5):
-    from dpft.grads.base import NonPrivateEngine
-
     if not clip:
         return NonPrivateEngine(model, classification_loss, make_clip_policy("flat", clip_norm))
     policy = make_clip_policy(style, clip_norm, head_fraction=head_fraction)
@@ -372,7 +372,6 @@ class ScoreCache:
         p = self._path(key)
         if p is None:
             return
-        from dpft.accounting.io import atomic_write_text
 
         p.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(p, json.dumps(scores, indent=1))

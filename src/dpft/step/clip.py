@@ -14,6 +14,7 @@ import math
 from abc import ABC, abstractmethod
 
 import torch
+from dpft.privacy.randomness import Randomness
 
 #: Added to norms before dividing, as in Opacus, so a zero gradient gives a finite factor.
 EPS = 1e-6
@@ -246,8 +247,6 @@ class AdaptiveQuantileClip(FlatClip):
         self.count_noise = float(count_noise)
         self.min_norm, self.max_norm_bound = float(min_norm), float(max_norm)
         if rng is None:
-            from dpft.privacy.randomness import Randomness
-
             rng = Randomness()  # secret
         self.rng = rng
 

@@ -6,6 +6,7 @@ import dp_accounting as dpa
 import torch
 
 from dpft.privacy.randomness import Randomness, SecretStream
+from dpft.step.truncated import truncated_event
 
 
 class GaussianMechanism:
@@ -96,7 +97,5 @@ class GaussianMechanism:
         """The ledger event of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_accounted))``
         (truncated Poisson: ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ_accounted)``)."""
         if self.truncation is not None:
-            from dpft.step.truncated import truncated_event
-
             return truncated_event(self.truncation[0], q, self.truncation[1], self.accounted_sigma)
         return dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.accounted_sigma))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from dpft.transforms.rmt import RMTDenoiser, matrix_param_names
 
 #: ``fn(grads, ctx) -> grads`` on the noisy averaged gradient (name → tensor).
 Transform = Callable[[dict[str, torch.Tensor], dict[str, Any]], dict[str, torch.Tensor]]
@@ -28,8 +29,6 @@ def divide(grads: dict[str, torch.Tensor], denom: float) -> dict[str, torch.Tens
 def rmt_transform(model, trainable_names: list[str], cfg) -> Transform:
     """The RMT denoiser as a transform: shrinks each 2-D weight gradient given the per-entry
     noise std σC/(qN) of the averaged gradient (Marchenko–Pastur; post-processing)."""
-    from dpft.transforms.rmt import RMTDenoiser, matrix_param_names
-
     den = RMTDenoiser(kappa=cfg.kappa, rank=cfg.rank, min_dim=getattr(cfg, "min_dim", 1))
     names = matrix_param_names(model, trainable_names)
 

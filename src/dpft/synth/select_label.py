@@ -32,6 +32,7 @@ import dp_accounting as dpa
 import torch
 
 from dpft.accounting.ledger import PrivacyLedger, epsilon_of
+from dpft.privacy.randomness import Randomness
 
 #: Ledger phase names of the two releases.
 PHASE_SELECT = "synthetic_select"
@@ -206,8 +207,6 @@ class SyntheticData:
 def _stream(rng):
     """The histograms' noise: the run's secret randomness, stream ``synth`` (a fresh secret
     source when the caller passes none); two draws, one per histogram."""
-    from dpft.privacy.randomness import Randomness
-
     return (rng if rng is not None else Randomness()).stream("synth")
 
 

@@ -20,14 +20,14 @@ from dpft.methods.ldp_split.protocol import (
     is_loopback,
     write_private,
 )
-from dpft.privacy.ldp import (
-    GaussianLDP,
-    LDPError,
-    SplitClassifier,
-    StackedAutoencoder,
-    clip_frobenius,
-)
+from dpft.privacy.ldp import GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, clip_frobenius, local_epsilon
 from dpft.privacy.randomness import Randomness, SecretStream
+from dpft.accounting.calibrate import check_delta
+from dpft.accounting.ewpba import NoiseSchedule, make_schedule, schedule_epsilon
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.methods.ewft import STREAM_STATEMENT, label_section, linked_section, max_releases_per_epoch, privatize_labels
+from dpft.perf import resolve_device
+from dpft.step.sample import PoissonSampler
 
 _REASON = re.compile(r"^[a-z_]{1,40}$")
 
@@ -59,13 +59,9 @@ class LDPClient:
 
         import httpx
 
-        from dpft.accounting.calibrate import check_delta
-        from dpft.accounting.ewpba import make_schedule
-        from dpft.accounting.ledger import PrivacyLedger
         from dpft.data.tasks import load_task
         from dpft.data.tokenize import tokenize_split
         from dpft.models.load import load_classifier
-        from dpft.step.sample import PoissonSampler
 
         r, c = recipe, recipe.ldp
         if not c.enabled:
@@ -119,7 +115,6 @@ class LDPClient:
         self.steps_per_epoch = _m.ceil(self.n / r.batch.expected_batch_size)
         self.total_steps = self.epochs * self.steps_per_epoch
         if c.noise_multiplier is not None:  # a fixed σ, as methods/ewft.py's LDPRun
-            from dpft.accounting.ewpba import NoiseSchedule, schedule_epsilon
 
             if not c.noise_multiplier > 0:
                 raise LDPError("ldp-client: ldp.noise_multiplier must be > 0 (σ = 0 releases the clean codes)")
@@ -144,12 +139,9 @@ class LDPClient:
         self.true_labels = torch.tensor([int(v) for v in self.train_tok["label"]], dtype=torch.long)
         self.noisy_labels: Optional[torch.Tensor] = None
         if c.label_epsilon is not None:
-            from dpft.methods.ewft import privatize_labels
-
             self.train_tok, self.noisy_labels = privatize_labels(self.train_tok, c.label_epsilon,
                                                                  self.task.num_labels, self.rng.stream("label_rr"))
         self.split = SplitClassifier(model, c.position, self.layer, r.model.max_length)
-        from dpft.perf import resolve_device
 
         # pre(·), the encoder, the clipping and the noise run on the client's perf.device; the
         # noisy codes are copied to the host only to be sent.
@@ -312,8 +304,6 @@ class LDPClient:
             self.http.close()
 
     def _run(self) -> dict[str, Any]:
-        from dpft.privacy.ldp import local_epsilon
-
         r = self.recipe
         plan = self._post("/plan", json.dumps({"num_labels": self.task.num_labels, "total_steps": self.total_steps,
                                                "expected_batch_size": r.batch.expected_batch_size}).encode(),
@@ -385,14 +375,6 @@ class LDPClient:
         kept, with its assumption. Labels: ε₂ by randomized response, or in the clear. Dev
         examples: one noisy code each at ``sigma_eval`` (local ε), labels in the clear or kept.
         """
-        from dpft.methods.ewft import (
-            STREAM_STATEMENT,
-            label_section,
-            linked_section,
-            max_releases_per_epoch,
-        )
-        from dpft.privacy.ldp import local_epsilon
-
         c = self.recipe.ldp
         d = c.delta
         per_epoch = max_releases_per_epoch(self.sampler, self.n, self.epochs, self.steps_per_epoch, self.total_steps)

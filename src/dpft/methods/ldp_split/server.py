@@ -30,7 +30,10 @@ from dpft.methods.ldp_split.protocol import (
     is_loopback,
     tensor_digest,
 )
-from dpft.privacy.ldp import GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder
+from dpft.privacy.ldp import GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, pretrain_autoencoder
+from dpft.config import TaskCfg
+from dpft.perf import resolve_device
+from dpft.privacy.label_rr import forward_corrected_loss, rr_transition_matrix
 
 
 class LDPServerState:
@@ -98,7 +101,6 @@ class LDPServerState:
         r, c = self.recipe, self.recipe.ldp
         if abs(p.expected_batch_size - float(r.batch.expected_batch_size)) > 1e-9:
             raise Refused(400, "plan_mismatch")
-        from dpft.perf import resolve_device
 
         tok, model = load_classifier(r.model.name, p.num_labels, seed=r.seed)
         ae = None
@@ -122,11 +124,6 @@ class LDPServerState:
         self.denom = float(p.expected_batch_size)
         self.loss = lambda logits, y: F.cross_entropy(logits, y, reduction="none")
         if c.label_epsilon is not None and c.label_loss_correction:
-            from dpft.privacy.label_rr import (
-                forward_corrected_loss,
-                rr_transition_matrix,
-            )
-
             # T is public (ε₂ and K from the shared recipe): labels arrive randomized
             tmat = rr_transition_matrix(c.label_epsilon, p.num_labels)
             self.loss = lambda logits, y: forward_corrected_loss(logits, y, tmat)
@@ -209,9 +206,7 @@ class LDPServerState:
 
 
 def _pretrain_public(split: SplitClassifier, ae: StackedAutoencoder, tok, r: Any) -> list[float]:
-    from dpft.config import TaskCfg
     from dpft.data.tasks import load_task
-    from dpft.privacy.ldp import pretrain_autoencoder
 
     a = r.ldp.autoencoder
     pub = load_task(TaskCfg(name=a.public_task, max_train_examples=a.public_examples), seed=r.seed)
