@@ -8,14 +8,58 @@ flags of ``dpft train``).
 from __future__ import annotations
 
 import difflib
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, get_args
+from typing import Annotated, Any, Callable, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from dpft.config_base import EvalCfg, LogCfg, OutputCfg, PerfCfg, PluginConfig
 from dpft.config_tune import TuneCfg
+
+@dataclass(frozen=True)
+class MethodsSchema:
+    """What the recipe schema asks of the method registry, installed by the registry itself
+    (:func:`set_methods_schema`; ``dpft.methods.base`` does on import), so that the schema
+    imports no method (issue 34: the house has one direction, methods → config).
+
+    Attributes:
+        legacy_sections: ``() -> {section: method name}``, the built-ins' historical top-level
+            sections (``subspace:`` → ``dpsft``, …), moved into ``methods:``.
+        config_model: ``name -> pydantic model`` of a registered method; raises a ``ValueError``
+            naming the registered methods (and the closest one) when ``name`` is unknown.
+        name_of: ``validated config -> its method's registered name`` (for the YAML dump).
+    """
+
+    legacy_sections: Callable[[], dict[str, str]]
+    config_model: Callable[[str], type[BaseModel]]
+    name_of: Callable[[BaseModel], str]
+
+
+_METHODS_SCHEMA: Optional[MethodsSchema] = None
+#: The built-in registry, loaded by name when no registry has installed itself yet (a registry
+#: lookup, as the built-in methods and the driver's phase runner are: not a static import).
+METHODS_REGISTRY_MODULE = "dpft.methods.base"
+
+
+def set_methods_schema(schema: MethodsSchema) -> None:
+    """Install the method registry's side of the schema (the registry calls this on import)."""
+    global _METHODS_SCHEMA
+    _METHODS_SCHEMA = schema
+
+
+def methods_schema() -> MethodsSchema:
+    """The installed :class:`MethodsSchema`; loads :data:`METHODS_REGISTRY_MODULE` by name first
+    when none is installed (a recipe loaded through ``dpft.config`` alone still knows the methods)."""
+    if _METHODS_SCHEMA is None:
+        importlib.import_module(METHODS_REGISTRY_MODULE)  # installs itself on import
+    if _METHODS_SCHEMA is None:
+        raise RuntimeError(f"no method registry installed ({METHODS_REGISTRY_MODULE} did not call "
+                           "dpft.config.set_methods_schema)")
+    return _METHODS_SCHEMA
+
 
 #: ``auto``: chosen by accounting/budget.py (issue 35) before the run is planned.
 Auto = Literal["auto"]
@@ -278,12 +322,9 @@ class Recipe(_Strict):
         """Move ``subspace:``/``ldp:``/``adam_ac:``/``denoise:`` into ``methods:``."""
         if not isinstance(data, dict):
             return data
-        from dpft.methods.base import LEGACY_SECTIONS, registered
-
-        registered()  # the built-ins declare their legacy sections when registered
         data = dict(data)
         methods = list(data.get("methods") or [])
-        for section, name in LEGACY_SECTIONS.items():
+        for section, name in methods_schema().legacy_sections().items():
             if section in data:
                 body = data.pop(section)
                 if body is None:
@@ -323,8 +364,7 @@ class Recipe(_Strict):
     @field_validator("methods", mode="before")
     @classmethod
     def _validate_methods(cls, v: Any) -> list[Any]:
-        from dpft.methods.base import get_method
-
+        config_model = methods_schema().config_model
         out, seen = [], set()
         for i, item in enumerate(v or []):
             if isinstance(item, BaseModel):
@@ -337,20 +377,17 @@ class Recipe(_Strict):
             if name in seen:
                 raise ValueError(f"methods: {name!r} appears twice")
             seen.add(name)
-            out.append(get_method(name).config.model_validate(body))
+            out.append(config_model(name).model_validate(body))
         return out
 
     @field_serializer("methods")
     def _dump_methods(self, v: list[Any]) -> list[dict[str, Any]]:
-        from dpft.methods.base import method_name
-
-        return [{"name": method_name(c), **c.model_dump(mode="json")} for c in v]
+        name_of = methods_schema().name_of
+        return [{"name": name_of(c), **c.model_dump(mode="json")} for c in v]
 
     def method_config(self, name: str) -> BaseModel:
         """The config of method ``name`` in this recipe, or its defaults when absent."""
-        from dpft.methods.base import get_method
-
-        cls = get_method(name).config
+        cls = methods_schema().config_model(name)
         for c in self.methods:
             if type(c) is cls:
                 return c
@@ -400,12 +437,10 @@ def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
             keys.extend(recipe_keys(sub, key + "."))
     if model is Recipe and not prefix:
         # the built-in methods' sections (subspace., ldp., adam_ac., denoise.) from their configs
-        from dpft.methods.base import LEGACY_SECTIONS, get_method, registered
-
-        registered()
-        for section, name in LEGACY_SECTIONS.items():
+        schema = methods_schema()
+        for section, name in schema.legacy_sections().items():
             keys.append(section)
-            keys.extend(recipe_keys(get_method(name).config, section + "."))
+            keys.extend(recipe_keys(schema.config_model(name), section + "."))
     return keys
 
 

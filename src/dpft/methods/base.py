@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol
 import dp_accounting as dpa
 from pydantic import BaseModel
 
+from dpft.config import MethodsSchema, set_methods_schema
+
 if TYPE_CHECKING:
     from dpft.accounting.ledger import PrivacyLedger
     from dpft.privacy.randomness import Randomness
@@ -344,3 +346,13 @@ def method_name(cfg: BaseModel) -> str:
         if type(cfg) is cls.config:
             return name
     raise MethodError(f"{type(cfg).__name__} is not the config of a registered method")
+
+
+def _legacy_sections() -> dict[str, str]:
+    registered()  # the built-ins declare their legacy sections when registered
+    return dict(LEGACY_SECTIONS)
+
+
+# The schema (config.py) validates ``methods:`` through this registry without importing it.
+set_methods_schema(MethodsSchema(legacy_sections=_legacy_sections, config_model=lambda name: get_method(name).config,
+                                 name_of=method_name))
