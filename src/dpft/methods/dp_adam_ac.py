@@ -240,6 +240,24 @@ class DPAdamAC(Method):
 
     @classmethod
     def markdown(cls, rep) -> list[str]:
-        from dpft.report.lm import adam_ac_markdown
-
-        return adam_ac_markdown(rep)
+        """Markdown lines of the DP-Adam-AC section of report.md (the options, σ split, final C and γ)."""
+        lines: list[str] = []
+        ac = rep.get("adam_ac")
+        if ac:
+            o = ac["options"]
+            opts = [k for k in ("adaptive_clip", "gamma_nudge", "bias_correction", "reproduce_paper") if o.get(k)]
+            if o.get("ema_decay"):
+                opts.append(f"EMA d = {o['ema_decay']}")
+            lines += ["## DP-Adam family options", "", f"- enabled: {', '.join(opts) or 'none'}"]
+            if "noise_multiplier_gradient" in ac:
+                lines.append(f"- σ accounted {ac['noise_multiplier_accounted']:.4g}; gradient noise σ_Δ "
+                             f"{ac['noise_multiplier_gradient']:.4g} (the rest pays for the noisy unclipped count)")
+                if "final_clip_norm" in ac:
+                    lines.append(f"- final clipping norm C = {ac['final_clip_norm']:.4g}")
+            if "final_gamma" in ac:
+                lines.append(f"- final learning-rate multiplier γ = {ac['final_gamma']:.4g}")
+            if o.get("ema_decay"):
+                lines.append("- dev metrics are of the EMA weights (raw weights: the *_raw fields of report.json); "
+                             "both are saved (model/ and model_ema/)")
+            lines.append("")
+        return lines

@@ -55,13 +55,13 @@ from dpft.methods.ewft_parts import (  # noqa: F401 (public here: the ldp: secti
     linked_section,
     label_section,
 )
+from dpft.methods.ewft_parts import ldp_markdown
 from dpft.accounting.ledger import PrivacyReport
 from dpft.config import TaskCfg
 from dpft.methods.ldp_train_pre import (
     PHASE_TRAIN_PRE, TrainPreEngine, TrainPreMechanism, calibrate, check_trainable, combined_event, effective_sigma,
     pre_parameters
 )
-from dpft.report.report import ldp_markdown
 from dpft.step.clip import make_clip_policy
 
 

@@ -1,6 +1,6 @@
 """EW-FT / DP-Forward's parts: the ``ldp:`` config models, the report's statements, σ of the
 official code (for reproduction) and the helpers of the run (label RR, release counts, report
-sections). methods/ewft.py wires them into the Trainer."""
+sections, the method's block of report.md). methods/ewft.py wires them into the Trainer."""
 
 from __future__ import annotations
 
@@ -265,3 +265,51 @@ def label_section(eps_label: float | None, num_labels: int, correction: bool, st
                                  "method": "basic composition (sum of ε's): an upper bound",
                                  "statement": COMBINED_STATEMENT},
     }
+
+
+# ---------------------------------------------------------------------------- report.md
+def ldp_markdown(rep: dict[str, Any]) -> list[str]:
+    """Forward-LDP block of the Markdown report: schedule and both guarantees."""
+    x, p = rep["ldp"], rep["privacy"]
+    loc = p["local"]
+    fmt = lambda v: ", ".join(f"{a:.4g}" for a in v)  # noqa: E731
+    return [
+        "## Forward-pass local DP (EW-FT / DP-Forward)", "",
+        "| item | value |", "|---|---|",
+        f"| noise position | {x['position']}; release per example: {x['release_shape'][0]} × {x['release_shape'][1]} |",
+        f"| autoencoder | {x['autoencoder'] or 'none'} |",
+        f"| clipping | Frobenius, C = {x['max_norm']:g}; replace-one sensitivity 2C = {x['sensitivity']:g} |",
+        f"| σ schedule | {x['method']}: σ_e = {fmt(x['sigmas'])} (noise std σ_e·2C = {fmt(x['noise_std_by_epoch'])}) |",
+        f"| sampling | Poisson, q = {x['q']:.5f}, {x['steps_per_epoch']} steps per epoch |",
+        f"| example-level ε (stream) | {p['epsilon']:.4g} at δ = {p['delta']:g} (PLD; RDP {p['epsilon_rdp']:.4g}) |",
+        f"| local ε per release, by epoch | {fmt(loc['epsilon_per_release_by_epoch'])} at δ = {loc['delta']:g} |",
+        f"| local ε per example, all releases | {loc['epsilon_per_example_all_releases']:.4g} "
+        f"(max releases per epoch {loc['max_releases_per_example_by_epoch']}) |",
+        *ldp_label_rows(p),
+        "",
+        f"- {p['statement']}",
+        f"- {loc['statement']}",
+        *[f"- {p[k]['statement']}" for k in ("linked_rows", "label") if p.get(k)],
+        *([f"- {p['label']['combined_upper_bound']['statement']}"] if p.get("label", {}).get("combined_upper_bound") else []),
+        f"- Evaluation {'with' if x['eval_noise'] else 'without'} the noise layer's noise (last epoch's σ).",
+        "",
+    ]
+
+
+def ldp_label_rows(p: dict[str, Any]) -> list[str]:
+    """Table rows of the linked-rows (no amplification) and label guarantees, when present."""
+    rows = []
+    if p.get("linked_rows"):
+        k = p["linked_rows"]
+        w = f"; with its label {k['epsilon_with_label']:.4g}" if k.get("epsilon_with_label") is not None else ""
+        rows.append(f"| example-level ε, server links rows to users (no amplification) | {k['epsilon']:.4g}{w} "
+                    f"at δ = {k['delta']:g} (PLD replace-one, {k['releases']} releases) |")
+    lab = p.get("label")
+    if lab and lab.get("privacy") == "randomized response":
+        c = lab["combined_upper_bound"]
+        rows += [f"| label ε₂ (randomized response, K = {lab['num_labels']}) | {lab['epsilon']:.4g} at δ = 0 "
+                 f"(keep probability {lab['keep_probability']:.3f}; loss: {lab['loss']}) |",
+                 f"| text + label, upper bound (basic composition) | ε ≤ {c['epsilon']:.4g} at δ = {c['delta']:g} |"]
+    elif lab:
+        rows.append("| labels | in the clear (not covered) |")
+    return rows

@@ -1,4 +1,4 @@
-"""Report sections of causal-LM runs and DP-Adam-AC options: privacy unit, generations, C and γ."""
+"""Report sections of causal-LM runs: privacy unit, generations."""
 
 from __future__ import annotations
 
@@ -29,30 +29,6 @@ def generation_summary(rep: dict[str, Any]) -> list[str]:
     if g.get("warning"):
         out.append(f"WARNING: {g['warning']}")
     return out
-
-
-def adam_ac_markdown(rep: dict[str, Any]) -> list[str]:
-    """Markdown lines of the DP-Adam-AC section (methods/dp_adam_ac.py)."""
-    lines: list[str] = []
-    ac = rep.get("adam_ac")
-    if ac:
-        o = ac["options"]
-        opts = [k for k in ("adaptive_clip", "gamma_nudge", "bias_correction", "reproduce_paper") if o.get(k)]
-        if o.get("ema_decay"):
-            opts.append(f"EMA d = {o['ema_decay']}")
-        lines += ["## DP-Adam family options", "", f"- enabled: {', '.join(opts) or 'none'}"]
-        if "noise_multiplier_gradient" in ac:
-            lines.append(f"- σ accounted {ac['noise_multiplier_accounted']:.4g}; gradient noise σ_Δ "
-                         f"{ac['noise_multiplier_gradient']:.4g} (the rest pays for the noisy unclipped count)")
-            if "final_clip_norm" in ac:
-                lines.append(f"- final clipping norm C = {ac['final_clip_norm']:.4g}")
-        if "final_gamma" in ac:
-            lines.append(f"- final learning-rate multiplier γ = {ac['final_gamma']:.4g}")
-        if o.get("ema_decay"):
-            lines.append("- dev metrics are of the EMA weights (raw weights: the *_raw fields of report.json); "
-                         "both are saved (model/ and model_ema/)")
-        lines.append("")
-    return lines
 
 
 def render_extra(rep: dict[str, Any]) -> list[str]:
