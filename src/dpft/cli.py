@@ -19,6 +19,7 @@ from dpft.report.lm import generation_summary
 from dpft.report.report import epsilon_line, reprint
 from dpft.run.errors import TrainingError
 from dpft.run.tune import summary, tune as run_tune
+import dpft.methods.base  # noqa: F401,E402 (the method registry installs the recipe schema's methods hook)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Differentially private fine-tuning of language models.")
