@@ -49,7 +49,8 @@ def check_recipe(recipe: Any) -> None:
     Raises:
         QuantizationError: bitsandbytes missing (naming ``dpft[quant]``); ``trainable.mode`` other
             than ``lora`` (the quantized base is frozen: only adapters train); a task other than
-            ``text`` / ``instruct`` (QLoRA is verified on causal LMs only); ``model.adapter`` set.
+            ``text`` / ``instruct`` (QLoRA is verified on causal LMs only); ``model.adapter`` set;
+            ``int8`` with ``perf.sharding: fsdp`` (the gathered weight loses bitsandbytes' row statistics).
     """
     q = getattr(recipe.model, "quantization", None)
     if q is None:
@@ -62,6 +63,13 @@ def check_recipe(recipe: Any) -> None:
     if recipe.task.name not in _CAUSAL_TASKS:
         why.append(f"task {recipe.task.name!r}: QLoRA is verified on causal LMs only (task text or instruct); "
                    "drop model.quantization")
+    if q == "int8" and getattr(recipe.perf, "sharding", "ddp") == "fsdp":
+        # FSDP2 all-gathers a plain tensor: bitsandbytes' Int8Params keeps its row statistics (CB, SCB)
+        # as attributes of the parameter object, so Linear8bitLt's forward fails on the gathered weight
+        # ("'Parameter' object has no attribute 'CB'", bitsandbytes 0.50.2). NF4 keeps its quant state
+        # on the module and rebuilds the parameter (bitsandbytes fix_4bit_weight_quant_state_from_module).
+        why.append("int8 with perf.sharding fsdp: LLM.int8 weights lose their row statistics in FSDP2's "
+                   "all-gather; use model.quantization: nf4 (its packed weights shard), or perf.sharding: ddp")
     if getattr(recipe.model, "adapter", None) is not None:
         why.append("model.adapter: bottleneck adapters are not verified over a quantized base; drop one of them")
     if why:
