@@ -96,8 +96,9 @@ def dpo_parts(rec: dict, output_dir: str | Path, no_dp: bool = False):
 
 
 def pairs_from_chats(path: str | Path, n: int | None = None):
-    """Preference pairs from a chat file (JSON lines with ``messages``): prompt = the turns before the
-    first assistant reply, chosen = that reply, rejected = the reply of the next conversation whose
+    """Preference pairs from a chat file (JSON lines with ``messages``), as plain text (any tokenizer,
+    chat template or not): prompt = the turns before the first assistant reply as ``role: content``
+    lines and ``assistant:``, chosen = that reply, rejected = the reply of the next conversation whose
     reply differs (a benchmark's pairs: the shapes of real pairs, not their meaning)."""
     import datasets
 
@@ -107,13 +108,13 @@ def pairs_from_chats(path: str | Path, n: int | None = None):
         msgs = r["messages"]
         k = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), None)
         if k:
-            convs.append((msgs[:k], msgs[k]["content"]))
+            prompt = "\n".join(f"{m['role']}: {m['content']}" for m in msgs[:k]) + "\nassistant:"
+            convs.append((prompt, msgs[k]["content"]))
     out = []
     for j, (prompt, reply) in enumerate(convs):
         other = next((c[1] for c in convs[j + 1:] + convs[:j] if c[1] != reply), None)
         if other is not None:
-            out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": reply}],
-                        "rejected": [{"role": "assistant", "content": other}]})
+            out.append({"prompt": prompt, "chosen": " " + reply, "rejected": " " + other})
     return datasets.Dataset.from_list(out[:n] if n else out)
 
 

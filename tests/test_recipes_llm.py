@@ -136,3 +136,19 @@ def test_the_dpo_recipe_runs_on_a_tiny_model(tiny_dir, tmp_path):
     out = llm_jobs.run_dpo(rec, tmp_path / "dpo", str(tiny_dir), pairs)
     assert out["steps"] == 1 and 0 < out["epsilon"] <= 8.0
     assert json.loads((tmp_path / "dpo" / "job.json").read_text())["private"] is True
+
+
+def test_gpu_suite_dry_run_lists_the_llm_stages():
+    import subprocess
+
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    for stage in ("make_llama_1b", "make_llama_8b", "sft_1b_lora_dp", "sft_1b_lora_nodp", "sft_1b_qlora_dp",
+                  "sft_8b_lora_dp", "sft_8b_qlora_dp", "sft_8b_qlora_nodp", "dpo_8b_lora_dp", "dpo_8b_lora_nodp",
+                  "opacus_fsdp_ghost_1b_lora"):
+        assert f"+ [{stage}," in r.stdout, stage
+    assert "recipes/chat-sft-llama-8b-qlora-user.yaml" in r.stdout and "--no-dp" in r.stdout
+    skipped = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--no-llm"],
+                             capture_output=True, text=True, timeout=60)
+    assert skipped.returncode == 0 and "sft_1b_lora_dp" not in skipped.stdout
