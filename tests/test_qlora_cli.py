@@ -124,6 +124,10 @@ def test_other_refusals_and_the_schema(tiny_dir):
         load_recipe(None, {"model.quantization": "int4"})
     with pytest.raises(RecipeError, match=r"bottleneck adapters are not verified over a quantized base"):
         load_recipe(None, {"model.quantization": "int8", "model.adapter": {"reduction_factor": 8}})
+    merged = load_recipe(None, {"model.quantization": "nf4", "trainable.mode": "lora", "task.name": "text",
+                                "output.merge_lora": True})
+    with pytest.raises(quant.QuantizationError, match=r"output\.merge_lora: merging into a quantized base re-quantizes"):
+        quant.check_recipe(merged)
     quant.check_recipe(load_recipe(None, {"trainable.mode": "full"}))  # no quantization: nothing to refuse
 
 

@@ -50,7 +50,8 @@ def check_recipe(recipe: Any) -> None:
         QuantizationError: bitsandbytes missing (naming ``dpft[quant]``); ``trainable.mode`` other
             than ``lora`` (the quantized base is frozen: only adapters train); a task other than
             ``text`` / ``instruct`` (QLoRA is verified on causal LMs only); ``model.adapter`` set;
-            ``int8`` with ``perf.sharding: fsdp`` (the gathered weight loses bitsandbytes' row statistics).
+            ``int8`` with ``perf.sharding: fsdp`` (the gathered weight loses bitsandbytes' row statistics);
+            ``output.merge_lora`` (merging re-quantizes: not the trained model).
     """
     q = getattr(recipe.model, "quantization", None)
     if q is None:
@@ -70,6 +71,11 @@ def check_recipe(recipe: Any) -> None:
         # on the module and rebuilds the parameter (bitsandbytes fix_4bit_weight_quant_state_from_module).
         why.append("int8 with perf.sharding fsdp: LLM.int8 weights lose their row statistics in FSDP2's "
                    "all-gather; use model.quantization: nf4 (its packed weights shard), or perf.sharding: ddp")
+    if getattr(getattr(recipe, "output", None), "merge_lora", False):
+        # peft merges into a bitsandbytes layer by dequantizing, adding B·A and quantizing again: the
+        # merged weights are not the trained model (rounding), and they would be released as if they were
+        why.append("output.merge_lora: merging into a quantized base re-quantizes the sum (not the trained model); "
+                   "keep the adapter (saved by default) and merge it onto the full-precision base yourself")
     if getattr(recipe.model, "adapter", None) is not None:
         why.append("model.adapter: bottleneck adapters are not verified over a quantized base; drop one of them")
     if why:
