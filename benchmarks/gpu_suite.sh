@@ -74,8 +74,8 @@ if [ "$MODE" = smoke ]; then
   QWEN=(--set model.max_length=64)
   MAKE=(--tiny); NPROC=2; T_SPEED=300; T_RUN=600; T_DIST=600
   # stage 4 at toy sizes: tiny random Llamas, one step, CPU, fp32
-  LLMMAKE=(--tiny); LLMSET=(--device cpu --dtype fp32 --steps 1 --set model.max_length=64
-                            --set batch.max_physical_batch_size=4); DPOSET=(--steps 1 --set dpo.max_length=64)
+  LLMMAKE=(--tiny); LLMSET=(--device cpu --dtype fp32 --steps 2 --set model.max_length=64
+                            --set batch.max_physical_batch_size=4); DPOSET=(--steps 1 --set dpo.max_length=512)
   OPACUS=(--batch 2 --seq 32 --steps 1); T_MAKE=120; T_LLM=600
 else
   TAG=cuda; DEVICE=cuda; DTYPE=bf16; RES=benchmarks/results
@@ -209,9 +209,9 @@ if [ "$LLM" = 1 ]; then
     for q in lora qlora; do
       rec=recipes/chat-sft-llama-$size-$q-user.yaml; tag=sft_${size}_${q}; label="SFT ${size^^} ${q/qlora/QLoRA} user"
       label=${label/ lora / LoRA }
-      run "${tag}_dp" "$T_LLM" "$PY" benchmarks/gpu_suite.py run "$RUNS/$tag" -- train "$rec" --quiet \
+      run "${tag}_dp" "$T_LLM" "$PY" benchmarks/llm_jobs.py sft "$RUNS/$tag" -- train "$rec" --quiet \
         --set "model.name=$model" "${CHATS[@]}" "${LLMSET[@]}" --output-dir "$RUNS/$tag"
-      run "${tag}_nodp" "$T_LLM" "$PY" benchmarks/gpu_suite.py run "$RUNS/${tag}_nodp" -- train "$rec" --quiet --no-dp \
+      run "${tag}_nodp" "$T_LLM" "$PY" benchmarks/llm_jobs.py sft "$RUNS/${tag}_nodp" -- train "$rec" --quiet --no-dp \
         --set "model.name=$model" "${CHATS[@]}" "${LLMSET[@]}" --output-dir "$RUNS/${tag}_nodp"
       LLMJOBS+=("$label DP=$RUNS/$tag" "$label non-private=$RUNS/${tag}_nodp")
     done
@@ -241,7 +241,7 @@ fi
   echo "|---|---|---|"
   printf '%s\n' "${STAGES[@]}"
 } > "$SUMMARY"
-"$PY" benchmarks/gpu_suite.py report "End-to-end instruct runs (E2E NLG; BLEU/ROUGE-L on greedy dev generations)" \
+[ "$LLMONLY" = 1 ] || "$PY" benchmarks/gpu_suite.py report "End-to-end instruct runs (E2E NLG; BLEU/ROUGE-L on greedy dev generations)" \
   "$SUMMARY" "stories260K=$RUNS/stories" "Qwen2-0.5B (random init)=$RUNS/qwen" >/dev/null
 if [ ${#DIST[@]} -gt 0 ]; then
   "$PY" benchmarks/gpu_suite.py report --ledgers "stories260K: 1 process against DDP (ledgers must be identical)" \

@@ -5,6 +5,9 @@
     a random-initialised Llama of one of ``memory_plan.SHAPES`` (the published configs' shape
     fields), saved in bf16 with the given tokenizer (no hub on the device). ``--tiny``: hidden 64,
     2 blocks (the CPU smoke run).
+``sft RUN_DIR -- <dpft train arguments>``
+    ``dpft train`` in this process with each logical step timed (CUDA synchronised); writes
+    ``RUN_DIR/job.json``: median s/step after the first step, the run's peak GPU memory, ε.
 ``dpo RECIPE --run-dir DIR [--model DIR] [--pairs-from CHATS.jsonl] [--steps N] [--no-dp] [--set k=v]``
     a DPO recipe (recipes/trl/*.yaml: ``model``, ``data``, ``lora`` = peft ``LoraConfig``, ``dpo`` =
     TRL ``DPOConfig``, ``dp`` = dpft ``DPArguments``) through ``dpft.integrations.trl.DPDPOTrainer``
@@ -183,6 +186,53 @@ def run_dpo(rec: dict, run_dir: Path, model_dir: str | None = None, pairs=None, 
     return out
 
 
+def run_sft(run_dir: Path, cli_args: list[str]) -> dict:
+    """``dpft <cli_args>`` in this process with every logical step timed (``Trainer.step``, CUDA
+    synchronised); writes ``run_dir/job.json``: the median step time after the first step (the
+    first alone when there is one), the run's peak GPU memory, ε from the run's report."""
+    import torch
+
+    from dpft import cli
+    from dpft.run import loop
+
+    cuda = torch.cuda.is_available()
+    times: list[float] = []
+    orig = loop.Trainer.step
+
+    def timed(self, t):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = orig(self, t)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        return out
+
+    loop.Trainer.step = timed
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    code = 0
+    sys.argv = ["dpft", *cli_args]
+    try:
+        cli.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        loop.Trainer.step = orig
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rep = run_dir / "report.json"
+    r = json.loads(rep.read_text()) if rep.is_file() else {}
+    timed_steps = sorted(times[1:]) or times
+    out = {"job": "dpft train", "exit_code": code, "private": "--no-dp" not in cli_args, "steps": len(times),
+           "seconds_per_step": timed_steps[len(timed_steps) // 2] if timed_steps else None,
+           "peak_memory_bytes": _peak(), "epsilon": (r.get("privacy") or {}).get("epsilon"),
+           "delta": (r.get("privacy") or {}).get("delta"),
+           "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    (run_dir / "job.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
 def make_model(shape: str, tokenizer: str, out: Path, layers: int | None = None, tiny: bool = False) -> int:
     """Write a random-initialised Llama of ``shape`` (bf16) with ``tokenizer``'s files; returns its
     parameter count."""
@@ -286,7 +336,7 @@ def _job(d: Path) -> dict:
     r = json.loads(rep.read_text())
     steps = (r.get("dp") or {}).get("steps") or (r.get("schedule") or {}).get("steps") or 0
     g = json.loads(gpu.read_text()) if gpu.is_file() else {}
-    return {"steps": steps, "seconds_per_step": r.get("time_seconds", 0) / steps if steps else None,
+    return {"steps": steps, "seconds_per_step": r.get("time_seconds", 0) / steps if steps else None,  # whole run
             "peak_memory_bytes": g.get("peak_memory_bytes", 0), "epsilon": (r.get("privacy") or {}).get("epsilon"),
             "delta": (r.get("privacy") or {}).get("delta")}
 
@@ -333,6 +383,9 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, default=None)
     d.add_argument("--no-dp", action="store_true")
     d.add_argument("--set", action="append", default=[])
+    f = sub.add_parser("sft")
+    f.add_argument("run_dir")
+    f.add_argument("cli", nargs=argparse.REMAINDER)
     o = sub.add_parser("opacus")
     o.add_argument("--model", required=True)
     o.add_argument("--run-dir", required=True)
@@ -354,6 +407,10 @@ def main(argv=None) -> int:
         rec = load_trl_recipe(a.recipe, ov)
         pairs = pairs_from_chats(a.pairs_from) if a.pairs_from else None
         print(json.dumps(run_dpo(rec, Path(a.run_dir), a.model, pairs, a.no_dp)))
+    elif a.cmd == "sft":
+        out = run_sft(Path(a.run_dir), [x for x in a.cli if x != "--"])
+        print(json.dumps(out))
+        return int(out["exit_code"] or 0)
     elif a.cmd == "opacus":
         print(json.dumps(run_opacus(a.model, Path(a.run_dir), a.batch, a.seq, a.steps, a.lora)))
     else:
