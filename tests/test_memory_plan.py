@@ -43,6 +43,7 @@ def test_lora_count_equals_peft():
     assert count_parameters(model)[0] == mp.counts(shape)["lora"]
 
 
+@pytest.mark.slow  # 15-30 s each on 2 shared cores (profiled CPU step)
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_formulas_meet_the_stated_tolerance_on_a_measured_cpu_step(tmp_path, mode):
     name = "8B/16 width, 4 blocks, V 1024, T 512"  # the factors at the backward's end set the peak
@@ -61,6 +62,7 @@ def test_plan_shards_over_gpus_and_books_the_engines_buffers():
     assert one.bookkeeping > 0
 
 
+@pytest.mark.slow  # ~50 s on 2 shared cores: about 15 PLD calibrations
 def test_batch_for_is_the_smallest_meeting_the_noise_target():
     from dpft.accounting.calibrate import calibrate_sigma
 
