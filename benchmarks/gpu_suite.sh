@@ -17,6 +17,16 @@
 #   3. with more than one visible GPU: the same runs under torchrun, DDP (one process per GPU,
 #      NCCL) and FSDP2 (perf.sharding: fsdp, when this dpft has it), ledgers compared with the
 #      1-process run -> benchmarks/results/gpu_suite_cuda.md
+#   4. the LLM recipes (issue 38): random-initialised Llama-3.2-1B and Llama-3.1-8B shapes
+#      (benchmarks/llm_jobs.py make: weights from the configs, no hub), then chat SFT at user level
+#      with LoRA and QLoRA (recipes/chat-sft-llama-{1b,8b}-{lora,qlora}-user.yaml, the example chat
+#      data's 117 users, 16 expected users per step) and DPO on preference pairs
+#      (recipes/trl/dpo-pairs-llama-8b-lora.yaml, pairs made from the same chats), each private run
+#      beside the non-private run of the same recipe (--no-dp): s/step and peak GPU memory, and
+#      their ratios; and Opacus 1.6's FSDP2 ghost clipping (grad_sample_mode ghost_fsdp, one process)
+#      on the 1B model with LoRA at 8 x 512 tokens (stage 1 times dpft at that shape), skipped with a
+#      message when the installed Opacus has no FSDP2 -> benchmarks/results/gpu_suite_cuda.md
+#   --no-llm skips stage 4; --llm-only runs stage 4 alone (it takes longer than 10 minutes with 8B).
 #
 # The GPU machine has Python 3.12, torch+CUDA, transformers, peft, accelerate and sacrebleu but no
 # internet: the other wheels (dp-accounting, pydantic, datasets, Opacus, ...) and the data come
@@ -33,11 +43,15 @@ for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     --smoke) MODE=smoke ;;
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
-    *) echo "unknown option $a (--dry-run, --smoke)" >&2; exit 2 ;;
+    --no-llm) LLM=0 ;;
+    --llm-only) LLMONLY=1 ;;
+    -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+    *) echo "unknown option $a (--dry-run, --smoke, --no-llm, --llm-only)" >&2; exit 2 ;;
   esac
 done
 DRY=${DRY:-0}
+LLM=${LLM:-1}
+LLMONLY=${LLMONLY:-0}
 PY=${PYTHON:-python3}
 RUNS=${RUNS:-runs/gpu_suite}
 CARRY=benchmarks/gpu_carry
@@ -59,6 +73,10 @@ if [ "$MODE" = smoke ]; then
          --set eval.max_generate_prompts=4 --set eval.max_new_tokens=8 --set eval.batch_size=8)
   QWEN=(--set model.max_length=64)
   MAKE=(--tiny); NPROC=2; T_SPEED=300; T_RUN=600; T_DIST=600
+  # stage 4 at toy sizes: tiny random Llamas, one step, CPU, fp32
+  LLMMAKE=(--tiny); LLMSET=(--device cpu --dtype fp32 --steps 2 --set model.max_length=64
+                            --set batch.max_physical_batch_size=4); DPOSET=(--steps 1 --set dpo.max_length=512)
+  OPACUS=(--batch 2 --seq 32 --steps 1); T_MAKE=120; T_LLM=600
 else
   TAG=cuda; DEVICE=cuda; DTYPE=bf16; RES=benchmarks/results
   # Qwen2 and Llama first (what people fine-tune), then the GPT-2 cases; a case starts only
@@ -73,6 +91,9 @@ else
         --set schedule.steps=20 --set eval.every_steps=20 --set eval.max_generate_prompts=64
         --set eval.max_new_tokens=32 --set eval.batch_size=32 --set optimizer.lr=3e-4)
   MAKE=(); NPROC=0; T_SPEED=230; T_RUN=150; T_DIST=150
+  # stage 4: the recipes' own shapes and physical batches, 5 logical steps of 16 expected users
+  LLMMAKE=(); LLMSET=(--device cuda --steps 5); DPOSET=(--steps 5); OPACUS=(--batch 8 --seq 512 --steps 5)
+  T_MAKE=420; T_LLM=600
 fi
 SUMMARY=$RES/gpu_suite_${TAG}.md
 LOGS=$RUNS/logs
@@ -136,6 +157,9 @@ if [ "$DRY" != 1 ] && "$PY" -c 'import sys, typing; from dpft.config import Perf
   HAS_FSDP=1
 fi
 
+if [ "$LLMONLY" = 1 ]; then
+  echo "(--llm-only: stages 1-3 skipped)"
+else
 # 1. step speed: dpft against Opacus ghost clipping, same cases, same precision
 run step_speed "$T_SPEED" "$PY" benchmarks/step_speed.py "${SPEED[@]}" --methods nonprivate dpft-bk opacus-ghost \
   --out "$RES/step_speed_${TAG}.md"
@@ -166,6 +190,44 @@ if [ "$DRY" = 1 ] || [ "$NPROC" -gt 1 ]; then
 else
   STAGES+=("| ddp / fsdp | skipped: one GPU visible (needs ≥ 2) | 0 |")
 fi
+fi  # --llm-only
+
+# 4. the LLM recipes (issue 38): SFT at user level with LoRA / QLoRA, DPO, each against its non-private
+#    run; Opacus 1.6 FSDP2 ghost clipping on the same 1B model
+LLMJOBS=()
+if [ "$LLM" = 1 ]; then
+  M1B=$RUNS/llama-3.2-1b-random; M8B=$RUNS/llama-3.1-8b-random
+  CHATS=(--set task.train_file=examples/chat-support/train.jsonl --set task.dev_file=examples/chat-support/dev.jsonl
+         --set batch.expected_batch_size=16 --set eval.generate=false --set eval.every_steps=100000
+         --set checkpoint_every=100000 --set task.max_dev_examples=16)
+  run make_llama_1b "$T_MAKE" "$PY" benchmarks/llm_jobs.py make --shape llama-3.2-1b --tokenizer "$DATA/models/stories260K" \
+    --out "$M1B" "${LLMMAKE[@]}"
+  run make_llama_8b "$T_MAKE" "$PY" benchmarks/llm_jobs.py make --shape llama-3.1-8b --tokenizer "$DATA/models/stories260K" \
+    --out "$M8B" "${LLMMAKE[@]}"
+  for size in 1b 8b; do
+    model=$M1B; [ $size = 8b ] && model=$M8B
+    for q in lora qlora; do
+      rec=recipes/chat-sft-llama-$size-$q-user.yaml; tag=sft_${size}_${q}; label="SFT ${size^^} ${q/qlora/QLoRA} user"
+      label=${label/ lora / LoRA }
+      run "${tag}_dp" "$T_LLM" "$PY" benchmarks/llm_jobs.py sft "$RUNS/$tag" -- train "$rec" --quiet \
+        --set "model.name=$model" "${CHATS[@]}" "${LLMSET[@]}" --output-dir "$RUNS/$tag"
+      run "${tag}_nodp" "$T_LLM" "$PY" benchmarks/llm_jobs.py sft "$RUNS/${tag}_nodp" -- train "$rec" --quiet --no-dp \
+        --set "model.name=$model" "${CHATS[@]}" "${LLMSET[@]}" --output-dir "$RUNS/${tag}_nodp"
+      LLMJOBS+=("$label DP=$RUNS/$tag" "$label non-private=$RUNS/${tag}_nodp")
+    done
+  done
+  DPO=recipes/trl/dpo-pairs-llama-8b-lora.yaml
+  run dpo_8b_lora_dp "$T_LLM" "$PY" benchmarks/llm_jobs.py dpo "$DPO" --model "$M8B" --run-dir "$RUNS/dpo_8b" \
+    --pairs-from examples/chat-support/train.jsonl --set dp.expected_batch_size=16 "${DPOSET[@]}"
+  run dpo_8b_lora_nodp "$T_LLM" "$PY" benchmarks/llm_jobs.py dpo "$DPO" --model "$M8B" --run-dir "$RUNS/dpo_8b_nodp" \
+    --pairs-from examples/chat-support/train.jsonl --no-dp "${DPOSET[@]}"
+  run opacus_fsdp_ghost_1b_lora "$T_LLM" "$PY" benchmarks/llm_jobs.py opacus --model "$M1B" --lora \
+    --run-dir "$RUNS/opacus_1b" "${OPACUS[@]}"
+  LLMJOBS+=("DPO 8B LoRA pairs DP=$RUNS/dpo_8b" "DPO 8B LoRA pairs non-private=$RUNS/dpo_8b_nodp"
+            "Opacus 1.6 FSDP2 ghost clipping, 1B LoRA (compare stage 1's dpft-bk at 8x512)=$RUNS/opacus_1b")
+else
+  STAGES+=("| LLM recipes (stage 4) | skipped: --no-llm | 0 |")
+fi
 
 [ "$DRY" = 1 ] && { echo "dry run: nothing was run"; exit 0; }
 {
@@ -179,13 +241,17 @@ fi
   echo "|---|---|---|"
   printf '%s\n' "${STAGES[@]}"
 } > "$SUMMARY"
-"$PY" benchmarks/gpu_suite.py report "End-to-end instruct runs (E2E NLG; BLEU/ROUGE-L on greedy dev generations)" \
+[ "$LLMONLY" = 1 ] || "$PY" benchmarks/gpu_suite.py report "End-to-end instruct runs (E2E NLG; BLEU/ROUGE-L on greedy dev generations)" \
   "$SUMMARY" "stories260K=$RUNS/stories" "Qwen2-0.5B (random init)=$RUNS/qwen" >/dev/null
 if [ ${#DIST[@]} -gt 0 ]; then
   "$PY" benchmarks/gpu_suite.py report --ledgers "stories260K: 1 process against DDP (ledgers must be identical)" \
     "$SUMMARY" "stories260K 1 process=$RUNS/stories" "${DIST[0]}" >/dev/null
   "$PY" benchmarks/gpu_suite.py report --ledgers "Qwen2-0.5B: 1 process against DDP / FSDP2 (ledgers must be identical)" \
     "$SUMMARY" "Qwen2-0.5B 1 process=$RUNS/qwen" "${DIST[@]:1}" >/dev/null
+fi
+if [ ${#LLMJOBS[@]} -gt 0 ]; then
+  "$PY" benchmarks/llm_jobs.py table "$SUMMARY" "LLM recipes: private step against the non-private step (issue 38)" \
+    "${LLMJOBS[@]}" >/dev/null
 fi
 cat "$SUMMARY"
 if [ -n "${OUT:-}" ]; then

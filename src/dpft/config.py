@@ -96,6 +96,19 @@ class ModelCfg(_Strict):
     #: Bottleneck adapters in every block (BERT family); only adapters + head train
     #: (needs ``trainable.mode: head``). None = no adapters.
     adapter: Optional[AdapterCfg] = None
+    #: QLoRA (models/quant.py): load the causal LM's frozen base quantized with bitsandbytes —
+    #: ``nf4`` (4-bit NormalFloat, double quantization, computed in perf.dtype) or ``int8``
+    #: (LLM.int8 with llm_int8_threshold 0: no outlier columns chosen across examples) — and train
+    #: LoRA adapters on it (needs ``trainable.mode: lora``, ``pip install 'dpft[quant]'``). None =
+    #: full precision.
+    quantization: Optional[Literal["nf4", "int8"]] = None
+
+    @model_validator(mode="after")
+    def _quantization_without_adapter(self):
+        if self.quantization is not None and self.adapter is not None:
+            raise ValueError(f"model.quantization {self.quantization} with model.adapter: bottleneck adapters are "
+                             "not verified over a quantized base; drop one (QLoRA trains LoRA: trainable.mode: lora)")
+        return self
 
 
 class TaskCfg(_Strict):

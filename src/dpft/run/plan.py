@@ -36,6 +36,7 @@ from dpft.eval.dev import DevEvaluator
 from dpft.methods.base import PhaseRunner, Run, active_methods
 from dpft.models.build import build_model
 from dpft.models.load import is_head_param
+from dpft.models.quant import check_recipe as check_quantization
 from dpft.models.losses import causal_lm_loss, classification_loss, seq2seq_lm_loss
 from dpft.optim import build_optimizer, build_scheduler
 from dpft.perf import Placement, build_placement, place_model
@@ -154,6 +155,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                                            ledger if ledger is not None else PrivacyLedger())
     methods = active_methods(r)
     sharded = r.perf.sharding == "fsdp"
+    check_quantization(r)  # model.quantization (QLoRA): bitsandbytes installed, LoRA only; before any loading
     if sharded:  # refusals that need no data, before any loading (dpft/fsdp.py)
 
         check_recipe(r, world.world_size, methods, private, resume)
@@ -164,7 +166,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     mechanism = _recipe_mechanism(r, private, [m.name for m in methods])  # refusals before any loading
 
     task = load_rows(r, private)
-    tokenizer, model = build_model(r, num_labels(task))
+    tokenizer, model = build_model(r, num_labels(task), device=placement.device)
     model = place_model(model, r.perf, placement.device)
     data = build_train_data(r, task, tokenizer, hide_counts=private or bool(methods), progress=progress)
     unit = build_unit(r, data.train_tok, data.task.notes, rng, private, mechanism)
