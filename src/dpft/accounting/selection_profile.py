@@ -97,12 +97,16 @@ def log_ratio(dist, eps2: float, delta2: float) -> float:
     return (dist.eta + 1.0) * math.log(r)
 
 
-def _inner_levels(dist, grid: ProfileGrid, n: int = 80) -> list[int]:
+def _inner_levels(dist, grid: ProfileGrid, n: int = 300) -> list[int]:
+    """Indices of the ε₂ tried: every other grid point up to ε = 1.5, then ``n`` geometric ones."""
     if dist.kind == "poisson":
         return [0]
+    step = float(grid.eps[1] - grid.eps[0])
     top = float(grid.eps[-1])
-    idx = {0} | {int(round(e / (grid.eps[1] - grid.eps[0]))) for e in np.geomspace(1e-3, max(top, 2e-3), n)}
-    return sorted(i for i in idx if i < len(grid.eps))
+    fine = np.arange(0, int(min(top, 1.5) / step) + 1, 2)
+    coarse = np.rint(np.geomspace(1.5, max(top, 1.5), n) / step).astype(int)
+    idx = np.unique(np.concatenate([fine, coarse]))
+    return [int(i) for i in idx if i < len(grid.eps)]
 
 
 def profile_epsilon(dist, grid: ProfileGrid, delta: float) -> tuple[float, dict]:
