@@ -222,12 +222,17 @@ def base_rdp(candidates: Sequence[dpa.DpEvent], orders: Sequence[float] = ORDERS
 _PLD_CACHE: dict[str, object] = {}
 
 
-def _pld(event: dpa.DpEvent):
-    """The PLD of ``event`` (dp-accounting, pessimistic, grid 1e-4), cached by the event's repr
+#: PLD discretisation of the profile bound's δ_Q (coarser than the per-trial 1e-4: a large-σ·small-T
+#: PLD at 1e-4 takes ~10 s to build; a coarser pessimistic PLD only loosens the bound).
+PROFILE_PLD_INTERVAL = 1e-3
+
+
+def _pld(event: dpa.DpEvent, interval: float = 1e-4):
+    """The PLD of ``event`` (dp-accounting, pessimistic, grid ``interval``), cached by the event's repr
     (events are values: equal reprs are equal events); at most 32 kept."""
-    key = repr(event)
+    key = f"{interval}|{event!r}"
     if key not in _PLD_CACHE:
-        acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=1e-4)
+        acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=interval)
         acc.compose(event)
         if len(_PLD_CACHE) >= 32:
             _PLD_CACHE.pop(next(iter(_PLD_CACHE)))
@@ -303,7 +308,7 @@ def profile_grid(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: 
                  cap: float = 100.0) -> "_prof.ProfileGrid":
     """The base mechanism's privacy profile (pointwise maximum over the candidates' PLDs) on a grid
     reaching the ε at the smallest δ the bound can ask of Q (δ / (E[K]·max R^{η+1})), at most ``cap``."""
-    plds = [_pld(c) for c in candidates]
+    plds = [_pld(c, PROFILE_PLD_INTERVAL) for c in candidates]
     if dist.kind == "poisson":
         tv = max(float(p.get_delta_for_epsilon(0.0)) for p in plds)
         worst = dist.mean() * math.exp(dist.mu * tv)

@@ -32,7 +32,7 @@ Derivation (add/remove neighbours X, X'; Q = Q(X), Q' = Q(X'); φ(x) = E[x^K]):
    divergence is jointly convex, so δ_Q is bounded by the pointwise maximum of their profiles.
 
 Numerics (never in our favour): δ_Q(ε) comes from dp-accounting's pessimistic PLD (the maximum of
-the add and remove directions), evaluated on a grid of ε with step ``STEP``; ε₁ is the first grid
+the add and remove directions), evaluated on a grid of ε with step ``STEP`` (or ε_max/20,000 when wider); ε₁ is the first grid
 point whose δ_Q is ≤ the δ asked of Q (ε rounded up to the grid), ε₂ ranges over a subgrid (any
 ε₂ gives a valid bound, so a minimum over a subset is still one), and R and the final ε are
 inflated by 1e-12 relative against floating-point rounding.
@@ -41,8 +41,8 @@ inflated by 1e-12 relative against floating-point rounding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -63,11 +63,15 @@ class ProfileGrid:
 
     eps: np.ndarray
     delta: np.ndarray
+    _run_min: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
 
     def epsilon_for_delta(self, target: float) -> float:
         """The smallest grid ε whose δ_Q is ≤ ``target`` (inf if none on the grid)."""
-        ok = np.nonzero(self.delta <= target)[0]
-        return float(self.eps[ok[0]]) if ok.size else math.inf
+        # first index of the running minimum ≤ target = first index with δ ≤ target (no monotonicity assumed)
+        run_min = np.minimum.accumulate(self.delta) if self._run_min is None else self._run_min
+        object.__setattr__(self, "_run_min", run_min)
+        i = int(np.searchsorted(-run_min, -target, side="left"))
+        return float(self.eps[i]) if i < len(self.eps) else math.inf
 
     def delta_at_or_below(self, eps: float) -> float:
         """δ_Q at the largest grid ε ≤ ``eps`` (δ_Q is non-increasing: an upper bound on δ_Q(eps))."""
@@ -77,11 +81,12 @@ class ProfileGrid:
         return float(self.delta[i])
 
 
-def profile_grid(plds: Sequence, eps_max: float, step: float = STEP) -> ProfileGrid:
+def profile_grid(plds: Sequence, eps_max: float, step: float = STEP, max_points: int = 20_000) -> ProfileGrid:
     """Pointwise maximum over ``plds`` (dp-accounting PrivacyLossDistribution objects, pessimistic)
-    of δ(ε) on the grid 0, step, …, ≥ eps_max."""
+    of δ(ε) on the grid 0, step, …, ≥ eps_max (the step widened to eps_max/max_points if needed)."""
     if not plds:
         raise ValueError("profile_grid needs at least one PLD")
+    step = max(step, eps_max / max_points)
     grid = np.arange(0.0, max(eps_max, step) + step, step)
     delta = np.max(np.stack([np.asarray(p.get_delta_for_epsilon(grid), dtype=float) for p in plds]), axis=0)
     return ProfileGrid(grid, np.minimum(1.0, delta))
