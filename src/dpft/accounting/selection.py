@@ -250,10 +250,13 @@ def selection_rdp_curve(candidates: Sequence[dpa.DpEvent], dist: KDistribution,
     if dist.kind == "poisson":
         out = np.full_like(lam, math.inf)
         plds = [_pld(c) for c in candidates]  # Q's privacy profile δ̂(ε̂): worst over the candidates
-        for i, la in enumerate(lam):
-            eps_hat = math.log1p(1.0 / (la - 1.0))  # e^ε̂ = 1 + 1/(λ−1), the theorem's largest ε̂
-            delta_hat = max(float(p.get_delta_for_epsilon(eps_hat)) for p in plds)
-            out[i] = eps[i] + dist.mu * delta_hat + math.log(dist.mu) / (la - 1.0)
+        ok = lam > 1
+        eps_hat = np.log1p(1.0 / (lam[ok] - 1.0))  # e^ε̂ = 1 + 1/(λ−1), the theorem's largest ε̂
+        order = np.argsort(eps_hat)  # dp-accounting's vectorised δ(ε) wants ascending ε
+        delta_hat = np.empty_like(eps_hat)
+        delta_hat[order] = np.max(np.stack([np.asarray(p.get_delta_for_epsilon(eps_hat[order]), dtype=float)
+                                            for p in plds]), axis=0)
+        out[ok] = eps[ok] + dist.mu * delta_hat + math.log(dist.mu) / (lam[ok] - 1.0)
         return out
     eta, gamma = dist.eta, dist.gamma
     # min over λ̂ of (1+η)(1 − 1/λ̂) ε(λ̂) + (1+η) log(1/γ)/λ̂
