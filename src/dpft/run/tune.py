@@ -429,7 +429,7 @@ def _markdown(rep: dict) -> str:
              f"| Papernot & Steinke 2022 (RDP → (ε, δ), dp-accounting) | {s['epsilon_rdp']:.4g} |",
              f"| naive composition of k* = {s['naive_k']} trials (P[K > k*] ≤ δ/2) | {s['epsilon_naive']:.4g}"
              f"{'' if s['naive_valid'] else ' (comparison only: configurations differ)'} |",
-             f"| privacy profile: {s['profile_bound']} | {s.get('epsilon_profile', math.inf):.4g} |",
+             f"| {s['profile_bound']} | {s.get('epsilon_profile', math.inf):.4g} |",
              f"| one trial (PLD) | {s['per_trial_epsilon']:.4g} |", "",
              f"K ~ {json.dumps(rep['k_distribution'])}; score: {rep['score']}.", ""]
     if rep.get("chosen"):
