@@ -72,12 +72,14 @@ def test_selection_costs_more_than_one_trial_and_less_than_naive():
     ev = candidate_event(1.0, 0.02, 200, 10.0)
     b = selection_epsilon([ev], KDistribution.with_mean("truncated_negative_binomial", 10.0), 1e-5)
     assert b.per_trial_epsilon < b.epsilon_rdp < b.epsilon_naive
-    assert b.epsilon == min(b.epsilon_rdp, b.epsilon_naive)
+    assert b.per_trial_epsilon < b.epsilon_profile
+    assert b.epsilon == min(b.epsilon_rdp, b.epsilon_profile, b.epsilon_naive)
+    assert b.certified_by == min(("rdp", "profile", "naive"), key=lambda k: getattr(b, f"epsilon_{k}"))
 
 
 def test_calibration_meets_target_from_below():
     d = KDistribution.with_mean("truncated_negative_binomial", 5.0)
-    sig, b = calibrate_search(6.0, 1e-5, d, [(0.02, 100), (0.05, 50)], 10.0, rel_tol=5e-3)
+    sig, b = calibrate_search(6.0, 1e-5, d, [(0.02, 100), (0.05, 50)], 10.0, rel_tol=5e-3, bound="rdp")
     assert b.epsilon_rdp <= 6.0
     assert b.epsilon_rdp > 6.0 * 0.97  # spends (almost) all of it
     # both configurations' trial costs are alike (their σ's differ)

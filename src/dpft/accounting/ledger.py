@@ -153,7 +153,8 @@ def _epsilon_with_selection(events: list[dpa.DpEvent], delta: float) -> PrivacyR
 
     * RDP: the selections' RDP curves (Papernot & Steinke 2022, accounting/selection.py) plus the
       RDP curve of the other events (dp-accounting), converted by dp-accounting;
-    * basic composition: each selection at δ/(2s) by its own best bound, the other events by PLD
+    * basic composition: each selection at δ/(2s) by its own best bound (RDP, privacy profile or
+      naive composition: accounting/selection.py ``selection_epsilon``), the other events by PLD
       at δ/2 (or the selections share all of δ when there is nothing else); ε's add.
 
     A trial whose recorded events are not covered by the selection's candidates (a resumed trial
@@ -179,7 +180,8 @@ def _epsilon_with_selection(events: list[dpa.DpEvent], delta: float) -> PrivacyR
         pld.compose(dpa.ComposedDpEvent(rest))
         eps_basic += float(pld.get_epsilon(delta / 2))
     return PrivacyReport(min(eps_rdp, eps_basic), delta, eps_rdp,
-                         accountant="random-K selection (Papernot & Steinke 2022, RDP) composed with the run's "
+                         accountant="random-K selection (the smaller of Papernot & Steinke 2022 RDP and the "
+                                    "privacy-profile bound, accounting/selection.py) composed with the run's "
                                     "other events (RDP, or PLD by basic composition: the smaller)")
 
 

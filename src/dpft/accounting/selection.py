@@ -27,8 +27,10 @@ is a mixture of the configurations' mechanisms with data-independent weights; R�
 is jointly quasi-convex, so Q's RDP curve is bounded by the pointwise maximum of the
 configurations' curves — which is what :func:`base_rdp` returns.
 
-NOT implemented: the privacy-profile bound of Koskela, Redberg & Wang (ICML 2024, "Privacy
-profiles for private selection"); see the module's ``PROFILE_BOUND`` note.
+Beside it, a *privacy-profile bound* (accounting/selection_profile.py: derived there, with its
+proof, along the route of Koskela, Redberg & Wang, ICML 2024, "Privacy profiles for private
+selection"): δ(ε₁ + (η+1) log R) ≤ E[K] R^{η+1} δ_Q(ε₁), δ_Q the PLD privacy profile of Q from
+dp-accounting. The search's ε is the smallest of the valid bounds, and the report names it.
 
 The selection is recorded in the ledger as one :class:`RandomKSelectionDpEvent` (an event that
 ``dp_accounting`` does not know): accounting/ledger.py composes it with the run's other events
@@ -47,18 +49,23 @@ import numpy as np
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpft.accounting import selection_profile as _prof
 from dpft.accounting.quiet import quiet_absl
 
 __all__ = ["KDistribution", "RandomKSelectionDpEvent", "SelectionBound", "ORDERS", "rdp_curve", "base_rdp",
            "selection_rdp_curve", "selection_epsilon", "naive_epsilon", "calibrate_search", "PROFILE_BOUND",
-           "candidate_event", "check_trials_covered", "gdp_sigma", "SelectionError"]
+           "candidate_event", "check_trials_covered", "gdp_sigma", "SelectionError", "profile_epsilon", "profile_grid",
+           "BOUND_NAMES"]
 
 #: RDP orders λ (and λ̂) used throughout: dp-accounting's defaults.
 ORDERS: tuple[float, ...] = tuple(float(x) for x in rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 
-#: Why the privacy-profile bound of Koskela, Redberg & Wang (2024) is not computed (yet).
-PROFILE_BOUND = ("not implemented: the theorem's statement could not be checked against the paper in this "
-                 "build; the RDP bound of Papernot & Steinke 2022 is used")
+#: What the privacy-profile column is (accounting/selection_profile.py).
+PROFILE_BOUND = _prof.THEOREM
+#: Names of the bounds, as reports state which one certified a search.
+BOUND_NAMES = {"rdp": "Papernot & Steinke 2022 (RDP, Theorem 2 / Theorem 6; dp-accounting conversion)",
+               "profile": "privacy profile (accounting/selection_profile.py; PLD from dp-accounting)",
+               "naive": "naive composition at the 1−δ/2 quantile of K (PLD)"}
 
 _ADD_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
 
@@ -215,12 +222,17 @@ def base_rdp(candidates: Sequence[dpa.DpEvent], orders: Sequence[float] = ORDERS
 _PLD_CACHE: dict[str, object] = {}
 
 
-def _pld(event: dpa.DpEvent):
-    """The PLD of ``event`` (dp-accounting, pessimistic, grid 1e-4), cached by the event's repr
+#: PLD discretisation of the profile bound's δ_Q (coarser than the per-trial 1e-4: a large-σ·small-T
+#: PLD at 1e-4 takes ~10 s to build; a coarser pessimistic PLD only loosens the bound).
+PROFILE_PLD_INTERVAL = 1e-3
+
+
+def _pld(event: dpa.DpEvent, interval: float = 1e-4):
+    """The PLD of ``event`` (dp-accounting, pessimistic, grid ``interval``), cached by the event's repr
     (events are values: equal reprs are equal events); at most 32 kept."""
-    key = repr(event)
+    key = f"{interval}|{event!r}"
     if key not in _PLD_CACHE:
-        acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=1e-4)
+        acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=interval)
         acc.compose(event)
         if len(_PLD_CACHE) >= 32:
             _PLD_CACHE.pop(next(iter(_PLD_CACHE)))
@@ -238,10 +250,13 @@ def selection_rdp_curve(candidates: Sequence[dpa.DpEvent], dist: KDistribution,
     if dist.kind == "poisson":
         out = np.full_like(lam, math.inf)
         plds = [_pld(c) for c in candidates]  # Q's privacy profile δ̂(ε̂): worst over the candidates
-        for i, la in enumerate(lam):
-            eps_hat = math.log1p(1.0 / (la - 1.0))  # e^ε̂ = 1 + 1/(λ−1), the theorem's largest ε̂
-            delta_hat = max(float(p.get_delta_for_epsilon(eps_hat)) for p in plds)
-            out[i] = eps[i] + dist.mu * delta_hat + math.log(dist.mu) / (la - 1.0)
+        ok = lam > 1
+        eps_hat = np.log1p(1.0 / (lam[ok] - 1.0))  # e^ε̂ = 1 + 1/(λ−1), the theorem's largest ε̂
+        order = np.argsort(eps_hat)  # dp-accounting's vectorised δ(ε) wants ascending ε
+        delta_hat = np.empty_like(eps_hat)
+        delta_hat[order] = np.max(np.stack([np.asarray(p.get_delta_for_epsilon(eps_hat[order]), dtype=float)
+                                            for p in plds]), axis=0)
+        out[ok] = eps[ok] + dist.mu * delta_hat + math.log(dist.mu) / (lam[ok] - 1.0)
         return out
     eta, gamma = dist.eta, dist.gamma
     # min over λ̂ of (1+η)(1 − 1/λ̂) ε(λ̂) + (1+η) log(1/γ)/λ̂
@@ -261,11 +276,21 @@ class SelectionBound:
     naive_valid: bool
     per_trial_epsilon: float
     mean_k: float
+    epsilon_profile: float = math.inf
+    certified_by: str = "rdp"
+    profile_detail: Optional[dict] = None
     profile_bound: str = PROFILE_BOUND
 
+    @property
+    def certified_by_name(self) -> str:
+        return BOUND_NAMES[self.certified_by]
+
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("epsilon", "delta", "epsilon_rdp", "epsilon_naive", "naive_k",
-                                              "naive_valid", "per_trial_epsilon", "mean_k", "profile_bound")}
+        out = {k: getattr(self, k) for k in ("epsilon", "delta", "epsilon_rdp", "epsilon_profile", "epsilon_naive",
+                                             "naive_k", "naive_valid", "per_trial_epsilon", "mean_k", "certified_by",
+                                             "profile_detail", "profile_bound")}
+        out["certified_by_name"] = self.certified_by_name
+        return out
 
 
 def _pld_epsilon(event: dpa.DpEvent, delta: float) -> float:
@@ -282,10 +307,32 @@ def naive_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta:
     return float(_pld(worst).self_compose(k).get_epsilon_for_delta(delta / 2)), k
 
 
+def profile_grid(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: float,
+                 cap: float = 100.0) -> "_prof.ProfileGrid":
+    """The base mechanism's privacy profile (pointwise maximum over the candidates' PLDs) on a grid
+    reaching the ε at the smallest δ the bound can ask of Q (δ / (E[K]·max R^{η+1})), at most ``cap``."""
+    plds = [_pld(c, PROFILE_PLD_INTERVAL) for c in candidates]
+    if dist.kind == "poisson":
+        tv = max(float(p.get_delta_for_epsilon(0.0)) for p in plds)
+        worst = dist.mean() * math.exp(dist.mu * tv)
+    else:
+        worst = dist.mean() * dist.gamma ** (-(dist.eta + 1.0))
+    d_min = max(delta / worst / 2.0, 1e-300)
+    top = min(cap, max(float(p.get_epsilon_for_delta(d_min)) for p in plds) + 0.01)
+    return _prof.profile_grid(plds, top)
+
+
+def profile_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: float) -> tuple[float, dict]:
+    """ε(δ) of the selection by the privacy-profile bound (accounting/selection_profile.py) and the
+    (ε₁, ε₂) attaining it."""
+    return _prof.profile_epsilon(dist, profile_grid(candidates, dist, delta), delta)
+
+
 def selection_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, delta: float,
-                      naive: bool = True) -> SelectionBound:
-    """ε(δ) of the random-K selection over ``candidates``: RDP (Papernot & Steinke) converted by
-    dp-accounting, naive composition at the K quantile beside it; the smaller valid one.
+                      naive: bool = True, profile: bool = True) -> SelectionBound:
+    """ε(δ) of the random-K selection over ``candidates`` by each bound — RDP (Papernot & Steinke)
+    converted by dp-accounting, the privacy-profile bound (accounting/selection_profile.py), naive
+    composition at the K quantile — and the smallest valid one, with the bound that gave it.
 
     Raises:
         SelectionError: δ not in (0, 1), no candidates, or events without an RDP curve."""
@@ -294,10 +341,13 @@ def selection_epsilon(candidates: Sequence[dpa.DpEvent], dist: KDistribution, de
     curve = selection_rdp_curve(candidates, dist)
     eps_rdp = float(rdp_privacy_accountant.compute_epsilon(list(ORDERS), list(curve), delta)[0])
     per_trial = max(_pld_epsilon(c, delta) for c in candidates)
+    eps_prof, detail = profile_epsilon(candidates, dist, delta) if profile else (math.inf, None)
     eps_naive, k = naive_epsilon(candidates, dist, delta) if naive else (math.inf, 0)
     valid = len({repr(c) for c in candidates}) == 1
-    best = min(eps_rdp, eps_naive) if valid else eps_rdp
-    return SelectionBound(best, delta, eps_rdp, eps_naive, k, valid, per_trial, dist.mean())
+    options = {"rdp": eps_rdp, "profile": eps_prof} | ({"naive": eps_naive} if valid else {})
+    by = min(options, key=options.get)
+    return SelectionBound(options[by], delta, eps_rdp, eps_naive, k, valid, per_trial, dist.mean(),
+                          epsilon_profile=eps_prof, certified_by=by, profile_detail=detail or None)
 
 
 def check_trials_covered(event: RandomKSelectionDpEvent, rtol: float = 1e-9) -> list[int]:
@@ -318,42 +368,55 @@ def gdp_sigma(mu: float, q: float, steps: int) -> float:
 
 
 def calibrate_search(target_epsilon: float, delta: float, dist: KDistribution, configs: Sequence[tuple[float, int]],
-                     score_sigma: Optional[float], rel_tol: float = 2e-3) -> tuple[list[float], SelectionBound]:
+                     score_sigma: Optional[float], rel_tol: float = 2e-3,
+                     bound: str = "best") -> tuple[list[float], SelectionBound]:
     """Per-trial σ of each (q, steps) configuration such that the whole search spends ``target_epsilon``.
 
     Bisection on a common μ (each configuration's σ from :func:`gdp_sigma`, so that their costs are
     alike); each candidate's event is ``steps`` × PoissonSampled(q, Gaussian(σ)) composed with the
-    score's ``Gaussian(score_sigma)`` (None: a public dev set, no score event). The returned σ's
-    satisfy selection ε ≤ target (the bracket's safe end).
+    score's ``Gaussian(score_sigma)`` (None: a public dev set, no score event). ``bound``: "rdp"
+    calibrates under Papernot & Steinke's RDP bound only; "best" (default) then continues the
+    bisection under the smaller of the RDP and privacy-profile bounds (both valid; the RDP result is
+    the lower end of the bracket). The returned σ's satisfy selection ε ≤ target under the bound that
+    the returned :class:`SelectionBound` names (the bracket's safe end, recomputed).
 
     Raises:
         SelectionError: the target cannot be met even with σ = 500 on every configuration (the score
             alone, or log E[K]/(λ−1) terms, exceed it): raise ε, lower E[K] or raise the score's σ."""
+    if bound not in ("rdp", "best"):
+        raise SelectionError(f"calibrate_search: bound must be 'rdp' or 'best', got {bound!r}")
 
     def events(mu):
         sig = [min(500.0, max(0.3, gdp_sigma(mu, q, t))) for q, t in configs]
         return sig, [candidate_event(s, q, t, score_sigma) for s, (q, t) in zip(sig, configs)]
 
-    def eps(mu):
-        sig, evs = events(mu)
-        curve = selection_rdp_curve(evs, dist)
+    def eps_rdp(mu):
+        curve = selection_rdp_curve(events(mu)[1], dist)
         return float(rdp_privacy_accountant.compute_epsilon(list(ORDERS), list(curve), delta)[0])
 
-    lo, hi = 1e-4, 1.0
-    if eps(lo) > target_epsilon:
+    def eps_best(mu):
+        r = eps_rdp(mu)
+        return min(r, profile_epsilon(events(mu)[1], dist, delta)[0]) if bound == "best" else r
+
+    def bisect(f, lo, hi):
+        while f(hi) <= target_epsilon and hi < 1e4:
+            lo, hi = hi, hi * 2
+        while (hi - lo) > rel_tol * lo:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) <= target_epsilon else (lo, mid)
+        return lo
+
+    lo = 1e-4
+    if eps_rdp(lo) <= target_epsilon:
+        lo = bisect(eps_rdp, lo, 1.0)
+    elif eps_best(lo) > target_epsilon:
         raise SelectionError(f"a search with E[K] = {dist.mean():.3g} cannot meet ε = {target_epsilon:g} at δ = "
                              f"{delta:g} even with very large noise; raise ε, lower the mean number of trials, or "
                              "raise tune.score_noise_multiplier")
-    while eps(hi) <= target_epsilon and hi < 1e4:
-        lo, hi = hi, hi * 2
-    while (hi - lo) > rel_tol * lo:
-        mid = (lo + hi) / 2
-        if eps(mid) <= target_epsilon:
-            lo = mid
-        else:
-            hi = mid
+    if bound == "best":  # the profile bound may allow less noise: continue from the RDP-feasible μ
+        lo = bisect(eps_best, lo, lo * 1.25)
     sig, evs = events(lo)
-    return sig, selection_epsilon(evs, dist, delta)
+    return sig, selection_epsilon(evs, dist, delta, profile=(bound == "best"))
 
 
 def candidate_event(sigma: float, q: float, steps: int, score_sigma: Optional[float]) -> dpa.DpEvent:

@@ -27,7 +27,7 @@ import dp_accounting as dpa
 import numpy as np
 
 from dpft.accounting.ledger import PrivacyLedger, event_to_dict
-from dpft.accounting.selection import ORDERS, KDistribution, RandomKSelectionDpEvent, candidate_event
+from dpft.accounting.selection import ORDERS, KDistribution, RandomKSelectionDpEvent, candidate_event, selection_epsilon
 from dpft.audit.whitebox import Check
 from dpft.config import Recipe
 from dpft.privacy.randomness import Randomness
@@ -82,6 +82,31 @@ def _independent_rdp_epsilon(cand, dist: KDistribution, delta: float) -> float:
     return float(rdp_privacy_accountant.compute_epsilon(list(ORDERS), out, delta)[0])
 
 
+def _independent_profile_epsilon(cand, dist: KDistribution, delta: float, extra_eps2: float = 0.0) -> float:
+    """The privacy-profile bound (accounting/selection_profile.py) evaluated afresh: δ_Q from a new
+    dp-accounting PLD, ε₁ by dp-accounting's own inversion (no ε grid), ε₂ over its own levels plus
+    ``extra_eps2``; ε = min over ε₂ of ε₁ + (η+1) log R with δ_Q(ε₁) = δ / (E[K] R^{η+1})."""
+    from dp_accounting.pld import pld_privacy_accountant
+
+    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    pld.compose(cand)
+    mean_k = sum(k * dist.pmf(k) for k in range(0, 200000))
+    if dist.kind == "poisson":
+        levels = [0.0]
+    else:
+        levels = sorted({0.0, extra_eps2} | {round(0.01 * i, 6) for i in range(1, 300)})
+    best = math.inf
+    for e2 in levels:
+        d2 = float(pld.get_delta(e2))
+        if dist.kind == "poisson":
+            log_r = dist.mu * d2
+        else:
+            log_r = (1 + dist.eta) * math.log(min(1 / dist.gamma, math.exp(e2) + (1 - dist.gamma) * d2 / dist.gamma))
+        e1 = max(0.0, float(pld.get_epsilon(delta / (mean_k * math.exp(log_r)))))
+        best = min(best, e1 + log_r)
+    return best
+
+
 def _selection_epsilon() -> Check:
     delta = 1e-5
     # small step counts: the PLD of the naive bound and of the Poisson theorem's δ̂ stay fast
@@ -95,13 +120,19 @@ def _selection_epsilon() -> Check:
         led.record("tune", RandomKSelectionDpEvent(candidates=[cand], kind=dist.kind, eta=dist.eta, gamma=dist.gamma,
                                                    mu=dist.mu))
         got = led.epsilon(delta).epsilon
-        ind = _independent_rdp_epsilon(cand, dist, delta)
-        # the ledger may be smaller only through the (valid) naive bound; never larger than the theorem
-        good = got <= ind * (1 + 1e-6) and (abs(got - ind) <= 1e-6 * ind or got < ind)
+        b = selection_epsilon([cand], dist, delta)
+        ind_rdp = _independent_rdp_epsilon(cand, dist, delta)
+        ind_prof = _independent_profile_epsilon(cand, dist, delta, (b.profile_detail or {}).get("eps2", 0.0))
+        # each bound as computed by dpft equals its independent evaluation (the profile bound up to its
+        # 1e-3 ε grid, rounded up), and the ledger certifies the smaller of the two
+        good = (abs(b.epsilon_rdp - ind_rdp) <= 1e-6 * ind_rdp
+                and -1e-9 <= b.epsilon_profile - ind_prof <= 2e-3 + 1e-4 * ind_prof
+                and abs(got - min(b.epsilon_rdp, b.epsilon_profile)) <= 1e-9 * got)
         ok &= good
-        rows.append(f"{dist.kind}(η={dist.eta:g}, γ={dist.gamma:.3g}, μ={dist.mu:g}): ledger {got:.5f} vs "
-                    f"independent {ind:.5f}")
-    return Check("tune: selection ε equals an independent evaluation of the theorem", ok, "; ".join(rows))
+        rows.append(f"{dist.kind}(η={dist.eta:g}, γ={dist.gamma:.3g}, μ={dist.mu:g}): ledger {got:.5f} "
+                    f"({b.certified_by}); RDP {b.epsilon_rdp:.5f} vs independent {ind_rdp:.5f}; profile "
+                    f"{b.epsilon_profile:.5f} vs independent {ind_prof:.5f}")
+    return Check("tune: selection ε equals an independent evaluation of both theorems", ok, "; ".join(rows))
 
 
 def _noisy_score(planted) -> Check:

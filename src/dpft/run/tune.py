@@ -311,6 +311,7 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         "kind": "private hyperparameter search (dpft tune)",
         "epsilon": total.epsilon, "delta": delta, "target_epsilon": r.privacy.target_epsilon,
         "accountant": total.accountant, "selection": bound.as_dict(), "k_distribution": dist.as_dict(),
+        "certified_by": _certified_by(bound, total.epsilon),
         "score": "noisy count of correct predictions on held-out private rows" if state["score_sigma"] is not None
         else "exact count of correct predictions on the public dev file",
         "score_noise_multiplier": state["score_sigma"],
@@ -335,14 +336,16 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         rep["chosen"] = {"hyperparameters": best["hyperparameters"], "noisy_score": best["score"],
                          "sigma": best["sigma"], "trial_epsilon": best["trial_epsilon"]}
         _card(r, run_dir, priv / f"trial_{best['index']}" / "report.json", total, state["score_sigma"] is not None,
-              state.get("n_fit", 0) + (state.get("n_score", 0) if state["score_sigma"] is not None else 0))
+              state.get("n_fit", 0) + (state.get("n_score", 0) if state["score_sigma"] is not None else 0),
+              rep["certified_by"])
         card = run_dir / "model" / "README.md"
         note = (f"\n\n## Hyperparameter search (covered)\n\nThese hyperparameters were chosen by a private random "
                 f"search (dpft tune): K ~ {dist.kind} with E[K] = {dist.mean():.3g}, each trial a DP run scored "
                 f"{'exactly on a public dev file' if state['score_sigma'] is None else 'by a noisy count'}; only "
                 f"this model was released. The whole search, this model included, is (ε = {total.epsilon:.4g}, "
-                f"δ = {delta:g})-DP (Papernot & Steinke 2022, Theorem {'6' if dist.kind == 'poisson' else '2'}, "
-                "RDP from dp-accounting): the ε stated above.\n")
+                f"δ = {delta:g})-DP, certified by {rep['certified_by']} (the smaller of two valid bounds: "
+                f"Papernot & Steinke 2022 RDP ε = {bound.epsilon_rdp:.4g}; privacy-profile bound ε = "
+                f"{bound.epsilon_profile:.4g}): the ε stated above.\n")
         if card.exists():
             card.write_text(card.read_text() + note)
     else:
@@ -359,7 +362,16 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
     return rep
 
 
-def _card(r: Recipe, run_dir: Path, trial_report: Path, total, private_dev: bool, n_private: int) -> None:
+def _certified_by(bound, epsilon: float) -> str:
+    """Which bound the search's ε is (the ledger reports the smaller of its RDP sum and the selection's
+    own best bound; with the search alone in the ledger these coincide with ``bound``)."""
+    if abs(epsilon - bound.epsilon) <= 1e-9 * max(1.0, epsilon):
+        return bound.certified_by_name
+    return "the RDP composition of the ledger (Papernot & Steinke 2022 with the run's other events)"
+
+
+def _card(r: Recipe, run_dir: Path, trial_report: Path, total, private_dev: bool, n_private: int,
+          certified_by: str = "") -> None:
     """The released model's card from its trial's report, with the SEARCH's ε (the trial's own ε is not the
     guarantee of a selected model) and without dev metrics computed on private scoring rows."""
     from dpft.run.card import write_model_cards
@@ -375,7 +387,7 @@ def _card(r: Recipe, run_dir: Path, trial_report: Path, total, private_dev: bool
     rep["task"].update({"name": r.task.name, "train_file": r.task.train_file,
                         "source": f"files: {r.task.train_file}" if r.task.train_file else "its training split"})
     rep["privacy"].update({"epsilon": total.epsilon, "epsilon_rdp": total.epsilon_rdp,
-                           "accountant": "random-K selection (Papernot & Steinke 2022, RDP), dp-accounting"})
+                           "accountant": f"random-K selection, certified by {certified_by}"})
     if private_dev:
         rep["metrics"] = {}  # the trial's dev rows were the private scoring rows: never released
         cov = rep.get("coverage") or {}
@@ -391,15 +403,19 @@ def _card(r: Recipe, run_dir: Path, trial_report: Path, total, private_dev: bool
         card.write_text(text[:start] + (
             "ε is computed from the search's ledger (`ledger.json`): one random-K selection event holding every "
             "configuration's per-trial events (each Poisson-subsampled Gaussian step and the noisy score) and the "
-            "law of K, bounded by Papernot & Steinke (2022) on dp-accounting's RDP curves.") + text[end:])
+            "law of K, bounded by the smaller of Papernot & Steinke (2022) on dp-accounting's RDP curves and a "
+            f"privacy-profile bound on dp-accounting's PLD (accounting/selection_profile.py); certified by "
+            f"{certified_by}.") + text[end:])
 
 
 def summary(rep: dict) -> str:
     """The lines ``dpft tune`` prints: the search's ε by each bound, and the choice."""
     s = rep["selection"]
-    out = (f"search ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} (target {rep['target_epsilon']:g}): RDP bound "
-           f"{s['epsilon_rdp']:.4g}; naive composition of k* = {s['naive_k']} trials {s['epsilon_naive']:.4g}; "
-           f"one trial {s['per_trial_epsilon']:.4g}; E[K] = {s['mean_k']:.3g}")
+    out = (f"search ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g} (target {rep['target_epsilon']:g}), certified "
+           f"by {rep.get('certified_by', s.get('certified_by_name', 'RDP'))}: RDP bound {s['epsilon_rdp']:.4g}; "
+           f"privacy-profile bound {s.get('epsilon_profile', math.inf):.4g}; naive composition of k* = "
+           f"{s['naive_k']} trials {s['epsilon_naive']:.4g}; one trial {s['per_trial_epsilon']:.4g}; "
+           f"E[K] = {s['mean_k']:.3g}")
     c = rep.get("chosen")
     return out + ("\nK = 0: no model released (the ε above is spent)" if not c else
                   f"\nchosen: {json.dumps(c['hyperparameters'])} (noisy score {c['noisy_score']:.1f})")
@@ -408,12 +424,12 @@ def summary(rep: dict) -> str:
 def _markdown(rep: dict) -> str:
     s = rep["selection"]
     lines = ["# dpft tune", "", f"**ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}** for the whole search "
-             f"(target {rep['target_epsilon']:g}); {rep['accountant']}.", "",
+             f"(target {rep['target_epsilon']:g}), certified by {rep.get('certified_by', rep['accountant'])}.", "",
              "| bound | ε |", "|---|---|",
              f"| Papernot & Steinke 2022 (RDP → (ε, δ), dp-accounting) | {s['epsilon_rdp']:.4g} |",
              f"| naive composition of k* = {s['naive_k']} trials (P[K > k*] ≤ δ/2) | {s['epsilon_naive']:.4g}"
              f"{'' if s['naive_valid'] else ' (comparison only: configurations differ)'} |",
-             f"| privacy profile (Koskela et al. 2024) | {s['profile_bound']} |",
+             f"| {s['profile_bound']} | {s.get('epsilon_profile', math.inf):.4g} |",
              f"| one trial (PLD) | {s['per_trial_epsilon']:.4g} |", "",
              f"K ~ {json.dumps(rep['k_distribution'])}; score: {rep['score']}.", ""]
     if rep.get("chosen"):
