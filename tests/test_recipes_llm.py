@@ -106,10 +106,10 @@ def tiny_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.mark.slow  # ~30 s: load, quantize, 2 user-level steps with checkpointing, export
+@pytest.mark.slow  # ~35 s: load, quantize, 2 user-level steps with checkpointing, export (64 rows)
 def test_the_8b_qlora_user_level_recipe_runs_on_a_tiny_model(tiny_dir, tmp_path, monkeypatch):
     """The recipe as shipped, with the model, data and sizes swapped for a tiny run on the CPU: NF4
-    base, LoRA, user level, activation checkpointing (bf16 → fp32: the CPU run)."""
+    base, LoRA, user level, activation checkpointing (bf16 → fp32: the CPU run; no generation)."""
     pytest.importorskip("bitsandbytes")
     from dpft.accounting.ledger import PrivacyLedger
     from dpft.run.loop import Trainer
@@ -119,7 +119,8 @@ def test_the_8b_qlora_user_level_recipe_runs_on_a_tiny_model(tiny_dir, tmp_path,
         "model.name": str(tiny_dir), "model.max_length": 64, "task.train_file": "examples/chat-support/train.jsonl",
         "task.dev_file": "examples/chat-support/dev.jsonl", "task.max_dev_examples": 4, "perf.dtype": "fp32",
         "perf.device": "cpu", "batch.expected_batch_size": 8, "schedule.steps": 2, "eval.every_steps": 2,
-        "eval.max_new_tokens": 2, "eval.max_generate_prompts": 2, "checkpoint_every": 2, "privacy.delta": 1e-3})
+        "eval.generate": False, "checkpoint_every": 2, "privacy.delta": 1e-3,
+        "task.max_train_examples": 64})
     rep = Trainer(r, tmp_path / "run", progress=False).run()
     led = PrivacyLedger.load(tmp_path / "run" / "ledger.json")
     assert led.steps == 2 and rep["privacy"]["epsilon"] <= 8.0 + 1e-6
