@@ -1,0 +1,180 @@
+"""Final-model audit from the Python ways in (audit/final_model_python.py, issue 37): a make_private
+loop on a tiny bag-of-embeddings classifier, DPTrainer on a tiny random BERT, DPSFTTrainer on a tiny
+random Llama; the planted bug "counted twice"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dpft import PrivacyEngine
+from dpft.audit import final_model_python as fmp
+from dpft.audit.planted import plant
+from dpft.privacy.randomness import Randomness
+
+VOCAB, DATA_VOCAB, LENGTH = 8000, 100, 12
+
+
+class Bag(nn.Module):
+    """Mean of token embeddings → linear head. The data uses tokens < 100 and the canaries the
+    ~7900 others, so a canary's embeddings are moved by that canary alone."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, tokens):  # (B, T) int64 -> (B, 2)
+        return self.head(self.emb(tokens).mean(1))
+
+
+def rows(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, DATA_VOCAB, (n, LENGTH), generator=g)
+    y = ((x < DATA_VOCAB // 2).float().mean(1) > 0.5).long()
+    return [{"tokens": x[i], "label": y[i]} for i in range(n)]
+
+
+def canaries(m: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(DATA_VOCAB, VOCAB, (m, LENGTH), generator=g)
+    y = torch.randint(0, 2, (m,), generator=g)
+    return [{"tokens": x[i], "label": y[i]} for i in range(m)]
+
+
+def make_train(sigma: float, epochs: int, lr: float = 100.0, seen: list | None = None):
+    def train(model, train_rows):
+        if seen is not None:
+            seen.append(train_rows)
+        engine = PrivacyEngine()
+        module, opt, crit, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(train_rows, batch_size=32), noise_multiplier=sigma, epochs=epochs,
+            max_grad_norm=1.0, max_physical_batch_size=64)
+        for _ in range(epochs):
+            for b in loader:
+                opt.zero_grad()
+                crit(module(b["tokens"]), b["label"]).backward()
+                opt.step()
+        return engine
+
+    return train
+
+
+def loss(model, b):
+    return fmp.log_odds(model(b["tokens"]), b["label"])
+
+
+def test_log_odds_is_the_classifier_score():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.0, 0.0, 0.0]])
+    y = torch.tensor([0, 2])
+    p = torch.softmax(logits.double(), 1)[torch.arange(2), y]
+    assert torch.allclose(fmp.log_odds(logits, y), torch.log1p(-p) - torch.log(p))
+
+
+def test_add_rows_keeps_the_kind():
+    import datasets
+
+    assert fmp.add_rows([1, 2], [3]) == [1, 2, 3]
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "label": [0]})
+    both = fmp.add_rows(ds, [{"input_ids": [5, 6, 7], "label": 1}])
+    assert isinstance(both, datasets.Dataset) and both["label"] == [0, 1] and both.features == ds.features
+    t = fmp.add_rows(torch.utils.data.TensorDataset(torch.zeros(3, 2)), [(torch.ones(2),)])
+    assert len(t) == 4 and torch.equal(t[3][0], torch.ones(2))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield 1
+
+    with pytest.raises(TypeError, match="map-style"):
+        fmp.add_rows(Stream(), [2])
+
+
+def test_make_private_audit_trains_on_the_included_canaries_and_reports_both_epsilons():
+    torch.manual_seed(0)
+    seen: list = []
+    data, cans = rows(120), canaries(40)
+    audit = fmp.audit_make_private(make_train(1.0, 1, lr=1.0, seen=seen), Bag(), data, cans, loss, delta=1e-4,
+                                   dirac=50)
+    (train_rows,) = seen
+    included = audit["designs"][0]["included"]
+    assert len(train_rows) == 120 + included == audit["n_train_with_canaries"]
+    extra = train_rows[120:]
+    assert all(any(torch.equal(r["tokens"], c["tokens"]) for c in cans) for r in extra)  # only canaries added
+    assert 0 < included < 40  # 40 fair secret coins
+    assert 0 < audit["certified_epsilon"] < float("inf") and audit["sigma"] == 1.0
+    assert audit["steps"] == audit["whitebox"]["releases"] > 0  # the Dirac canaries rode every release
+    d = audit["designs"][0]
+    assert len(d["scores_in"]) == included and len(d["scores_in"]) + len(d["scores_out"]) == 40
+    assert set(d["bounds"]) == {"fdp", "steinke"} and d["bounds"]["fdp"]["confidence"] == 0.95
+    line = fmp.audit_line(audit)
+    assert line.startswith("make_private: ε̂ ≥") and "m = 40" in line and "certified ε =" in line
+    assert "white-box ε̂ ≥" in line
+    json.dumps(audit)  # serialisable as written by the CLI audit
+
+
+def test_make_private_audit_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="at least 20"):
+        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(10), loss, delta=1e-3)
+    with pytest.raises(ValueError, match="confidence"):
+        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), loss, delta=1e-3, confidence=1.0)
+    with pytest.raises(ValueError, match="planted"):
+        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), loss, delta=1e-3, planted="seed32")
+    with pytest.raises(ValueError, match="one loss per row"):
+        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), lambda m, b: loss(m, b).sum(),
+                               delta=1e-3)
+    with pytest.raises(TypeError, match="PrivacyEngine"):
+        fmp.audit_make_private(lambda model, r: "done", Bag(), rows(40), canaries(20), loss, delta=1e-3)
+
+
+@pytest.mark.slow  # 2 runs of ~10–40 s each on a shared 2-core machine
+def test_make_private_non_private_run_gives_a_large_bound_and_noise_a_bound_below_epsilon():
+    # Probed 10 runs each before choosing the thresholds (benchmarks/results/final_model_audit.md):
+    # σ = 0: ε̂ 2.11–3.96 (> 1.0); σ = 3 (ε ≈ 0.67): black-box ε̂ 0 in all 10, white-box ≤ 0.26.
+    torch.manual_seed(0)
+    free = fmp.audit_make_private(make_train(0.0, 3), Bag(), rows(300), canaries(200), loss, delta=1e-5)
+    assert free["certified_epsilon"] == float("inf") and free["headline"]["epsilon_hat"] > 1.0
+    assert free["designs"][0]["mean_score_in"] > free["designs"][0]["mean_score_out"]
+    noisy = fmp.audit_make_private(make_train(3.0, 3), Bag(), rows(300), canaries(200), loss, delta=1e-5, dirac=200)
+    eps = noisy["certified_epsilon"]
+    assert 0 < eps < float("inf") and not noisy["violation"]
+    assert noisy["headline"]["epsilon_hat"] <= eps and noisy["whitebox"]["bounds"]["fdp"]["epsilon"] <= eps
+
+
+def test_counted_twice_draws_one_sampled_row_twice():
+    from dpft.step.sample import PoissonSampler
+
+    s = PoissonSampler(200, 40, Randomness())
+    with plant("counted twice"):
+        idx = s.indices(3)
+    assert len(idx) == len(torch.unique(idx)) + 1  # exactly one row twice
+    assert bool((idx[1:] >= idx[:-1]).all())
+    clean = s.indices(4)
+    assert len(clean) == len(torch.unique(clean))  # the patch ends with the block
+
+
+def test_counted_twice_reaches_a_make_private_loop():
+    from dpft.step.sample import PoissonSampler
+
+    seen = []
+    orig = PoissonSampler.draw
+
+    with plant("counted twice"):
+        patched = PoissonSampler.draw
+
+        def spy(self, step, q):
+            out = patched(self, step, q)
+            seen.append(out)
+            return out
+
+        PoissonSampler.draw = spy
+        try:
+            make_train(1.0, 1, lr=0.1)(Bag(), rows(64))
+        finally:
+            PoissonSampler.draw = patched
+    assert PoissonSampler.draw is orig
+    assert seen and all(len(i) == len(torch.unique(i)) + 1 for i in seen if len(i))
