@@ -178,3 +178,131 @@ def test_counted_twice_reaches_a_make_private_loop():
             PoissonSampler.draw = patched
     assert PoissonSampler.draw is orig
     assert seen and all(len(i) == len(torch.unique(i)) + 1 for i in seen if len(i))
+
+
+# ----------------------------------------------------------------------------- DPTrainer / DPSFTTrainer
+
+WORDS = ["good", "bad", "great", "awful", "fine", "poor", "lovely", "dull", "a", "film", "number"]
+
+
+@pytest.fixture(scope="module")
+def bert_and_rows(tmp_path_factory):
+    """A tiny random BERT classifier with an 8000-id vocabulary (the data use 25 ids, the canaries
+    the others) and 200 tokenised rows."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import BertConfig, BertTokenizer
+
+    d = tmp_path_factory.mktemp("bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + [str(i) for i in range(10)]
+    vocab += [f"w{i}" for i in range(8000 - len(vocab))]
+    (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = BertTokenizer(str(d / "vocab.txt"))
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=64)
+    texts = [f"a {WORDS[i % 8]} film number {i % 10}" for i in range(200)]
+    enc = tok(texts, truncation=True, max_length=16)
+    ds = datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                                     "label": [int(i % 8 % 2 == 0) for i in range(200)]})
+    return tok, cfg, ds
+
+
+def _dp_trainer_factory(tok, cfg, tmp_path, sigma: float, steps: int, seen: list):
+    from transformers import BertForSequenceClassification, DataCollatorWithPadding, TrainingArguments
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(cfg)
+
+    def make(train_dataset):
+        seen.append(train_dataset)
+        return DPTrainer(model=model, args=TrainingArguments(
+            output_dir=str(tmp_path / f"out{len(seen)}"), learning_rate=2e-2, max_steps=steps,
+            per_device_train_batch_size=128, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+            logging_steps=1000), train_dataset=train_dataset, data_collator=DataCollatorWithPadding(tok),
+            dp_args=DPArguments(noise_multiplier=sigma, target_delta=1e-5, max_grad_norm=1.0, expected_batch_size=64))
+
+    return make
+
+
+def test_dp_trainer_audit_adds_canaries_in_the_dataset_format_and_writes_the_audited_card(bert_and_rows, tmp_path):
+    tok, cfg, ds = bert_and_rows
+    seen: list = []
+    audit = fmp.audit_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 2.0, 2, seen), ds, tokenizer=tok, m=30,
+                              dirac=40, canary_length=16, output_dir=tmp_path / "audited")
+    (train_ds,) = seen
+    inc = audit["designs"][0]["included"]
+    assert len(train_ds) == 200 + inc == audit["n_train_with_canaries"] and train_ds.features == ds.features
+    extra = train_ds.select(range(200, len(train_ds)))
+    assert all(len(ids) == 16 and ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id and min(ids[1:-1]) >= 25
+               for ids in extra["input_ids"])  # [CLS] unused tokens [SEP]
+    assert set(extra["label"]) <= {0, 1} and audit["designs"][0]["design"] == "random"
+    assert audit["way_in"] == "DPTrainer" and audit["steps"] == 2 and 0 < audit["certified_epsilon"] < float("inf")
+    assert audit["whitebox"]["releases"] == 2
+    card = (tmp_path / "audited" / "README.md").read_text()
+    assert "**Audited:** ε̂ ≥" in card and "m = 30 canaries" in card and "dp_audited_epsilon_lower_bound:" in card
+    assert json.loads((tmp_path / "audited" / "final_model_audit.json").read_text())["way_in"] == "DPTrainer"
+
+
+@pytest.mark.slow  # two DPTrainer runs of 20 steps, 20–60 s each on a shared 2-core machine
+def test_dp_trainer_non_private_run_gives_a_large_bound_and_noise_a_bound_below_epsilon(bert_and_rows, tmp_path):
+    # Probed 10 runs each before choosing the thresholds (benchmarks/results/final_model_audit.md).
+    tok, cfg, ds = bert_and_rows
+    free = fmp.audit_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 0.0, 20, []), ds, tokenizer=tok, m=200,
+                             canary_length=16)
+    assert free["certified_epsilon"] == float("inf") and free["headline"]["epsilon_hat"] > 1.0
+    noisy = fmp.audit_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 2.0, 20, []), ds, tokenizer=tok, m=200,
+                              canary_length=16, dirac=200)
+    eps = noisy["certified_epsilon"]
+    assert not noisy["violation"] and noisy["headline"]["epsilon_hat"] <= eps
+    assert noisy["whitebox"]["bounds"]["fdp"]["epsilon"] <= eps
+
+
+def _word_tokenizer():
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    special = ["<pad>", "<unk>", "<s>", "</s>"]
+    words = [f"t{i}" for i in range(200)]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(special + words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                               pad_token="<pad>", unk_token="<unk>")
+
+
+def test_dp_sft_trainer_audit_on_text_rows(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("trl")
+    import transformers
+    from trl import SFTConfig
+
+    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.trl import DPSFTTrainer
+
+    tok = _word_tokenizer()
+    ds = datasets.Dataset.from_dict({"text": [" ".join(f"t{(i + j) % 40}" for j in range(6)) for i in range(40)]})
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    model = transformers.LlamaForCausalLM(cfg)
+    made = []
+
+    def make(train_dataset):
+        made.append(DPSFTTrainer(model=model, args=SFTConfig(
+            output_dir=str(tmp_path / "out"), max_steps=2, learning_rate=1e-2, per_device_train_batch_size=64,
+            report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, dataset_num_proc=None),
+            train_dataset=train_dataset, processing_class=tok,
+            dp_args=DPArguments(noise_multiplier=1.0, target_delta=1e-3, max_grad_norm=1.0, expected_batch_size=16)))
+        return made[0]
+
+    audit = fmp.audit_trainer(make, ds, tokenizer=tok, m=24, canary_length=8)
+    (tr,) = made
+    inc = audit["designs"][0]["included"]
+    assert audit["designs"][0]["design"] == "rare" and audit["way_in"] == "DPSFTTrainer"
+    assert tr.n == 40 + inc == audit["n_train_with_canaries"]
+    # rare canaries: words the 40 rows never use (t40…t199), tokenised by TRL as the trainer trains them
+    canary_ids = [ids for ids in tr.train_dataset["input_ids"] if any(i >= 4 + 40 for i in ids)]
+    assert len(canary_ids) == inc and all(min(i for i in ids if i >= 4) >= 44 for ids in canary_ids)
+    assert 0 < audit["certified_epsilon"] < float("inf")
+    assert len(audit["designs"][0]["scores_in"]) + len(audit["designs"][0]["scores_out"]) == 24
