@@ -41,8 +41,10 @@ from dpft.audit.dirac import dirac_canaries
 from dpft.audit.final_model import (FINAL_MODEL_PLANTED, MAX_CANARY_TOKENS, CanarySet, audit_record, audit_summary,
                                     canary_losses, log_odds_loss, token_canaries)
 from dpft.audit.planted import plant
+from dpft.integrations.hf_card import trainer_report
 from dpft.models.losses import causal_lm_loss, classification_loss
 from dpft.privacy.randomness import Randomness
+from dpft.run.card import build_card
 
 __all__ = ["audit_make_private", "audit_trainer", "log_odds", "add_rows", "audit_line", "write_audited_card"]
 
@@ -341,9 +343,6 @@ def write_audited_card(trainer, audit: dict, directory: str | Path) -> Path:
     """Write the trainer's model card (integrations/hf_card.py) with the audited line "Audited: ε̂ ≥ x
     at 95 % confidence by a final-model audit with m canaries …" beside the certified ε, to
     ``directory/README.md``; returns its path."""
-    from dpft.integrations.hf_card import trainer_report
-    from dpft.run.card import build_card
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     rep = trainer_report(trainer)
