@@ -217,7 +217,7 @@ def _dp_trainer_factory(tok, cfg, tmp_path, sigma: float, steps: int, seen: list
     def make(train_dataset):
         seen.append(train_dataset)
         return DPTrainer(model=model, args=TrainingArguments(
-            output_dir=str(tmp_path / f"out{len(seen)}"), learning_rate=2e-2, max_steps=steps,
+            output_dir=str(tmp_path / f"out-{sigma}-{len(seen)}"), learning_rate=2e-2, max_steps=steps,
             per_device_train_batch_size=128, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
             logging_steps=1000), train_dataset=train_dataset, data_collator=DataCollatorWithPadding(tok),
             dp_args=DPArguments(noise_multiplier=sigma, target_delta=1e-5, max_grad_norm=1.0, expected_batch_size=64))
