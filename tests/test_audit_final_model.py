@@ -256,3 +256,14 @@ def test_causal_lm_audit_with_two_designs(shared_data, tmp_path):
         assert all(b["confidence"] == 0.95 for b in x["bounds"].values())
     card = (tmp_path / "run" / "model" / "README.md").read_text()
     assert "rare canaries, black-box" in card
+
+
+def test_a_row_counted_twice_fails_the_same_run_white_box_check(small_bert, data_csv, tmp_path):
+    # no one-run ε̂ sees it (benchmarks/results/final_model_audit.md): the batches are checked instead
+    r = _recipe(small_bert, data_csv, **{"privacy.noise_multiplier": 1.0, "schedule.steps": 3,
+                                              "batch.expected_batch_size": 32})
+    bad = fm.audit_final_model(r, tmp_path / "bad", m=20, planted="counted twice", dirac=0, progress=False)
+    assert bad["check_rows_once_per_batch"] is False and bad["violation"]
+    assert "no row twice in a logical batch — FAIL" in fm.render_audit_md(bad)
+    ok = fm.audit_final_model(r, tmp_path / "ok", m=20, dirac=0, progress=False)
+    assert ok["check_rows_once_per_batch"] is True

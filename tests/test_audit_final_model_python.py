@@ -234,11 +234,12 @@ def test_dp_trainer_audit_adds_canaries_in_the_dataset_format_and_writes_the_aud
     inc = audit["designs"][0]["included"]
     assert len(train_ds) == 200 + inc == audit["n_train_with_canaries"] and train_ds.features == ds.features
     extra = train_ds.select(range(200, len(train_ds)))
-    assert all(len(ids) == 16 and ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id and min(ids[1:-1]) >= 25
-               for ids in extra["input_ids"])  # [CLS] unused tokens [SEP]
+    special = set(tok.all_special_ids)
+    assert all(len(ids) == 16 and ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
+               and not special & set(ids[1:-1]) for ids in extra["input_ids"])  # [CLS] random vocabulary tokens [SEP]
     assert set(extra["label"]) <= {0, 1} and audit["designs"][0]["design"] == "random"
     assert audit["way_in"] == "DPTrainer" and audit["steps"] == 2 and 0 < audit["certified_epsilon"] < float("inf")
-    assert audit["whitebox"]["releases"] == 2
+    assert audit["whitebox"]["releases"] == 2 and audit["check_rows_once_per_batch"] is True
     card = (tmp_path / "audited" / "README.md").read_text()
     assert "**Audited:** ε̂ ≥" in card and "m = 30 canaries" in card and "dp_audited_epsilon_lower_bound:" in card
     assert json.loads((tmp_path / "audited" / "final_model_audit.json").read_text())["way_in"] == "DPTrainer"

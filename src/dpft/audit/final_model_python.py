@@ -39,7 +39,7 @@ import torch
 
 from dpft.audit.dirac import dirac_canaries
 from dpft.audit.final_model import (FINAL_MODEL_PLANTED, MAX_CANARY_TOKENS, CanarySet, audit_record, audit_summary,
-                                    canary_losses, log_odds_loss, token_canaries)
+                                    canary_losses, log_odds_loss, rows_once_per_batch, token_canaries)
 from dpft.audit.planted import plant
 from dpft.integrations.hf_card import trainer_report
 from dpft.models.losses import causal_lm_loss, classification_loss
@@ -325,12 +325,13 @@ def audit_trainer(make_trainer: Callable[[Any], Any], train_dataset, *, tokenize
 
         s.ref_loss = score()
         trainer.train()
+        batches_ok = rows_once_per_batch(trainer.dp_step, trainer.total_steps)
     s.final_loss = score()
     audit = audit_record(recipe=type(trainer).__name__, planted=planted, private=True,
                          certified_epsilon=_epsilon(trainer.ledger, trainer.dp_args.target_delta),
                          delta=float(trainer.dp_args.target_delta), confidence=confidence, n=int(trainer.n),
                          steps=int(trainer.total_steps), sigma=trainer.sigma, sets=[s], dirac=wb,
-                         seconds=time.perf_counter() - t0, way_in=type(trainer).__name__)
+                         seconds=time.perf_counter() - t0, way_in=type(trainer).__name__, batches_ok=batches_ok)
     if output_dir is not None:
         out = Path(output_dir)
         trainer.save_model(str(out))
