@@ -98,7 +98,7 @@ def test_make_private_audit_trains_on_the_included_canaries_and_reports_both_eps
     torch.manual_seed(0)
     seen: list = []
     data, cans = rows(120), canaries(40)
-    audit = fmp.audit_make_private(make_train(1.0, 1, lr=1.0, seen=seen), Bag(), data, cans, loss, delta=1e-4,
+    audit = fmp.audit_final_model_make_private(make_train(1.0, 1, lr=1.0, seen=seen), Bag(), data, cans, loss, delta=1e-4,
                                    dirac=50)
     (train_rows,) = seen
     included = audit["designs"][0]["included"]
@@ -119,16 +119,16 @@ def test_make_private_audit_trains_on_the_included_canaries_and_reports_both_eps
 
 def test_make_private_audit_refusals_name_the_fix():
     with pytest.raises(ValueError, match="at least 20"):
-        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(10), loss, delta=1e-3)
+        fmp.audit_final_model_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(10), loss, delta=1e-3)
     with pytest.raises(ValueError, match="confidence"):
-        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), loss, delta=1e-3, confidence=1.0)
+        fmp.audit_final_model_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), loss, delta=1e-3, confidence=1.0)
     with pytest.raises(ValueError, match="planted"):
-        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), loss, delta=1e-3, planted="seed32")
+        fmp.audit_final_model_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), loss, delta=1e-3, planted="seed32")
     with pytest.raises(ValueError, match="one loss per row"):
-        fmp.audit_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), lambda m, b: loss(m, b).sum(),
+        fmp.audit_final_model_make_private(make_train(1.0, 1), Bag(), rows(40), canaries(20), lambda m, b: loss(m, b).sum(),
                                delta=1e-3)
     with pytest.raises(TypeError, match="PrivacyEngine"):
-        fmp.audit_make_private(lambda model, r: "done", Bag(), rows(40), canaries(20), loss, delta=1e-3)
+        fmp.audit_final_model_make_private(lambda model, r: "done", Bag(), rows(40), canaries(20), loss, delta=1e-3)
 
 
 @pytest.mark.slow  # 2 runs of ~10–40 s each on a shared 2-core machine
@@ -136,10 +136,10 @@ def test_make_private_non_private_run_gives_a_large_bound_and_noise_a_bound_belo
     # Probed 10 runs each before choosing the thresholds (benchmarks/results/final_model_audit.md):
     # σ = 0: ε̂ 2.11–3.96 (> 1.0); σ = 3 (ε ≈ 0.67): black-box ε̂ 0 in all 10, white-box ≤ 0.26.
     torch.manual_seed(0)
-    free = fmp.audit_make_private(make_train(0.0, 3), Bag(), rows(300), canaries(200), loss, delta=1e-5)
+    free = fmp.audit_final_model_make_private(make_train(0.0, 3), Bag(), rows(300), canaries(200), loss, delta=1e-5)
     assert free["certified_epsilon"] == float("inf") and free["headline"]["epsilon_hat"] > 1.0
     assert free["designs"][0]["mean_score_in"] > free["designs"][0]["mean_score_out"]
-    noisy = fmp.audit_make_private(make_train(3.0, 3), Bag(), rows(300), canaries(200), loss, delta=1e-5, dirac=200)
+    noisy = fmp.audit_final_model_make_private(make_train(3.0, 3), Bag(), rows(300), canaries(200), loss, delta=1e-5, dirac=200)
     eps = noisy["certified_epsilon"]
     assert 0 < eps < float("inf") and not noisy["violation"]
     assert noisy["headline"]["epsilon_hat"] <= eps and noisy["whitebox"]["bounds"]["fdp"]["epsilon"] <= eps
@@ -228,7 +228,7 @@ def _dp_trainer_factory(tok, cfg, tmp_path, sigma: float, steps: int, seen: list
 def test_dp_trainer_audit_adds_canaries_in_the_dataset_format_and_writes_the_audited_card(bert_and_rows, tmp_path):
     tok, cfg, ds = bert_and_rows
     seen: list = []
-    audit = fmp.audit_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 2.0, 2, seen), ds, tokenizer=tok, m=30,
+    audit = fmp.audit_final_model_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 2.0, 2, seen), ds, tokenizer=tok, m=30,
                               dirac=40, canary_length=16, output_dir=tmp_path / "audited")
     (train_ds,) = seen
     inc = audit["designs"][0]["included"]
@@ -250,10 +250,10 @@ def test_dp_trainer_non_private_run_gives_a_large_bound_and_noise_a_bound_below_
     # Probed 10 runs each before choosing the thresholds (benchmarks/results/final_model_audit.md):
     # σ = 0: ε̂ 1.86–4.61 (> 1.0); σ = 2 (ε ≈ 2.3–2.5): black-box ε̂ ≤ 0.36, white-box ≤ 0.81.
     tok, cfg, ds = bert_and_rows
-    free = fmp.audit_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 0.0, 20, []), ds, tokenizer=tok, m=200,
+    free = fmp.audit_final_model_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 0.0, 20, []), ds, tokenizer=tok, m=200,
                              canary_length=16)
     assert free["certified_epsilon"] == float("inf") and free["headline"]["epsilon_hat"] > 1.0
-    noisy = fmp.audit_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 2.0, 20, []), ds, tokenizer=tok, m=200,
+    noisy = fmp.audit_final_model_trainer(_dp_trainer_factory(tok, cfg, tmp_path, 2.0, 20, []), ds, tokenizer=tok, m=200,
                               canary_length=16, dirac=200)
     eps = noisy["certified_epsilon"]
     assert not noisy["violation"] and noisy["headline"]["epsilon_hat"] <= eps
@@ -298,7 +298,7 @@ def test_dp_sft_trainer_audit_on_text_rows(tmp_path):
             dp_args=DPArguments(noise_multiplier=1.0, target_delta=1e-3, max_grad_norm=1.0, expected_batch_size=16)))
         return made[0]
 
-    audit = fmp.audit_trainer(make, ds, tokenizer=tok, m=24, canary_length=8)
+    audit = fmp.audit_final_model_trainer(make, ds, tokenizer=tok, m=24, canary_length=8)
     (tr,) = made
     inc = audit["designs"][0]["included"]
     assert audit["designs"][0]["design"] == "rare" and audit["way_in"] == "DPSFTTrainer"
@@ -308,3 +308,12 @@ def test_dp_sft_trainer_audit_on_text_rows(tmp_path):
     assert len(canary_ids) == inc and all(min(i for i in ids if i >= 4) >= 44 for ids in canary_ids)
     assert 0 < audit["certified_epsilon"] < float("inf")
     assert len(audit["designs"][0]["scores_in"]) + len(audit["designs"][0]["scores_out"]) == 24
+
+
+def test_trainer_audit_refuses_a_dataset_format_it_has_no_canaries_for():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"prompt": ["hi"], "completion": ["there"]})
+    with pytest.raises(ValueError, match="map it to one of these first"):
+        fmp.audit_final_model_trainer(lambda d: None, ds, tokenizer=_word_tokenizer(), m=20)
+    with pytest.raises(ValueError, match="at least 20"):
+        fmp.audit_final_model_trainer(lambda d: None, ds, tokenizer=_word_tokenizer(), m=5)

@@ -58,7 +58,8 @@ from dpft.run.card import write_model_cards
 from dpft.run.loop import Trainer
 
 __all__ = ["DESIGNS", "CanarySet", "default_designs", "make_canary_rows", "canary_losses",
-           "canary_rows_hook", "token_canaries", "log_odds_loss", "audit_final_model", "attach_audit", "FINAL_MODEL_PLANTED"]
+           "canary_rows_hook", "token_canaries", "log_odds_loss", "rows_once_per_batch", "audit_final_model",
+           "attach_audit", "FINAL_MODEL_PLANTED"]
 
 #: Canary designs by model kind (see the module docstring).
 DESIGNS = {"classifier": ("random", "mislabel"), "causal": ("rare", "random")}

@@ -14,12 +14,13 @@ audit/estimators.py (Steinke, Nasr & Jagielski 2023; the f-DP estimator of Mahlo
 2025), next to the certified ε of that run's ledger. With ``dirac=M`` the white-box audit rides the
 same run (audit/dirac.py: gradient canaries on every release, through the DP step's release hook).
 
-* :func:`audit_make_private` — ``train(model, rows) -> PrivacyEngine`` is your own loop
-  (``make_private`` + your epochs); ``loss(model, batch) -> (B,)`` scores collated canary rows
+* :func:`audit_final_model_make_private` — ``train(model, rows) -> PrivacyEngine`` is your own
+  loop (``make_private`` + your epochs); ``loss(model, batch) -> (B,)`` scores collated canary rows
   (:func:`log_odds` for a classifier's logits).
-* :func:`audit_trainer` — ``make_trainer(train_dataset) -> DPTrainer | DPSFTTrainer`` builds your
-  trainer on the dataset it is given; canaries of random (or, for a causal LM, rare) tokens are
-  made from your tokenizer in your dataset's format (tokenised rows, or TRL's ``text`` rows).
+* :func:`audit_final_model_trainer` — ``make_trainer(train_dataset) -> DPTrainer | DPSFTTrainer``
+  builds your trainer on the dataset it is given; canaries of random (or, for a causal LM, rare)
+  tokens are made from your tokenizer in your dataset's format (tokenised rows, or TRL's ``text``
+  rows).
 
 What it is and is not: the audited model is trained with the canaries, so it is a sibling of the
 model you ship (same code, N larger by the included canaries), and ε̂ is a lower bound — a value
@@ -46,7 +47,8 @@ from dpft.models.losses import causal_lm_loss, classification_loss
 from dpft.privacy.randomness import Randomness
 from dpft.run.card import build_card
 
-__all__ = ["audit_make_private", "audit_trainer", "log_odds", "add_rows", "audit_line", "write_audited_card"]
+__all__ = ["audit_final_model_make_private", "audit_final_model_trainer", "log_odds", "add_rows", "audit_line",
+           "write_audited_card"]
 
 
 def log_odds(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,7 @@ def audit_line(audit: dict) -> str:
             f"δ = {audit['delta']:g}")
 
 
-def audit_make_private(train: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, rows: Any,
+def audit_final_model_make_private(train: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, rows: Any,
                        canaries: Sequence[Any], loss: Callable[[torch.nn.Module, Any], torch.Tensor], *,
                        delta: float, collate_fn: Optional[Callable] = None, confidence: float = 0.95,
                        dirac: int = 0, design: str = "yours", reproducible_seed: Optional[int] = None,
@@ -209,9 +211,9 @@ def _dataset_kind(ds) -> str:
         return "tokenised"
     if "text" in cols:
         return "text"
-    raise ValueError(f"audit_trainer makes canaries for tokenised rows (an `input_ids` column) or TRL's language-"
-                     f"modeling rows (a `text` column); this dataset has {sorted(cols)}: give canaries= rows in "
-                     "its format, or map it to one of these first")
+    raise ValueError(f"audit_final_model_trainer makes canaries for tokenised rows (an `input_ids` column) or "
+                     f"TRL's language-modeling rows (a `text` column); this dataset has {sorted(cols)}: map it to "
+                     "one of these first (e.g. tokenize it, or render prompt/completion or messages as text)")
 
 
 def _label_column(ds) -> Optional[str]:
@@ -261,7 +263,7 @@ def _score_rows(core: list[dict], tokenizer, kind: str) -> list[dict]:
     return out
 
 
-def audit_trainer(make_trainer: Callable[[Any], Any], train_dataset, *, tokenizer, m: int = 200,
+def audit_final_model_trainer(make_trainer: Callable[[Any], Any], train_dataset, *, tokenizer, m: int = 200,
                   design: Optional[str] = None, confidence: float = 0.95, dirac: int = 0,
                   reproducible_seed: Optional[int] = None, planted: Optional[str] = None,
                   canary_length: int = MAX_CANARY_TOKENS, output_dir: Optional[str | Path] = None) -> dict:
@@ -280,14 +282,14 @@ def audit_trainer(make_trainer: Callable[[Any], Any], train_dataset, *, tokenize
         dirac: white-box Dirac canaries on every release of the same run (0: none).
         output_dir: where to write ``final_model_audit.json``, the trained model and its card with
             the audited line (:func:`write_audited_card`); None: nothing is written by the audit.
-        confidence, reproducible_seed, planted: as :func:`audit_make_private`.
+        confidence, reproducible_seed, planted: as :func:`audit_final_model_make_private`.
 
     Returns:
-        The audit dict (``way_in`` the trainer's class name), as :func:`audit_make_private`.
+        The audit dict (``way_in`` the trainer's class name), as :func:`audit_final_model_make_private`.
 
     Raises:
-        ValueError: the checks of :func:`audit_make_private`; a dataset format without a canary
-        maker (the message names the fix); a user-level trainer (a canary would have to be a user);
+        ValueError: the checks of :func:`audit_final_model_make_private`; a dataset format without a
+        canary maker (the message names the fix); a user-level trainer (a canary would have to be a user);
         a classifier dataset without an integer label column."""
     _check(m, confidence, planted)
     kind = _dataset_kind(train_dataset)
