@@ -71,8 +71,8 @@ def test_canary_rows_join_the_training_rows(small_bert, data_csv, tmp_path):
 
     r = _recipe(small_bert, data_csv, **{"privacy.enabled": False, "batch.expected_batch_size": 16})
     sets: list = []
-    with fm.canaries_in_training(["random", "mislabel"], 6, Randomness(), sets):
-        t = Trainer(r, tmp_path / "run", progress=False)
+    t = Trainer(r, tmp_path / "run", progress=False, extra_rows=fm.canary_rows_hook(["random", "mislabel"], 6,
+                                                                                     Randomness(), sets))
     assert [s.design for s in sets] == ["random", "mislabel"]
     n_in = sum(int(s.included.sum()) for s in sets)
     assert t.n == 60 - 6 + n_in  # 10 % of the 60 rows are the dev split; included canaries join train
@@ -174,36 +174,62 @@ def test_cli_final_model_attaches_to_a_run(small_bert, data_csv, tmp_path):
     assert bad.exit_code == 2 and "at least 20" in bad.output
 
 
+def _release_steps(sigma: float, sensitivity: float, steps: int, grads: dict) -> None:
+    """``steps`` releases of a real DPStep (Gaussian mechanism σ, clip sensitivity C, q = ½) on a
+    fixed clipped sum ``grads``; the optimizer's learning rate is 0."""
+    from types import SimpleNamespace
+
+    from dpft.accounting.ledger import PrivacyLedger
+    from dpft.step.noise import GaussianMechanism
+    from dpft.step.pipeline import DPStep, StepSpec
+
+    params = {n: torch.nn.Parameter(torch.zeros_like(g)) for n, g in grads.items()}
+    spec = StepSpec(engine=SimpleNamespace(params=params), clip=SimpleNamespace(sensitivity=sensitivity),
+                    mechanism=GaussianMechanism(sigma, sensitivity, Randomness()), sampler=SimpleNamespace(q=0.5),
+                    optimizer=torch.optim.SGD(list(params.values()), lr=0.0))
+    step = DPStep(spec, PrivacyLedger(), n=100)
+    for t in range(steps):
+        agg = SimpleNamespace(sum=grads, loss_sum=0.0, batch_size=0, clipped=0, overflowed=0, norms=[])
+        step.release_and_update(t, agg)
+
+
 def test_dirac_canaries_ride_every_release_with_the_run_noise():
     from dpft.audit.dirac import dirac_canaries
-    from dpft.step.noise import GaussianMechanism
-
-    class Mech(GaussianMechanism):  # only what release needs: σ, C and the event
-        def __init__(self, sigma):
-            self.sigma, self.sensitivity, self.rng = sigma, 1.0, Randomness()
-
-        def event(self, q):
-            return None
+    from dpft.step import pipeline
 
     grads = {"a": torch.zeros(30), "b": torch.zeros(4, 5)}
-    orig = GaussianMechanism.release
     with dirac_canaries(40, Randomness()) as wb:
-        for step in range(25):
-            Mech(0.0).release(grads, 2.0, 0.5, step)  # σ = 0: the release is the canaries alone
+        assert pipeline._RELEASE_OBSERVERS == [wb]  # the DP step's release hook, not a patch
+        _release_steps(0.0, 2.0, 25, grads)  # σ = 0: the release is the canaries alone
+    assert pipeline._RELEASE_OBSERVERS == []  # the hook ends with the run
     assert wb.releases == 25 and grads["a"].abs().sum() == 0  # the caller's sums are not touched
     coords = [(n, int(c)) for n, _, cs in wb._where for c in cs]
     assert len(set(coords)) == 40
     inc = wb.included
     assert bool((wb.scores[~inc] == 0).all()) and bool((wb.scores[inc] > 0).all())  # q·T ≈ 12 joins each
     assert abs(wb.scores[inc].mean().item() - 12.5) < 3
-    assert GaussianMechanism.release is orig  # the patch ends with the run
     with dirac_canaries(40, Randomness()) as wb2:
-        for step in range(25):
-            Mech(1.0).release(grads, 1.0, 0.5, step)
+        _release_steps(1.0, 1.0, 25, grads)
     from dpft.audit.estimators import epsilon_lower_bound
 
     b = epsilon_lower_bound(wb2.scores[wb2.included].tolist(), wb2.scores[~wb2.included].tolist(), delta=1e-5)
     assert b.epsilon > 0  # σ = 1 over 25 releases: in and out separate
+
+
+def test_dirac_canaries_skip_a_mechanism_they_cannot_score():
+    from dpft.audit.dirac import DiracCanaries
+    from dpft.step.noise import GaussianMechanism
+
+    class Banded(GaussianMechanism):  # stands in for BandedMFMechanism (correlated noise)
+        pass
+
+    wb = DiracCanaries(10, Randomness())
+    grads = {"a": torch.zeros(20)}
+    mech = Banded(1.0, 1.0, Randomness())
+    assert wb.before_release(grads, 1.0, 0.5, 0, mech) is grads
+    wb.after_release(grads, 1.0, 0.5, 0, mech)
+    assert wb.unsupported == "Banded" and wb.releases == 0
+    assert fm.whitebox_result(wb, 1e-5, 0.95) is None  # no bound reported
 
 
 @pytest.mark.slow  # 15–35 s: the real stories260K Llama, two canary designs, white-box on the same run
@@ -230,3 +256,14 @@ def test_causal_lm_audit_with_two_designs(shared_data, tmp_path):
         assert all(b["confidence"] == 0.95 for b in x["bounds"].values())
     card = (tmp_path / "run" / "model" / "README.md").read_text()
     assert "rare canaries, black-box" in card
+
+
+def test_a_row_counted_twice_fails_the_same_run_white_box_check(small_bert, data_csv, tmp_path):
+    # no one-run ε̂ sees it (benchmarks/results/final_model_audit.md): the batches are checked instead
+    r = _recipe(small_bert, data_csv, **{"privacy.noise_multiplier": 1.0, "schedule.steps": 3,
+                                              "batch.expected_batch_size": 32})
+    bad = fm.audit_final_model(r, tmp_path / "bad", m=20, planted="counted twice", dirac=0, progress=False)
+    assert bad["check_rows_once_per_batch"] is False and bad["violation"]
+    assert "no row twice in a logical batch — FAIL" in fm.render_audit_md(bad)
+    ok = fm.audit_final_model(r, tmp_path / "ok", m=20, dirac=0, progress=False)
+    assert ok["check_rows_once_per_batch"] is True

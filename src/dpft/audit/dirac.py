@@ -15,12 +15,16 @@ the log-likelihood ratio of "in" (each release carries C with probability q_t) a
 claimed σ; :attr:`DiracCanaries.sums` keeps the plain Σ_t x_{t,i} too. ε̂ comes from
 :mod:`dpft.audit.estimators` as for the black-box audit.
 
-The canaries are added to the clipped sum that :class:`~dpft.step.noise.GaussianMechanism`
-releases (a patch of ``release`` for the duration of the run, like audit/planted.py's bugs): each
-is one more unit of sensitivity C, so the run's (ε, δ) per unit holds for them too. They are not
-counted in N (q stays the run's). What it cannot see: a bug before the release that only changes
-how *data* gradients are clipped (``clipping off``: a canary already has norm C) — the black-box
-audit's canaries go through the whole step and can. Other mechanisms (banded MF) are not walked.
+The canaries are added to the clipped sum just before the mechanism releases it, through the DP
+step's release hook (step/pipeline.py :func:`~dpft.step.pipeline.observe_releases`), so every way
+in is walked the same: ``dpft train``, a ``make_private`` loop, ``DPTrainer`` and the TRL
+trainers. Each canary is one more unit of sensitivity C, so the run's (ε, δ) per unit holds for
+them too. They are not counted in N (q stays the run's). What it cannot see: a bug before the
+release that only changes how *data* gradients are clipped (``clipping off``: a canary already has
+norm C) — the black-box audit's canaries go through the whole step and can. Only the independent
+Gaussian mechanism (truncated Poisson included) is walked: under banded MF the releases' noise is
+correlated and this score is not its likelihood ratio (:attr:`DiracCanaries.unsupported` names it;
+no bound is reported).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 from dpft.privacy.randomness import Randomness
 from dpft.step.noise import GaussianMechanism
+from dpft.step.pipeline import observe_releases
 
 __all__ = ["DiracCanaries", "dirac_canaries"]
 
@@ -47,6 +52,7 @@ class DiracCanaries:
     Attributes:
         included: ``(m,)`` bool secret coins. scores: ``(m,)`` float64 log-likelihood ratios
         (module docstring); sums: ``(m,)`` float64 Σ_t release_t[j_i] / C. releases: releases seen.
+        unsupported: the name of a mechanism met that this audit cannot score (None: none).
     """
 
     def __init__(self, m: int, rng: Randomness):
@@ -56,6 +62,7 @@ class DiracCanaries:
         self.scores = torch.zeros(self.m, dtype=torch.float64)
         self.sums = torch.zeros(self.m, dtype=torch.float64)
         self.releases = 0
+        self.unsupported: Optional[str] = None
         self._where: Optional[list[tuple[str, torch.Tensor, torch.Tensor]]] = None
 
     def _place(self, grad_sum: dict[str, torch.Tensor]) -> None:
@@ -108,20 +115,23 @@ class DiracCanaries:
         self.releases += 1
 
 
+    # -- the DP step's release hook (step/pipeline.py observe_releases) --------------------------
+    def _walks(self, mechanism) -> bool:
+        if type(mechanism) is not GaussianMechanism:  # banded MF: correlated noise (module docstring)
+            self.unsupported = type(mechanism).__name__
+        return self.unsupported is None
+
+    def before_release(self, clipped, sensitivity, q, step, mechanism):
+        return self.inject(clipped, float(sensitivity), float(q), step) if self._walks(mechanism) else clipped
+
+    def after_release(self, noisy, sensitivity, q, step, mechanism) -> None:
+        if self._walks(mechanism):
+            self.observe(noisy, float(sensitivity), float(q), float(mechanism.sigma))
+
+
 @contextlib.contextmanager
 def dirac_canaries(m: int, rng: Randomness) -> Iterator[DiracCanaries]:
-    """While active, every :meth:`GaussianMechanism.release` carries the Dirac canaries and
-    records their coordinates of the release (the run's own noise, σ and C)."""
-    state = DiracCanaries(m, rng)
-    orig = GaussianMechanism.release
-
-    def release(self, grad_sum, sensitivity, q, step):
-        noisy, event = orig(self, state.inject(grad_sum, float(sensitivity), float(q), step), sensitivity, q, step)
-        state.observe(noisy, float(sensitivity), float(q), float(self.sigma))
-        return noisy, event
-
-    GaussianMechanism.release = release
-    try:
+    """While active, every private release of this process (any way in) carries the Dirac
+    canaries, and their coordinates of each release (the run's own noise, σ and C) are scored."""
+    with observe_releases(DiracCanaries(m, rng)) as state:
         yield state
-    finally:
-        GaussianMechanism.release = orig

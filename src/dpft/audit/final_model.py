@@ -42,11 +42,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-import dpft.run.plan as run_plan
 from dpft.audit.dirac import dirac_canaries
 from dpft.audit.estimators import METHODS, epsilon_lower_bound
 from dpft.audit.planted import plant
@@ -59,12 +58,13 @@ from dpft.run.card import write_model_cards
 from dpft.run.loop import Trainer
 
 __all__ = ["DESIGNS", "CanarySet", "default_designs", "make_canary_rows", "canary_losses",
-           "canaries_in_training", "audit_final_model", "attach_audit", "FINAL_MODEL_PLANTED"]
+           "canary_rows_hook", "token_canaries", "log_odds_loss", "rows_once_per_batch", "audit_final_model",
+           "attach_audit", "FINAL_MODEL_PLANTED"]
 
 #: Canary designs by model kind (see the module docstring).
 DESIGNS = {"classifier": ("random", "mislabel"), "causal": ("rare", "random")}
 #: Planted bugs the final-model audit is calibrated on (audit/planted.py names).
-FINAL_MODEL_PLANTED = ("noise/4", "clipping off")
+FINAL_MODEL_PLANTED = ("noise/4", "clipping off", "counted twice")
 #: Longest canary (tokens, specials included): long enough to be unique, short enough for CPU.
 MAX_CANARY_TOKENS = 24
 
@@ -150,6 +150,43 @@ def _row_like(train_tok, values: dict) -> dict:
     return out
 
 
+def token_canaries(design: str, m: int, tokenizer, stream, *, causal: bool, length: int, num_labels: int = 1,
+                   train_ids: Optional[Iterable[Sequence[int]]] = None) -> list[dict]:
+    """m token canaries of ``design`` (``random`` or ``rare``), the content of every way in's canaries.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (its vocabulary, special ids and BOS / [CLS] … [SEP]).
+        stream: a :class:`~dpft.privacy.randomness.SecretStream` for the canaries' content.
+        causal: causal-LM canaries (BOS + tokens) or classifier ones ([CLS] tokens [SEP] + a label).
+        length: tokens per canary, specials included (≥ 4).
+        num_labels: classifier labels (each canary gets a uniform one).
+        train_ids: the training rows' token ids (``rare``: the least frequent quarter of the vocabulary).
+
+    Returns:
+        ``[{"input_ids": [...]}]`` (causal) or ``[{"input_ids": [...], "label": int}]``.
+
+    Raises:
+        ValueError: an unknown design, or ``rare`` without ``train_ids``."""
+    if design not in ("random", "rare"):
+        raise ValueError(f"token canary design {design!r}: use 'random' or 'rare'")
+    if design == "rare" and train_ids is None:
+        raise ValueError("rare canaries need the training rows' token ids (train_ids)")
+    pool = _vocab_pool(tokenizer, {"input_ids": list(train_ids or [])}, design)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    pre, post = ([], []) if causal else _special_frame(tokenizer)
+    body_len = max(1, length - (1 if causal and bos is not None else len(pre) + len(post)))
+    body = pool[stream.randint(len(pool), (m, body_len))]
+    labels = stream.randint(max(1, num_labels if not causal else 1), (m,))
+    rows = []
+    for j in range(m):
+        toks = body[j].tolist()
+        if causal:
+            rows.append({"input_ids": ([bos] if bos is not None else []) + toks})
+        else:
+            rows.append({"input_ids": pre + toks + post, "label": int(labels[j])})
+    return rows
+
+
 def make_canary_rows(design: str, m: int, tokenizer, data, recipe, stream) -> list[dict]:
     """m canary rows of ``design`` in the columns of ``data.train_tok``.
 
@@ -177,26 +214,16 @@ def make_canary_rows(design: str, m: int, tokenizer, data, recipe, stream) -> li
                 vals["token_type_ids"] = row["token_type_ids"]
             rows.append(_row_like(train_tok, vals))
         return rows
-    pool = _vocab_pool(tokenizer, train_tok, design)
     causal = data.causal
-    bos = getattr(tokenizer, "bos_token_id", None)
-    pre, post = ([], []) if causal else _special_frame(tokenizer)
-    body_len = length - (1 if causal and bos is not None else len(pre) + len(post))
-    body = pool[stream.randint(len(pool), (m, body_len))]
+    core = token_canaries(design, m, tokenizer, stream, causal=causal, length=length,
+                          num_labels=getattr(data.task, "num_labels", 1) or 1,
+                          train_ids=train_tok["input_ids"] if design == "rare" else None)
     rows = []
-    labels = stream.randint(max(1, getattr(data.task, "num_labels", 1) if not causal else 1), (m,))
-    for j in range(m):
-        toks = body[j].tolist()
-        if causal:
-            ids = ([bos] if bos is not None else []) + toks
-            vals = {"input_ids": ids}
-            if "labels" in train_tok.column_names:  # instruct rows: loss on every canary token
-                vals["labels"] = list(ids)
-        else:
-            ids = pre + toks + post
-            vals = {"input_ids": ids, "label": int(labels[j])}
-            if "token_type_ids" in train_tok.column_names:
-                vals["token_type_ids"] = [0] * len(ids)
+    for vals in core:
+        if causal and "labels" in train_tok.column_names:  # instruct rows: loss on every canary token
+            vals["labels"] = list(vals["input_ids"])
+        if not causal and "token_type_ids" in train_tok.column_names:
+            vals["token_type_ids"] = [0] * len(vals["input_ids"])
         rows.append(_row_like(train_tok, vals))
     return rows
 
@@ -235,21 +262,14 @@ def canary_losses(model, loss_fn, rows: Sequence[dict], pad_id: int, with_token_
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
-@contextlib.contextmanager
-def canaries_in_training(designs: Sequence[str], m: int, rng: Randomness, sets: list):
-    """While active, the run's training rows (``run/plan.py`` ``build_train_data``) get, for each
-    design, m canary rows of which those whose secret coin is heads are appended; the
-    :class:`CanarySet` s are appended to ``sets``. The coins come from ``rng``'s stream
-    ``audit_canary_coin`` (never written anywhere).
-
-    Lead: a ``build_plan(..., extra_rows=fn)`` hook would replace this patch of the module
-    attribute ``dpft.run.plan.build_train_data`` (see the issue 37 report)."""
+def canary_rows_hook(designs: Sequence[str], m: int, rng: Randomness, sets: list) -> Callable:
+    """The ``extra_rows`` hook of the driver's data build (run/plan.py ``build_plan``; ``Trainer(...,
+    extra_rows=...)``): for each design, m canary rows of which those whose secret coin is heads are
+    appended to the run's training rows; the :class:`CanarySet` s are appended to ``sets``. The
+    coins come from ``rng``'s stream ``audit_canary_coin`` (never written anywhere)."""
     import datasets
 
-    orig = run_plan.build_train_data
-
-    def with_canaries(recipe, task, tokenizer, hide_counts, progress):
-        data = orig(recipe, task, tokenizer, hide_counts=hide_counts, progress=progress)
+    def extra_rows(recipe, data, tokenizer):
         added = []
         for d in designs:
             rows = make_canary_rows(d, m, tokenizer, data, recipe, rng.stream("audit_canary", d))
@@ -263,11 +283,7 @@ def canaries_in_training(designs: Sequence[str], m: int, rng: Randomness, sets: 
         lengths = torch.tensor([len(x) for x in train_tok["input_ids"]])
         return dataclasses.replace(data, train_tok=train_tok, train_lengths=lengths)
 
-    run_plan.build_train_data = with_canaries
-    try:
-        yield sets
-    finally:
-        run_plan.build_train_data = orig
+    return extra_rows
 
 
 def _check_recipe(recipe, m: int, confidence: float) -> None:
@@ -326,56 +342,90 @@ def audit_final_model(recipe, out_dir: str | Path, *, m: int = 500, designs: Opt
     sets: list[CanarySet] = []
     dirac = m if dirac is None else int(dirac)
     white = dirac_canaries(dirac, rng) if dirac and r.privacy.enabled else contextlib.nullcontext()
-    with plant(planted), canaries_in_training(designs, m, rng, sets), white as wb:
-        trainer = Trainer(r, out_dir, rng=rng, progress=progress)
+    with plant(planted), white as wb:
+        trainer = Trainer(r, out_dir, rng=rng, progress=progress, extra_rows=canary_rows_hook(designs, m, rng, sets))
         rows_of = dict(pad_id=trainer.pad_id, with_token_types=trainer.with_token_types, device=trainer.device)
         for s in sets:
             s.ref_loss = canary_losses(trainer.model, trainer.loss_fn, s.rows, **rows_of)
         report = trainer.run()
+        batches_ok = rows_once_per_batch(trainer.dp_step, trainer.total_steps)
     with _weights_of_record(trainer):
         for s in sets:
             s.final_loss = canary_losses(trainer.model, trainer.loss_fn, s.rows, **rows_of)
-    delta = float(r.privacy.delta)
     eps = trainer.epsilon_now() if trainer.private else None
-    results = []
-    for s in sets:
-        sc, inc = s.scores, s.included
-        bounds = {meth: epsilon_lower_bound(sc[inc].tolist(), sc[~inc].tolist(), delta=delta, method=meth,
-                                            confidence=confidence).as_dict() for meth in ("fdp", "steinke")}
-        results.append({"design": s.design, "m": m, "included": int(inc.sum()), "bounds": bounds,
-                        "mean_score_in": float(sc[inc].mean()), "mean_score_out": float(sc[~inc].mean()),
-                        "scores_in": sc[inc].tolist(), "scores_out": sc[~inc].tolist()})
-    whitebox = None
-    if wb is not None and wb.releases:
-        inc = wb.included
-        whitebox = {"m": dirac, "included": int(inc.sum()), "releases": wb.releases,
-                    "score": "log-likelihood ratio over every release (audit/dirac.py)",
-                    "bounds": {meth: epsilon_lower_bound(wb.scores[inc].tolist(), wb.scores[~inc].tolist(),
-                                                         delta=delta, method=meth, confidence=confidence).as_dict()
-                               for meth in ("fdp", "steinke")},
-                    # the plain sum of the canary's coordinate (Steinke et al.'s score), for comparison
-                    "bounds_sum": {meth: epsilon_lower_bound(wb.sums[inc].tolist(), wb.sums[~inc].tolist(),
-                                                             delta=delta, method=meth,
-                                                             confidence=confidence).as_dict()["epsilon"]
-                                   for meth in ("fdp", "steinke")}}
-    head = results[0]["bounds"]["fdp"]
-    out = {"kind": "final-model one-run audit (black-box)", "recipe": r.name, "planted": planted,
-           "private": trainer.private, "certified_epsilon": eps, "delta": delta, "confidence": confidence,
-           "n_train_with_canaries": trainer.n, "steps": trainer.total_steps, "sigma": trainer.sigma,
-           "designs": results, "whitebox": whitebox,
-           "headline": {"epsilon_hat": head["epsilon"], "method": "fdp", "design": results[0]["design"], "m": m,
-                        "confidence": confidence},
-           # Only the Steinke bound tests the (ε, δ) claim itself; the f-DP bound tests the Gaussian
-           # curve through (ε, δ), which the run's PLD-certified mechanism need not lie under elsewhere.
-           "violation": eps is not None and any(x["bounds"]["steinke"]["epsilon"] > eps + 1e-9
-                                                 for x in results + ([whitebox] if whitebox else [])),
-           "gaussian_curve_rejected": eps is not None and any(x["bounds"]["fdp"]["epsilon"] > eps + 1e-9
-                                                               for x in results + ([whitebox] if whitebox else [])),
-           "seconds": time.perf_counter() - t0}
+    out = audit_record(recipe=r.name, planted=planted, private=trainer.private, certified_epsilon=eps,
+                       delta=float(r.privacy.delta), confidence=confidence, n=trainer.n, steps=trainer.total_steps,
+                       sigma=trainer.sigma, sets=sets, dirac=wb, seconds=time.perf_counter() - t0,
+                       batches_ok=batches_ok)
     (out_dir / "final_model_audit.json").write_text(json.dumps(out, indent=2))
     if report is not None:
         attach_audit(out_dir, out, same_run=True)
     return out
+
+
+def rows_once_per_batch(step, steps: int) -> bool:
+    """White-box check on the same run: no row appears twice in any of its ``steps`` logical
+    batches, redrawn from the run's own secret sampling streams (``step.indices(t)``; the draw of
+    step t is a function of the key and t, so these are the batches that were trained). A row
+    counted twice has sensitivity 2C at that step, which no one-run ε̂ can see: it shifts the
+    average canary by ~1/B (benchmarks/results/final_model_audit.md)."""
+    return all(len(i) == len(torch.unique(i)) for i in (step.indices(t) for t in range(int(steps))))
+
+
+def design_result(design: str, scores: torch.Tensor, included: torch.Tensor, delta: float,
+                  confidence: float) -> dict:
+    """One design's ε̂ (both estimators) from ``(m,)`` scores and ``(m,)`` bool coins."""
+    sc, inc = scores.double(), included.bool()
+    bounds = {meth: epsilon_lower_bound(sc[inc].tolist(), sc[~inc].tolist(), delta=delta, method=meth,
+                                        confidence=confidence).as_dict() for meth in ("fdp", "steinke")}
+    return {"design": design, "m": int(len(sc)), "included": int(inc.sum()), "bounds": bounds,
+            "mean_score_in": float(sc[inc].mean()), "mean_score_out": float(sc[~inc].mean()),
+            "scores_in": sc[inc].tolist(), "scores_out": sc[~inc].tolist()}
+
+
+def whitebox_result(wb, delta: float, confidence: float) -> Optional[dict]:
+    """The white-box Dirac audit's ε̂ (audit/dirac.py) from its state; None when nothing was
+    released, or the mechanism is one it cannot score (``unsupported``)."""
+    if wb is None or not wb.releases or wb.unsupported:
+        return None
+    inc = wb.included
+
+    def bound(sc, meth):
+        return epsilon_lower_bound(sc[inc].tolist(), sc[~inc].tolist(), delta=delta, method=meth,
+                                   confidence=confidence).as_dict()
+
+    return {"m": wb.m, "included": int(inc.sum()), "releases": wb.releases,
+            "score": "log-likelihood ratio over every release (audit/dirac.py)",
+            "bounds": {meth: bound(wb.scores, meth) for meth in ("fdp", "steinke")},
+            # the plain sum of the canary's coordinate (Steinke et al.'s score), for comparison
+            "bounds_sum": {meth: bound(wb.sums, meth)["epsilon"] for meth in ("fdp", "steinke")}}
+
+
+def audit_record(*, recipe: str, planted: Optional[str], private: bool, certified_epsilon: Optional[float],
+                 delta: float, confidence: float, n: int, steps: int, sigma: Optional[float], sets: Sequence[CanarySet],
+                 dirac=None, seconds: float, way_in: str = "dpft train", batches_ok: Optional[bool] = None) -> dict:
+    """The audit as a dict (``final_model_audit.json``; :func:`attach_audit`'s input) from the scored
+    canary sets and the white-box state of one run, whichever way in trained it. ``batches_ok``:
+    :func:`rows_once_per_batch` of the run (None: not checked); False is a violation."""
+    results = [design_result(s.design, s.scores, s.included, delta, confidence) for s in sets]
+    whitebox = whitebox_result(dirac, delta, confidence)
+    head = results[0]["bounds"]["fdp"]
+    eps = certified_epsilon
+    every = results + ([whitebox] if whitebox else [])
+    return {"kind": "final-model one-run audit (black-box)", "way_in": way_in, "recipe": recipe, "planted": planted,
+            "private": private, "certified_epsilon": eps, "delta": delta, "confidence": confidence,
+            "n_train_with_canaries": n, "steps": steps, "sigma": sigma, "designs": results, "whitebox": whitebox,
+            "whitebox_unsupported": getattr(dirac, "unsupported", None),
+            "check_rows_once_per_batch": batches_ok,
+            "headline": {"epsilon_hat": head["epsilon"], "method": "fdp", "design": results[0]["design"],
+                         "m": results[0]["m"], "confidence": confidence},
+            # Only the Steinke bound tests the (ε, δ) claim itself; the f-DP bound tests the Gaussian
+            # curve through (ε, δ), which the run's PLD-certified mechanism need not lie under elsewhere.
+            "violation": (eps is not None and any(x["bounds"]["steinke"]["epsilon"] > eps + 1e-9 for x in every))
+            or batches_ok is False,
+            "gaussian_curve_rejected": eps is not None and any(x["bounds"]["fdp"]["epsilon"] > eps + 1e-9
+                                                                for x in every),
+            "seconds": seconds}
 
 
 def audit_summary(audit: dict, same_run: bool) -> dict:
@@ -431,6 +481,9 @@ def render_audit_md(audit: dict) -> str:
         b = wbx["bounds"]
         lines.append(f"| white-box Dirac (every release) | {wbx['m']} | {wbx['included']} | "
                      f"{b['fdp']['epsilon']:.3f} | {b['steinke']['epsilon']:.3f} | | |")
+    if audit.get("check_rows_once_per_batch") is not None:
+        ok = audit["check_rows_once_per_batch"]
+        lines += ["", f"White-box check, same run: no row twice in a logical batch — {'pass' if ok else 'FAIL'}."]
     lines += ["", f"Each ε̂ is a lower bound at {audit['confidence']:.0%} confidence on its own (threshold chosen "
               "with a Bonferroni correction; none across designs or estimators). " + AUDIT_MEANING, ""]
     return "\n".join(lines)

@@ -6,6 +6,10 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
 * The mechanism's parts (issue 14; patched here for the duration of :func:`plant`):
   ``noise/4``, ``clipping off``, ``per-layer without 1/sqrt(G)``, ``clip at 2C``,
   ``same noise every step``, ``no subsampling``, ``known seed``.
+* The final-model audit's calibration (audit/final_model.py; issue 37): ``counted twice`` —
+  one sampled row of each logical batch is drawn twice, so its gradient is clipped and summed
+  twice (sensitivity 2C for that row at that step), as an off-by-one at a batch boundary would.
+  The one-step mechanism game does not look for it.
 * The Trainer's path (``audit/trainer_walk.py``): ``row_level_user_recipe`` (the audit's plan
   calibrated over rows for a user-level recipe), ``user_clipping_broken``.
 * Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
@@ -135,6 +139,17 @@ def apply(name: Optional[str], set_attr: Callable[[object, str, object], None]) 
     elif name == "same noise every step":
         orig_add = GaussianMechanism.add_noise
         set_attr(GaussianMechanism, "add_noise", lambda self, s, step: orig_add(self, s, 0))
+    elif name == "counted twice":
+        orig_draw = PoissonSampler.draw
+
+        def draw_twice(self, step, q):
+            idx = orig_draw(self, step, q)
+            if len(idx) == 0:
+                return idx
+            j = idx[int(self.rng.stream("planted_twice", step).randint(len(idx), (1,))[0])]
+            return torch.sort(torch.cat([idx, j.view(1)])).values  # that row twice in the logical batch
+
+        set_attr(PoissonSampler, "draw", draw_twice)
     elif name == "no subsampling":
         orig_draw = PoissonSampler.draw
         set_attr(PoissonSampler, "draw", lambda self, step, q: orig_draw(self, step, 1.0))
@@ -185,3 +200,6 @@ ALL = ALL + MECHANISMS_API_PLANTED
 # row index without the rows' fingerprint; make_private loading a state older than its last release.
 RESUME_PLANTED = ("resume_rows_by_index", "api_stale_state_accepted")
 ALL = ALL + RESUME_PLANTED
+# issue 37: the final-model audit's calibration (audit/final_model.py FINAL_MODEL_PLANTED)
+DUPLICATE_PLANTED = ("counted twice",)
+ALL = ALL + DUPLICATE_PLANTED

@@ -65,7 +65,8 @@ class Trainer:
                  transforms: Optional[list[Transform]] = None, progress: bool = True,
                  ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
                  phase: str = "train", live_ledger_path: Optional[str | Path] = None,
-                 on_step: Optional[Callable[[int, dict], None]] = None, allow_overspend: bool = False):
+                 on_step: Optional[Callable[[int, dict], None]] = None, allow_overspend: bool = False,
+                 extra_rows: Optional[Callable] = None):  # run/plan.py build_plan's hook (audit canaries)
         t0 = time.time()
         #: A resumed run may end above the target ε (issue 36: by default it stops within it).
         self.allow_overspend = allow_overspend
@@ -76,7 +77,7 @@ class Trainer:
         #: Everything the run is, resolved once before the loop (run/plan.py).
         self.plan = p = build_plan(recipe, run_dir, resume=resume, transforms=transforms, progress=progress,
                                    ledger=ledger, rng=rng, phase=phase, live_ledger_path=live_ledger_path,
-                                   train_phase=train_phase)
+                                   train_phase=train_phase, extra_rows=extra_rows)
         self.recipe, self.run_dir, self.resume, self.phase = recipe, p.run_dir, resume, p.phase
         self.world, self.rng, self.progress, self.private = p.world, p.rng, p.progress, p.private
         #: The ledger is appended to, never replaced (run/checkpoint.py ``continue_ledger``).

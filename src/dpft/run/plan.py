@@ -128,12 +128,15 @@ def evaluate_with_methods(methods: list, ctx: Run, base: Callable[[], dict]) -> 
 def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms: Optional[list] = None,
                progress: bool = True, ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
                phase: str = "train", live_ledger_path: Optional[str | Path] = None,
-               train_phase: Optional[PhaseRunner] = None) -> RunPlan:
+               train_phase: Optional[PhaseRunner] = None,
+               extra_rows: Optional[Callable[[Any, TrainData, Any], TrainData]] = None) -> RunPlan:
     """Resolve ``recipe`` into a :class:`RunPlan` (see the module docstring for the order).
 
     Args: as :class:`~dpft.run.loop.Trainer`; ``train_phase``: the driver's phase runner, given
     to the methods as ``Run.train_phase`` (a method's earlier training phase runs through it and
-    appends to this run's ledger; the plan cannot import the loop that calls it).
+    appends to this run's ledger; the plan cannot import the loop that calls it);
+    ``extra_rows(recipe, data, tokenizer) -> data``: rows added to the tokenised training rows
+    before N is counted (the final-model audit's canaries, audit/final_model.py).
 
     Raises:
         DataError, ModelError, CalibrationError, TrainingError, DistributedError — each naming
@@ -169,6 +172,8 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     tokenizer, model = build_model(r, num_labels(task), device=placement.device)
     model = place_model(model, r.perf, placement.device)
     data = build_train_data(r, task, tokenizer, hide_counts=private or bool(methods), progress=progress)
+    if extra_rows is not None:  # before the unit: N and q count the added rows
+        data = extra_rows(r, data, tokenizer)
     unit = build_unit(r, data.train_tok, data.task.notes, rng, private, mechanism)
     s = r.schedule
     total_steps = s.steps or max(1, math.ceil(s.epochs * unit.n / r.batch.expected_batch_size))

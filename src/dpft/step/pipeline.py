@@ -13,9 +13,10 @@ expected batch size qN (the realised size is private).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -28,6 +29,29 @@ from dpft.step.sample import PoissonSampler
 
 if TYPE_CHECKING:
     from dpft.grads.base import PerExampleEngine
+
+
+#: Release observers of this process (:func:`observe_releases`), in registration order.
+_RELEASE_OBSERVERS: list = []
+
+
+@contextlib.contextmanager
+def observe_releases(observer) -> Iterator[Any]:
+    """While active, every private release of every :class:`DPStep` in this process (``dpft train``,
+    ``make_private``, ``DPTrainer``, the TRL trainers) passes through ``observer`` — the hook of the
+    white-box audit (audit/dirac.py), which adds its gradient canaries to the clipped sum and reads
+    their coordinates of the noised release:
+
+    * ``observer.before_release(clipped_sum, sensitivity, q, step, mechanism) -> clipped_sum``
+      (a dict of tensors; return it unchanged to only observe);
+    * ``observer.after_release(noisy_sum, sensitivity, q, step, mechanism)``.
+
+    Non-private steps (no mechanism) are not observed. Yields ``observer``."""
+    _RELEASE_OBSERVERS.append(observer)
+    try:
+        yield observer
+    finally:
+        _RELEASE_OBSERVERS.remove(observer)
 
 
 @dataclass
@@ -150,7 +174,12 @@ class DPStep:
         t0 = time.perf_counter() if t0 is None else t0
         q = self.q_at(step)
         if sp.mechanism is not None:
-            noisy, event = sp.mechanism.release(agg.sum, sp.clip.sensitivity, q, step)
+            clipped = agg.sum
+            for obs in _RELEASE_OBSERVERS:  # the white-box audit's canaries (observe_releases)
+                clipped = obs.before_release(clipped, sp.clip.sensitivity, q, step, sp.mechanism)
+            noisy, event = sp.mechanism.release(clipped, sp.clip.sensitivity, q, step)
+            for obs in _RELEASE_OBSERVERS:
+                obs.after_release(noisy, sp.clip.sensitivity, q, step, sp.mechanism)
             self.ledger.record(sp.phase, event)
             if self.on_release is not None:
                 self.on_release()
