@@ -201,6 +201,10 @@ def test_audit_tune_checks_pass():
 
     checks = tune_checks()
     assert len(checks) == 4 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
+    # a profile bound computed in our favour (the R^{η+1} factor on δ dropped) is caught
+    from dpft.audit.checks_tune import _selection_epsilon
+
+    assert not _selection_epsilon("profile_ratio_dropped").passed
 
 
 def test_cli_tune_refusals_before_loading(tmp_path):

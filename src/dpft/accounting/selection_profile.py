@@ -32,8 +32,9 @@ Derivation (add/remove neighbours X, X'; Q = Q(X), Q' = Q(X'); φ(x) = E[x^K]):
    divergence is jointly convex, so δ_Q is bounded by the pointwise maximum of their profiles.
 
 Numerics (never in our favour): δ_Q(ε) comes from dp-accounting's pessimistic PLD (the maximum of
-the add and remove directions), evaluated on a grid of ε with step ``STEP`` (or ε_max/20,000 when wider); ε₁ is the first grid
-point whose δ_Q is ≤ the δ asked of Q (ε rounded up to the grid), ε₂ ranges over a subgrid (any
+the add and remove directions), evaluated on a grid of ε with step ``STEP`` (or ε_max/20,000 when
+wider); ε₁ is the first grid point whose δ_Q is ≤ the δ asked of Q (ε rounded up to the grid),
+ε₂ ranges over a subgrid (any
 ε₂ gives a valid bound, so a minimum over a subset is still one), and R and the final ε are
 inflated by 1e-12 relative against floating-point rounding.
 """

@@ -26,6 +26,7 @@ from unittest import mock
 import dp_accounting as dpa
 import numpy as np
 
+from dpft.accounting import selection_profile as _prof
 from dpft.accounting.ledger import PrivacyLedger, event_to_dict
 from dpft.accounting.selection import ORDERS, KDistribution, RandomKSelectionDpEvent, candidate_event, selection_epsilon
 from dpft.audit.whitebox import Check
@@ -36,7 +37,7 @@ from dpft.run import tune as T
 __all__ = ["PLANTED", "tune_checks"]
 
 #: Planted bugs :func:`tune_checks` must catch.
-PLANTED = ("k_fixed", "score_without_noise", "losing_models_released")
+PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped")
 
 
 def _k_law(planted) -> Check:
@@ -107,7 +108,19 @@ def _independent_profile_epsilon(cand, dist: KDistribution, delta: float, extra_
     return best
 
 
-def _selection_epsilon() -> Check:
+def _profile_without_ratio(dist, grid, delta):
+    """Planted bug ``profile_ratio_dropped``: the profile bound with δ_Q asked at δ/E[K] instead of
+    δ/(E[K]·R^{η+1}) (the R^{η+1} factor on δ forgotten: an ε in our favour)."""
+    best, arg = math.inf, {}
+    for i in _prof._inner_levels(dist, grid):  # noqa: SLF001 - the same levels as the real bound
+        lr = _prof.log_ratio(dist, float(grid.eps[i]), float(grid.delta[i]))
+        eps = grid.epsilon_for_delta(delta / dist.mean()) + lr
+        if eps < best:
+            best, arg = eps, {"eps1": eps - lr, "eps2": float(grid.eps[i]), "log_ratio": lr}
+    return best, arg
+
+
+def _selection_epsilon(planted=None) -> Check:
     delta = 1e-5
     # small step counts: the PLD of the naive bound and of the Poisson theorem's δ̂ stay fast
     configs = [(KDistribution("truncated_negative_binomial", 1.0, 0.1), candidate_event(1.2, 0.02, 60, 10.0)),
@@ -115,24 +128,32 @@ def _selection_epsilon() -> Check:
                (KDistribution("truncated_negative_binomial", 0.5, 0.2), candidate_event(2.0, 0.05, 40, None)),
                (KDistribution("poisson", mu=6.0), candidate_event(1.5, 0.02, 40, 10.0))]
     rows, ok = [], True
-    for dist, cand in configs:
-        led = PrivacyLedger()
-        led.record("tune", RandomKSelectionDpEvent(candidates=[cand], kind=dist.kind, eta=dist.eta, gamma=dist.gamma,
-                                                   mu=dist.mu))
-        got = led.epsilon(delta).epsilon
-        b = selection_epsilon([cand], dist, delta)
-        ind_rdp = _independent_rdp_epsilon(cand, dist, delta)
-        ind_prof = _independent_profile_epsilon(cand, dist, delta, (b.profile_detail or {}).get("eps2", 0.0))
-        # each bound as computed by dpft equals its independent evaluation (the profile bound up to its
-        # 1e-3 ε grid, rounded up), and the ledger certifies the smaller of the two
-        good = (abs(b.epsilon_rdp - ind_rdp) <= 1e-6 * ind_rdp
-                and -1e-9 <= b.epsilon_profile - ind_prof <= 2e-3 + 1e-4 * ind_prof
-                and abs(got - min(b.epsilon_rdp, b.epsilon_profile)) <= 1e-9 * got)
-        ok &= good
-        rows.append(f"{dist.kind}(η={dist.eta:g}, γ={dist.gamma:.3g}, μ={dist.mu:g}): ledger {got:.5f} "
-                    f"({b.certified_by}); RDP {b.epsilon_rdp:.5f} vs independent {ind_rdp:.5f}; profile "
-                    f"{b.epsilon_profile:.5f} vs independent {ind_prof:.5f}")
+    patch = (mock.patch.object(_prof, "profile_epsilon", _profile_without_ratio) if planted == "profile_ratio_dropped"
+             else mock.patch.object(T, "PRIVATE", T.PRIVATE))
+    with patch:
+        for dist, cand in configs:
+            ok &= _one_selection(dist, cand, delta, rows)
     return Check("tune: selection ε equals an independent evaluation of both theorems", ok, "; ".join(rows))
+
+
+def _one_selection(dist, cand, delta, rows) -> bool:
+    """One configuration: the ledger's ε against independent evaluations of both bounds (appends a row)."""
+    led = PrivacyLedger()
+    led.record("tune", RandomKSelectionDpEvent(candidates=[cand], kind=dist.kind, eta=dist.eta, gamma=dist.gamma,
+                                               mu=dist.mu))
+    got = led.epsilon(delta).epsilon
+    b = selection_epsilon([cand], dist, delta)
+    ind_rdp = _independent_rdp_epsilon(cand, dist, delta)
+    ind_prof = _independent_profile_epsilon(cand, dist, delta, (b.profile_detail or {}).get("eps2", 0.0))
+    # each bound as computed by dpft equals its independent evaluation (the profile bound up to its
+    # 1e-3 ε grid, rounded up), and the ledger certifies the smaller of the two
+    good = (abs(b.epsilon_rdp - ind_rdp) <= 1e-6 * ind_rdp
+            and -1e-9 <= b.epsilon_profile - ind_prof <= 2e-3 + 1e-4 * ind_prof
+            and abs(got - min(b.epsilon_rdp, b.epsilon_profile)) <= 1e-9 * got)
+    rows.append(f"{dist.kind}(η={dist.eta:g}, γ={dist.gamma:.3g}, μ={dist.mu:g}): ledger {got:.5f} "
+                f"({b.certified_by}); RDP {b.epsilon_rdp:.5f} vs independent {ind_rdp:.5f}; profile "
+                f"{b.epsilon_profile:.5f} vs independent {ind_prof:.5f}")
+    return good
 
 
 def _noisy_score(planted) -> Check:
@@ -183,4 +204,4 @@ def tune_checks(planted: str | None = None) -> list:
         ValueError: an unknown planted bug."""
     if planted is not None and planted not in PLANTED:
         raise ValueError(f"unknown planted tune bug {planted!r}; known: {PLANTED}")
-    return [_k_law(planted), _selection_epsilon(), _noisy_score(planted), _one_release(planted)]
+    return [_k_law(planted), _selection_epsilon(planted), _noisy_score(planted), _one_release(planted)]
