@@ -65,7 +65,7 @@ def lm_dirs(tmp_path_factory) -> dict[str, Path]:
 def fsdp_recipe(dirs, kind: str, **extra) -> dict:
     ov = {"task.name": "text", "task.train_file": str(dirs["corpus"]), "model.name": str(dirs[kind]),
           "model.max_length": 8, "model.dropout": 0.0, "privacy.noise_multiplier": 4.0, "privacy.target_epsilon": None,
-          "privacy.delta": 1e-3, "privacy.reproducible": True, "privacy.engine": "bookkeeping",
+          "privacy.delta": 1e-3, "privacy.reproducible": True,  # privacy.engine: auto = book-keeping
           "schedule.steps": 3, "batch.expected_batch_size": 9, "batch.max_physical_batch_size": 2,
           "eval.every_steps": 3, "checkpoint_every": 3, "perf.sharding": "fsdp", "optimizer.name": "sgd", "optimizer.lr": 0.05}
     ov.update(extra)
@@ -151,6 +151,9 @@ def test_sharding_refusals(lm_dirs, tmp_path, monkeypatch):
     with pytest.raises(ddp.DistributedError, match="perf.sharding: none"):
         Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"perf.sharding": "none"})), tmp_path / "a")
     monkeypatch.undo()
+    from dpft.fsdp import check_recipe
+
+    check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), 2, [], True, False)  # engine auto: runs
     with pytest.raises(FSDPError, match="privacy.engine"):
         Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"privacy.engine": "reference"})), tmp_path / "b")
     with pytest.raises(FSDPError, match="--resume"):

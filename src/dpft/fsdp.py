@@ -90,9 +90,10 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
     why = []
     if not private:
         why.append("a non-private run (--no-dp): use perf.sharding: ddp")
-    elif recipe.privacy.engine != "bookkeeping":
+    elif recipe.privacy.engine not in ("auto", "bookkeeping"):
+        # ``auto`` is the book-keeping engine (step/build.py ``make_engine``), which FSDP runs.
         why.append(f"privacy.engine {recipe.privacy.engine!r}: FSDP runs the book-keeping engine only "
-                   "(set privacy.engine: bookkeeping)")
+                   "(set privacy.engine: auto or bookkeeping)")
     if methods:
         why.append(f"method(s) {', '.join(m.name for m in methods)}: no method is verified on sharded "
                    "parameters yet (use perf.sharding: ddp)")
