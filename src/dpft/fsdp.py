@@ -512,13 +512,12 @@ def make_step(plan, ledger, on_release, dummy_batch) -> FSDPStep:
     return FSDPStep(plan.spec, ledger, plan.unit.n, plan.world, dummy_batch, on_release=on_release)
 
 
-def save_checkpoint(trainer, step: int) -> None:
+def save_checkpoint(trainer, step: int, write: Callable[..., Any]) -> None:
     """The checkpoint of a sharded run: full trainable weights (gathered) and the full optimizer
-    state (``torch.distributed.checkpoint.state_dict``, keyed by parameter name), written by rank 0.
-    A collective: every rank calls it."""
+    state (``torch.distributed.checkpoint.state_dict``, keyed by parameter name), written by rank 0
+    with ``write`` (the driver's ``run/checkpoint.save_checkpoint``, handed in: placement never
+    imports the driver). A collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    from dpft.run.checkpoint import save_checkpoint as write
 
     params = full_state(trainer.params)
     optim = trainer.optimizer

@@ -253,7 +253,7 @@ class Trainer:
     def save(self, step: int) -> None:
         if self.plan.sharded:  # FSDP: gathered weights and optimizer state, written by rank 0
 
-            return save_sharded(self, step)
+            return save_sharded(self, step, save_checkpoint)
         ddp.check_in_sync(self.world, self.params)  # DDP: the ranks still hold one set of weights
         self._last_checkpoint = step
         if not self.world.is_main:  # DDP: rank 0 alone writes the checkpoint
