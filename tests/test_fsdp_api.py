@@ -1,0 +1,105 @@
+"""``make_private`` on a model sharded with FSDP2 (``fully_shard``; api/sharded.py, issue 38 item 1):
+2 CPU processes (gloo) against 1 process (a 1-process gloo group, the same sharded step) of the same
+reproducible loop — the same ledger and ε, the same logical batches (the shares are disjoint and cover
+each), every rank running the same number of micro-batches per step (a short rank runs placeholders),
+and the gathered weights within float tolerance — at example level, with truncated Poisson and at
+user level. Refusals: a model whose root is not sharded; banded MF (its secret state per shard)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_api_worker as worker  # tests/fsdp_api_worker.py: the loop each rank runs
+from test_ddp import free_port
+
+# The ranks' fork server imports torch and dpft once (not once per rank).
+multiprocessing.set_forkserver_preload(["fsdp_api_worker", "dpft", "dpft.api", "torch.distributed.fsdp"])
+
+JOBS = {"example": {}, "truncated": {"max_batch_size": 7}, "user": {"user_level": True}}
+
+
+def _one_process_group():
+    port = free_port()
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        pytest.skip("a process group is already initialised")
+    root = tmp_path_factory.mktemp("fsdp_api")
+    _one_process_group()
+    try:
+        one = worker.run_jobs({"jobs": JOBS}, 0)
+    finally:
+        dist.destroy_process_group()
+    logs = root / "logs"
+    logs.mkdir()
+    torch.multiprocessing.start_processes(worker.forked_entry, args=({"jobs": JOBS, "log_dir": str(logs)},
+                                                                     free_port()),
+                                          nprocs=2, join=True, start_method="forkserver")
+    two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
+    return one, two
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", list(JOBS))
+def test_make_private_fsdp2_two_processes_equal_one(one_and_two, job):
+    one, two = one_and_two
+    a = one["jobs"][job]
+    r0, r1 = (log["jobs"][job] for log in two)
+    assert (a["world_size"], r0["world_size"], r1["rank"]) == (1, 2, 1)
+    assert r0["ledger"] == r1["ledger"] == a["ledger"]
+    assert sum(e["count"] for e in a["ledger"]["entries"]) == 4
+    if job == "truncated":
+        assert a["ledger"]["entries"][0]["event"]["type"] == "TruncatedSubsampledGaussianDpEvent"
+    assert r0["epsilon"] == r1["epsilon"] == a["epsilon"]
+    short = False
+    for t, full in a["batches"].items():
+        assert r0["batches"][t] == r1["batches"][t] == full
+        s0, s1 = r0["shares"][t], r1["shares"][t]
+        assert not set(s0) & set(s1) and sorted(s0 + s1) == sorted(full)
+        assert r0["micro"].get(t) == r1["micro"].get(t)  # the same number of forwards on every rank
+        short |= -(-len(s0) // 3) != -(-len(s1) // 3) if job != "user" else len(s0) != len(s1)
+    assert short  # some step ran a placeholder micro-batch on one rank
+    assert r0["weights"] == r1["weights"]  # gathered: one model for the world
+    for n, w in a["weights"].items():
+        torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
+
+
+def test_make_private_refuses_unsharded_root_and_banded(monkeypatch):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dpft import PrivacyEngine
+    from dpft import distributed as ddp
+
+    if dist.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is already initialised")
+    _one_process_group()
+    try:
+        def call(model, **kw):
+            data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+            return PrivacyEngine(reproducible_seed=0).make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+                data_loader=torch.utils.data.DataLoader(data, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+                steps=2, **kw)
+
+        mesh = init_device_mesh("cpu", (1,))
+        part = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        fully_shard(part[0], mesh=mesh)
+        with pytest.raises(ddp.DistributedError, match="apply fully_shard to the root module"):
+            call(part)
+        whole = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        fully_shard(whole, mesh=mesh)
+        with pytest.raises(ddp.DistributedError, match="banded_mf.*perf.sharding: fsdp"):
+            call(whole, mechanism="banded_mf", bands=2)
+        call(whole)  # a sharded root: accepted
+    finally:
+        dist.destroy_process_group()
