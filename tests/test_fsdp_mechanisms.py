@@ -106,3 +106,35 @@ def test_sharded_mechanism_noise_is_world_size_invariant(kind):
         assert not torch.equal(one[1]["w"], one[0]["w"])
     # noise std σC on the fresh draw
     assert 1.0 < float(one[0]["w"].std()) < 3.5
+
+
+@pytest.mark.slow
+def test_fsdp_user_level_two_processes_equal_one(tiny_model_dir, tmp_path):
+    """User level under FSDP (``task.user_column``, group clipping): each rank clips whole users
+    (``distributed.shard_units``), placeholders keep the collectives in step; 2 processes release what
+    1 does — the same ledger over users, the same weights within float tolerance."""
+    import pandas as pd
+
+    from test_ddp import overrides
+
+    words = ["good", "bad", "great", "awful", "fine", "poor"]
+    rows = [{"text": f"a {words[i % 6]} film {i}" + " long" * (i % 3), "label": int(i % 6 % 2 == 0),
+             "who": f"u{i % 15}"} for i in range(60)]
+    csv_u = tmp_path / "users.csv"
+    pd.DataFrame(rows).to_csv(csv_u, index=False)
+    ov = overrides(tiny_model_dir, csv_u, **{"privacy.reproducible": True, "privacy.noise_multiplier": 0.8,
+                                             "privacy.target_epsilon": None, "privacy.engine": "auto",
+                                             "task.user_column": "who", "task.max_rows_per_user": 2,
+                                             "batch.expected_batch_size": 6, "schedule.steps": 3,
+                                             "eval.every_steps": 3, "perf.sharding": "fsdp"})
+    one = tmp_path / "one" / "run"
+    Trainer(load_recipe(None, ov), one, progress=False).run()
+    failure, (r0, r1) = launch_worker(tmp_path / "two", ov)
+    assert failure is None, failure
+    two = tmp_path / "two" / "rank0" / "run"
+    assert json.loads((one / "ledger.json").read_text()) == json.loads((two / "ledger.json").read_text())
+    assert json.loads((two / "report.json").read_text())["dp"]["privacy_unit"]["unit"] == "user"
+    for t in ("0", "1", "2"):  # whole users per rank
+        assert not set(r0["shares"][t]) & set(r1["shares"][t])
+        assert sorted(r0["shares"][t] + r1["shares"][t]) == r0["batches"][t]
+    _weights_close(one, two)

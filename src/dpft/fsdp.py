@@ -88,8 +88,10 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
     """Refuse, before any loading, what the FSDP step does not run correctly.
 
     Raises:
-        FSDPError: a non-private run, another engine than book-keeping, a method plug-in, user-level
-            privacy, post-processing transforms, or ``--resume`` (each named with the fix).
+        FSDPError: a non-private run, another engine than book-keeping (``auto`` is book-keeping), a
+            method plug-in, or ``--resume`` (each named with the fix). User level runs: each rank
+            clips whole users (``distributed.shard_units``), a placeholder micro-batch carries no
+            clipping groups (its sum is replaced by zeros before the reduce-scatter).
     """
     why = []
     if not private:
@@ -101,8 +103,6 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
     if methods:
         why.append(f"method(s) {', '.join(m.name for m in methods)}: no method is verified on sharded "
                    "parameters yet (use perf.sharding: ddp)")
-    if recipe.task.user_column and private:
-        why.append("user-level privacy (task.user_column): not with FSDP yet (use perf.sharding: ddp, or one process)")
     if resume:
         why.append("--resume: a sharded run's checkpoint is not resumed yet (start a new --output-dir, or "
                    "train with perf.sharding: ddp)")
@@ -474,6 +474,10 @@ class FSDPStep(DPStep):
 
             with torch.random.fork_rng(devices=_rng_devices(sp.engine.params.values())):
                 sp.engine.check_usage(self.dummy_batch())
+            # The probe's layout check may backpropagate with the weights requiring grad (FSDP then
+            # reduce-scatters that non-private gradient into .grad): dropped, never used.
+            for p in sp.engine.params.values():
+                p.grad = None
         failure: Optional[Exception] = None
         for i in range(total):
             dummy = failure is not None or i >= len(mine)
