@@ -94,8 +94,55 @@ def run_job(job: dict) -> dict:
     return log
 
 
+def run_trainer_job(job: dict, out_dir: Path) -> dict:
+    """A reproducible DPTrainer run (tiny BERT of the audit, ``fully_shard`` on each ``BertLayer``
+    and the root) — at example or user level; logs the ledger, the shares and the gathered weights."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import PrinterCallback, TrainingArguments
+    import torch.distributed as dist
+
+    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    model = tiny_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in model.modules():
+        if type(m).__name__ == "BertLayer":
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    users = [i % 7 for i in range(30)] if job.get("user_level") else None
+    rows = make_rows(30, users)
+    args = TrainingArguments(output_dir=str(out_dir), max_steps=3, learning_rate=0.5, lr_scheduler_type="constant",
+                             optim="sgd", weight_decay=0.0, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, label_names=["labels"])
+    dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
+                     reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
+                     max_rows_per_user=2)
+    tr = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate, dp_args=dp)
+    tr.remove_callback(PrinterCallback)
+    log: dict = {"batches": {}, "shares": {}, "sharded": tr.sharded}
+    real_share = tr._share
+
+    def share(idx):
+        mine = real_share(idx)
+        t = str(int(tr.state.global_step))
+        log["batches"][t] = [int(i) for i in idx]
+        log["shares"][t] = [int(i) for i in mine]
+        return mine
+
+    tr._share = share
+    tr.train()
+    log["ledger"] = tr.ledger.to_json()
+    log["weights"] = {n: p.full_tensor().detach().flatten().tolist() for n, p in tr.engine.params.items()}
+    log["world_size"] = tr.world.world_size
+    return log
+
+
 def run_jobs(cfg: dict, rank: int) -> dict:
-    out = {"jobs": {name: run_job(job) for name, job in cfg["jobs"].items()}}
+    out = {"jobs": {name: (run_trainer_job(job, Path(cfg.get("out", "."), f"{name}-{rank}")) if job.get("trainer")
+                           else run_job(job)) for name, job in cfg["jobs"].items()}}
     if cfg.get("log_dir"):
         Path(cfg["log_dir"], f"rank{rank}.json").write_text(json.dumps(out))
     return out

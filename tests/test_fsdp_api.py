@@ -22,6 +22,8 @@ from test_ddp import free_port
 multiprocessing.set_forkserver_preload(["fsdp_api_worker", "dpft", "dpft.api", "torch.distributed.fsdp"])
 
 JOBS = {"example": {}, "truncated": {"max_batch_size": 7}, "user": {"user_level": True}}
+#: DPTrainer on a fully_shard-ed tiny BERT (integrations/hf_fsdp.py), in the same worlds.
+TRAINER_JOBS = {"trainer": {"trainer": "hf"}, "trainer_user": {"trainer": "hf", "user_level": True}}
 
 
 def _one_process_group():
@@ -36,13 +38,13 @@ def one_and_two(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_api")
     _one_process_group()
     try:
-        one = worker.run_jobs({"jobs": JOBS}, 0)
+        one = worker.run_jobs({"jobs": {**JOBS, **TRAINER_JOBS}, "out": str(root / "one")}, 0)
     finally:
         dist.destroy_process_group()
     logs = root / "logs"
     logs.mkdir()
-    torch.multiprocessing.start_processes(worker.forked_entry, args=({"jobs": JOBS, "log_dir": str(logs)},
-                                                                     free_port()),
+    cfg = {"jobs": {**JOBS, **TRAINER_JOBS}, "log_dir": str(logs), "out": str(root / "two")}
+    torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()),
                                           nprocs=2, join=True, start_method="forkserver")
     two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
     return one, two
@@ -69,6 +71,27 @@ def test_make_private_fsdp2_two_processes_equal_one(one_and_two, job):
         short |= -(-len(s0) // 3) != -(-len(s1) // 3) if job != "user" else len(s0) != len(s1)
     assert short  # some step ran a placeholder micro-batch on one rank
     assert r0["weights"] == r1["weights"]  # gathered: one model for the world
+    for n, w in a["weights"].items():
+        torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", list(TRAINER_JOBS))
+def test_dptrainer_fsdp2_two_processes_equal_one(one_and_two, job):
+    """DPTrainer on an FSDP2 model: the same ledger, disjoint covering shares (whole users at user
+    level), the gathered trainable weights within float tolerance of one process's."""
+    one, two = one_and_two
+    a = one["jobs"][job]
+    r0, r1 = (log["jobs"][job] for log in two)
+    assert a["sharded"] and r0["sharded"] and (a["world_size"], r0["world_size"]) == (1, 2)
+    assert r0["ledger"] == r1["ledger"] == a["ledger"]
+    assert sum(e["count"] for e in a["ledger"]["entries"]) == 3
+    for t, full in a["batches"].items():
+        assert r0["batches"][t] == r1["batches"][t] == full
+        s0, s1 = r0["shares"][t], r1["shares"][t]
+        assert not set(s0) & set(s1) and sorted(s0 + s1) == sorted(full)
+    assert r0["weights"] == r1["weights"]
+    assert a["weights"]
     for n, w in a["weights"].items():
         torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
 

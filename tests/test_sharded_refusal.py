@@ -92,17 +92,22 @@ def _dp():
     return DPArguments(target_delta=1e-3, expected_batch_size=2, noise_multiplier=1.0)
 
 
-def test_dptrainer_refuses_fsdp2_model(gloo_group, tmp_path):
+def test_dptrainer_refuses_a_sharded_submodule_only_and_takes_a_sharded_root(gloo_group, tmp_path):
     pytest.importorskip("transformers")
     from dpft.audit import checks_hf_ddp as hd
     from dpft.integrations.hf import DPTrainer
 
     model = hd.tiny_model()
     _sharded(model, "bert.encoder")
-    with pytest.raises(ddp.DistributedError, match=r"DPTrainer: the model is sharded by FSDP2 \(fully_shard\) "
-                                                   r"\(bert.encoder\).*" + FIX):
+    with pytest.raises(ddp.DistributedError, match=r"DPTrainer: only submodules of the model are sharded by FSDP2.*"
+                                                   r"apply fully_shard to the root"):
         DPTrainer(model=model, args=_hf_args(tmp_path), train_dataset=hd.make_rows(6),
                   data_collator=hd.pad_collate, dp_args=_dp())
+    tr = DPTrainer(model=_sharded(hd.tiny_model()), args=_hf_args(tmp_path), train_dataset=hd.make_rows(6),
+                   data_collator=hd.pad_collate, dp_args=_dp())
+    from dpft.fsdp import FSDPStep
+
+    assert tr.sharded and isinstance(tr.dp_step, FSDPStep)
 
 
 def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_path, monkeypatch):
@@ -118,8 +123,8 @@ def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_pa
 
     monkeypatch.setattr(SFTTrainer, "__init__", boom)
     tok = tiny_tokenizer()
-    model = _sharded(tiny_llama(len(tok)))
-    with pytest.raises(ddp.DistributedError, match=r"DPSFTTrainer: the model is sharded by FSDP2.*" + FIX):
+    model = _sharded(tiny_llama(len(tok)), "model.layers.0")  # the root not sharded: refused
+    with pytest.raises(ddp.DistributedError, match=r"DPSFTTrainer: only submodules of the model are sharded by FSDP2"):
         DPSFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True),
                      train_dataset=datasets.Dataset.from_list([{"prompt": "my phone", "completion": " restart"}] * 4),
                      processing_class=tok, dp_args=_dp())

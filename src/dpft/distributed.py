@@ -301,8 +301,9 @@ def refuse_ddp_wrapper(module: torch.nn.Module, where: str) -> None:
 
 
 #: The fix named when a sharded model reaches a way in that does not shard.
-SHARDED_FIX = ("use `dpft train` with perf.sharding: fsdp (dpft's FSDP2 step), or DDP here: the unwrapped, "
-               "unsharded model under torchrun / accelerate launch")
+SHARDED_FIX = ("shard the model yourself with FSDP2 (torch.distributed.fsdp.fully_shard on its blocks, then on the "
+               "root) before make_private / DPTrainer (dpft's sharded step), or use `dpft train` with "
+               "perf.sharding: fsdp, or DDP here: the unwrapped, unsharded model under torchrun / accelerate launch")
 
 
 def refuse_sharded_model(module: Any, where: str, allow_fsdp2: bool = False) -> None:

@@ -484,6 +484,7 @@ class FSDPStep(DPStep):
             batch = self.dummy_batch() if i >= len(mine) else mine[i]
             self.scatter.start(dummy)
             try:
+                self._reshard()
                 res = sp.engine.clipped_sum(batch)
                 if not dummy:
                     agg.add(res)
@@ -500,6 +501,14 @@ class FSDPStep(DPStep):
             raise failure or NonFiniteGradientError(
                 "non-finite training loss on another rank; lower optimizer.lr or check the data")
         return self.release_and_update(step, agg, t0)
+
+    def _reshard(self) -> None:
+        """Reshard every FSDP unit before a pass: a unit still gathered from the last one (the root
+        keeps its parameters after forward) would keep that pass's ``requires_grad`` flags, since
+        FSDP2 copies the flags at all-gather only; autograd would then compute (and FSDP
+        reduce-scatter) unclipped gradients of its parameters."""
+        for m in _fsdp_modules(self.spec.engine.model):
+            m.reshard()
 
     def _check_no_fsdp_grads(self) -> None:
         """No gradient reached a parameter behind the engine's back (FSDP would reduce-scatter it
