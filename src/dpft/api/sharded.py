@@ -165,6 +165,8 @@ class ShardedDPOptimizer(DPOptimizer):
     def _begin_micro_batch(self, step: int, size: int, last: bool, groups: Optional[torch.Tensor] = None,
                            batch: Optional[torch.Tensor] = None) -> None:
         self._flush()  # the previous micro-batch is reduced under its own placeholder flag
+        # every unit sharded, so the forward's all-gathers copy this pass's requires_grad flags
+        self.dp_step._reshard()
         self._dummy = self.batches.dummies.popleft() if self.batches.dummies else False
         self.dp_step.scatter.start(self._dummy)
         super()._begin_micro_batch(step, size, last, groups=groups, batch=batch)
