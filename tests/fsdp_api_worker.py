@@ -97,7 +97,6 @@ def run_job(job: dict) -> dict:
 def run_trainer_job(job: dict, out_dir: Path) -> dict:
     """A reproducible DPTrainer run (tiny BERT of the audit, ``fully_shard`` on each ``BertLayer``
     and the root) — at example or user level; logs the ledger, the shares and the gathered weights."""
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import PrinterCallback, TrainingArguments

@@ -7,7 +7,8 @@ recipe, in reproducible mode:
   each), trainable weights within float tolerance, the same gathered weights on both ranks; rank 0
   alone writes;
 - the audit's FSDP checks pass, and catch their planted bugs;
-- refusals: ``perf.sharding: none`` with 2 processes, and what FSDP does not run yet.
+- refusals: ``perf.sharding: none`` with 2 processes, and what FSDP does not run (another engine than
+  book-keeping, a non-private run, method plug-ins).
 """
 
 from __future__ import annotations
@@ -156,8 +157,7 @@ def test_sharding_refusals(lm_dirs, tmp_path, monkeypatch):
     check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), 2, [], True, False)  # engine auto: runs
     with pytest.raises(FSDPError, match="privacy.engine"):
         Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"privacy.engine": "reference"})), tmp_path / "b")
-    with pytest.raises(FSDPError, match="--resume"):
-        Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), tmp_path / "c", resume=True)
+    check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), 2, [], True, True)  # --resume runs (fsdp_state.py)
     # banded MF and truncated Poisson run sharded (tests/test_fsdp_mechanisms.py)
     for extra in ({"privacy.mechanism": "banded_mf", "privacy.bands": 2}, {"batch.max_batch_size": 8}):
         check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **extra)), 2, [], True, False)

@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from dpft.grads.groups import split_groups
 from dpft.step.correlated import BandedMFMechanism
 from dpft.step.noise import GaussianMechanism
 from dpft.step.pipeline import DPStep, StepOutput
@@ -89,7 +90,7 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
 
     Raises:
         FSDPError: a non-private run, another engine than book-keeping (``auto`` is book-keeping), a
-            method plug-in, or ``--resume`` (each named with the fix). User level runs: each rank
+            method plug-in (named with the fix). ``--resume`` runs (dpft/fsdp_state.py). User level runs: each rank
             clips whole users (``distributed.shard_units``), a placeholder micro-batch carries no
             clipping groups (its sum is replaced by zeros before the reduce-scatter).
     """
@@ -103,9 +104,6 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
     if methods:
         why.append(f"method(s) {', '.join(m.name for m in methods)}: no method is verified on sharded "
                    "parameters yet (use perf.sharding: ddp)")
-    if resume:
-        why.append("--resume: a sharded run's checkpoint is not resumed yet (start a new --output-dir, or "
-                   "train with perf.sharding: ddp)")
     if why:
         raise FSDPError("perf.sharding: fsdp cannot run this recipe: " + "; ".join(why))
 
@@ -381,7 +379,39 @@ class ShardedBandedMFMechanism(_ShardedNoise, BandedMFMechanism):
     so each rank keeps the b − 1 noise buffers of its own shard only ((b − 1)/K of the trainable
     parameters in fp32 per rank) and the world's y_t is exactly the one-process (sharded-layout)
     noise. The ledger events (PoissonSampled(p, G(σ)) at t ≡ 0 mod b, NoOp otherwise) are the
-    base mechanism's; the secret partition and row fingerprint travel with it."""
+    base mechanism's; the secret partition and row fingerprint travel with it.
+
+    :meth:`state` gathers the buffers to full tensors (a collective: every rank calls it; the
+    secret file is then the one a one-process run writes), :meth:`load_state` keeps this rank's
+    slice. ``world`` and ``shapes`` (name → (full shape, local shape)) are set by :class:`FSDPStep`."""
+
+    world = None
+    shapes: dict = {}
+
+    def _gather(self, buf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        flat = {n: t.detach().float().cpu().reshape(-1) for n, t in buf.items()}
+        if self.world is not None and self.world.distributed:
+            import torch.distributed as dist
+
+            parts: list = [None] * self.world.world_size
+            dist.all_gather_object(parts, flat, group=self.world.group)  # rank order = flat element order
+            flat = {n: torch.cat([parts[r][n] for r in range(self.world.world_size)]) for n in flat}
+        return {n: t.reshape(self.shapes[n][0]) if n in self.shapes else t for n, t in flat.items()}
+
+    def state(self) -> dict:
+        st = super().state()
+        st["buffers"] = [self._gather(b) for b in self.buffers]
+        return st
+
+    def load_state(self, st: dict, device_of: Optional[dict[str, torch.Tensor]] = None) -> None:
+        mine = []
+        for b in st["buffers"]:
+            out = {}
+            for n, t in b.items():
+                _, off, cnt = self.layout[n]
+                out[n] = t.reshape(-1)[off:off + cnt].reshape(self.shapes[n][1]).clone()
+            mine.append(out)
+        super().load_state({**st, "buffers": mine}, {n: local(p) for n, p in (device_of or {}).items()})
 
 
 #: The sharded counterpart of each mechanism class the plan may build.
@@ -424,7 +454,10 @@ class FSDPStep(DPStep):
         self.scatter = ReduceScatter(params, eng.param_names, world)
         eng.on_param_sum = self.scatter
         if spec.mechanism is not None:
-            spec = spec.replace(mechanism=shard_mechanism(spec.mechanism, self.layout))
+            mech = shard_mechanism(spec.mechanism, self.layout)
+            mech.world = world
+            mech.shapes = {n: (tuple(p.shape), tuple(local(p).shape)) for n, p in params.items()}
+            spec = spec.replace(mechanism=mech)
         super().__init__(spec, ledger, n, on_release=on_release, world_group=world.group)
         self.dummy_batch = dummy_batch
 
@@ -473,7 +506,8 @@ class FSDPStep(DPStep):
             from dpft.grads.bookkeeping import _rng_devices
 
             with torch.random.fork_rng(devices=_rng_devices(sp.engine.params.values())):
-                sp.engine.check_usage(self.dummy_batch())
+                # a placeholder with clipping groups (user level, DPO pairs) is probed as the step clips it
+                sp.engine.check_usage(*split_groups(self.dummy_batch()))
             # The probe's layout check may backpropagate with the weights requiring grad (FSDP then
             # reduce-scatters that non-private gradient into .grad): dropped, never used.
             for p in sp.engine.params.values():
@@ -523,27 +557,3 @@ class FSDPStep(DPStep):
 def make_step(plan, ledger, on_release, dummy_batch) -> FSDPStep:
     """The :class:`FSDPStep` of a plan built with ``perf.sharding: fsdp``."""
     return FSDPStep(plan.spec, ledger, plan.unit.n, plan.world, dummy_batch, on_release=on_release)
-
-
-def save_checkpoint(trainer, step: int, write: Callable[..., Any]) -> None:
-    """The checkpoint of a sharded run: full trainable weights (gathered) and the full optimizer
-    state (``torch.distributed.checkpoint.state_dict``, keyed by parameter name), written by rank 0
-    with ``write`` (the driver's ``run/checkpoint.save_checkpoint``, handed in: placement never
-    imports the driver). A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    params = full_state(trainer.params)
-    optim = trainer.optimizer
-    if _fsdp_modules(trainer.model):
-        sd = get_optimizer_state_dict(trainer.model, optim,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-        class _Full:  # what save_checkpoint reads of an optimizer
-            def state_dict(self):
-                return sd
-
-        optim = _Full()
-    trainer._last_checkpoint = step
-    if trainer.world.is_main:
-        write(trainer.run_dir, step=step, params=params, optimizer=optim, scheduler=trainer.scheduler,
-              ledger_json=trainer.ledger.to_json(), state=trainer._state())

@@ -308,4 +308,6 @@ def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (see the module docstring); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
     with _planted(planted):
-        return _noise_check() + _dummy_check() + _mechanism_check() + _api_check() + _norm_check()
+        # the norm check exercises no planted bug (it builds a model: skipped when planting)
+        return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check()
+                + (_norm_check() if planted is None else []))

@@ -28,14 +28,20 @@ __all__ = ["is_fsdp2_model", "check_fsdp2_model", "sharded_trainer_step"]
 
 def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
     """The :class:`~dpft.fsdp.FSDPStep` of a DPTrainer whose model is FSDP2-sharded; its placeholder
-    micro-batch is training row 0 collated by the trainer's (column-filtered) collator."""
+    micro-batch is the trainer's own first physical batch of training row 0 (the trainer's
+    ``_micro_batches``: its collator, DPO's pairs with their reference log-probabilities, user
+    groups), built on every rank alike (the rank's share taken as the whole one-row batch)."""
 
     def placeholder():
-        rows = trainer._rows(torch.tensor([0]))
-        col = trainer.dp_args.user_column
-        if col is not None:
-            rows = [{k: v for k, v in r.items() if k != col} if isinstance(r, dict) else r for r in rows]
-        return trainer._prepare_inputs(trainer._dp_collator(rows))
+        own = trainer.__dict__.get("_share")
+        trainer._share = lambda idx: idx  # every rank the same row, not its share of it
+        try:
+            return next(iter(trainer._micro_batches(torch.tensor([0]))))
+        finally:
+            if own is None:
+                del trainer.__dict__["_share"]
+            else:
+                trainer._share = own
 
     return fsdp.FSDPStep(spec, trainer.ledger, trainer.n, trainer.world, placeholder,
                          on_release=trainer._save_live_ledger)
