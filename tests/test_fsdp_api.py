@@ -126,3 +126,51 @@ def test_make_private_refuses_unsharded_root_and_banded(monkeypatch):
         call(whole)  # a sharded root: accepted
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_trainers_train_an_fsdp2_model_through_the_sharded_step(kind, tmp_path):
+    """DPSFTTrainer and DPDPOTrainer (DPTrainer's sharded path) on a fully_shard-ed tiny Llama, one
+    process: FSDPStep runs (DPO's placeholder is a pair with its reference log-probabilities), one
+    ledger event per step, the sharded weights move. DPO takes an unsharded ``ref_model``: TRL hashes
+    the reference model's tensors with ``.numpy()``, which DTensors refuse."""
+    pytest.importorskip("trl")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trl import DPOConfig, SFTConfig
+
+    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import checks_trl
+    from dpft.fsdp import FSDPStep
+    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.trl import DPDPOTrainer, DPSFTTrainer
+
+    if dist.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is already initialised")
+    _one_process_group()
+    try:
+        tok = checks_trl.tiny_tokenizer()
+        model = checks_trl.tiny_llama(len(tok))
+        mesh = init_device_mesh("cpu", (1,))
+        for m in model.modules():
+            if type(m).__name__ == "LlamaDecoderLayer":
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        common = dict(output_dir=str(tmp_path / kind), max_steps=2, report_to=[], use_cpu=True, bf16=False, optim="sgd",
+                      learning_rate=0.5, per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+        dp = DPArguments(target_delta=1e-3, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4,
+                         reproducible_seed=0, max_physical_batch_size=2)
+        rows = hd.trl_rows({"trainer": kind, "rows": 8})
+        if kind == "sft":
+            tr = DPSFTTrainer(model=model, args=SFTConfig(max_length=64, dataset_num_proc=None, **common),
+                              train_dataset=rows, processing_class=tok, dp_args=dp)
+        else:
+            tr = DPDPOTrainer(model=model, ref_model=checks_trl.tiny_llama(len(tok)), args=DPOConfig(beta=0.5, **common),
+                              train_dataset=rows, processing_class=tok, dp_args=dp)
+        before = {n: p.full_tensor().clone() for n, p in tr.engine.params.items()}
+        tr.train()
+        assert tr.sharded and isinstance(tr.dp_step, FSDPStep)
+        assert sum(e["count"] for e in tr.ledger.to_json()["entries"]) == 2
+        assert any(not torch.equal(p.full_tensor(), before[n]) for n, p in tr.engine.params.items())
+    finally:
+        dist.destroy_process_group()
