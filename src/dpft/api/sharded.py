@@ -162,6 +162,20 @@ class ShardedDPOptimizer(DPOptimizer):
                 "non-finite training loss on another rank; lower the learning rate or check the data "
                 "(nothing was released for this logical batch)")
 
+    def _flush(self) -> None:
+        """Reduce the open micro-batch; a non-finite loss or norm on this rank still completes the
+        micro-batch's reduce-scatters with zeros (the other ranks wait in them) and is told to every
+        rank at the release's all-reduce (nothing is released)."""
+        if self.session is None:
+            return
+        try:
+            self.session.flush()
+        except NonFiniteGradientError as exc:
+            if not self.world.distributed:
+                raise
+            self._failed = exc
+            self.dp_step.scatter.finish_with_zeros()
+
     def _begin_micro_batch(self, step: int, size: int, last: bool, groups: Optional[torch.Tensor] = None,
                            batch: Optional[torch.Tensor] = None) -> None:
         self._flush()  # the previous micro-batch is reduced under its own placeholder flag
