@@ -40,7 +40,7 @@ from torch import nn
 
 from dpft import distributed as ddp
 from dpft import fsdp
-from dpft.api.loader import _PoissonMicroBatches
+from dpft.api.loader import _Plan, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError
@@ -117,8 +117,6 @@ class ShardedMicroBatches(_PoissonMicroBatches):
         return super().__iter__()
 
     def _gen(self, plan, n_steps: int):
-        from dpft.api.loader import _Plan
-
         for _ in range(n_steps):
             t = self.next_step
             self.next_step += 1

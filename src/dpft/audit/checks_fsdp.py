@@ -42,7 +42,18 @@ from typing import Iterator, Optional
 
 import torch
 
+from dpft import fsdp
+from dpft.api import sharded
+from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
 from dpft.audit.whitebox import Check
+from dpft.distributed import World
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.models.losses import causal_lm_loss
+from dpft.privacy.randomness import Randomness
+from dpft.step.clip import make_clip_policy
+from dpft.step.correlated import BandedMFMechanism, banded_coefficients
+from dpft.step.noise import GaussianMechanism
+from dpft.step.sample import PoissonSampler
 
 __all__ = ["PLANTED", "fsdp_checks"]
 
@@ -53,7 +64,6 @@ PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_whole_st
 
 @contextlib.contextmanager
 def _planted(name: Optional[str]) -> Iterator[None]:
-    from dpft import fsdp
 
     saved = []
     try:
@@ -71,7 +81,6 @@ def _planted(name: Optional[str]) -> Iterator[None]:
             saved.append((fsdp.ReduceScatter, "start", real_start))
             fsdp.ReduceScatter.start = lambda self, dummy: real_start(self, False)
         elif name == "fsdp_banded_whole_stream":
-            from dpft.step.noise import GaussianMechanism
 
             real = fsdp._ShardedNoise.noise_stream
             saved.append((fsdp._ShardedNoise, "noise_stream", real))
@@ -86,7 +95,6 @@ def _planted(name: Optional[str]) -> Iterator[None]:
             saved.append((fsdp._ShardedNoise, "__init__", real_init))
             fsdp._ShardedNoise.__init__ = drop
         elif name == "fsdp_api_no_placeholder":
-            from dpft.api import sharded
 
             real_count = sharded.ShardedMicroBatches._count
 
@@ -97,7 +105,6 @@ def _planted(name: Optional[str]) -> Iterator[None]:
             saved.append((sharded.ShardedMicroBatches, "_count", real_count))
             sharded.ShardedMicroBatches._count = own
         elif name == "fsdp_api_dummy_sent":
-            from dpft.api import sharded
 
             real_begin = sharded.ShardedDPOptimizer._begin_micro_batch
 
@@ -114,9 +121,6 @@ def _planted(name: Optional[str]) -> Iterator[None]:
 
 
 def _noise_check(sigma: float = 0.7, c: float = 2.0) -> list[Check]:
-    from dpft import fsdp
-    from dpft.privacy.randomness import Randomness
-    from dpft.step.noise import GaussianMechanism
 
     base = GaussianMechanism(sigma, c, Randomness(7))
     shapes = {"w": (9, 5), "b": (3,), "big": (2 * fsdp.NOISE_BLOCK + 5,)}
@@ -159,8 +163,6 @@ def _noise_check(sigma: float = 0.7, c: float = 2.0) -> list[Check]:
 
 
 def _dummy_check() -> list[Check]:
-    from dpft import fsdp
-    from dpft.distributed import World
 
     p = torch.nn.Parameter(torch.ones(4, 3))
     rs = fsdp.ReduceScatter({"p": p}, ["p"], World())
@@ -173,10 +175,6 @@ def _dummy_check() -> list[Check]:
 
 
 def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list[Check]:
-    from dpft import fsdp
-    from dpft.privacy.randomness import Randomness
-    from dpft.step.correlated import BandedMFMechanism, banded_coefficients
-    from dpft.step.noise import GaussianMechanism
 
     def make(kind):
         if kind == "banded_mf":
@@ -226,11 +224,6 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
 def _api_check() -> list[Check]:
     from types import SimpleNamespace
 
-    from dpft import fsdp
-    from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
-    from dpft.distributed import World
-    from dpft.privacy.randomness import Randomness
-    from dpft.step.sample import PoissonSampler
 
     sampler = PoissonSampler(40, 8, Randomness(5))
     runs = []
@@ -272,10 +265,6 @@ def _api_check() -> list[Check]:
 def _norm_check(c: float = 0.05) -> list[Check]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dpft import fsdp
-    from dpft.grads.bookkeeping import BookKeepingEngine
-    from dpft.models.losses import causal_lm_loss
-    from dpft.step.clip import make_clip_policy
 
     torch.manual_seed(0)
     m = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=16, vocab_size=32,
