@@ -361,10 +361,14 @@ def test_world_size_check_and_refused_methods():
         def __init__(self, name):
             self.name = name
 
+    from dpft.methods.base import registered
+
     two = ddp.World(0, 2)
-    ddp.check_methods(two, [M("rmt"), M("dp_adam_ac")])
+    ddp.check_methods(two, [M("rmt"), M("dp_adam_ac")], registry=registered())  # looked up in the caller's registry
     with pytest.raises(ddp.DistributedError, match="dpsft.*one process.*dpsft: .*stage 1"):
-        ddp.check_methods(two, [M("dpsft")])
+        ddp.check_methods(two, [M("dpsft")], registry=registered())
+    with pytest.raises(ddp.DistributedError, match="rmt"):
+        ddp.check_methods(two, [M("rmt")])  # no registry handed in: an undeclared object is refused
     with pytest.raises(ddp.DistributedError, match="percentile"):
         ddp.check_methods(two, [], keep_norms=True)
     ddp.check_methods(ddp.World(), [M("ewft")], keep_norms=True)  # one process: everything runs

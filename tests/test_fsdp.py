@@ -7,7 +7,8 @@ recipe, in reproducible mode:
   each), trainable weights within float tolerance, the same gathered weights on both ranks; rank 0
   alone writes;
 - the audit's FSDP checks pass, and catch their planted bugs;
-- refusals: ``perf.sharding: none`` with 2 processes, and what FSDP does not run yet.
+- refusals: ``perf.sharding: none`` with 2 processes, and what FSDP does not run (another engine than
+  book-keeping, a non-private run, method plug-ins).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def lm_dirs(tmp_path_factory) -> dict[str, Path]:
 def fsdp_recipe(dirs, kind: str, **extra) -> dict:
     ov = {"task.name": "text", "task.train_file": str(dirs["corpus"]), "model.name": str(dirs[kind]),
           "model.max_length": 8, "model.dropout": 0.0, "privacy.noise_multiplier": 4.0, "privacy.target_epsilon": None,
-          "privacy.delta": 1e-3, "privacy.reproducible": True, "privacy.engine": "bookkeeping",
+          "privacy.delta": 1e-3, "privacy.reproducible": True,  # privacy.engine: auto = book-keeping
           "schedule.steps": 3, "batch.expected_batch_size": 9, "batch.max_physical_batch_size": 2,
           "eval.every_steps": 3, "checkpoint_every": 3, "perf.sharding": "fsdp", "optimizer.name": "sgd", "optimizer.lr": 0.05}
     ov.update(extra)
@@ -151,12 +152,12 @@ def test_sharding_refusals(lm_dirs, tmp_path, monkeypatch):
     with pytest.raises(ddp.DistributedError, match="perf.sharding: none"):
         Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"perf.sharding": "none"})), tmp_path / "a")
     monkeypatch.undo()
+    from dpft.fsdp import check_recipe
+
+    check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), 2, [], True, False)  # engine auto: runs
     with pytest.raises(FSDPError, match="privacy.engine"):
         Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"privacy.engine": "reference"})), tmp_path / "b")
-    with pytest.raises(FSDPError, match="--resume"):
-        Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), tmp_path / "c", resume=True)
-    with pytest.raises(FSDPError, match="banded_mf"):
-        Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"privacy.mechanism": "banded_mf",
-                                                                   "privacy.bands": 2})), tmp_path / "d")
-    with pytest.raises(FSDPError, match="max_batch_size"):
-        Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"batch.max_batch_size": 8})), tmp_path / "e")
+    check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), 2, [], True, True)  # --resume runs (fsdp_state.py)
+    # banded MF and truncated Poisson run sharded (tests/test_fsdp_mechanisms.py)
+    for extra in ({"privacy.mechanism": "banded_mf", "privacy.bands": 2}, {"batch.max_batch_size": 8}):
+        check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **extra)), 2, [], True, False)

@@ -1,6 +1,8 @@
-"""make_private and DPTrainer refuse a model sharded by FSDP (issue 26): FSDP2 (``fully_shard``,
-on the root or a submodule) and FSDP1 wrappers, TrainingArguments.fsdp and accelerate's FSDP
-plugin; each message names the fix (``dpft train`` with ``perf.sharding: fsdp``, or DDP).
+"""Sharded models at each way in (issues 26, 38): make_private takes an FSDP2 (``fully_shard``)
+model whose root is sharded (api/sharded.py) and refuses one with only a submodule sharded;
+DPTrainer and the TRL trainers refuse FSDP2 and FSDP1 models, TrainingArguments.fsdp and
+accelerate's FSDP plugin; each message names the fix (``dpft train`` with ``perf.sharding: fsdp``,
+make_private with the root sharded, or DDP).
 
 One process: a 1-process gloo group on a free port (FSDP2 needs a process group), destroyed after."""
 
@@ -44,17 +46,24 @@ def _sharded(model: nn.Module, submodule: str | None = None) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("where", [None, "0"], ids=["root", "submodule"])
-def test_make_private_refuses_fsdp2(gloo_group, where):
+def test_make_private_takes_fsdp2_root_and_refuses_a_sharded_submodule_only(gloo_group):
+    """make_private runs an FSDP2 model (api/sharded.py; tests/test_fsdp_api.py) when its root is
+    sharded; a model with only a submodule sharded is refused naming the fix."""
     from dpft import PrivacyEngine
 
-    model = _sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), where)
-    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-    with pytest.raises(ddp.DistributedError, match=r"make_private: the model is sharded by FSDP2.*" + FIX):
-        PrivacyEngine(reproducible_seed=0).make_private(
+    def call(model):
+        data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+        return PrivacyEngine(reproducible_seed=0).make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
             data_loader=torch.utils.data.DataLoader(data, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
             steps=1)
+
+    with pytest.raises(ddp.DistributedError, match=r"make_private: only submodules .*apply fully_shard to the root"):
+        call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), "0"))
+    model, opt, crit, loader = call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))))
+    from dpft.api.sharded import ShardedDPOptimizer
+
+    assert isinstance(opt, ShardedDPOptimizer)
 
 
 def test_refuse_sharded_model_names_fsdp1_and_lets_plain_models_through(gloo_group):
@@ -83,17 +92,22 @@ def _dp():
     return DPArguments(target_delta=1e-3, expected_batch_size=2, noise_multiplier=1.0)
 
 
-def test_dptrainer_refuses_fsdp2_model(gloo_group, tmp_path):
+def test_dptrainer_refuses_a_sharded_submodule_only_and_takes_a_sharded_root(gloo_group, tmp_path):
     pytest.importorskip("transformers")
     from dpft.audit import checks_hf_ddp as hd
     from dpft.integrations.hf import DPTrainer
 
     model = hd.tiny_model()
     _sharded(model, "bert.encoder")
-    with pytest.raises(ddp.DistributedError, match=r"DPTrainer: the model is sharded by FSDP2 \(fully_shard\) "
-                                                   r"\(bert.encoder\).*" + FIX):
+    with pytest.raises(ddp.DistributedError, match=r"DPTrainer: only submodules of the model are sharded by FSDP2.*"
+                                                   r"apply fully_shard to the root"):
         DPTrainer(model=model, args=_hf_args(tmp_path), train_dataset=hd.make_rows(6),
                   data_collator=hd.pad_collate, dp_args=_dp())
+    tr = DPTrainer(model=_sharded(hd.tiny_model()), args=_hf_args(tmp_path), train_dataset=hd.make_rows(6),
+                   data_collator=hd.pad_collate, dp_args=_dp())
+    from dpft.fsdp import FSDPStep
+
+    assert tr.sharded and isinstance(tr.dp_step, FSDPStep)
 
 
 def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_path, monkeypatch):
@@ -109,8 +123,8 @@ def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_pa
 
     monkeypatch.setattr(SFTTrainer, "__init__", boom)
     tok = tiny_tokenizer()
-    model = _sharded(tiny_llama(len(tok)))
-    with pytest.raises(ddp.DistributedError, match=r"DPSFTTrainer: the model is sharded by FSDP2.*" + FIX):
+    model = _sharded(tiny_llama(len(tok)), "model.layers.0")  # the root not sharded: refused
+    with pytest.raises(ddp.DistributedError, match=r"DPSFTTrainer: only submodules of the model are sharded by FSDP2"):
         DPSFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True),
                      train_dataset=datasets.Dataset.from_list([{"prompt": "my phone", "completion": " restart"}] * 4),
                      processing_class=tok, dp_args=_dp())

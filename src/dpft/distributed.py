@@ -283,14 +283,16 @@ def refuse_ddp_wrapper(module: torch.nn.Module, where: str) -> None:
 
     DDP's gradient buckets all-reduce the *unclipped* batch gradient at every backward; dpft
     clips each example (user) on its rank and all-reduces the clipped sums once per logical step
-    (:meth:`~dpft.step.aggregate.Aggregator.all_reduce`), so the wrapper must go.
+    (:meth:`~dpft.step.aggregate.Aggregator.all_reduce`), so the wrapper must go. An FSDP1 wrapper
+    is refused too; an FSDP2 (``fully_shard``) model is let through: make_private runs it with
+    the sharded step (api/sharded.py).
 
     Raises:
         DistributedError: naming the fix (pass ``model.module``, the unwrapped model).
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    refuse_sharded_model(module, where)
+    refuse_sharded_model(module, where, allow_fsdp2=True)  # FSDP2: make_private's sharded step (api/sharded.py)
     if isinstance(module, DistributedDataParallel):
         raise DistributedError(
             f"{where}: the model is wrapped in DistributedDataParallel, whose gradient buckets all-reduce the "
@@ -299,20 +301,22 @@ def refuse_ddp_wrapper(module: torch.nn.Module, where: str) -> None:
 
 
 #: The fix named when a sharded model reaches a way in that does not shard.
-SHARDED_FIX = ("use `dpft train` with perf.sharding: fsdp (dpft's FSDP2 step), or DDP here: the unwrapped, "
-               "unsharded model under torchrun / accelerate launch")
+SHARDED_FIX = ("shard the model yourself with FSDP2 (torch.distributed.fsdp.fully_shard on its blocks, then on the "
+               "root) before make_private / DPTrainer (dpft's sharded step), or use `dpft train` with "
+               "perf.sharding: fsdp, or DDP here: the unwrapped, unsharded model under torchrun / accelerate launch")
 
 
-def refuse_sharded_model(module: Any, where: str) -> None:
+def refuse_sharded_model(module: Any, where: str, allow_fsdp2: bool = False) -> None:
     """Refuse a model sharded by FSDP2 (``fully_shard``: a ``torch.distributed.fsdp.FSDPModule``,
     on the model or any submodule) or FSDP1 (``FullyShardedDataParallel``).
 
     A sharded model holds 1/K of each parameter per rank, reduce-scatters the *unclipped*
     gradient in its backward hooks and gathers the weights around each forward; make_private's and
     DPTrainer's per-example engines read whole parameters and whole per-example gradients, and
-    all-reduce clipped sums themselves. dpft's sharded DP step (per-shard norm contributions summed
-    across ranks before the clip factors) exists only in ``dpft train`` (src/dpft/fsdp.py).
-    ``module`` that is not an ``nn.Module`` (a model name) is let through.
+    all-reduce clipped sums themselves. dpft's sharded DP step (src/dpft/fsdp.py: clipped sums
+    reduce-scattered, noise drawn per shard) runs in ``dpft train`` (``perf.sharding: fsdp``) and in
+    ``make_private`` (``allow_fsdp2``: FSDP2 let through). ``module`` that is not an ``nn.Module``
+    (a model name) is let through.
 
     Raises:
         DistributedError: naming the fix (:data:`SHARDED_FIX`).
@@ -322,7 +326,8 @@ def refuse_sharded_model(module: Any, where: str) -> None:
     kinds = []
     try:
         from torch.distributed.fsdp import FSDPModule
-        kinds.append((FSDPModule, "FSDP2 (fully_shard)"))
+        if not allow_fsdp2:
+            kinds.append((FSDPModule, "FSDP2 (fully_shard)"))
     except ImportError:  # pragma: no cover - older torch
         pass
     try:
@@ -533,13 +538,15 @@ def check_same_recipe(world: World, recipe_json: dict) -> None:
                                "environment differ between processes); launch every rank with the same command")
 
 
-def check_methods(world: World, methods: list, keep_norms: bool = False) -> None:
+def check_methods(world: World, methods: list, keep_norms: bool = False,
+                  registry: Optional[dict] = None) -> None:
     """Refuse what does not run correctly across ranks.
 
     A method runs under DDP when its class declares ``supports_ddp = True`` (methods/base.py:
     the method's promise that it draws per-example randomness per rank and reads only
-    all-reduced statistics); an object without the attribute is looked up in the method
-    registry by its ``name``. The driver names no method.
+    all-reduced statistics); an object without the attribute is looked up by its ``name`` in
+    ``registry`` (name → method class: the caller's capability, e.g. ``methods.base.registered()``;
+    placement never imports the method registry). The driver names no method.
 
     Raises:
         DistributedError: a method not declared correct across ranks (e.g. a forward-pass
@@ -550,9 +557,7 @@ def check_methods(world: World, methods: list, keep_norms: bool = False) -> None
     """
     if not world.distributed:
         return
-    from dpft.methods.base import registered
-
-    reg = registered()
+    reg = dict(registry or {})
 
     def declared(m) -> bool:
         if hasattr(m, "supports_ddp"):

@@ -31,7 +31,10 @@ What the world of K processes computes is the DP-SGD step of one process (DESIGN
   its shard overlaps and keeps its elements. Each element's noise comes from exactly one position
   of one stream, the shards are disjoint and cover the tensor, so the world adds exactly one
   N(0, σ²C²I) draw — and the same values whatever the number of ranks (a 1-process run with
-  ``perf.sharding: fsdp`` draws the same noise as a K-process one).
+  ``perf.sharding: fsdp`` draws the same noise as a K-process one). Any mechanism that draws its
+  fresh Gaussian through ``noise_stream`` is sharded this way (:func:`shard_mechanism`): truncated
+  Poisson (the Gaussian mechanism with its truncated event) and banded MF, whose y_t = (z_t −
+  Σ_j c_j y_{t−j}) / c_0 is elementwise, so each rank keeps the noise buffers of its shard only.
 - **One ledger event per logical step**, recorded by every rank's :class:`~dpft.step.DPStep`
   bookkeeping as in one process; rank 0 alone writes it.
 - The optimizer steps the sharded ``DTensor`` parameters (its state is sharded too: about 1/K of
@@ -61,11 +64,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from dpft.grads.groups import split_groups
+from dpft.step.correlated import BandedMFMechanism
 from dpft.step.noise import GaussianMechanism
 from dpft.step.pipeline import DPStep, StepOutput
 
 __all__ = ["NOISE_BLOCK", "FSDPError", "block_classes", "shard_model", "chunk_range", "local_range", "local", "ReduceScatter",
-           "ShardedGaussianMechanism", "shard_noise", "FSDPStep", "check_recipe", "gathered", "full_state",
+           "ShardedGaussianMechanism", "ShardedBandedMFMechanism", "shard_mechanism", "shard_noise", "FSDPStep", "check_recipe", "gathered", "full_state",
            "materialise", "is_sharded"]
 
 #: Flat elements per noise block: the unit of the sharded noise layout (fixed, so the noise of a
@@ -84,30 +89,21 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
     """Refuse, before any loading, what the FSDP step does not run correctly.
 
     Raises:
-        FSDPError: a non-private run, another engine than book-keeping, a method plug-in, user-level
-            privacy, post-processing transforms, or ``--resume`` (each named with the fix).
+        FSDPError: a non-private run, another engine than book-keeping (``auto`` is book-keeping), a
+            method plug-in (named with the fix). ``--resume`` runs (dpft/fsdp_state.py). User level runs: each rank
+            clips whole users (``distributed.shard_units``), a placeholder micro-batch carries no
+            clipping groups (its sum is replaced by zeros before the reduce-scatter).
     """
     why = []
     if not private:
         why.append("a non-private run (--no-dp): use perf.sharding: ddp")
-    elif recipe.privacy.engine != "bookkeeping":
+    elif recipe.privacy.engine not in ("auto", "bookkeeping"):
+        # ``auto`` is the book-keeping engine (step/build.py ``make_engine``), which FSDP runs.
         why.append(f"privacy.engine {recipe.privacy.engine!r}: FSDP runs the book-keeping engine only "
-                   "(set privacy.engine: bookkeeping)")
+                   "(set privacy.engine: auto or bookkeeping)")
     if methods:
         why.append(f"method(s) {', '.join(m.name for m in methods)}: no method is verified on sharded "
                    "parameters yet (use perf.sharding: ddp)")
-    if recipe.task.user_column and private:
-        why.append("user-level privacy (task.user_column): not with FSDP yet (use perf.sharding: ddp, or one process)")
-    if private and getattr(recipe.privacy, "mechanism", "gaussian") != "gaussian":
-        # banded MF keeps whole-tensor noise buffers; FSDP draws each shard's block noise itself
-        why.append(f"privacy.mechanism {recipe.privacy.mechanism!r}: FSDP draws independent Gaussian noise per "
-                   "shard only (use privacy.mechanism: gaussian, or perf.sharding: ddp)")
-    if private and getattr(recipe.batch, "max_batch_size", None) is not None:
-        why.append("batch.max_batch_size (truncated Poisson, fixed shapes): not verified with FSDP's placeholder "
-                   "micro-batches yet (drop it, or use perf.sharding: ddp)")
-    if resume:
-        why.append("--resume: a sharded run's checkpoint is not resumed yet (start a new --output-dir, or "
-                   "train with perf.sharding: ddp)")
     if why:
         raise FSDPError("perf.sharding: fsdp cannot run this recipe: " + "; ".join(why))
 
@@ -331,29 +327,107 @@ def shard_noise(mech: GaussianMechanism, step: int, name: str, numel: int, offse
     return torch.cat(out)
 
 
-class ShardedGaussianMechanism(GaussianMechanism):
+class _ShardStream:
+    """What a mechanism's ``noise_stream(step, name, device)`` returns under FSDP: ``normal(shape)``
+    draws this shard's elements of tensor ``name``'s noise with :func:`shard_noise` (the block
+    layout), so any mechanism that draws its fresh Gaussian through ``noise_stream`` (the
+    independent one, banded MF's z_t) draws the same values for any number of ranks."""
+
+    def __init__(self, mech, step: int, name: str, layout: tuple[int, int, int]):
+        self.mech, self.step, self.name, self.layout = mech, int(step), str(name), layout
+
+    def normal(self, shape, dtype=torch.float32, device=None) -> torch.Tensor:
+        numel, offset, count = self.layout
+        if math.prod(shape) != count:
+            raise FSDPError(f"{self.name}: shard of {math.prod(shape)} elements but the layout says {count}")
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        return shard_noise(self.mech, self.step, self.name, numel, offset, count, dev).reshape(shape).to(dtype)
+
+
+class _ShardedNoise:
+    """Mixin: the mechanism's fresh Gaussian of tensor ``name`` is this shard's slice of the block
+    layout (:class:`_ShardStream`); everything else — σ, sensitivity, truncation, the ledger
+    event, banded MF's correlation over its (shard-sized) buffers — is the base mechanism's.
+
+    Args:
+        base: the plan's mechanism (its attributes are copied: same σ, key, truncation, state).
+        layout: per tensor name, ``(numel, offset, count)``: its global element count and this
+            shard's flat range (:func:`local_range`)."""
+
+    def __init__(self, base, layout: Mapping[str, tuple[int, int, int]]):
+        self.__dict__.update(vars(base))
+        self.layout = dict(layout)
+
+    def noise_stream(self, step: int, name: str, device: torch.device):  # type: ignore[override]
+        return _ShardStream(self, step, name, self.layout[name])
+
+
+class ShardedGaussianMechanism(_ShardedNoise, GaussianMechanism):
     """The Gaussian mechanism on a clipped sum held in shards (one per rank).
 
     ``grad_sum`` holds this rank's shards; ``layout`` gives, per tensor name, its global element
     count and this shard's flat ``(offset, numel)``. Noise std σC per coordinate, drawn by
     :func:`shard_noise` — disjoint streams per block, so the shards of the world together get one
-    N(0, σ²C²I) draw. The ledger event is the unsharded mechanism's (one per logical step).
+    N(0, σ²C²I) draw. The ledger event is the unsharded mechanism's (one per logical step;
+    truncated Poisson's ``TruncatedSubsampledGaussianDpEvent`` when the base has a truncation).
     """
 
-    def __init__(self, base: GaussianMechanism, layout: Mapping[str, tuple[int, int, int]]):
-        super().__init__(base.sigma, base.sensitivity, base.rng, hardened=base.hardened,
-                         accounted_sigma=base.accounted_sigma)
-        self.layout = dict(layout)
 
-    def add_noise(self, grad_sum: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in grad_sum.items():
-            numel, offset, count = self.layout[name]
-            if count != t.numel():
-                raise FSDPError(f"{name}: shard of {t.numel()} elements but the layout says {count}")
-            z = shard_noise(self, step, name, numel, offset, count, t.device).reshape(t.shape)
-            out[name] = (t.float() + self.std * z).to(t.dtype)
-        return out
+class ShardedBandedMFMechanism(_ShardedNoise, BandedMFMechanism):
+    """Banded MF (step/correlated.py) on a clipped sum held in shards: z_t is this shard's slice
+    of the block-layout draw, and y_t = (z_t − Σ_{j≥1} c_j y_{t−j}) / c_0 is computed elementwise,
+    so each rank keeps the b − 1 noise buffers of its own shard only ((b − 1)/K of the trainable
+    parameters in fp32 per rank) and the world's y_t is exactly the one-process (sharded-layout)
+    noise. The ledger events (PoissonSampled(p, G(σ)) at t ≡ 0 mod b, NoOp otherwise) are the
+    base mechanism's; the secret partition and row fingerprint travel with it.
+
+    :meth:`state` gathers the buffers to full tensors (a collective: every rank calls it; the
+    secret file is then the one a one-process run writes), :meth:`load_state` keeps this rank's
+    slice. ``world`` and ``shapes`` (name → (full shape, local shape)) are set by :class:`FSDPStep`."""
+
+    world = None
+    shapes: dict = {}
+
+    def _gather(self, buf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        flat = {n: t.detach().float().cpu().reshape(-1) for n, t in buf.items()}
+        if self.world is not None and self.world.distributed:
+            import torch.distributed as dist
+
+            parts: list = [None] * self.world.world_size
+            dist.all_gather_object(parts, flat, group=self.world.group)  # rank order = flat element order
+            flat = {n: torch.cat([parts[r][n] for r in range(self.world.world_size)]) for n in flat}
+        return {n: t.reshape(self.shapes[n][0]) if n in self.shapes else t for n, t in flat.items()}
+
+    def state(self) -> dict:
+        st = super().state()
+        st["buffers"] = [self._gather(b) for b in self.buffers]
+        return st
+
+    def load_state(self, st: dict, device_of: Optional[dict[str, torch.Tensor]] = None) -> None:
+        mine = []
+        for b in st["buffers"]:
+            out = {}
+            for n, t in b.items():
+                _, off, cnt = self.layout[n]
+                out[n] = t.reshape(-1)[off:off + cnt].reshape(self.shapes[n][1]).clone()
+            mine.append(out)
+        super().load_state({**st, "buffers": mine}, {n: local(p) for n, p in (device_of or {}).items()})
+
+
+#: The sharded counterpart of each mechanism class the plan may build.
+_SHARDED = {GaussianMechanism: ShardedGaussianMechanism, BandedMFMechanism: ShardedBandedMFMechanism}
+
+
+def shard_mechanism(base, layout: Mapping[str, tuple[int, int, int]]):
+    """The sharded counterpart of the plan's mechanism ``base`` (its attributes copied).
+
+    Raises:
+        FSDPError: a mechanism class with no sharded counterpart (named)."""
+    cls = _SHARDED.get(type(base))
+    if cls is None:
+        raise FSDPError(f"perf.sharding: fsdp has no sharded noise for {type(base).__name__} (sharded: "
+                        f"{', '.join(c.__name__ for c in _SHARDED)}); use perf.sharding: ddp")
+    return cls(base, layout)
 
 
 # -- the step ------------------------------------------------------------------------------------
@@ -365,8 +439,8 @@ class FSDPStep(DPStep):
     its own contribution replaced by zeros; and the engine's first-call usage probe).
 
     Raises:
-        FSDPError: the mechanism is not the plain Gaussian one (correlated noise is not sharded yet),
-            or an engine without the per-parameter hook.
+        FSDPError: a mechanism without a sharded counterpart (:func:`shard_mechanism`), or an
+            engine without the per-parameter hook.
     """
 
     def __init__(self, spec, ledger, n, world, dummy_batch: Callable[[], Mapping[str, torch.Tensor]],
@@ -374,16 +448,16 @@ class FSDPStep(DPStep):
         eng = spec.engine
         if not hasattr(eng, "on_param_sum"):
             raise FSDPError(f"perf.sharding: fsdp needs the book-keeping engine (got {type(eng).__name__})")
-        if spec.mechanism is not None and type(spec.mechanism) is not GaussianMechanism:
-            raise FSDPError(f"perf.sharding: fsdp shards the independent Gaussian mechanism only (got "
-                            f"{type(spec.mechanism).__name__}); use perf.sharding: ddp")
         self.world = world
         params = spec.params if spec.params is not None else eng.params
         self.layout = {n: (p.numel(), *local_range(p, world.rank, world.world_size)) for n, p in params.items()}
         self.scatter = ReduceScatter(params, eng.param_names, world)
         eng.on_param_sum = self.scatter
         if spec.mechanism is not None:
-            spec = spec.replace(mechanism=ShardedGaussianMechanism(spec.mechanism, self.layout))
+            mech = shard_mechanism(spec.mechanism, self.layout)
+            mech.world = world
+            mech.shapes = {n: (tuple(p.shape), tuple(local(p).shape)) for n, p in params.items()}
+            spec = spec.replace(mechanism=mech)
         super().__init__(spec, ledger, n, on_release=on_release, world_group=world.group)
         self.dummy_batch = dummy_batch
 
@@ -432,13 +506,19 @@ class FSDPStep(DPStep):
             from dpft.grads.bookkeeping import _rng_devices
 
             with torch.random.fork_rng(devices=_rng_devices(sp.engine.params.values())):
-                sp.engine.check_usage(self.dummy_batch())
+                # a placeholder with clipping groups (user level, DPO pairs) is probed as the step clips it
+                sp.engine.check_usage(*split_groups(self.dummy_batch()))
+            # The probe's layout check may backpropagate with the weights requiring grad (FSDP then
+            # reduce-scatters that non-private gradient into .grad): dropped, never used.
+            for p in sp.engine.params.values():
+                p.grad = None
         failure: Optional[Exception] = None
         for i in range(total):
             dummy = failure is not None or i >= len(mine)
             batch = self.dummy_batch() if i >= len(mine) else mine[i]
             self.scatter.start(dummy)
             try:
+                self._reshard()
                 res = sp.engine.clipped_sum(batch)
                 if not dummy:
                     agg.add(res)
@@ -456,6 +536,14 @@ class FSDPStep(DPStep):
                 "non-finite training loss on another rank; lower optimizer.lr or check the data")
         return self.release_and_update(step, agg, t0)
 
+    def _reshard(self) -> None:
+        """Reshard every FSDP unit before a pass: a unit still gathered from the last one (the root
+        keeps its parameters after forward) would keep that pass's ``requires_grad`` flags, since
+        FSDP2 copies the flags at all-gather only; autograd would then compute (and FSDP
+        reduce-scatter) unclipped gradients of its parameters."""
+        for m in _fsdp_modules(self.spec.engine.model):
+            m.reshard()
+
     def _check_no_fsdp_grads(self) -> None:
         """No gradient reached a parameter behind the engine's back (FSDP would reduce-scatter it
         unclipped)."""
@@ -469,28 +557,3 @@ class FSDPStep(DPStep):
 def make_step(plan, ledger, on_release, dummy_batch) -> FSDPStep:
     """The :class:`FSDPStep` of a plan built with ``perf.sharding: fsdp``."""
     return FSDPStep(plan.spec, ledger, plan.unit.n, plan.world, dummy_batch, on_release=on_release)
-
-
-def save_checkpoint(trainer, step: int) -> None:
-    """The checkpoint of a sharded run: full trainable weights (gathered) and the full optimizer
-    state (``torch.distributed.checkpoint.state_dict``, keyed by parameter name), written by rank 0.
-    A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    from dpft.run.checkpoint import save_checkpoint as write
-
-    params = full_state(trainer.params)
-    optim = trainer.optimizer
-    if _fsdp_modules(trainer.model):
-        sd = get_optimizer_state_dict(trainer.model, optim,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-        class _Full:  # what save_checkpoint reads of an optimizer
-            def state_dict(self):
-                return sd
-
-        optim = _Full()
-    trainer._last_checkpoint = step
-    if trainer.world.is_main:
-        write(trainer.run_dir, step=step, params=params, optimizer=optim, scheduler=trainer.scheduler,
-              ledger_json=trainer.ledger.to_json(), state=trainer._state())

@@ -16,6 +16,7 @@ from dpft.api.clipping import api_clip_and_engine
 from dpft.api.criterion import PerExampleCriterion
 from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
+from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model, sharded_step
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
 from dpft.methods.python import python_hooks, python_methods
@@ -320,6 +321,9 @@ class PrivacyEngine:
             max_physical_batch_size=max_physical_batch_size, max_rows_per_user=max_rows_per_user,
             user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
             user_ids=user_ids, methods=meths, lr_scheduler=lr_scheduler)
+        sharded = is_fsdp2_model(module)  # FSDP2 (fully_shard): the sharded step (api/sharded.py)
+        if sharded:
+            check_fsdp2_model(module, "make_private", mech)
         world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
         dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
                                                                     num_workers, collate_fn)
@@ -360,16 +364,21 @@ class PrivacyEngine:
             hardened=self.hardened_noise, rows=dataset,
             hooks=python_hooks(meths, model=module, n=n_units, ledger=self.ledger, rng=rng, where="make_private"))
         self._calls = calls
-        ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
-        dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
-        dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
+        batches = (ShardedMicroBatches if sharded else _PoissonMicroBatches)(
+            plan.sampler, max(1, math.ceil(n_units / expected_batch_size)), max_physical_batch_size, planned,
+            world=world, groups=group)
+        if sharded:  # one FSDP2 model for the world: nothing to broadcast
+            dp_step = sharded_step(plan, self.ledger, n_units, world, self._on_release)
+            dp_opt = ShardedDPOptimizer(optimizer, dp_step, planned, world, batches)
+        else:
+            ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
+            dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
+            dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
         session = LiveBookKeeping(plan.engine, dp_opt._on_result, loss_reduction=loss_reduction)
         dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, lr_scheduler
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)
         self.world, self.noise_multiplier = world, plan.sigma
-        batches = _PoissonMicroBatches(plan.sampler, max(1, math.ceil(n_units / expected_batch_size)),
-                                       max_physical_batch_size, planned, world=world, groups=group)
         loader = DPDataLoader(dataset, batches, dp_opt, **loader_kwargs)
         self._loop = LoopState(plan, dp_opt, batches, n)
         if criterion is None:

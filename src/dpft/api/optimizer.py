@@ -160,7 +160,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._flush()
         if step != self._agg_step:
             self._discard_unreleased()
-            self._agg = Aggregator(self.dp_step.params)
+            self._agg = self._new_aggregator()
             self._agg_step = step
         if batch is not None:
             self._batches[step] = batch
@@ -187,7 +187,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.current_step = None
         if batch is not None:
             self._batches[step] = batch
-        self._release(step, Aggregator(self.dp_step.params))
+        self._release(step, self._new_aggregator())
 
     def check_unclipped_grads(self) -> None:
         """Refuse optimizer parameters outside the DP engine that hold a gradient.
@@ -210,6 +210,24 @@ class DPOptimizer(torch.optim.Optimizer):
                 "their raw gradient. Call make_private after setting requires_grad, or pass only the "
                 "trainable parameters to the optimizer. Nothing was released")
 
+    # -- what a sharded step (api/sharded.py, FSDP2) changes ---------------------------------
+    def _new_aggregator(self) -> Aggregator:
+        """The accumulator of one logical batch's clipped sums (one buffer per parameter)."""
+        return Aggregator(self.dp_step.params)
+
+    def _reduce_world(self, agg: Aggregator) -> None:
+        """One all-reduce of the clipped sums per logical batch, then the noise once for the
+        world: every rank draws the same N(0, σ²C²I) from the shared key (distributed.py)."""
+        failed, self._failed = self._failed, None
+        if agg.all_reduce(self.world.group, failed=failed is not None):
+            raise failed or NonFiniteGradientError(
+                "non-finite training loss on another rank; lower the learning rate or check the data "
+                "(nothing was released for this logical batch)")
+
+    def _digest_params(self) -> dict:
+        """The weights the per-step digest compares across ranks."""
+        return self.dp_step.params
+
     def _release(self, step: int, agg: Aggregator) -> StepOutput:
         if step <= self._released_upto:  # never two releases with one noise stream
             raise RuntimeError(f"logical step {step} was already released")
@@ -219,17 +237,11 @@ class DPOptimizer(torch.optim.Optimizer):
         for old in [t for t in self._batches if t < step]:
             del self._batches[old]
         if self.world.distributed:
-            # One all-reduce of the clipped sums per logical batch, then the noise once for the
-            # world: every rank draws the same N(0, σ²C²I) from the shared key (distributed.py).
-            failed, self._failed = self._failed, None
-            if agg.all_reduce(self.world.group, failed=failed is not None):
-                raise failed or NonFiniteGradientError(
-                    "non-finite training loss on another rank; lower the learning rate or check the data "
-                    "(nothing was released for this logical batch)")
+            self._reduce_world(agg)
         out = self.dp_step.release_and_update(step, agg)
         # Same logical batch (in the order it was sharded) and same weights on every rank, or stop.
         ddp.check_step_digest(self.world, step, batch if batch is not None else torch.zeros(0, dtype=torch.long),
-                              self.dp_step.params)
+                              self._digest_params())
         self.logical_steps += 1
         self.last_step = out
         if self.lr_scheduler is not None:

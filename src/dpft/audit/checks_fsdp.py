@@ -13,6 +13,20 @@ White-box, in one process (no process group needed), on the real classes of dpft
   dummy one to keep the collectives in step; :class:`~dpft.fsdp.ReduceScatter` must send zeros for
   it. Planted ``fsdp_dummy_counted``: the dummy's clipped sum is sent (an example counted twice:
   sensitivity 2C).
+* **every mechanism shards as one draw** (issue 38) — truncated Poisson and banded MF through
+  :func:`~dpft.fsdp.shard_mechanism`: K = 2, 3 simulated ranks' noise over several steps, put
+  together, equals one rank's (banded: the correlated y_t from per-shard buffers), and each sharded
+  mechanism records its base mechanism's ledger event. Planted ``fsdp_banded_whole_stream``: the
+  sharded mechanisms draw from the whole-tensor stream, so every rank's shard gets the first
+  elements of it (the same noise on each rank); ``fsdp_truncation_dropped``: the sharded copy loses
+  the truncation, so the ledger records a plain Poisson event for a truncated batch (ε understated).
+* **make_private under FSDP2** (api/sharded.py) — simulated ranks' :class:`~dpft.api.sharded.ShardedMicroBatches`
+  yield the same number of micro-batches per logical step (the forwards are collectives), their real
+  rows are disjoint and cover the world's logical batch, short ranks fill up with placeholders; and a
+  placeholder opened by :class:`~dpft.api.sharded.ShardedDPOptimizer` reduce-scatters zeros. Planted
+  ``fsdp_api_no_placeholder`` (each rank counts only its own micro-batches) and
+  ``fsdp_api_dummy_sent`` (the optimizer opens a placeholder as a real micro-batch: dataset row 0 is
+  added again on that rank — sensitivity above C).
 * **norms are complete on each rank** — on a tiny GPT-2 LM (tied embeddings), the book-keeping clipped
   sums of two simulated ranks' halves of a batch, summed and cut into FSDP shards, equal the shards of
   one process's clipped sum over the whole batch, and every example's contribution is ≤ C (each rank
@@ -28,17 +42,28 @@ from typing import Iterator, Optional
 
 import torch
 
+from dpft import fsdp
+from dpft.api import sharded
+from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
 from dpft.audit.whitebox import Check
+from dpft.distributed import World
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.models.losses import causal_lm_loss
+from dpft.privacy.randomness import Randomness
+from dpft.step.clip import make_clip_policy
+from dpft.step.correlated import BandedMFMechanism, banded_coefficients
+from dpft.step.noise import GaussianMechanism
+from dpft.step.sample import PoissonSampler
 
 __all__ = ["PLANTED", "fsdp_checks"]
 
 #: Planted bugs :func:`fsdp_checks` must catch.
-PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted")
+PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
+           "fsdp_api_no_placeholder", "fsdp_api_dummy_sent")
 
 
 @contextlib.contextmanager
 def _planted(name: Optional[str]) -> Iterator[None]:
-    from dpft import fsdp
 
     saved = []
     try:
@@ -55,6 +80,40 @@ def _planted(name: Optional[str]) -> Iterator[None]:
             real_start = fsdp.ReduceScatter.start
             saved.append((fsdp.ReduceScatter, "start", real_start))
             fsdp.ReduceScatter.start = lambda self, dummy: real_start(self, False)
+        elif name == "fsdp_banded_whole_stream":
+
+            real = fsdp._ShardedNoise.noise_stream
+            saved.append((fsdp._ShardedNoise, "noise_stream", real))
+            fsdp._ShardedNoise.noise_stream = GaussianMechanism.noise_stream
+        elif name == "fsdp_truncation_dropped":
+            real_init = fsdp._ShardedNoise.__init__
+
+            def drop(self, base, layout):
+                real_init(self, base, layout)
+                self.truncation = None
+
+            saved.append((fsdp._ShardedNoise, "__init__", real_init))
+            fsdp._ShardedNoise.__init__ = drop
+        elif name == "fsdp_api_no_placeholder":
+
+            real_count = sharded.ShardedMicroBatches._count
+
+            def own(self, idx):
+                mine = self.share(idx)
+                return len(self.sampler.micro_batches(mine, self.max_physical)) if len(mine) else 0
+
+            saved.append((sharded.ShardedMicroBatches, "_count", real_count))
+            sharded.ShardedMicroBatches._count = own
+        elif name == "fsdp_api_dummy_sent":
+
+            real_begin = sharded.ShardedDPOptimizer._begin_micro_batch
+
+            def as_real(self, *a, **k):
+                self.batches.dummies = type(self.batches.dummies)(False for _ in self.batches.dummies)
+                return real_begin(self, *a, **k)
+
+            saved.append((sharded.ShardedDPOptimizer, "_begin_micro_batch", real_begin))
+            sharded.ShardedDPOptimizer._begin_micro_batch = as_real
         yield
     finally:
         for obj, attr, val in reversed(saved):
@@ -62,9 +121,6 @@ def _planted(name: Optional[str]) -> Iterator[None]:
 
 
 def _noise_check(sigma: float = 0.7, c: float = 2.0) -> list[Check]:
-    from dpft import fsdp
-    from dpft.privacy.randomness import Randomness
-    from dpft.step.noise import GaussianMechanism
 
     base = GaussianMechanism(sigma, c, Randomness(7))
     shapes = {"w": (9, 5), "b": (3,), "big": (2 * fsdp.NOISE_BLOCK + 5,)}
@@ -107,8 +163,6 @@ def _noise_check(sigma: float = 0.7, c: float = 2.0) -> list[Check]:
 
 
 def _dummy_check() -> list[Check]:
-    from dpft import fsdp
-    from dpft.distributed import World
 
     p = torch.nn.Parameter(torch.ones(4, 3))
     rs = fsdp.ReduceScatter({"p": p}, ["p"], World())
@@ -120,13 +174,97 @@ def _dummy_check() -> list[Check]:
                   "a dummy micro-batch's clipped sum was sent: its example is counted twice (sensitivity 2C)")]
 
 
+def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list[Check]:
+
+    def make(kind):
+        if kind == "banded_mf":
+            return BandedMFMechanism(sigma, c, Randomness(11), banded_coefficients(steps, 3), 0.25)
+        m = GaussianMechanism(sigma, c, Randomness(11))
+        m.truncation = (200, 12)
+        return m
+
+    shapes = {"w": (7, 4), "b": (3,)}
+
+    def world(kind, k):
+        mechs = []
+        for r in range(k):
+            layout = {n: (int(torch.Size(s).numel()), *fsdp.chunk_range(s, r, k)) for n, s in shapes.items()}
+            mechs.append(fsdp.shard_mechanism(make(kind), layout))
+        noise, events = [], []
+        for t in range(steps):
+            parts = {n: [] for n in shapes}
+            for m in mechs:
+                noisy, ev = m.release({n: torch.zeros(m.layout[n][2]) for n in shapes}, c, 0.06, t)
+                for n in shapes:
+                    parts[n].append(noisy[n])
+            noise.append({n: torch.cat(v) for n, v in parts.items()})
+            events.append(ev)
+        return noise, events
+
+    out = []
+    for kind in ("truncated", "banded_mf"):
+        one, _ = world(kind, 1)
+        same = True
+        for k in (2, 3):
+            many, _ = world(kind, k)
+            same &= all(torch.equal(many[t][n], one[t][n]) for t in range(steps) for n in shapes)
+        out.append(Check(f"fsdp {kind}: 2 and 3 shards' noise over {steps} steps is the one-rank noise", same,
+                         "each shard draws its slice of the block layout (banded: y_t from per-shard buffers)"
+                         if same else "the shards' noise is not the one draw (streams repeated across ranks)"))
+        base = make(kind)
+        want = [base.event_at(t) if kind == "banded_mf" else base.event(0.06) for t in range(steps)]
+        _, got = world(kind, 2)
+        ok = got == want
+        out.append(Check(f"fsdp {kind}: the sharded mechanism records the base mechanism's event", ok,
+                         f"{type(want[0]).__name__} per step" if ok else
+                         f"recorded {type(got[0]).__name__}, the mechanism is {type(want[0]).__name__}"))
+    return out
+
+
+def _api_check() -> list[Check]:
+    from types import SimpleNamespace
+
+
+    sampler = PoissonSampler(40, 8, Randomness(5))
+    runs = []
+    for r in range(2):
+        mb = ShardedMicroBatches(sampler, 10, 2, 10, world=World(r, 2))
+        rows = list(iter(mb))
+        runs.append((mb, rows, list(mb.dummies), list(mb.plan)))
+    counts = [[sum(1 for e in plan if e.step == t and not e.empty) for t in range(10)] for _, _, _, plan in runs]
+    equal = counts[0] == counts[1]
+    cover, placeholders = True, False
+    for t in range(10):
+        idx = sorted(int(i) for i in sampler.indices(t))
+        real = []
+        for _, rows, dummies, plan in runs:
+            entries = [e for e in plan if not e.empty]
+            real.append([i for e, rw, d in zip(entries, rows, dummies) if e.step == t and not d for i in rw])
+            placeholders |= any(d for e, d in zip(entries, dummies) if e.step == t)
+        cover &= not set(real[0]) & set(real[1]) and sorted(real[0] + real[1]) == idx
+    out = [Check("fsdp make_private: every rank runs the same number of micro-batches per step", equal and placeholders,
+                 f"micro-batches per step {counts[0]} on both ranks (placeholders fill the short rank)" if equal else
+                 f"rank 0 runs {counts[0]}, rank 1 {counts[1]}: FSDP's collectives would pair unlike calls"),
+           Check("fsdp make_private: the ranks' real rows are disjoint and cover the logical batch", cover,
+                 "shares of one Poisson batch" if cover else "a row on two ranks, or missing")]
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    step = SimpleNamespace(spec=SimpleNamespace(mechanism=None, clip=SimpleNamespace(max_norm=1.0)), params={"p": p},
+                           scatter=fsdp.ReduceScatter({"p": p}, ["p"], World()), _reshard=lambda: None)
+    mb = ShardedMicroBatches(sampler, 6, 3, 6, world=World(1, 2))
+    opt = ShardedDPOptimizer(torch.optim.SGD([p], lr=0.1), step, 6, World(1, 2), mb)
+    mb.dummies.extend([True])
+    opt._begin_micro_batch(0, 1, True)
+    sent = step.scatter("p", torch.full((4, 3), 3.0))
+    zero = bool(torch.count_nonzero(sent) == 0)
+    out.append(Check("fsdp make_private: a placeholder micro-batch reduce-scatters zeros", zero,
+                     "its clipped sum replaced by zeros" if zero else
+                     "the placeholder's clipped sum (dataset row 0) was sent: that row counts again (sensitivity > C)"))
+    return out
+
+
 def _norm_check(c: float = 0.05) -> list[Check]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dpft import fsdp
-    from dpft.grads.bookkeeping import BookKeepingEngine
-    from dpft.models.losses import causal_lm_loss
-    from dpft.step.clip import make_clip_policy
 
     torch.manual_seed(0)
     m = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=16, vocab_size=32,
@@ -159,4 +297,6 @@ def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (see the module docstring); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
     with _planted(planted):
-        return _noise_check() + _dummy_check() + _norm_check()
+        # the norm check exercises no planted bug (it builds a model: skipped when planting)
+        return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check()
+                + (_norm_check() if planted is None else []))

@@ -109,7 +109,9 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
     # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
     ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
-    ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted")),
+    ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
+                                               "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
+                                               "fsdp_api_no_placeholder", "fsdp_api_dummy_sent")),
     ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",

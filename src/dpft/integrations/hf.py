@@ -75,7 +75,9 @@ own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16 (its 
 scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer state), activation
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
-``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP, several GPUs in
+``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, accelerate's FSDP plugin and
+``TrainingArguments.fsdp`` (a model the caller sharded with ``fully_shard``, root included, runs the
+sharded step: integrations/hf_fsdp.py), several GPUs in
 one process (``DataParallel``) and resuming with another number of processes; packing / padding-free collators
 (``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
 number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
@@ -121,6 +123,7 @@ from dpft.methods.python import python_hooks, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
+from dpft.integrations.hf_fsdp import check_fsdp2_model, is_fsdp2_model, sharded_trainer_step
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
 
@@ -186,7 +189,11 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         check_training_arguments(args)
-        ddp.refuse_sharded_model(model, type(self).__name__)  # before Trainer (and TRL) prepare anything
+        # before Trainer (and TRL) prepare anything; FSDP2 (fully_shard on the root): the sharded step
+        ddp.refuse_sharded_model(model, type(self).__name__, allow_fsdp2=True)
+        self.sharded = is_fsdp2_model(model)
+        if self.sharded:
+            check_fsdp2_model(model, type(self).__name__, dp_args.mechanism_part())
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
         # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
@@ -240,7 +247,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
                           "so ε holds only while that seed stays secret", stacklevel=2)
         self._run_rng = self.rng.child("hf-train-loop-0")
         self._loops = 0
-        ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
+        if not self.sharded:  # FSDP2 holds one weight per parameter for the world
+            ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
         self.ledger = ledger if ledger is not None else PrivacyLedger()
         causal = _is_causal_lm(self.model)
         self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(
@@ -269,8 +277,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
             _refuse(f"user_clipping='group' needs an engine that clips a user's rows as one ({type(self.engine).__name__} "
                     "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
         self.mechanism = spec.mechanism
-        self.dp_step = DPStep(spec, self.ledger, self.n, on_release=self._save_live_ledger,
-                              world_group=self.world.group)
+        self.dp_step = sharded_trainer_step(self, spec) if self.sharded else DPStep(
+            spec, self.ledger, self.n, on_release=self._save_live_ledger, world_group=self.world.group)
         self._live_written = False
         self._params_checked = False
         self._stop_at: Optional[int] = None  # a resumed run's ε cap (hf_state.py CapStop)
@@ -434,7 +442,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         from torch.nn.parallel import DistributedDataParallel
 
         for m in (model, self.model_wrapped, self.model):
-            ddp.refuse_sharded_model(m, type(self).__name__)  # an FSDP wrapper added after __init__
+            ddp.refuse_sharded_model(m, type(self).__name__, allow_fsdp2=self.sharded)  # a wrapper added after __init__
             if isinstance(m, DistributedDataParallel) or any(isinstance(x, DistributedDataParallel)
                                                              for x in m.modules()):
                 raise UnclippedParameterError(
@@ -466,6 +474,13 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         # dropout masks: per step (and rank), secret
         torch.manual_seed(ddp.dropout_seed(self._run_rng, t, self.world))
         idx = self._logical_order(self.dp_step.indices(t))
+        if self.sharded:  # FSDP2 (integrations/hf_fsdp.py): placeholders, reduce-scatter, sharded noise
+            with self.compute_loss_context_manager():
+                out = self.dp_step.run(t, self._micro_batches(idx))
+            ddp.check_step_digest(self.world, t, idx, {})  # the ranks hold different shards: the batch only
+            self.last_private_stats = dict(out.private)
+            return torch.zeros((), device=self.args.device) if not self.dp_args.log_private_train_loss else \
+                torch.tensor(float(out.private["train_loss"]), device=self.args.device)
         agg = Aggregator(self.engine.params)
         failure: Optional[NonFiniteGradientError] = None
         try:

@@ -38,7 +38,8 @@ from dpft.run.errors import TrainingError  # noqa: F401  (public here since issu
 from dpft.eval.generate import generation_eval
 from dpft.eval.lm import sample_generations
 from dpft.eval.paired import write_predictions
-from dpft.fsdp import gathered, materialise, save_checkpoint as save_sharded
+from dpft.fsdp import gathered, materialise
+from dpft.fsdp_state import load_checkpoint as load_sharded, save_checkpoint as save_sharded
 from dpft.report.report import write_report
 from dpft.run.outputs import after_report, save_run_model
 from dpft.run.predict import evaluate_test_file
@@ -253,8 +254,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         if self.plan.sharded:  # FSDP: gathered weights and optimizer state, written by rank 0
-
-            return save_sharded(self, step)
+            return save_sharded(self, step, save_checkpoint)
         ddp.check_in_sync(self.world, self.params)  # DDP: the ranks still hold one set of weights
         self._last_checkpoint = step
         if not self.world.is_main:  # DDP: rank 0 alone writes the checkpoint
@@ -297,10 +297,13 @@ class Trainer:
         missing = set(self.params) - set(ck["params"])
         if missing:
             raise TrainingError(f"--resume: checkpoint lacks parameters {sorted(missing)[:3]}…")
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(ck["params"][n])
-        self.optimizer.load_state_dict(ck["optim"]["optimizer"])
+        if self.plan.sharded:  # FSDP: each rank keeps its slice; optimizer shards from the full state
+            load_sharded(self, ck)
+        else:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(ck["params"][n])
+            self.optimizer.load_state_dict(ck["optim"]["optimizer"])
         self.scheduler.load_state_dict(ck["optim"]["scheduler"])
         self.sigma = st["sigma"]
         ck_ledger = PrivacyLedger.from_json(ck["ledger"])

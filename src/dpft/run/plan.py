@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.data.prepare import TrainData, build_train_data, load_rows, num_labels
 from dpft.eval.dev import DevEvaluator
-from dpft.methods.base import PhaseRunner, Run, active_methods
+from dpft.methods.base import PhaseRunner, Run, active_methods, registered
 from dpft.models.build import build_model
 from dpft.models.load import is_head_param
 from dpft.models.quant import check_recipe as check_quantization
@@ -178,7 +178,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     s = r.schedule
     total_steps = s.steps or max(1, math.ceil(s.epochs * unit.n / r.batch.expected_batch_size))
 
-    ddp.check_methods(world, methods)  # DDP: only methods correct across ranks
+    ddp.check_methods(world, methods, registry=registered())  # DDP: only methods correct across ranks
     evaluator = DevEvaluator(data, placement, world, r.eval)
     ctx = Run(recipe=r, run_dir=run_dir, resume=resume, progress=progress, private=private, rng=rng, ledger=ledger,
               live_ledger_path=live, task=data.task, tokenizer=tokenizer, model=model,

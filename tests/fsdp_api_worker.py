@@ -1,0 +1,162 @@
+"""One rank of a ``PrivacyEngine.make_private`` loop on an FSDP2 (``fully_shard``) model, for
+tests/test_fsdp_api.py (not a test file); also run in-process, on a 1-process gloo group, as the
+reference.
+
+:func:`run_job`: a reproducible make_private loop on a tiny MLP (the same seed on every rank: FSDP2
+keeps one weight per parameter for the world, there is nothing to broadcast) whose two Linear layers
+and root are ``fully_shard``-ed (uneven dim-0 chunks: 3 rows on 2 ranks), at example level, with
+truncated Poisson (``max_batch_size``) or at user level; logs the world's logical batch, this rank's
+share and micro-batch count per step, the ledger, ε and the gathered weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+N, D, CLASSES = 40, 6, 3
+
+
+def _data():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, D, generator=g)
+    x[3] *= 30.0  # a large input: a clipped example
+    y = torch.randint(0, CLASSES, (N,), generator=g)
+    users = [int(i * 7 % 9) for i in range(N)]
+    return x, y, users
+
+
+def sharded_model():
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, CLASSES))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[3], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def run_job(job: dict) -> dict:
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from dpft import PrivacyEngine
+    from dpft.api import loader as loader_mod
+
+    x, y, users = _data()
+    user_level = job.get("user_level", False)
+    rows = [{"x": x[i], "y": y[i], "user": users[i]} for i in range(N)]
+    model = sharded_model()
+    log: dict = {"batches": {}, "shares": {}, "micro": {}}
+    real_share = loader_mod._PoissonMicroBatches.share
+
+    def share(self, idx):
+        mine = real_share(self, idx)
+        t = str(self.next_step - 1)
+        log["batches"][t] = [int(i) for i in idx]
+        log["shares"][t] = [int(i) for i in mine]
+        return mine
+
+    loader_mod._PoissonMicroBatches.share = share
+    steps = job.get("steps", 4)
+    try:
+        engine = PrivacyEngine(reproducible_seed=7)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        module, opt, crit, dl = engine.make_private(
+            module=model, optimizer=opt, criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(rows, batch_size=3 if user_level else 8),
+            noise_multiplier=0.8, max_grad_norm=0.5, steps=steps, max_physical_batch_size=3,
+            user_ids="user" if user_level else None, max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
+        while opt.logical_steps < steps:
+            for b in dl:
+                t = str(opt.current_step)
+                log["micro"][t] = log["micro"].get(t, 0) + 1
+                opt.zero_grad()
+                crit(module(b["x"]), b["y"]).backward()
+                opt.step()
+    finally:
+        loader_mod._PoissonMicroBatches.share = real_share
+    log["ledger"] = engine.ledger.to_json()
+    log["epsilon"] = engine.get_epsilon(1e-3)
+    log["weights"] = {n: p.full_tensor().detach().flatten().tolist() for n, p in model.named_parameters()}
+    log["world_size"], log["rank"] = dl.world_size, dl.rank
+    engine.detach()
+    return log
+
+
+def run_trainer_job(job: dict, out_dir: Path) -> dict:
+    """A reproducible DPTrainer run (tiny BERT of the audit, ``fully_shard`` on each ``BertLayer``
+    and the root) — at example or user level; logs the ledger, the shares and the gathered weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import PrinterCallback, TrainingArguments
+    import torch.distributed as dist
+
+    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    model = tiny_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in model.modules():
+        if type(m).__name__ == "BertLayer":
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    users = [i % 7 for i in range(30)] if job.get("user_level") else None
+    rows = make_rows(30, users)
+    args = TrainingArguments(output_dir=str(out_dir), max_steps=3, learning_rate=0.5, lr_scheduler_type="constant",
+                             optim="sgd", weight_decay=0.0, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, label_names=["labels"])
+    dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
+                     reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
+                     max_rows_per_user=2)
+    tr = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate, dp_args=dp)
+    tr.remove_callback(PrinterCallback)
+    log: dict = {"batches": {}, "shares": {}, "sharded": tr.sharded}
+    real_share = tr._share
+
+    def share(idx):
+        mine = real_share(idx)
+        t = str(int(tr.state.global_step))
+        log["batches"][t] = [int(i) for i in idx]
+        log["shares"][t] = [int(i) for i in mine]
+        return mine
+
+    tr._share = share
+    tr.train()
+    log["ledger"] = tr.ledger.to_json()
+    log["weights"] = {n: p.full_tensor().detach().flatten().tolist() for n, p in tr.engine.params.items()}
+    log["world_size"] = tr.world.world_size
+    return log
+
+
+def run_jobs(cfg: dict, rank: int) -> dict:
+    out = {"jobs": {name: (run_trainer_job(job, Path(cfg.get("out", "."), f"{name}-{rank}")) if job.get("trainer")
+                           else run_job(job)) for name, job in cfg["jobs"].items()}}
+    if cfg.get("log_dir"):
+        Path(cfg["log_dir"], f"rank{rank}.json").write_text(json.dumps(out))
+    return out
+
+
+def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
+    """Rank ``i``: torchrun's environment and a gloo group (FSDP2 needs it before make_private)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=i, world_size=world_size)
+    try:
+        run_jobs(cfg, i)
+    finally:
+        dist.destroy_process_group()
