@@ -46,6 +46,7 @@ def test_clopper_pearson_and_caps():
 # --------------------------------------------------------------------------- honest and bugs
 
 
+@pytest.mark.slow  # the whole quick audit: ~45 s CPU
 def test_honest_step_passes():
     rep = run_audit(SIGMA, q=0.05, quick=True)
     failed = [c.row() for c in rep.checks if not c.passed] + [r.row() for r in rep.results if not r.passed]

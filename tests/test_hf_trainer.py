@@ -280,6 +280,7 @@ def test_resume_continues_the_ledger(tmp_path):
         tiny_trainer(tmp_path, args=args, dp=dp3).train(resume_from_checkpoint=True)
 
 
+@pytest.mark.slow  # the README's DPTrainer snippet end to end: ~25 s
 def test_snippet_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -29,6 +29,7 @@ def final_params(run_dir):
     return load_file(str(run_dir / "checkpoint" / "trainable.safetensors"))
 
 
+@pytest.mark.slow  # two runs on the tiny model: ~25 s
 def test_resume_equals_uninterrupted_run(tiny_model_dir, sst_like_files, tmp_path, monkeypatch):
     """Reproducible mode: the resumed run replays the same batches and noise, so its weights
     equal an uninterrupted run's; the live ledger still counts the replayed step again (the
