@@ -18,7 +18,8 @@ from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
-from dpft.methods.python import python_hooks, python_methods
+from dpft.api.subspace import live_engine
+from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.privacy.randomness import Randomness
 from dpft.step.pipeline import DPStep
 from dpft.step.plan import build_privacy_plan, planned_steps
@@ -284,8 +285,16 @@ class PrivacyEngine:
                 leave the schedule behind). Do not call its ``step()`` yourself.
             methods: the recipe's method plug-ins, as ``dpft train``'s ``methods:`` list (``[{"name":
                 "rmt", "method": "rmt", "kappa": 1.05}]``): their ``build`` changes this loop's step
-                through the same plan (methods/python.py). A method that needs ``dpft train``'s driver
-                (earlier phases, the recipe's optimizer, the run folder) refuses with its reason.
+                through the same plan (methods/python.py) and their ``after_update`` runs after every
+                noisy update (``optimizer.method_stats``: what they released). Runs here: ``rmt``;
+                ``dp_adam_ac`` with ``adaptive_clip`` (C follows a private quantile estimate: a noisy
+                count released with each step, σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) on the gradient, one
+                event per step for both, as ``dpft train``); ``dpsft`` with ``source: file`` (a
+                saved basis; its recorded releases are appended to this ledger before σ is
+                calibrated; the trainable parameters must be those the basis spans) or ``none``
+                with ``paper_noise_placement``. A method that needs ``dpft train``'s driver
+                (earlier phases such as a subspace estimated privately, the recipe's optimizer,
+                the run folder) refuses with its reason.
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
@@ -342,6 +351,15 @@ class PrivacyEngine:
                     "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, "
                     "batch size, steps/epochs, σ or target, C, clipping); call make_private with the same data and "
                     "arguments on every rank")
+        # The methods over what this loop knows (methods/python.py); their earlier releases (a
+        # privately built basis from a file) enter the ledger before σ is calibrated after them.
+        ddp.check_methods(world, meths)
+        pm = PythonMethods(meths, model=module, n=n_units, ledger=self.ledger, rng=rng, where="make_private",
+                           recipe=PythonRecipe(max_grad_norm=max_grad_norm, clipping=clipping,
+                                               expected_batch_size=expected_batch_size,
+                                               hardened_noise=self.hardened_noise, methods=meths),
+                           user_level=unit is not None)
+        pm.prepare()
         planned = None if steps is None and epochs is None else planned_steps(n_units, expected_batch_size, steps,
                                                                                 epochs)
         names = check_optimizer(module, optimizer)
@@ -357,13 +375,13 @@ class PrivacyEngine:
             parts=parts, optimizer=optimizer, noise_multiplier=None if target_epsilon is not None else noise_multiplier,
             target_epsilon=target_epsilon, delta=target_delta, prior=self.ledger.events(),
             calibrate=lambda f: ddp.on_rank0(world, f), sampler=unit.sampler if unit is not None else None,
-            hardened=self.hardened_noise, rows=dataset,
-            hooks=python_hooks(meths, model=module, n=n_units, ledger=self.ledger, rng=rng, where="make_private"))
+            hardened=self.hardened_noise, rows=dataset, hooks=pm.hooks, on_sigma=pm.on_sigma)
+        plan.spec.engine.clip = plan.spec.clip  # the spec's clip is in force (a method may swap it; as DPStep.run)
         self._calls = calls
         ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
         dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
-        dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
-        session = LiveBookKeeping(plan.engine, dp_opt._on_result, loss_reduction=loss_reduction)
+        dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world, methods=pm if pm else None)
+        session = LiveBookKeeping(live_engine(plan.engine), dp_opt._on_result, loss_reduction=loss_reduction)
         dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, lr_scheduler
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)

@@ -292,8 +292,9 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
     """
     r = trainer.recipe
     cfg = r.subspace
-    cached = trainer.run_dir / "subspace" / "basis.safetensors"
-    if trainer.resume and cached.is_file():
+    # A Python way in (make_private, DPTrainer) has no run folder: nothing is cached or written.
+    cached = trainer.run_dir / "subspace" / "basis.safetensors" if trainer.run_dir is not None else None
+    if trainer.resume and cached is not None and cached.is_file():
         basis = SubspaceBasis.load(cached)
         fresh = False
     elif cfg.source == "file":
@@ -311,7 +312,7 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
         # A private basis from a file (another run on the same data): its releases compose here.
         # (On --resume the live ledger, loaded after this, already holds them.)
         _record_events(trainer, basis.meta["ledger"])
-    if not (trainer.resume and cached.is_file()) and getattr(trainer, "is_main", True):
+    if cached is not None and not (trainer.resume and cached.is_file()) and getattr(trainer, "is_main", True):
         basis.save(cached)  # rank 0 alone writes (DDP)
     basis = basis.to(cfg.dtype)
     info = {
@@ -367,6 +368,27 @@ class DPSFT(Method):
                    "subspace.source: file (stage 2 is a DP-SGD step on the k coordinates: its clipped sums are "
                    "all-reduced and noised once for the world like any other)")
 
+    #: The coordinates are per row: refused with user-level units (methods/python.py).
+    example_level_only = True
+
+    @classmethod
+    def python_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
+        """A given subspace (``source: file``, or ``none`` with the paper's noise placement) runs in
+        every way in: stage 2 is a DP-SGD step on the k coordinates. A subspace estimated in this
+        run (``public``/``private``) is a training phase of its own that the driver runs."""
+        why = []
+        if cfg.source in ("public", "private"):
+            why.append(f"subspace source {cfg.source!r} estimates the subspace in a stage-1 training phase of its "
+                       "own (snapshots of a trajectory; a private stage 1 is DP-SGD recorded in the ledger), which "
+                       "only the driver runs; build the basis with `dpft train` (it writes "
+                       "<run>/subspace/basis.safetensors with its ledger) and pass {'name': 'dpsft', 'source': "
+                       "'file', 'file': <that path>, 'k': ...} here (its recorded releases compose into this "
+                       "ledger), or run the whole method with `dpft train`")
+        if cfg.optimizer_space == "coords":
+            why.append("optimizer_space 'coords' builds an optimizer over the k coordinates; use "
+                       "optimizer_space 'full' (your optimizer steps the unprojected gradient)")
+        return "; ".join(why) or None
+
     def __init__(self, cfg, recipe):
         super().__init__(cfg, recipe)
         #: Across processes only without a stage 1 of its own: a basis from a file (read by every
@@ -407,13 +429,15 @@ class DPSFT(Method):
         if r.method_config("rmt").method != "none":
             raise SubspaceError("denoise and subspace are not combined: the noise of DP-SFT is k-dimensional")
         clip = spec.clip
-        if r.privacy.clipping.style in ("head_body", "per_layer"):
+        if r.privacy.clipping.style in ("head_body", "per_layer", "per_group"):
             # The k coordinates are one group: head_body / per_layer shape stage 1's clipping only;
             # stage 2 clips ‖s_i‖ in R^k to the same C (same sensitivity, same mechanism).
             from dpft.step.clip import FlatClip
 
             clip = FlatClip(r.privacy.clipping.max_norm)
-        engine = SubspaceEngine(run.model, classification_loss, clip, basis)
+        # A Python way in's per-example loss when its engine runs the forward (DPTrainer); dpft
+        # train's classification runs: the task's cross-entropy.
+        engine = SubspaceEngine(run.model, getattr(run, "per_example_loss", None) or classification_loss, clip, basis)
         basis = self.basis = engine.basis  # P on the model's device (the engine moves it there)
         if cfg.start == "stage1":
             if basis.start is None:
@@ -433,9 +457,11 @@ class DPSFT(Method):
             z = nn.Parameter(torch.zeros(basis.k, device=run.device))
             params = {COORDS: z}
             self._hook = _sync_hook(run.model, z, engine.model_params, basis)
-        self.info["start_dev_accuracy"] = run.evaluate()["dev_accuracy"]
-        spec = spec.replace(engine=engine, clip=clip, params=params, transforms=transforms,
-                            optimizer=run.make_optimizer(params))
+        if run.evaluate is not None:  # a Python way in holds no dev set
+            self.info["start_dev_accuracy"] = run.evaluate()["dev_accuracy"]
+        # A Python way in keeps the user's optimizer: "full" steps the same trainable parameters.
+        optimizer = run.make_optimizer(params) if run.make_optimizer is not None else spec.optimizer
+        spec = spec.replace(engine=engine, clip=clip, params=params, transforms=transforms, optimizer=optimizer)
         if cfg.paper_noise_placement:
             spec = spec.replace(mechanism=self._paper_mechanism(spec, run))
         return spec
