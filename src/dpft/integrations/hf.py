@@ -376,7 +376,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         """The engine's parameters must still be the model's trainable parameters (checked at every
         step: a parameter unfrozen later would get its raw gradient from the backward)."""
         current = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        eng = self.engine.params
+        eng = self.dp_step.params  # what the step updates (DP-SFT: the spanned parameters, not its coordinates)
         if set(current) != set(eng) or any(current[n] is not p for n, p in eng.items()):
             changed = sorted(set(current) ^ set(eng))[:5]
             raise UnclippedParameterError(
@@ -386,7 +386,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         self._params_checked = True
 
     def _engine_ids(self) -> set[int]:
-        return {id(p) for p in self.engine.params.values()}
+        return {id(p) for p in self.dp_step.params.values()}
 
     def _warn_frozen_in_optimizer(self, optimizer) -> None:
         ids, names = self._engine_ids(), {id(p): n for n, p in self.model.named_parameters()}
@@ -552,7 +552,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
     def _digest_tensors(self) -> dict[str, torch.Tensor]:
         """The weights and the noisy gradient of this step (in ``p.grad``), for the DDP digest."""
         out = {}
-        for n, p in self.engine.params.items():
+        for n, p in self.dp_step.params.items():
             out[f"w:{n}"] = p
             if p.grad is not None:
                 out[f"g:{n}"] = p.grad
