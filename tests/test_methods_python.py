@@ -281,3 +281,27 @@ def test_dptrainer_refuses_resume_with_adaptive_clip(tmp_path):
                                        methods=[AC]))
     with pytest.raises(ValueError, match=r"\(the adaptive clip norm C\) is not in the checkpoint"):
         tr.train(resume_from_checkpoint=str(tmp_path / "o" / "checkpoint-1"))
+
+
+# --------------------------------------------------------------------------- the audit
+
+
+def test_audit_checks_of_the_methods_through_the_python_ways_in_pass():
+    from dpft.audit import checks_methods_api as cm
+
+    checks = cm.methods_api_checks(None)
+    assert len(checks) == 3 and all(c.passed for c in checks), [c.message for c in checks if not c.passed]
+
+
+@pytest.mark.parametrize("bug, check", [("api_adaptive_noise_unadjusted", "_adaptive_noise"),
+                                        ("trainer_count_stream_reused", "_trainer_count_streams"),
+                                        ("api_subspace_unclipped", "_subspace_leave_one_out")])
+def test_audit_catches_each_planted_methods_bug(bug, check):
+    from dpft.audit import checks_methods_api as cm
+    from dpft.audit.planted import ALL
+    from dpft.audit.suite import OPTIONAL_CHECKS
+
+    assert bug in ALL and any(bug in names for _, _, names in OPTIONAL_CHECKS)
+    with cm.planted_bug(bug):
+        res = getattr(cm, check)()
+    assert not res.passed, res.message

@@ -185,3 +185,8 @@ ALL = ALL + MECHANISMS_API_PLANTED
 # row index without the rows' fingerprint; make_private loading a state older than its last release.
 RESUME_PLANTED = ("resume_rows_by_index", "api_stale_state_accepted")
 ALL = ALL + RESUME_PLANTED
+# issue 34 item 4: methods through the Python ways in (audit/checks_methods_api.py plants them): the
+# adaptive clip's gradient noised at σ instead of σ_Δ, DPTrainer's count noise reused across train()
+# loops, DP-SFT's live projection unclipped.
+METHODS_API_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
+ALL = ALL + METHODS_API_PLANTED
