@@ -351,6 +351,10 @@ class PrivacyEngine:
                     "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, "
                     "batch size, steps/epochs, σ or target, C, clipping); call make_private with the same data and "
                     "arguments on every rank")
+        planned = None if steps is None and epochs is None else planned_steps(n_units, expected_batch_size, steps,
+                                                                                epochs)
+        names = check_optimizer(module, optimizer)
+        group = unit is not None and user_clipping == "group"
         # The methods over what this loop knows (methods/python.py); their earlier releases (a
         # privately built basis from a file) enter the ledger before σ is calibrated after them.
         ddp.check_methods(world, meths)
@@ -360,10 +364,6 @@ class PrivacyEngine:
                                                hardened_noise=self.hardened_noise, methods=meths),
                            user_level=unit is not None)
         pm.prepare()
-        planned = None if steps is None and epochs is None else planned_steps(n_units, expected_batch_size, steps,
-                                                                                epochs)
-        names = check_optimizer(module, optimizer)
-        group = unit is not None and user_clipping == "group"
 
         def parts(sampler):  # per_example_over_k (user level): each row clipped to C/k
             return api_clip_and_engine(module, optimizer, clipping, max_grad_norm, head_fraction, head_parameters,

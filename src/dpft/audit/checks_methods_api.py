@@ -25,15 +25,22 @@ adaptive clipping and DP-SFT with a given subspace, run through ``make_private(m
 from __future__ import annotations
 
 import math
+import tempfile
 import warnings
 from typing import Optional
 
+import dp_accounting as dpa
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from dpft.api import PrivacyEngine
+from dpft.api import subspace as api_subspace
 from dpft.audit.planted import planting
 from dpft.audit.whitebox import Check
+from dpft.methods import dp_adam_ac
+from dpft.step import clip as clipmod
+from dpft.transforms.subspace import SubspaceBasis
 
 __all__ = ["PLANTED", "methods_api_checks", "planted_bug"]
 
@@ -51,17 +58,13 @@ class planted_bug:
         self._cm = planting(self.name, PLANTED)
         p = self._cm.__enter__()
         if self.name == "api_adaptive_noise_unadjusted":
-            from dpft.methods import dp_adam_ac
-
             p.set(dp_adam_ac, "effective_noise_multiplier", lambda sigma, count_noise: float(sigma))
         elif self.name == "trainer_count_stream_reused":
             from dpft.integrations import hf, hf_data
 
             p.set(hf.DPTrainer, "get_train_dataloader", hf_data.PoissonData.get_train_dataloader)
         elif self.name == "api_subspace_unclipped":
-            from dpft.api import subspace
-
-            p.set(subspace.LiveSubspace, "reduce", _unclipped_reduce(subspace.LiveSubspace.reduce))
+            p.set(api_subspace.LiveSubspace, "reduce", _unclipped_reduce(api_subspace.LiveSubspace.reduce))
         return self
 
     def __exit__(self, *exc):
@@ -90,8 +93,6 @@ class _Recording(torch.optim.SGD):
 
 
 def _adaptive_noise(steps: int = 40, n: int = 16) -> Check:
-    from dpft import PrivacyEngine
-
     model = nn.Linear(40, 25)
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
@@ -124,8 +125,6 @@ def _adaptive_noise(steps: int = 40, n: int = 16) -> Check:
     count_std = float(counts.std())
     want = (_SIGMA ** -2 - (2 * _SIGMA_B) ** -2) ** -0.5
     entries = [(e.phase, repr(e.event), e.count) for e in eng.ledger.entries]
-    import dp_accounting as dpa
-
     ledger_ok = entries == [("train", repr(dpa.PoissonSampledDpEvent(1.0, dpa.GaussianDpEvent(_SIGMA))), steps)]
     # std of z over 40·1025 draws: ±1% (3 se ≈ 1.5%); of 40 counts: ±11% (3 se ≈ 34%)
     ok = abs(grad_std / want - 1) < 0.05 and abs(count_std / _SIGMA_B - 1) < 0.4 and ledger_ok
@@ -137,13 +136,10 @@ def _adaptive_noise(steps: int = 40, n: int = 16) -> Check:
 
 
 def _trainer_count_streams() -> Check:
-    import tempfile
-
     import datasets
     from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
-    from dpft.step import clip as clipmod
+    from dpft.integrations.hf import DPArguments, DPTrainer  # transformers: loaded when this check runs
 
     drawn: list[list[float]] = []
     orig = clipmod.AdaptiveQuantileClip.noisy_unclipped_fraction
@@ -183,9 +179,6 @@ def _trainer_count_streams() -> Check:
 
 
 def _subspace_leave_one_out(c: float = 0.05, n: int = 5) -> Check:
-    from dpft import PrivacyEngine
-    from dpft.transforms.subspace import SubspaceBasis
-
     def model_():
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
@@ -203,8 +196,6 @@ def _subspace_leave_one_out(c: float = 0.05, n: int = 5) -> Check:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
     x[0] *= 50.0  # a large gradient
-
-    import tempfile
 
     def released(keep: list[int], path) -> torch.Tensor:
         model = model_()
