@@ -305,3 +305,24 @@ def test_audit_catches_each_planted_methods_bug(bug, check):
     with cm.planted_bug(bug):
         res = getattr(cm, check)()
     assert not res.passed, res.message
+
+
+def test_dpsfttrainer_runs_adaptive_clipping(tmp_path):
+    """DPSFTTrainer (TRL) inherits DPTrainer's plan and its after_update: C moves after each step."""
+    pytest.importorskip("trl")
+    from test_trl import prompt_completion, sft_args, tiny_llama, tiny_tokenizer
+
+    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.trl import DPSFTTrainer
+
+    tok = tiny_tokenizer()
+    dp = DPArguments(noise_multiplier=1.0, target_delta=1e-2, max_grad_norm=1.0, expected_batch_size=4,
+                     methods=[{**AC, "count_noise": 1.0}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = DPSFTTrainer(model=tiny_llama(len(tok)), args=sft_args(tmp_path / "out"), train_dataset=prompt_completion(),
+                          processing_class=tok, dp_args=dp)
+        tr.train()
+    assert tr.mechanism.sigma == pytest.approx((1.0 - 0.25) ** -0.5) and tr.mechanism.accounted_sigma == 1.0
+    assert [(e.phase, e.count) for e in tr.ledger.entries] == [("train", 2)]
+    assert tr.method_stats["clip_norm"] != 1.0 and tr.clip.max_norm != tr.method_stats["clip_norm"]
