@@ -182,6 +182,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         sigma, q, n, total_steps: noise multiplier, sampling rate, N and logical steps.
         ledger: the run's :class:`~dpft.accounting.ledger.PrivacyLedger`.
         engine, clip, mechanism, sampler, dp_step: the parts of the DP step.
+        methods, method_stats: ``DPArguments.methods`` (methods/python.py; their ``after_update`` runs
+            after ``Trainer``'s optimizer step) and what they released at the last step.
 
     Raises:
         ValueError: a setting DPTrainer cannot certify (the message names the fix).
