@@ -198,7 +198,7 @@ def test_make_private_dpsft_file_basis_runs_in_the_subspace_and_composes_its_led
 def test_make_private_dpsft_equals_the_engine_that_runs_its_own_forward(tmp_path):
     """The live projection (the user's forward/backward) gives the coordinates the subspace engine
     computes with its own forward: one micro-batch, same rows."""
-    from dpft.api.subspace import LiveSubspace
+    from dpft.methods.dpsft import LiveSubspace
     from dpft.grads.live import LiveBookKeeping
     from dpft.grads.subspace import COORDS, SubspaceEngine
     from dpft.step.clip import FlatClip
@@ -320,8 +320,8 @@ def test_dpsfttrainer_runs_adaptive_clipping(tmp_path):
                      methods=[{**AC, "count_noise": 1.0}])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tr = DPSFTTrainer(model=tiny_llama(len(tok)), args=sft_args(tmp_path / "out"), train_dataset=prompt_completion(),
-                          processing_class=tok, dp_args=dp)
+        tr = DPSFTTrainer(model=tiny_llama(len(tok)), args=sft_args(tmp_path / "out"),
+                          train_dataset=prompt_completion(), processing_class=tok, dp_args=dp)
         tr.train()
     assert tr.mechanism.sigma == pytest.approx((1.0 - 0.25) ** -0.5) and tr.mechanism.accounted_sigma == 1.0
     assert [(e.phase, e.count) for e in tr.ledger.entries] == [("train", 2)]

@@ -18,7 +18,6 @@ from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
-from dpft.api.subspace import live_engine
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.privacy.randomness import Randomness
 from dpft.step.pipeline import DPStep
@@ -381,7 +380,10 @@ class PrivacyEngine:
         ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
         dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
         dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world, methods=pm if pm else None)
-        session = LiveBookKeeping(live_engine(plan.engine), dp_opt._on_result, loss_reduction=loss_reduction)
+        # An engine that runs its own forward (a method's, e.g. DP-SFT's subspace engine) offers the
+        # view that the user's forward and backward drive.
+        live = plan.engine.live_view() if hasattr(plan.engine, "live_view") else plan.engine
+        session = LiveBookKeeping(live, dp_opt._on_result, loss_reduction=loss_reduction)
         dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, lr_scheduler
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)

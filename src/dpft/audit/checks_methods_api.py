@@ -35,10 +35,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpft.api import PrivacyEngine
-from dpft.api import subspace as api_subspace
 from dpft.audit.planted import planting
 from dpft.audit.whitebox import Check
-from dpft.methods import dp_adam_ac
+from dpft.integrations import hf, hf_data
+from dpft.integrations.hf import DPArguments, DPTrainer
+from dpft.methods import dp_adam_ac, dpsft
 from dpft.step import clip as clipmod
 from dpft.transforms.subspace import SubspaceBasis
 
@@ -60,11 +61,9 @@ class planted_bug:
         if self.name == "api_adaptive_noise_unadjusted":
             p.set(dp_adam_ac, "effective_noise_multiplier", lambda sigma, count_noise: float(sigma))
         elif self.name == "trainer_count_stream_reused":
-            from dpft.integrations import hf, hf_data
-
             p.set(hf.DPTrainer, "get_train_dataloader", hf_data.PoissonData.get_train_dataloader)
         elif self.name == "api_subspace_unclipped":
-            p.set(api_subspace.LiveSubspace, "reduce", _unclipped_reduce(api_subspace.LiveSubspace.reduce))
+            p.set(dpsft.LiveSubspace, "reduce", _unclipped_reduce(dpsft.LiveSubspace.reduce))
         return self
 
     def __exit__(self, *exc):
@@ -139,7 +138,6 @@ def _trainer_count_streams() -> Check:
     import datasets
     from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer  # transformers: loaded when this check runs
 
     drawn: list[list[float]] = []
     orig = clipmod.AdaptiveQuantileClip.noisy_unclipped_fraction

@@ -42,9 +42,12 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import TaskCfg
 from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
-from dpft.grads.subspace import COORDS, SubspaceEngine
+from dpft.grads.base import ClippedBatch
+from dpft.grads.contrib import full_precision, merge
+from dpft.grads.subspace import COORDS, SubspaceEngine, project_contribution
 from dpft.methods.base import Method, MethodError, register_method
 from dpft.models.losses import classification_loss
+from dpft.step.clip import check_finite_norms
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
                                       snapshot_schedule, unproject_transform)
 
@@ -328,6 +331,83 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
     return basis, info
 
 
+class LiveSubspace:
+    """DP-SFT's subspace engine driven by the user's own loop (``make_private``): the engine
+    :class:`~dpft.grads.live.LiveBookKeeping` is handed. Under ``make_private`` the user's
+    ``module(x)`` and ``loss.backward()`` run the forward and backward and the live hooks capture
+    each layer's per-example contributions, as for the plain engine; this view holds the spanned
+    model parameters (frozen for the forward, so no weight gradient is built), the book-keeping
+    units and usage check, and a ``reduce`` that projects the contributions onto the basis instead
+    of summing them: ``s_i = Σ_l P_lᵀ g_{i,l}`` (``project_contribution``, the engine's own
+    projection), clipped in R^k to C and summed under the engine's one key ``COORDS`` (Zheng et al.,
+    AAAI 2026, Algorithm 2 lines 5-10).
+
+    Attributes:
+        model, units: the engine's model and book-keeping units; params: the spanned parameters.
+    """
+
+    def __init__(self, engine: SubspaceEngine):
+        self.sub = engine
+        self.model = engine.model
+        self.units = engine.units
+        self.params = engine.model_params
+
+    # The book-keeping engine owns the first-call usage check and the checkpointing flag.
+    @property
+    def _checked(self) -> bool:
+        return self.sub._bk._checked
+
+    @_checked.setter
+    def _checked(self, value: bool) -> None:
+        self.sub._bk._checked = value
+
+    @property
+    def recomputes(self) -> bool:
+        return getattr(self.sub._bk, "recomputes", False)
+
+    @recomputes.setter
+    def recomputes(self, value: bool) -> None:
+        self.sub._bk.recomputes = value
+
+    def verify_uses(self, *args, **kwargs):
+        return self.sub._bk.verify_uses(*args, **kwargs)
+
+    def reduce(self, contribs: dict, b: int, loss_sum: float, device=None, grad_scale: float = 1.0,
+               groups=None, losses=None) -> ClippedBatch:
+        """``Σ_i c_i s_i`` of one micro-batch: ``(k,)`` under ``COORDS``; ``sq_norms``/``scales``
+        ``(B, 1)`` (``‖s_i‖²`` and the flat clip factor min(1, C/‖s_i‖)).
+
+        Raises:
+            ValueError: user ids (group clipping is refused with DP-SFT before this).
+            NonFiniteGradientError: a non-finite coordinate norm (nothing is released)."""
+        if groups is not None:
+            raise ValueError("DP-SFT coordinates are per row; user-level group clipping is not supported")
+        for u in self.units:  # outputs kept for a layout check that did not run (no criterion)
+            u.check_outputs = []
+        basis = self.sub.basis
+        with full_precision():
+            coords = torch.zeros(b, basis.k, dtype=torch.float32, device=basis.device)
+            for n in basis.names:
+                for c in merge(contribs.pop(n, [])):
+                    coords += project_contribution(c, basis.blocks[n], b).to(coords.device)
+            contribs.clear()
+            if grad_scale != 1.0:  # a batch-mean loss: each example's own gradient
+                coords = coords * float(grad_scale)
+            sq = coords.pow(2).sum(1, keepdim=True)
+            check_finite_norms(sq)
+            scales = self.sub.clip.scales(sq)
+            total = (coords * scales).sum(0)
+        return ClippedBatch({COORDS: total}, sq, scales, float(loss_sum), b)
+
+
+class SubspaceEngineWithLiveView(SubspaceEngine):
+    """:class:`SubspaceEngine` (every way in runs it) that also offers :meth:`live_view`: a way in
+    whose user runs the forward and backward (``make_private``) drives that view instead."""
+
+    def live_view(self) -> LiveSubspace:
+        return LiveSubspace(self)
+
+
 def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter], basis: SubspaceBasis):
     """Forward pre-hook for ``optimizer_space=coords``: keeps ``Θ = Θ_start + P z`` whenever the
     coordinates ``z`` changed (optimizer step, resume)."""
@@ -437,7 +517,8 @@ class DPSFT(Method):
             clip = FlatClip(r.privacy.clipping.max_norm)
         # A Python way in's per-example loss when its engine runs the forward (DPTrainer); dpft
         # train's classification runs: the task's cross-entropy.
-        engine = SubspaceEngine(run.model, getattr(run, "per_example_loss", None) or classification_loss, clip, basis)
+        loss = getattr(run, "per_example_loss", None) or classification_loss
+        engine = SubspaceEngineWithLiveView(run.model, loss, clip, basis)
         basis = self.basis = engine.basis  # P on the model's device (the engine moves it there)
         if cfg.start == "stage1":
             if basis.start is None:
@@ -490,5 +571,6 @@ def write_info(info: dict, run_dir: Path, path: Path | None = None) -> Path:
     return path
 
 
-__all__ = ["DPSFT", "PHASE", "Snapshots", "SubspaceCfg", "build_subspace", "run_stage1", "stage1_recipe",
+__all__ = ["DPSFT", "LiveSubspace", "PHASE", "Snapshots", "SubspaceCfg", "SubspaceEngineWithLiveView", "build_subspace",
+           "run_stage1", "stage1_recipe",
            "write_info"]
