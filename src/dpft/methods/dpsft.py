@@ -400,14 +400,6 @@ class LiveSubspace:
         return ClippedBatch({COORDS: total}, sq, scales, float(loss_sum), b)
 
 
-class SubspaceEngineWithLiveView(SubspaceEngine):
-    """:class:`SubspaceEngine` (every way in runs it) that also offers :meth:`live_view`: a way in
-    whose user runs the forward and backward (``make_private``) drives that view instead."""
-
-    def live_view(self) -> LiveSubspace:
-        return LiveSubspace(self)
-
-
 def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter], basis: SubspaceBasis):
     """Forward pre-hook for ``optimizer_space=coords``: keeps ``Θ = Θ_start + P z`` whenever the
     coordinates ``z`` changed (optimizer step, resume)."""
@@ -518,7 +510,9 @@ class DPSFT(Method):
         # A Python way in's per-example loss when its engine runs the forward (DPTrainer); dpft
         # train's classification runs: the task's cross-entropy.
         loss = getattr(run, "per_example_loss", None) or classification_loss
-        engine = SubspaceEngineWithLiveView(run.model, loss, clip, basis)
+        engine = SubspaceEngine(run.model, loss, clip, basis)
+        # The view a way in whose user runs the forward and backward (make_private) drives instead.
+        engine.live_view = lambda: LiveSubspace(engine)
         basis = self.basis = engine.basis  # P on the model's device (the engine moves it there)
         if cfg.start == "stage1":
             if basis.start is None:
@@ -571,6 +565,5 @@ def write_info(info: dict, run_dir: Path, path: Path | None = None) -> Path:
     return path
 
 
-__all__ = ["DPSFT", "LiveSubspace", "PHASE", "Snapshots", "SubspaceCfg", "SubspaceEngineWithLiveView", "build_subspace",
-           "run_stage1", "stage1_recipe",
-           "write_info"]
+__all__ = ["DPSFT", "LiveSubspace", "PHASE", "Snapshots", "SubspaceCfg", "build_subspace", "run_stage1",
+           "stage1_recipe", "write_info"]
