@@ -420,8 +420,6 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
         hl = self.dp_args.head_learning_rate
         if fresh and hl is not None:
-            from dpft.models.load import is_head_param
-
             names = {id(p): n for n, p in self.model.named_parameters()}
             extra = []
             for g in opt.param_groups:

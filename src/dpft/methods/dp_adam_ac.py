@@ -27,6 +27,7 @@ from dpft.config_base import PluginConfig
 from dpft.methods.base import Method, register_method
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
+from dpft.step.noise import GaussianMechanism
 
 #: Why the paper's rule cannot be certified (printed in the report).
 PAPER_REASON = ("reproduce_paper: the clip norm C is the percentile of raw, un-noised per-example gradient "
@@ -164,7 +165,6 @@ class DPAdamAC(Method):
 
     def build(self, spec, run):
         from dpft.models.load import head_param_groups
-        from dpft.step.noise import GaussianMechanism
 
         ac, r = self.cfg, run.recipe
         changes: dict[str, Any] = {}

@@ -47,7 +47,8 @@ from dpft.grads.contrib import full_precision, merge
 from dpft.grads.subspace import COORDS, SubspaceEngine, project_contribution
 from dpft.methods.base import Method, MethodError, register_method
 from dpft.models.losses import classification_loss
-from dpft.step.clip import check_finite_norms
+from dpft.step.clip import FlatClip, check_finite_norms
+from dpft.step.noise import GaussianMechanism
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
                                       snapshot_schedule, unproject_transform)
 
@@ -482,8 +483,6 @@ class DPSFT(Method):
     def _paper_mechanism(self, spec, run):
         """GaussianMechanism with noise multiplier σ·B on the sum (the paper's σC after averaging),
         accounted at σ (the certified mechanism's event: an upper bound, :data:`PAPER_NOISE_NOTE`)."""
-        from dpft.step.noise import GaussianMechanism
-
         b = float(run.recipe.batch.expected_batch_size)
         self.info["effective_noise_multiplier"] = run.sigma * b
         return GaussianMechanism(run.sigma * b, spec.clip.sensitivity, run.rng,
@@ -504,8 +503,6 @@ class DPSFT(Method):
         if r.privacy.clipping.style in ("head_body", "per_layer", "per_group"):
             # The k coordinates are one group: head_body / per_layer shape stage 1's clipping only;
             # stage 2 clips ‖s_i‖ in R^k to the same C (same sensitivity, same mechanism).
-            from dpft.step.clip import FlatClip
-
             clip = FlatClip(r.privacy.clipping.max_norm)
         # A Python way in's per-example loss when its engine runs the forward (DPTrainer); dpft
         # train's classification runs: the task's cross-entropy.
