@@ -254,8 +254,10 @@ def test_rmt_through_make_private_and_dptrainer_and_refusals():
     for n, g in zip(names, opt1.original_optimizer.seen):
         assert torch.allclose(g, want[n], atol=1e-6), n
     assert any(not torch.allclose(want[n], noisy[n]) for n in noisy)  # RMT shrank something
-    with pytest.raises(ValueError, match="method 'dp_adam_ac' cannot run here: it needs dpft train's driver"):
-        run([{"name": "dp_adam_ac", "adaptive_clip": True}])
+    with pytest.raises(ValueError, match="method 'ewft' cannot run here: it needs dpft train's driver"):
+        run([{"name": "ewft", "enabled": True}])
+    with pytest.raises(ValueError, match="method 'dp_adam_ac' cannot run here: bias_correction"):
+        run([{"name": "dp_adam_ac", "adaptive_clip": True, "bias_correction": True}])
     with pytest.raises(ValueError, match="switched off by its own config"):
         run([{"name": "rmt"}])
     with pytest.raises(ValueError, match="NOT CERTIFIED"):

@@ -19,7 +19,7 @@ from dpft.api.optimizer import DPOptimizer
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model, sharded_step
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
-from dpft.methods.python import python_hooks, python_methods
+from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.privacy.randomness import Randomness
 from dpft.step.pipeline import DPStep
 from dpft.step.plan import build_privacy_plan, planned_steps
@@ -285,8 +285,16 @@ class PrivacyEngine:
                 leave the schedule behind). Do not call its ``step()`` yourself.
             methods: the recipe's method plug-ins, as ``dpft train``'s ``methods:`` list (``[{"name":
                 "rmt", "method": "rmt", "kappa": 1.05}]``): their ``build`` changes this loop's step
-                through the same plan (methods/python.py). A method that needs ``dpft train``'s driver
-                (earlier phases, the recipe's optimizer, the run folder) refuses with its reason.
+                through the same plan (methods/python.py) and their ``after_update`` runs after every
+                noisy update (``optimizer.method_stats``: what they released). Runs here: ``rmt``;
+                ``dp_adam_ac`` with ``adaptive_clip`` (C follows a private quantile estimate: a noisy
+                count released with each step, σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) on the gradient, one
+                event per step for both, as ``dpft train``); ``dpsft`` with ``source: file`` (a
+                saved basis; its recorded releases are appended to this ledger before σ is
+                calibrated; the trainable parameters must be those the basis spans) or ``none``
+                with ``paper_noise_placement``. A method that needs ``dpft train``'s driver
+                (earlier phases such as a subspace estimated privately, the recipe's optimizer,
+                the run folder) refuses with its reason.
 
         Returns:
             ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
@@ -324,6 +332,9 @@ class PrivacyEngine:
         sharded = is_fsdp2_model(module)  # FSDP2 (fully_shard): the sharded step (api/sharded.py)
         if sharded:
             check_fsdp2_model(module, "make_private", mech)
+            if meths:  # the sharded optimizer has no methods' hooks (as dpft train under FSDP)
+                raise ValueError("make_private: methods= with an FSDP2 (fully_shard) model is not supported: the "
+                                 "sharded step runs no method hooks; drop methods= or train unsharded (DDP)")
         world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
         dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
                                                                     num_workers, collate_fn)
@@ -350,6 +361,15 @@ class PrivacyEngine:
                                                                                 epochs)
         names = check_optimizer(module, optimizer)
         group = unit is not None and user_clipping == "group"
+        # The methods over what this loop knows (methods/python.py); their earlier releases (a
+        # privately built basis from a file) enter the ledger before σ is calibrated after them.
+        ddp.check_methods(world, meths)
+        pm = PythonMethods(meths, model=module, n=n_units, ledger=self.ledger, rng=rng, where="make_private",
+                           recipe=PythonRecipe(max_grad_norm=max_grad_norm, clipping=clipping,
+                                               expected_batch_size=expected_batch_size,
+                                               hardened_noise=self.hardened_noise, methods=meths),
+                           user_level=unit is not None)
+        pm.prepare()
 
         def parts(sampler):  # per_example_over_k (user level): each row clipped to C/k
             return api_clip_and_engine(module, optimizer, clipping, max_grad_norm, head_fraction, head_parameters,
@@ -361,8 +381,8 @@ class PrivacyEngine:
             parts=parts, optimizer=optimizer, noise_multiplier=None if target_epsilon is not None else noise_multiplier,
             target_epsilon=target_epsilon, delta=target_delta, prior=self.ledger.events(),
             calibrate=lambda f: ddp.on_rank0(world, f), sampler=unit.sampler if unit is not None else None,
-            hardened=self.hardened_noise, rows=dataset,
-            hooks=python_hooks(meths, model=module, n=n_units, ledger=self.ledger, rng=rng, where="make_private"))
+            hardened=self.hardened_noise, rows=dataset, hooks=pm.hooks, on_sigma=pm.on_sigma)
+        plan.spec.engine.clip = plan.spec.clip  # the spec's clip is in force (a method may swap it; as DPStep.run)
         self._calls = calls
         batches = (ShardedMicroBatches if sharded else _PoissonMicroBatches)(
             plan.sampler, max(1, math.ceil(n_units / expected_batch_size)), max_physical_batch_size, planned,
@@ -373,8 +393,11 @@ class PrivacyEngine:
         else:
             ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
             dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
-            dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world)
-        session = LiveBookKeeping(plan.engine, dp_opt._on_result, loss_reduction=loss_reduction)
+            dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world, methods=pm if pm else None)
+        # An engine that runs its own forward (a method's, e.g. DP-SFT's subspace engine) offers the
+        # view that the user's forward and backward drive.
+        live = plan.engine.live_view() if hasattr(plan.engine, "live_view") else plan.engine
+        session = LiveBookKeeping(live, dp_opt._on_result, loss_reduction=loss_reduction)
         dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, lr_scheduler
         module.__dict__["_dpft_private"] = True
         self._sessions.append(session)

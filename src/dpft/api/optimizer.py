@@ -30,7 +30,12 @@ class DPOptimizer(torch.optim.Optimizer):
         logical_steps: noisy updates applied so far (= ledger events of this ``make_private``).
         last_step: the :class:`~dpft.step.StepOutput` of the last noisy update (its ``private``
             dict holds un-noised statistics that are not covered by the guarantee).
-        noise_multiplier: σ; ``max_grad_norm``: C.
+        noise_multiplier: σ; ``max_grad_norm``: C in force for the next step (a method such as
+            DP-Adam-AC's adaptive clipping moves it after every update).
+        methods: the loop's method plug-ins (methods/python.py ``PythonMethods``) or None; their
+            ``after_update`` runs after every noisy update is applied, and ``method_stats`` holds
+            what they released at the last one (privatised statistics only, e.g. the C used and
+            the privatised clip rate).
         world: the ``torch.distributed`` world (:class:`dpft.distributed.World`; one process
             alone): under it, each rank's clipped sum is all-reduced once per logical batch
             before the noise (the same draw on every rank) and the ranks' logical batch and
@@ -38,7 +43,7 @@ class DPOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, dp_step: DPStep, planned_steps: Optional[int],
-                 world: Optional["ddp.World"] = None):
+                 world: Optional["ddp.World"] = None, methods=None):
         # Not Optimizer.__init__: the parameters and their state stay the wrapped optimizer's.
         self.original_optimizer = optimizer
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -51,7 +56,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.planned_steps = planned_steps
         self.session: Optional[LiveBookKeeping] = None
         self.noise_multiplier = dp_step.spec.mechanism.sigma if dp_step.spec.mechanism else 0.0
-        self.max_grad_norm = dp_step.spec.clip.max_norm
+        self.methods = methods
+        self.method_stats: dict = {}
         self.current_step: Optional[int] = None
         self.is_last_micro_batch = False
         self.logical_steps = 0
@@ -112,6 +118,11 @@ class DPOptimizer(torch.optim.Optimizer):
         raise RuntimeError(
             "make_private: parameter groups cannot be added after make_private (their gradients "
             "would not be clipped); build the optimizer with every group before")
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C of the next noisy update (the clip policy in force)."""
+        return self.dp_step.spec.clip.max_norm
 
     def __repr__(self) -> str:
         return (f"DPOptimizer(σ={self.noise_multiplier:.4g}, C={self.max_grad_norm:g}, "
@@ -212,8 +223,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # -- what a sharded step (api/sharded.py, FSDP2) changes ---------------------------------
     def _new_aggregator(self) -> Aggregator:
-        """The accumulator of one logical batch's clipped sums (one buffer per parameter)."""
-        return Aggregator(self.dp_step.params)
+        """The accumulator of one logical batch's clipped sums: one buffer per parameter the
+        engine sums (DP-SFT's subspace engine: its k coordinates)."""
+        return Aggregator(self.dp_step.spec.engine.params)
 
     def _reduce_world(self, agg: Aggregator) -> None:
         """One all-reduce of the clipped sums per logical batch, then the noise once for the
@@ -246,6 +258,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.last_step = out
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        if self.methods is not None:  # after the update is applied (dpft train: after its scheduler too)
+            self.method_stats = self.methods.after_update(out)
         if self.planned_steps is not None and self.logical_steps > self.planned_steps:
             self._warn_once("budget", f"make_private: more than the {self.planned_steps} planned "
                                       "logical steps were applied; ε now exceeds the target")

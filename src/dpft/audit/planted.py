@@ -204,3 +204,8 @@ ALL = ALL + RESUME_PLANTED
 # issue 37: the final-model audit's calibration (audit/final_model.py FINAL_MODEL_PLANTED)
 DUPLICATE_PLANTED = ("counted twice",)
 ALL = ALL + DUPLICATE_PLANTED
+# issue 34 item 4: methods through the Python ways in (audit/checks_methods_api.py plants them): the
+# adaptive clip's gradient noised at σ instead of σ_Δ, DPTrainer's count noise reused across train()
+# loops, DP-SFT's live projection unclipped.
+METHODS_API_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
+ALL = ALL + METHODS_API_PLANTED

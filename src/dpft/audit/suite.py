@@ -127,6 +127,9 @@ OPTIONAL_CHECKS = (
      ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
     # issue 34: the one state/resume path (the review's two reproductions, every way in)
     ("dpft.audit.checks_resume", "resume_checks", ("resume_rows_by_index", "api_stale_state_accepted")),
+    # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
+    ("dpft.audit.checks_methods_api", "methods_api_checks",
+     ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
 )
 
 

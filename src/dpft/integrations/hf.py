@@ -103,7 +103,7 @@ from dataclasses import asdict
 from typing import Any, Mapping, Optional
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dpft import distributed as ddp
 from dpft.accounting.calibrate import check_delta
@@ -119,7 +119,7 @@ from dpft.grads.groups import PerExampleOverK
 from dpft.step.sample import UserPoissonSampler, user_index
 from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.integrations.hf_args import DPArguments
-from dpft.methods.python import python_hooks, python_methods
+from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
@@ -153,6 +153,18 @@ def _refuse(msg: str) -> None:
     raise ValueError(f"DPTrainer: {msg}")
 
 
+class _MethodsAfterUpdate(TrainerCallback):
+    """Runs the methods' ``after_update`` once ``Trainer``'s optimizer has applied the noisy
+    update of the step (``on_optimizer_step``), before the next step is sampled: DP-Adam-AC's C
+    update from the step's noisy count is in force for the next release, as in ``dpft train``."""
+
+    def __init__(self, trainer: "DPTrainer"):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._after_update()
+
+
 # --------------------------------------------------------------------------- the trainer
 
 
@@ -173,6 +185,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         sigma, q, n, total_steps: noise multiplier, sampling rate, N and logical steps.
         ledger: the run's :class:`~dpft.accounting.ledger.PrivacyLedger`.
         engine, clip, mechanism, sampler, dp_step: the parts of the DP step.
+        methods, method_stats: ``DPArguments.methods`` (methods/python.py; their ``after_update`` runs
+            after ``Trainer``'s optimizer step) and what they released at the last step.
 
     Raises:
         ValueError: a setting DPTrainer cannot certify (the message names the fix).
@@ -258,6 +272,24 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
             self.clip = self._make_clip()
             return self.clip, self._make_engine()
 
+        # The methods over what DPTrainer knows (methods/python.py); their earlier releases (a
+        # privately built basis from a file) enter the ledger before σ is calibrated after them.
+        meths = python_methods(dp_args.methods, "DPArguments")
+        if meths and self.sharded:  # the sharded step runs no method hooks (as dpft train under FSDP)
+            raise ValueError(f"{type(self).__name__}: DPArguments.methods with an FSDP2 (fully_shard) model is not "
+                             "supported: the sharded step runs no method hooks; drop methods or train unsharded (DDP)")
+        ddp.check_methods(self.world, meths)
+        #: The method plug-ins of ``DPArguments.methods``; ``method_stats``: what they released at
+        #: the last update (privatised statistics only, e.g. DP-Adam-AC's C and clip rate).
+        self.methods = PythonMethods(
+            meths, model=self.model, n=self.n, ledger=self.ledger, rng=self._run_rng, where="DPTrainer",
+            recipe=PythonRecipe(max_grad_norm=dp_args.max_grad_norm, clipping=dp_args.clipping,
+                                expected_batch_size=eb, hardened_noise=dp_args.hardened_noise, methods=meths),
+            loss_fn=self.loss_fn, user_level=self.user_level)
+        self.methods.prepare()
+        self.method_stats: dict[str, Any] = {}
+        self._pending_update = None
+
         # The one plan builder of every way in (step/plan.py); DDP: rank 0 calibrates σ on the
         # events this run records and every rank gets it.
         self.plan = build_privacy_plan(
@@ -269,10 +301,10 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
                      if self.user_level else None),
             hardened=dp_args.hardened_noise, transforms=list(transforms or []),
             head_mask=lambda names: [is_head_param(n) for n in names], rows=ds, phase="train",
-            hooks=python_hooks(python_methods(dp_args.methods, "DPArguments"), model=self.model, n=self.n,
-                               ledger=self.ledger, rng=self._run_rng, where="DPTrainer"))
+            hooks=self.methods.hooks, on_sigma=self.methods.on_sigma)
         self.sigma, self.q, self.sampler = self.plan.sigma, self.plan.q, self.plan.sampler
         self.engine, spec = self.plan.engine, self.plan.spec
+        self.engine.clip = self.clip = spec.clip  # the spec's clip is in force (a method may swap it)
         if self.user_level and dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups", False):
             _refuse(f"user_clipping='group' needs an engine that clips a user's rows as one ({type(self.engine).__name__} "
                     "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
@@ -283,6 +315,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         self._params_checked = False
         self._stop_at: Optional[int] = None  # a resumed run's ε cap (hf_state.py CapStop)
         self.add_callback(CapStop(self))
+        if self.methods:
+            self.add_callback(_MethodsAfterUpdate(self))
         if self.optimizer is not None:
             self._warn_frozen_in_optimizer(self.optimizer)
         #: Un-noised statistics of the last logical step (never logged; for the data holder).
@@ -355,7 +389,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         """The engine's parameters must still be the model's trainable parameters (checked at every
         step: a parameter unfrozen later would get its raw gradient from the backward)."""
         current = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        eng = self.engine.params
+        eng = self.dp_step.params  # what the step updates (DP-SFT: the spanned parameters, not its coordinates)
         if set(current) != set(eng) or any(current[n] is not p for n, p in eng.items()):
             changed = sorted(set(current) ^ set(eng))[:5]
             raise UnclippedParameterError(
@@ -365,7 +399,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         self._params_checked = True
 
     def _engine_ids(self) -> set[int]:
-        return {id(p) for p in self.engine.params.values()}
+        return {id(p) for p in self.dp_step.params.values()}
 
     def _warn_frozen_in_optimizer(self, optimizer) -> None:
         ids, names = self._engine_ids(), {id(p): n for n, p in self.model.named_parameters()}
@@ -397,8 +431,6 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         opt = super().create_optimizer(model) if model is not None else super().create_optimizer()
         hl = self.dp_args.head_learning_rate
         if fresh and hl is not None:
-            from dpft.models.load import is_head_param
-
             names = {id(p): n for n, p in self.model.named_parameters()}
             extra = []
             for g in opt.param_groups:
@@ -503,14 +535,42 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         # DDP: same logical batch (and order) and the same noisy gradient on every rank.
         ddp.check_step_digest(self.world, t, idx, self._digest_tensors())
         self.last_private_stats = dict(out.private)
+        self._pending_update = out if self.methods else None  # the methods' after_update: once applied
         if self.dp_args.log_private_train_loss:
             return torch.tensor(float(out.private["train_loss"]), device=self.args.device)
         return torch.zeros((), device=self.args.device)
 
+    def get_train_dataloader(self):
+        """``PoissonData.get_train_dataloader`` (a new child of the secret randomness per training
+        loop); the methods' secret draws follow it too (DP-Adam-AC's count noise: a second
+        ``train()`` must not reuse the first loop's count noise)."""
+        loader = super().get_train_dataloader()
+        self.methods.ctx.rng = self._run_rng
+        if getattr(self.clip, "rng", None) is not None:
+            self.clip.rng = self._run_rng
+        return loader
+
+    def _after_update(self) -> None:
+        """The methods' ``after_update`` on the step ``Trainer``'s optimizer has just applied."""
+        out, self._pending_update = self._pending_update, None
+        if out is not None:
+            self.method_stats = self.methods.after_update(out)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train`` (ledger, lock and resume: integrations/hf_state.py).
+
+        Raises:
+            ValueError: ``resume_from_checkpoint`` with a method whose state between steps a
+                checkpoint does not hold (DP-Adam-AC's C), as ``dpft train --resume`` refuses it."""
+        if resume_from_checkpoint and self.methods.stateful:
+            _refuse(f"resume_from_checkpoint with methods {self.methods.stateful}: their state between steps (the "
+                    "adaptive clip norm C) is not in the checkpoint; start a new DPTrainer (its ledger composes)")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _digest_tensors(self) -> dict[str, torch.Tensor]:
         """The weights and the noisy gradient of this step (in ``p.grad``), for the DDP digest."""
         out = {}
-        for n, p in self.engine.params.items():
+        for n, p in self.dp_step.params.items():
             out[f"w:{n}"] = p
             if p.grad is not None:
                 out[f"g:{n}"] = p.grad

@@ -27,6 +27,7 @@ from dpft.config_base import PluginConfig
 from dpft.methods.base import Method, register_method
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
+from dpft.step.noise import GaussianMechanism
 
 #: Why the paper's rule cannot be certified (printed in the report).
 PAPER_REASON = ("reproduce_paper: the clip norm C is the percentile of raw, un-noised per-example gradient "
@@ -114,9 +115,29 @@ class DPAdamAC(Method):
     #: count noise is a host scalar from the secret stream; the gradient noise is the step's.
     supports_device = True
 
+    #: The noisy count counts rows: refused with user-level units (methods/python.py).
+    example_level_only = True
+
     @classmethod
     def enabled(cls, cfg: AdamACCfg) -> bool:
         return _active(cfg)
+
+    @classmethod
+    def python_refusal(cls, cfg: AdamACCfg) -> Optional[str]:
+        """Private adaptive clipping runs in every way in (its C update reads only the noisy count,
+        released in ``after_update``); the options that need the driver are refused by name."""
+        why = []
+        if cfg.reproduce_paper:
+            why.append("reproduce_paper steers C and γ by raw, un-noised norms (NOT CERTIFIED); the driver keeps "
+                       "those norms and marks the report")
+        if cfg.bias_correction or cfg.gamma_nudge:
+            why.append("bias_correction / gamma_nudge replace the optimizer with dpft's DPAdam built from the "
+                       "recipe's optimizer section; keep your optimizer and set adaptive_clip alone")
+        if cfg.ema_decay:
+            why.append("ema_decay: the EMA weights are evaluated and saved (model_ema/) by the driver")
+        if why:
+            return "; ".join(why) + "; or run it with `dpft train`"
+        return None
 
     def __init__(self, cfg, recipe):
         super().__init__(cfg, recipe)
@@ -135,7 +156,8 @@ class DPAdamAC(Method):
             raise ValueError("adam_ac.gamma_nudge needs a privatised clip rate: set adam_ac.adaptive_clip: true")
         if run.private and (ac.adaptive_clip or ac.reproduce_paper):
             if run.recipe.privacy.clipping.style != "flat":
-                raise ValueError("adam_ac.adaptive_clip / reproduce_paper need privacy.clipping.style: flat")
+                raise ValueError("adam_ac.adaptive_clip / reproduce_paper need flat clipping (privacy.clipping.style: "
+                                 "flat; make_private / DPArguments: clipping='flat')")
             if ac.adaptive_clip and ac.reproduce_paper:
                 raise ValueError("choose one of adam_ac.adaptive_clip (private) or adam_ac.reproduce_paper (leaky)")
             if ac.reproduce_paper:
@@ -143,7 +165,6 @@ class DPAdamAC(Method):
 
     def build(self, spec, run):
         from dpft.models.load import head_param_groups
-        from dpft.step.noise import GaussianMechanism
 
         ac, r = self.cfg, run.recipe
         changes: dict[str, Any] = {}

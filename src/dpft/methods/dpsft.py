@@ -42,9 +42,13 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import TaskCfg
 from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
-from dpft.grads.subspace import COORDS, SubspaceEngine
+from dpft.grads.base import ClippedBatch
+from dpft.grads.contrib import full_precision, merge
+from dpft.grads.subspace import COORDS, SubspaceEngine, project_contribution
 from dpft.methods.base import Method, MethodError, register_method
 from dpft.models.losses import classification_loss
+from dpft.step.clip import FlatClip, check_finite_norms
+from dpft.step.noise import GaussianMechanism
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
                                       snapshot_schedule, unproject_transform)
 
@@ -292,8 +296,9 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
     """
     r = trainer.recipe
     cfg = r.subspace
-    cached = trainer.run_dir / "subspace" / "basis.safetensors"
-    if trainer.resume and cached.is_file():
+    # A Python way in (make_private, DPTrainer) has no run folder: nothing is cached or written.
+    cached = trainer.run_dir / "subspace" / "basis.safetensors" if trainer.run_dir is not None else None
+    if trainer.resume and cached is not None and cached.is_file():
         basis = SubspaceBasis.load(cached)
         fresh = False
     elif cfg.source == "file":
@@ -311,7 +316,7 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
         # A private basis from a file (another run on the same data): its releases compose here.
         # (On --resume the live ledger, loaded after this, already holds them.)
         _record_events(trainer, basis.meta["ledger"])
-    if not (trainer.resume and cached.is_file()) and getattr(trainer, "is_main", True):
+    if cached is not None and not (trainer.resume and cached.is_file()) and getattr(trainer, "is_main", True):
         basis.save(cached)  # rank 0 alone writes (DDP)
     basis = basis.to(cfg.dtype)
     info = {
@@ -325,6 +330,75 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
             f"non-private fine-tuning on public task {basis.meta.get('stage1_task')!r} (costs no privacy "
             "of the training data)")
     return basis, info
+
+
+class LiveSubspace:
+    """DP-SFT's subspace engine driven by the user's own loop (``make_private``): the engine
+    :class:`~dpft.grads.live.LiveBookKeeping` is handed. Under ``make_private`` the user's
+    ``module(x)`` and ``loss.backward()`` run the forward and backward and the live hooks capture
+    each layer's per-example contributions, as for the plain engine; this view holds the spanned
+    model parameters (frozen for the forward, so no weight gradient is built), the book-keeping
+    units and usage check, and a ``reduce`` that projects the contributions onto the basis instead
+    of summing them: ``s_i = Σ_l P_lᵀ g_{i,l}`` (``project_contribution``, the engine's own
+    projection), clipped in R^k to C and summed under the engine's one key ``COORDS`` (Zheng et al.,
+    AAAI 2026, Algorithm 2 lines 5-10).
+
+    Attributes:
+        model, units: the engine's model and book-keeping units; params: the spanned parameters.
+    """
+
+    def __init__(self, engine: SubspaceEngine):
+        self.sub = engine
+        self.model = engine.model
+        self.units = engine.units
+        self.params = engine.model_params
+
+    # The book-keeping engine owns the first-call usage check and the checkpointing flag.
+    @property
+    def _checked(self) -> bool:
+        return self.sub._bk._checked
+
+    @_checked.setter
+    def _checked(self, value: bool) -> None:
+        self.sub._bk._checked = value
+
+    @property
+    def recomputes(self) -> bool:
+        return getattr(self.sub._bk, "recomputes", False)
+
+    @recomputes.setter
+    def recomputes(self, value: bool) -> None:
+        self.sub._bk.recomputes = value
+
+    def verify_uses(self, *args, **kwargs):
+        return self.sub._bk.verify_uses(*args, **kwargs)
+
+    def reduce(self, contribs: dict, b: int, loss_sum: float, device=None, grad_scale: float = 1.0,
+               groups=None, losses=None) -> ClippedBatch:
+        """``Σ_i c_i s_i`` of one micro-batch: ``(k,)`` under ``COORDS``; ``sq_norms``/``scales``
+        ``(B, 1)`` (``‖s_i‖²`` and the flat clip factor min(1, C/‖s_i‖)).
+
+        Raises:
+            ValueError: user ids (group clipping is refused with DP-SFT before this).
+            NonFiniteGradientError: a non-finite coordinate norm (nothing is released)."""
+        if groups is not None:
+            raise ValueError("DP-SFT coordinates are per row; user-level group clipping is not supported")
+        for u in self.units:  # outputs kept for a layout check that did not run (no criterion)
+            u.check_outputs = []
+        basis = self.sub.basis
+        with full_precision():
+            coords = torch.zeros(b, basis.k, dtype=torch.float32, device=basis.device)
+            for n in basis.names:
+                for c in merge(contribs.pop(n, [])):
+                    coords += project_contribution(c, basis.blocks[n], b).to(coords.device)
+            contribs.clear()
+            if grad_scale != 1.0:  # a batch-mean loss: each example's own gradient
+                coords = coords * float(grad_scale)
+            sq = coords.pow(2).sum(1, keepdim=True)
+            check_finite_norms(sq)
+            scales = self.sub.clip.scales(sq)
+            total = (coords * scales).sum(0)
+        return ClippedBatch({COORDS: total}, sq, scales, float(loss_sum), b)
 
 
 def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter], basis: SubspaceBasis):
@@ -367,6 +441,27 @@ class DPSFT(Method):
                    "subspace.source: file (stage 2 is a DP-SGD step on the k coordinates: its clipped sums are "
                    "all-reduced and noised once for the world like any other)")
 
+    #: The coordinates are per row: refused with user-level units (methods/python.py).
+    example_level_only = True
+
+    @classmethod
+    def python_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
+        """A given subspace (``source: file``, or ``none`` with the paper's noise placement) runs in
+        every way in: stage 2 is a DP-SGD step on the k coordinates. A subspace estimated in this
+        run (``public``/``private``) is a training phase of its own that the driver runs."""
+        why = []
+        if cfg.source in ("public", "private"):
+            why.append(f"subspace source {cfg.source!r} estimates the subspace in a stage-1 training phase of its "
+                       "own (snapshots of a trajectory; a private stage 1 is DP-SGD recorded in the ledger), which "
+                       "only the driver runs; build the basis with `dpft train` (it writes "
+                       "<run>/subspace/basis.safetensors with its ledger) and pass {'name': 'dpsft', 'source': "
+                       "'file', 'file': <that path>, 'k': ...} here (its recorded releases compose into this "
+                       "ledger), or run the whole method with `dpft train`")
+        if cfg.optimizer_space == "coords":
+            why.append("optimizer_space 'coords' builds an optimizer over the k coordinates; use "
+                       "optimizer_space 'full' (your optimizer steps the unprojected gradient)")
+        return "; ".join(why) or None
+
     def __init__(self, cfg, recipe):
         super().__init__(cfg, recipe)
         #: Across processes only without a stage 1 of its own: a basis from a file (read by every
@@ -388,8 +483,6 @@ class DPSFT(Method):
     def _paper_mechanism(self, spec, run):
         """GaussianMechanism with noise multiplier σ·B on the sum (the paper's σC after averaging),
         accounted at σ (the certified mechanism's event: an upper bound, :data:`PAPER_NOISE_NOTE`)."""
-        from dpft.step.noise import GaussianMechanism
-
         b = float(run.recipe.batch.expected_batch_size)
         self.info["effective_noise_multiplier"] = run.sigma * b
         return GaussianMechanism(run.sigma * b, spec.clip.sensitivity, run.rng,
@@ -407,13 +500,16 @@ class DPSFT(Method):
         if r.method_config("rmt").method != "none":
             raise SubspaceError("denoise and subspace are not combined: the noise of DP-SFT is k-dimensional")
         clip = spec.clip
-        if r.privacy.clipping.style in ("head_body", "per_layer"):
+        if r.privacy.clipping.style in ("head_body", "per_layer", "per_group"):
             # The k coordinates are one group: head_body / per_layer shape stage 1's clipping only;
             # stage 2 clips ‖s_i‖ in R^k to the same C (same sensitivity, same mechanism).
-            from dpft.step.clip import FlatClip
-
             clip = FlatClip(r.privacy.clipping.max_norm)
-        engine = SubspaceEngine(run.model, classification_loss, clip, basis)
+        # A Python way in's per-example loss when its engine runs the forward (DPTrainer); dpft
+        # train's classification runs: the task's cross-entropy.
+        loss = getattr(run, "per_example_loss", None) or classification_loss
+        engine = SubspaceEngine(run.model, loss, clip, basis)
+        # The view a way in whose user runs the forward and backward (make_private) drives instead.
+        engine.live_view = lambda: LiveSubspace(engine)
         basis = self.basis = engine.basis  # P on the model's device (the engine moves it there)
         if cfg.start == "stage1":
             if basis.start is None:
@@ -433,9 +529,11 @@ class DPSFT(Method):
             z = nn.Parameter(torch.zeros(basis.k, device=run.device))
             params = {COORDS: z}
             self._hook = _sync_hook(run.model, z, engine.model_params, basis)
-        self.info["start_dev_accuracy"] = run.evaluate()["dev_accuracy"]
-        spec = spec.replace(engine=engine, clip=clip, params=params, transforms=transforms,
-                            optimizer=run.make_optimizer(params))
+        if run.evaluate is not None:  # a Python way in holds no dev set
+            self.info["start_dev_accuracy"] = run.evaluate()["dev_accuracy"]
+        # A Python way in keeps the user's optimizer: "full" steps the same trainable parameters.
+        optimizer = run.make_optimizer(params) if run.make_optimizer is not None else spec.optimizer
+        spec = spec.replace(engine=engine, clip=clip, params=params, transforms=transforms, optimizer=optimizer)
         if cfg.paper_noise_placement:
             spec = spec.replace(mechanism=self._paper_mechanism(spec, run))
         return spec
@@ -464,5 +562,5 @@ def write_info(info: dict, run_dir: Path, path: Path | None = None) -> Path:
     return path
 
 
-__all__ = ["DPSFT", "PHASE", "Snapshots", "SubspaceCfg", "build_subspace", "run_stage1", "stage1_recipe",
-           "write_info"]
+__all__ = ["DPSFT", "LiveSubspace", "PHASE", "Snapshots", "SubspaceCfg", "build_subspace", "run_stage1",
+           "stage1_recipe", "write_info"]
