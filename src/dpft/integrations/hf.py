@@ -43,17 +43,12 @@ What changes inside ``Trainer`` (DESIGN.md "The DP step, as data flows"):
   ``train_loss``; ``TrainOutput.training_loss`` is NaN) unless ``log_private_train_loss=True``,
   and never the realised batch sizes or token counts. ``grad_norm`` is dropped too. Evaluation
   metrics are logged as usual: they are covered only if the evaluation data is public.
-* **Several processes** (``torchrun``, ``accelerate launch``; docs/dp_trainer_distributed.md).
-  One DP-SGD run for the world, with ``dpft.distributed`` (as ``dpft train``): rank 0's secret
-  key broadcast, so one Poisson logical batch per step; each rank clips its share (every K-th
-  row of the batch ordered by length; at user level every K-th user) in physical batches; the
-  clipped sums are all-reduced once per logical step and the same noise is added on every rank
-  (one release, one ledger event, the ledger of one process); a per-step digest stops the run if
-  the ranks disagree. The model is never wrapped in ``DistributedDataParallel`` (its buckets
-  would all-reduce unclipped gradients): the accelerator prepares it in ``evaluation_mode``.
-  Rank 0 alone writes ledger, ``dp_state.json``, checkpoints and model; a checkpoint resumes only
-  with as many processes as wrote it. Evaluation is ``Trainer``'s: sharded by accelerate,
-  predictions gathered, the same metrics on every rank.
+* **Several processes** (``torchrun``, ``accelerate launch``; docs/dp_trainer_distributed.md):
+  one DP-SGD run for the world through ``dpft.distributed`` as ``dpft train`` (rank 0's secret key
+  broadcast; each rank clips its share; clipped sums all-reduced once per logical step; the same
+  noise on every rank; one ledger; a per-step digest). The model is never wrapped in
+  ``DistributedDataParallel`` (its buckets would all-reduce unclipped gradients). Rank 0 alone
+  writes; a checkpoint resumes only with as many processes as wrote it.
 * **User level** (``DPArguments(user_column=...)``): users are the privacy unit, sampled with
   ``q = expected_batch_size / U``, at most ``max_rows_per_user`` rows each per step, each user's
   summed gradient clipped to C (the CLI's ``task.user_column`` machinery: step/sample.py
