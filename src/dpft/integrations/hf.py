@@ -81,12 +81,9 @@ parameters after construction or a gradient on an optimizer parameter outside th
 user optimizer over all parameters with some unfrozen later; a model wrapped in DDP:
 :class:`~dpft.api.UnclippedParameterError`).
 
-Real models: ``DPArguments(clipping="head_body", head_learning_rate=...)`` is the starting point
-for a pretrained encoder with a fresh head (README, "With the Hugging Face Trainer";
-docs/snippets/sst2_dp_trainer.py); ``evaluate()`` warns when every prediction is one class.
-
-Source: Abadi et al. 2016 (DP-SGD), with Poisson sampling and division by the expected batch
-size; the interface follows Opacus' and the ``transformers`` Trainer's conventions.
+Real models: ``DPArguments(clipping="head_body", head_learning_rate=...)`` for a pretrained encoder
+with a fresh head (docs/snippets/sst2_dp_trainer.py). Source: Abadi et al. 2016 (DP-SGD), Poisson
+sampling, division by the expected batch size; the interface follows Opacus and ``Trainer``.
 """
 
 from __future__ import annotations
