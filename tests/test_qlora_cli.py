@@ -79,7 +79,9 @@ def test_dpft_train_runs_qlora_end_to_end_on_the_cpu(tiny_dir, tmp_path, monkeyp
     assert kinds == {"Linear4bit" if q == "nf4" else "Linear8bitLt"}  # every block Linear quantized
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
     # r = 2 LoRA on q_proj (64→64), v_proj (64→64), down_proj (128→64) of 2 blocks; nothing else trains
-    assert rep["model"]["trainable"] == "lora"
+    assert rep["model"]["trainable"] == "lora" and rep["model"]["quantization"] == q
+    assert f"base quantized ({q}, bitsandbytes)" in (tmp_path / "run" / "report.md").read_text()
+    assert f"base weights quantized to {q}" in (tmp_path / "run" / "model" / "README.md").read_text()
     assert rep["model"]["trainable_parameters"] == 2 * 2 * ((64 + 64) + (64 + 64) + (128 + 64))
     led = PrivacyLedger.load(tmp_path / "run" / "ledger.json")
     assert led.steps == 2 and rep["privacy"]["epsilon"] == pytest.approx(led.epsilon(rep["privacy"]["delta"]).epsilon)

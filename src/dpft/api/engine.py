@@ -329,34 +329,18 @@ class PrivacyEngine:
             max_physical_batch_size=max_physical_batch_size, max_rows_per_user=max_rows_per_user,
             user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
             user_ids=user_ids, methods=meths, lr_scheduler=lr_scheduler)
-        sharded = is_fsdp2_model(module)  # FSDP2 (fully_shard): the sharded step (api/sharded.py)
-        if sharded:
-            check_fsdp2_model(module, "make_private", mech)
-            if meths:  # the sharded optimizer has no methods' hooks (as dpft train under FSDP)
-                raise ValueError("make_private: methods= with an FSDP2 (fully_shard) model is not supported: the "
-                                 "sharded step runs no method hooks; drop methods= or train unsharded (DDP)")
+        sharded = _check_sharded(module, mech, meths)
         world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
         dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
                                                                     num_workers, collate_fn)
         calls = self._calls + 1
         rng = self._world_randomness(world).child(f"make_private:{calls}")
-        unit = None
-        if user_ids is not None:
-            values, column = user_values(dataset, user_ids, n)
-            try:
-                unit = build_user_unit(values, expected_batch_size, max_rows_per_user, rng, user_clipping, column)
-            except ValueError as exc:
-                raise ValueError(f"make_private (user level, user_ids={column!r}): {exc}") from None
+        unit = _user_unit(dataset, user_ids, n, expected_batch_size, max_rows_per_user, rng, user_clipping)
         n_units = unit.n if unit is not None else n
-        if world.distributed:  # every rank must describe the same mechanism over the same data
-            mine = (n, n_units, expected_batch_size, steps, epochs, noise_multiplier, target_epsilon, target_delta,
-                    float(max_grad_norm), clipping, user_clipping if unit else None, max_rows_per_user if unit else None,
-                    mechanism, bands, max_batch_size)
-            if ddp.any_rank(world, mine != ddp.broadcast_object(world, mine)):
-                raise ddp.DistributedError(
-                    "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, "
-                    "batch size, steps/epochs, σ or target, C, clipping); call make_private with the same data and "
-                    "arguments on every rank")
+        _check_same_on_every_rank(world, (
+            n, n_units, expected_batch_size, steps, epochs, noise_multiplier, target_epsilon, target_delta,
+            float(max_grad_norm), clipping, user_clipping if unit else None, max_rows_per_user if unit else None,
+            mechanism, bands, max_batch_size))
         planned = None if steps is None and epochs is None else planned_steps(n_units, expected_batch_size, steps,
                                                                                 epochs)
         names = check_optimizer(module, optimizer)
@@ -421,3 +405,46 @@ class PrivacyEngine:
             self._shared = True
         ddp.check_same_randomness(world, self._rng)
         return self._rng
+
+
+def _check_sharded(module, mech, meths) -> bool:
+    """Whether ``module`` is an FSDP2 (``fully_shard``) root, which runs the sharded step
+    (api/sharded.py); a sharded submodule only, a mechanism or methods it cannot run are refused.
+
+    Raises:
+        ValueError: methods with an FSDP2 model (the sharded optimizer runs no method hooks, as
+            ``dpft train`` under FSDP), or what ``check_fsdp2_model`` refuses."""
+    if not is_fsdp2_model(module):
+        return False
+    check_fsdp2_model(module, "make_private", mech)
+    if meths:
+        raise ValueError("make_private: methods= with an FSDP2 (fully_shard) model is not supported: the sharded "
+                         "step runs no method hooks; drop methods= or train unsharded (DDP)")
+    return True
+
+
+def _user_unit(dataset, user_ids, n: int, expected_batch_size: int, max_rows_per_user, rng, user_clipping):
+    """The user-level privacy unit (``user_ids`` given) or None (example level).
+
+    Raises:
+        ValueError: what ``build_user_unit`` refuses, prefixed with the user column."""
+    if user_ids is None:
+        return None
+    values, column = user_values(dataset, user_ids, n)
+    try:
+        return build_user_unit(values, expected_batch_size, max_rows_per_user, rng, user_clipping, column)
+    except ValueError as exc:
+        raise ValueError(f"make_private (user level, user_ids={column!r}): {exc}") from None
+
+
+def _check_same_on_every_rank(world, mine: tuple) -> None:
+    """Under torch.distributed every rank must describe the same mechanism over the same data.
+
+    Raises:
+        DistributedError: a rank's (N, users, B, steps/epochs, σ or target, C, clipping, mechanism)
+            differs from rank 0's."""
+    if world.distributed and ddp.any_rank(world, mine != ddp.broadcast_object(world, mine)):
+        raise ddp.DistributedError(
+            "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, batch size, "
+            "steps/epochs, σ or target, C, clipping); call make_private with the same data and arguments on every "
+            "rank")

@@ -101,7 +101,7 @@ class PrivateState:
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint`` (every rank calls it), after checking that the ranks still
         hold one set of trainable weights (rank 0's are broadcast if not: they are the ones saved)."""
-        ddp.check_in_sync(self.world, self.engine.params)
+        ddp.check_in_sync(self.world, self.dp_step.params)  # what the step updates (DP-SFT: not the k coordinates)
         super()._save_checkpoint(model, trial)
         if self._banded and self.world.is_main:
             # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/

@@ -52,7 +52,8 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
                  "n_dev": len(trainer.task.dev), "dev_source": dev_source(r.task, trainer.task.source),
                  "labels": trainer.task.label_names, "notes": trainer.task.notes},
         "model": {"name": r.model.name, "trainable": r.trainable.mode, "trainable_parameters": n_train,
-                  "total_parameters": n_total, "max_length": r.model.max_length},
+                  "total_parameters": n_total, "max_length": r.model.max_length,
+                  "quantization": r.model.quantization},
         "privacy": priv,
         "dp": {"private": trainer.private, "noise_multiplier": trainer.sigma, "sampling_rate": trainer.q,
                "expected_batch_size": r.batch.expected_batch_size, "steps": trainer.total_steps,
@@ -255,7 +256,8 @@ def render_markdown(rep: dict[str, Any]) -> str:
         "|---|---|",
         f"| task | {t['name']} ({t['source']}), N = {t['n_train']} "
         f"{'users' if dp.get('privacy_unit', {}).get('unit') == 'user' else 'training examples'} |",
-        f"| model | {mod['name']} — trainable: {mod['trainable']}, {mod['trainable_parameters']:,} of {mod['total_parameters']:,} parameters |",
+        f"| model | {mod['name']} — trainable: {mod['trainable']}, {mod['trainable_parameters']:,} of {mod['total_parameters']:,} parameters"
+        + (f"; base quantized ({mod['quantization']}, bitsandbytes)" if mod.get("quantization") else "") + " |",
     ]
     if dp["private"]:
         c = dp["clipping"]

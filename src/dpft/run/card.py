@@ -205,7 +205,9 @@ def build_card(rep: dict[str, Any], model_dir: Path):
               "## Training", "",
               f"- base model: `{base}`; trainable: {mod['trainable']} ({mod['trainable_parameters']:,} of "
               f"{mod['total_parameters']:,} parameters)"
-              + (f"; inputs truncated to {mod['max_length']} tokens" if mod.get("max_length") else ""),
+              + (f"; inputs truncated to {mod['max_length']} tokens" if mod.get("max_length") else "")
+              + (f"; base weights quantized to {mod['quantization']} (bitsandbytes; the LoRA adapters are what was "
+                 "trained)" if mod.get("quantization") else ""),
               f"- optimizer: {rep['optimizer']['name']}, lr {rep['optimizer']['lr']:g}",
               f"- task labels: {t.get('labels')}" if not causal else
               "- task: sequence to sequence (source → target, loss on target tokens)" if s2s else
