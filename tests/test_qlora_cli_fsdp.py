@@ -81,7 +81,9 @@ def sharded_entry(i: int, cfg: dict, port: int) -> None:
             {"nf4": rows, "local_bytes": local_bytes, "full_bytes": full_bytes}))
         return out
 
-    fsdp.shard_model = spy
+    import dpft.run.plan as run_plan
+
+    fsdp.shard_model = run_plan.shard_model = spy  # the driver calls the name it imported (run/plan.py)
     ddp_worker.forked_entry(i, cfg, port)
 
 
