@@ -66,6 +66,13 @@ def _load_lm(auto_cls, name: str, seed: int, what: str, need: str):
         model = auto_cls.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelError(model_load_message(name, exc, what, need)) from None
+    pad_for_loss(tok, model)
+    return tok, model
+
+
+def pad_for_loss(tok, model) -> None:
+    """Give ``tok`` and ``model.config`` a pad id where they have none (EOS, else 0): padding
+    positions never count in the loss (masked by the attention mask), so any id serves."""
     if tok.pad_token_id is None:
         if tok.eos_token_id is not None:
             tok.pad_token = tok.eos_token
@@ -73,5 +80,4 @@ def _load_lm(auto_cls, name: str, seed: int, what: str, need: str):
             tok.pad_token_id = 0
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tok.pad_token_id
-    return tok, model
 

@@ -132,7 +132,7 @@ def load_quantized_causal_lm(name: str, quantization: str, *, seed: int = 0, dty
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dpft.models.causal import _named_tokenizer
+    from dpft.models.causal import _named_tokenizer, pad_for_loss
     from dpft.models.load import import_peft, model_load_message, resolve_model_path
 
     dev = device if device is not None else quant_device()
@@ -149,13 +149,7 @@ def load_quantized_causal_lm(name: str, quantization: str, *, seed: int = 0, dty
         raise ModelError(model_load_message(name, exc, f"a {quantization} causal language model",
                                             "model.quantization needs a decoder (Llama, Qwen2 …) folder with "
                                             "config.json and weights")) from None
-    if tok.pad_token_id is None:  # as models/causal.py: padding positions never count in the loss
-        if tok.eos_token_id is not None:
-            tok.pad_token = tok.eos_token
-        else:
-            tok.pad_token_id = 0
-    if getattr(model.config, "pad_token_id", None) is None:
-        model.config.pad_token_id = tok.pad_token_id
+    pad_for_loss(tok, model)
     peft = import_peft()
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return tok, model
