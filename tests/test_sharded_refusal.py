@@ -51,15 +51,17 @@ def test_make_private_takes_fsdp2_root_and_refuses_a_sharded_submodule_only(gloo
     sharded; a model with only a submodule sharded is refused naming the fix."""
     from dpft import PrivacyEngine
 
-    def call(model):
+    def call(model, **kw):
         data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
         return PrivacyEngine(reproducible_seed=0).make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
             data_loader=torch.utils.data.DataLoader(data, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
-            steps=1)
+            steps=1, **kw)
 
     with pytest.raises(ddp.DistributedError, match=r"make_private: only submodules .*apply fully_shard to the root"):
         call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), "0"))
+    with pytest.raises(ValueError, match=r"methods= with an FSDP2 \(fully_shard\) model is not supported"):
+        call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))), methods=[{"name": "rmt", "method": "rmt"}])
     model, opt, crit, loader = call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))))
     from dpft.api.sharded import ShardedDPOptimizer
 
