@@ -59,7 +59,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
         base["task.max_train_examples"] = args.max_train_examples
     for kv in args.set or []:
         k, v = kv.split("=", 1)
-        base[k] = json.loads(v) if v[:1] in "[{0123456789-tf" else v
+        base[k] = json.loads(v) if v[:1] in "[{0123456789-tfn" else v
     row = {"seed": seed}
     # (a) the private search, charged
     rec = load_recipe(args.recipe, base)
