@@ -217,6 +217,25 @@ def test_audit_catches_the_planted_resume_bugs():
         assert any(not c.passed for c in checks), bug
 
 
+def test_bug_planter_patches_for_the_duration_and_refuses_unknown_or_unplantable_bugs():
+    import types
+
+    from dpft.audit.planted import bug_planter
+
+    target = types.SimpleNamespace(f=1)
+    planted_bug = bug_planter(("a",), {"a": lambda p: p.set(target, "f", 2)})
+    with planted_bug("a"):
+        assert target.f == 2
+    assert target.f == 1
+    with planted_bug(None):
+        assert target.f == 1
+    with pytest.raises(ValueError, match="unknown planted bug 'b'"):
+        with planted_bug("b"):
+            pass
+    with pytest.raises(ValueError, match="no plant for"):  # a listed bug nothing plants: a vacuous self-test
+        bug_planter(("a", "b"), {"a": lambda p: None})
+
+
 # ----------------------------------------------------------------------------- methods
 def test_rmt_through_make_private_and_dptrainer_and_refusals():
     """RMT (post-processing) through make_private(methods=…) is the CLI's transform on the same

@@ -40,7 +40,7 @@ import torch
 from dpft.audit.whitebox import Check, tiny_classifier
 from dpft import PrivacyEngine
 from dpft.api.optimizer import DPOptimizer
-from dpft.audit.planted import planting
+from dpft.audit.planted import bug_planter
 from dpft.privacy.randomness import Randomness
 from dpft.step import mechanisms
 from dpft.step.correlated import CyclicPoissonSampler, banded_coefficients, banded_phase_event, strategy_matrix
@@ -56,33 +56,24 @@ PLANTED = ("api_banded_every_partition", "api_noise_state_in_optimizer", "traine
 SEED = 5
 
 
-class planted_bug:
-    """Plant one bug of :data:`PLANTED` for the duration (None: nothing; via planted.planting)."""
+class _EveryPartition(CyclicPoissonSampler):
+    """Planted: every example may be drawn at every step (the banded partition ignored)."""
 
-    def __init__(self, name: Optional[str]):
-        self.name = name
+    def indices(self, step):
+        draw = self.rng.stream("sample", int(step)).bernoulli((self.n,), self.partition_rate)
+        return torch.nonzero(draw).flatten()
 
-    def __enter__(self):
-        self._cm = planting(self.name, PLANTED)
-        p = self._cm.__enter__()
-        if self.name == "api_banded_every_partition":
-            class EveryPartition(CyclicPoissonSampler):
-                def indices(self, step):
-                    draw = self.rng.stream("sample", int(step)).bernoulli((self.n,), self.partition_rate)
-                    return torch.nonzero(draw).flatten()
 
-            p.set(mechanisms, "CyclicPoissonSampler", EveryPartition)  # the family's batch selection
-        elif self.name == "api_noise_state_in_optimizer":
-            def state_dict(self):
-                return {**self.original_optimizer.state_dict(), "dp_noise_state": self.dp_step.spec.mechanism.state()}
+def _state_dict_with_noise(self):
+    """Planted: the optimizer's state_dict (a checkpoint file) carries the secret noise state."""
+    return {**self.original_optimizer.state_dict(), "dp_noise_state": self.dp_step.spec.mechanism.state()}
 
-            p.set(DPOptimizer, "state_dict", state_dict)
-        elif self.name == "trainer_truncation_not_recorded":
-            p.set(TruncatedPoisson, "install", lambda self, spec, **kw: spec)
-        return self
 
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
+planted_bug = bug_planter(PLANTED, {
+    "api_banded_every_partition": lambda p: p.set(mechanisms, "CyclicPoissonSampler", _EveryPartition),
+    "api_noise_state_in_optimizer": lambda p: p.set(DPOptimizer, "state_dict", _state_dict_with_noise),
+    "trainer_truncation_not_recorded": lambda p: p.set(TruncatedPoisson, "install", lambda self, spec, **kw: spec),
+})
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpft.api import PrivacyEngine
-from dpft.audit.planted import planting
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.integrations import hf, hf_data
 from dpft.integrations.hf import DPArguments, DPTrainer
@@ -49,27 +49,6 @@ PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_
 _SIGMA, _SIGMA_B, _ETA, _RHO = 1.0, 0.6, 0.2, 0.2
 
 
-class planted_bug:
-    """Plant one bug of :data:`PLANTED` for the duration (None: nothing)."""
-
-    def __init__(self, name: Optional[str]):
-        self.name = name
-
-    def __enter__(self):
-        self._cm = planting(self.name, PLANTED)
-        p = self._cm.__enter__()
-        if self.name == "api_adaptive_noise_unadjusted":
-            p.set(dp_adam_ac, "effective_noise_multiplier", lambda sigma, count_noise: float(sigma))
-        elif self.name == "trainer_count_stream_reused":
-            p.set(hf.DPTrainer, "get_train_dataloader", hf_data.PoissonData.get_train_dataloader)
-        elif self.name == "api_subspace_unclipped":
-            p.set(dpsft.LiveSubspace, "reduce", _unclipped_reduce(dpsft.LiveSubspace.reduce))
-        return self
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
-
-
 def _unclipped_reduce(orig):
     def reduce(self, *args, **kwargs):
         max_norm = self.sub.clip.max_norm
@@ -80,6 +59,16 @@ def _unclipped_reduce(orig):
             self.sub.clip.max_norm = max_norm
 
     return reduce
+
+
+planted_bug = bug_planter(PLANTED, {
+    "api_adaptive_noise_unadjusted": lambda p: p.set(dp_adam_ac, "effective_noise_multiplier",
+                                                     lambda sigma, count_noise: float(sigma)),
+    "trainer_count_stream_reused": lambda p: p.set(hf.DPTrainer, "get_train_dataloader",
+                                                   hf_data.PoissonData.get_train_dataloader),
+    "api_subspace_unclipped": lambda p: p.set(dpsft.LiveSubspace, "reduce",
+                                              _unclipped_reduce(dpsft.LiveSubspace.reduce)),
+})
 
 
 class _Recording(torch.optim.SGD):

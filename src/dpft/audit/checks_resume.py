@@ -28,7 +28,7 @@ from torch.utils.data import TensorDataset
 from dpft.audit.whitebox import Check
 from dpft import PrivacyEngine
 from dpft.api import state
-from dpft.audit.planted import planting
+from dpft.audit.planted import bug_planter
 from dpft.step import correlated
 
 __all__ = ["PLANTED", "resume_checks", "planted_bug"]
@@ -37,23 +37,10 @@ PLANTED = ("resume_rows_by_index", "api_stale_state_accepted")
 _N, _B, _BANDS, _STEPS, _SEED = 36, 3, 3, 6, 5
 
 
-class planted_bug:
-    """Plant one bug of :data:`PLANTED` for the duration (None: nothing)."""
-
-    def __init__(self, name: Optional[str]):
-        self.name = name
-
-    def __enter__(self):
-        self._cm = planting(self.name, PLANTED)
-        p = self._cm.__enter__()
-        if self.name == "resume_rows_by_index":
-            p.set(correlated, "check_rows", lambda saved, rows, where, fix: None)
-        elif self.name == "api_stale_state_accepted":
-            p.set(state, "check_fresh", lambda made, saved, record, fix: None)
-        return self
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
+planted_bug = bug_planter(PLANTED, {
+    "resume_rows_by_index": lambda p: p.set(correlated, "check_rows", lambda saved, rows, where, fix: None),
+    "api_stale_state_accepted": lambda p: p.set(state, "check_fresh", lambda made, saved, record, fix: None),
+})
 
 
 def _data(order=None) -> TensorDataset:

@@ -96,6 +96,28 @@ def planting(name: Optional[str], known: tuple[str, ...]) -> Iterator[_Patches]:
         p.undo()
 
 
+def bug_planter(known: tuple[str, ...], plants: dict[str, Callable[[_Patches], None]]):
+    """A check module's ``planted_bug(name)`` context manager, built from one function per bug:
+    ``plants[name](patches)`` sets that bug's patches (``patches.set(obj, attr, value)``), undone on
+    exit by :func:`planting`; ``name`` None plants nothing.
+
+    Raises:
+        ValueError: (on use) ``name`` is not one of ``known``."""
+    missing = set(known) - set(plants)
+    if missing:  # a name the module lists but cannot plant would pass its self-test vacuously
+        raise ValueError(f"bug_planter: no plant for {sorted(missing)}")
+
+    @contextlib.contextmanager
+    def planted_bug(name: Optional[str]) -> Iterator[_Patches]:
+        with planting(name, known) as p:
+            if name is not None:
+                plants[name](p)
+            yield p
+
+    planted_bug.__doc__ = f"Plant one bug of {', '.join(known)} for the duration (None: nothing)."
+    return planted_bug
+
+
 def _clip_2c(orig):
     def scales(self, sq):
         c = self.max_norm
