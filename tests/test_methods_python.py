@@ -283,6 +283,37 @@ def test_dptrainer_refuses_resume_with_adaptive_clip(tmp_path):
         tr.train(resume_from_checkpoint=str(tmp_path / "o" / "checkpoint-1"))
 
 
+def test_dptrainer_card_names_the_methods_and_their_released_settings(tmp_path):
+    """The model card of a DPTrainer run with methods says which ran and what they released (DP-Adam-AC:
+    σ split and the final private C), as report.md does for dpft train."""
+    import datasets
+    from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf_card import trainer_report, write_trainer_card
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=16,
+                                                     max_position_embeddings=16))
+    ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]] * 16, "attention_mask": [[1, 1, 1]] * 16,
+                                     "labels": [0, 1] * 8})
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    tr = DPTrainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator,
+                   dp_args=DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=4,
+                                       methods=[AC, {"name": "rmt", "method": "rmt"}]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr.train()
+    rep = trainer_report(tr)
+    assert rep["methods"] == ["dp_adam_ac", "rmt"]
+    assert rep["adam_ac"]["final_clip_norm"] == pytest.approx(tr.methods.report()["adam_ac"]["final_clip_norm"])
+    text = write_trainer_card(tr, tmp_path / "card").read_text()
+    assert "- methods: dp_adam_ac, rmt" in text
+    assert "### DP-Adam family options" in text and f"final clipping norm C = {rep['adam_ac']['final_clip_norm']:.4g}" in text
+
+
 # --------------------------------------------------------------------------- the audit
 
 

@@ -63,6 +63,7 @@ def trainer_report(tr) -> dict[str, Any]:
         "timing": "Wall-clock times grow with the realised batch sizes: a side channel not covered by ε.",
         "public": "The pre-trained model, the privacy settings and N are treated as public.",
     }
+    meths = getattr(tr, "methods", None)
     if privacy.get("reproducible"):
         coverage["reproducible"] = "NOT FOR RELEASE: DPArguments.reproducible_seed was set; ε holds only while it is secret."
     return {
@@ -75,6 +76,8 @@ def trainer_report(tr) -> dict[str, Any]:
                   "max_length": None},
         "optimizer": {"name": str(getattr(tr.args.optim, "value", tr.args.optim)), "lr": float(tr.args.learning_rate)},
         "privacy": privacy, "dp": dp, "coverage": coverage, "metrics": {},
+        # DPArguments.methods: their names and report sections (methods/python.py), as report.json's
+        "methods": list(meths.names) if meths else [], **(meths.report() if meths else {}),
     }
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dpft.report.report import audited_lines, epsilon_line, mechanism_lines, unit_line
-from dpft.methods.base import registered
+from dpft.methods.base import get_method, registered
 
 #: Registered tasks whose data is a Hugging Face dataset (for the card's ``datasets:``).
 _HUB_DATASETS = {"sst2": "glue", "qnli": "glue", "sst5": "SetFit/sst5", "imdb": "imdb"}
@@ -141,6 +141,14 @@ def _from_methods(rep: dict[str, Any], hook: str):
     return None
 
 
+def _method_sections(rep: dict[str, Any]) -> list[str]:
+    """The methods' own report.md sections (methods/base.py ``markdown``), one heading level down."""
+    lines: list[str] = []
+    for name in rep.get("methods") or []:
+        lines += [("#" + ln) if ln.startswith("## ") else ln for ln in get_method(name).markdown(rep)]
+    return lines
+
+
 def build_card(rep: dict[str, Any], model_dir: Path):
     """The ``huggingface_hub.ModelCard`` of a run from its report dict."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -212,7 +220,9 @@ def build_card(rep: dict[str, Any], model_dir: Path):
               f"- task labels: {t.get('labels')}" if not causal else
               "- task: sequence to sequence (source → target, loss on target tokens)" if s2s else
               "- task: causal language modelling",
-              "", "The run's `report.md` and `ledger.json` give the full record.", ""]
+              *([f"- methods: {', '.join(rep['methods'])}"] if rep.get("methods") else []),
+              "", *_method_sections(rep),
+              "The run's `report.md` and `ledger.json` give the full record.", ""]
     content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
     return ModelCard(content)
 
