@@ -80,6 +80,21 @@ def run_seed(args, seed: int, out: Path) -> dict:
         train(hand, d, progress=False)
     row.update(hand_eps=json.loads((d / "report.json").read_text())["privacy"].get("epsilon"),
                hand_acc=_test_accuracy(d, args.test_file))
+    if args.auto:  # (d) the hand recipe with budget-aware defaults: B and T chosen by the accountant
+        epochs, n = base.get("schedule.epochs"), args.max_train_examples
+        budget = int(round(float(epochs) * n)) if epochs and n else None  # None: auto's default (3 epochs)
+        auto = load_recipe(args.hand_recipe, {**{k2: v for k2, v in base.items() if not k2.startswith(("tune.", "schedule.steps", "schedule.epochs"))},
+                                              "batch.expected_batch_size": "auto", "schedule.steps": "auto",
+                                              **({"schedule.compute_budget": budget} if budget else {})})
+        for k2, v in rec.model_dump(mode="json")["model"].items():
+            setattr(auto.model, k2, v)
+        d = out / f"auto-s{seed}"
+        if not (d / "report.json").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            train(auto, d, progress=False)
+        rep = json.loads((d / "report.json").read_text())
+        row.update(auto_eps=rep["privacy"].get("epsilon"), auto_acc=_test_accuracy(d, args.test_file),
+                   auto_choice={"B": rep["dp"].get("expected_batch_size"), "T": rep["dp"].get("steps")})
     # (c) non-private search over the same K hyperparameter draws as (a), scored exactly on a dev split
     # held out of the TRAINING rows (never on the test file)
     state = json.loads((out / f"tune-s{seed}" / "tune_private" / "state.json").read_text())
@@ -129,6 +144,9 @@ def main(argv=None):
     ap.add_argument("--epsilon", type=float, default=8.0)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--max-train-examples", type=int, default=None)
+    ap.add_argument("--auto", action="store_true",
+                    help="also the hand recipe with batch.expected_batch_size/schedule.steps: auto at the same "
+                         "compute (schedule.compute_budget = epochs × N when --set schedule.epochs is given)")
     ap.add_argument("--set", nargs="*", help="extra recipe overrides key=value for every arm")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tune"))
     args = ap.parse_args(argv)
@@ -143,7 +161,11 @@ def main(argv=None):
              f"| tune (search charged) | {_ms(col['tune'])} | {_ms([r['tune_eps'] for r in rows])} | — |",
              f"| hand-tuned recipe (tuning not charged) | {_ms(col['hand'])} | "
              f"{_ms([r['hand_eps'] for r in rows])} | {_paired(col['hand'], col['tune'])} |",
-             f"| non-private search (same K) | {_ms(col['nodp'])} | ∞ | {_paired(col['nodp'], col['tune'])} |", "",
+             f"| non-private search (same K) | {_ms(col['nodp'])} | ∞ | {_paired(col['nodp'], col['tune'])} |",
+             *([f"| hand recipe, B and T `auto` (tuning not charged) | {_ms([r.get('auto_acc') for r in rows])} | "
+                f"{_ms([r.get('auto_eps') for r in rows])} | {_paired([r.get('auto_acc') for r in rows], col['tune'])} "
+                f"(vs hand: {_paired([r.get('auto_acc') for r in rows], col['hand'])}) |"] if args.auto else []), "",
+             *([f"auto's choice per seed (B, T): {[r.get('auto_choice') for r in rows]}.", ""] if args.auto else []),
              f"K drawn per seed: {[r['k'] for r in rows]}.", "",
              "Not shown: the variance of K across seeds beyond these draws; the compute of the search (E[K] "
              "trials against one hand-tuned run); other tasks and models."]
