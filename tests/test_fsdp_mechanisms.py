@@ -3,7 +3,10 @@
 mechanism's own events: banded PoissonSampled/NoOp, ``TruncatedSubsampledGaussianDpEvent``), the same
 trainable weights within float tolerance — and, in one process, the sharded noise of each mechanism is
 the same whatever the number of ranks (each shard's slice of the block layout; banded MF's buffers
-hold the shard's slice of the one-process buffers)."""
+hold the shard's slice of the one-process buffers). ``--resume`` (dpft/fsdp_state.py): per-rank
+``torch.distributed.checkpoint`` shards of weights, optimizer state and the secret banded buffers
+(0700 folder, 0600 files, outside ``checkpoint/``), resumed on the same and on another number of
+processes (2 save → 1 resumes) equal to the uninterrupted run; old gathered checkpoints still read."""
 
 from __future__ import annotations
 
@@ -11,9 +14,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from dpft.config import load_recipe
+from dpft.fsdp_state import SECRET_SHARDS_DIR, SHARDS_DIR, read_trainable
 from dpft.run.loop import Trainer
 
 from test_ddp import launch_worker  # noqa: E402 (tests/ helpers)
@@ -25,8 +27,7 @@ CASES = {
 
 
 def _weights_close(a, b):
-    pa = load_file(str(a / "checkpoint" / "trainable.safetensors"))
-    pb = load_file(str(b / "checkpoint" / "trainable.safetensors"))
+    pa, pb = read_trainable(a), read_trainable(b)
     assert pa.keys() == pb.keys() and pa
     for n in pa:
         torch.testing.assert_close(pb[n], pa[n], rtol=1e-5, atol=1e-6)
@@ -49,19 +50,48 @@ def test_fsdp_mechanism_two_processes_equal_one(lm_dirs, tmp_path, case):  # noq
     _weights_close(one, two)
 
 
-@pytest.mark.slow
-def test_fsdp_banded_two_processes_equal_one_and_resume(lm_dirs, tmp_path):  # noqa: F811
-    """Banded MF (b = 2) and AdamW under FSDP: a SIGINT reaches rank 1 during step index 2, the world
-    stops with the checkpoint at step 3 (gathered weights, name-keyed AdamW state, the gathered secret
-    buffers, mode 0600 outside checkpoint/); ``--resume`` on 2 processes (each rank its slice) runs
-    step 4 — and the whole equals the uninterrupted 1-process run (ledger, weights within 1e-5)."""
+BANDED = {"privacy.mechanism": "banded_mf", "privacy.bands": 2, "schedule.steps": 4, "optimizer.name": "adamw",
+          "optimizer.lr": 0.01, "eval.every_steps": 4, "checkpoint_every": 4}
+
+
+def _check_secret_layout(run, step: int, ranks: int) -> None:
+    """The DCP checkpoint of ``step``: the weights and optimizer state in ``checkpoint_shards/``, the
+    banded buffers per rank in the secret folder (0700, files 0600) — and nothing secret in the
+    release set (``checkpoint/``, ``checkpoint_shards/``)."""
     import os
 
     from dpft.step.correlated import NOISE_STATE_FILE
 
-    ov = fsdp_recipe(lm_dirs, "gpt2", **{"privacy.mechanism": "banded_mf", "privacy.bands": 2, "schedule.steps": 4,
-                                         "optimizer.name": "adamw", "optimizer.lr": 0.01, "eval.every_steps": 4,
-                                         "checkpoint_every": 4})
+    name = f"step-{step:08d}"
+    st = json.loads((run / "checkpoint" / "state.json").read_text())
+    assert st["sharded_checkpoint"] == f"{SHARDS_DIR}/{name}" and (run / SHARDS_DIR / name / ".metadata").is_file()
+    small = torch.load(run / NOISE_STATE_FILE, weights_only=True)
+    assert (os.stat(run / NOISE_STATE_FILE).st_mode & 0o777) == 0o600 and small["next_step"] == step
+    assert small["buffers"] == [] and small["buffers_dcp"] == f"{SECRET_SHARDS_DIR}/{name}"
+    secret = run / SECRET_SHARDS_DIR
+    assert [p.name for p in secret.iterdir()] == [name]  # earlier steps' folders removed
+    for d in (secret, secret / name):
+        assert (os.stat(d).st_mode & 0o777) == 0o700
+    files = [f for f in (secret / name).rglob("*") if f.is_file()]
+    assert len([f for f in files if f.suffix == ".distcp"]) == ranks
+    assert all((os.stat(f).st_mode & 0o777) == 0o600 for f in files)
+    released = [f.name for d in ("checkpoint", SHARDS_DIR) for f in (run / d).rglob("*")]
+    assert not any("secret" in f or "noise" in f for f in released)
+
+
+@pytest.mark.slow
+def test_fsdp_banded_two_processes_equal_one_and_resume(lm_dirs, tmp_path):  # noqa: F811
+    """Banded MF (b = 2) and AdamW under FSDP: a SIGINT reaches rank 1 during step index 2, the world
+    stops with the checkpoint at step 3 — per-rank DCP shards (weights, name-keyed AdamW state; the
+    secret buffers in their own 0700 folder, 0600 files, outside checkpoint/). ``--resume`` on 2
+    processes (each rank reads its own files) runs step 4, and — the ranks' files put together, as on a
+    shared file system — ``--resume`` on 1 process runs it too: both equal the uninterrupted 1-process
+    run (ledger, weights within 1e-5)."""
+    import shutil
+
+    import dpft
+
+    ov = fsdp_recipe(lm_dirs, "gpt2", **BANDED)
     one = tmp_path / "one"
     Trainer(load_recipe(None, ov), one, progress=False).run()
     two = tmp_path / "two"
@@ -69,16 +99,89 @@ def test_fsdp_banded_two_processes_equal_one_and_resume(lm_dirs, tmp_path):  # n
     assert failure is None, failure
     assert r0["interrupted"] == r1["interrupted"] == "interrupted (SIGINT) at step 3 of 4; checkpoint at step 3"
     run = two / "rank0" / "run"
-    st = torch.load(run / NOISE_STATE_FILE, weights_only=True)
-    assert (os.stat(run / NOISE_STATE_FILE).st_mode & 0o777) == 0o600 and st["next_step"] == 3
-    full = load_file(str(run / "checkpoint" / "trainable.safetensors"))
-    assert all(st["buffers"][0][n].shape == full[n].shape for n in full)  # gathered, not one rank's slice
+    _check_secret_layout(run, 3, ranks=1)  # rank 1's files are under its own run folder
+    cross = tmp_path / "cross"  # the ranks' files in one folder (a shared file system)
+    shutil.copytree(run, cross)
+    for sub in (SHARDS_DIR, SECRET_SHARDS_DIR):
+        shutil.copytree(two / "rank1" / "run" / sub, cross / sub, dirs_exist_ok=True)
+    _check_secret_layout(cross, 3, ranks=2)
     failure, (r0, r1) = launch_worker(two, ov, resume=True)
     assert failure is None, failure
     assert set(r0["batches"]) == {"3"}
     la, lb = (json.loads((d / "ledger.json").read_text()) for d in (one, run))
     assert la == lb and "NoOpDpEvent" in json.dumps(la) and "PoissonSampledDpEvent" in json.dumps(la)
     _weights_close(one, run)
+    dpft.train(ov, cross, resume=True, progress=False)  # 2 processes saved, 1 resumes (DCP reshards)
+    assert json.loads((cross / "ledger.json").read_text()) == la
+    _weights_close(one, cross)
+
+
+def _interrupt_at(monkeypatch, step: int) -> None:
+    """A SIGINT during logical step ``step`` (the run's handler finishes it and checkpoints)."""
+    import os
+    import signal
+
+    real = Trainer.step
+
+    def step_(self, t):
+        if t == step:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, t)
+
+    monkeypatch.setattr(Trainer, "step", step_)
+
+
+def test_fsdp_dcp_resume_one_process_equals_uninterrupted(lm_dirs, tmp_path, monkeypatch):  # noqa: F811
+    """Fast (1 process, ``perf.sharding: fsdp``): banded MF + AdamW interrupted at step 3 checkpoint
+    through DCP (layout and permissions of :func:`_check_secret_layout`) and ``--resume`` equals the
+    uninterrupted run; an old gathered checkpoint (``trainable.safetensors`` + the optimizer's own
+    state, buffers in the secret file) made from it resumes to the same run too."""
+    import dpft
+    from safetensors.torch import save_file
+
+    from dpft.step.correlated import NOISE_STATE_FILE, write_secret
+
+    ov = fsdp_recipe(lm_dirs, "gpt2", **BANDED)
+    one = tmp_path / "one"
+    dpft.train(ov, one, progress=False)
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 2)
+        with pytest.raises(KeyboardInterrupt, match="checkpoint at step 3"):
+            dpft.train(ov, run, progress=False)
+    _check_secret_layout(run, 3, ranks=1)
+    import shutil
+
+    old = tmp_path / "old"  # the same checkpoint in the old, gathered format
+    shutil.copytree(run, old)
+    st = json.loads((old / "checkpoint" / "state.json").read_text())
+    folder = old / st.pop("sharded_checkpoint")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(folder), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    (old / "checkpoint" / "state.json").write_text(json.dumps(st))
+    save_file({n: t.contiguous() for n, t in full["model"].items()}, str(old / "checkpoint" / "trainable.safetensors"))
+    names = list(full["model"])
+    ost = full["optim"]  # name-keyed (get_optimizer_state_dict) → the optimizer's own, index-keyed state
+    optim = {"state": {names.index(n): v for n, v in ost["state"].items()},
+             "param_groups": [{**g, "params": [names.index(n) for n in g["params"]]} for g in ost["param_groups"]]}
+    ck = torch.load(old / "checkpoint" / "optim.pt", weights_only=True)
+    torch.save({"optimizer": optim, "scheduler": ck["scheduler"]}, old / "checkpoint" / "optim.pt")
+    small = torch.load(old / NOISE_STATE_FILE, weights_only=True)
+    bufs = {"buffers": {str(j): {n: torch.zeros_like(t) for n, t in full["model"].items()}
+                        for j in range(small["buffers_count"])}}
+    dcp.load(bufs, checkpoint_id=str(old / small["buffers_dcp"]), no_dist=True)
+    small.update(buffers=[bufs["buffers"][str(j)] for j in range(small.pop("buffers_count"))])
+    small.pop("buffers_dcp")
+    write_secret(old / NOISE_STATE_FILE, small)
+    shutil.rmtree(old / SHARDS_DIR)
+    shutil.rmtree(old / SECRET_SHARDS_DIR)
+    for d in (run, old):
+        dpft.train(ov, d, resume=True, progress=False)
+        assert json.loads((d / "ledger.json").read_text()) == json.loads((one / "ledger.json").read_text())
+        _weights_close(one, d)
 
 
 def _sharded_noise(mech_factory, shapes, k, steps):
