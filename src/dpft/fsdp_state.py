@@ -66,6 +66,7 @@ def _fresh_dir(world, d: Path, secret: bool) -> None:
     secret folder and its parent are 0700 from creation (``mkdir(mode=0o700)``, then ``chmod``
     against the umask), before any file is in it."""
     def make() -> None:
+        d.parent.parent.mkdir(parents=True, exist_ok=True)  # a rank other than 0 may have no run folder yet
         for p in (d.parent, d):
             if not p.is_dir():
                 p.mkdir(mode=0o700 if secret else 0o777, exist_ok=True)
