@@ -258,11 +258,16 @@ def _load_gathered(trainer, ck: Mapping[str, Any]) -> None:
         trainer.optimizer.load_state_dict(ck["optim"]["optimizer"])
 
 
-def read_trainable(run_dir) -> dict[str, torch.Tensor]:
+def read_trainable(run_dir, *rank_dirs) -> dict[str, torch.Tensor]:
     """The trainable weights of ``run_dir``'s checkpoint as full tensors, in one process with no
-    process group (for inspection and tests): from the DCP shard folder (every rank's files in it)
-    or an old-format ``trainable.safetensors``. Name → tensor (CPU)."""
+    process group (for inspection and tests): from the DCP shard folder or an old-format
+    ``trainable.safetensors``. ``rank_dirs``: the run folders of the other ranks when they wrote
+    on their own file systems (their shard files are read from there). Name → tensor (CPU).
+
+    Raises:
+        FileNotFoundError: no checkpoint, or a rank's shard file in none of the folders."""
     import json
+    import tempfile
 
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -272,11 +277,17 @@ def read_trainable(run_dir) -> dict[str, torch.Tensor]:
     st = json.loads((ck / "state.json").read_text())
     if not st.get("sharded_checkpoint"):
         return load_file(str(ck / "trainable.safetensors"))
-    folder = Path(run_dir) / st["sharded_checkpoint"]
-    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    out = {k[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-           for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
-        dcp.load({"model": out}, checkpoint_id=str(folder), no_dist=True)
+    rel = st["sharded_checkpoint"]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)  # every rank's files side by side (links), as on a shared file system
+        for d in (Path(run_dir), *map(Path, rank_dirs)):
+            for f in (d / rel).iterdir() if (d / rel).is_dir() else []:
+                if not (folder / f.name).exists():
+                    (folder / f.name).symlink_to(f.resolve())
+        meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        out = {k[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+               for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+            dcp.load({"model": out}, checkpoint_id=str(folder), no_dist=True)
     return out
