@@ -87,7 +87,6 @@ def run_job(job: dict, out_dir: Path = Path(".")) -> dict:
     and a fresh model, engine and ``make_private`` resume it (``load_noise_state``) to the end.
     ``job["save_only"]``: stop after that save. ``job["resume"]``: the folder of such a save (another
     world's) to resume from instead."""
-    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 

@@ -52,7 +52,8 @@ def one_and_two(tmp_path_factory):
     one["root"] = str(root)
     logs = root / "logs"
     logs.mkdir()
-    cfg = {"jobs": {**JOBS, **TRAINER_JOBS, **BANDED_JOBS, **SAVED_JOBS}, "log_dir": str(logs), "out": str(root / "two")}
+    cfg = {"jobs": {**JOBS, **TRAINER_JOBS, **BANDED_JOBS, **SAVED_JOBS}, "log_dir": str(logs),
+           "out": str(root / "two")}
     torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()),
                                           nprocs=2, join=True, start_method="forkserver")
     two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
@@ -143,8 +144,8 @@ def test_make_private_fsdp2_banded_two_processes_equal_one_and_resume(one_and_tw
         from pathlib import Path
 
         folder = Path(one["root"], "two", "banded_saved")
-        assert sorted(p.name for p in folder.iterdir()) == ["model", "noise.pt", "noise.pt.lock", "noise.pt.releases.json"] \
-            or sorted(p.name for p in folder.iterdir()) == ["model", "noise.pt", "noise.pt.releases.json"]
+        saved_files = {p.name for p in folder.iterdir()} - {"noise.pt.lock"}  # the lock of an exited process
+        assert saved_files == {"model", "noise.pt", "noise.pt.releases.json"}
         resumed = worker.run_job({**_BANDED, "resume": str(folder)})
     finally:
         dist.destroy_process_group()

@@ -63,9 +63,10 @@ def _check_secret_layout(run, step: int, ranks: int) -> None:
 
     from dpft.step.correlated import NOISE_STATE_FILE
 
-    name = f"step-{step:08d}"
     st = json.loads((run / "checkpoint" / "state.json").read_text())
-    assert st["sharded_checkpoint"] == f"{SHARDS_DIR}/{name}" and (run / SHARDS_DIR / name / ".metadata").is_file()
+    top, name = st["sharded_checkpoint"].split("/")
+    assert top == SHARDS_DIR and name.startswith(f"step-{step:08d}-") and (run / top / name / ".metadata").is_file()
+    assert [p.name for p in (run / SHARDS_DIR).iterdir()] == [name]  # earlier steps' folders removed
     small = torch.load(run / NOISE_STATE_FILE, weights_only=True)
     assert (os.stat(run / NOISE_STATE_FILE).st_mode & 0o777) == 0o600 and small["next_step"] == step
     assert small["buffers"] == [] and small["buffers_dcp"] == f"{SECRET_SHARDS_DIR}/{name}"

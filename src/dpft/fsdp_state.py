@@ -3,7 +3,7 @@
 **Per-rank checkpoints through** ``torch.distributed.checkpoint`` **(DCP)**, so that no rank ever holds
 the full model or optimizer state (issue 38 item 3):
 
-- ``run_dir/checkpoint_shards/step-N/`` — the trainable weights (the sharded ``DTensor`` parameters
+- ``run_dir/checkpoint_shards/step-N-<tag>/`` — the trainable weights (the sharded ``DTensor`` parameters
   themselves: each rank writes its shard) and the optimizer state keyed by parameter name
   (``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, sharded). Model and optimizer
   state are post-processing of the noisy releases (DESIGN.md "The release set"); ``checkpoint/``
@@ -11,7 +11,7 @@ the full model or optimizer state (issue 38 item 3):
   released history, and its ``state.json`` names the shard folder (``sharded_checkpoint``). Its
   ``trainable.safetensors`` is empty: the weights are in the shard folder (:func:`read_trainable`
   reads them in one process).
-- ``run_dir/noise_state.secret.dcp/step-N/`` — banded MF's b − 1 noise buffers, each rank writing the
+- ``run_dir/noise_state.secret.dcp/step-N-<tag>/`` — banded MF's b − 1 noise buffers, each rank writing the
   slice of its own shards (``DTensor``\\ s of the parameters' layout). **Secret**: the folder is mode
   0700 from creation and every file in it 0600; it is outside ``checkpoint/`` and outside the release
   set. The small rest of the secret state (next step, coefficients, the secret partition, the rows'
@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from dpft import distributed as ddp
-from dpft.fsdp import FSDPError, ShardedBandedMFMechanism, is_sharded, local, local_range
+from dpft.fsdp import FSDPError, is_sharded, local, local_range
 from dpft.step.correlated import NOISE_STATE_FILE, BandedMFMechanism, write_secret
 
 __all__ = ["SHARDS_DIR", "SECRET_SHARDS_DIR", "save_checkpoint", "load_checkpoint", "read_trainable"]
@@ -56,8 +56,11 @@ SHARDS_DIR = "checkpoint_shards"
 SECRET_SHARDS_DIR = "noise_state.secret.dcp"
 
 
-def _step_name(step: int) -> str:
-    return f"step-{int(step):08d}"
+def _step_name(world, step: int) -> str:
+    """``step-N-<tag>``: the tag (rank 0's, the same on every rank) keeps a new save from ever
+    writing into the folder the current checkpoint names, even for the same step."""
+    tag = ddp.broadcast_object(world, os.urandom(4).hex() if world.is_main else None)
+    return f"step-{int(step):08d}-{tag}"
 
 
 def _fresh_dir(world, d: Path, secret: bool) -> None:
@@ -171,7 +174,7 @@ def save_checkpoint(trainer, step: int, write: Callable[..., Any]) -> None:
     banded = isinstance(mech, BandedMFMechanism)
     if banded and mech.next_step != int(step):
         raise FSDPError(f"noise buffers at step {mech.next_step}, checkpoint at step {step}")
-    run, name = Path(trainer.run_dir), _step_name(step)
+    run, name = Path(trainer.run_dir), _step_name(world, step)
     shards = run / SHARDS_DIR / name
     _fresh_dir(world, shards, secret=False)
     _dcp_save(world, {"model": {n: p.detach() for n, p in trainer.params.items()},

@@ -432,7 +432,8 @@ def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> lis
                "or buffers of other shards lost)")
     except (RuntimeError, ValueError, KeyError) as exc:  # a state that cannot be re-sliced: not gathered
         ok, why = False, f"the saved state does not round-trip to another world: {type(exc).__name__}: {exc}"
-    out.append(Check("fsdp make_private banded: the secret state round-trips across worlds (2 → 1, 2 → 3)", ok, why))
+    out.append(Check("fsdp make_private banded: the secret state round-trips across worlds (2 → 1, 2 → 3)", ok,
+                     why))
     return out
 
 
