@@ -85,10 +85,10 @@ def _check_secret_layout(run, step: int, ranks: int) -> None:
 def test_fsdp_banded_two_processes_equal_one_and_resume(lm_dirs, tmp_path):  # noqa: F811
     """Banded MF (b = 2) and AdamW under FSDP: a SIGINT reaches rank 1 during step index 2, the world
     stops with the checkpoint at step 3 — per-rank DCP shards (weights, name-keyed AdamW state; the
-    secret buffers in their own 0700 folder, 0600 files, outside checkpoint/). ``--resume`` on 2
-    processes (each rank reads its own files) runs step 4, and — the ranks' files put together, as on a
-    shared file system — ``--resume`` on 1 process runs it too: both equal the uninterrupted 1-process
-    run (ledger, weights within 1e-5)."""
+    secret buffers in their own 0700 folder, 0600 files, outside checkpoint/; each rank under its own run
+    folder, as on hosts without a shared file system). With the ranks' files put together, as a shared
+    file system shows them, ``--resume`` on 2 processes runs step 4, and ``--resume`` on 1 process runs it
+    too: both equal the uninterrupted 1-process run (ledger, weights within 1e-5)."""
     import shutil
 
     import dpft
@@ -101,12 +101,16 @@ def test_fsdp_banded_two_processes_equal_one_and_resume(lm_dirs, tmp_path):  # n
     assert failure is None, failure
     assert r0["interrupted"] == r1["interrupted"] == "interrupted (SIGINT) at step 3 of 4; checkpoint at step 3"
     run = two / "rank0" / "run"
-    _check_secret_layout(run, 3, ranks=1)  # rank 1's files are under its own run folder
+    _check_secret_layout(run, 3, ranks=1)  # rank 1's files are under its own run folder (another host)
     cross = tmp_path / "cross"  # the ranks' files in one folder (a shared file system)
     shutil.copytree(run, cross)
+    rank1 = two / "rank1" / "run"
     for sub in (SHARDS_DIR, SECRET_SHARDS_DIR):
-        shutil.copytree(two / "rank1" / "run" / sub, cross / sub, dirs_exist_ok=True)
+        shutil.copytree(rank1 / sub, cross / sub, dirs_exist_ok=True)
     _check_secret_layout(cross, 3, ranks=2)
+    for sub in (SHARDS_DIR, SECRET_SHARDS_DIR):  # the two ranks' folders as one shared folder would show them
+        shutil.copytree(cross / sub, run / sub, dirs_exist_ok=True)
+        shutil.copytree(cross / sub, rank1 / sub, dirs_exist_ok=True)
     failure, (r0, r1) = launch_worker(two, ov, resume=True)
     assert failure is None, failure
     assert set(r0["batches"]) == {"3"}
@@ -136,7 +140,7 @@ def _interrupt_at(monkeypatch, step: int) -> None:
 def test_fsdp_dcp_resume_one_process_equals_uninterrupted(lm_dirs, tmp_path, monkeypatch):  # noqa: F811
     """Fast (1 process, ``perf.sharding: fsdp``): banded MF + AdamW interrupted at step 3 checkpoint
     through DCP (layout and permissions of :func:`_check_secret_layout`) and ``--resume`` equals the
-    uninterrupted run; an old gathered checkpoint (``trainable.safetensors`` + the optimizer's own
+    uninterrupted run (a shard file missing is refused, naming the fix); an old gathered checkpoint (``trainable.safetensors`` + the optimizer's own
     state, buffers in the secret file) made from it resumes to the same run too."""
     import dpft
     from safetensors.torch import save_file
@@ -153,6 +157,13 @@ def test_fsdp_dcp_resume_one_process_equals_uninterrupted(lm_dirs, tmp_path, mon
             dpft.train(ov, run, progress=False)
     _check_secret_layout(run, 3, ranks=1)
     import shutil
+
+    lost = tmp_path / "lost"  # a shard file this rank cannot see: refused with the fix, before any read
+    shutil.copytree(run, lost)
+    for f in (lost / SHARDS_DIR).rglob("*.distcp"):
+        f.unlink()
+    with pytest.raises(ValueError, match="every rank must see every rank's checkpoint files"):
+        dpft.train(ov, lost, resume=True, progress=False)
 
     old = tmp_path / "old"  # the same checkpoint in the old, gathered format
     shutil.copytree(run, old)

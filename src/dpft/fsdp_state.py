@@ -20,12 +20,14 @@ the full model or optimizer state (issue 38 item 3):
 Crash safety: the shard folders of step N are complete before rank 0 swaps ``checkpoint/`` in
 (atomically) and writes the noise state; the folders of earlier steps are removed only after that,
 so a crash leaves the previous checkpoint whole. Every rank writes its files under its own
-``run_dir``: with a shared file system they meet in one folder; on hosts without one each rank keeps
-its own files (rank 0 also shares DCP's ``.metadata`` with every rank), which is enough to resume on
-the same hosts. **Resuming on another number of ranks** works (DCP reshards: each rank reads the
-parts of the saved chunks its new shard covers; the noise layout and the world's Poisson batch do
-not depend on the number of ranks) when every rank sees every rank's files — a shared file system,
-or the ranks' ``checkpoint_shards/`` and ``noise_state.secret.dcp/`` folders copied together.
+``run_dir``, so the ranks' files meet in one folder on a shared file system (one host, or a cluster's
+shared storage). **Resuming** needs every rank to see every rank's files (DCP spreads the replicated
+items — optimizer step counts, hyperparameters — over the ranks' files, and reshards by reading any
+rank's chunks): on hosts without a shared file system, copy each rank's ``checkpoint_shards/`` and
+``noise_state.secret.dcp/`` into the others' first; a rank that cannot see a file is refused (every
+rank, before any read) with that fix. **Resuming on another number of ranks** works: DCP reshards
+(each rank reads the parts of the saved chunks its new shard covers), and the noise layout and the
+world's Poisson batch do not depend on the number of ranks.
 
 Old checkpoints (full tensors gathered through rank 0 into ``trainable.safetensors``, written before
 this format) are still read: each rank copies its dim-0 slice; their banded buffers are the gathered
@@ -84,15 +86,6 @@ def _fresh_dir(world, d: Path, secret: bool) -> None:
     make()
 
 
-def _share_metadata(world, d: Path) -> None:
-    """DCP's coordinator (rank 0) writes ``.metadata``; a rank whose run folder is on another file
-    system gets a copy, so that it can load on the same hosts."""
-    meta = d / ".metadata"
-    blob = ddp.broadcast_object(world, meta.read_bytes() if world.is_main else None)
-    if not meta.is_file():
-        meta.write_bytes(blob)
-
-
 def _owner_only(d: Path) -> None:
     """Every file under ``d`` mode 0600 (DCP creates them with the umask's mode; the folder is 0700)."""
     for f in d.rglob("*"):
@@ -110,16 +103,33 @@ def _dcp_save(world, state: dict, d: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS)
         dcp.save(state, checkpoint_id=str(d), no_dist=not world.distributed)
-    _share_metadata(world, d)
+
+
+def _missing_file(d: Path) -> str | None:
+    """The first file of the DCP checkpoint ``d`` (its ``.metadata`` or a shard file it names) that
+    this rank cannot see, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (d / ".metadata").is_file():
+        return ".metadata"
+    storage = FileSystemReader(str(d)).read_metadata().storage_data or {}
+    lost = sorted({str(v.relative_path) for v in storage.values()} - {f.name for f in d.iterdir()})
+    return lost[0] if lost else None
 
 
 def _dcp_load(world, state: dict, d: Path, what: str) -> None:
+    """``dcp.load`` of ``state`` from ``d`` on every rank; refused on every rank (before the
+    collective) when a rank cannot see all the files — DCP reads any rank's file on any rank (the
+    replicated items are spread over the ranks' files), so the ranks need one shared folder."""
     import torch.distributed.checkpoint as dcp
 
-    if not (d / ".metadata").is_file():
-        raise FSDPError(f"--resume: {d} ({what}) is missing on rank {world.rank}; every rank needs the folder "
-                        f"of every rank's files to resume (a shared file system, or copy the ranks' {d.parent.name}/ "
-                        "folders together), or start a new --output-dir")
+    lost = _missing_file(d)
+    if ddp.any_rank(world, lost is not None):
+        who = f"rank {world.rank} cannot see {lost}" if lost else "another rank cannot see one of its files"
+        raise FSDPError(f"--resume: {d} ({what}): {who}; every rank must see every rank's checkpoint files: put "
+                        "the run folder on a file system the ranks share"
+                        f", or copy each rank's {d.parent.name}/ folder into the others' before "
+                        "resuming (or start a new --output-dir)")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS)
         dcp.load(state, checkpoint_id=str(d), no_dist=not world.distributed)
