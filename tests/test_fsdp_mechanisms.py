@@ -137,8 +137,10 @@ def _interrupt_at(monkeypatch, step: int) -> None:
     monkeypatch.setattr(Trainer, "step", step_)
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to load in a single process")
 def test_fsdp_dcp_resume_one_process_equals_uninterrupted(lm_dirs, tmp_path, monkeypatch):  # noqa: F811
-    """Fast (1 process, ``perf.sharding: fsdp``): banded MF + AdamW interrupted at step 3 checkpoint
+    """1 process, ``perf.sharding: fsdp`` (about 30 s: four runs): banded MF + AdamW interrupted at step 3 checkpoint
     through DCP (layout and permissions of :func:`_check_secret_layout`) and ``--resume`` equals the
     uninterrupted run (a shard file missing is refused, naming the fix); an old gathered checkpoint (``trainable.safetensors`` + the optimizer's own
     state, buffers in the secret file) made from it resumes to the same run too."""
@@ -195,6 +197,91 @@ def test_fsdp_dcp_resume_one_process_equals_uninterrupted(lm_dirs, tmp_path, mon
         dpft.train(ov, d, resume=True, progress=False)
         assert json.loads((d / "ledger.json").read_text()) == json.loads((one / "ledger.json").read_text())
         _weights_close(one, d)
+
+
+def _tiny_sharded_trainer(run_dir, seed: int):
+    """What dpft/fsdp_state.py reads of a driver (run/loop.Trainer), over a tiny MLP in one process:
+    AdamW after two noisy banded-MF steps (b = 3: two buffers), the mechanism as FSDPStep shards it."""
+    from types import SimpleNamespace
+
+    from dpft import fsdp
+    from dpft.accounting.ledger import PrivacyLedger
+    from dpft.distributed import World
+    from dpft.privacy.randomness import Randomness
+    from dpft.step.correlated import BandedMFMechanism, banded_coefficients
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    base = BandedMFMechanism(1.0, 1.0, Randomness(5), banded_coefficients(6, 3), 0.5)
+    mech = fsdp.shard_mechanism(base, {n: (p.numel(), 0, p.numel()) for n, p in params.items()})
+    mech.world, mech.shapes = World(), {n: (tuple(p.shape), tuple(p.shape)) for n, p in params.items()}
+    tr = SimpleNamespace(world=World(), mechanism=mech, run_dir=run_dir, params=params, model=model, optimizer=opt,
+                         scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0), ledger=PrivacyLedger(),
+                         _last_checkpoint=None)
+    tr._state = lambda: {"world_size": 1}
+    return tr
+
+
+def _tiny_steps(tr, steps) -> None:
+    for t in steps:
+        noisy = tr.mechanism.add_noise({n: torch.zeros_like(p) for n, p in tr.params.items()}, t)
+        for n, p in tr.params.items():
+            p.grad = noisy[n]
+        tr.optimizer.step()
+        tr.optimizer.zero_grad(set_to_none=True)
+
+
+def test_fsdp_state_dcp_round_trip_fast(tmp_path):
+    """Fast (one process, a tiny MLP): dpft/fsdp_state.py's per-rank checkpoint — weights and AdamW
+    state through DCP (``checkpoint/`` names the shard folder; its safetensors is empty), the banded
+    buffers in the secret folder (0700, files 0600) — loads into a fresh model, optimizer and mechanism
+    (``local_buffers``), and the next steps equal the uninterrupted ones; ``read_trainable`` reads the
+    weights back; an old gathered checkpoint still loads."""
+    import os
+
+    from dpft import fsdp_state
+    from dpft.run import checkpoint as ckpt
+    from dpft.step.correlated import NOISE_STATE_FILE, load_noise_state
+
+    ref = _tiny_sharded_trainer(tmp_path / "ref", 0)
+    _tiny_steps(ref, range(4))
+    tr = _tiny_sharded_trainer(tmp_path / "run", 0)
+    _tiny_steps(tr, range(2))
+    fsdp_state.save_checkpoint(tr, 2, ckpt.save_checkpoint)
+    run = tmp_path / "run"
+    st = json.loads((run / "checkpoint" / "state.json").read_text())
+    top, name = st["sharded_checkpoint"].split("/")
+    secret = run / SECRET_SHARDS_DIR / name
+    assert top == SHARDS_DIR and (run / top / name / ".metadata").is_file()
+    assert all(os.stat(d).st_mode & 0o777 == 0o700 for d in (secret.parent, secret))
+    assert all(os.stat(f).st_mode & 0o777 == 0o600 for f in secret.iterdir()) and any(secret.iterdir())
+    assert os.stat(run / NOISE_STATE_FILE).st_mode & 0o777 == 0o600
+    assert not [f for f in (run / "checkpoint").iterdir() if "noise" in f.name or "secret" in f.name]
+    saved = {n: p.detach().clone() for n, p in tr.params.items()}
+    assert all(torch.equal(fsdp_state.read_trainable(run)[n], saved[n]) for n in saved)
+
+    def resumed(folder):
+        fresh = _tiny_sharded_trainer(folder, 1)  # other initial weights: all must come from the checkpoint
+        ck = ckpt.load_checkpoint(folder)
+        ck["noise_state"] = load_noise_state(folder)
+        fsdp_state.load_checkpoint(fresh, ck)
+        fresh.mechanism.load_state(ck["noise_state"], fresh.params)
+        assert all(torch.equal(fresh.params[n], saved[n]) for n in saved)
+        _tiny_steps(fresh, range(2, 4))
+        for n, p in ref.params.items():
+            torch.testing.assert_close(fresh.params[n], p, rtol=1e-6, atol=1e-7)
+
+    resumed(run)
+    old = tmp_path / "old"  # the old, gathered format: full tensors, the optimizer's own state, full buffers
+    tr.run_dir = old
+    ckpt.save_checkpoint(old, step=2, params=tr.params, optimizer=tr.optimizer, scheduler=tr.scheduler,
+                         ledger_json=tr.ledger.to_json(), state={"world_size": 1})
+    from dpft.step.correlated import write_secret
+
+    write_secret(old / NOISE_STATE_FILE, tr.mechanism.state())
+    resumed(old)
 
 
 def _sharded_noise(mech_factory, shapes, k, steps):
