@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from dpft.config import load_recipe
 from dpft.run.loop import Trainer
 
+from dpft.fsdp_state import read_trainable
 from test_ddp import files_under, launch_worker  # noqa: E402 (tests/ helpers)
 
 # The ranks' fork server also preloads what a causal-LM run imports (peft is imported to save the model).
@@ -100,15 +101,15 @@ def test_fsdp_two_processes_equal_one(lm_dirs, tmp_path, case):
     # At some step one rank had a micro-batch more than the other: the other ran a placeholder one.
     assert any(-(-len(r0["shares"][t]) // 2) != -(-len(r1["shares"][t]) // 2) for t in ("0", "1", "2"))
     assert r0["digest"] == r1["digest"]  # the gathered weights agree on both ranks
-    pa = load_file(str(one / "checkpoint" / "trainable.safetensors"))
-    pb = load_file(str(two / "checkpoint" / "trainable.safetensors"))
+    pa, pb = read_trainable(one), read_trainable(two, tmp_path / "two" / "rank1" / "run")  # per-rank DCP shards
     assert pa.keys() == pb.keys() and pa
     for n in pa:
         torch.testing.assert_close(pb[n], pa[n], rtol=1e-5, atol=1e-6)
     base = load_file(str(lm_dirs[kind] / "model.safetensors"))  # the steps did update the weights
     assert [n for n in pa if (n in base and not torch.equal(pa[n], base[n])) or ("lora_B" in n and pa[n].any())]
     # Rank 0 alone writes; the saved model (the adapter for LoRA) is the one-process model.
-    assert files_under(tmp_path / "two" / "rank1") == []
+    # rank 1 writes only its shards of the checkpoint (dpft/fsdp_state.py); rank 0 the rest of the run
+    assert all(f == "run" or f.startswith("run/checkpoint_shards") for f in files_under(tmp_path / "two" / "rank1"))
     fn = "adapter_model.safetensors" if "lora" in case else "model.safetensors"
     ma, mb = load_file(str(one / "model" / fn)), load_file(str(two / "model" / fn))
     assert ma.keys() == mb.keys()

@@ -3,7 +3,10 @@
 reproducible loop — the same ledger and ε, the same logical batches (the shares are disjoint and cover
 each), every rank running the same number of micro-batches per step (a short rank runs placeholders),
 and the gathered weights within float tolerance — at example level, with truncated Poisson and at
-user level. Refusals: a model whose root is not sharded; banded MF (its secret state per shard)."""
+user level; banded MF (correlated noise, per-shard buffers) uninterrupted, and stopped after step 2,
+saved (``save_noise_state`` on every rank, the weights by ``torch.distributed.checkpoint``) and resumed
+— on 2 processes, and a 2-process save resumed by 1 process — equal to 1 process uninterrupted.
+Refusal: a model whose root is not sharded."""
 
 from __future__ import annotations
 
@@ -24,6 +27,11 @@ multiprocessing.set_forkserver_preload(["fsdp_api_worker", "dpft", "dpft.api", "
 JOBS = {"example": {}, "truncated": {"max_batch_size": 7}, "user": {"user_level": True}}
 #: DPTrainer on a fully_shard-ed tiny BERT (integrations/hf_fsdp.py), in the same worlds.
 TRAINER_JOBS = {"trainer": {"trainer": "hf"}, "trainer_user": {"trainer": "hf", "user_level": True}}
+#: make_private + banded MF under FSDP2: uninterrupted; stopped after step 2, saved and resumed; saved only
+#: (2 processes; resumed by 1 process in the test).
+_BANDED = {"mechanism": "banded_mf", "bands": 2}
+BANDED_JOBS = {"banded": _BANDED, "banded_resume": {**_BANDED, "stop_at": 2}}
+SAVED_JOBS = {"banded_saved": {**_BANDED, "stop_at": 2, "save_only": True}}
 
 
 def _one_process_group():
@@ -38,12 +46,14 @@ def one_and_two(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp_api")
     _one_process_group()
     try:
-        one = worker.run_jobs({"jobs": {**JOBS, **TRAINER_JOBS}, "out": str(root / "one")}, 0)
+        one = worker.run_jobs({"jobs": {**JOBS, **TRAINER_JOBS, **BANDED_JOBS}, "out": str(root / "one")}, 0)
     finally:
         dist.destroy_process_group()
+    one["root"] = str(root)
     logs = root / "logs"
     logs.mkdir()
-    cfg = {"jobs": {**JOBS, **TRAINER_JOBS}, "log_dir": str(logs), "out": str(root / "two")}
+    cfg = {"jobs": {**JOBS, **TRAINER_JOBS, **BANDED_JOBS, **SAVED_JOBS}, "log_dir": str(logs),
+           "out": str(root / "two")}
     torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()),
                                           nprocs=2, join=True, start_method="forkserver")
     two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
@@ -96,7 +106,88 @@ def test_dptrainer_fsdp2_two_processes_equal_one(one_and_two, job):
         torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
 
 
-def test_make_private_refuses_unsharded_root_and_banded(monkeypatch):
+def _assert_same_run(got: dict, ref: dict) -> None:
+    assert got["ledger"] == ref["ledger"]
+    assert got["epsilon"] == ref["epsilon"]
+    assert ref["weights"]
+    for n, w in ref["weights"].items():
+        torch.testing.assert_close(torch.tensor(got["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
+
+
+def _banded_ledger_ok(ledger: dict) -> bool:
+    """4 steps of banded MF with b = 2: PoissonSampled at t = 0, 2 and NoOp at t = 1, 3."""
+    kinds = [e["event"]["type"] for e in ledger["entries"] for _ in range(e["count"])]
+    return kinds == ["PoissonSampledDpEvent", "NoOpDpEvent"] * 2
+
+
+@pytest.mark.slow
+def test_make_private_fsdp2_banded_two_processes_equal_one_and_resume(one_and_two):
+    """Banded MF through make_private on an FSDP2 model: 2 processes (each rank keeping the buffers of
+    its shards) = 1 process; stopped after step 2, saved on every rank (the buffers gathered into one
+    0600 file), resumed in fresh objects on 2 processes = 1 process uninterrupted; and a 2-process
+    save resumed by 1 process (the gathered file re-sliced for another world) = the same run."""
+    one, two = one_and_two
+    ref = one["jobs"]["banded"]
+    assert _banded_ledger_ok(ref["ledger"])
+    _assert_same_run(one["jobs"]["banded_resume"], ref)
+    for job in BANDED_JOBS:
+        r0, r1 = (log["jobs"][job] for log in two)
+        assert (r0["world_size"], r1["rank"]) == (2, 1)
+        assert r0["weights"] == r1["weights"]
+        _assert_same_run(r0, ref)
+        _assert_same_run(r1, ref)
+    assert two[0]["jobs"]["banded_resume"]["state_mode"] == 0o600
+    saved = two[0]["jobs"]["banded_saved"]
+    assert saved["state_mode"] == 0o600 and sum(e["count"] for e in saved["ledger"]["entries"]) == 2
+    _one_process_group()
+    try:
+        from pathlib import Path
+
+        folder = Path(one["root"], "two", "banded_saved")
+        saved_files = {p.name for p in folder.iterdir()} - {"noise.pt.lock"}  # the lock of an exited process
+        assert saved_files == {"model", "noise.pt", "noise.pt.releases.json"}
+        resumed = worker.run_job({**_BANDED, "resume": str(folder)})
+    finally:
+        dist.destroy_process_group()
+    _assert_same_run(resumed, ref)
+
+
+def test_make_private_fsdp2_banded_resume_one_process(tmp_path):
+    """Fast (1 process, a 1-process gloo group): banded MF on a fully_shard-ed MLP runs through the
+    sharded step (the refusal is gone); stopped after step 2, saved (0600) and resumed in fresh objects
+    it equals the uninterrupted loop (ledger equal, weights within float tolerance); a second
+    load_noise_state of the same state after its releases is refused (stale)."""
+    from dpft.fsdp import ShardedBandedMFMechanism
+
+    if dist.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is already initialised")
+    _one_process_group()
+    try:
+        ref = worker.run_job(_BANDED, tmp_path / "ref")
+        got = worker.run_job({**_BANDED, "stop_at": 2}, tmp_path / "resume")
+        assert got["state_mode"] == 0o600
+        with pytest.raises(ValueError, match="release.*made after this state was saved"):
+            worker.run_job({**_BANDED, "resume": str(tmp_path / "resume")})
+        # the loop's releasing mechanism is the sharded one
+        from torch.utils.data import TensorDataset, DataLoader
+
+        from dpft import PrivacyEngine
+
+        model = worker.sharded_model()
+        eng = PrivacyEngine(reproducible_seed=0)
+        _, opt, _ = eng.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(torch.randn(8, worker.D)), batch_size=4), noise_multiplier=1.0,
+            max_grad_norm=1.0, steps=2, mechanism="banded_mf", bands=2)
+        assert isinstance(opt.dp_step.spec.mechanism, ShardedBandedMFMechanism)
+        eng.detach()
+    finally:
+        dist.destroy_process_group()
+    assert _banded_ledger_ok(ref["ledger"])
+    _assert_same_run(got, ref)
+
+
+def test_make_private_refuses_unsharded_root(monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -121,9 +212,10 @@ def test_make_private_refuses_unsharded_root_and_banded(monkeypatch):
             call(part)
         whole = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
         fully_shard(whole, mesh=mesh)
-        with pytest.raises(ddp.DistributedError, match="banded_mf.*perf.sharding: fsdp"):
-            call(whole, mechanism="banded_mf", bands=2)
         call(whole)  # a sharded root: accepted
+        banded = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        fully_shard(banded, mesh=mesh)
+        call(banded, mechanism="banded_mf", bands=2)  # banded MF too (no longer refused)
     finally:
         dist.destroy_process_group()
 

@@ -39,8 +39,8 @@ What the world of K processes computes is the DP-SGD step of one process (DESIGN
   bookkeeping as in one process; rank 0 alone writes it.
 - The optimizer steps the sharded ``DTensor`` parameters (its state is sharded too: about 1/K of
   parameter + optimizer memory per rank). Evaluation runs with all parameters gathered
-  (:func:`gathered`); checkpoints and the saved model gather full tensors (:func:`full_state`),
-  written by rank 0; the model saved at the end is a plain copy (:func:`materialise`).
+  (:func:`gathered`); checkpoints are per rank (``torch.distributed.checkpoint``, dpft/fsdp_state.py:
+  no rank holds the full state); the model saved at the end is a plain copy (:func:`materialise`).
 
 Works with frozen parameters (LoRA: FSDP shards them too; only trainable ones get clipped sums
 and noise), tied embeddings (the root FSDP group holds both uses), mixed precision (bf16:
@@ -382,8 +382,9 @@ class ShardedBandedMFMechanism(_ShardedNoise, BandedMFMechanism):
     base mechanism's; the secret partition and row fingerprint travel with it.
 
     :meth:`state` gathers the buffers to full tensors (a collective: every rank calls it; the
-    secret file is then the one a one-process run writes), :meth:`load_state` keeps this rank's
-    slice. ``world`` and ``shapes`` (name → (full shape, local shape)) are set by :class:`FSDPStep`."""
+    secret file is then the one a one-process run writes: ``make_private``'s ``save_noise_state``),
+    :meth:`load_state` keeps this rank's slice (or takes the slices as they are when the state says
+    ``local_buffers``: ``dpft train``'s per-rank checkpoints, dpft/fsdp_state.py). ``world`` and ``shapes`` (name → (full shape, local shape)) are set by :class:`FSDPStep`."""
 
     world = None
     shapes: dict = {}
@@ -404,6 +405,8 @@ class ShardedBandedMFMechanism(_ShardedNoise, BandedMFMechanism):
         return st
 
     def load_state(self, st: dict, device_of: Optional[dict[str, torch.Tensor]] = None) -> None:
+        if st.get("local_buffers"):  # this rank's slices already (a per-rank checkpoint: dpft/fsdp_state.py)
+            return super().load_state(st, {n: local(p) for n, p in (device_of or {}).items()})
         mine = []
         for b in st["buffers"]:
             out = {}

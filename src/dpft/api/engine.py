@@ -416,7 +416,7 @@ def _check_sharded(module, mech, meths) -> bool:
             ``dpft train`` under FSDP), or what ``check_fsdp2_model`` refuses."""
     if not is_fsdp2_model(module):
         return False
-    check_fsdp2_model(module, "make_private", mech)
+    check_fsdp2_model(module, "make_private")  # banded MF runs sharded: its state is gathered (api/state.py)
     if meths:
         raise ValueError("make_private: methods= with an FSDP2 (fully_shard) model is not supported: the sharded "
                          "step runs no method hooks; drop methods= or train unsharded (DDP)")

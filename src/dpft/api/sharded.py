@@ -6,7 +6,8 @@ user's own loop.
   book-keeping engine over the module's sharded (``DTensor``) parameters are built as for an
   unsharded module; :class:`~dpft.fsdp.FSDPStep` then reduce-scatters each micro-batch's clipped
   sum (``engine.on_param_sum``) and shards the mechanism's noise (block layout: the same values for
-  any number of ranks; banded MF keeps each shard's buffers).
+  any number of ranks; banded MF keeps each shard's buffers, and ``save_noise_state`` /
+  ``load_noise_state`` are collectives that gather and re-slice them: api/state.py).
 - **The user's forward and backward are collectives** (FSDP all-gathers around them), so every rank
   must run the same number of micro-batches per logical batch: :class:`ShardedMicroBatches` yields,
   on a rank whose share has fewer micro-batches than another rank's, *placeholder* micro-batches
@@ -61,9 +62,11 @@ def is_fsdp2_model(module) -> bool:
 
 def check_fsdp2_model(module: nn.Module, where: str, mechanism=None) -> None:
     """Refuse an FSDP2 model the sharded step cannot run: the root not ``fully_shard``-ed (some
-    trainable parameters plain tensors), shards not on dim 0 of one mesh, or a stateful mechanism
-    (banded MF: ``save_noise_state`` writes one process's buffers, and each rank holds only its
-    shard's).
+    trainable parameters plain tensors), shards not on dim 0 of one mesh, or — where ``mechanism``
+    is given — a stateful one (banded MF). ``make_private`` passes none: its ``save_noise_state`` /
+    ``load_noise_state`` gather and re-slice the per-shard buffers (api/state.py). DPTrainer passes
+    its mechanism: its checkpoint callback writes one process's buffers, and each rank holds only
+    its shard's.
 
     Raises:
         ddp.DistributedError: naming the fix."""
@@ -73,8 +76,8 @@ def check_fsdp2_model(module: nn.Module, where: str, mechanism=None) -> None:
     if mechanism is not None and getattr(mechanism, "stateful", False):
         raise ddp.DistributedError(
             f"{where}: mechanism={mechanism.name!r} with an FSDP2 model: each rank holds the secret noise buffers "
-            "of its own shard, and save_noise_state/load_noise_state do not gather them yet; use dpft train with "
-            "perf.sharding: fsdp (banded MF runs sharded there), or mechanism='gaussian'")
+            "of its own shard, and this way in's checkpoints do not gather them yet; use dpft train with "
+            "perf.sharding: fsdp or make_private (banded MF runs sharded there), or mechanism='gaussian'")
     if not isinstance(module, FSDPModule):
         raise ddp.DistributedError(
             f"{where}: only submodules of the model are sharded by FSDP2 (fully_shard); apply fully_shard to the "

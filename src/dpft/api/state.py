@@ -14,6 +14,22 @@ from then on every release also rewrites the **live release record** ``<path>.re
 One process owns a state path (``<path>.lock``, run/lock.py). The engine's ledger is appended to,
 never swapped: the saved releases are added after what the
 engine already holds when that is a prefix of them, and refused otherwise.
+
+**Under torch.distributed save and load are collectives: every rank calls them.** Under DDP every
+rank holds the same buffers; under FSDP2 (``make_private`` on a ``fully_shard`` root, api/sharded.py)
+each rank holds the banded buffers of its own parameter shards
+(:class:`~dpft.fsdp.ShardedBandedMFMechanism`). The state is **gathered**: ``save`` gathers every
+rank's buffer slices (the one all-gather of ``ShardedBandedMFMechanism.state``) and rank 0 writes the
+one file, mode 0600, that a one-process loop writes; ``load`` has rank 0 read it, broadcasts it, and
+each rank keeps its slice (``ShardedBandedMFMechanism.load_state``). Why gathered rather than a file
+per rank: the file is then the same whatever the number of ranks, so a loop saved on K ranks resumes
+on K′ (or on one unsharded process: the buffers hold the y noises actually added, whichever streams
+drew them) and the one-owner lock, the live release record, the rows' fingerprint and the freshness
+check stay those of one file; a set of per-rank files would need all of them per file and a
+manifest tying them to one release. The cost: (b − 1) × the trainable parameters in fp32 pass
+through host memory at save and load — small for what ``make_private`` users shard and train (LoRA,
+a few blocks); a full fine-tune whose buffers do not fit one host is ``dpft train``'s job, whose
+checkpoints write the buffers per rank (``torch.distributed.checkpoint``, dpft/fsdp_state.py).
 """
 
 from __future__ import annotations
@@ -91,27 +107,37 @@ class LoopState:
     batches: Any
     n: int
 
+    @property
+    def mechanism(self):
+        """The mechanism that releases: the step's (under FSDP2 the sharded copy the
+        :class:`~dpft.fsdp.FSDPStep` made of the plan's, holding this rank's buffer slices)."""
+        return self.optimizer.dp_step.spec.mechanism
+
     def save(self, engine, path) -> bool:
-        """See ``PrivacyEngine.save_noise_state``. Returns whether this process wrote the file."""
-        opt, mech = self.optimizer, self.plan.spec.mechanism
+        """See ``PrivacyEngine.save_noise_state``; a collective under torch.distributed (every
+        rank calls it; the FSDP2 buffers are gathered, module docstring). Returns whether this
+        process wrote the file."""
+        opt, mech = self.optimizer, self.mechanism
         if opt._agg is not None and opt._agg_step is not None and opt._agg_step > opt._released_upto:
             raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
                              "micro-batch)")
         world = engine.world if engine.world is not None else ddp.World()
+        state = mech.state()  # FSDP2: every rank's buffer slices gathered (a collective)
         if not world.is_main:
             engine._live_path = live_record_path(path)
             return False
         own_state_path(engine, path)
         engine._live_path = live_record_path(path)  # every later release rewrites the record
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_secret(path, {"format": _FORMAT, **mech.state(), "sigma": self.plan.sigma, "n": self.n,
+        write_secret(path, {"format": _FORMAT, **state, "sigma": self.plan.sigma, "n": self.n,
                             "ledger": engine.ledger.to_json()})
         write_live_record(engine._live_path, engine.ledger, world)
         return True
 
     def load(self, engine, path) -> None:
-        """See ``PrivacyEngine.load_noise_state``."""
-        mech, opt, batches = self.plan.spec.mechanism, self.optimizer, self.batches
+        """See ``PrivacyEngine.load_noise_state``; a collective under torch.distributed (rank 0
+        reads, every rank restores; under FSDP2 each rank keeps its slice of the buffers)."""
+        mech, opt, batches = self.mechanism, self.optimizer, self.batches
         if mech.next_step != 0 or opt.logical_steps != 0 or batches.next_step != 0:
             raise ValueError("load_noise_state: this loop already made steps; call it right after make_private")
         record = live_record_path(path)

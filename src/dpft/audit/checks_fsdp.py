@@ -300,3 +300,148 @@ def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
         # the norm check exercises no planted bug (it builds a model: skipped when planting)
         return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check()
                 + (_norm_check() if planted is None else []))
+
+
+# -- make_private + banded MF under FSDP2: the sharded secret state (issue 38; helper i38-api-dcp) --------------
+# * **banded MF's state round-trips across worlds** — K = 2 simulated ranks run the sharded banded
+#   mechanism (each keeping the buffers of its shard) for 3 steps; their noise put together equals one
+#   rank's. The state ``make_private``'s ``save_noise_state`` writes (``ShardedBandedMFMechanism.state``:
+#   every rank's buffer slices gathered, here through a simulated ``all_gather_object``) goes through
+#   the owner-only file (0600) and is loaded by 1 and by 3 fresh ranks (``load_state`` keeps each rank's
+#   slice): the next 3 steps' noise equals the uninterrupted one-rank noise. Planted
+#   ``fsdp_api_banded_restart`` (each rank restarts the banded stream after a resume: the buffers are
+#   dropped, so the resumed y_t is no longer C⁻¹Z's row t — more noise than accounted for, or, with
+#   other coefficients, less) and ``fsdp_api_banded_slice_saved`` (the state holds this rank's slice
+#   only, not the gathered buffers: rank 0 writes its own shard's buffers and the other ranks' are lost).
+
+#: Planted bugs of this block (added to :data:`PLANTED`; audit/suite.py and audit/planted.py list them too).
+API_BANDED_PLANTED = ("fsdp_api_banded_restart", "fsdp_api_banded_slice_saved")
+PLANTED = PLANTED + API_BANDED_PLANTED
+
+
+@contextlib.contextmanager
+def _planted_api_banded(name: Optional[str]) -> Iterator[None]:
+    saved = []
+    try:
+        if name == "fsdp_api_banded_restart":
+            real_load = fsdp.ShardedBandedMFMechanism.load_state
+
+            def restart(self, st, device_of=None):
+                real_load(self, st, device_of)
+                self.buffers = []  # the stream starts over on every rank
+
+            saved.append((fsdp.ShardedBandedMFMechanism, "load_state", real_load))
+            fsdp.ShardedBandedMFMechanism.load_state = restart
+        elif name == "fsdp_api_banded_slice_saved":
+            real_state = fsdp.ShardedBandedMFMechanism.state
+            saved.append((fsdp.ShardedBandedMFMechanism, "state", real_state))
+            fsdp.ShardedBandedMFMechanism.state = BandedMFMechanism.state  # this rank's slices, not gathered
+        yield
+    finally:
+        for obj, attr, val in reversed(saved):
+            setattr(obj, attr, val)
+
+
+@contextlib.contextmanager
+def _simulated_all_gather(mechs: list) -> Iterator[None]:
+    """``torch.distributed.all_gather_object`` as K simulated ranks (``mechs[r]``) see it during one
+    rank's :meth:`~dpft.fsdp.ShardedBandedMFMechanism.state`: its j-th call gathers every rank's flat
+    slices of buffer j, in rank order (what the real collective returns when every rank calls it)."""
+    import torch.distributed as dist
+
+    real = dist.all_gather_object
+    calls = {"j": 0}
+
+    def gather(parts, obj, group=None):
+        j = calls["j"]
+        calls["j"] += 1
+        for r, m in enumerate(mechs):
+            parts[r] = {n: t.detach().float().cpu().reshape(-1) for n, t in m.buffers[j].items()}
+
+    dist.all_gather_object = gather
+    try:
+        yield
+    finally:
+        dist.all_gather_object = real
+
+
+def _api_banded_world(k: int, shapes: dict, make) -> list:
+    """K simulated ranks' sharded banded mechanisms (FSDP's dim-0 chunks), as an FSDPStep sets them up."""
+    mechs = []
+    for r in range(k):
+        layout = {n: (int(torch.Size(s).numel()), *fsdp.chunk_range(s, r, k)) for n, s in shapes.items()}
+        m = fsdp.shard_mechanism(make(), layout)
+        m.world = World(r, k)
+        m.shapes = {n: (tuple(s), (layout[n][2] // max(1, int(torch.Size(s[1:]).numel())), *s[1:]) if len(s) > 1
+                        else (layout[n][2],)) for n, s in shapes.items()}
+        mechs.append(m)
+    return mechs
+
+
+def _api_banded_steps(mechs: list, steps, c: float) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for t in steps:
+        parts: dict[str, list] = {}
+        for m in mechs:
+            noisy, _ = m.release({n: torch.zeros(m.shapes[n][1]) for n in m.shapes}, c, 0.1, t)
+            for n, v in noisy.items():
+                parts.setdefault(n, []).append(v.reshape(-1))
+        out.append({n: torch.cat(v) for n, v in parts.items()})
+    return out
+
+
+def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> list[Check]:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from dpft.step.correlated import write_secret
+
+    shapes = {"w": (7, 4), "b": (3,)}
+
+    def make():
+        return BandedMFMechanism(sigma, c, Randomness(13), banded_coefficients(steps, 3), 0.25)
+
+    ref = _api_banded_steps(_api_banded_world(1, shapes, make), range(steps), c)
+    two = _api_banded_world(2, shapes, make)
+    first = _api_banded_steps(two, range(3), c)
+    same = all(torch.equal(first[t][n], ref[t][n]) for t in range(3) for n in shapes)
+    out = [Check("fsdp make_private banded: 2 shards' correlated noise is the one-rank noise", same,
+                 "each rank's y_t from its shard's buffers; together the one-process noise" if same else
+                 "the ranks' banded noise differs from one process's (streams or buffers misplaced)")]
+    try:
+        states = []
+        for r, m in enumerate(two):  # every rank calls state() (a collective); rank 0's is written
+            with _simulated_all_gather(two):
+                states.append(m.state())
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_secret(Path(tmp) / "noise.pt", states[0])
+            mode = os.stat(path).st_mode & 0o777
+            st = torch.load(path, weights_only=True)
+        resumed = {}
+        for k in (1, 3):
+            mechs = _api_banded_world(k, shapes, make)
+            for m in mechs:
+                m.load_state(st)
+            resumed[k] = _api_banded_steps(mechs, range(3, steps), c)
+        ok = mode == 0o600 and all(torch.equal(resumed[k][i][n], ref[3 + i][n])
+                                   for k in resumed for i in range(steps - 3) for n in shapes)
+        why = (f"saved by 2 ranks (gathered, mode {oct(mode)}), resumed by 1 and by 3: steps 3–{steps - 1} equal the "
+               "uninterrupted noise" if ok else
+               f"mode {oct(mode)}; the resumed noise differs from the uninterrupted run (the banded stream restarted, "
+               "or buffers of other shards lost)")
+    except (RuntimeError, ValueError, KeyError) as exc:  # a state that cannot be re-sliced: not gathered
+        ok, why = False, f"the saved state does not round-trip to another world: {type(exc).__name__}: {exc}"
+    out.append(Check("fsdp make_private banded: the secret state round-trips across worlds (2 → 1, 2 → 3)", ok,
+                     why))
+    return out
+
+
+_fsdp_checks_before_api_banded = fsdp_checks
+
+
+def fsdp_checks(planted: Optional[str] = None) -> list[Check]:  # noqa: F811 - extends the entry point above
+    """The FSDP step's white-box checks (module docstring and the blocks after it); ``planted``: one of
+    :data:`PLANTED` (the checks must then fail)."""
+    with _planted_api_banded(planted):
+        return _fsdp_checks_before_api_banded(planted) + _api_banded_check()

@@ -291,13 +291,14 @@ class Trainer:
             raise TrainingError(
                 f"--resume: the recipe differs from the one that wrote {self.run_dir}/checkpoint; "
                 "resume with the same recipe and flags, or use a new --output-dir")
-        problem = check_world_size(st, self.world.world_size, self.run_dir)
+        # FSDP resumes on any number of ranks (per-rank DCP shards, resharded; fsdp_state.py checks the names)
+        problem = None if self.plan.sharded else check_world_size(st, self.world.world_size, self.run_dir)
         if problem:
             raise TrainingError(problem)
-        missing = set(self.params) - set(ck["params"])
+        missing = set() if self.plan.sharded else set(self.params) - set(ck["params"])
         if missing:
             raise TrainingError(f"--resume: checkpoint lacks parameters {sorted(missing)[:3]}…")
-        if self.plan.sharded:  # FSDP: each rank keeps its slice; optimizer shards from the full state
+        if self.plan.sharded:  # FSDP: each rank loads its shards (dpft/fsdp_state.py)
             load_sharded(self, ck)
         else:
             with torch.no_grad():
