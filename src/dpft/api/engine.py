@@ -94,7 +94,8 @@ class PrivacyEngine:
         it). From this call on, every release also rewrites the live release record
         ``<path>.releases.json`` (the ledger; not secret), which :meth:`load_noise_state` needs.
         Call it between logical batches, when you checkpoint the model and optimizer. Under
-        ``torch.distributed`` rank 0 writes (the state is the same on every rank).
+        ``torch.distributed`` call it on **every rank** (a collective: with an FSDP2 model each
+        rank's slice of the noise buffers is gathered, api/state.py); rank 0 writes the one file.
 
         Returns:
             Whether this process wrote the file.
@@ -107,6 +108,8 @@ class PrivacyEngine:
         """Continue a loop saved by :meth:`save_noise_state`: call it on a fresh ``PrivacyEngine``
         right after ``make_private`` with the same arguments and the same training rows in the same
         order (and after loading the model's and optimizer's checkpoint), before the first step.
+        Under ``torch.distributed`` call it on every rank (a collective; with an FSDP2 model each
+        rank keeps its slice, so a state saved on K ranks continues on any number).
         Restores the noise buffers, the secret partition, the step counter of the loader and
         optimizer, and appends the saved releases to the ledger. The next steps draw fresh secret
         randomness.
@@ -329,7 +332,7 @@ class PrivacyEngine:
             max_physical_batch_size=max_physical_batch_size, max_rows_per_user=max_rows_per_user,
             user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
             user_ids=user_ids, methods=meths, lr_scheduler=lr_scheduler)
-        sharded = _check_sharded(module, mech, meths)
+        sharded = _check_sharded(module, meths)
         world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
         dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
                                                                     num_workers, collate_fn)
@@ -407,9 +410,9 @@ class PrivacyEngine:
         return self._rng
 
 
-def _check_sharded(module, mech, meths) -> bool:
+def _check_sharded(module, meths) -> bool:
     """Whether ``module`` is an FSDP2 (``fully_shard``) root, which runs the sharded step
-    (api/sharded.py); a sharded submodule only, a mechanism or methods it cannot run are refused.
+    (api/sharded.py); a sharded submodule only, or methods it cannot run, are refused.
 
     Raises:
         ValueError: methods with an FSDP2 model (the sharded optimizer runs no method hooks, as

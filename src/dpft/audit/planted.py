@@ -202,7 +202,8 @@ def plant(name: Optional[str]) -> Iterator[dict]:
 
 # -- FSDP2 (issue 26 item 3; audit/checks_fsdp.py plants them itself) --------------------------
 FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
-                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent")
+                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent", "fsdp_api_banded_restart",
+                "fsdp_api_banded_slice_saved")
 ALL = ALL + FSDP_PLANTED
 # ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
 # collated with the next row's target; relative-position table rules (issue 36) giving every example the

@@ -111,7 +111,8 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
     ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
                                                "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
-                                               "fsdp_api_no_placeholder", "fsdp_api_dummy_sent")),
+                                               "fsdp_api_no_placeholder", "fsdp_api_dummy_sent",
+                                               "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved")),
     ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",

@@ -73,7 +73,8 @@ def check_world_size(state: dict[str, Any], world_size: int, run_dir: Path) -> s
     A checkpoint records the number of processes that wrote it (``world_size``; absent in
     checkpoints written before DDP = 1). A resumed run must have as many: each rank's share of
     a logical batch, its dropout stream and the order of the all-reduced sums depend on it, so
-    only the same world replays a reproducible run's steps as they were.
+    only the same world replays a reproducible run's steps as they were. (FSDP2 runs are not
+    checked here: their per-rank DCP shards reshard to any world, dpft/fsdp_state.py.)
     """
     was = int(state.get("world_size", 1))
     if was == world_size:

@@ -27,6 +27,8 @@ RELEASE_SET: dict[str, str] = {
     "model/": "fine-tuned model and tokenizer (post-processing of the noisy updates)",
     "model_ema/": "EMA of the weights, when kept (post-processing)",
     "checkpoint/": "trainable weights, optimizer state, ledger, step and released metrics",
+    "checkpoint_shards/": ("FSDP runs: per-rank shards (torch.distributed.checkpoint) of the trainable weights and "
+                           "optimizer state (post-processing)"),
     "ledger.json": "every private release of the run (dp_accounting events), appended to live",
     "metrics.jsonl": "per step: learning rate and post-processing statistics; per evaluation: dev metrics and ε",
     "report.json": "the run's settings, privacy section, final dev metrics, released history",
