@@ -178,6 +178,7 @@ def test_probe_times_synthetic_rows_only(tiny_model_dir, sst_like_files, monkeyp
     assert all(len(x["input_ids"]) == 16 and x["label"] in (0, 1) for x in rows)
 
 
+@pytest.mark.slow
 def test_cli_train_time_budget_prints_its_choice_and_runs_it(tiny_model_dir, sst_like_files, tmp_path, monkeypatch):
     """A newcomer's command with --time-budget (the probe replaced by a fixed measurement): the printed
     choice, σ calibrated for it, and the run does the T it chose."""
@@ -191,7 +192,7 @@ def test_cli_train_time_budget_prints_its_choice_and_runs_it(tiny_model_dir, sst
     monkeypatch.setattr(timing, "probe_step_time", lambda r, k, **kw: _timing(
         micro_batch_seconds=2.0, update_seconds=0.1, setup_seconds=1.0, eval_row_seconds=0.0, physical=8, length=16))
     base = ["train", "--model", str(tiny_model_dir), "--train-file", str(sst_like_files["csv"]), "--epsilon", "8",
-            "--delta", "1e-3", "--max-length", "16", "--max-physical-batch-size", "8", "--engine", "reference"]
+            "--delta", "1e-3", "--max-length", "16", "--max-physical-batch-size", "8"]
     res = CliRunner().invoke(app, base + ["--time-budget", "10s", "--steps", "5", "-o", str(tmp_path / "x")])
     assert res.exit_code == 2 and "--time-budget chooses the number of steps: drop --steps 5" in res.output
     res = CliRunner().invoke(app, base + ["--time-budget", "soon", "-o", str(tmp_path / "y")])
