@@ -193,6 +193,7 @@ def test_audit_tune_planted_bugs_are_caught():
     assert C._k_law(None).passed and not C._k_law("k_fixed").passed
     assert C._noisy_score(None).passed and not C._noisy_score("score_without_noise").passed
     assert C._one_release(None).passed and not C._one_release("losing_models_released").passed
+    assert C._uncovered_charged(None).passed and not C._uncovered_charged("uncovered_trial_hidden").passed
 
 
 @pytest.mark.slow
@@ -200,7 +201,7 @@ def test_audit_tune_checks_pass():
     from dpft.audit.checks_tune import tune_checks
 
     checks = tune_checks()
-    assert len(checks) == 4 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
+    assert len(checks) == 6 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
     # a profile bound computed in our favour (the R^{η+1} factor on δ dropped) is caught
     from dpft.audit.checks_tune import _selection_epsilon
 
@@ -345,3 +346,32 @@ def test_tiny_tune_over_a_method_under_a_time_budget(tiny_model_dir, sst_like_fi
     assert rmt["method"] == hp["methods.rmt.method"] and rmt["kappa"] == pytest.approx(hp["methods.rmt.kappa"])
     assert chosen["schedule"]["steps"] == 3 and chosen["schedule"]["time_budget"] is None
     assert rep["epsilon"] <= 8.0
+
+
+def test_audit_catches_a_method_that_claims_search_safety_wrongly(monkeypatch):
+    """A plug-in declaring search_events_unchanged while its prepare records a release (or with no audit
+    entry at all) fails the audit's method check; the built-ins pass it."""
+    import dp_accounting as dpa
+    from pydantic import BaseModel
+
+    from dpft.audit import checks_tune as C
+    from dpft.methods import base
+
+    assert C._method_events().passed
+
+    class LeakyCfg(BaseModel):
+        on: bool = True
+
+    class Leaky(base.Method):
+        name = "leaky_search_test"
+        config = LeakyCfg
+        search_events_unchanged = True
+
+        def prepare(self, run):
+            run.ledger.record("leaky", dpa.GaussianDpEvent(3.0))
+
+    monkeypatch.setitem(base._REGISTRY, Leaky.name, Leaky)
+    assert not C._method_events().passed  # claimed, never audited
+    monkeypatch.setitem(C.METHOD_ON, Leaky.name, {"on": True})
+    chk = C._method_events()
+    assert not chk.passed and "leaky_search_test" in chk.message and "ledger entries 1" in chk.message
