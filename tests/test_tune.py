@@ -375,3 +375,20 @@ def test_audit_catches_a_method_that_claims_search_safety_wrongly(monkeypatch):
     monkeypatch.setitem(C.METHOD_ON, Leaky.name, {"on": True})
     chk = C._method_events()
     assert not chk.passed and "leaky_search_test" in chk.message and "ledger entries 1" in chk.message
+
+
+def test_cli_tune_time_budget_refusals(tmp_path):
+    from typer.testing import CliRunner
+
+    from dpft.cli import app
+
+    f = tmp_path / "r.yaml"
+    f.write_text("task: {name: files, train_file: nowhere.csv}\nprivacy: {target_epsilon: 8}\nschedule: {steps: 50}\n"
+                 "tune: {trials: {mean: 3}, space: {schedule.steps: {choice: [10, 20]}}}\n")
+    res = CliRunner().invoke(app, ["tune", str(f), "-o", str(tmp_path / "o"), "--time-budget", "1h",
+                                   "--set", "schedule.steps=5"])
+    assert res.exit_code == 2 and "drop --set schedule.steps=5" in res.output
+    res = CliRunner().invoke(app, ["tune", str(f), "-o", str(tmp_path / "o"), "--time-budget", "1h"])
+    assert res.exit_code == 2 and "time_budget chooses each trial's steps" in res.output  # the recipe's steps: replaced
+    res = CliRunner().invoke(app, ["tune", str(f), "-o", str(tmp_path / "o"), "--time-budget", "later"])
+    assert res.exit_code == 2 and "30m" in res.output
