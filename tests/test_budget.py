@@ -206,3 +206,13 @@ def test_cli_train_time_budget_prints_its_choice_and_runs_it(tiny_model_dir, sst
     assert f"T = {t} steps" in res.output and "time budget 10 s" in res.output and "σ =" in res.output
     assert rec["schedule"]["time_budget"] is None and 1 <= t <= 4  # 9 s left after setup, ≥ 2.1 s a step
     assert steps["privacy"]["epsilon"] <= 8.0
+
+
+def test_python_time_budget_replaces_the_recipes_steps():
+    """dpft.train/tune(..., time_budget=...): the recipe's steps are chosen by the budget."""
+    import dpft
+
+    r = dpft._recipe_of({"schedule": {"steps": 500}, "privacy": {"target_epsilon": 3.0}},
+                        dpft._with_time_budget(None, "45m"))
+    assert (r.schedule.time_budget, r.schedule.steps, r.schedule.epochs) == (2700.0, "auto", None)
+    assert dpft._with_time_budget({"optimizer.lr": 1e-3}, None) == {"optimizer.lr": 1e-3}
