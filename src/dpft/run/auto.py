@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
 from dpft.accounting.budget import (BudgetError, choose_batch_and_steps, choose_for_time, scaled_lr,
                                     steps_in_time)
 
-__all__ = ["resolve_auto", "has_auto", "describe_seconds"]
+__all__ = ["resolve_auto", "has_auto", "describe_seconds", "time_budget_refusal"]
 
 
 def has_auto(recipe) -> bool:
@@ -74,6 +75,20 @@ def resolve_auto(recipe, n: Optional[int] = None, *, num_labels: Optional[int] =
     return r.model_copy(update=upd), msg
 
 
+def time_budget_refusal(recipe, world_size: Optional[int] = None) -> Optional[str]:
+    """Why a time budget cannot be honoured for ``recipe`` (None: it can), from the recipe alone."""
+    r = recipe
+    ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if ws > 1:
+        return ("a time budget under torchrun: each rank would time itself and the ranks could choose different T; "
+                "give schedule.steps (e.g. the T a one-process run with --time-budget prints)")
+    if r.task.name in ("text", "instruct", "seq2seq") or r.task.user_column:
+        return "a time budget supports example-level classification tasks for now; give schedule.steps"
+    if r.perf.sharding == "fsdp":
+        return "a time budget with perf.sharding: fsdp; give schedule.steps"
+    return None
+
+
 def _sizes(r) -> tuple[int, int, int]:
     """(N training rows, dev rows, labels) of the recipe's task (data/tasks.py ``load_task``)."""
     from dpft.data.tasks import load_task
@@ -102,9 +117,9 @@ def _resumed_choice(r, resume_dir: Optional[str | Path]):
 
 
 def _resolve_time(r, n, num_labels, n_dev, timing, resume_dir, private: bool):
-    from dpft.run.timing import check_time_budget_supported, probe_step_time
+    from dpft.run.timing import probe_step_time
 
-    why = check_time_budget_supported(r)
+    why = time_budget_refusal(r)
     if why:
         raise BudgetError(why)
     budget = float(r.schedule.time_budget)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import statistics
 import tempfile
 import time
@@ -189,18 +188,3 @@ def probe_step_time(recipe, num_labels: int, *, repeats: int = 3,
     return StepTiming(micro_batch_seconds=statistics.median(times), update_seconds=update, checkpoint_seconds=ck,
                       checkpoints_per_step=1.0 if every_release else 1.0 / r.checkpoint_every,
                       eval_row_seconds=ev, setup_seconds=setup, physical=p, length=length, repeats=len(times))
-
-
-def check_time_budget_supported(recipe, world_size: Optional[int] = None) -> Optional[str]:
-    """Why a time budget cannot be honoured for ``recipe`` (None: it can), from the recipe alone."""
-
-    r = recipe
-    ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if ws > 1:
-        return ("a time budget under torchrun: each rank would time itself and the ranks could choose different T; "
-                "give schedule.steps (e.g. the T a one-process run with --time-budget prints)")
-    if r.task.name in ("text", "instruct", "seq2seq") or r.task.user_column:
-        return "a time budget supports example-level classification tasks for now; give schedule.steps"
-    if r.perf.sharding == "fsdp":
-        return "a time budget with perf.sharding: fsdp; give schedule.steps"
-    return None

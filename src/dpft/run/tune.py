@@ -47,7 +47,7 @@ from dpft.config import Recipe, dump_recipe
 from dpft.config_tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
 from dpft.run.errors import TrainingError
-from dpft.run.tune_space import apply_hyperparameters, check_search_methods, steps_for, time_plan
+from dpft.run.tune_space import apply_hyperparameters, check_search_methods, steps_for, time_budget_refusal, time_plan
 
 __all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search", "summary"]
 
@@ -81,6 +81,8 @@ def check_tune_recipe(r: Recipe) -> None:
         raise TuneError("dpft tune supports the Gaussian mechanism with plain Poisson sampling (no banded_mf, "
                         "batch.schedule or batch.max_batch_size)")
     timed = r.schedule.time_budget is not None
+    if timed and time_budget_refusal(r):
+        raise TuneError(time_budget_refusal(r))
     if timed and {"schedule.steps", "schedule.epochs"} & set(r.tune.space or {}):
         raise TuneError("tune: schedule.time_budget chooses each trial's steps; remove schedule.steps/epochs from "
                         "tune.space (or drop the time budget)")

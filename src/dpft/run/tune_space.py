@@ -31,10 +31,10 @@ from dpft.accounting.budget import steps_in_time
 from dpft.config import apply_overrides
 from dpft.config_tune import PRIVACY_KEYS, is_method_key
 from dpft.methods.base import MethodError, get_method, method_name
-from dpft.run.auto import describe_seconds
+from dpft.run.auto import describe_seconds, time_budget_refusal
 from dpft.run.errors import TrainingError
 
-__all__ = ["check_search_methods", "apply_hyperparameters", "time_plan"]
+__all__ = ["check_search_methods", "apply_hyperparameters", "time_plan", "time_budget_refusal"]
 
 
 def _method_class(name: str, where: str):
@@ -136,11 +136,8 @@ def time_plan(r, n_fit: int, n_score: int, num_labels: int, dist, combos: list[d
 
     Raises:
         TrainingError: a trial's share fits no step (raise the budget, lower E[K] or max_length)."""
-    from dpft.run.timing import check_time_budget_supported, probe_step_time
+    from dpft.run.timing import probe_step_time
 
-    why = check_time_budget_supported(r)
-    if why:
-        raise TrainingError(why)
     budget = float(r.schedule.time_budget)
     p = r.tune.trials.time_quantile
     k_plan = dist.mean() if p is None else max(1, dist.tail_quantile(1.0 - p))
