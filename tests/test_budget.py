@@ -108,7 +108,7 @@ def test_resolve_time_budget_with_a_measured_step():
     b, steps = r2.batch.expected_batch_size, r2.schedule.steps
     assert isinstance(b, int) and isinstance(steps, int) and r2.schedule.time_budget is None
     evals = steps // r.eval.every_steps + 1
-    assert t.setup_seconds + steps * t.step_seconds(b) + evals * t.eval_seconds(800) <= 600.0
+    assert t.setup_seconds + steps * t.step_seconds(b, 5000) + evals * t.eval_seconds(800) <= 600.0
     assert "synthetic rows (no private data)" in msg and "σ is calibrated for this (B, T)" in msg and "≈" in msg
     assert r2.optimizer.lr == pytest.approx(r.optimizer.lr * math.sqrt(b / 256))
     load_recipe(None, __import__("yaml").safe_load(dump_recipe(r2)))  # the resolved recipe is a valid recipe
@@ -171,6 +171,13 @@ def test_probe_times_synthetic_rows_only(tiny_model_dir, sst_like_files, monkeyp
     assert t.eval_row_seconds == pytest.approx(1.0 / t.physical) and t.repeats == 2
     assert (t.physical, t.length) == (rec.batch.max_physical_batch_size, rec.model.max_length)
     assert t.step_seconds(3 * t.physical) == pytest.approx(3 + 1 + t.checkpoints_per_step)
+    # over N rows the Poisson batch X ~ Bin(N, B/N) needs E⌈X/P⌉ micro-batches: more than B/P when B = 3P
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.binomial(1000, 3 * t.physical / 1000, size=200_000)
+    assert t.micro_batches(3 * t.physical, 1000) == pytest.approx(np.ceil(x / t.physical).mean(), rel=5e-3)
+    assert t.micro_batches(3 * t.physical, 1000) > 3
     from transformers import AutoTokenizer
 
     rows = synthetic_rows(AutoTokenizer.from_pretrained(tiny_model_dir), 4, 16, 2)

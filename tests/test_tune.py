@@ -294,7 +294,7 @@ def test_time_plan_per_expected_trial_and_quantile():
     steps, msg = time_plan(r, 900, 100, 2, dist, configurations(r), timing)
     share = 3600.0 / 3.0
     for b, t in steps.items():
-        used = 5.0 + t * timing.step_seconds(int(b)) + (t // r.eval.every_steps + 2) * timing.eval_seconds(100)
+        used = 5.0 + t * timing.step_seconds(int(b), 900) + (t // r.eval.every_steps + 2) * timing.eval_seconds(100)
         assert used <= share + 1e-6
     assert steps["16"] > steps["64"] > 0
     assert "budget / E[K] = 3" in msg and "P[K > 3]" in msg and "keeps its declared law" in msg
@@ -323,9 +323,9 @@ def test_tiny_tune_over_a_method_under_a_time_budget(tiny_model_dir, sst_like_fi
     from dpft.run import timing
     from dpft.run import tune as T
 
-    monkeypatch.setattr(timing, "probe_step_time", lambda r, k, **kw: timing.StepTiming(
-        micro_batch_seconds=1.0, update_seconds=0.0, checkpoint_seconds=0.0, checkpoints_per_step=0.0,
-        eval_row_seconds=0.0, setup_seconds=1.0, physical=8, length=16))
+    fixed = timing.StepTiming(micro_batch_seconds=1.0, update_seconds=0.0, checkpoint_seconds=0.0,
+                              checkpoints_per_step=0.0, eval_row_seconds=0.0, setup_seconds=1.0, physical=8, length=16)
+    monkeypatch.setattr(timing, "probe_step_time", lambda r, k, **kw: fixed)
     rec = tune_recipe(tiny_model_dir, sst_like_files, **{
         "schedule.steps": "auto", "schedule.time_budget": 8.0,
         "tune": {"trials": {"distribution": "truncated_negative_binomial", "mean": 2.0, "eta": 1.0},
@@ -335,8 +335,9 @@ def test_tiny_tune_over_a_method_under_a_time_budget(tiny_model_dir, sst_like_fi
                            "batch.expected_batch_size": {"choice": [4, 8]}}}})
     rep = T.tune(rec, tmp_path / "t", progress=False, keep_trials=True)
     state = json.loads((tmp_path / "t" / "tune_private" / "state.json").read_text())
-    # 4 s per expected trial: 1 s setup, 1 s a step (one micro-batch of ≤ 8 rows) → 3 steps for both batch sizes
-    assert state["steps_by_batch"] == {"4": 3, "8": 3}
+    # 4 s per expected trial: 1 s setup, 1 s a micro-batch of ≤ 8 rows, E⌈X/8⌉ of them for the Poisson batch X
+    expect = {str(b): int((4.0 - 1.0) / fixed.step_seconds(b, state["n_fit"])) for b in (4, 8)}
+    assert state["steps_by_batch"] == expect and all(t >= 1 for t in expect.values())
     assert all("PoissonSampledDpEvent" in json.dumps(t["events"]) for t in state["trials"])
     led = json.loads((tmp_path / "t" / "ledger.json").read_text())
     assert [e["phase"] for e in led["entries"]] == ["tune"]  # every trial covered: nothing composed on top
@@ -344,7 +345,8 @@ def test_tiny_tune_over_a_method_under_a_time_budget(tiny_model_dir, sst_like_fi
     hp = rep["chosen"]["hyperparameters"]
     rmt = [m for m in chosen["methods"] if m["name"] == "rmt"][0]
     assert rmt["method"] == hp["methods.rmt.method"] and rmt["kappa"] == pytest.approx(hp["methods.rmt.kappa"])
-    assert chosen["schedule"]["steps"] == 3 and chosen["schedule"]["time_budget"] is None
+    assert chosen["schedule"]["steps"] == expect[str(chosen["batch"]["expected_batch_size"])]
+    assert chosen["schedule"]["time_budget"] is None
     assert rep["epsilon"] <= 8.0
 
 

@@ -141,21 +141,25 @@ def _resolve_time(r, n, num_labels, n_dev, timing, resume_dir, private: bool):
     timing = timing or probe_step_time(r, num_labels)
     room = budget - timing.setup_seconds  # the run builds its model again
     ev = timing.eval_seconds(n_dev)
+
+    def step(b: int) -> float:  # the Poisson batch's expected micro-batches over N rows
+        return timing.step_seconds(b, n)
+
     if private:
-        choice = choose_for_time(n, r.privacy.target_epsilon, r.privacy.delta, room, timing.step_seconds, ev,
+        choice = choose_for_time(n, r.privacy.target_epsilon, r.privacy.delta, room, step, ev,
                                  r.eval.every_steps, batch=None if b_auto else int(r.batch.expected_batch_size))
         b, t = choice.batch, choice.steps
     else:  # --no-dp with a time budget: the batch is given, T is what fits
         b = int(r.batch.expected_batch_size)
-        t = steps_in_time(room, timing.step_seconds(b), ev, r.eval.every_steps)
+        t = steps_in_time(room, step(b), ev, r.eval.every_steps)
         if t < 1:
             raise BudgetError(f"the time budget {describe_seconds(budget)} does not fit one step; raise it")
         choice = None
     lr = scaled_lr(r.optimizer.lr, b, r.optimizer.name) if b_auto else r.optimizer.lr
     evals = t // r.eval.every_steps + 1
-    used = timing.setup_seconds + t * timing.step_seconds(b) + evals * ev
+    used = timing.setup_seconds + t * step(b) + evals * ev
     msg = [f"time budget {describe_seconds(budget)}: {timing.describe()}",
-           f"  reserved: setup {timing.setup_seconds:.3g} s (the run loads its model again); {evals} evaluations of "
+           f"  reserved: setup {timing.setup_seconds:.3g} s (the run loads its model again); {evals} evaluation(s) of "
            f"{n_dev} dev rows ≈ {evals * ev:.3g} s"]
     if choice is not None:
         msg += [choice.explain(),
@@ -165,7 +169,8 @@ def _resolve_time(r, n, num_labels, n_dev, timing, resume_dir, private: bool):
         msg += [f"  B = {b} (given), T = {t} steps (non-private run)"]
     if b_auto:
         msg += [_lr_line(r, lr).lstrip("\n")]
-    msg += [f"  estimate: {t} steps × {timing.step_seconds(b):.3g} s + evaluations + setup ≈ {describe_seconds(used)} "
+    msg += [f"  estimate: {t} steps × {step(b):.3g} s (E {timing.micro_batches(b, n):.2f} micro-batches of the "
+            f"Poisson batch) + evaluations + setup ≈ {describe_seconds(used)} "
             f"of {describe_seconds(budget)}; not included: a method's own phases, a test file, saving the model "
             "and report, other load on the machine"]
     if r.methods:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from scipy.stats import binom
 
 from dpft.data.tokenize import collate
 from dpft.models.build import build_model
@@ -86,10 +87,20 @@ class StepTiming:
     length: int
     repeats: int = 3
 
-    def step_seconds(self, batch: int) -> float:
-        """Estimated seconds of one logical step of expected size ``batch``: ⌈B/P⌉ micro-batches (a
-        partial one counted as full), the update and the checkpoint share."""
-        return (self.micro_batch_seconds * max(1, math.ceil(batch / self.physical)) + self.update_seconds
+    def micro_batches(self, batch: int, n: Optional[int] = None) -> float:
+        """Expected micro-batches of a logical step of expected size B = qN: E⌈X/P⌉ = Σ_{k≥0} P[X > kP]
+        with X ~ Binomial(N, q) the Poisson-sampled batch (a partial micro-batch counted as full);
+        ⌈B/P⌉ when N is not given."""
+        p = self.physical
+        if n is None or n <= batch:
+            return float(max(1, math.ceil(batch / p)))
+        top = int(math.ceil((batch + 8 * math.sqrt(batch) + 1) / p)) + 1
+        return float(sum(binom.sf(k * p, n, batch / n) for k in range(top + 1)))
+
+    def step_seconds(self, batch: int, n: Optional[int] = None) -> float:
+        """Estimated seconds of one logical step of expected size ``batch`` over ``n`` units: its
+        expected micro-batches (:meth:`micro_batches`), the update and the checkpoint share."""
+        return (self.micro_batch_seconds * self.micro_batches(batch, n) + self.update_seconds
                 + self.checkpoint_seconds * self.checkpoints_per_step)
 
     def eval_seconds(self, rows: int) -> float:

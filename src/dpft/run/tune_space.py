@@ -145,7 +145,8 @@ def time_plan(r, n_fit: int, n_score: int, num_labels: int, dist, combos: list[d
     timing = timing or probe_step_time(_probe_recipe(r, combos), num_labels)
     ev = timing.eval_seconds(n_score)
     room = share - timing.setup_seconds - ev  # each trial loads its model and is scored once more by the search
-    steps = {str(b): steps_in_time(room, timing.step_seconds(b), ev, r.eval.every_steps) for b in _batches(r, combos)}
+    steps = {str(b): steps_in_time(room, timing.step_seconds(b, n_fit), ev, r.eval.every_steps)
+             for b in _batches(r, combos)}
     if min(steps.values()) < 1:
         raise TrainingError(f"tune: a trial's share of the time budget ({describe_seconds(share)} = "
                             f"{describe_seconds(budget)} / {k_plan:.3g}) fits no step; raise --time-budget, lower "
