@@ -149,7 +149,7 @@ def _resolve_time(r, n, num_labels, n_dev, timing, resume_dir, private: bool):
         choice = choose_for_time(n, r.privacy.target_epsilon, r.privacy.delta, room, step, ev,
                                  r.eval.every_steps, batch=None if b_auto else int(r.batch.expected_batch_size))
         b, t = choice.batch, choice.steps
-    else:  # --no-dp with a time budget: the batch is given, T is what fits
+    else:  # --no-dp (or σ given) with a time budget: the batch is given, T is what fits
         b = int(r.batch.expected_batch_size)
         t = steps_in_time(room, step(b), ev, r.eval.every_steps)
         if t < 1:
@@ -166,7 +166,8 @@ def _resolve_time(r, n, num_labels, n_dev, timing, resume_dir, private: bool):
                 f"  N = {n} training examples; ε = {r.privacy.target_epsilon:g}, δ = {r.privacy.delta:g}; σ is "
                 "calibrated for this (B, T) before the first noisy step"]
     else:
-        msg += [f"  B = {b} (given), T = {t} steps (non-private run)"]
+        msg += [f"  B = {b} (given), T = {t} steps ("
+                + ("non-private run)" if not r.privacy.enabled else "σ given by privacy.noise_multiplier)")]
     if b_auto:
         msg += [_lr_line(r, lr).lstrip("\n")]
     msg += [f"  estimate: {t} steps × {step(b):.3g} s (E {timing.micro_batches(b, n):.2f} micro-batches of the "
