@@ -91,6 +91,11 @@ def test_choose_for_time_fits_and_minimises_noise():
     assert all(r["steps"] * t.step_seconds(r["batch"]) <= 600.0 for r in c.rows)
     assert c.noise_per_example == min(r["noise_per_example"] for r in c.rows)
     assert len(c.rows) > 2 and "s of steps" in c.explain()
+    assert all(r["steps"] >= min(100, c.rows[0]["steps"]) for r in c.rows)  # the compute budget's floor on T
+    # a budget that gives the smallest B fewer than 100 steps keeps those steps: B grows only while T does not fall
+    slow = _timing(micro_batch_seconds=8.0)
+    c2 = choose_for_time(2000, 3.0, 1e-5, 180.0, slow.step_seconds, 0.0, None)
+    assert c2.steps == c2.rows[0]["steps"] < 100 and c2.batch == 32  # B = 8, 16, 32 fill one micro-batch alike
     fixed = choose_for_time(2000, 3.0, 1e-5, 600.0, t.step_seconds, 0.0, None, batch=64)
     assert fixed.batch == 64 and fixed.steps == int(600.0 / t.step_seconds(64))  # 2 micro-batches a step
     with pytest.raises(BudgetError, match="does not fit one step"):

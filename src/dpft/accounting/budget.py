@@ -148,8 +148,8 @@ def choose_for_time(n: int, epsilon: float, delta: float, seconds: float, step_s
         raise BudgetError(f"the time budget ({seconds:.0f} s left after setup) does not fit one step of B = {bs[0]} "
                           f"({step_seconds(bs[0]):.3g} s a step, {eval_seconds:.3g} s an evaluation): raise it, "
                           "lower model.max_length or the batch size")
-    if batch is None:  # the MIN_STEPS rule of the compute budget, at the smallest B's T
-        t_min = max(1, min(MIN_STEPS, cands[0][1] // 8))
+    if batch is None:  # the compute budget's floor: T ≥ min(MIN_STEPS, T at the smallest B)
+        t_min = max(1, min(MIN_STEPS, cands[0][1]))
         cands = [(b, t) for b, t in cands if t >= t_min] or cands[:1]
     rows = []
     for b, t in cands:
