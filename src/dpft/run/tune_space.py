@@ -160,7 +160,7 @@ def time_plan(r, n_fit: int, n_score: int, num_labels: int, dist, combos: list[d
            "  steps per trial: " + ", ".join(f"B = {b}: T = {t}" for b, t in steps.items())
            + f" (N = {n_fit} fit rows; σ is calibrated for these (q, T) before any trial)",
            f"  K is random and keeps its declared law (the accounting needs it): P[K > {math.floor(k_plan)}] = "
-           f"{over:.3g}, when the search runs past the budget; at K's 90% quantile ({k90}) it takes about "
+           f"{over:.3g} (the search then runs past the budget); at K's 90% quantile ({k90}) it takes about "
            f"{describe_seconds(k90 * share)}"]
     return steps, "\n".join(msg)
 
