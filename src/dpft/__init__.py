@@ -40,15 +40,22 @@ __all__ = ["__version__", "train", "tune", *_NAMES]
 
 
 def tune(recipe: Any, output_dir: Any, *, resume: bool = False, progress: bool = True,
-         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+         overrides: dict[str, Any] | None = None, time_budget: Any = None) -> dict[str, Any]:
     """Private hyperparameter search (the CLI's ``dpft tune`` from Python; run/tune.py): returns report.json.
 
     Args: as :func:`train`; ``recipe`` needs a ``tune:`` section; its ``privacy.target_epsilon`` is the
-    budget of the whole search."""
+    budget of the whole search; ``time_budget`` the wall-clock budget of the whole search."""
     from dpft.run.tune import tune as _tune
 
-    rec = _recipe_of(recipe, overrides)
+    rec = _recipe_of(recipe, _with_time_budget(overrides, time_budget))
     return _tune(rec, output_dir, resume=resume, progress=progress)
+
+
+def _with_time_budget(overrides: dict[str, Any] | None, time_budget: Any) -> dict[str, Any] | None:
+    """``time_budget`` (``"30m"``, ``"2h"``, seconds) as overrides: T is chosen by it (``steps: auto``)."""
+    if time_budget is None:
+        return overrides
+    return {**(overrides or {}), "schedule.time_budget": time_budget, "schedule.steps": "auto", "schedule.epochs": None}
 
 
 def _recipe_of(recipe: Any, overrides: dict[str, Any] | None):
@@ -70,7 +77,8 @@ def __getattr__(name: str) -> Any:
 
 
 def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress: bool = True,
-          overrides: dict[str, Any] | None = None, allow_overspend: bool = False) -> dict[str, Any]:
+          overrides: dict[str, Any] | None = None, allow_overspend: bool = False,
+          time_budget: Any = None) -> dict[str, Any]:
     """Run a recipe end to end (the CLI's ``dpft train`` from Python) and return report.json.
 
     Args:
@@ -81,6 +89,8 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
         overrides: dotted keys applied on top (``{"privacy.target_epsilon": 3}``).
         allow_overspend: with ``resume``, run every planned step even when releases made before a
             crash take ε above the target (default: stop within it; run/checkpoint.py).
+        time_budget: wall-clock budget (``"30m"``, ``"2h"``, seconds): T (and B when ``auto``) chosen to
+            fit it from a step timed on synthetic rows before σ is calibrated (run/timing.py).
 
     Returns:
         The report dict (also written to ``<output_dir>/report.json``): ``privacy`` holds the
@@ -96,15 +106,15 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
     from dpft.run.loop import Trainer
     from dpft.run.rundir import lock_output_dir, release_output_dir
 
-    rec = _recipe_of(recipe, overrides)
+    rec = _recipe_of(recipe, _with_time_budget(overrides, time_budget))
     from dpft.run.auto import resolve_auto
 
-    rec, chosen = resolve_auto(rec)  # batch/steps auto (accounting/budget.py)
+    out = Path(output_dir or rec.output_dir or Path("runs") / rec.name)
+    rec, chosen = resolve_auto(rec, resume_dir=out if resume else None)  # batch/steps auto (accounting/budget.py)
     if chosen and progress:
         import sys
 
         print(chosen, file=sys.stderr)
-    out = Path(output_dir or rec.output_dir or Path("runs") / rec.name)
     # One process writes a run folder (run/lock.py): rank 0 of a torchrun world holds its lock.
     lock = lock_output_dir(out, resume) if int(os.environ.get("RANK", "0") or 0) == 0 else None
     try:

@@ -117,6 +117,20 @@ def _time_first_step(trainer) -> None:
     trainer.step = step
 
 
+_TIME_HELP = "schedule.time_budget: wall-clock budget (30m, 2h, 1h30m or seconds); T (and B when auto) chosen to fit"
+
+
+def _time_budget_steps(ov: dict, origins: dict, time_budget: Optional[str]) -> None:
+    """``--time-budget``: the steps are chosen by it (``schedule.steps: auto``, no epochs)."""
+    if time_budget is None:
+        return
+    for key in ("schedule.steps", "schedule.epochs"):  # typed by the user (a default recipe's T is replaced)
+        if ov.get(key) not in (None, "auto") and origins.get(key, "").startswith("--"):
+            _fail(f"--time-budget chooses the number of steps: drop {origins[key]}")
+    ov.update({"schedule.steps": "auto", "schedule.epochs": None})
+    origins.update({"schedule.steps": "--time-budget", "schedule.epochs": "--time-budget"})
+
+
 @app.command()
 def tune(
     recipe: Path = typer.Argument(..., help="YAML recipe with a tune: section."),
@@ -125,11 +139,15 @@ def tune(
     epsilon: Optional[float] = typer.Option(None, help="privacy.target_epsilon of the WHOLE search."),
     set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set tune.trials.mean=8"),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+    time_budget: Optional[str] = typer.Option(None, "--time-budget", help=_TIME_HELP + " for the whole search "
+                                              "(per trial: budget / E[K]; docs/tune.md)."),
 ):
     """Private random hyperparameter search (run/tune.py): K ~ the declared law of DP trials, each scored
     privately; only the best trial's model is released; the whole search is charged."""
     ov, origins = _overrides((("--epsilon", "privacy.target_epsilon", epsilon),
-                              ("--output-dir", "output_dir", str(output_dir) if output_dir else None)), set)
+                              ("--output-dir", "output_dir", str(output_dir) if output_dir else None),
+                              ("--time-budget", "schedule.time_budget", time_budget)), set)
+    _time_budget_steps(ov, origins, time_budget)
     run_dir = output_dir
     try:
         rec = load_recipe(recipe, ov, origins)
@@ -195,6 +213,7 @@ def train(
                                        "<task>-<model>); the run directory defaults to runs/<name>."),
     set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set optimizer.weight_decay=0.01"),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar, plan or time estimate."),
+    time_budget: Optional[str] = typer.Option(None, "--time-budget", help=_TIME_HELP + " (run/timing.py)."),
 ):
     """Fine-tune a model under (ε, δ)-DP as a recipe says; flags override recipe keys."""
     from dpft.run.loop import Trainer, TrainingError, TrainingInterrupted
@@ -223,6 +242,7 @@ def train(
         ("--device", "perf.device", device), ("--dtype", "perf.dtype", dtype),
         ("--checkpoint-every", "checkpoint_every", checkpoint_every), ("--seed", "seed", seed), ("--name", "name", name),
         ("--output-dir", "output_dir", str(output_dir) if output_dir else None),
+        ("--time-budget", "schedule.time_budget", time_budget),
     ), set)
     if no_dp:
         ov["privacy.enabled"] = False
@@ -245,6 +265,7 @@ def train(
             ov, origins = {**base, **ov}, {**{k: f"the default recipe ({k})" for k in base}, **origins}
             if not quiet and int(os.environ.get("RANK", "0") or 0) == 0:
                 typer.echo(what, err=True)
+        _time_budget_steps(ov, origins, time_budget)
         rec = load_recipe(recipe, ov, origins)
         # a causal-LM corpus or instruction file keeps its task; a classifier's file is 'files'
         if train_file and not task and rec.task.name not in ("text", "instruct", "seq2seq"):
@@ -270,7 +291,7 @@ def train(
         from dpft.run.auto import resolve_auto
 
         # batch/steps auto (accounting/budget.py): reads N, so after the folder checks, before the plan
-        rec, chosen = resolve_auto(rec)
+        rec, chosen = resolve_auto(rec, resume_dir=run_dir if resume else None)
         if chosen and not quiet:
             typer.echo(chosen, err=True)
         trainer = Trainer(rec, run_dir, resume=resume, progress=not quiet, allow_overspend=allow_overspend)

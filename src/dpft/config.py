@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from dpft.config_base import EvalCfg, LogCfg, OutputCfg, PerfCfg, PluginConfig
-from dpft.config_tune import TuneCfg
+from dpft.config_tune import Duration, TuneCfg, time_budget_steps
 
 @dataclass(frozen=True)
 class MethodsSchema:
@@ -267,9 +267,14 @@ class ScheduleCfg(_Strict):
     steps: Optional[_PosInt | Auto] = None
     #: Examples processed (B·T) for ``steps: auto`` / ``batch.expected_batch_size: auto``; None = 3 epochs.
     compute_budget: Optional[int] = Field(None, ge=1)
+    #: Wall-clock budget (``30m``, ``2h``, seconds) for ``steps: auto``: T from a timed probe step
+    #: (run/timing.py); given alone it sets ``steps: auto``.
+    time_budget: Optional[Duration] = None
     epochs: Optional[float] = Field(None, gt=0)
     warmup_steps: int = Field(0, ge=0)
     decay: Literal["linear", "constant"] = "linear"
+
+    _time_budget = model_validator(mode="before")(time_budget_steps)
 
     @model_validator(mode="after")
     def _one_of(self):

@@ -4,11 +4,57 @@ Kept apart from config.py (which imports it) so that the recipe schema stays wit
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from dpft.config_base import PluginConfig
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(v: Any) -> Any:
+    """Seconds from ``3600``, ``"90s"``, ``"30m"``, ``"2h"``, ``"1h30m"`` or ``"1.5h"`` (None stays None).
+
+    Raises:
+        ValueError: not a positive duration (the message shows the accepted forms)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise ValueError("time budget: give seconds or a duration such as 30m, 2h, 1h30m")
+    if isinstance(v, (int, float)):
+        sec = float(v)
+    else:
+        text = str(v).strip().lower().replace(" ", "")
+        parts = re.findall(r"(\d+(?:\.\d+)?)([smhd]?)", text)
+        if not text or "".join(a + b for a, b in parts) != text or (len(parts) > 1 and not all(b for _, b in parts)):
+            raise ValueError(f"time budget {v!r}: give seconds or a duration such as 30m, 2h, 1h30m")
+        sec = sum(float(a) * _UNITS[b or "s"] for a, b in parts)
+    if not sec > 0:
+        raise ValueError(f"time budget must be positive (got {v!r})")
+    return sec
+
+
+#: A wall-clock duration in seconds, read from ``30m`` / ``2h`` / ``1h30m`` / a number of seconds.
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+def time_budget_steps(cls, data: Any) -> Any:
+    """``schedule`` validator: a time budget chooses T, so it means ``steps: auto``; a fixed T or
+    epochs beside it, or a second budget (``compute_budget``), is refused naming the fix."""
+    if not isinstance(data, dict) or data.get("time_budget") is None:
+        return data
+    data = dict(data)
+    if data.get("steps") is None and data.get("epochs") is None:
+        data["steps"] = "auto"
+    if data.get("steps") != "auto" or data.get("epochs") is not None:
+        raise ValueError("schedule.time_budget chooses the number of steps: set schedule.steps: auto and no "
+                         "schedule.epochs (dpft train/tune --time-budget does), or drop the time budget")
+    if data.get("compute_budget") is not None:
+        raise ValueError("schedule: give time_budget or compute_budget, not both")
+    return data
+
 
 #: Recipe keys a search may vary. The first group changes the privacy cost of a trial (q, steps):
 #: those must be ``choice`` (a finite set of configurations, each calibrated and bounded).
@@ -18,6 +64,13 @@ FREE_KEYS = ("optimizer.lr", "optimizer.head_lr", "optimizer.weight_decay", "pri
 
 
 _Strict = PluginConfig
+
+
+def is_method_key(key: str) -> bool:
+    """``methods.<name>.<field>``: a method's setting (which methods may be searched is checked by
+    run/tune.py against the method registry: the schema imports no method)."""
+    parts = key.split(".")
+    return len(parts) >= 3 and parts[0] == "methods" and all(parts)
 
 
 class TrialsCfg(_Strict):
@@ -30,6 +83,10 @@ class TrialsCfg(_Strict):
     mean: float = Field(5.0, gt=0)
     #: η of the truncated negative binomial (> −1).
     eta: float = Field(1.0, gt=-1)
+    #: With ``schedule.time_budget``: each trial gets budget / E[K] (None, default: the search takes
+    #: the budget on average, longer when K > E[K]) or budget / k_p with k_p the p-quantile of K
+    #: (the search fits the budget with probability ≥ p; shorter trials). K's law is never changed.
+    time_quantile: Optional[float] = Field(None, gt=0, lt=1)
 
 
 class TuneCfg(_Strict):
@@ -49,8 +106,10 @@ class TuneCfg(_Strict):
     @model_validator(mode="after")
     def _space_ok(self):
         for key, spec in self.space.items():
-            if key not in PRIVACY_KEYS + FREE_KEYS:
-                raise ValueError(f"tune.space: {key!r} cannot be searched; allowed: {', '.join(PRIVACY_KEYS + FREE_KEYS)}")
+            if key not in PRIVACY_KEYS + FREE_KEYS and not is_method_key(key):
+                raise ValueError(f"tune.space: {key!r} cannot be searched; allowed: {', '.join(PRIVACY_KEYS + FREE_KEYS)}"
+                                 ", and methods.<method>.<field> of a method that leaves the privacy events "
+                                 "unchanged (docs/tune.md)")
             if len(spec) != 1 or next(iter(spec)) not in ("choice", "log_uniform"):
                 raise ValueError(f"tune.space.{key}: give one of {{choice: [..]}} or {{log_uniform: [lo, hi]}}")
             kind, vals = next(iter(spec.items()))

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import dp_accounting as dpa
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpft.accounting.quiet import quiet_absl as _quiet_absl  # absl's RDP notes: not errors
 
-__all__ = ["BudgetChoice", "choose_batch_and_steps", "scaled_lr", "B_REF", "BudgetError"]
+__all__ = ["BudgetChoice", "choose_batch_and_steps", "choose_for_time", "steps_in_time", "scaled_lr", "B_REF",
+           "BudgetError"]
 
 #: The batch size the recipe's learning rate is taken to be tuned for.
 B_REF = 256
@@ -54,7 +55,7 @@ class BudgetChoice:
                 f"smallest noise on the averaged gradient σ/B = {self.noise_per_example:.4g} (σ = {self.sigma:.3g}) "
                 "among the candidates at this compute (Sander et al. 2023):")
         lines = [f"    B = {r['batch']:>6}  T = {r['steps']:>6}  σ = {r['sigma']:8.3f}  σ/B = {r['noise_per_example']:.4g}"
-                 for r in self.rows]
+                 + (f"  ≈ {r['seconds']:.0f} s of steps" if "seconds" in r else "") for r in self.rows]
         return "\n".join([head, *lines])
 
 
@@ -107,6 +108,63 @@ def choose_batch_and_steps(n: int, epsilon: float, delta: float, budget: Optiona
                           "raise ε or lower schedule.compute_budget")
     best = min(rows, key=lambda r: r["noise_per_example"])
     return BudgetChoice(best["batch"], best["steps"], best["sigma"], best["noise_per_example"], budget, rows)
+
+
+def steps_in_time(seconds: float, step_seconds: float, eval_seconds: float = 0.0,
+                  eval_every: Optional[int] = None) -> int:
+    """The most logical steps T that fit ``seconds`` of wall time when each step takes ``step_seconds``
+    and the run evaluates every ``eval_every`` steps and once at the end, ``eval_seconds`` each:
+    T·s + (⌊T/e⌋ + 1)·E ≤ seconds, solved with T/e for ⌊T/e⌋ (so never more than fits). 0: none fits."""
+    room = seconds - eval_seconds
+    per = step_seconds + (eval_seconds / eval_every if eval_every else 0.0)
+    if not per > 0:
+        raise BudgetError(f"a measured step time must be positive (got {step_seconds!r} s)")
+    if room <= 0:
+        return 0
+    return int(math.floor(room / per + 1e-9))
+
+
+def choose_for_time(n: int, epsilon: float, delta: float, seconds: float, step_seconds: Callable[[int], float],
+                    eval_seconds: float = 0.0, eval_every: Optional[int] = None,
+                    batch: Optional[int] = None) -> BudgetChoice:
+    """(B, T) for a wall-clock budget: each candidate B = 8, 16, … ≤ N (or the given ``batch``) gets the
+    most steps that fit (:func:`steps_in_time` with its measured ``step_seconds(B)``), and the B with the
+    smallest σ(B/N, T_B)/B wins (the compute-budget rule of :func:`choose_batch_and_steps` with the
+    budget in seconds instead of examples). ``rows`` carry each candidate's estimated seconds.
+
+    Raises:
+        BudgetError: N < 2, or no step fits in ``seconds`` (then raise the budget), or none meets ε."""
+    if n < 2:
+        raise BudgetError(f"auto batch/steps need N ≥ 2 training examples (got {n})")
+    bs = [batch] if batch is not None else []
+    b = 8
+    while batch is None and b <= n:
+        bs.append(b)
+        b *= 2
+    bs = bs or [n]
+    cands = [(b, steps_in_time(seconds, step_seconds(b), eval_seconds, eval_every)) for b in bs]
+    cands = [(b, t) for b, t in cands if t >= 1]
+    if not cands:
+        raise BudgetError(f"the time budget ({seconds:.0f} s left after setup) does not fit one step of B = {bs[0]} "
+                          f"({step_seconds(bs[0]):.3g} s a step, {eval_seconds:.3g} s an evaluation): raise it, "
+                          "lower model.max_length or the batch size")
+    if batch is None:  # the compute budget's floor: T ≥ min(MIN_STEPS, T at the smallest B)
+        t_min = max(1, min(MIN_STEPS, cands[0][1]))
+        cands = [(b, t) for b, t in cands if t >= t_min] or cands[:1]
+    rows = []
+    for b, t in cands:
+        try:
+            s = _sigma_rdp(b / n, t, epsilon, delta)
+        except Exception:  # noqa: BLE001 - the target is out of reach at this (B, T)
+            continue
+        rows.append({"batch": b, "steps": t, "sigma": s, "noise_per_example": s / b,
+                     "seconds": t * step_seconds(b)})
+    if not rows:
+        raise BudgetError(f"no (B, T) that fits the time budget meets ε = {epsilon:g} at δ = {delta:g} with σ ≤ 500; "
+                          "raise ε or the time budget")
+    best = min(rows, key=lambda r: r["noise_per_example"])
+    return BudgetChoice(best["batch"], best["steps"], best["sigma"], best["noise_per_example"],
+                        best["batch"] * best["steps"], rows)
 
 
 def scaled_lr(lr: float, batch: int, optimizer: str) -> float:

@@ -13,6 +13,14 @@
 * **one release** — after a search, the run directory holds the chosen trial's model only and no
   trial folder; planted ``losing_models_released`` (every trial's model copied into the run
   directory) fails it.
+* **searched methods keep the events** — every registered method that declares
+  ``search_events_unchanged`` (so ``tune.space`` may vary it, run/tune_space.py) is built, with its
+  options on, into a stub DP step: its ``prepare`` records nothing in the ledger and the step's
+  mechanism still records the same ``PoissonSampled(q, Gaussian(σ))`` event; a method declaring it
+  without an entry here fails the check (a claim nobody audited).
+* **uncovered trials are charged** — a trial whose recorded events exceed every candidate (e.g. a
+  method adding a release) is composed on top of the selection in the released ledger, in full;
+  planted ``uncovered_trial_hidden`` (the coverage test answering "all covered") fails it.
 """
 
 from __future__ import annotations
@@ -20,16 +28,21 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+import types
 from pathlib import Path
 from unittest import mock
 
 import dp_accounting as dpa
 import numpy as np
+import torch
 
 from dpft.accounting import selection_profile as _prof
 from dpft.accounting.ledger import PrivacyLedger, event_to_dict
 from dpft.accounting.selection import ORDERS, KDistribution, RandomKSelectionDpEvent, candidate_event, selection_epsilon
 from dpft.audit.whitebox import Check
+from dpft.methods.base import registered
+from dpft.models.losses import classification_loss
+from dpft.step.build import build_clip, build_step_spec, make_engine
 from dpft.config import Recipe
 from dpft.privacy.randomness import Randomness
 from dpft.run import tune as T
@@ -37,7 +50,13 @@ from dpft.run import tune as T
 __all__ = ["PLANTED", "tune_checks"]
 
 #: Planted bugs :func:`tune_checks` must catch.
-PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped")
+PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
+           "uncovered_trial_hidden")
+
+#: The options that switch each search-safe built-in method fully on (audited by :func:`_method_events`).
+METHOD_ON = {"rmt": {"method": "rmt", "kappa": 1.1},
+             "dp_adam_ac": {"adaptive_clip": True, "count_noise": 50.0, "gamma_nudge": True, "ema_decay": 0.9,
+                            "bias_correction": True}}
 
 
 def _k_law(planted) -> Check:
@@ -197,6 +216,68 @@ def _one_release(planted) -> Check:
     return Check("tune: only the chosen trial's model is released", ok, f"model files left: {models}")
 
 
+def _method_events(planted=None) -> Check:
+    """Each method declaring ``search_events_unchanged``, on, in a stub step: no ledger entry from its
+    ``prepare``, the same per-step event from the mechanism its ``build`` leaves."""
+    rows, ok = [], True
+    for name, cls in sorted(registered().items()):
+        if not getattr(cls, "search_events_unchanged", False):
+            continue
+        if name not in METHOD_ON:
+            ok = False
+            rows.append(f"{name}: declares search_events_unchanged but has no audit entry (METHOD_ON)")
+            continue
+        r = Recipe.model_validate({"privacy": {"target_epsilon": 8.0}, "optimizer": {"name": "adamw"},
+                                   "methods": [{"name": name, **METHOD_ON[name]}]})
+        cfg = r.methods[0]
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+        clip = build_clip(r.privacy)
+        engine = make_engine("reference", model, classification_loss, clip)
+        sigma, q = 1.3, 0.05
+        spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=Randomness(0), sampler=None,
+                               optimizer=torch.optim.SGD(engine.params.values(), lr=0.1))
+        before = spec.mechanism.event(q)
+        led = PrivacyLedger()
+        run = types.SimpleNamespace(recipe=r, private=True, resume=False, sigma=sigma, rng=Randomness(0), ledger=led,
+                                    model=model, n=1000, q=q, run_dir=Path(tempfile.gettempdir()))
+        m = cls(cfg, r)
+        m.prepare(run)
+        after = m.build(spec, run).mechanism.event(q)
+        same = led.entries == [] and led.certified and after == before
+        ok &= same
+        rows.append(f"{name} on ({', '.join(METHOD_ON[name])}): ledger entries {len(led.entries)}, step event "
+                    f"{'unchanged' if after == before else 'CHANGED'}")
+    return Check("tune: methods a search may vary keep the step's privacy events", ok, "; ".join(rows))
+
+
+def _uncovered_charged(planted=None) -> Check:
+    """A trial spending more than every candidate (a method adding a release) is composed on top."""
+    with tempfile.TemporaryDirectory() as d:
+        run = Path(d) / "run"
+        priv = run / T.PRIVATE
+        priv.mkdir(parents=True)
+        r = Recipe.model_validate({"privacy": {"target_epsilon": 8.0, "delta": 1e-5},
+                                   "tune": {"trials": {"mean": 3.0}}})
+        dist = KDistribution.with_mean("truncated_negative_binomial", 3.0)
+        cand = candidate_event(1.0, 0.02, 50, 10.0)
+        extra = dpa.ComposedDpEvent([cand, dpa.GaussianDpEvent(2.0)])  # one more release than planned
+        trials = [{"index": i, "hyperparameters": {}, "score": float(i), "sigma": 1.0, "trial_epsilon": 1.0,
+                   "events": [json.loads(json.dumps(event_to_dict(ev)))]} for i, ev in enumerate([cand, extra])]
+        for t in trials:
+            (priv / f"trial_{t['index']}" / "model").mkdir(parents=True)
+        state = {"k": 2, "trials": trials, "score_sigma": 10.0, "configurations": [{}], "sigmas": [1.0]}
+        patch = (mock.patch.object(T, "check_trials_covered", lambda ev, rtol=1e-9: [])
+                 if planted == "uncovered_trial_hidden" else mock.patch.object(T, "PRIVATE", T.PRIVATE))
+        with patch:
+            rep = T.finish_search(r, run, state, dist, [cand], keep=False)
+        led = PrivacyLedger.load(run / "ledger.json")
+        alone = selection_epsilon([cand], dist, 1e-5).epsilon
+        phases = [e.phase for e in led.entries]
+        ok = phases == ["tune", "tune_uncovered"] and rep["epsilon"] > alone + 1e-6
+    return Check("tune: a trial outside the candidates is charged in full", ok,
+                 f"ledger phases {phases}; ε {rep['epsilon']:.4f} against the selection alone {alone:.4f}")
+
+
 def tune_checks(planted: str | None = None) -> list:
     """The search's checks (tens of seconds on a CPU). ``planted``: None or one of :data:`PLANTED`.
 
@@ -204,4 +285,5 @@ def tune_checks(planted: str | None = None) -> list:
         ValueError: an unknown planted bug."""
     if planted is not None and planted not in PLANTED:
         raise ValueError(f"unknown planted tune bug {planted!r}; known: {PLANTED}")
-    return [_k_law(planted), _selection_epsilon(planted), _noisy_score(planted), _one_release(planted)]
+    return [_k_law(planted), _selection_epsilon(planted), _noisy_score(planted), _one_release(planted),
+            _method_events(planted), _uncovered_charged(planted)]

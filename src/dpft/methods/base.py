@@ -91,6 +91,13 @@ class Method:
     #: with ``Randomness.stream(..., device=...)``), so it runs on an accelerator; a method that
     #: does not declare it is run on the CPU (``perf.device: auto``) or refused (perf.py).
     supports_device: ClassVar[bool] = False
+    #: The method leaves the run's ledger events unchanged (no earlier private phase, the same
+    #: per-step event: e.g. post-processing, or a count folded into the step's one Gaussian), so a
+    #: private search (``dpft tune``, run/tune.py) may vary its settings and switch it on or off
+    #: freely; a method that does not declare it is refused inside a search.
+    search_events_unchanged: ClassVar[bool] = False
+    #: Config fields that make a run NOT CERTIFIED (refused inside a search).
+    uncertified_fields: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def python_refusal(cls, cfg: BaseModel) -> Optional[str]:

@@ -117,6 +117,10 @@ class DPAdamAC(Method):
 
     #: The noisy count counts rows: refused with user-level units (methods/python.py).
     example_level_only = True
+    #: The count shares the step's one GaussianDpEvent(σ) (σ_Δ above); DPAdam, γ and the EMA are
+    #: post-processing: the step's events are unchanged (a search may vary it).
+    search_events_unchanged = True
+    uncertified_fields = ("reproduce_paper",)
 
     @classmethod
     def enabled(cls, cfg: AdamACCfg) -> bool:

@@ -75,6 +75,9 @@ class RMTDenoise(Method):
     supports_ddp = True
     #: The SVDs run on the noisy gradient's device (its sketch generator too: public, seeded).
     supports_device = True
+    #: Post-processing of the noisy sum: the step's events are unchanged (a search may vary it).
+    search_events_unchanged = True
+    uncertified_fields = ("diagnostics",)
 
     @classmethod
     def enabled(cls, cfg: DenoiseCfg) -> bool:

@@ -40,13 +40,14 @@ from typing import Any, Optional
 import dp_accounting as dpa
 
 from dpft.accounting.io import atomic_write_text
-from dpft.accounting.ledger import PrivacyLedger
+from dpft.accounting.ledger import PrivacyLedger, event_from_dict, event_to_dict
 from dpft.accounting.selection import (KDistribution, RandomKSelectionDpEvent, calibrate_search, candidate_event,
                                        check_trials_covered, selection_epsilon)
-from dpft.config import Recipe, apply_overrides, dump_recipe
+from dpft.config import Recipe, dump_recipe
 from dpft.config_tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
 from dpft.run.errors import TrainingError
+from dpft.run.tune_space import apply_hyperparameters, check_search_methods, steps_for, time_budget_refusal, time_plan
 
 __all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search", "summary"]
 
@@ -69,16 +70,23 @@ def check_tune_recipe(r: Recipe) -> None:
     if not p.enabled or p.target_epsilon is None or p.noise_multiplier is not None:
         raise TuneError("dpft tune spends privacy.target_epsilon on the whole search: set it, and no "
                         "privacy.noise_multiplier (each trial's σ is calibrated from it)")
-    if r.methods:
-        raise TuneError("dpft tune runs plain DP-SGD/Adam trials; remove methods: (their phases are not yet bounded "
-                        "inside a search)")
+    try:  # methods (in methods: or tune.space) only where every trial keeps the candidates' events
+        check_search_methods(r)
+    except TrainingError as exc:
+        raise TuneError(str(exc)) from None
     if r.task.name in ("text", "instruct", "seq2seq") or r.task.user_column:
         raise TuneError("dpft tune scores classifiers by a noisy count of correct predictions; this task is not "
                         "supported yet")
     if p.mechanism != "gaussian" or r.batch.schedule or r.batch.max_batch_size:
         raise TuneError("dpft tune supports the Gaussian mechanism with plain Poisson sampling (no banded_mf, "
                         "batch.schedule or batch.max_batch_size)")
-    if r.batch.expected_batch_size == "auto" or r.schedule.steps == "auto":
+    timed = r.schedule.time_budget is not None
+    if timed and time_budget_refusal(r):
+        raise TuneError(time_budget_refusal(r))
+    if timed and {"schedule.steps", "schedule.epochs"} & set(r.tune.space or {}):
+        raise TuneError("tune: schedule.time_budget chooses each trial's steps; remove schedule.steps/epochs from "
+                        "tune.space (or drop the time budget)")
+    if r.batch.expected_batch_size == "auto" or (r.schedule.steps == "auto" and not timed):
         raise TuneError("dpft tune: batch/steps auto is for dpft train; give numbers or search them in tune.space "
                         "(batch.expected_batch_size / schedule.steps: {choice: [...]})")
     if r.task.dev_public and not r.task.dev_file and r.task.name in ("files",):
@@ -98,11 +106,13 @@ def configurations(r: Recipe) -> list[dict[str, Any]]:
     return combos
 
 
-def _steps_and_q(r: Recipe, combo: dict, n: int) -> tuple[float, int]:
+def _steps_and_q(r: Recipe, combo: dict, n: int, steps_by_batch: Optional[dict] = None) -> tuple[float, int]:
     b = int(combo.get("batch.expected_batch_size", r.batch.expected_batch_size))
     steps = combo.get("schedule.steps")
     epochs = combo.get("schedule.epochs")
-    if steps is None and epochs is None:
+    if steps_by_batch:  # a time budget (run/tune_space.py time_plan) chose T for this B
+        steps, epochs = steps_by_batch[str(b)], None
+    elif steps is None and epochs is None:
         steps, epochs = r.schedule.steps, r.schedule.epochs
     t = int(steps) if steps else max(1, math.ceil(float(epochs) * n / b))
     if b > n:
@@ -157,11 +167,12 @@ def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pai
                       "label_column": "label", "text_pair_column": "text_pair" if pair else None,
                       "max_train_examples": None, "max_dev_examples": None, "dev_public": False})
     d["privacy"].update({"noise_multiplier": sigma, "target_epsilon": None})
+    d["schedule"]["time_budget"] = None  # the search's budget: its share is in hp's schedule.steps
     if "schedule.steps" in hp:
         d["schedule"]["epochs"] = None
     if "schedule.epochs" in hp:
         d["schedule"]["steps"] = None
-    return Recipe.model_validate(apply_overrides(d, dict(hp)))
+    return Recipe.model_validate(apply_hyperparameters(d, dict(hp)))
 
 
 def private_score(correct: int, score_sigma: Optional[float], ledger: PrivacyLedger, rng: Randomness, i: int,
@@ -245,7 +256,12 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     t = tc.trials
     dist = KDistribution.with_mean(t.distribution, t.mean, t.eta)
     combos = configurations(r)
-    plans = [_steps_and_q(r, c, n) for c in combos]
+    steps_by_batch = state.get("steps_by_batch") if resume else None
+    if r.schedule.time_budget is not None and not resume:  # T per batch size from a timed probe (no private data)
+        steps_by_batch, said = time_plan(r, n, len(score_rows), task.num_labels, dist, combos)
+        if progress:
+            print(said, file=sys.stderr)
+    plans = [_steps_and_q(r, c, n, steps_by_batch) for c in combos]
     score_sigma = None if public else tc.score_noise_multiplier
     if resume:
         sigmas = state["sigmas"]
@@ -253,7 +269,8 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         sigmas, _ = calibrate_search(r.privacy.target_epsilon, r.privacy.delta, dist, plans, score_sigma)
         k, trials = draw_trials(r, dist, rng)
         state = {"recipe": _comparable(r), "k": k, "distribution": dist.as_dict(), "sigmas": sigmas, "configurations": combos,
-                 "n_fit": n, "n_score": len(score_rows), "score_sigma": score_sigma, "trials": trials}
+                 "n_fit": n, "n_score": len(score_rows), "score_sigma": score_sigma, "trials": trials,
+                 "steps_by_batch": steps_by_batch}
         _save_state(state_path, state)  # K persisted before the first trial: a resume never redraws it
     candidates = [candidate_event(s, q, steps, score_sigma) for s, (q, steps) in zip(sigmas, plans)]
     for tr in state["trials"]:
@@ -263,7 +280,7 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         combo = {k2: hp[k2] for k2 in PRIVACY_KEYS if k2 in hp}
         sigma = sigmas[combos.index(combo)]
         tdir = priv / f"trial_{i}"
-        rec = _trial_recipe(r, hp, sigma, fit_path, score_path, task.has_pair)
+        rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair)
         if progress:
             print(f"trial {i + 1}: {json.dumps(hp)} σ = {sigma:.4f}", file=sys.stderr)
         trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=progress,
@@ -279,14 +296,10 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
 
 
 def _ev(e):
-    from dpft.accounting.ledger import event_to_dict
-
     return event_to_dict(e)
 
 
 def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, candidates: list, keep: bool) -> dict:
-    from dpft.accounting.ledger import event_from_dict
-
     priv = run_dir / PRIVATE
     delta = r.privacy.delta
     trials = state["trials"]
@@ -316,6 +329,7 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         else "exact count of correct predictions on the public dev file",
         "score_noise_multiplier": state["score_sigma"],
         "configurations": [{"config": c, "sigma": s} for c, s in zip(state["configurations"], state["sigmas"])],
+        "steps_by_batch": state.get("steps_by_batch"),  # chosen by schedule.time_budget (None: not timed)
         "not_released": "K, and the other trials' hyperparameters and scores (tune_private/, mode 0700): the "
                         "selection theorem covers the chosen trial's output only",
     }
@@ -328,10 +342,12 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         shutil.copytree(src, run_dir / "model")
         # the recipe of the released model (the user's recipe with the chosen values): `dpft predict RUN` reads it
         d = r.model_dump(mode="json")
+        hp = steps_for(r, best["hyperparameters"], state.get("steps_by_batch"))
+        d["schedule"]["time_budget"] = None
         for a, b in (("schedule.steps", "epochs"), ("schedule.epochs", "steps")):
-            if a in best["hyperparameters"]:
+            if a in hp:
                 d["schedule"][b] = None
-        chosen = Recipe.model_validate(apply_overrides(d, dict(best["hyperparameters"])))
+        chosen = Recipe.model_validate(apply_hyperparameters(d, dict(hp)))
         atomic_write_text(run_dir / "recipe.yaml", dump_recipe(chosen))
         rep["chosen"] = {"hyperparameters": best["hyperparameters"], "noisy_score": best["score"],
                          "sigma": best["sigma"], "trial_epsilon": best["trial_epsilon"]}
