@@ -51,7 +51,7 @@ from dpft.grads.bookkeeping import BookKeepingEngine
 from dpft.models.losses import causal_lm_loss
 from dpft.privacy.randomness import Randomness
 from dpft.step.clip import make_clip_policy
-from dpft.step.correlated import BandedMFMechanism, banded_coefficients
+from dpft.step.correlated import BandedMFMechanism, banded_coefficients, write_secret
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler
 
@@ -394,8 +394,6 @@ def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> lis
     import os
     import tempfile
     from pathlib import Path
-
-    from dpft.step.correlated import write_secret
 
     shapes = {"w": (7, 4), "b": (3,)}
 
