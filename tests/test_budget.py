@@ -228,3 +228,22 @@ def test_python_time_budget_replaces_the_recipes_steps():
                         dpft._with_time_budget(None, "45m"))
     assert (r.schedule.time_budget, r.schedule.steps, r.schedule.epochs) == (2700.0, "auto", None)
     assert dpft._with_time_budget({"optimizer.lr": 1e-3}, None) == {"optimizer.lr": 1e-3}
+
+
+def test_cli_compute_budget_sets_auto_batch_and_steps_and_refuses_typed_steps(tiny_model_dir, sst_like_files, tmp_path):
+    """--compute-budget N: schedule.compute_budget = N with T (and B unless --batch-size) auto; a typed
+    --steps is refused before any loading, naming the flag to drop."""
+    from typer.testing import CliRunner
+
+    from dpft.cli import _compute_budget_choice, app
+
+    ov, origins = {"schedule.steps": 150}, {"schedule.steps": "recipe"}
+    _compute_budget_choice(ov, origins, 4000)
+    assert ov == {"schedule.steps": "auto", "schedule.epochs": None, "batch.expected_batch_size": "auto"}
+    ov, origins = {"batch.expected_batch_size": 64}, {"batch.expected_batch_size": "--batch-size 64"}
+    _compute_budget_choice(ov, origins, 4000)
+    assert ov["batch.expected_batch_size"] == 64 and ov["schedule.steps"] == "auto"
+    res = CliRunner().invoke(app, ["train", "--model", str(tiny_model_dir), "--train-file", str(sst_like_files["csv"]),
+                                   "--epsilon", "8", "--compute-budget", "4000", "--steps", "5",
+                                   "-o", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "--compute-budget chooses the number of steps: drop --steps 5" in res.output

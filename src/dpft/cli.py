@@ -131,6 +131,21 @@ def _time_budget_steps(ov: dict, origins: dict, time_budget: Optional[str]) -> N
     origins.update({"schedule.steps": "--time-budget", "schedule.epochs": "--time-budget"})
 
 
+def _compute_budget_choice(ov: dict, origins: dict, compute_budget: Optional[int]) -> None:
+    """``--compute-budget N``: B·T ≈ N examples processed, T chosen by the accountant (``schedule.steps:
+    auto``) and B too unless ``--batch-size`` is given (accounting/budget.py: the least σ/B)."""
+    if compute_budget is None:
+        return
+    for key in ("schedule.steps", "schedule.epochs"):
+        if ov.get(key) not in (None, "auto") and origins.get(key, "").startswith("--"):
+            _fail(f"--compute-budget chooses the number of steps: drop {origins[key]}")
+    ov.update({"schedule.steps": "auto", "schedule.epochs": None})
+    origins.update({"schedule.steps": "--compute-budget", "schedule.epochs": "--compute-budget"})
+    if not origins.get("batch.expected_batch_size", "").startswith("--"):
+        ov["batch.expected_batch_size"] = "auto"
+        origins["batch.expected_batch_size"] = "--compute-budget"
+
+
 @app.command()
 def tune(
     recipe: Path = typer.Argument(..., help="YAML recipe with a tune: section."),
@@ -214,6 +229,9 @@ def train(
     set: Optional[List[str]] = typer.Option(None, "--set", help="Any recipe key: --set optimizer.weight_decay=0.01"),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar, plan or time estimate."),
     time_budget: Optional[str] = typer.Option(None, "--time-budget", help=_TIME_HELP + " (run/timing.py)."),
+    compute_budget: Optional[int] = typer.Option(
+        None, "--compute-budget", min=1, help="schedule.compute_budget: examples processed (B·T); T, and B unless "
+        "--batch-size, chosen by the accountant for the least noise per averaged gradient σ/B (accounting/budget.py)."),
 ):
     """Fine-tune a model under (ε, δ)-DP as a recipe says; flags override recipe keys."""
     from dpft.run.loop import Trainer, TrainingError, TrainingInterrupted
@@ -243,6 +261,7 @@ def train(
         ("--checkpoint-every", "checkpoint_every", checkpoint_every), ("--seed", "seed", seed), ("--name", "name", name),
         ("--output-dir", "output_dir", str(output_dir) if output_dir else None),
         ("--time-budget", "schedule.time_budget", time_budget),
+        ("--compute-budget", "schedule.compute_budget", compute_budget),
     ), set)
     if no_dp:
         ov["privacy.enabled"] = False
@@ -266,6 +285,7 @@ def train(
             if not quiet and int(os.environ.get("RANK", "0") or 0) == 0:
                 typer.echo(what, err=True)
         _time_budget_steps(ov, origins, time_budget)
+        _compute_budget_choice(ov, origins, compute_budget)
         rec = load_recipe(recipe, ov, origins)
         # a causal-LM corpus or instruction file keeps its task; a classifier's file is 'files'
         if train_file and not task and rec.task.name not in ("text", "instruct", "seq2seq"):
