@@ -115,7 +115,8 @@ from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
-from dpft.integrations.hf_fsdp import check_fsdp2_model, is_fsdp2_model, sharded_trainer_step
+from dpft.integrations.hf_fsdp import (check_sharded_model, refuse_sharded_methods, sharded_trainer_step,
+                                       sharded_training_step)
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
 
@@ -196,10 +197,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
             args = TrainingArguments(output_dir="trainer_output")
         check_training_arguments(args)
         # before Trainer (and TRL) prepare anything; FSDP2 (fully_shard on the root): the sharded step
-        ddp.refuse_sharded_model(model, type(self).__name__, allow_fsdp2=True)
-        self.sharded = is_fsdp2_model(model)
-        if self.sharded:
-            check_fsdp2_model(model, type(self).__name__, dp_args.mechanism_part())
+        self.sharded = check_sharded_model(model, type(self).__name__, dp_args.mechanism_part())
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
         # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
@@ -267,9 +265,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         # The methods over what DPTrainer knows (methods/python.py); their earlier releases (a
         # privately built basis from a file) enter the ledger before σ is calibrated after them.
         meths = python_methods(dp_args.methods, "DPArguments")
-        if meths and self.sharded:  # the sharded step runs no method hooks (as dpft train under FSDP)
-            raise ValueError(f"{type(self).__name__}: DPArguments.methods with an FSDP2 (fully_shard) model is not "
-                             "supported: the sharded step runs no method hooks; drop methods or train unsharded (DDP)")
+        if self.sharded:
+            refuse_sharded_methods(type(self).__name__, meths)
         ddp.check_methods(self.world, meths)
         #: The method plug-ins of ``DPArguments.methods``; ``method_stats``: what they released at
         #: the last update (privatised statistics only, e.g. DP-Adam-AC's C and clip rate).
@@ -499,12 +496,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         torch.manual_seed(ddp.dropout_seed(self._run_rng, t, self.world))
         idx = self._logical_order(self.dp_step.indices(t))
         if self.sharded:  # FSDP2 (integrations/hf_fsdp.py): placeholders, reduce-scatter, sharded noise
-            with self.compute_loss_context_manager():
-                out = self.dp_step.run(t, self._micro_batches(idx))
-            ddp.check_step_digest(self.world, t, idx, {})  # the ranks hold different shards: the batch only
-            self.last_private_stats = dict(out.private)
-            return torch.zeros((), device=self.args.device) if not self.dp_args.log_private_train_loss else \
-                torch.tensor(float(out.private["train_loss"]), device=self.args.device)
+            return sharded_training_step(self, t, idx)
         agg = Aggregator(self.engine.params)
         failure: Optional[NonFiniteGradientError] = None
         try:

@@ -20,10 +20,36 @@ from __future__ import annotations
 
 import torch
 
+from dpft import distributed as ddp
 from dpft import fsdp
 from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
 
-__all__ = ["is_fsdp2_model", "check_fsdp2_model", "sharded_trainer_step"]
+__all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "refuse_sharded_methods",
+           "sharded_trainer_step", "sharded_training_step"]
+
+
+def check_sharded_model(model, where: str, mechanism=None) -> bool:
+    """Whether ``model`` runs the sharded step (FSDP2, ``fully_shard`` on its root), refusing FSDP1
+    and an FSDP2 model the sharded step cannot run (:func:`~dpft.api.sharded.check_fsdp2_model`).
+
+    Raises:
+        dpft.distributed.DistributedError: naming the fix."""
+    ddp.refuse_sharded_model(model, where, allow_fsdp2=True)
+    sharded = is_fsdp2_model(model)
+    if sharded:
+        check_fsdp2_model(model, where, mechanism)
+    return sharded
+
+
+def refuse_sharded_methods(where: str, methods: list) -> None:
+    """Refuse ``DPArguments.methods`` on the sharded step, which runs no method hooks (as ``dpft
+    train`` under ``perf.sharding: fsdp``: dpft/fsdp.py ``check_recipe``).
+
+    Raises:
+        ValueError: naming the fix."""
+    if methods:
+        raise ValueError(f"{where}: DPArguments.methods with an FSDP2 (fully_shard) model is not supported: the "
+                         "sharded step runs no method hooks; drop methods or train unsharded (DDP)")
 
 
 def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
@@ -45,3 +71,18 @@ def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
 
     return fsdp.FSDPStep(spec, trainer.ledger, trainer.n, trainer.world, placeholder,
                          on_release=trainer._save_live_ledger)
+
+
+def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
+    """``DPTrainer.training_step`` on the sharded step: the rank's share of logical batch ``idx``
+    (step ``t``) through :meth:`~dpft.fsdp.FSDPStep.run` (placeholders, reduce-scatter, sharded noise,
+    one ledger event), then the per-step digest of the logical batch (the ranks hold different
+    shards, so the weights are not compared). Returns 0, or the un-noised loss when
+    ``log_private_train_loss``."""
+    with trainer.compute_loss_context_manager():
+        out = trainer.dp_step.run(t, trainer._micro_batches(idx))
+    ddp.check_step_digest(trainer.world, t, idx, {})  # the ranks hold different shards: the batch only
+    trainer.last_private_stats = dict(out.private)
+    if trainer.dp_args.log_private_train_loss:
+        return torch.tensor(float(out.private["train_loss"]), device=trainer.args.device)
+    return torch.zeros((), device=trainer.args.device)
