@@ -70,9 +70,9 @@ own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16 (its 
 scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer state), activation
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
-``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, accelerate's FSDP plugin and
-``TrainingArguments.fsdp`` (a model the caller sharded with ``fully_shard``, root included, runs the
-sharded step: integrations/hf_fsdp.py), several GPUs in
+``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP1 and FSDP2 options
+that would change the DP step (``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin and a model the
+caller sharded with ``fully_shard`` run the sharded step: integrations/hf_fsdp.py), several GPUs in
 one process (``DataParallel``) and resuming with another number of processes; packing / padding-free collators
 (``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
 number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
@@ -115,8 +115,8 @@ from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
-from dpft.integrations.hf_fsdp import (check_sharded_model, refuse_sharded_methods, sharded_trainer_step,
-                                       sharded_training_step)
+from dpft.integrations.hf_fsdp import (accelerate_fsdp_off, check_sharded_model, refuse_sharded_methods,
+                                       shard_requested, sharded_trainer_step, sharded_training_step)
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
 
@@ -195,9 +195,11 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
                             "max_grad_norm=..., expected_batch_size=...)")
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
+        # TrainingArguments.fsdp / accelerate's FSDP2 plugin: dpft shards the model itself (hf_fsdp.py)
+        model, args, fsdp_asked = shard_requested(model, args, type(self).__name__, dp_args.mechanism_part())
         check_training_arguments(args)
         # before Trainer (and TRL) prepare anything; FSDP2 (fully_shard on the root): the sharded step
-        self.sharded = check_sharded_model(model, type(self).__name__, dp_args.mechanism_part())
+        self.sharded = check_sharded_model(model, type(self).__name__, dp_args.mechanism_part()) or fsdp_asked
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
         # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
@@ -206,7 +208,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         # doubled eval_loss under 2 processes (transformers 5.24). Off: evaluation is per batch as
         # in one process.
         args.average_tokens_across_devices = False
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        with accelerate_fsdp_off(fsdp_asked):  # accelerate must not build its FSDP plugin from the environment
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.dp_args = dp_args
         check_trainer(self, loss_fn, DPTrainer)
         #: This process's place in the world (``torchrun`` / ``accelerate launch``; one process

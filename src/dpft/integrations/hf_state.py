@@ -23,6 +23,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.errors import TrainingError
 from dpft.integrations.hf_card import write_trainer_card
 from dpft.integrations.hf_checks import refuse as _refuse
+from dpft.integrations.hf_fsdp import full_model_state, full_optimizer_state, is_fsdp2_model
 from dpft.run.lock import RunLock
 from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
 
@@ -85,9 +86,16 @@ class PrivateState:
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` plus ``ledger.json``, ``dp_state.json`` and dpft's model card
-        (``README.md``, over PEFT's template for an adapter) — checkpoints too."""
-        super().save_model(output_dir, _internal_call)
+        (``README.md``, over PEFT's template for an adapter) — checkpoints too. An FSDP2 model is
+        gathered first (every rank calls this: a collective) and rank 0 writes the full weights with
+        ``save_pretrained`` (PEFT: the adapter), the files ``from_pretrained`` loads; no ``DTensor``."""
         directory = output_dir if output_dir is not None else self.args.output_dir
+        if is_fsdp2_model(self.model):
+            state = full_model_state(self.model)  # rank 0: full CPU tensors; the other ranks: {}
+            if self.args.should_save:
+                self._save(directory, state_dict=state)
+        else:
+            super().save_model(output_dir, _internal_call)
         self._write_dp_files(directory)
         if self.is_world_process_zero():
             write_trainer_card(self, directory)
@@ -101,13 +109,28 @@ class PrivateState:
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint`` (every rank calls it), after checking that the ranks still
         hold one set of trainable weights (rank 0's are broadcast if not: they are the ones saved)."""
-        ddp.check_in_sync(self.world, self.dp_step.params)  # what the step updates (DP-SFT: not the k coordinates)
+        if not is_fsdp2_model(self.model):  # FSDP2: each rank holds its own shard, one weight for the world
+            ddp.check_in_sync(self.world, self.dp_step.params)  # what the step updates (DP-SFT: not the k coordinates)
         super()._save_checkpoint(model, trial)
         if self._banded and self.world.is_main:
             # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
             # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step.
 
             save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """``Trainer``'s, with an FSDP2 model's optimizer state gathered (every rank: a collective) and
+        written by rank 0 as full tensors keyed by parameter name (not rank 0's DTensor shards)."""
+        if not is_fsdp2_model(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import torch
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds torch's
+        state = full_optimizer_state(self.model, opt)
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _save_rng_state(self, output_dir: str) -> None:
         """``Trainer._save_rng_state`` on rank 0 only: rank 0 alone writes the run's files (the
@@ -131,6 +154,11 @@ class PrivateState:
               ignore_keys_for_eval: Optional[list[str]] = None, **kwargs) -> TrainOutput:
         """``Trainer.train`` with the ledger continued on resume. The returned ``training_loss``
         is NaN unless ``log_private_train_loss`` (the un-noised loss is private)."""
+        if resume_from_checkpoint and is_fsdp2_model(self.model):
+            _refuse("resume_from_checkpoint with an FSDP2-sharded model is not supported yet: Trainer's checkpoint "
+                    "loader copies full tensors into the model and optimizer, which hold DTensor shards (each rank "
+                    "1/K). Start a new DPTrainer from the saved model (its ledger composes: pass ledger=), or use "
+                    "`dpft train` with perf.sharding: fsdp and --resume (distributed checkpoint)")
         if trial is not None:
             _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
                     "releases compose; it is not supported")

@@ -1,0 +1,121 @@
+"""One rank of a DPTrainer run under ``TrainingArguments.fsdp`` or accelerate's FSDP2 plugin
+environment (integrations/hf_fsdp.py ``shard_requested``), for tests/test_hf_fsdp.py (not a test
+file); also run in-process, with no process group, as the 1-process reference.
+
+:func:`run_job`: a reproducible DPTrainer on the audit's tiny BERT (the same seed on every rank; rank
+0's weights are broadcast before sharding anyway), 3 logical steps, at example level, with truncated
+Poisson (``max_batch_size``) or at user level; FSDP asked through ``TrainingArguments(fsdp=...,
+fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]})`` or through
+accelerate's environment (``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``, ...). Logs the world's
+logical batch and this rank's share per step, the ledger, the step class, whether the model holds FSDP
+modules or accelerate's wrapper, the gathered trainable weights, and (``save``) the weights
+``from_pretrained`` loads from ``save_model``'s folder and whether any saved tensor is a DTensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+#: accelerate launch's environment for an FSDP2 config (``distributed_type: FSDP``, ``fsdp_version: 2``).
+ACCELERATE_FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer",
+                        "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
+
+
+def run_job(job: dict, out_dir: Path) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PrinterCallback, TrainingArguments
+
+    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
+    from dpft.fsdp import FSDPStep
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    env = ACCELERATE_FSDP2_ENV if job.get("env") else {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        fsdp = {} if job.get("env") else {
+            "fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}}
+        users = [i % 7 for i in range(30)] if job.get("user_level") else None
+        args = TrainingArguments(output_dir=str(out_dir), max_steps=3, learning_rate=0.5, lr_scheduler_type="constant",
+                                 optim="sgd", weight_decay=0.0, per_device_train_batch_size=2, report_to=[],
+                                 use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                 label_names=["labels"], **fsdp)
+        dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
+                         reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
+                         max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
+        tr = DPTrainer(model=tiny_model(), args=args, train_dataset=make_rows(30, users), data_collator=pad_collate,
+                       dp_args=dp)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    tr.remove_callback(PrinterCallback)
+    log: dict = {"batches": {}, "shares": {}, "sharded": tr.sharded, "step": type(tr.dp_step).__name__,
+                 "fsdp_step": isinstance(tr.dp_step, FSDPStep),
+                 "fsdp_units": sum(isinstance(m, FSDPModule) for m in tr.model.modules()),
+                 "accelerate_fsdp": bool(getattr(tr, "is_fsdp_enabled", False)),
+                 "args_fsdp": bool(tr.args.fsdp)}
+    real_share = tr._share
+
+    def share(idx):
+        mine = real_share(idx)
+        t = str(int(tr.state.global_step))
+        log["batches"][t] = [int(i) for i in idx]
+        log["shares"][t] = [int(i) for i in mine]
+        return mine
+
+    tr._share = share
+    tr.train()
+    log["ledger"] = tr.ledger.to_json()
+    log["weights"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+                      for n, p in tr.engine.params.items()}
+    log["world_size"], log["rank"] = tr.world.world_size, tr.world.rank
+    if job.get("save"):
+        final = out_dir / "final"
+        tr.save_model(str(final))
+        if tr.world.is_main:
+            log.update(_saved(final))
+    return log
+
+
+def _saved(folder: Path) -> dict:
+    """What ``from_pretrained`` loads from ``folder``, and whether a saved tensor is a DTensor."""
+    from safetensors import safe_open
+    from transformers import AutoModelForSequenceClassification
+
+    files = sorted(p.name for p in folder.iterdir())
+    raw = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            raw.update({k: fh.get_tensor(k) for k in fh.keys()})
+    loaded = AutoModelForSequenceClassification.from_pretrained(str(folder))
+    return {"saved_files": files, "saved_keys": len(raw),
+            "saved_dtensor": any(type(t).__name__ == "DTensor" for t in raw.values()),
+            "loaded": {n: p.detach().flatten().tolist() for n, p in loaded.named_parameters()}}
+
+
+def run_jobs(cfg: dict, rank: int) -> dict:
+    out = {"jobs": {name: run_job(job, Path(cfg.get("out", "."), f"{name}-{rank}")) for name, job in cfg["jobs"].items()}}
+    if cfg.get("log_dir"):
+        Path(cfg["log_dir"], f"rank{rank}.json").write_text(json.dumps(out))
+    return out
+
+
+def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
+    """Rank ``i``: torchrun's environment and a gloo group (as accelerate launch makes)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=i, world_size=world_size)
+    try:
+        run_jobs(cfg, i)
+    finally:
+        dist.destroy_process_group()

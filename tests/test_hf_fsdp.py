@@ -1,0 +1,204 @@
+"""DPTrainer under ``TrainingArguments.fsdp`` and accelerate's FSDP2 plugin (integrations/hf_fsdp.py,
+issue 38): DPTrainer shards the model itself with ``dpft.fsdp.shard_model`` and hands ``Trainer`` the
+arguments with ``fsdp`` cleared, so accelerate never wraps the model, and the step is dpft's FSDPStep.
+
+2 CPU processes (gloo) against 1 process (no process group: nothing sharded, the same sharded step and
+noise layout, as ``dpft train``) — the same ledger, the same logical batches (disjoint covering shares),
+the gathered weights within float tolerance — at example level, with truncated Poisson, at user level,
+and through accelerate's environment; ``save_model`` writes a full model that ``from_pretrained`` loads,
+equal to the 1-process one. Fast refusals (FSDP1, options that change the DP step) come before any model
+is touched; DPTrainer refuses ``methods=`` with an FSDP2 model.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_fsdp_worker as worker  # tests/hf_fsdp_worker.py: the run each rank makes
+from test_ddp import free_port
+
+multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrations.hf", "torch.distributed.fsdp"])
+
+JOBS = {"args": {"save": True}, "env": {"env": True}, "truncated": {"max_batch_size": 5},
+        "user": {"user_level": True}}
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        pytest.skip("a process group is already initialised")
+    root = tmp_path_factory.mktemp("hf_fsdp")
+    one = worker.run_jobs({"jobs": JOBS, "out": str(root / "one")}, 0)
+    logs = root / "logs"
+    logs.mkdir()
+    cfg = {"jobs": JOBS, "log_dir": str(logs), "out": str(root / "two")}
+    torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()),
+                                          nprocs=2, join=True, start_method="forkserver")
+    two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
+    return one, two
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a and set(a) == set(b)
+    for n, w in a.items():
+        torch.testing.assert_close(torch.tensor(b[n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", list(JOBS))
+def test_dptrainer_fsdp_arguments_two_processes_equal_one(one_and_two, job):
+    """The same ledger and ε, disjoint covering shares (whole users at user level), FSDPStep with
+    dpft's FSDP units and no accelerate FSDP, gathered weights within float tolerance."""
+    one, two = one_and_two
+    a = one["jobs"][job]
+    r0, r1 = (log["jobs"][job] for log in two)
+    assert (a["world_size"], r0["world_size"], r1["rank"]) == (1, 2, 1)
+    for log in (a, r0, r1):
+        assert log["sharded"] and log["fsdp_step"] and not log["accelerate_fsdp"] and not log["args_fsdp"]
+    assert a["fsdp_units"] == 0 and r0["fsdp_units"] == r1["fsdp_units"] == 3  # 2 BertLayers + the root
+    assert r0["ledger"] == r1["ledger"] == a["ledger"]
+    entries = a["ledger"]["entries"]
+    assert sum(e["count"] for e in entries) == 3
+    if job == "truncated":
+        assert entries[0]["event"]["type"] == "TruncatedSubsampledGaussianDpEvent"
+    for t, full in a["batches"].items():
+        assert r0["batches"][t] == r1["batches"][t] == full
+        s0, s1 = r0["shares"][t], r1["shares"][t]
+        assert not set(s0) & set(s1) and sorted(s0 + s1) == sorted(full)
+    assert r0["weights"] == r1["weights"]  # gathered: one model for the world
+    _close(a["weights"], r0["weights"])
+
+
+@pytest.mark.slow
+def test_dptrainer_fsdp_accelerate_env_equals_arguments(one_and_two):
+    """accelerate's FSDP2 environment runs the same step as TrainingArguments.fsdp (same settings)."""
+    one, two = one_and_two
+    for log in (one, *two):
+        assert log["jobs"]["env"]["ledger"] == log["jobs"]["args"]["ledger"]
+        assert log["jobs"]["env"]["weights"] == log["jobs"]["args"]["weights"]
+
+
+@pytest.mark.slow
+def test_dptrainer_fsdp_save_model_loads_with_from_pretrained(one_and_two):
+    """save_model on the sharded model: rank 0 writes the gathered full weights (no DTensor) with the
+    ledger and dp_state; from_pretrained loads them, equal to the 1-process run's saved model."""
+    one, two = one_and_two
+    a, r0 = one["jobs"]["args"], two[0]["jobs"]["args"]
+    assert "loaded" not in two[1]["jobs"]["args"]  # rank 0 alone writes
+    for log in (a, r0):
+        assert {"model.safetensors", "config.json", "ledger.json", "dp_state.json"} <= set(log["saved_files"])
+        assert not log["saved_dtensor"]
+    _close(a["loaded"], r0["loaded"])
+    trained = {n: w for n, w in r0["weights"].items()}
+    for n, w in trained.items():  # the saved weights are the trained ones
+        torch.testing.assert_close(torch.tensor(r0["loaded"][n]), torch.tensor(w))
+
+
+# -- refusals: fast, before any model is touched -----------------------------------------------------------
+def _dp(**kw):
+    from dpft.integrations.hf import DPArguments
+
+    return DPArguments(**{"target_delta": 1e-3, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
+                          "expected_batch_size": 4, **kw})
+
+
+def _args(tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, **kw)
+
+
+class _Untouchable(torch.nn.Module):
+    """A model whose parameters must not be read: the refusals come first."""
+
+    def parameters(self, *a, **k):
+        raise AssertionError("the model was touched before the refusal")
+
+    named_parameters = modules = parameters
+
+
+@pytest.mark.parametrize("fsdp, config, match", [
+    ("full_shard", {"fsdp_version": 1}, r"FSDP1 .*flattens parameters.*fsdp_version': 2"),
+    ("full_shard", {"fsdp_version": 2, "use_orig_params": False}, r"use_orig_params: false is FSDP1"),
+    ("full_shard offload", {"fsdp_version": 2}, r"cpu_offload .*not supported yet"),
+    ("full_shard", {"fsdp_version": 2, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 10},
+     r"auto_wrap_policy SIZE_BASED_WRAP has no equivalent.*TRANSFORMER_BASED_WRAP"),
+])
+def test_dptrainer_refuses_fsdp_options_that_change_the_step(tmp_path, fsdp, config, match):
+    from dpft.integrations.hf import DPTrainer
+
+    args = _args(tmp_path, fsdp=fsdp, fsdp_config=config)
+    with pytest.raises(ValueError, match=r"DPTrainer: TrainingArguments.fsdp: " + match):
+        DPTrainer(model=_Untouchable(), args=args, train_dataset=[{"x": 1}] * 4, dp_args=_dp())
+
+
+def test_dptrainer_refuses_accelerate_fsdp1_env_and_offload(tmp_path, monkeypatch):
+    from dpft.integrations.hf import DPTrainer
+
+    args = _args(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch --use_fsdp, fsdp_version unset: FSDP1
+    monkeypatch.delenv("FSDP_VERSION", raising=False)
+    with pytest.raises(ValueError, match=r"accelerate's FSDP plugin .*FSDP1 .*FSDP_VERSION=2"):
+        DPTrainer(model=_Untouchable(), args=args, train_dataset=[{"x": 1}] * 4, dp_args=_dp())
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(ValueError, match=r"cpu_offload .*FSDP_OFFLOAD_PARAMS=false"):
+        DPTrainer(model=_Untouchable(), args=args, train_dataset=[{"x": 1}] * 4, dp_args=_dp())
+
+
+def test_dptrainer_fsdp_refuses_unknown_block_class_and_a_presharded_model(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dpft.audit import checks_hf_ddp as hd
+    from dpft.integrations.hf import DPTrainer
+
+    args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": "Nope"})
+    with pytest.raises(ValueError, match=r"transformer_layer_cls_to_wrap names \['Nope'\].*BertLayer"):
+        DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(6), dp_args=_dp())
+    if dist.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        model = hd.tiny_model()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+        with pytest.raises(ValueError, match=r"already sharded with fully_shard"):
+            DPTrainer(model=model, args=args, train_dataset=hd.make_rows(6), dp_args=_dp())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
+    """The twin of make_private's refusal (tests/test_sharded_refusal.py): the sharded step runs no
+    method hooks, so DPArguments.methods is refused for a fully_shard-ed model and under fsdp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dpft.audit import checks_hf_ddp as hd
+    from dpft.integrations.hf import DPTrainer
+
+    meths = [{"name": "rmt", "method": "rmt"}]
+    args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2}, label_names=["labels"])
+    with pytest.raises(ValueError, match=r"DPArguments.methods with an FSDP2 \(fully_shard\) model is not supported"):
+        DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,
+                  dp_args=_dp(methods=meths))
+    if dist.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is already initialised")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        model = hd.tiny_model()
+        for m in model.modules():
+            if type(m).__name__ == "BertLayer":
+                fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match=r"DPArguments.methods with an FSDP2 \(fully_shard\) model"):
+            DPTrainer(model=model, args=_args(tmp_path, label_names=["labels"]), train_dataset=hd.make_rows(6),
+                      data_collator=hd.pad_collate, dp_args=_dp(methods=meths))
+    finally:
+        dist.destroy_process_group()
