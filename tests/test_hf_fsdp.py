@@ -202,3 +202,20 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
                       data_collator=hd.pad_collate, dp_args=_dp(methods=meths))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_hf_fsdp_audit_checks_pass_and_catch_planted_bugs():
+    """The audit's DPTrainer-under-FSDP checks (audit/checks_fsdp.py hf_fsdp_checks, registered in
+    audit/suite.py): pass as shipped; each planted bug (plugin arguments handed to accelerate, accelerate's
+    FSDP environment left on) makes a check fail."""
+    from dpft.audit import planted, suite
+    from dpft.audit.checks_fsdp import TRAINER_PLANTED, hf_fsdp_checks
+
+    assert set(TRAINER_PLANTED) <= set(planted.ALL)
+    assert ("dpft.audit.checks_fsdp", "hf_fsdp_checks", TRAINER_PLANTED) in suite.OPTIONAL_CHECKS
+    honest = hf_fsdp_checks()
+    assert len(honest) == 6 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
+    for name in TRAINER_PLANTED:
+        failed = [c for c in hf_fsdp_checks(name) if not c.passed]
+        assert [c.name.split(": ")[1] for c in failed] == ["accelerate is never handed FSDP"], name
