@@ -46,7 +46,13 @@ def run_job(job: dict, out_dir: Path) -> dict:
         dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
                          reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
                          max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
-        tr = DPTrainer(model=tiny_model(), args=args, train_dataset=make_rows(30, users), data_collator=pad_collate,
+        model = tiny_model()
+        if job.get("lora"):  # frozen base, trainable adapter and head: save_model writes the adapter
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4,
+                                                     target_modules=["query", "value"], lora_dropout=0.0))
+        tr = DPTrainer(model=model, args=args, train_dataset=make_rows(30, users), data_collator=pad_collate,
                        dp_args=dp)
     finally:
         for k, v in saved.items():
@@ -79,12 +85,13 @@ def run_job(job: dict, out_dir: Path) -> dict:
         final = out_dir / "final"
         tr.save_model(str(final))
         if tr.world.is_main:
-            log.update(_saved(final))
+            log.update(_saved(final, job.get("lora", False)))
     return log
 
 
-def _saved(folder: Path) -> dict:
-    """What ``from_pretrained`` loads from ``folder``, and whether a saved tensor is a DTensor."""
+def _saved(folder: Path, lora: bool = False) -> dict:
+    """What ``from_pretrained`` loads from ``folder`` (an adapter: ``PeftModel.from_pretrained`` over the
+    same tiny base), and whether a saved tensor is a DTensor."""
     from safetensors import safe_open
     from transformers import AutoModelForSequenceClassification
 
@@ -93,7 +100,14 @@ def _saved(folder: Path) -> dict:
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), "pt") as fh:
             raw.update({k: fh.get_tensor(k) for k in fh.keys()})
-    loaded = AutoModelForSequenceClassification.from_pretrained(str(folder))
+    if lora:
+        from peft import PeftModel
+
+        from dpft.audit.checks_hf_ddp import tiny_model
+
+        loaded = PeftModel.from_pretrained(tiny_model(), str(folder))
+    else:
+        loaded = AutoModelForSequenceClassification.from_pretrained(str(folder))
     return {"saved_files": files, "saved_keys": len(raw),
             "saved_dtensor": any(type(t).__name__ == "DTensor" for t in raw.values()),
             "loaded": {n: p.detach().flatten().tolist() for n, p in loaded.named_parameters()}}

@@ -25,7 +25,7 @@ from test_ddp import free_port
 multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrations.hf", "torch.distributed.fsdp"])
 
 JOBS = {"args": {"save": True}, "env": {"env": True}, "truncated": {"max_batch_size": 5},
-        "user": {"user_level": True}}
+        "user": {"user_level": True}, "lora": {"lora": True, "save": True}}
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +84,21 @@ def test_dptrainer_fsdp_accelerate_env_equals_arguments(one_and_two):
 
 
 @pytest.mark.slow
-def test_dptrainer_fsdp_save_model_loads_with_from_pretrained(one_and_two):
-    """save_model on the sharded model: rank 0 writes the gathered full weights (no DTensor) with the
-    ledger and dp_state; from_pretrained loads them, equal to the 1-process run's saved model."""
+@pytest.mark.parametrize("job", ["args", "lora"])
+def test_dptrainer_fsdp_save_model_loads_with_from_pretrained(one_and_two, job):
+    """save_model on the sharded model: rank 0 writes the gathered full weights (PEFT: the adapter and
+    the trained head), no DTensor, with the ledger and dp_state; from_pretrained (PeftModel.from_pretrained
+    over the same base) loads them, equal to the 1-process run's saved model and to the trained weights."""
     one, two = one_and_two
-    a, r0 = one["jobs"]["args"], two[0]["jobs"]["args"]
-    assert "loaded" not in two[1]["jobs"]["args"]  # rank 0 alone writes
+    a, r0 = one["jobs"][job], two[0]["jobs"][job]
+    assert "loaded" not in two[1]["jobs"][job]  # rank 0 alone writes
+    weights = "adapter_model.safetensors" if job == "lora" else "model.safetensors"
     for log in (a, r0):
-        assert {"model.safetensors", "config.json", "ledger.json", "dp_state.json"} <= set(log["saved_files"])
+        assert {weights, "ledger.json", "dp_state.json", "README.md"} <= set(log["saved_files"])
+        assert "model.safetensors" not in log["saved_files"] or job != "lora"
         assert not log["saved_dtensor"]
     _close(a["loaded"], r0["loaded"])
-    trained = {n: w for n, w in r0["weights"].items()}
-    for n, w in trained.items():  # the saved weights are the trained ones
+    for n, w in r0["weights"].items():  # the saved (trainable) weights are the trained ones
         torch.testing.assert_close(torch.tensor(r0["loaded"][n]), torch.tensor(w))
 
 
