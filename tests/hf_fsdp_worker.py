@@ -10,6 +10,8 @@ accelerate's environment (``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``, ...)
 logical batch and this rank's share per step, the ledger, the step class, whether the model holds FSDP
 modules or accelerate's wrapper, the gathered trainable weights, and (``save``) the weights
 ``from_pretrained`` loads from ``save_model``'s folder and whether any saved tensor is a DTensor.
+:func:`run_resume`: AdamW, a run stopped after its checkpoint at step 2, resumed by a new DPTrainer, against
+an uninterrupted run; and what the checkpoint's ``optimizer.pt`` holds.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ def run_job(job: dict, out_dir: Path) -> dict:
         fsdp = {} if job.get("env") else {
             "fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}}
         users = [i % 7 for i in range(30)] if job.get("user_level") else None
-        args = TrainingArguments(output_dir=str(out_dir), max_steps=3, learning_rate=0.5, lr_scheduler_type="constant",
-                                 optim="sgd", weight_decay=0.0, per_device_train_batch_size=2, report_to=[],
-                                 use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                                 label_names=["labels"], **fsdp)
+        saving = {"save_strategy": "steps", "save_steps": 2} if job.get("checkpoint") else {"save_strategy": "no"}
+        args = TrainingArguments(output_dir=str(out_dir), max_steps=job.get("steps", 3), learning_rate=0.5,
+                                 lr_scheduler_type="constant", optim=job.get("optim", "sgd"), weight_decay=0.0,
+                                 per_device_train_batch_size=2, report_to=[], use_cpu=True, logging_strategy="no",
+                                 disable_tqdm=True, label_names=["labels"], **saving, **fsdp)
         dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
                          reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
                          max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
@@ -76,7 +79,15 @@ def run_job(job: dict, out_dir: Path) -> dict:
         return mine
 
     tr._share = share
-    tr.train()
+    if job.get("stop_at"):  # a run that dies after its checkpoint at step stop_at (its ledger says so)
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                control.should_training_stop = state.global_step >= job["stop_at"]
+
+        tr.add_callback(Stop())
+    tr.train(resume_from_checkpoint=str(out_dir / job["resume"]) if job.get("resume") else None)
     log["ledger"] = tr.ledger.to_json()
     log["weights"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
                       for n, p in tr.engine.params.items()}
@@ -113,8 +124,33 @@ def _saved(folder: Path, lora: bool = False) -> dict:
             "loaded": {n: p.detach().flatten().tolist() for n, p in loaded.named_parameters()}}
 
 
+def _optimizer_file(path: Path) -> dict:
+    import torch
+
+    st = torch.load(str(path), map_location="cpu", weights_only=True)
+    tensors = [v for s in st["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"optimizer_names": sorted(st["state"])[:2], "optimizer_tensors": len(tensors),
+            "optimizer_dtensor": any(type(t).__name__ == "DTensor" for t in tensors)}
+
+
+def run_resume(job: dict, out_dir: Path) -> dict:
+    """AdamW, 4 steps with a checkpoint at 2: a run that stops at 2 and a new DPTrainer resumed from its
+    checkpoint-2, against an uninterrupted run in another folder."""
+    base = {"steps": 4, "optim": "adamw_torch", "checkpoint": True, **job}
+    first = run_job({**base, "stop_at": 2}, out_dir / "run")  # (a real crash: the same files, no later step)
+    ckpt = out_dir / "run" / "checkpoint-2"
+    resumed = run_job({**base, "resume": "checkpoint-2"}, out_dir / "run")
+    whole = run_job(base, out_dir / "whole")
+    out = {"first_ledger": first["ledger"], "resumed": resumed, "whole": whole}
+    if (ckpt / "optimizer.pt").exists():
+        out.update(_optimizer_file(ckpt / "optimizer.pt"))
+    return out
+
+
 def run_jobs(cfg: dict, rank: int) -> dict:
-    out = {"jobs": {name: run_job(job, Path(cfg.get("out", "."), f"{name}-{rank}")) for name, job in cfg["jobs"].items()}}
+    # a resumed run reads the checkpoint rank 0 wrote: one output folder for the world, as in practice
+    out = {"jobs": {name: run_resume(job, Path(cfg.get("out", "."), name)) if job.get("resume_test") else
+                    run_job(job, Path(cfg.get("out", "."), f"{name}-{rank}")) for name, job in cfg["jobs"].items()}}
     if cfg.get("log_dir"):
         Path(cfg["log_dir"], f"rank{rank}.json").write_text(json.dumps(out))
     return out

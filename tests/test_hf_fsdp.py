@@ -26,6 +26,7 @@ multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrat
 
 JOBS = {"args": {"save": True}, "env": {"env": True}, "truncated": {"max_batch_size": 5},
         "user": {"user_level": True}, "lora": {"lora": True, "save": True}}
+RESUME = {"resume": {"resume_test": True}}
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,10 @@ def one_and_two(tmp_path_factory):
     if dist.is_initialized():  # pragma: no cover - another test left one
         pytest.skip("a process group is already initialised")
     root = tmp_path_factory.mktemp("hf_fsdp")
-    one = worker.run_jobs({"jobs": JOBS, "out": str(root / "one")}, 0)
+    one = worker.run_jobs({"jobs": {**JOBS, **RESUME}, "out": str(root / "one")}, 0)
     logs = root / "logs"
     logs.mkdir()
-    cfg = {"jobs": JOBS, "log_dir": str(logs), "out": str(root / "two")}
+    cfg = {"jobs": {**JOBS, **RESUME}, "log_dir": str(logs), "out": str(root / "two")}
     torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()),
                                           nprocs=2, join=True, start_method="forkserver")
     two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
@@ -100,6 +101,27 @@ def test_dptrainer_fsdp_save_model_loads_with_from_pretrained(one_and_two, job):
     _close(a["loaded"], r0["loaded"])
     for n, w in r0["weights"].items():  # the saved (trainable) weights are the trained ones
         torch.testing.assert_close(torch.tensor(r0["loaded"][n]), torch.tensor(w))
+
+
+@pytest.mark.slow
+def test_dptrainer_fsdp_resume_equals_the_uninterrupted_run(one_and_two):
+    """AdamW on 2 processes, stopped after the checkpoint at step 2 and resumed by a new DPTrainer: the
+    checkpoint holds the full optimizer state (by parameter name, no DTensor), the resumed run's ledger
+    and weights equal the uninterrupted run's, and both equal one process's."""
+    one, two = one_and_two
+    a = one["jobs"]["resume"]
+    r0, r1 = (log["jobs"]["resume"] for log in two)
+    assert r0["first_ledger"]["entries"][0]["count"] == 2
+    for r in (r0, r1):
+        assert r["resumed"]["ledger"] == r["whole"]["ledger"] == a["whole"]["ledger"]
+        assert sum(e["count"] for e in r["resumed"]["ledger"]["entries"]) == 4
+        assert r["resumed"]["fsdp_units"] == 3
+    assert r0["optimizer_tensors"] > 0 and not r0["optimizer_dtensor"]
+    assert all(isinstance(n, str) and n.startswith("bert.") for n in r0["optimizer_names"])
+    assert r0["resumed"]["weights"] == r1["resumed"]["weights"]
+    _close(r0["whole"]["weights"], r0["resumed"]["weights"])
+    _close(a["whole"]["weights"], r0["resumed"]["weights"])
+    _close(a["resumed"]["weights"], a["whole"]["weights"])
 
 
 # -- refusals: fast, before any model is touched -----------------------------------------------------------

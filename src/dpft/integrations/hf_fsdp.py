@@ -25,7 +25,11 @@ the wrap policy (``TRANSFORMER_BASED_WRAP`` with ``transformer_layer_cls_to_wrap
 blocks'), mixed precision (``bf16=True`` or a bf16 ``mixed_precision_policy``: bf16 gathers, fp32
 shards, sums and noise), ``activation_checkpointing`` (Hugging Face's gradient checkpointing, which the
 book-keeping engine runs). ``state_dict_type`` has no effect: ``save_model`` and checkpoints always
-hold the gathered full model (:func:`full_model_state`), the format ``from_pretrained`` loads. In one
+hold the gathered full model (:func:`full_model_state`; PEFT: the adapter), the format ``from_pretrained``
+loads, and the full optimizer state by parameter name (:func:`full_optimizer_state`);
+``resume_from_checkpoint`` loads both back into the shards (:func:`load_full_checkpoint`,
+:func:`load_full_optimizer`) when DPTrainer sharded the model (a model the caller sharded has no plain
+copy to load into: refused, :func:`resumable`). In one
 process nothing is sharded but the step is still the sharded one (its noise layout), so a 1-process
 run equals a K-process one, as ``dpft train``'s.
 
@@ -54,7 +58,8 @@ from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
 
 __all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "refuse_sharded_methods",
            "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
-           "accelerate_fsdp_off", "full_model_state", "full_optimizer_state"]
+           "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "resumable", "load_full_checkpoint",
+           "load_full_optimizer"]
 
 _TRUE = ("1", "true", "yes")
 
@@ -287,3 +292,33 @@ def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
     if trainer.dp_args.log_private_train_loss:
         return torch.tensor(float(out.private["train_loss"]), device=trainer.args.device)
     return torch.zeros((), device=trainer.args.device)
+
+
+
+def resumable(model) -> bool:
+    """Whether a sharded ``model`` can resume from a DPTrainer checkpoint: dpft sharded it
+    (:func:`dpft.fsdp.shard_model` kept a parameter-free template to rebuild a plain copy), or it is
+    not sharded at all."""
+    return not is_fsdp2_model(model) or fsdp._TEMPLATES.get(model) is not None
+
+
+def load_full_checkpoint(model, ckpt: str, load) -> None:
+    """Load the full weights of checkpoint ``ckpt`` (written by :func:`full_model_state`) into the
+    FSDP2 ``model``: ``load(ckpt, plain)`` — ``Trainer``'s own loader (safetensors, PEFT adapters) — on a
+    plain copy (:func:`dpft.fsdp.materialise`, a collective; the full model's memory on every rank while
+    it lasts), then each rank keeps its shards (``set_model_state_dict(full_state_dict=True)``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    plain = fsdp.materialise(model)
+    load(ckpt, plain)
+    set_model_state_dict(model, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer(model, optimizer, ckpt: str) -> None:
+    """Set the FSDP2 ``optimizer``'s shards from the full state :func:`full_optimizer_state` wrote to
+    ``ckpt/optimizer.pt`` (``set_optimizer_state_dict(full_state_dict=True)``: each rank keeps its slice)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from transformers.trainer import OPTIMIZER_NAME
+
+    full = torch.load(os.path.join(ckpt, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))

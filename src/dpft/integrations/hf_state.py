@@ -23,7 +23,8 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.errors import TrainingError
 from dpft.integrations.hf_card import write_trainer_card
 from dpft.integrations.hf_checks import refuse as _refuse
-from dpft.integrations.hf_fsdp import full_model_state, full_optimizer_state, is_fsdp2_model
+from dpft.integrations.hf_fsdp import (full_model_state, full_optimizer_state, is_fsdp2_model, load_full_checkpoint,
+                                       load_full_optimizer, resumable)
 from dpft.run.lock import RunLock
 from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
 
@@ -132,6 +133,23 @@ class PrivateState:
             torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """``Trainer``'s loader; an FSDP2 model sharded by DPTrainer loads the checkpoint's full weights
+        through a plain copy and keeps its shards (hf_fsdp.py ``load_full_checkpoint``)."""
+        if not is_fsdp2_model(self.model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_full_checkpoint(self.model, resume_from_checkpoint, super()._load_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """``Trainer``'s; an FSDP2 model's optimizer shards are set from the full state in the checkpoint."""
+        if checkpoint is None or not is_fsdp2_model(self.model):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import torch
+        from transformers.trainer import SCHEDULER_NAME
+
+        load_full_optimizer(self.model, getattr(self.optimizer, "optimizer", self.optimizer), checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
     def _save_rng_state(self, output_dir: str) -> None:
         """``Trainer._save_rng_state`` on rank 0 only: rank 0 alone writes the run's files (the
         dropout masks are reseeded at every step from the secret stream, whatever this state)."""
@@ -154,11 +172,12 @@ class PrivateState:
               ignore_keys_for_eval: Optional[list[str]] = None, **kwargs) -> TrainOutput:
         """``Trainer.train`` with the ledger continued on resume. The returned ``training_loss``
         is NaN unless ``log_private_train_loss`` (the un-noised loss is private)."""
-        if resume_from_checkpoint and is_fsdp2_model(self.model):
-            _refuse("resume_from_checkpoint with an FSDP2-sharded model is not supported yet: Trainer's checkpoint "
-                    "loader copies full tensors into the model and optimizer, which hold DTensor shards (each rank "
-                    "1/K). Start a new DPTrainer from the saved model (its ledger composes: pass ledger=), or use "
-                    "`dpft train` with perf.sharding: fsdp and --resume (distributed checkpoint)")
+        if resume_from_checkpoint and not resumable(self.model):
+            _refuse("resume_from_checkpoint with a model you sharded yourself (fully_shard) is not supported: the "
+                    "checkpoint holds full tensors and DPTrainer has no plain copy of your model to load them into "
+                    "before resharding. Pass the unsharded model with TrainingArguments(fsdp=True, fsdp_config="
+                    "{'fsdp_version': 2}) (DPTrainer shards it and resumes), or start a new DPTrainer from the saved "
+                    "model (its ledger composes: pass ledger=)")
         if trial is not None:
             _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
                     "releases compose; it is not supported")
