@@ -6,7 +6,7 @@ file); also run in-process, with no process group, as the 1-process reference.
 0's weights are broadcast before sharding anyway), 3 logical steps, at example level, with truncated
 Poisson (``max_batch_size``) or at user level; FSDP asked through ``TrainingArguments(fsdp=...,
 fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]})`` or through
-accelerate's environment (``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``, ...). Logs the world's
+accelerate's environment (``sft``: DPSFTTrainer on a tiny Llama, the default wrap classes) (``ACCELERATE_USE_FSDP=true``, ``FSDP_VERSION=2``, ...). Logs the world's
 logical batch and this rank's share per step, the ledger, the step class, whether the model holds FSDP
 modules or accelerate's wrapper, the gathered trainable weights, and (``save``) the weights
 ``from_pretrained`` loads from ``save_model``'s folder and whether any saved tensor is a DTensor.
@@ -27,42 +27,74 @@ ACCELERATE_FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
 
 
 def run_job(job: dict, out_dir: Path) -> dict:
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import PrinterCallback, TrainingArguments
-
-    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
-    from dpft.fsdp import FSDPStep
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf import DPArguments
 
     env = ACCELERATE_FSDP2_ENV if job.get("env") else {}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        fsdp = {} if job.get("env") else {
+        fsdp = {} if job.get("env") else {"fsdp": True, "fsdp_config": {"fsdp_version": 2}} if job.get("sft") else {
             "fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}}
         users = [i % 7 for i in range(30)] if job.get("user_level") else None
         saving = {"save_strategy": "steps", "save_steps": 2} if job.get("checkpoint") else {"save_strategy": "no"}
-        args = TrainingArguments(output_dir=str(out_dir), max_steps=job.get("steps", 3), learning_rate=0.5,
-                                 lr_scheduler_type="constant", optim=job.get("optim", "sgd"), weight_decay=0.0,
-                                 per_device_train_batch_size=2, report_to=[], use_cpu=True, logging_strategy="no",
-                                 disable_tqdm=True, label_names=["labels"], **saving, **fsdp)
-        dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
-                         reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
-                         max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
-        model = tiny_model()
-        if job.get("lora"):  # frozen base, trainable adapter and head: save_model writes the adapter
-            from peft import LoraConfig, get_peft_model
+        common = dict(output_dir=str(out_dir), max_steps=job.get("steps", 3), learning_rate=0.5,
+                      lr_scheduler_type="constant", optim=job.get("optim", "sgd"), weight_decay=0.0,
+                      per_device_train_batch_size=2, report_to=[], use_cpu=True, logging_strategy="no",
+                      disable_tqdm=True, **saving, **fsdp)
+        if job.get("sft"):  # DPSFTTrainer (TRL) on a tiny Llama: FSDP units = its decoder layers + the root
+            from trl import SFTConfig
 
-            model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4,
-                                                     target_modules=["query", "value"], lora_dropout=0.0))
-        tr = DPTrainer(model=model, args=args, train_dataset=make_rows(30, users), data_collator=pad_collate,
-                       dp_args=dp)
+            from dpft.audit import checks_hf_ddp as hd
+            from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+            from dpft.integrations.trl import DPSFTTrainer
+
+            tok = tiny_tokenizer()
+            dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=4,
+                             reproducible_seed=3, max_physical_batch_size=2)
+            # SFTConfig's default gradient checkpointing stays on: FSDP2 re-gathers inside the recomputation
+            # fp32: SFTConfig defaults to bf16, which one process runs as autocast and FSDP2 as bf16-gathered
+            # parameters (MixedPrecisionPolicy): equal only to bf16 rounding. Its default gradient
+            # checkpointing stays on (FSDP2 re-gathers inside the recomputation).
+            tr = DPSFTTrainer(model=tiny_llama(len(tok)), args=SFTConfig(max_length=64, dataset_num_proc=None, bf16=False,
+                                                                         **common),
+                              train_dataset=hd.trl_rows({"trainer": "sft", "rows": 12}), processing_class=tok, dp_args=dp)
+        else:
+            tr = _hf_trainer(job, common, users)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    return _train(tr, job, out_dir)
+
+
+def _hf_trainer(job: dict, common: dict, users):
+    from transformers import TrainingArguments
+
+    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    args = TrainingArguments(label_names=["labels"], **common)
+    dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
+                     reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
+                     max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
+    model = tiny_model()
+    if job.get("lora"):  # frozen base, trainable adapter and head: save_model writes the adapter
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4,
+                                                 target_modules=["query", "value"], lora_dropout=0.0))
+    return DPTrainer(model=model, args=args, train_dataset=make_rows(30, users), data_collator=pad_collate,
+                     dp_args=dp)
+
+
+def _train(tr, job: dict, out_dir: Path) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PrinterCallback
+
+    from dpft.fsdp import FSDPStep
+
     tr.remove_callback(PrinterCallback)
     log: dict = {"batches": {}, "shares": {}, "sharded": tr.sharded, "step": type(tr.dp_step).__name__,
                  "fsdp_step": isinstance(tr.dp_step, FSDPStep),

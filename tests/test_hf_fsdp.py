@@ -25,7 +25,9 @@ from test_ddp import free_port
 multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrations.hf", "torch.distributed.fsdp"])
 
 JOBS = {"args": {"save": True}, "env": {"env": True}, "truncated": {"max_batch_size": 5},
-        "user": {"user_level": True}, "lora": {"lora": True, "save": True}}
+        "user": {"user_level": True}, "lora": {"lora": True, "save": True}, "sft": {"sft": True}}
+#: FSDP units under 2 processes: tiny BERT's 2 BertLayers + root; tiny Llama's 1 LlamaDecoderLayer + root.
+UNITS = {"sft": 2}
 RESUME = {"resume": {"resume_test": True}}
 
 
@@ -61,10 +63,12 @@ def test_dptrainer_fsdp_arguments_two_processes_equal_one(one_and_two, job):
     assert (a["world_size"], r0["world_size"], r1["rank"]) == (1, 2, 1)
     for log in (a, r0, r1):
         assert log["sharded"] and log["fsdp_step"] and not log["accelerate_fsdp"] and not log["args_fsdp"]
-    assert a["fsdp_units"] == 0 and r0["fsdp_units"] == r1["fsdp_units"] == 3  # 2 BertLayers + the root
+    assert a["fsdp_units"] == 0 and r0["fsdp_units"] == r1["fsdp_units"] == UNITS.get(job, 3)
     assert r0["ledger"] == r1["ledger"] == a["ledger"]
     entries = a["ledger"]["entries"]
     assert sum(e["count"] for e in entries) == 3
+    if job == "sft":
+        assert a["step"] == r0["step"] == "FSDPStep"  # DPSFTTrainer (TRL) through the same step
     if job == "truncated":
         assert entries[0]["event"]["type"] == "TruncatedSubsampledGaussianDpEvent"
     for t, full in a["batches"].items():
@@ -244,3 +248,17 @@ def test_hf_fsdp_audit_checks_pass_and_catch_planted_bugs():
     for name in TRAINER_PLANTED:
         failed = [c for c in hf_fsdp_checks(name) if not c.passed]
         assert [c.name.split(": ")[1] for c in failed] == ["accelerate is never handed FSDP"], name
+
+
+def test_parameters_added_after_sharding_are_refused():
+    """TRL's peft_config wraps the model inside SFTTrainer.__init__, after DPTrainer sharded it: the new
+    (plain) trainable parameters would never be reduced over the ranks, so a sharded world refuses them."""
+    from dpft import distributed as ddp
+    from dpft.integrations.hf_fsdp import check_still_sharded
+
+    model = torch.nn.Linear(3, 2)
+    check_still_sharded(model, True, ddp.World(0, 1), "DPSFTTrainer")  # one process: nothing to reduce
+    check_still_sharded(model, False, ddp.World(0, 2), "DPSFTTrainer")  # DDP: the clipped sums are all-reduced
+    with pytest.raises(ddp.DistributedError, match=r"DPSFTTrainer: trainable parameters \['weight', 'bias'\] were "
+                                                   r"added after the model was sharded.*peft.get_peft_model"):
+        check_still_sharded(model, True, ddp.World(0, 2), "DPSFTTrainer")

@@ -115,8 +115,9 @@ from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
-from dpft.integrations.hf_fsdp import (accelerate_fsdp_off, check_sharded_model, refuse_sharded_methods,
-                                       shard_requested, sharded_trainer_step, sharded_training_step)
+from dpft.integrations.hf_fsdp import (accelerate_fsdp_off, check_sharded_model, check_still_sharded,
+                                       refuse_sharded_methods, shard_requested, sharded_trainer_step,
+                                       sharded_training_step)
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
 
@@ -218,6 +219,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         if self.world.world_size != int(getattr(self.args, "world_size", 1) or 1):
             _refuse(f"torch.distributed has {self.world.world_size} processes but TrainingArguments.world_size = "
                     f"{self.args.world_size}; launch with torchrun or accelerate launch and let Trainer join that world")
+        check_still_sharded(self.model, self.sharded, self.world, type(self).__name__)  # after TRL's peft_config
 
         ds = self.train_dataset
         eb = int(dp_args.expected_batch_size)

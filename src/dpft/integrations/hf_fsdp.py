@@ -56,7 +56,7 @@ from dpft import distributed as ddp
 from dpft import fsdp
 from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
 
-__all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "refuse_sharded_methods",
+__all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
            "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
            "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "resumable", "load_full_checkpoint",
            "load_full_optimizer"]
@@ -245,6 +245,24 @@ def check_sharded_model(model, where: str, mechanism=None) -> bool:
     if sharded:
         check_fsdp2_model(model, where, mechanism)
     return sharded
+
+
+def check_still_sharded(model, sharded: bool, world, where: str) -> None:
+    """After ``Trainer`` (and TRL) prepared the model: under several processes every trainable
+    parameter of a sharded run must still be an FSDP2 shard. A parameter added after sharding (TRL's
+    ``peft_config`` wraps the model inside ``SFTTrainer.__init__``) is a plain tensor on each rank, whose
+    clipped sum the step would never reduce over the ranks (each rank would apply its own update).
+
+    Raises:
+        dpft.distributed.DistributedError: naming the parameters and the fix."""
+    if not (sharded and world.distributed):
+        return
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and not fsdp.is_sharded(p)]
+    if plain:
+        raise ddp.DistributedError(
+            f"{where}: trainable parameters {plain[:3]} were added after the model was sharded (e.g. by peft_config) "
+            "and are not FSDP2 shards: their clipped sums would not be reduced over the ranks. Wrap the model with "
+            "peft.get_peft_model before building the trainer (and drop peft_config)")
 
 
 def refuse_sharded_methods(where: str, methods: list) -> None:
