@@ -34,7 +34,8 @@ def run_job(job: dict, out_dir: Path) -> dict:
     os.environ.update(env)
     try:
         fsdp = {} if job.get("env") else {"fsdp": True, "fsdp_config": {"fsdp_version": 2}} if job.get("sft") else {
-            "fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}}
+            "fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"],
+                                                  **job.get("fsdp_config", {})}}
         users = [i % 7 for i in range(30)] if job.get("user_level") else None
         saving = {"save_strategy": "steps", "save_steps": 2} if job.get("checkpoint") else {"save_strategy": "no"}
         common = dict(output_dir=str(out_dir), max_steps=job.get("steps", 3), learning_rate=0.5,

@@ -4,8 +4,9 @@ arguments with ``fsdp`` cleared, so accelerate never wraps the model, and the st
 
 2 CPU processes (gloo) against 1 process (no process group: nothing sharded, the same sharded step and
 noise layout, as ``dpft train``) — the same ledger, the same logical batches (disjoint covering shares),
-the gathered weights within float tolerance — at example level, with truncated Poisson, at user level,
-and through accelerate's environment; ``save_model`` writes a full model that ``from_pretrained`` loads,
+the gathered weights within float tolerance — at example level, with truncated Poisson (blocks kept
+gathered after forward: ``reshard_after_forward: false``), at user level (``NO_WRAP``: the root alone), with
+LoRA, DPSFTTrainer (TRL) and through accelerate's environment; resume; ``save_model`` writes a full model that ``from_pretrained`` loads,
 equal to the 1-process one. Fast refusals (FSDP1, options that change the DP step) come before any model
 is touched; DPTrainer refuses ``methods=`` with an FSDP2 model.
 """
@@ -24,11 +25,14 @@ from test_ddp import free_port
 
 multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrations.hf", "torch.distributed.fsdp"])
 
-JOBS = {"args": {"save": True}, "env": {"env": True}, "truncated": {"max_batch_size": 5},
-        "user": {"user_level": True}, "lora": {"lora": True, "save": True}, "sft": {"sft": True}}
-#: FSDP units under 2 processes: tiny BERT's 2 BertLayers + root; tiny Llama's 1 LlamaDecoderLayer + root.
-UNITS = {"sft": 2}
+JOBS = {"args": {"save": True}, "env": {"env": True},
+        "truncated": {"max_batch_size": 5, "fsdp_config": {"reshard_after_forward": False}},
+        "user": {"user_level": True, "fsdp_config": {"auto_wrap_policy": "NO_WRAP"}},
+        "lora": {"lora": True, "save": True}, "sft": {"sft": True}}
 RESUME = {"resume": {"resume_test": True}}
+#: FSDP units under 2 processes: tiny BERT's 2 BertLayers + root; NO_WRAP: the root alone; tiny Llama's
+#: 1 LlamaDecoderLayer + root.
+UNITS = {"sft": 2, "user": 1}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +153,42 @@ class _Untouchable(torch.nn.Module):
         raise AssertionError("the model was touched before the refusal")
 
     named_parameters = modules = parameters
+
+
+def test_fsdp_settings_map_what_dpft_shards_with(tmp_path, monkeypatch):
+    """fsdp_config / accelerate's environment → dpft.fsdp.shard_model's arguments (fast: nothing built)."""
+    from dpft.integrations.hf_fsdp import fsdp_settings
+
+    got = fsdp_settings(_args(tmp_path, fsdp=True, bf16=True, fsdp_config={
+        "fsdp_version": 2, "transformer_layer_cls_to_wrap": "BertLayer", "reshard_after_forward": False,
+        "activation_checkpointing": True}))
+    assert got == {"source": "TrainingArguments.fsdp", "blocks": {"BertLayer"}, "reshard_after_forward": False,
+                   "dtype": "bf16", "activation_checkpointing": True}
+    got = fsdp_settings(_args(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 2, "auto_wrap_policy": "NO_WRAP"}))
+    assert got["blocks"] == set() and got["dtype"] == "fp32" and got["reshard_after_forward"]
+    assert fsdp_settings(_args(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 2}))["blocks"] is None  # _no_split_modules
+    assert fsdp_settings(_args(tmp_path)) is None
+    for k, v in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                 "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer", "FSDP_RESHARD_AFTER_FORWARD": "false"}.items():
+        monkeypatch.setenv(k, v)
+    got = fsdp_settings(_args(tmp_path))
+    assert got["source"].startswith("accelerate's FSDP plugin") and got["blocks"] == {"LlamaDecoderLayer"}
+    assert not got["reshard_after_forward"]
+
+
+def test_dptrainer_fsdp_activation_checkpointing_maps_to_gradient_checkpointing(tmp_path):
+    """fsdp_config['activation_checkpointing'] becomes Hugging Face's gradient checkpointing (which the
+    book-keeping engine runs); one process: the sharded step on the plain model."""
+    from dpft.audit import checks_hf_ddp as hd
+    from dpft.fsdp import FSDPStep
+    from dpft.integrations.hf import DPTrainer
+
+    args = _args(tmp_path, fsdp=True, label_names=["labels"],
+                 fsdp_config={"fsdp_version": 2, "activation_checkpointing": True})
+    tr = DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,
+                   dp_args=_dp())
+    assert tr.args.gradient_checkpointing and not tr.args.fsdp and tr.args.fsdp_plugin_args is None
+    assert args.fsdp and tr.sharded and isinstance(tr.dp_step, FSDPStep)  # the caller's arguments unchanged
 
 
 @pytest.mark.parametrize("fsdp, config, match", [
