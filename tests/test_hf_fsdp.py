@@ -243,6 +243,19 @@ def test_dptrainer_fsdp_refuses_unknown_block_class_and_a_presharded_model(tmp_p
         dist.destroy_process_group()
 
 
+def test_dptrainer_fsdp_refuses_banded_mf(tmp_path):
+    """banded MF's secret noise state is per shard in DPTrainer (save_noise_state writes one process's
+    buffers): refused under fsdp as for a fully_shard-ed model, before sharding."""
+    from dpft import distributed as ddp
+    from dpft.audit import checks_hf_ddp as hd
+    from dpft.integrations.hf import DPTrainer
+
+    args = _args(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 2})
+    with pytest.raises(ddp.DistributedError, match=r"mechanism='banded_mf' with an FSDP2 model"):
+        DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(6),
+                  dp_args=_dp(mechanism="banded_mf", bands=2))
+
+
 def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
     """The twin of make_private's refusal (tests/test_sharded_refusal.py): the sharded step runs no
     method hooks, so DPArguments.methods is refused for a fully_shard-ed model and under fsdp."""
@@ -255,8 +268,8 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
     meths = [{"name": "rmt", "method": "rmt"}]
     args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2}, label_names=["labels"])
     with pytest.raises(ValueError, match=r"DPArguments.methods with an FSDP2 \(fully_shard\) model is not supported"):
-        DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,
-                  dp_args=_dp(methods=meths))
+        DPTrainer(model=_Untouchable(), args=args, train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,
+                  dp_args=_dp(methods=meths))  # before the model is sharded or Trainer built
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is already initialised")
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")

@@ -154,7 +154,7 @@ def fsdp_settings(args, where: str = "DPTrainer") -> Optional[dict[str, Any]]:
             "dtype": dtype, "activation_checkpointing": bool(plugin.activation_checkpointing)}
 
 
-def shard_requested(model, args, where: str = "DPTrainer", mechanism=None):
+def shard_requested(model, args, where: str = "DPTrainer", mechanism=None, methods=None):
     """``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin, run by dpft: the model sharded with
     :func:`dpft.fsdp.shard_model` (after rank 0's weights are broadcast, on ``args.device``) and a copy of
     ``args`` with ``fsdp`` cleared (so ``Trainer`` and accelerate never wrap the model).
@@ -164,11 +164,13 @@ def shard_requested(model, args, where: str = "DPTrainer", mechanism=None):
         runs the sharded step, in one process too); unchanged ``model`` and ``args`` when it was not.
 
     Raises:
-        ValueError: :func:`fsdp_settings`'s refusals; ``fsdp`` with a model already sharded.
+        ValueError: :func:`fsdp_settings`'s refusals; ``methods`` (:func:`refuse_sharded_methods`); ``fsdp``
+            with a model already sharded.
         dpft.distributed.DistributedError: a stateful mechanism (:func:`check_fsdp2_model`)."""
     settings = fsdp_settings(args, where)
     if settings is None:
         return model, args, False
+    refuse_sharded_methods(where, methods)
     source = settings["source"]
     if model is None or not isinstance(model, torch.nn.Module):
         _refuse(where, source, "pass model= (an nn.Module); DPTrainer shards it with FSDP2 itself")
@@ -234,15 +236,17 @@ def full_optimizer_state(model, optimizer) -> dict:
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def check_sharded_model(model, where: str, mechanism=None) -> bool:
-    """Whether ``model`` runs the sharded step (FSDP2, ``fully_shard`` on its root), refusing FSDP1
-    and an FSDP2 model the sharded step cannot run (:func:`~dpft.api.sharded.check_fsdp2_model`).
+def check_sharded_model(model, where: str, mechanism=None, methods=None) -> bool:
+    """Whether ``model`` runs the sharded step (FSDP2, ``fully_shard`` on its root), refusing FSDP1,
+    an FSDP2 model the sharded step cannot run (:func:`~dpft.api.sharded.check_fsdp2_model`) and
+    ``DPArguments.methods`` on it (:func:`refuse_sharded_methods`), before ``Trainer`` is built.
 
     Raises:
-        dpft.distributed.DistributedError: naming the fix."""
+        dpft.distributed.DistributedError, ValueError: naming the fix."""
     ddp.refuse_sharded_model(model, where, allow_fsdp2=True)
     sharded = is_fsdp2_model(model)
     if sharded:
+        refuse_sharded_methods(where, methods)
         check_fsdp2_model(model, where, mechanism)
     return sharded
 
@@ -271,7 +275,7 @@ def refuse_sharded_methods(where: str, methods: list) -> None:
 
     Raises:
         ValueError: naming the fix."""
-    if methods:
+    if methods:  # (method specs or plug-ins: refused before the model is sharded or Trainer is built)
         raise ValueError(f"{where}: DPArguments.methods with an FSDP2 (fully_shard) model is not supported: the "
                          "sharded step runs no method hooks; drop methods or train unsharded (DDP)")
 
