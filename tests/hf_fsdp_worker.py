@@ -38,6 +38,8 @@ def run_job(job: dict, out_dir: Path) -> dict:
                                                   **job.get("fsdp_config", {})}}
         users = [i % 7 for i in range(30)] if job.get("user_level") else None
         saving = {"save_strategy": "steps", "save_steps": 2} if job.get("checkpoint") else {"save_strategy": "no"}
+        if job.get("eval"):  # Trainer's evaluation between steps (a forward outside the DP step)
+            saving.update(eval_strategy="steps", eval_steps=1)
         common = dict(output_dir=str(out_dir), max_steps=job.get("steps", 3), learning_rate=0.5,
                       lr_scheduler_type="constant", optim=job.get("optim", "sgd"), weight_decay=0.0,
                       per_device_train_batch_size=2, report_to=[], use_cpu=True, logging_strategy="no",
@@ -86,8 +88,9 @@ def _hf_trainer(job: dict, common: dict, users):
 
         model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4,
                                                  target_modules=["query", "value"], lora_dropout=0.0))
+    evals = {"eval_dataset": make_rows(8, seed=4)} if job.get("eval") else {}
     return DPTrainer(model=model, args=args, train_dataset=make_rows(30, users), data_collator=pad_collate,
-                     dp_args=dp)
+                     dp_args=dp, **evals)
 
 
 def _train(tr, job: dict, out_dir: Path) -> dict:
@@ -122,6 +125,7 @@ def _train(tr, job: dict, out_dir: Path) -> dict:
         tr.add_callback(Stop())
     tr.train(resume_from_checkpoint=str(out_dir / job["resume"]) if job.get("resume") else None)
     log["ledger"] = tr.ledger.to_json()
+    log["eval_losses"] = [h["eval_loss"] for h in tr.state.log_history if "eval_loss" in h]
     log["weights"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
                       for n, p in tr.engine.params.items()}
     log["world_size"], log["rank"] = tr.world.world_size, tr.world.rank

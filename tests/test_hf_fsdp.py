@@ -14,6 +14,7 @@ is touched; DPTrainer refuses ``methods=`` with an FSDP2 model.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 
 import pytest
@@ -25,7 +26,7 @@ from test_ddp import free_port
 
 multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrations.hf", "torch.distributed.fsdp"])
 
-JOBS = {"args": {"save": True}, "env": {"env": True},
+JOBS = {"args": {"save": True, "eval": True}, "env": {"env": True},
         "truncated": {"max_batch_size": 5, "fsdp_config": {"reshard_after_forward": False}},
         "user": {"user_level": True, "fsdp_config": {"auto_wrap_policy": "NO_WRAP"}},
         "lora": {"lora": True, "save": True}, "sft": {"sft": True}}
@@ -80,6 +81,9 @@ def test_dptrainer_fsdp_arguments_two_processes_equal_one(one_and_two, job):
         s0, s1 = r0["shares"][t], r1["shares"][t]
         assert not set(s0) & set(s1) and sorted(s0 + s1) == sorted(full)
     assert r0["weights"] == r1["weights"]  # gathered: one model for the world
+    if job == "args":  # Trainer evaluated after every step, between the sharded steps
+        assert len(a["eval_losses"]) == len(r0["eval_losses"]) == 3
+        assert all(math.isfinite(x) for x in r0["eval_losses"])
     _close(a["weights"], r0["weights"])
 
 

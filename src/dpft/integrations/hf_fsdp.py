@@ -59,7 +59,7 @@ from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
 __all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
            "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
            "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "resumable", "load_full_checkpoint",
-           "load_full_optimizer"]
+           "load_full_optimizer", "reshard"]
 
 _TRUE = ("1", "true", "yes")
 
@@ -267,6 +267,14 @@ def check_still_sharded(model, sharded: bool, world, where: str) -> None:
             f"{where}: trainable parameters {plain[:3]} were added after the model was sharded (e.g. by peft_config) "
             "and are not FSDP2 shards: their clipped sums would not be reduced over the ranks. Wrap the model with "
             "peft.get_peft_model before building the trainer (and drop peft_config)")
+
+
+def reshard(model) -> None:
+    """Reshard every FSDP2 unit of ``model``: a forward outside the DP step (``Trainer``'s evaluation,
+    a user's call) leaves the root unit gathered (``reshard_after_forward=False``), its parameters then
+    the unsharded tensors, which the per-step check of the trainable parameters would take for a change."""
+    for m in fsdp._fsdp_modules(model):
+        m.reshard()
 
 
 def refuse_sharded_methods(where: str, methods: list) -> None:
