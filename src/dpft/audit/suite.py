@@ -112,8 +112,6 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
                                                "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
                                                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent")),
-    # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
-    ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
     ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
@@ -132,6 +130,8 @@ OPTIONAL_CHECKS = (
     # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
     ("dpft.audit.checks_methods_api", "methods_api_checks",
      ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
+    # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
+    ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
 )
 
 
