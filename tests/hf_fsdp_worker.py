@@ -78,7 +78,7 @@ def _hf_trainer(job: dict, common: dict, users):
     from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
     from dpft.integrations.hf import DPArguments, DPTrainer
 
-    args = TrainingArguments(label_names=["labels"], **common)
+    args = TrainingArguments(label_names=["labels"], bf16=job.get("bf16", False), **common)
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
                      reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
                      max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
