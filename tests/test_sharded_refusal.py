@@ -1,7 +1,7 @@
 """Sharded models at each way in (issues 26, 38): make_private takes an FSDP2 (``fully_shard``)
 model whose root is sharded (api/sharded.py) and refuses one with only a submodule sharded;
-DPTrainer and the TRL trainers refuse FSDP2 and FSDP1 models, TrainingArguments.fsdp and
-accelerate's FSDP plugin; each message names the fix (``dpft train`` with ``perf.sharding: fsdp``,
+DPTrainer and the TRL trainers refuse FSDP1 models, FSDP1 through TrainingArguments.fsdp or
+accelerate's plugin, and DeepSpeed; each message names the fix (``dpft train`` with ``perf.sharding: fsdp``,
 make_private with the root sharded, or DDP).
 
 One process: a 1-process gloo group on a free port (FSDP2 needs a process group), destroyed after."""
@@ -132,7 +132,9 @@ def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_pa
                      processing_class=tok, dp_args=_dp())
 
 
-def test_dptrainer_refuses_fsdp_arguments_and_accelerate_plugin(tmp_path, monkeypatch):
+def test_dptrainer_refuses_fsdp1_arguments_fsdp1_plugin_and_deepspeed(tmp_path, monkeypatch):
+    """FSDP2 through TrainingArguments.fsdp / accelerate's plugin runs (tests/test_hf_fsdp.py); FSDP1
+    (flat parameters) and DeepSpeed stay refused, naming the fix."""
     pytest.importorskip("transformers")
     from dpft.audit import checks_hf_ddp as hd
     from dpft.integrations.hf import DPTrainer
@@ -142,14 +144,15 @@ def test_dptrainer_refuses_fsdp_arguments_and_accelerate_plugin(tmp_path, monkey
                          data_collator=hd.pad_collate, dp_args=_dp())
 
     args = _hf_args(tmp_path)
-    args.fsdp = "full_shard"  # set after __post_init__ (which would refuse FSDP on CPU itself)
-    with pytest.raises(ValueError, match=r"TrainingArguments.fsdp = 'full_shard'.*" + FIX):
+    args.fsdp, args.fsdp_config = "full_shard", {"fsdp_version": 1}  # set after __post_init__
+    with pytest.raises(ValueError, match=r"TrainingArguments.fsdp: FSDP1 .*fsdp_version': 2"):
         build(args)
     # accelerate launch --use_fsdp / --use_deepspeed set these (the arguments are built before:
     # TrainingArguments itself needs deepspeed installed under the second)
     args = _hf_args(tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ValueError, match=r"accelerate's FSDP plugin is on.*" + FIX):
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"accelerate's FSDP plugin .*FSDP1 .*FSDP_VERSION=2"):
         build(args)
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

@@ -173,7 +173,8 @@ def _meta_template(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def shard_model(model: nn.Module, world, dtype: str = "fp32") -> nn.Module:
+def shard_model(model: nn.Module, world, dtype: str = "fp32", blocks: Optional[set[str]] = None,
+                reshard_after_forward: bool = True) -> nn.Module:
     """Apply ``fully_shard`` to every transformer block (:func:`block_classes`) and to the root.
 
     Args:
@@ -182,6 +183,9 @@ def shard_model(model: nn.Module, world, dtype: str = "fp32") -> nn.Module:
             shard; the step still uses the sharded noise layout).
         dtype: ``perf.dtype``; ``bf16`` gathers bf16 parameters (``MixedPrecisionPolicy``), the
             shards (master weights) stay fp32.
+        blocks: class names of the modules that become FSDP units (default :func:`block_classes`;
+            an empty set: the root alone). DPTrainer maps ``transformer_layer_cls_to_wrap`` here.
+        reshard_after_forward: the blocks' FSDP2 flag (``fsdp_config['reshard_after_forward']``).
 
     Embeddings and the output head stay in the root unit, so tied weights share one FSDP
     parameter. Blocks reshard after forward (all-gathered again for the backward); the root does not.
@@ -196,10 +200,10 @@ def shard_model(model: nn.Module, world, dtype: str = "fp32") -> nn.Module:
     mesh = init_device_mesh(dev.type, (world.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16" \
         else MixedPrecisionPolicy()
-    blocks = block_classes(model)
+    blocks = block_classes(model) if blocks is None else set(blocks)
     for m in reversed(list(model.modules())):
         if m is not model and type(m).__name__ in blocks:
-            fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+            fully_shard(m, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
 

@@ -206,6 +206,9 @@ FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_who
                 "fsdp_api_no_placeholder", "fsdp_api_dummy_sent", "fsdp_api_banded_restart",
                 "fsdp_api_banded_slice_saved")
 ALL = ALL + FSDP_PLANTED
+# DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin (issue 38; audit/checks_fsdp.py plants them)
+HF_FSDP_PLANTED = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
+ALL = ALL + HF_FSDP_PLANTED
 # ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
 # collated with the next row's target; relative-position table rules (issue 36) giving every example the
 # batch-summed gradient of the shared table.

@@ -131,6 +131,8 @@ OPTIONAL_CHECKS = (
     # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
     ("dpft.audit.checks_methods_api", "methods_api_checks",
      ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
+    # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
+    ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
 )
 
 

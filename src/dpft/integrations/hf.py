@@ -70,9 +70,9 @@ own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16 (its 
 scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer state), activation
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
-``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, accelerate's FSDP plugin and
-``TrainingArguments.fsdp`` (a model the caller sharded with ``fully_shard``, root included, runs the
-sharded step: integrations/hf_fsdp.py), several GPUs in
+``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP1 and FSDP2 options
+that would change the DP step (``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin and a model the
+caller sharded with ``fully_shard`` run the sharded step: integrations/hf_fsdp.py), several GPUs in
 one process (``DataParallel``) and resuming with another number of processes; packing / padding-free collators
 (``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
 number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
@@ -115,7 +115,9 @@ from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
-from dpft.integrations.hf_fsdp import check_fsdp2_model, is_fsdp2_model, sharded_trainer_step
+from dpft.integrations.hf_fsdp import (accelerate_fsdp_off, check_sharded_model, check_still_sharded,
+                                       refuse_sharded_methods, reshard, shard_requested, sharded_trainer_step,
+                                       sharded_training_step)
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
 
@@ -194,12 +196,12 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
                             "max_grad_norm=..., expected_batch_size=...)")
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
+        # TrainingArguments.fsdp / accelerate's FSDP2 plugin: dpft shards the model itself (hf_fsdp.py)
+        where, mech = type(self).__name__, dp_args.mechanism_part()
+        model, args, fsdp_asked = shard_requested(model, args, where, mech, dp_args.methods)
         check_training_arguments(args)
         # before Trainer (and TRL) prepare anything; FSDP2 (fully_shard on the root): the sharded step
-        ddp.refuse_sharded_model(model, type(self).__name__, allow_fsdp2=True)
-        self.sharded = is_fsdp2_model(model)
-        if self.sharded:
-            check_fsdp2_model(model, type(self).__name__, dp_args.mechanism_part())
+        self.sharded = check_sharded_model(model, where, mech, dp_args.methods) or fsdp_asked
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
         # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
@@ -208,7 +210,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         # doubled eval_loss under 2 processes (transformers 5.24). Off: evaluation is per batch as
         # in one process.
         args.average_tokens_across_devices = False
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        with accelerate_fsdp_off(fsdp_asked):  # accelerate must not build its FSDP plugin from the environment
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.dp_args = dp_args
         check_trainer(self, loss_fn, DPTrainer)
         #: This process's place in the world (``torchrun`` / ``accelerate launch``; one process
@@ -217,6 +220,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         if self.world.world_size != int(getattr(self.args, "world_size", 1) or 1):
             _refuse(f"torch.distributed has {self.world.world_size} processes but TrainingArguments.world_size = "
                     f"{self.args.world_size}; launch with torchrun or accelerate launch and let Trainer join that world")
+        check_still_sharded(self.model, self.sharded, self.world, type(self).__name__)  # after TRL's peft_config
 
         ds = self.train_dataset
         eb = int(dp_args.expected_batch_size)
@@ -267,9 +271,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         # The methods over what DPTrainer knows (methods/python.py); their earlier releases (a
         # privately built basis from a file) enter the ledger before σ is calibrated after them.
         meths = python_methods(dp_args.methods, "DPArguments")
-        if meths and self.sharded:  # the sharded step runs no method hooks (as dpft train under FSDP)
-            raise ValueError(f"{type(self).__name__}: DPArguments.methods with an FSDP2 (fully_shard) model is not "
-                             "supported: the sharded step runs no method hooks; drop methods or train unsharded (DDP)")
+        if self.sharded:
+            refuse_sharded_methods(type(self).__name__, meths)
         ddp.check_methods(self.world, meths)
         #: The method plug-ins of ``DPArguments.methods``; ``method_stats``: what they released at
         #: the last update (privatised statistics only, e.g. DP-Adam-AC's C and clip rate).
@@ -489,6 +492,8 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
             raise RuntimeError("DPTrainer.training_step got a batch that its Poisson sampler did not produce; "
                                "do not replace DPTrainer's train dataloader")
         self._check_not_ddp(model)
+        if self.sharded:
+            reshard(self.model)  # an evaluation since the last step left the root unit gathered
         self._check_params()
         self._check_unclipped_grads()
         t = int(self.state.global_step)
@@ -499,12 +504,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         torch.manual_seed(ddp.dropout_seed(self._run_rng, t, self.world))
         idx = self._logical_order(self.dp_step.indices(t))
         if self.sharded:  # FSDP2 (integrations/hf_fsdp.py): placeholders, reduce-scatter, sharded noise
-            with self.compute_loss_context_manager():
-                out = self.dp_step.run(t, self._micro_batches(idx))
-            ddp.check_step_digest(self.world, t, idx, {})  # the ranks hold different shards: the batch only
-            self.last_private_stats = dict(out.private)
-            return torch.zeros((), device=self.args.device) if not self.dp_args.log_private_train_loss else \
-                torch.tensor(float(out.private["train_loss"]), device=self.args.device)
+            return sharded_training_step(self, t, idx)
         agg = Aggregator(self.engine.params)
         failure: Optional[NonFiniteGradientError] = None
         try:

@@ -58,14 +58,10 @@ def check_training_arguments(args: TrainingArguments) -> None:
                "pass DPTrainer(loss_fn=...) with a per-example smoothed loss")
     if "lomo" in str(getattr(args, "optim", "")).lower():
         refuse("LOMO optimizers fuse the update into the backward pass; choose another optim")
-    if getattr(args, "fsdp", None):
-        refuse(f"TrainingArguments.fsdp = {args.fsdp!r}: accelerate's FSDP shards the model and reduce-scatters "
-               f"the unclipped gradient in its hooks; DPTrainer clips per example on whole parameters. "
-               f"Remove fsdp; {ddp.SHARDED_FIX}")
-    if str(os.environ.get("ACCELERATE_USE_FSDP", "")).lower() in ("1", "true", "yes"):
-        refuse("accelerate's FSDP plugin is on (ACCELERATE_USE_FSDP=true: accelerate launch --use_fsdp or an "
-               "accelerate config with distributed_type: FSDP); it shards the model and reduce-scatters the "
-               f"unclipped gradient. Launch without FSDP; {ddp.SHARDED_FIX}")
+    if getattr(args, "fsdp", None):  # DPTrainer runs it (integrations/hf_fsdp.py shard_requested) and clears it
+        refuse("TrainingArguments.fsdp reached Trainer: accelerate's FSDP would shard the model and reduce-scatter the "
+               "unclipped gradient in its hooks. Build DPTrainer with it (DPTrainer shards with dpft's FSDP2 step and "
+               f"clears it), or {ddp.SHARDED_FIX}")
     if getattr(args, "deepspeed", None) or str(os.environ.get("ACCELERATE_USE_DEEPSPEED", "")).lower() in (
             "1", "true", "yes"):
         refuse("DeepSpeed is not supported (ZeRO partitions and reduces the unclipped gradient); train on one "

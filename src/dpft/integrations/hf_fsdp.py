@@ -11,19 +11,281 @@ world), one ledger event is recorded per logical step, and the noisy gradient is
 sharded parameter's ``.grad`` for ``Trainer``'s optimizer. accelerate prepares the model in
 ``evaluation_mode`` (DPTrainer's rule): no DDP or FSDP wrapper of its own.
 
-Not here: ``TrainingArguments.fsdp`` / accelerate's FSDP plugin (accelerate would shard the model
-itself and reduce-scatter unclipped gradients in its hooks); shard the model with ``fully_shard``
-before building the trainer instead. Source: issue 38 item 1.
+``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2, ...})`` and accelerate's FSDP2 plugin
+(``accelerate launch`` with ``distributed_type: FSDP``, ``fsdp_version: 2``: ``ACCELERATE_USE_FSDP=true``,
+``FSDP_VERSION=2``) come here too: :func:`shard_requested` reads the settings through accelerate's own
+:class:`~accelerate.utils.FullyShardedDataParallelPlugin` (exactly what ``Trainer`` / accelerate would
+build), shards the model itself with :func:`dpft.fsdp.shard_model` (what ``dpft train`` runs) and
+hands ``Trainer`` arguments with ``fsdp`` cleared, and :func:`accelerate_fsdp_off` keeps accelerate's
+plugin off while ``Trainer`` builds its accelerator: accelerate's ``fsdp2_prepare_model`` would shard
+the model with gradient hooks that reduce-scatter the *unclipped* gradient of every backward. From
+there on it is the path above (the same :class:`~dpft.fsdp.FSDPStep`, the one privacy plan). Mapped:
+the wrap policy (``TRANSFORMER_BASED_WRAP`` with ``transformer_layer_cls_to_wrap``, default the model's
+``_no_split_modules`` as accelerate; ``NO_WRAP``: the root alone), ``reshard_after_forward`` (the
+blocks'), mixed precision (``bf16=True`` or a bf16 ``mixed_precision_policy``: bf16 gathers, fp32
+shards, sums and noise), ``activation_checkpointing`` (Hugging Face's gradient checkpointing, which the
+book-keeping engine runs). ``state_dict_type`` has no effect: ``save_model`` and checkpoints always
+hold the gathered full model (:func:`full_model_state`; PEFT: the adapter), the format ``from_pretrained``
+loads, and the full optimizer state by parameter name (:func:`full_optimizer_state`);
+``resume_from_checkpoint`` loads both back into the shards (:func:`load_full_checkpoint`,
+:func:`load_full_optimizer`) when DPTrainer sharded the model (a model the caller sharded has no plain
+copy to load into: refused, :func:`resumable`). In one
+process nothing is sharded but the step is still the sharded one (its noise layout), so a 1-process
+run equals a K-process one, as ``dpft train``'s.
+
+Refused (:func:`fsdp_settings`), each naming the fix: FSDP1 (``fsdp_version: 1``, FSDP1-only sharding
+strategies, ``use_orig_params: false``: flat parameters whose unclipped gradients FSDP1 reduce-scatters
+in its hooks, and no per-parameter ``DTensor`` shard for the per-example engine), XLA FSDP,
+``cpu_offload`` (not verified: the step builds the noisy gradient shards on the compute device),
+``SIZE_BASED_WRAP`` (no equivalent in dpft's sharding: units are whole transformer blocks),
+``ignored_modules`` (their parameters would not be sharded: their clipped sums never reduced),
+``activation_checkpointing_offload``, an fp16 mixed-precision policy, and ``fsdp`` together with a
+model already sharded with ``fully_shard``. Source: issue 38 item 1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+from typing import Any, Iterator, Optional
+
 import torch
 
+from dpft import distributed as ddp
 from dpft import fsdp
 from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
 
-__all__ = ["is_fsdp2_model", "check_fsdp2_model", "sharded_trainer_step"]
+__all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
+           "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
+           "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "resumable", "load_full_checkpoint",
+           "load_full_optimizer", "reshard"]
+
+_TRUE = ("1", "true", "yes")
+
+
+def _env_on(name: str) -> bool:
+    return str(os.environ.get(name, "")).lower() in _TRUE
+
+
+def fsdp_requested(args) -> Optional[str]:
+    """Where FSDP was asked for: ``"TrainingArguments.fsdp"``, ``"accelerate's FSDP plugin"``
+    (``ACCELERATE_USE_FSDP=true``) or None."""
+    if getattr(args, "fsdp", None):
+        return "TrainingArguments.fsdp"
+    if _env_on("ACCELERATE_USE_FSDP"):
+        return "accelerate's FSDP plugin (ACCELERATE_USE_FSDP=true)"
+    return None
+
+
+def _refuse(where: str, source: str, msg: str) -> None:
+    raise ValueError(f"{where}: {source}: {msg}")
+
+
+def fsdp_settings(args, where: str = "DPTrainer") -> Optional[dict[str, Any]]:
+    """The FSDP2 settings the caller asked ``Trainer`` / accelerate for, as :func:`dpft.fsdp.shard_model`
+    runs them: ``{"source", "blocks" (None: the model's ``_no_split_modules``), "reshard_after_forward",
+    "dtype" ("bf16" | "fp32"), "activation_checkpointing"}``; None when FSDP was not asked for. Fast:
+    nothing is loaded or sharded.
+
+    Raises:
+        ValueError: an option that would change the DP step or that dpft's sharding has no equivalent
+            for (see the module docstring), naming the fix."""
+    source = fsdp_requested(args)
+    if source is None:
+        return None
+    conf = dict(getattr(args, "fsdp_config", None) or {}) if source.startswith("TrainingArguments") else {}
+    if conf.get("xla") or conf.get("xla_fsdp_v2"):
+        _refuse(where, source, "XLA FSDP shards and reduces the unclipped gradient in its own wrapper; set xla: false "
+                "(dpft shards with FSDP2 on torch.distributed)")
+    plugin_args = None
+    if source.startswith("TrainingArguments"):
+        plugin_args = getattr(args, "fsdp_plugin_args", None)
+        if plugin_args is None:  # fsdp set after TrainingArguments was built: transformers' own translation
+            late = copy.copy(args)
+            late.fsdp_config = copy.deepcopy(getattr(args, "fsdp_config", None))
+            plugin_args = late._process_fsdp_args() or {}
+    version = int(plugin_args.get("fsdp_version", 2)) if plugin_args is not None else int(os.environ.get("FSDP_VERSION", "1"))
+    fix2 = ("fsdp_config={'fsdp_version': 2}" if plugin_args is not None else
+            "FSDP_VERSION=2 (fsdp_version: 2 in the accelerate config)")
+    if version != 2:
+        _refuse(where, source, f"FSDP{version} (FullyShardedDataParallel) flattens parameters into FlatParameters and "
+                "reduce-scatters their unclipped gradient in its backward hooks; dpft's per-example engine needs each "
+                "parameter whole in the forward and backward and reduces only clipped sums, which FSDP2's per-parameter "
+                f"DTensor shards allow. Use FSDP2: {fix2}")
+    if str(conf.get("use_orig_params", "true")).lower() == "false":
+        _refuse(where, source, "use_orig_params: false is FSDP1's flat-parameter mode (no per-parameter gradient for the "
+                "per-example engine); FSDP2 always keeps the original parameters: remove use_orig_params")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    # accelerate's own parsing of the same settings (fsdp_config or the FSDP_* environment)
+    plugin = FullyShardedDataParallelPlugin(**plugin_args) if plugin_args is not None else FullyShardedDataParallelPlugin()
+    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
+        _refuse(where, source, "cpu_offload (FSDP2 CPUOffloadPolicy) is not supported yet: dpft's sharded step builds each "
+                "noisy gradient shard on the device where the engine computes the clipped sums, and that path is not "
+                "verified with parameter shards and optimizer on the CPU. Set cpu_offload false (FSDP_OFFLOAD_PARAMS=false)")
+    if getattr(plugin, "activation_checkpointing_offload", False):
+        _refuse(where, source, "activation_checkpointing_offload is not supported; set it false (activation checkpointing "
+                "itself runs: Hugging Face's gradient checkpointing under the book-keeping engine)")
+    if getattr(plugin, "ignored_modules", None):
+        _refuse(where, source, "ignored_modules leaves parameters outside FSDP: their clipped sums would never be reduced "
+                "over the ranks; remove ignored_modules (freeze those parameters instead)")
+    policy = getattr(plugin.auto_wrap_policy, "__name__", plugin.auto_wrap_policy)
+    if policy is None:
+        blocks: Optional[set[str]] = set()  # NO_WRAP: the root alone, as accelerate
+    elif policy == "transformer_auto_wrap_policy":
+        names = plugin.transformer_cls_names_to_wrap
+        blocks = set(names) if names else None
+    else:
+        shown = "SIZE_BASED_WRAP" if "size_based" in str(policy) else repr(policy)
+        _refuse(where, source, f"auto_wrap_policy {shown} has no equivalent in dpft's sharding (its FSDP units are "
+                "whole transformer blocks); use TRANSFORMER_BASED_WRAP (optionally with transformer_layer_cls_to_wrap) "
+                "or NO_WRAP")
+    mp = getattr(plugin, "mixed_precision_policy", None)
+    dtype = "bf16" if getattr(args, "bf16", False) else "fp32"
+    if mp is not None and getattr(mp, "param_dtype", None) is not None:
+        if mp.param_dtype != torch.bfloat16 or getattr(mp, "reduce_dtype", None) not in (None, torch.float32):
+            _refuse(where, source, f"mixed_precision_policy (param_dtype {mp.param_dtype}, reduce_dtype "
+                    f"{getattr(mp, 'reduce_dtype', None)}): dpft gathers bf16 parameters at most and sums, reduces and "
+                    "noises the clipped gradients in fp32 (fp16 needs a dynamic loss scaler that DPTrainer refuses); "
+                    "use bf16=True")
+        dtype = "bf16"
+    return {"source": source, "blocks": blocks, "reshard_after_forward": bool(plugin.reshard_after_forward),
+            "dtype": dtype, "activation_checkpointing": bool(plugin.activation_checkpointing)}
+
+
+def shard_requested(model, args, where: str = "DPTrainer", mechanism=None, methods=None):
+    """``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin, run by dpft: the model sharded with
+    :func:`dpft.fsdp.shard_model` (after rank 0's weights are broadcast, on ``args.device``) and a copy of
+    ``args`` with ``fsdp`` cleared (so ``Trainer`` and accelerate never wrap the model).
+
+    Returns:
+        ``(model, args, requested)``: ``requested`` is whether FSDP was asked for (then the trainer
+        runs the sharded step, in one process too); unchanged ``model`` and ``args`` when it was not.
+
+    Raises:
+        ValueError: :func:`fsdp_settings`'s refusals; ``methods`` (:func:`refuse_sharded_methods`); ``fsdp``
+            with a model already sharded.
+        dpft.distributed.DistributedError: a stateful mechanism (:func:`check_fsdp2_model`)."""
+    settings = fsdp_settings(args, where)
+    if settings is None:
+        return model, args, False
+    refuse_sharded_methods(where, methods)
+    source = settings["source"]
+    if model is None or not isinstance(model, torch.nn.Module):
+        _refuse(where, source, "pass model= (an nn.Module); DPTrainer shards it with FSDP2 itself")
+    if is_fsdp2_model(model):
+        _refuse(where, source, "the model is already sharded with fully_shard; either pass the unsharded model (DPTrainer "
+                "shards it) or remove fsdp from the arguments / the accelerate config")
+    if mechanism is not None and getattr(mechanism, "stateful", False):
+        check_fsdp2_model(model, where, mechanism)  # raises for a stateful mechanism before any sharding
+    if any(p.is_meta for p in model.parameters()):
+        _refuse(where, source, "the model has parameters on the meta device (cpu_ram_efficient_loading); load the model "
+                "on every rank (DPTrainer broadcasts rank 0's weights before sharding)")
+    blocks = settings["blocks"]
+    if blocks:
+        missing = sorted(set(blocks) - {type(m).__name__ for m in model.modules()})
+        if missing:
+            _refuse(where, source, f"transformer_layer_cls_to_wrap names {missing}, which the model does not have; name its "
+                    f"block classes (e.g. {sorted(fsdp.block_classes(model))})")
+    world = ddp.init_from_env()
+    if world.distributed:
+        if next(model.parameters()).device != args.device:
+            model = model.to(args.device)  # FSDP2's mesh is on the device the shards live on
+        ddp.broadcast_module(world, model)  # the world starts from rank 0's weights, as under DDP
+        model = fsdp.shard_model(model, world, settings["dtype"], blocks=blocks,
+                                 reshard_after_forward=settings["reshard_after_forward"])
+    args = copy.copy(args)
+    args.fsdp, args.fsdp_config, args.fsdp_plugin_args = None, None, None
+    if settings["activation_checkpointing"]:
+        args.gradient_checkpointing = True
+    return model, args, True
+
+
+@contextlib.contextmanager
+def accelerate_fsdp_off(requested: bool) -> Iterator[None]:
+    """``ACCELERATE_USE_FSDP`` off while ``Trainer`` builds its accelerator (when DPTrainer runs
+    the FSDP request itself): accelerate would otherwise build its FSDP plugin from the environment
+    and shard the model with hooks that reduce-scatter unclipped gradients. Restored afterwards."""
+    if not requested or "ACCELERATE_USE_FSDP" not in os.environ:
+        yield
+        return
+    was = os.environ["ACCELERATE_USE_FSDP"]
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    try:
+        yield
+    finally:
+        os.environ["ACCELERATE_USE_FSDP"] = was
+
+
+def full_model_state(model) -> dict[str, torch.Tensor]:
+    """The gathered, full state dict of an FSDP2 ``model`` on rank 0 (CPU tensors; ``{}`` on the
+    other ranks), through ``torch.distributed.checkpoint.state_dict`` (a collective: every rank calls
+    it). What ``save_pretrained`` writes: no ``DTensor`` in the released files."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """The gathered, full optimizer state of an FSDP2 ``model`` on rank 0 (``{}`` elsewhere; a
+    collective), keyed by parameter name (``torch.distributed.checkpoint.state_dict``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def check_sharded_model(model, where: str, mechanism=None, methods=None) -> bool:
+    """Whether ``model`` runs the sharded step (FSDP2, ``fully_shard`` on its root), refusing FSDP1,
+    an FSDP2 model the sharded step cannot run (:func:`~dpft.api.sharded.check_fsdp2_model`) and
+    ``DPArguments.methods`` on it (:func:`refuse_sharded_methods`), before ``Trainer`` is built.
+
+    Raises:
+        dpft.distributed.DistributedError, ValueError: naming the fix."""
+    ddp.refuse_sharded_model(model, where, allow_fsdp2=True)
+    sharded = is_fsdp2_model(model)
+    if sharded:
+        refuse_sharded_methods(where, methods)
+        check_fsdp2_model(model, where, mechanism)
+    return sharded
+
+
+def check_still_sharded(model, sharded: bool, world, where: str) -> None:
+    """After ``Trainer`` (and TRL) prepared the model: under several processes every trainable
+    parameter of a sharded run must still be an FSDP2 shard. A parameter added after sharding (TRL's
+    ``peft_config`` wraps the model inside ``SFTTrainer.__init__``) is a plain tensor on each rank, whose
+    clipped sum the step would never reduce over the ranks (each rank would apply its own update).
+
+    Raises:
+        dpft.distributed.DistributedError: naming the parameters and the fix."""
+    if not (sharded and world.distributed):
+        return
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and not fsdp.is_sharded(p)]
+    if plain:
+        raise ddp.DistributedError(
+            f"{where}: trainable parameters {plain[:3]} were added after the model was sharded (e.g. by peft_config) "
+            "and are not FSDP2 shards: their clipped sums would not be reduced over the ranks. Wrap the model with "
+            "peft.get_peft_model before building the trainer (and drop peft_config)")
+
+
+def reshard(model) -> None:
+    """Reshard every FSDP2 unit of ``model``: a forward outside the DP step (``Trainer``'s evaluation,
+    a user's call) leaves the root unit gathered (``reshard_after_forward=False``), its parameters then
+    the unsharded tensors, which the per-step check of the trainable parameters would take for a change."""
+    for m in fsdp._fsdp_modules(model):
+        m.reshard()
+
+
+def refuse_sharded_methods(where: str, methods: list) -> None:
+    """Refuse ``DPArguments.methods`` on the sharded step, which runs no method hooks (as ``dpft
+    train`` under ``perf.sharding: fsdp``: dpft/fsdp.py ``check_recipe``).
+
+    Raises:
+        ValueError: naming the fix."""
+    if methods:  # (method specs or plug-ins: refused before the model is sharded or Trainer is built)
+        raise ValueError(f"{where}: DPArguments.methods with an FSDP2 (fully_shard) model is not supported: the "
+                         "sharded step runs no method hooks; drop methods or train unsharded (DDP)")
 
 
 def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
@@ -45,3 +307,48 @@ def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
 
     return fsdp.FSDPStep(spec, trainer.ledger, trainer.n, trainer.world, placeholder,
                          on_release=trainer._save_live_ledger)
+
+
+def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
+    """``DPTrainer.training_step`` on the sharded step: the rank's share of logical batch ``idx``
+    (step ``t``) through :meth:`~dpft.fsdp.FSDPStep.run` (placeholders, reduce-scatter, sharded noise,
+    one ledger event), then the per-step digest of the logical batch (the ranks hold different
+    shards, so the weights are not compared). Returns 0, or the un-noised loss when
+    ``log_private_train_loss``."""
+    with trainer.compute_loss_context_manager():
+        out = trainer.dp_step.run(t, trainer._micro_batches(idx))
+    ddp.check_step_digest(trainer.world, t, idx, {})  # the ranks hold different shards: the batch only
+    trainer.last_private_stats = dict(out.private)
+    if trainer.dp_args.log_private_train_loss:
+        return torch.tensor(float(out.private["train_loss"]), device=trainer.args.device)
+    return torch.zeros((), device=trainer.args.device)
+
+
+
+def resumable(model) -> bool:
+    """Whether a sharded ``model`` can resume from a DPTrainer checkpoint: dpft sharded it
+    (:func:`dpft.fsdp.shard_model` kept a parameter-free template to rebuild a plain copy), or it is
+    not sharded at all."""
+    return not is_fsdp2_model(model) or fsdp._TEMPLATES.get(model) is not None
+
+
+def load_full_checkpoint(model, ckpt: str, load) -> None:
+    """Load the full weights of checkpoint ``ckpt`` (written by :func:`full_model_state`) into the
+    FSDP2 ``model``: ``load(ckpt, plain)`` — ``Trainer``'s own loader (safetensors, PEFT adapters) — on a
+    plain copy (:func:`dpft.fsdp.materialise`, a collective; the full model's memory on every rank while
+    it lasts), then each rank keeps its shards (``set_model_state_dict(full_state_dict=True)``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    plain = fsdp.materialise(model)
+    load(ckpt, plain)
+    set_model_state_dict(model, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer(model, optimizer, ckpt: str) -> None:
+    """Set the FSDP2 ``optimizer``'s shards from the full state :func:`full_optimizer_state` wrote to
+    ``ckpt/optimizer.pt`` (``set_optimizer_state_dict(full_state_dict=True)``: each rank keeps its slice)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from transformers.trainer import OPTIMIZER_NAME
+
+    full = torch.load(os.path.join(ckpt, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))

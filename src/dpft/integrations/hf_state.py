@@ -23,6 +23,8 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.errors import TrainingError
 from dpft.integrations.hf_card import write_trainer_card
 from dpft.integrations.hf_checks import refuse as _refuse
+from dpft.integrations.hf_fsdp import (full_model_state, full_optimizer_state, is_fsdp2_model, load_full_checkpoint,
+                                       load_full_optimizer, resumable)
 from dpft.run.lock import RunLock
 from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
 
@@ -85,9 +87,16 @@ class PrivateState:
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` plus ``ledger.json``, ``dp_state.json`` and dpft's model card
-        (``README.md``, over PEFT's template for an adapter) — checkpoints too."""
-        super().save_model(output_dir, _internal_call)
+        (``README.md``, over PEFT's template for an adapter) — checkpoints too. An FSDP2 model is
+        gathered first (every rank calls this: a collective) and rank 0 writes the full weights with
+        ``save_pretrained`` (PEFT: the adapter), the files ``from_pretrained`` loads; no ``DTensor``."""
         directory = output_dir if output_dir is not None else self.args.output_dir
+        if is_fsdp2_model(self.model):
+            state = full_model_state(self.model)  # rank 0: full CPU tensors; the other ranks: {}
+            if self.args.should_save:
+                self._save(directory, state_dict=state)
+        else:
+            super().save_model(output_dir, _internal_call)
         self._write_dp_files(directory)
         if self.is_world_process_zero():
             write_trainer_card(self, directory)
@@ -101,13 +110,45 @@ class PrivateState:
     def _save_checkpoint(self, model, trial) -> None:
         """``Trainer._save_checkpoint`` (every rank calls it), after checking that the ranks still
         hold one set of trainable weights (rank 0's are broadcast if not: they are the ones saved)."""
-        ddp.check_in_sync(self.world, self.dp_step.params)  # what the step updates (DP-SFT: not the k coordinates)
+        if not is_fsdp2_model(self.model):  # FSDP2: each rank holds its own shard, one weight for the world
+            ddp.check_in_sync(self.world, self.dp_step.params)  # what the step updates (DP-SFT: not the k coordinates)
         super()._save_checkpoint(model, trial)
         if self._banded and self.world.is_main:
             # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
             # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step.
 
             save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """``Trainer``'s, with an FSDP2 model's optimizer state gathered (every rank: a collective) and
+        written by rank 0 as full tensors keyed by parameter name (not rank 0's DTensor shards)."""
+        if not is_fsdp2_model(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import torch
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds torch's
+        state = full_optimizer_state(self.model, opt)
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """``Trainer``'s loader; an FSDP2 model sharded by DPTrainer loads the checkpoint's full weights
+        through a plain copy and keeps its shards (hf_fsdp.py ``load_full_checkpoint``)."""
+        if not is_fsdp2_model(self.model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_full_checkpoint(self.model, resume_from_checkpoint, super()._load_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """``Trainer``'s; an FSDP2 model's optimizer shards are set from the full state in the checkpoint."""
+        if checkpoint is None or not is_fsdp2_model(self.model):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import torch
+        from transformers.trainer import SCHEDULER_NAME
+
+        load_full_optimizer(self.model, getattr(self.optimizer, "optimizer", self.optimizer), checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _save_rng_state(self, output_dir: str) -> None:
         """``Trainer._save_rng_state`` on rank 0 only: rank 0 alone writes the run's files (the
@@ -131,6 +172,12 @@ class PrivateState:
               ignore_keys_for_eval: Optional[list[str]] = None, **kwargs) -> TrainOutput:
         """``Trainer.train`` with the ledger continued on resume. The returned ``training_loss``
         is NaN unless ``log_private_train_loss`` (the un-noised loss is private)."""
+        if resume_from_checkpoint and not resumable(self.model):
+            _refuse("resume_from_checkpoint with a model you sharded yourself (fully_shard) is not supported: the "
+                    "checkpoint holds full tensors and DPTrainer has no plain copy of your model to load them into "
+                    "before resharding. Pass the unsharded model with TrainingArguments(fsdp=True, fsdp_config="
+                    "{'fsdp_version': 2}) (DPTrainer shards it and resumes), or start a new DPTrainer from the saved "
+                    "model (its ledger composes: pass ledger=)")
         if trial is not None:
             _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
                     "releases compose; it is not supported")
