@@ -57,9 +57,12 @@ import torch
 from dpft import fsdp
 from dpft.api import sharded
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
+from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
 from dpft.audit.whitebox import Check
 from dpft.distributed import World
 from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.integrations import hf
+from dpft.integrations.hf import DPArguments, DPTrainer
 from dpft.models.losses import causal_lm_loss
 from dpft.privacy.randomness import Randomness
 from dpft.step.clip import make_clip_policy
@@ -310,7 +313,6 @@ def _norm_check(c: float = 0.05) -> list[Check]:
 @contextlib.contextmanager
 def _trainer_planted(name: Optional[str]) -> Iterator[None]:
     """Plant one of :data:`TRAINER_PLANTED` in the names integrations/hf.py imported."""
-    from dpft.integrations import hf
 
     saved = []
     try:
@@ -343,8 +345,6 @@ def _trainer_run(way: str, tmp: str) -> dict:
     import transformers
     from transformers import PrinterCallback, TrainingArguments
 
-    from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
-    from dpft.integrations.hf import DPArguments, DPTrainer
 
     seen: dict = {"error": None, "runs": 0, "raw_grads": 0}
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
