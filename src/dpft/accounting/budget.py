@@ -59,12 +59,25 @@ class BudgetChoice:
         return "\n".join([head, *lines])
 
 
+def _candidate_rows(cands, n: int, epsilon: float, delta: float, extra=None) -> list[dict]:
+    """One row per candidate (B, T) the target ε reaches: σ (RDP, for ranking only; the run's σ is then
+    calibrated with PLD), σ/B, and ``extra(B, T)``'s keys; a (B, T) out of reach is left out."""
+    rows = []
+    for b, t in cands:
+        try:
+            s = _sigma_rdp(b / n, t, epsilon, delta)
+        except Exception:  # noqa: BLE001 - the target is out of reach at this (B, T)
+            continue
+        rows.append({"batch": b, "steps": t, "sigma": s, "noise_per_example": s / b, **(extra(b, t) if extra else {})})
+    return rows
+
+
 def _sigma_rdp(q: float, steps: int, epsilon: float, delta: float) -> float:
     def make(s):
         return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(s)), steps)
 
     with _quiet_absl():
-            return float(dpa.calibrate_dp_mechanism(rdp_privacy_accountant.RdpAccountant, make, epsilon, delta,
+        return float(dpa.calibrate_dp_mechanism(rdp_privacy_accountant.RdpAccountant, make, epsilon, delta,
                                                 bracket_interval=dpa.ExplicitBracketInterval(0.2, 500.0), tol=1e-3))
 
 
@@ -96,13 +109,7 @@ def choose_batch_and_steps(n: int, epsilon: float, delta: float, budget: Optiona
             b *= 2
         bs = bs or [min(n, budget)]
         cands = [(b, max(1, round(budget / b))) for b in bs]
-    rows = []
-    for b, t in cands:
-        try:
-            s = _sigma_rdp(b / n, t, epsilon, delta)
-        except Exception:  # noqa: BLE001 - the target is out of reach at this (B, T)
-            continue
-        rows.append({"batch": b, "steps": t, "sigma": s, "noise_per_example": s / b})
+    rows = _candidate_rows(cands, n, epsilon, delta)
     if not rows:
         raise BudgetError(f"no (B, T) at B·T = {budget} meets ε = {epsilon:g} at δ = {delta:g} with σ ≤ 500; "
                           "raise ε or lower schedule.compute_budget")
@@ -151,14 +158,7 @@ def choose_for_time(n: int, epsilon: float, delta: float, seconds: float, step_s
     if batch is None:  # the compute budget's floor: T ≥ min(MIN_STEPS, T at the smallest B)
         t_min = max(1, min(MIN_STEPS, cands[0][1]))
         cands = [(b, t) for b, t in cands if t >= t_min] or cands[:1]
-    rows = []
-    for b, t in cands:
-        try:
-            s = _sigma_rdp(b / n, t, epsilon, delta)
-        except Exception:  # noqa: BLE001 - the target is out of reach at this (B, T)
-            continue
-        rows.append({"batch": b, "steps": t, "sigma": s, "noise_per_example": s / b,
-                     "seconds": t * step_seconds(b)})
+    rows = _candidate_rows(cands, n, epsilon, delta, lambda b, t: {"seconds": t * step_seconds(b)})
     if not rows:
         raise BudgetError(f"no (B, T) that fits the time budget meets ε = {epsilon:g} at δ = {delta:g} with σ ≤ 500; "
                           "raise ε or the time budget")
