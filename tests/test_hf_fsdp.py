@@ -56,10 +56,18 @@ def one_and_two(tmp_path_factory):
     return one, two
 
 
-def _close(a: dict, b: dict) -> None:
+def _close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     assert a and set(a) == set(b)
     for n, w in a.items():
-        torch.testing.assert_close(torch.tensor(b[n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(b[n]), torch.tensor(w), rtol=rtol, atol=atol)
+
+
+#: AdamW across worlds (1 process against 2): the 2-process clipped sums are reduce-scattered (another
+#: float summation order), and AdamW's m/√v amplifies that rounding where a coordinate's noisy gradient
+#: is near zero: max |Δw| measured 1.1e-6 to 9.3e-6 over 4 steps depending on the noise draw (SGD stays
+#: within 1e-6: the equality jobs above). The same world's resumed run against its uninterrupted one stays
+#: at the strict tolerance.
+ADAMW_ACROSS_WORLDS = {"rtol": 1e-4, "atol": 5e-5}
 
 
 @pytest.mark.slow
@@ -145,8 +153,8 @@ def test_dptrainer_fsdp_resume_equals_the_uninterrupted_run(one_and_two):
     assert all(isinstance(n, str) and n.startswith("bert.") for n in r0["optimizer_names"])
     assert r0["resumed"]["weights"] == r1["resumed"]["weights"]
     _close(r0["whole"]["weights"], r0["resumed"]["weights"])
-    _close(a["whole"]["weights"], r0["resumed"]["weights"])
     _close(a["resumed"]["weights"], a["whole"]["weights"])
+    _close(a["whole"]["weights"], r0["resumed"]["weights"], **ADAMW_ACROSS_WORLDS)
 
 
 def _noise_state_ok(noise: dict, step: int) -> None:
@@ -177,21 +185,24 @@ def test_dptrainer_fsdp_banded_resume_equals_the_uninterrupted_run(one_and_two):
         assert sum(e["count"] for e in r["resumed"]["ledger"]["entries"]) == 4
     assert r0["resumed"]["weights"] == r1["resumed"]["weights"]
     _close(r0["whole"]["weights"], r0["resumed"]["weights"])
-    _close(a["whole"]["weights"], r0["resumed"]["weights"])
+    _close(a["resumed"]["weights"], a["whole"]["weights"])
+    _close(a["whole"]["weights"], r0["resumed"]["weights"], **ADAMW_ACROSS_WORLDS)
 
 
+@pytest.mark.slow  # 13–21 s on this 2-core machine (3 trainers): the construction check below is the fast one
 def test_dptrainer_fsdp_banded_resume_one_process(tmp_path):
-    """Fast (1 process, no process group: the sharded step and its banded mechanism, nothing sharded):
+    """1 process, no process group (the sharded step and its banded mechanism, nothing sharded), no launch:
     DPTrainer(fsdp=...) with banded MF releases through the step's ShardedBandedMFMechanism, writes the
     0600 noise state outside checkpoint-*/ at the checkpoint, and a run stopped there and resumed equals
     the uninterrupted one (the buffers restored: zeroed buffers move the weights by ~0.3)."""
-    out = worker.run_resume({"banded": True}, tmp_path)
+    out = worker.run_resume({"banded": True, "steps": 3}, tmp_path)  # checkpoint at 2, resumed for step 3
     _noise_state_ok(out["noise"], 2)
     resumed, whole = out["resumed"], out["whole"]
     assert resumed["mechanism"] == whole["mechanism"] == "ShardedBandedMFMechanism"
     assert resumed["sharded"] and resumed["fsdp_step"]
     assert resumed["ledger"] == whole["ledger"]
-    assert [e["event"]["type"] for e in whole["ledger"]["entries"]] == ["PoissonSampledDpEvent", "NoOpDpEvent"] * 2
+    assert [e["event"]["type"] for e in whole["ledger"]["entries"]] == ["PoissonSampledDpEvent", "NoOpDpEvent",
+                                                                        "PoissonSampledDpEvent"]
     _close(whole["weights"], resumed["weights"])
 
 
