@@ -313,6 +313,13 @@ def test_dptrainer_fsdp_refuses_unknown_block_class_and_a_presharded_model(tmp_p
         args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
         with pytest.raises(ValueError, match=r"already sharded with fully_shard"):
             DPTrainer(model=model, args=args, train_dataset=hd.make_rows(6), dp_args=_dp())
+        # a model the caller sharded, with banded MF: no longer refused; the step's sharded mechanism releases
+        from dpft.fsdp import ShardedBandedMFMechanism
+
+        tr = DPTrainer(model=model, args=_args(tmp_path), train_dataset=hd.make_rows(16), data_collator=hd.pad_collate,
+                       dp_args=_dp(mechanism="banded_mf", bands=2))
+        assert tr.sharded and isinstance(tr.mechanism, ShardedBandedMFMechanism)
+        assert tr.mechanism is tr.dp_step.spec.mechanism and tr.mechanism.world is tr.world
     finally:
         dist.destroy_process_group()
 
