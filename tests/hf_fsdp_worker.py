@@ -11,7 +11,8 @@ logical batch and this rank's share per step, the ledger, the step class, whethe
 modules or accelerate's wrapper, the gathered trainable weights, and (``save``) the weights
 ``from_pretrained`` loads from ``save_model``'s folder and whether any saved tensor is a DTensor.
 :func:`run_resume`: AdamW, a run stopped after its checkpoint at step 2, resumed by a new DPTrainer, against
-an uninterrupted run; and what the checkpoint's ``optimizer.pt`` holds.
+an uninterrupted run; and what the checkpoint's ``optimizer.pt`` holds (``banded``: banded MF with b = 2, and
+the secret noise state file rank 0 wrote at the checkpoint: mode, place, step, gathered buffers).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _hf_trainer(job: dict, common: dict, users):
     args = TrainingArguments(label_names=["labels"], bf16=job.get("bf16", False), **common)
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
                      reproducible_seed=3, max_physical_batch_size=2, user_column=USER_COLUMN if users else None,
-                     max_rows_per_user=2, max_batch_size=job.get("max_batch_size"))
+                     max_rows_per_user=2, max_batch_size=job.get("max_batch_size"),
+                     **({"mechanism": "banded_mf", "bands": 2} if job.get("banded") else {}))
     model = tiny_model()
     if job.get("lora"):  # frozen base, trainable adapter and head: save_model writes the adapter
         from peft import LoraConfig, get_peft_model
@@ -129,6 +131,9 @@ def _train(tr, job: dict, out_dir: Path) -> dict:
     log["weights"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
                       for n, p in tr.engine.params.items()}
     log["world_size"], log["rank"] = tr.world.world_size, tr.world.rank
+    log["mechanism"] = type(tr.mechanism).__name__
+    if job.get("banded") and job.get("checkpoint") and tr.world.is_main:  # rank 0 wrote it (after the gather)
+        log["noise"] = _noise_file(out_dir)
     if job.get("save"):
         final = out_dir / "final"
         tr.save_model(str(final))
@@ -181,7 +186,26 @@ def run_resume(job: dict, out_dir: Path) -> dict:
     out = {"first_ledger": first["ledger"], "resumed": resumed, "whole": whole}
     if (ckpt / "optimizer.pt").exists():
         out.update(_optimizer_file(ckpt / "optimizer.pt"))
+    if job.get("banded"):
+        out["noise"] = first.get("noise")  # rank 0 only
     return out
+
+
+def _noise_file(run_dir: Path) -> dict:
+    """banded_mf's secret noise state as rank 0 wrote it: its mode, where it lies (not under any
+    checkpoint-*/), its step and its buffers (full tensors: gathered from every rank's slices)."""
+    import torch
+
+    from dpft.step.correlated import NOISE_STATE_FILE
+
+    path = run_dir / NOISE_STATE_FILE
+    st = torch.load(str(path), map_location="cpu", weights_only=True)
+    return {"mode": path.stat().st_mode & 0o777,
+            "in_checkpoints": sorted(str(p.relative_to(run_dir)) for p in run_dir.glob("checkpoint-*/**/*")
+                                     if "noise" in p.name),
+            "next_step": int(st["next_step"]),
+            "buffers": [{n: t.flatten().tolist() for n, t in b.items()} for b in st["buffers"]],
+            "shapes": {n: list(t.shape) for b in st["buffers"] for n, t in b.items()}}
 
 
 def run_jobs(cfg: dict, rank: int) -> dict:

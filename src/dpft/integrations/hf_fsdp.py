@@ -31,7 +31,11 @@ loads, and the full optimizer state by parameter name (:func:`full_optimizer_sta
 :func:`load_full_optimizer`) when DPTrainer sharded the model (a model the caller sharded has no plain
 copy to load into: refused, :func:`resumable`). In one
 process nothing is sharded but the step is still the sharded one (its noise layout), so a 1-process
-run equals a K-process one, as ``dpft train``'s.
+run equals a K-process one, as ``dpft train``'s. Banded MF runs sharded (:class:`~dpft.fsdp.ShardedBandedMFMechanism`:
+each rank keeps the noise buffers of its own shards); a checkpoint gathers every rank's slices and rank 0
+writes the one 0600 ``noise_state.secret.pt`` a 1-process run writes (outside ``checkpoint-*``), and a
+resume broadcasts it and each rank keeps its slices (hf_state.py; the same gather as ``make_private``'s,
+api/state.py).
 
 Refused (:func:`fsdp_settings`), each naming the fix: FSDP1 (``fsdp_version: 1``, FSDP1-only sharding
 strategies, ``use_orig_params: false``: flat parameters whose unclipped gradients FSDP1 reduce-scatters
@@ -163,10 +167,13 @@ def shard_requested(model, args, where: str = "DPTrainer", mechanism=None, metho
         ``(model, args, requested)``: ``requested`` is whether FSDP was asked for (then the trainer
         runs the sharded step, in one process too); unchanged ``model`` and ``args`` when it was not.
 
+    ``mechanism`` (the plan part asked for) needs no check here: every mechanism the plan builds has
+    a sharded counterpart (:func:`dpft.fsdp.shard_mechanism`; banded MF keeps each shard's buffers and
+    the checkpoint gathers them, hf_state.py).
+
     Raises:
         ValueError: :func:`fsdp_settings`'s refusals; ``methods`` (:func:`refuse_sharded_methods`); ``fsdp``
-            with a model already sharded.
-        dpft.distributed.DistributedError: a stateful mechanism (:func:`check_fsdp2_model`)."""
+            with a model already sharded."""
     settings = fsdp_settings(args, where)
     if settings is None:
         return model, args, False
@@ -177,8 +184,6 @@ def shard_requested(model, args, where: str = "DPTrainer", mechanism=None, metho
     if is_fsdp2_model(model):
         _refuse(where, source, "the model is already sharded with fully_shard; either pass the unsharded model (DPTrainer "
                 "shards it) or remove fsdp from the arguments / the accelerate config")
-    if mechanism is not None and getattr(mechanism, "stateful", False):
-        check_fsdp2_model(model, where, mechanism)  # raises for a stateful mechanism before any sharding
     if any(p.is_meta for p in model.parameters()):
         _refuse(where, source, "the model has parameters on the meta device (cpu_ram_efficient_loading); load the model "
                 "on every rank (DPTrainer broadcasts rank 0's weights before sharding)")
@@ -239,7 +244,9 @@ def full_optimizer_state(model, optimizer) -> dict:
 def check_sharded_model(model, where: str, mechanism=None, methods=None) -> bool:
     """Whether ``model`` runs the sharded step (FSDP2, ``fully_shard`` on its root), refusing FSDP1,
     an FSDP2 model the sharded step cannot run (:func:`~dpft.api.sharded.check_fsdp2_model`) and
-    ``DPArguments.methods`` on it (:func:`refuse_sharded_methods`), before ``Trainer`` is built.
+    ``DPArguments.methods`` on it (:func:`refuse_sharded_methods`), before ``Trainer`` is built. Any
+    ``mechanism`` runs sharded (banded MF: the checkpoint gathers each shard's buffers, hf_state.py),
+    so it is not passed on as a refusal.
 
     Raises:
         dpft.distributed.DistributedError, ValueError: naming the fix."""
@@ -247,7 +254,7 @@ def check_sharded_model(model, where: str, mechanism=None, methods=None) -> bool
     sharded = is_fsdp2_model(model)
     if sharded:
         refuse_sharded_methods(where, methods)
-        check_fsdp2_model(model, where, mechanism)
+        check_fsdp2_model(model, where)
     return sharded
 
 
@@ -292,7 +299,12 @@ def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
     """The :class:`~dpft.fsdp.FSDPStep` of a DPTrainer whose model is FSDP2-sharded; its placeholder
     micro-batch is the trainer's own first physical batch of training row 0 (the trainer's
     ``_micro_batches``: its collator, DPO's pairs with their reference log-probabilities, user
-    groups), built on every rank alike (the rank's share taken as the whole one-row batch)."""
+    groups), built on every rank alike (the rank's share taken as the whole one-row batch).
+
+    Sets ``trainer.mechanism`` to the step's sharded copy of the plan's mechanism
+    (:func:`dpft.fsdp.shard_mechanism` copies its attributes): that copy releases, so it is the one whose
+    ``rng`` each training loop renews (hf_data.py), whose banded-MF buffers (this rank's slices) the
+    checkpoint gathers and the resume restores (hf_state.py)."""
 
     def placeholder():
         own = trainer.__dict__.get("_share")
@@ -305,8 +317,10 @@ def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
             else:
                 trainer._share = own
 
-    return fsdp.FSDPStep(spec, trainer.ledger, trainer.n, trainer.world, placeholder,
+    step = fsdp.FSDPStep(spec, trainer.ledger, trainer.n, trainer.world, placeholder,
                          on_release=trainer._save_live_ledger)
+    trainer.mechanism = step.spec.mechanism
+    return step
 
 
 def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The ledger, ``dp_state.json``, checkpoints and resume of :class:`~dpft.integrations.hf.DPTrainer`
 (a mixin): the live ledger after every release, the secret noise state of a stateful mechanism
-outside ``checkpoint-*``, and a resume that continues the ledger and refuses what would replay
+outside ``checkpoint-*`` (FSDP2: gathered from every rank's shard slices, as make_private's,
+api/state.py), and a resume that continues the ledger and refuses what would replay
 releases, other settings or other rows (the plan's state path, step/correlated.py)."""
 
 from __future__ import annotations
@@ -113,11 +114,15 @@ class PrivateState:
         if not is_fsdp2_model(self.model):  # FSDP2: each rank holds its own shard, one weight for the world
             ddp.check_in_sync(self.world, self.dp_step.params)  # what the step updates (DP-SFT: not the k coordinates)
         super()._save_checkpoint(model, trial)
-        if self._banded and self.world.is_main:
+        if self._banded:
             # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
-            # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step.
-
-            save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
+            # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step. FSDP2:
+            # each rank holds its shards' slices; ShardedBandedMFMechanism.state() gathers them (a
+            # collective, every rank), so rank 0 writes the file one process writes (api/state.py).
+            if self.world.is_main:
+                save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
+            elif self.sharded:
+                self.mechanism.state()  # this rank's part of rank 0's gather
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``Trainer``'s, with an FSDP2 model's optimizer state gathered (every rank: a collective) and
@@ -329,7 +334,8 @@ class PrivateState:
         """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``, with the
         CLI's refusals (step/correlated.py ``resume_noise_state``): releases after the checkpoint,
         a state of another step (resume from the last checkpoint: the file holds the newest one's
-        state), other coefficients or another N."""
+        state), other coefficients or another N. ``state`` is rank 0's read, broadcast to every rank;
+        FSDP2: each rank keeps its shards' slices (``ShardedBandedMFMechanism.load_state``)."""
         try:
             resume_noise_state(self.mechanism, state, step, replayed, self.engine.params, *_RESUME_WORDS)
         except TrainingError as exc:
