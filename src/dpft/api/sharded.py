@@ -60,24 +60,17 @@ def is_fsdp2_model(module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-def check_fsdp2_model(module: nn.Module, where: str, mechanism=None) -> None:
+def check_fsdp2_model(module: nn.Module, where: str) -> None:
     """Refuse an FSDP2 model the sharded step cannot run: the root not ``fully_shard``-ed (some
-    trainable parameters plain tensors), shards not on dim 0 of one mesh, or — where ``mechanism``
-    is given — a stateful one (banded MF). ``make_private`` passes none: its ``save_noise_state`` /
-    ``load_noise_state`` gather and re-slice the per-shard buffers (api/state.py). DPTrainer passes
-    its mechanism: its checkpoint callback writes one process's buffers, and each rank holds only
-    its shard's.
+    trainable parameters plain tensors) or shards not on dim 0 of one mesh. Every mechanism runs
+    sharded: banded MF's per-shard buffers are gathered and re-sliced by ``save_noise_state`` /
+    ``load_noise_state`` (api/state.py) and by DPTrainer's checkpoints (integrations/hf_state.py).
 
     Raises:
         ddp.DistributedError: naming the fix."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import Shard
 
-    if mechanism is not None and getattr(mechanism, "stateful", False):
-        raise ddp.DistributedError(
-            f"{where}: mechanism={mechanism.name!r} with an FSDP2 model: each rank holds the secret noise buffers "
-            "of its own shard, and this way in's checkpoints do not gather them yet; use dpft train with "
-            "perf.sharding: fsdp or make_private (banded MF runs sharded there), or mechanism='gaussian'")
     if not isinstance(module, FSDPModule):
         raise ddp.DistributedError(
             f"{where}: only submodules of the model are sharded by FSDP2 (fully_shard); apply fully_shard to the "

@@ -197,11 +197,11 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         # TrainingArguments.fsdp / accelerate's FSDP2 plugin: dpft shards the model itself (hf_fsdp.py)
-        where, mech = type(self).__name__, dp_args.mechanism_part()
-        model, args, fsdp_asked = shard_requested(model, args, where, mech, dp_args.methods)
+        where = type(self).__name__
+        model, args, fsdp_asked = shard_requested(model, args, where, dp_args.methods)
         check_training_arguments(args)
         # before Trainer (and TRL) prepare anything; FSDP2 (fully_shard on the root): the sharded step
-        self.sharded = check_sharded_model(model, where, mech, dp_args.methods) or fsdp_asked
+        self.sharded = check_sharded_model(model, where, dp_args.methods) or fsdp_asked
         args = copy.copy(args)  # the caller's object is left as it was
         args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
         # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its

@@ -158,7 +158,7 @@ def fsdp_settings(args, where: str = "DPTrainer") -> Optional[dict[str, Any]]:
             "dtype": dtype, "activation_checkpointing": bool(plugin.activation_checkpointing)}
 
 
-def shard_requested(model, args, where: str = "DPTrainer", mechanism=None, methods=None):
+def shard_requested(model, args, where: str = "DPTrainer", methods=None):
     """``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin, run by dpft: the model sharded with
     :func:`dpft.fsdp.shard_model` (after rank 0's weights are broadcast, on ``args.device``) and a copy of
     ``args`` with ``fsdp`` cleared (so ``Trainer`` and accelerate never wrap the model).
@@ -167,9 +167,9 @@ def shard_requested(model, args, where: str = "DPTrainer", mechanism=None, metho
         ``(model, args, requested)``: ``requested`` is whether FSDP was asked for (then the trainer
         runs the sharded step, in one process too); unchanged ``model`` and ``args`` when it was not.
 
-    ``mechanism`` (the plan part asked for) needs no check here: every mechanism the plan builds has
-    a sharded counterpart (:func:`dpft.fsdp.shard_mechanism`; banded MF keeps each shard's buffers and
-    the checkpoint gathers them, hf_state.py).
+    Every mechanism the plan builds runs sharded (no check here): it has a sharded counterpart
+    (:func:`dpft.fsdp.shard_mechanism`; banded MF keeps each shard's buffers and the checkpoint
+    gathers them, hf_state.py).
 
     Raises:
         ValueError: :func:`fsdp_settings`'s refusals; ``methods`` (:func:`refuse_sharded_methods`); ``fsdp``
@@ -241,12 +241,11 @@ def full_optimizer_state(model, optimizer) -> dict:
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def check_sharded_model(model, where: str, mechanism=None, methods=None) -> bool:
+def check_sharded_model(model, where: str, methods=None) -> bool:
     """Whether ``model`` runs the sharded step (FSDP2, ``fully_shard`` on its root), refusing FSDP1,
     an FSDP2 model the sharded step cannot run (:func:`~dpft.api.sharded.check_fsdp2_model`) and
-    ``DPArguments.methods`` on it (:func:`refuse_sharded_methods`), before ``Trainer`` is built. Any
-    ``mechanism`` runs sharded (banded MF: the checkpoint gathers each shard's buffers, hf_state.py),
-    so it is not passed on as a refusal.
+    ``DPArguments.methods`` on it (:func:`refuse_sharded_methods`), before ``Trainer`` is built. Every
+    mechanism runs sharded (banded MF: the checkpoint gathers each shard's buffers, hf_state.py).
 
     Raises:
         dpft.distributed.DistributedError, ValueError: naming the fix."""
