@@ -13,8 +13,9 @@ world's batch and this rank's share, and at the end the ledger, ε, the weights 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from _launch import torchrun_env
 
 N, D, CLASSES = 40, 6, 3
 
@@ -127,11 +128,7 @@ def run_jobs(cfg: dict, rank: int) -> dict:
 
 def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
     """Rank ``i``: the environment torchrun sets, then the jobs (make_private creates the group)."""
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torchrun_env(i, port, world_size)
     try:
         run_jobs(cfg, i)
     finally:

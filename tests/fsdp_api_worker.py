@@ -14,8 +14,9 @@ share and micro-batch count per step, the ledger, ε and the gathered weights. W
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from _launch import gloo_entry
 
 N, D, CLASSES = 40, 6, 3
 
@@ -193,14 +194,4 @@ def run_jobs(cfg: dict, rank: int) -> dict:
 
 def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
     """Rank ``i``: torchrun's environment and a gloo group (FSDP2 needs it before make_private)."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=i, world_size=world_size)
-    try:
-        run_jobs(cfg, i)
-    finally:
-        dist.destroy_process_group()
+    gloo_entry(run_jobs, i, cfg, port, world_size)

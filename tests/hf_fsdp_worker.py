@@ -21,6 +21,8 @@ import json
 import os
 from pathlib import Path
 
+from _launch import gloo_entry
+
 #: accelerate launch's environment for an FSDP2 config (``distributed_type: FSDP``, ``fsdp_version: 2``).
 ACCELERATE_FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
                         "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer",
@@ -219,14 +221,4 @@ def run_jobs(cfg: dict, rank: int) -> dict:
 
 def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
     """Rank ``i``: torchrun's environment and a gloo group (as accelerate launch makes)."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=i, world_size=world_size)
-    try:
-        run_jobs(cfg, i)
-    finally:
-        dist.destroy_process_group()
+    gloo_entry(run_jobs, i, cfg, port, world_size)
