@@ -214,6 +214,15 @@ def _fsdp_modules(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Reshard every FSDP2 unit of ``model``. A unit left gathered by the last forward (the root
+    keeps its parameters after forward; ``Trainer``'s evaluation; a user's call) would keep that
+    pass's ``requires_grad`` flags, since FSDP2 copies them at all-gather only, and its parameters
+    would be the unsharded tensors."""
+    for m in _fsdp_modules(model):
+        m.reshard()
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module):
     """All parameters gathered on every rank, and kept so across forwards (no collective inside):
@@ -548,8 +557,7 @@ class FSDPStep(DPStep):
         keeps its parameters after forward) would keep that pass's ``requires_grad`` flags, since
         FSDP2 copies the flags at all-gather only; autograd would then compute (and FSDP
         reduce-scatter) unclipped gradients of its parameters."""
-        for m in _fsdp_modules(self.spec.engine.model):
-            m.reshard()
+        reshard_all(self.spec.engine.model)
 
     def _check_no_fsdp_grads(self) -> None:
         """No gradient reached a parameter behind the engine's back (FSDP would reduce-scatter it

@@ -98,6 +98,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dpft import distributed as ddp
+from dpft.fsdp import reshard_all
 from dpft.accounting.calibrate import check_delta
 from dpft.api import UnclippedParameterError, prediction_summary
 from dpft.accounting.ledger import PrivacyLedger
@@ -116,8 +117,7 @@ from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf_checks import check_trainer, check_training_arguments
 from dpft.integrations.hf_fsdp import (accelerate_fsdp_off, check_sharded_model, check_still_sharded,
-                                       refuse_sharded_methods, reshard, shard_requested, sharded_trainer_step,
-                                       sharded_training_step)
+                                       refuse_sharded_methods, shard_requested, sharded_trainer_step, sharded_training_step)
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
 
@@ -493,7 +493,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
                                "do not replace DPTrainer's train dataloader")
         self._check_not_ddp(model)
         if self.sharded:
-            reshard(self.model)  # an evaluation since the last step left the root unit gathered
+            reshard_all(self.model)  # an evaluation since the last step left the root unit gathered
         self._check_params()
         self._check_unclipped_grads()
         t = int(self.state.global_step)

@@ -63,7 +63,7 @@ from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
 __all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
            "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
            "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "resumable", "load_full_checkpoint",
-           "load_full_optimizer", "reshard"]
+           "load_full_optimizer"]
 
 _TRUE = ("1", "true", "yes")
 
@@ -275,14 +275,6 @@ def check_still_sharded(model, sharded: bool, world, where: str) -> None:
             "peft.get_peft_model before building the trainer (and drop peft_config)")
 
 
-def reshard(model) -> None:
-    """Reshard every FSDP2 unit of ``model``: a forward outside the DP step (``Trainer``'s evaluation,
-    a user's call) leaves the root unit gathered (``reshard_after_forward=False``), its parameters then
-    the unsharded tensors, which the per-step check of the trainable parameters would take for a change."""
-    for m in fsdp._fsdp_modules(model):
-        m.reshard()
-
-
 def refuse_sharded_methods(where: str, methods: list) -> None:
     """Refuse ``DPArguments.methods`` on the sharded step, which runs no method hooks (as ``dpft
     train`` under ``perf.sharding: fsdp``: dpft/fsdp.py ``check_recipe``).
@@ -335,7 +327,6 @@ def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
     if trainer.dp_args.log_private_train_loss:
         return torch.tensor(float(out.private["train_loss"]), device=trainer.args.device)
     return torch.zeros((), device=trainer.args.device)
-
 
 
 def resumable(model) -> bool:
