@@ -17,30 +17,16 @@ import json
 from pathlib import Path
 
 from _launch import gloo_entry
-
-N, D, CLASSES = 40, 6, 3
-
-
-def _data():
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, D, generator=g)
-    x[3] *= 30.0  # a large input: a clipped example
-    y = torch.randint(0, CLASSES, (N,), generator=g)
-    users = [int(i * 7 % 9) for i in range(N)]
-    return x, y, users
+from ddp_api_worker import D, N, _data, _model  # noqa: F401 (D: test_fsdp_api.py reads worker.D; the data and MLP of the DDP tests)
 
 
 def sharded_model():
-    import torch
-    from torch import nn
+    """ddp_api_worker's tiny MLP (the same seed on every rank), its two Linear layers and root sharded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     import torch.distributed as dist
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(D, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, CLASSES))
+    model = _model(0)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[3], mesh=mesh)
@@ -147,7 +133,7 @@ def run_trainer_job(job: dict, out_dir: Path) -> dict:
     from transformers import PrinterCallback, TrainingArguments
     import torch.distributed as dist
 
-    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
+    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, record_shares, tiny_model
     from dpft.integrations.hf import DPArguments, DPTrainer
 
     model = tiny_model()
@@ -167,16 +153,7 @@ def run_trainer_job(job: dict, out_dir: Path) -> dict:
     tr = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate, dp_args=dp)
     tr.remove_callback(PrinterCallback)
     log: dict = {"batches": {}, "shares": {}, "sharded": tr.sharded}
-    real_share = tr._share
-
-    def share(idx):
-        mine = real_share(idx)
-        t = str(int(tr.state.global_step))
-        log["batches"][t] = [int(i) for i in idx]
-        log["shares"][t] = [int(i) for i in mine]
-        return mine
-
-    tr._share = share
+    record_shares(tr, log)
     tr.train()
     log["ledger"] = tr.ledger.to_json()
     log["weights"] = {n: p.full_tensor().detach().flatten().tolist() for n, p in tr.engine.params.items()}

@@ -101,6 +101,7 @@ def _train(tr, job: dict, out_dir: Path) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from transformers import PrinterCallback
 
+    from dpft.audit.checks_hf_ddp import record_shares
     from dpft.fsdp import FSDPStep
 
     tr.remove_callback(PrinterCallback)
@@ -109,16 +110,7 @@ def _train(tr, job: dict, out_dir: Path) -> dict:
                  "fsdp_units": sum(isinstance(m, FSDPModule) for m in tr.model.modules()),
                  "accelerate_fsdp": bool(getattr(tr, "is_fsdp_enabled", False)),
                  "args_fsdp": bool(tr.args.fsdp)}
-    real_share = tr._share
-
-    def share(idx):
-        mine = real_share(idx)
-        t = str(int(tr.state.global_step))
-        log["batches"][t] = [int(i) for i in idx]
-        log["shares"][t] = [int(i) for i in mine]
-        return mine
-
-    tr._share = share
+    record_shares(tr, log)
     if job.get("stop_at"):  # a run that dies after its checkpoint at step stop_at (its ledger says so)
         from transformers import TrainerCallback
 

@@ -152,6 +152,22 @@ def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([int(r["labels"]) for r in rows])}
 
 
+
+def record_shares(tr, log: dict) -> None:
+    """Log each logical step's world batch and this rank's share of a DPTrainer run: ``tr._share``
+    wrapped so that ``log["batches"][t]`` / ``log["shares"][t]`` (``t`` = the trainer's global step,
+    as a string) hold the example indices."""
+    real_share = tr._share
+
+    def share(idx):
+        mine = real_share(idx)
+        t = str(int(tr.state.global_step))
+        log.setdefault("batches", {})[t] = [int(i) for i in idx]
+        log.setdefault("shares", {})[t] = [int(i) for i in mine]
+        return mine
+
+    tr._share = share
+
 def run_job(job: dict) -> dict:
     """One ``DPTrainer`` run described by ``job`` in this process (a rank of the world under
     ``torchrun``). Keys: ``name``; ``trainer`` (``hf``: ``DPTrainer`` on the tiny BERT, the
@@ -230,16 +246,7 @@ def run_job(job: dict) -> dict:
 
                 tr = DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, dp_args=dp)
             tr.remove_callback(PrinterCallback)  # the audit's output is its checks, not Trainer's logs
-            real_share = tr._share
-
-            def share(idx):
-                mine = real_share(idx)
-                t = str(int(tr.state.global_step))
-                out["batches"][t] = [int(i) for i in idx]
-                out["shares"][t] = [int(i) for i in mine]
-                return mine
-
-            tr._share = share
+            record_shares(tr, out)
             before = {n: p.detach().clone() for n, p in tr.engine.params.items()}
             tr.train(resume_from_checkpoint=job.get("resume"))
         except Exception as exc:  # noqa: BLE001 - recorded for the caller, which decides
@@ -463,7 +470,7 @@ def hf_ddp_checks(planted: Optional[str] = None, nprocs: int = 2) -> list[Check]
 
 
 __all__ = ["hf_ddp_checks", "ddp_checks", "user_loo_check", "audit_jobs", "run_job", "launch", "released_sum",
-           "planted_bug", "PLANTED"]
+           "record_shares", "planted_bug", "PLANTED"]
 
 if __name__ == "__main__":
     main()
