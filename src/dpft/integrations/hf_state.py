@@ -119,10 +119,9 @@ class PrivateState:
             # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step. FSDP2:
             # each rank holds its shards' slices; ShardedBandedMFMechanism.state() gathers them (a
             # collective, every rank), so rank 0 writes the file one process writes (api/state.py).
-            if self.world.is_main:
-                save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step))
-            elif self.sharded:
-                self.mechanism.state()  # this rank's part of rank 0's gather
+            if self.world.is_main or self.sharded:
+                save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step),
+                                 write=self.world.is_main)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``Trainer``'s, with an FSDP2 model's optimizer state gathered (every rank: a collective) and

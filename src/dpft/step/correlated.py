@@ -329,12 +329,18 @@ def check_buffer_memory(params: dict[str, torch.Tensor], bands: int) -> int:
     return nbytes
 
 
-def save_noise_state(run_dir, mechanism: BandedMFMechanism, step: int) -> Path:
+def save_noise_state(run_dir, mechanism: BandedMFMechanism, step: int, write: bool = True) -> Optional[Path]:
     """Write the secret noise state to ``run_dir/NOISE_STATE_FILE`` (mode 0600, atomically),
-    outside the release set. ``step``: the checkpoint's step (must equal the buffers' step)."""
+    outside the release set. ``step``: the checkpoint's step (must equal the buffers' step).
+
+    With a sharded mechanism (FSDP2: ``ShardedBandedMFMechanism``, whose ``state()`` gathers every
+    rank's buffer slices) every rank calls this and only rank 0 passes ``write=True``: the step is
+    checked on every rank before the gather, so a mismatch raises everywhere instead of leaving the
+    other ranks waiting in it. Returns the path written, or None."""
     if mechanism.next_step != int(step):
         raise ValueError(f"noise buffers at step {mechanism.next_step}, checkpoint at step {step}")
-    return write_secret(Path(run_dir) / NOISE_STATE_FILE, mechanism.state())
+    state = mechanism.state()
+    return write_secret(Path(run_dir) / NOISE_STATE_FILE, state) if write else None
 
 
 def write_secret(path, obj) -> Path:
