@@ -65,14 +65,20 @@ def resolve_auto(recipe, n: Optional[int] = None, *, num_labels: Optional[int] =
     choice = choose_batch_and_steps(n, r.privacy.target_epsilon, r.privacy.delta, r.schedule.compute_budget,
                                     batch=None if b_auto else r.batch.expected_batch_size,
                                     steps=None if t_auto else fixed_t)
-    upd = {"batch": r.batch.model_copy(update={"expected_batch_size": choice.batch}),
-           "schedule": r.schedule.model_copy(update={"steps": choice.steps, "epochs": None})}
     msg = choice.explain() + f"\n  N = {n} training examples; ε = {r.privacy.target_epsilon:g}, δ = {r.privacy.delta:g}"
+    lr = r.optimizer.lr
     if b_auto:
         lr = scaled_lr(r.optimizer.lr, choice.batch, r.optimizer.name)
-        upd["optimizer"] = r.optimizer.model_copy(update={"lr": lr})
         msg += _lr_line(r, lr)
-    return r.model_copy(update=upd), msg
+    return _resolved(r, choice.batch, choice.steps, lr), msg
+
+
+def _resolved(r, b: int, t: int, lr: float):
+    """``r`` with B, T and the learning rate as chosen (no epochs, no time budget left to resolve)."""
+    return r.model_copy(update={
+        "batch": r.batch.model_copy(update={"expected_batch_size": b}),
+        "schedule": r.schedule.model_copy(update={"steps": t, "epochs": None, "time_budget": None}),
+        "optimizer": r.optimizer.model_copy(update={"lr": lr})})
 
 
 def time_budget_refusal(recipe, world_size: Optional[int] = None) -> Optional[str]:
@@ -125,16 +131,10 @@ def _resolve_time(r, n, num_labels, n_dev, timing, resume_dir, private: bool):
     budget = float(r.schedule.time_budget)
     b_auto = r.batch.expected_batch_size == "auto"
 
-    def resolved(b: int, t: int, lr: float):
-        return r.model_copy(update={
-            "batch": r.batch.model_copy(update={"expected_batch_size": b}),
-            "schedule": r.schedule.model_copy(update={"steps": t, "epochs": None, "time_budget": None}),
-            "optimizer": r.optimizer.model_copy(update={"lr": lr})})
-
     again = _resumed_choice(r, resume_dir)
     if again is not None:
         b, t, lr = again
-        return resolved(b, t, lr), (f"time budget {describe_seconds(budget)}: resuming with the B = {b}, T = {t} "
+        return _resolved(r, b, t, lr), (f"time budget {describe_seconds(budget)}: resuming with the B = {b}, T = {t} "
                                     "chosen when the run started (not re-measured: the same plan and σ)")
     if n is None or num_labels is None:
         n, n_dev, num_labels = _sizes(r)
@@ -176,7 +176,7 @@ def _resolve_time(r, n, num_labels, n_dev, timing, resume_dir, private: bool):
             "and report, other load on the machine"]
     if r.methods:
         msg += ["  note: this recipe's methods were not timed (their phases and per-step work add to it)"]
-    return resolved(b, t, lr), "\n".join(msg)
+    return _resolved(r, b, t, lr), "\n".join(msg)
 
 
 __all__ += ["BudgetError"]
