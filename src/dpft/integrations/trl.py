@@ -82,7 +82,8 @@ from dpft import distributed as ddp
 from dpft.grads.groups import GROUP_KEY
 from dpft.integrations import hf_data
 from dpft.integrations.hf_fsdp import fsdp_requested
-from dpft.integrations.trl_fsdp import hashable_sharded, score_all_ranks, scored_by_every_rank
+from dpft.integrations.trl_fsdp import (add_reference_adapter, check_reference_adapter, hashable_sharded,
+                                       reference_adapter_kept, score_all_ranks, scored_by_every_rank)
 from dpft.api.sharded import is_fsdp2_model
 
 __all__ = ["DPSFTTrainer", "sft_per_example_loss", "check_sft_config", "DPDPOTrainer", "dpo_per_pair_loss",
@@ -432,7 +433,12 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
                                         else args.loss_type)
         # A sharded policy (fsdp= shards it inside DPTrainer.__init__, or the caller did): TRL's fingerprint
         # of the reference gathers DTensors instead of refusing them (integrations/trl_fsdp.py).
-        with hashable_sharded(fsdp_requested(args) is not None or is_fsdp2_model(model)):
+        # A PEFT policy's reference adapter is made before DPTrainer shards the policy (TRL's would be plain).
+        check_reference_adapter(model, ref_model)
+        if fsdp_requested(args) is not None and ref_model is None:
+            add_reference_adapter(model)
+        with hashable_sharded(fsdp_requested(args) is not None or is_fsdp2_model(model)), \
+                reference_adapter_kept(model):
             super().__init__(model, args, ref_model=ref_model, data_collator=data_collator,
                              train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                              dp_args=dp_args, loss_fn=loss_fn, ledger=ledger, transforms=transforms, **dpo_kwargs)

@@ -37,7 +37,72 @@ from dpft import distributed as ddp
 from dpft.api.sharded import is_fsdp2_model
 from dpft.fsdp import is_sharded, reshard_all
 
-__all__ = ["dtensor_hash", "hashable_sharded", "score_all_ranks", "scored_by_every_rank"]
+__all__ = ["dtensor_hash", "hashable_sharded", "score_all_ranks", "scored_by_every_rank", "add_reference_adapter",
+           "reference_adapter_kept", "check_reference_adapter"]
+
+#: The adapter name TRL gives the frozen copy of a PEFT policy's adapter (its reference).
+REF = "ref"
+
+
+def _is_peft(model) -> bool:
+    return isinstance(model, torch.nn.Module) and isinstance(getattr(model, "peft_config", None), dict) \
+        and hasattr(model, "add_adapter")
+
+
+def add_reference_adapter(model) -> bool:
+    """TRL's reference for a PEFT policy without ``ref_model``, made *before* the policy is sharded: a
+    frozen adapter ``"ref"`` with the active adapter's config and a copy of its weights (what
+    ``DPOTrainer.__init__`` adds, on whole tensors). Sharded with the model afterwards, it is a frozen
+    FSDP2 parameter like the base. TRL adds it after DPTrainer sharded the model otherwise: plain
+    tensors that ``ref_param.data.copy_(param.data)`` cannot fill from a ``DTensor``.
+
+    Returns whether it was added (False: not a PEFT model, or ``"ref"`` exists already)."""
+    if not _is_peft(model) or REF in model.peft_config:
+        return False
+    active = getattr(model, "active_adapter", "default")
+    model.add_adapter(REF, model.peft_config[active])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if f".{active}." in name:
+                model.get_parameter(name.replace(f".{active}.", f".{REF}.")).copy_(p)
+    model.set_adapter(active)  # the policy's adapter stays the trainable, active one
+    return True
+
+
+@contextlib.contextmanager
+def reference_adapter_kept(model) -> Iterator[None]:
+    """While ``DPOTrainer.__init__`` runs: its ``model.add_adapter("ref", ...)`` keeps the reference
+    adapter :func:`add_reference_adapter` made (PEFT raises on a second adapter of one name); TRL's copy
+    of the policy's adapter into it then copies ``DTensor`` into ``DTensor``. A no-op for other models."""
+    if not _is_peft(model) or REF not in model.peft_config:
+        yield
+        return
+    own = model.add_adapter
+
+    def add_adapter(adapter_name, *args, **kwargs):
+        if adapter_name == REF and REF in model.peft_config:
+            return None
+        return own(adapter_name, *args, **kwargs)
+
+    model.add_adapter = add_adapter
+    try:
+        yield
+    finally:
+        del model.add_adapter
+
+
+def check_reference_adapter(model, ref_model, where: str = "DPDPOTrainer") -> None:
+    """A PEFT policy the caller sharded (``fully_shard``) without ``ref_model`` needs its reference adapter
+    made before sharding (TRL would add it after, as plain tensors it cannot copy the sharded adapter into).
+
+    Raises:
+        ValueError: naming the fix."""
+    if ref_model is None and _is_peft(model) and is_fsdp2_model(model) and REF not in model.peft_config:
+        raise ValueError(f"{where}: the PEFT policy is sharded with fully_shard and has no reference adapter: TRL copies "
+                         "the policy's adapter into a new adapter 'ref' (its reference), which cannot be filled from "
+                         "DTensor shards after sharding. Call dpft.integrations.trl_fsdp.add_reference_adapter(model) "
+                         "before fully_shard, or pass the unsharded model with DPOConfig(fsdp=True, fsdp_config="
+                         "{'fsdp_version': 2}) (DPDPOTrainer shards it), or pass ref_model")
 
 
 def dtensor_hash(module: torch.nn.Module) -> str:
