@@ -54,12 +54,102 @@ def run_job(job: dict, out_dir: Path) -> dict:
     if job.get("dpo"):
         ds = tr.train_dataset
         log["ref_logps"] = [list(map(float, ds["ref_chosen_logps"])), list(map(float, ds["ref_rejected_logps"]))]
+    else:
+        log["nf4"] = _nf4_shards(tr.model)
     log.update(_train(tr, job, out_dir))
     return log
 
 
+def _nf4_shards(model) -> dict:
+    """After DPTrainer sharded the model: every bitsandbytes 4-bit layer's weight (a DTensor? local and
+    global shape, storage dtype) and this rank's share of the parameter bytes."""
+    from dpft import fsdp
+
+    rows = [{"dtensor": fsdp.is_sharded(m.weight), "local": list(fsdp.local(m.weight).shape),
+             "global": list(m.weight.shape), "dtype": str(m.weight.dtype)}
+            for m in model.modules() if type(m).__module__.startswith("bitsandbytes.")]
+    local = sum(fsdp.local(p).numel() * p.element_size() for p in model.parameters())
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"layers": rows, "byte_share": local / full}
+
+
+#: The tiny Llama's vocabulary and the rows' lengths: bitsandbytes' CPU 4-bit kernels want out_features
+#: % 32 == 0 and in_features >= their block size (64), hence hidden 64 (tests/test_qlora.py).
+QLORA_VOCAB = 96
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """A tiny random Llama (2 decoder layers, hidden 64) saved to ``path`` for ``from_pretrained`` with a
+    ``BitsAndBytesConfig`` (quantization happens while loading)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=QLORA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0)).save_pretrained(path)
+    return path
+
+
+def causal_rows(n: int):
+    """``n`` token sequences of 3 to 8 ids (a fixed generator: the same rows in every process)."""
+    import datasets
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for _ in range(n):
+        k = int(torch.randint(3, 9, (1,), generator=g))
+        rows.append({"input_ids": torch.randint(3, QLORA_VOCAB, (k,), generator=g).tolist()})
+    return datasets.Dataset.from_list(rows)
+
+
+def causal_collate(rows: list[dict]) -> dict:
+    """Right-padded ``input_ids`` / ``attention_mask``, ``labels`` = the ids with -100 on padding."""
+    import torch
+
+    t = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, :len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def qlora_model(path: str):
+    """The QLoRA recipe of the peft/bitsandbytes docs: NF4 base (dpft's ``bnb_config``: double quantization,
+    compute and storage dtype fp32, so FSDP2 shards the packed weights), ``prepare_model_for_kbit_training``,
+    LoRA adapters with random B (non-zero gradients for A and B from the first step)."""
+    import warnings
+
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dpft.models.quant import bnb_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config("nf4", torch.float32),
+                                                    device_map="cpu", dtype=torch.float32)
+    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, lora_dropout=0.0,
+                                                     init_lora_weights=False,
+                                                     target_modules=["q_proj", "v_proj", "down_proj"])).train()
+
+
 def _qlora(job: dict, common: dict):
-    raise NotImplementedError  # filled in below
+    from transformers import TrainingArguments
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
+                     reproducible_seed=3, max_physical_batch_size=2)
+    args = TrainingArguments(label_names=["labels"], **common)
+    return DPTrainer(model=qlora_model(job["llama_dir"]), args=args, train_dataset=causal_rows(30),
+                     data_collator=causal_collate, dp_args=dp)
 
 
 def run_jobs(cfg: dict, rank: int) -> dict:
