@@ -181,3 +181,24 @@ def test_dpo_refuses_a_caller_sharded_peft_policy_without_reference_adapter(tmp_
                                              expected_batch_size=2))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow  # about 30 s: the honest checks, then each planted bug's
+def test_fsdp_trl_audit_checks_pass_and_catch_planted_bugs():
+    """audit/checks_fsdp_trl.py, registered in audit/suite.py: passes as shipped; each planted bug makes the
+    check of its way in fail."""
+    from dpft.audit import planted, suite
+    from dpft.audit.checks_fsdp_trl import PLANTED, fsdp_trl_checks
+
+    assert set(PLANTED) <= set(planted.ALL)
+    assert ("dpft.audit.checks_fsdp_trl", "fsdp_trl_checks", PLANTED) in suite.OPTIONAL_CHECKS
+    honest = fsdp_trl_checks()
+    assert len(honest) == (7 if importlib_ok("bitsandbytes") else 5)
+    assert all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
+    expect = {"dpo_fsdp_args_kept": "fsdp DPDPOTrainer: no unclipped gradient, accelerate never handed FSDP",
+              "qlora_fsdp_env_kept": "fsdp QLoRA DPTrainer (accelerate's FSDP2 plugin): accelerate is never handed FSDP",
+              "fsdp_plain_dummy_counted": "fsdp --no-dp step: a placeholder micro-batch adds nothing"}
+    for name in PLANTED:
+        if name.startswith("qlora") and not importlib_ok("bitsandbytes"):  # pragma: no cover
+            continue
+        assert [c.name for c in fsdp_trl_checks(name) if not c.passed] == [expect[name]], name

@@ -52,6 +52,10 @@ class PlainFSDPStep(FSDPStep):
         FSDPError: a spec with a mechanism (a private step must clip: :class:`~dpft.fsdp.FSDPStep`).
     """
 
+    #: The placeholder micro-batch's loss weight: 0, so a short rank adds exact zeros to the reduced gradient
+    #: (the audit plants 1.0: audit/checks_fsdp_trl.py ``fsdp_plain_dummy_counted``).
+    DUMMY_WEIGHT = 0.0
+
     def __init__(self, spec, ledger, n, world, dummy_batch: Callable[[], Mapping[str, torch.Tensor]],
                  on_release=None):
         if spec.mechanism is not None:
@@ -81,7 +85,7 @@ class PlainFSDPStep(FSDPStep):
                 failed = failed or not math.isfinite(s)
                 loss_sum, size = loss_sum + s, size + int(losses.shape[0])
             # every rank backpropagates every micro-batch (FSDP's collectives); a placeholder adds zeros
-            (losses.sum() * (0.0 if dummy else scale)).backward()
+            (losses.sum() * (self.DUMMY_WEIGHT if dummy else scale)).backward()
         agg = Aggregator({n: local(p) for n, p in params.items()})
         k = self.world.world_size if self.world.distributed else 1
         for n, p in params.items():
