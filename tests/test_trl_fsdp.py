@@ -202,3 +202,23 @@ def test_fsdp_trl_audit_checks_pass_and_catch_planted_bugs():
         if name.startswith("qlora") and not importlib_ok("bitsandbytes"):  # pragma: no cover
             continue
         assert [c.name for c in fsdp_trl_checks(name) if not c.passed] == [expect[name]], name
+
+
+def test_cpu_offload_stays_refused_with_the_reason(tmp_path):
+    """cpu_offload: FSDP2 on a CPU-only machine accepts CPUOffloadPolicy only unpinned, and offloading there
+    does nothing, so the sharded step with CPU shards and GPU compute stays unverified: refused, naming why
+    and the fix, before the model is touched."""
+    from transformers import TrainingArguments
+
+    from dpft.integrations.hf import DPArguments, DPTrainer
+
+    class Untouchable(torch.nn.Module):
+        def parameters(self, *a, **k):
+            raise AssertionError("the model was touched before the refusal")
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1,
+                             fsdp="full_shard offload", fsdp_config={"fsdp_version": 2})
+    with pytest.raises(ValueError, match=r"cpu_offload .*not supported yet.*GPU tensor as the .grad of a CPU shard.*"
+                                         r"pin_memory=False.*FSDP_OFFLOAD_PARAMS=false"):
+        DPTrainer(model=Untouchable(), args=args, train_dataset=[{"x": 1}] * 4,
+                  dp_args=DPArguments(target_delta=1e-3, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=2))

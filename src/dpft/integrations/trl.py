@@ -397,6 +397,12 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
     (noise, ledger, files, logging, resume) is ``DPTrainer``'s. Sensitivity: add/remove one pair
     changes the clipped sum by at most C.
 
+    Under FSDP2 (``DPOConfig(fsdp=True, fsdp_config={"fsdp_version": 2})``, accelerate's FSDP2 plugin,
+    or a policy sharded with ``fully_shard``; integrations/trl_fsdp.py): the reference is the policy
+    before training, scored on every rank together when it is sharded (rank 0's values kept); a PEFT
+    policy's frozen ``ref`` adapter is made before DPTrainer shards it; an unsharded ``ref_model`` is
+    scored by rank 0 alone.
+
     Args:
         model, args (a ``DPOConfig``; copied), ref_model, data_collator, train_dataset,
         eval_dataset, processing_class, **dpo_kwargs (``peft_config``, ``callbacks``...): as for
