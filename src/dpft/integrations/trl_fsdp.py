@@ -149,8 +149,10 @@ def score_all_ranks(world, model: torch.nn.Module, score: Callable[[], tuple[tor
     """``score()`` (the reference log-probabilities of every pair, ``(N,)`` chosen and rejected, nats)
     run on every rank over the sharded ``model`` (its forwards all-gather over the world), rank 0's
     values broadcast to all; every FSDP unit resharded afterwards (the root keeps its parameters after a
-    forward). An exception on any rank is raised on every rank after the pass (never a rank left
-    waiting in a collective the others skipped)."""
+    forward). An exception raised by ``score`` on any rank is raised on every rank after the pass
+    (every rank runs the same batches, so a data or model error arises on each alike; a rank dying
+    inside a forward's all-gather leaves the others to the process group's timeout, as any FSDP
+    forward does)."""
     failure = None
     out = None
     try:
