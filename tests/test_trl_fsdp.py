@@ -32,7 +32,7 @@ multiprocessing.set_forkserver_preload(["trl_fsdp_worker", "hf_fsdp_worker", "dp
                                         "torch.distributed.fsdp", "peft"])
 
 JOBS = {"dpo": {"dpo": True}, "dpo_lora": {"dpo": True, "lora": True}, "dpo_ref": {"dpo": True, "ref_model": True},
-        "qlora": {}}
+        "dpo_env": {"dpo": True, "lora": True, "env": True}, "qlora": {}}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def importlib_ok(name: str) -> bool:
 UNITS = {"qlora": 3}
 
 
-@pytest.mark.slow  # about 45 s on 2 shared cores (4 trainers in 1 process, then in 2)
+@pytest.mark.slow  # about 80 s on 2 shared cores (5 trainers in 1 process, then in 2)
 @pytest.mark.parametrize("job", list(JOBS))
 def test_trl_fsdp_two_processes_equal_one(one_and_two, job):
     one, two = one_and_two
@@ -86,7 +86,10 @@ def test_trl_fsdp_two_processes_equal_one(one_and_two, job):
     if job.startswith("dpo"):  # the reference pass: rank 0's values everywhere, equal to one process's
         assert r0["ref_logps"] == r1["ref_logps"]
         torch.testing.assert_close(torch.tensor(r0["ref_logps"]), torch.tensor(a["ref_logps"]), rtol=1e-6, atol=1e-6)
-    if job == "dpo_lora":  # only the policy's adapter trains; the reference adapter is frozen
+    if job == "dpo_env":  # accelerate's FSDP2 environment runs the same step as DPOConfig.fsdp
+        for log, ref in ((a, one["jobs"]["dpo_lora"]), (r0, two[0]["jobs"]["dpo_lora"])):
+            assert log["ledger"] == ref["ledger"] and log["weights"] == ref["weights"]
+    if job.startswith("dpo_lora"):  # only the policy's adapter trains; the reference adapter is frozen
         assert a["weights"] and all(".default." in n for n in a["weights"])
     if job == "qlora":  # fully_shard sharded the NF4 base: each packed weight's local shard is half its rows
         assert a["nf4"]["layers"] and not any(w["dtensor"] for w in a["nf4"]["layers"])

@@ -6,7 +6,8 @@ FSDP units, gathered trainable weights).
 Jobs: ``dpo`` — DPDPOTrainer, full fine-tuning of the audit's tiny Llama (no ``ref_model``: TRL scores
 the pairs with the policy before training, here sharded: every rank scores together); ``dpo_lora`` — a
 LoRA policy (the reference: its adapters disabled, on the sharded model); ``dpo_ref`` — an unsharded
-``ref_model`` passed by the caller (rank 0 scores alone); ``qlora`` — DPTrainer on a 4-bit NF4 tiny Llama
+``ref_model`` passed by the caller (rank 0 scores alone); ``env``: the LoRA policy with FSDP asked through
+accelerate's FSDP2 environment (``accelerate launch``) instead of ``DPOConfig.fsdp``; ``qlora`` — DPTrainer on a 4-bit NF4 tiny Llama
 (bitsandbytes' CPU backend, ``bnb_4bit_quant_storage`` = fp32 so that FSDP2 shards the packed weights)
 with LoRA adapters. Each also records the reference log-probabilities of the training pairs (DPO).
 """
@@ -42,14 +43,33 @@ def _dpo(job: dict, common: dict):
                         processing_class=tok, dp_args=dp, **extra)
 
 
+#: accelerate launch's environment for an FSDP2 config on the tiny Llama (``distributed_type: FSDP``,
+#: ``fsdp_version: 2``), for the ``env`` jobs.
+ACCELERATE_FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                        "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}
+
+
 def run_job(job: dict, out_dir: Path) -> dict:
+    import os
+
     from hf_fsdp_worker import _train
 
-    fsdp = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, **job.get("fsdp_config", {})}}
+    env = ACCELERATE_FSDP2_ENV if job.get("env") else {}
+    fsdp = {} if env else {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, **job.get("fsdp_config", {})}}
     common = dict(output_dir=str(out_dir), max_steps=job.get("steps", 3), learning_rate=0.5,
                   lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, per_device_train_batch_size=2,
                   report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True, save_strategy="no", **fsdp)
-    tr = _dpo(job, common) if job.get("dpo") else _qlora(job, common)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        tr = _dpo(job, common) if job.get("dpo") else _qlora(job, common)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     log = {}
     if job.get("dpo"):
         ds = tr.train_dataset
