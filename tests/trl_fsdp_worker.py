@@ -7,7 +7,8 @@ Jobs: ``dpo`` — DPDPOTrainer, full fine-tuning of the audit's tiny Llama (no `
 the pairs with the policy before training, here sharded: every rank scores together); ``dpo_lora`` — a
 LoRA policy (the reference: its adapters disabled, on the sharded model); ``dpo_ref`` — an unsharded
 ``ref_model`` passed by the caller (rank 0 scores alone); ``env``: the LoRA policy with FSDP asked through
-accelerate's FSDP2 environment (``accelerate launch``) instead of ``DPOConfig.fsdp``; ``qlora`` — DPTrainer on a 4-bit NF4 tiny Llama
+accelerate's FSDP2 environment (``accelerate launch``) instead of ``DPOConfig.fsdp``; ``user_sharded``: the LoRA
+policy sharded by the caller with ``fully_shard`` (its reference adapter added first), 2 processes only; ``qlora`` — DPTrainer on a 4-bit NF4 tiny Llama
 (bitsandbytes' CPU backend, ``bnb_4bit_quant_storage`` = fp32 so that FSDP2 shards the packed weights)
 with LoRA adapters. Each also records the reference log-probabilities of the training pairs (DPO).
 """
@@ -35,6 +36,19 @@ def _dpo(job: dict, common: dict):
 
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, lora_dropout=0.0,
                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
+    if job.get("user_sharded"):  # the caller shards the policy (the same initial weights on every rank)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from dpft.integrations.trl_fsdp import add_reference_adapter
+
+        add_reference_adapter(model)  # TRL's reference adapter, made before fully_shard (sharded with the base)
+        mesh = init_device_mesh("cpu", (2,))
+        for m in model.modules():
+            if type(m).__name__ == "LlamaDecoderLayer":
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        common = {k: v for k, v in common.items() if k not in ("fsdp", "fsdp_config")}
     extra = {"ref_model": tiny_llama(len(tok))} if job.get("ref_model") else {}
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=4,
                      reproducible_seed=3, max_physical_batch_size=2)
