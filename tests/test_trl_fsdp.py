@@ -4,7 +4,8 @@ DPTrainer shards the policy itself (integrations/hf_fsdp.py) and the step is dpf
 DPO (integrations/trl_fsdp.py): TRL scores the pairs with the policy before training (PEFT: a frozen
 ``ref`` copy of the adapter, made before sharding and sharded with the base); the sharded reference pass
 runs on every rank together and rank 0's values are kept; an unsharded ``ref_model`` is scored by rank 0
-alone. The pair is the privacy unit: its chosen and rejected rows one clipping group, the placeholder
+alone; through accelerate's FSDP2 environment too, and on a LoRA policy the caller sharded with
+``fully_shard`` (compared with the ``fsdp=`` run of one process). The pair is the privacy unit: its chosen and rejected rows one clipping group, the placeholder
 micro-batch of a short rank a pair too. QLoRA: a 4-bit NF4 Llama (bitsandbytes' CPU backend, storage
 dtype fp32) whose packed weights FSDP2 shards like any parameter, LoRA adapters trained.
 

@@ -3,14 +3,15 @@ tests/test_trl_fsdp.py (not a test file); also run in-process, with no process g
 reference. The logging is tests/hf_fsdp_worker.py's ``_train`` (batches, shares, ledger, step class,
 FSDP units, gathered trainable weights).
 
-Jobs: ``dpo`` — DPDPOTrainer, full fine-tuning of the audit's tiny Llama (no ``ref_model``: TRL scores
-the pairs with the policy before training, here sharded: every rank scores together); ``dpo_lora`` — a
-LoRA policy (the reference: its adapters disabled, on the sharded model); ``dpo_ref`` — an unsharded
-``ref_model`` passed by the caller (rank 0 scores alone); ``env``: the LoRA policy with FSDP asked through
-accelerate's FSDP2 environment (``accelerate launch``) instead of ``DPOConfig.fsdp``; ``user_sharded``: the LoRA
-policy sharded by the caller with ``fully_shard`` (its reference adapter added first), 2 processes only; ``qlora`` — DPTrainer on a 4-bit NF4 tiny Llama
-(bitsandbytes' CPU backend, ``bnb_4bit_quant_storage`` = fp32 so that FSDP2 shards the packed weights)
-with LoRA adapters. Each also records the reference log-probabilities of the training pairs (DPO).
+Job keys: ``dpo`` — DPDPOTrainer on the audit's tiny Llama, full fine-tuning (no ``ref_model``: TRL scores
+the pairs with the policy before training, here sharded: every rank scores together); with ``lora`` — a
+LoRA policy (the reference: TRL's frozen ``ref`` copy of the adapter, made before sharding); ``ref_model`` —
+an unsharded ``ref_model`` passed by the caller (rank 0 scores alone); ``env`` — FSDP asked through
+accelerate's FSDP2 environment (``accelerate launch``) instead of ``DPOConfig.fsdp``; ``user_sharded`` — the
+policy sharded by the caller with ``fully_shard`` (its reference adapter added first; 2 processes only).
+Without ``dpo``: DPTrainer on a 4-bit NF4 tiny Llama (``llama_dir``; bitsandbytes' CPU backend,
+``bnb_4bit_quant_storage`` = fp32 so that FSDP2 shards the packed weights) with LoRA adapters, logging each
+NF4 layer's shard. DPO jobs also log the reference log-probabilities of the training pairs.
 """
 
 from __future__ import annotations
