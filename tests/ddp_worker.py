@@ -122,7 +122,7 @@ def run_rank(cfg: dict, rank: int) -> None:
     for n, v in full_state(t.params).items():
         h.update(v.float().contiguous().numpy().tobytes())
     log["digest"] = h.hexdigest()
-    log["epsilon"] = rep["privacy"]["epsilon"]
+    log["epsilon"] = rep["privacy"].get("epsilon")  # a --no-dp run reports none
     log["ledger_steps"] = t.ledger.steps
     if cfg.get("probe"):  # a Randomness made on each rank (K keys) must be refused on every rank
         from dpft.privacy.randomness import Randomness

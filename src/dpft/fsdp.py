@@ -89,15 +89,13 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
     """Refuse, before any loading, what the FSDP step does not run correctly.
 
     Raises:
-        FSDPError: a non-private run, another engine than book-keeping (``auto`` is book-keeping), a
+        FSDPError: another engine than book-keeping (a private run) (``auto`` is book-keeping), a
             method plug-in (named with the fix). ``--resume`` runs (dpft/fsdp_state.py). User level runs: each rank
             clips whole users (``distributed.shard_units``), a placeholder micro-batch carries no
             clipping groups (its sum is replaced by zeros before the reduce-scatter).
     """
-    why = []
-    if not private:
-        why.append("a non-private run (--no-dp): use perf.sharding: ddp")
-    elif recipe.privacy.engine not in ("auto", "bookkeeping"):
+    why = []  # a non-private run is plain FSDP2 training (dpft/fsdp_plain.py)
+    if private and recipe.privacy.engine not in ("auto", "bookkeeping"):
         # ``auto`` is the book-keeping engine (step/build.py ``make_engine``), which FSDP runs.
         why.append(f"privacy.engine {recipe.privacy.engine!r}: FSDP runs the book-keeping engine only "
                    "(set privacy.engine: auto or bookkeeping)")

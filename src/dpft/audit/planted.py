@@ -236,3 +236,7 @@ ALL = ALL + DUPLICATE_PLANTED
 # loops, DP-SFT's live projection unclipped.
 METHODS_API_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
 ALL = ALL + METHODS_API_PLANTED
+# issue 38: DPDPOTrainer / QLoRA DPTrainer under fsdp and the --no-dp FSDP step (audit/checks_fsdp_trl.py plants
+# them): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
+FSDP_TRL_PLANTED = ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept", "fsdp_plain_dummy_counted")
+ALL = ALL + FSDP_TRL_PLANTED

@@ -133,6 +133,9 @@ OPTIONAL_CHECKS = (
      ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
     # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
     ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
+    # issue 38: DPDPOTrainer and QLoRA under fsdp, the non-private FSDP step (skipped where trl is absent)
+    ("dpft.audit.checks_fsdp_trl", "fsdp_trl_checks", ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept",
+                                                       "fsdp_plain_dummy_counted")),
 )
 
 

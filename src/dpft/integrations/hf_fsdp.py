@@ -40,7 +40,9 @@ api/state.py).
 Refused (:func:`fsdp_settings`), each naming the fix: FSDP1 (``fsdp_version: 1``, FSDP1-only sharding
 strategies, ``use_orig_params: false``: flat parameters whose unclipped gradients FSDP1 reduce-scatters
 in its hooks, and no per-parameter ``DTensor`` shard for the per-example engine), XLA FSDP,
-``cpu_offload`` (not verified: the step builds the noisy gradient shards on the compute device),
+``cpu_offload`` (not verified: the step builds the noisy gradient shards on the compute device while
+the shards and optimizer would live on the CPU; on a CPU-only machine FSDP2 accepts ``CPUOffloadPolicy``
+only with ``pin_memory=False`` and offloading is a no-op there, so nothing can be checked without a GPU),
 ``SIZE_BASED_WRAP`` (no equivalent in dpft's sharding: units are whole transformer blocks),
 ``ignored_modules`` (their parameters would not be sharded: their clipped sums never reduced),
 ``activation_checkpointing_offload``, an fp16 mixed-precision policy, and ``fsdp`` together with a
@@ -125,9 +127,13 @@ def fsdp_settings(args, where: str = "DPTrainer") -> Optional[dict[str, Any]]:
     # accelerate's own parsing of the same settings (fsdp_config or the FSDP_* environment)
     plugin = FullyShardedDataParallelPlugin(**plugin_args) if plugin_args is not None else FullyShardedDataParallelPlugin()
     if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
-        _refuse(where, source, "cpu_offload (FSDP2 CPUOffloadPolicy) is not supported yet: dpft's sharded step builds each "
-                "noisy gradient shard on the device where the engine computes the clipped sums, and that path is not "
-                "verified with parameter shards and optimizer on the CPU. Set cpu_offload false (FSDP_OFFLOAD_PARAMS=false)")
+        _refuse(where, source, "cpu_offload (FSDP2 CPUOffloadPolicy) is not supported yet: it keeps the parameter shards "
+                "and the optimizer on the CPU, while dpft's sharded step reduce-scatters the clipped sums, draws the "
+                "noise and writes each noisy gradient shard on the device where the engine computed them (a GPU "
+                "tensor as the .grad of a CPU shard), a path not verified on a GPU; on a CPU-only machine offloading "
+                "does nothing (and FSDP2 accepts it there only with pin_memory=False: accelerate's default pinned "
+                "policy fails with 'Cannot access accelerator device'), so it cannot be checked there either. Set "
+                "cpu_offload false (FSDP_OFFLOAD_PARAMS=false)")
     if getattr(plugin, "activation_checkpointing_offload", False):
         _refuse(where, source, "activation_checkpointing_offload is not supported; set it false (activation checkpointing "
                 "itself runs: Hugging Face's gradient checkpointing under the book-keeping engine)")

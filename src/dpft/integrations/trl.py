@@ -81,6 +81,10 @@ from dpft.step.postprocess import Transform
 from dpft import distributed as ddp
 from dpft.grads.groups import GROUP_KEY
 from dpft.integrations import hf_data
+from dpft.integrations.hf_fsdp import fsdp_requested
+from dpft.integrations.trl_fsdp import (add_reference_adapter, check_reference_adapter, hashable_sharded,
+                                       reference_adapter_kept, score_all_ranks, scored_by_every_rank)
+from dpft.api.sharded import is_fsdp2_model
 
 __all__ = ["DPSFTTrainer", "sft_per_example_loss", "check_sft_config", "DPDPOTrainer", "dpo_per_pair_loss",
            "pair_rows", "check_dpo_config"]
@@ -393,6 +397,12 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
     (noise, ledger, files, logging, resume) is ``DPTrainer``'s. Sensitivity: add/remove one pair
     changes the clipped sum by at most C.
 
+    Under FSDP2 (``DPOConfig(fsdp=True, fsdp_config={"fsdp_version": 2})``, accelerate's FSDP2 plugin,
+    or a policy sharded with ``fully_shard``; integrations/trl_fsdp.py): the reference is the policy
+    before training, scored on every rank together when it is sharded (rank 0's values kept); a PEFT
+    policy's frozen ``ref`` adapter is made before DPTrainer shards it; an unsharded ``ref_model`` is
+    scored by rank 0 alone.
+
     Args:
         model, args (a ``DPOConfig``; copied), ref_model, data_collator, train_dataset,
         eval_dataset, processing_class, **dpo_kwargs (``peft_config``, ``callbacks``...): as for
@@ -427,9 +437,17 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
         if loss_fn is None:
             loss_fn = dpo_per_pair_loss(float(args.beta), list(args.loss_type)[0] if not isinstance(args.loss_type, str)
                                         else args.loss_type)
-        super().__init__(model, args, ref_model=ref_model, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, dp_args=dp_args,
-                         loss_fn=loss_fn, ledger=ledger, transforms=transforms, **dpo_kwargs)
+        # A sharded policy (fsdp= shards it inside DPTrainer.__init__, or the caller did): TRL's fingerprint
+        # of the reference gathers DTensors instead of refusing them (integrations/trl_fsdp.py).
+        # A PEFT policy's reference adapter is made before DPTrainer shards the policy (TRL's would be plain).
+        check_reference_adapter(model, ref_model)
+        if fsdp_requested(args) is not None and ref_model is None:
+            add_reference_adapter(model)
+        with hashable_sharded(fsdp_requested(args) is not None or is_fsdp2_model(model)), \
+                reference_adapter_kept(model):
+            super().__init__(model, args, ref_model=ref_model, data_collator=data_collator,
+                             train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                             dp_args=dp_args, loss_fn=loss_fn, ledger=ledger, transforms=transforms, **dpo_kwargs)
         if not getattr(self.engine, "supports_groups", False):
             raise ValueError("DPDPOTrainer: the per-example engine must clip a pair's two rows as one group; use "
                              "DPArguments(engine='bookkeeping') or 'reference'")
@@ -442,24 +460,32 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
         process has its own temporary cache directory), and each shard would be scored with its
         rank's own initial weights. Here rank 0 broadcasts its weights (DPTrainer broadcasts them
         again later), scores every pair alone and broadcasts the values: the same bits on every
-        rank, no file. The reference weights are public, so these are inputs, not releases."""
+        rank, no file. The reference weights are public, so these are inputs, not releases.
+
+        A sharded scoring model (FSDP2: the policy under ``fsdp=``, its adapters disabled for PEFT, or a
+        sharded ``ref_model``) cannot run on rank 0 alone: every rank scores every pair together and
+        rank 0's values are broadcast (:func:`~dpft.integrations.trl_fsdp.score_all_ranks`); sharded
+        modules are not broadcast (DPTrainer broadcast rank 0's weights before sharding them)."""
         from torch.utils.data import DataLoader
 
         world = ddp.init_from_env()
         if not world.distributed:
             return super()._precompute_ref_logps(dataset, name, batch_size)
         for m in {id(m): m for m in (self.model, self.ref_model) if isinstance(m, torch.nn.Module)}.values():
-            ddp.broadcast_module(world, m)
+            if not is_fsdp2_model(m):
+                ddp.broadcast_module(world, m)
+        scorer = self.ref_model or self.model
 
         def score() -> tuple[torch.Tensor, torch.Tensor]:
             chosen, rejected = [], []
             for batch in DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False):
-                c, r = self.compute_ref_log_probs(self.ref_model or self.model, self._prepare_inputs(batch))
+                c, r = self.compute_ref_log_probs(scorer, self._prepare_inputs(batch))
                 chosen.append(c.detach().float().cpu())
                 rejected.append(r.detach().float().cpu())
             return torch.cat(chosen), torch.cat(rejected)
 
-        chosen, rejected = ddp.on_rank0(world, score)
+        chosen, rejected = (score_all_ranks(world, scorer, score) if scored_by_every_rank(scorer)
+                            else ddp.on_rank0(world, score))
         return dataset.add_column("ref_chosen_logps", chosen.tolist()).add_column("ref_rejected_logps",
                                                                                  rejected.tolist())
 

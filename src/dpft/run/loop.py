@@ -25,7 +25,7 @@ from dpft.data.tokenize import collate
 from dpft.methods.base import register_phase_runner
 from dpft.grads.groups import GROUP_KEY
 from dpft.privacy.randomness import Randomness
-from dpft import distributed as ddp, fsdp
+from dpft import distributed as ddp, fsdp, fsdp_plain
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
 from dpft.run.checkpoint import cap_resumed_run, check_world_size, load_checkpoint, release_checkpoints, save_checkpoint
 from dpft.run.plan import build_plan, evaluate_with_methods
@@ -96,7 +96,7 @@ class Trainer:
         self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
         if p.sharded:  # FSDP2 (dpft/fsdp.py): a rank short of micro-batches runs a placeholder one
 
-            self.dp_step = fsdp.make_step(p, self.ledger, self.save_live_ledger, lambda: collate(
+            self.dp_step = fsdp_plain.make_step(p, self.ledger, self.save_live_ledger, lambda: collate(
                 list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id, self.with_token_types,
                 device=self.device))
         else:
