@@ -47,6 +47,8 @@ import torch
 import trl  # noqa: F401 - the DPO check needs TRL; an ImportError skips this module in the suite
 
 from dpft import fsdp, fsdp_plain
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.models.quant import bnb_config
 from dpft.audit.checks_hf_ddp import trl_rows
 from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
 from dpft.audit.planted import bug_planter
@@ -227,7 +229,6 @@ def _qlora_run(tmp: str) -> dict:
     import peft
     import transformers
 
-    from dpft.models.quant import bnb_config
 
     seen: dict = {"error": None}
     env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
@@ -305,7 +306,6 @@ def _plain_check() -> Check:
         g = torch.Generator().manual_seed(1)
         real = {"x": torch.randn(3, 4, generator=g), "y": torch.randn(3, 3, generator=g)}
         dummy = {"x": torch.randn(1, 4, generator=g) * 5, "y": torch.zeros(1, 3)}
-        from dpft.accounting.ledger import PrivacyLedger
 
         ledger = PrivacyLedger()
         if step_cls is DPStep:
