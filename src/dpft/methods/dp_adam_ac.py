@@ -92,8 +92,28 @@ def _swap_in(params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]):
                 params[n].copy_(v)
 
 
-def make_dp_adam(params, o, ac) -> DPAdam:
-    """``DPAdam`` for ``optimizer.name`` adam (no decay) or adamw (decoupled decay).
+class _ShardedDPAdam(DPAdam):
+    """DPAdam in an FSDP2 run: ``torch.distributed.checkpoint`` (``get_optimizer_state_dict``, what the
+    run's per-rank checkpoints save: dpft/fsdp_state.py) keys optimizer state by parameter only, so
+    DPAdam's running Φ̂ (its non-parameter ``"_phi"`` entry) is kept beside the state during ``step``.
+    It is not checkpointed: a run with adam_ac options does not resume (``DPAdamAC.prepare``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._phi_state = self.state.pop("_phi")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state["_phi"] = self._phi_state
+        try:
+            return super().step(closure)
+        finally:
+            self._phi_state = self.state.pop("_phi")
+
+
+def make_dp_adam(params, o, ac, sharded: bool = False) -> DPAdam:
+    """``DPAdam`` for ``optimizer.name`` adam (no decay) or adamw (decoupled decay); ``sharded``
+    (``perf.sharding: fsdp``): its FSDP2-checkpointable form (:class:`_ShardedDPAdam`).
 
     Raises:
         ValueError: SGD with Adam-only options.
@@ -102,7 +122,7 @@ def make_dp_adam(params, o, ac) -> DPAdam:
         raise ValueError("adam_ac.bias_correction / gamma_nudge need optimizer.name adam or adamw")
     if o.name == "adam" and o.weight_decay:
         raise ValueError("optimizer.name adam with weight_decay: use adamw (decoupled decay) with DP-Adam-AC")
-    return DPAdam(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+    return (_ShardedDPAdam if sharded else DPAdam)(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                   bias_correction=ac.bias_correction, bc_floor=ac.bc_floor)
 
 
@@ -222,7 +242,9 @@ class DPAdamAC(Method):
             changes.update(clip=self.clip, mechanism=mech)
         params = spec.params if spec.params is not None else spec.engine.params
         if ac.bias_correction or ac.gamma_nudge or ac.reproduce_paper:
-            self.optimizer = make_dp_adam(head_param_groups(params, r.optimizer.head_lr), r.optimizer, ac)
+            # (only dpft train gets here: the Python ways in refuse these options, methods/python.py)
+            self.optimizer = make_dp_adam(head_param_groups(params, r.optimizer.head_lr), r.optimizer, ac,
+                                          sharded=r.perf.sharding == "fsdp")
             changes["optimizer"] = self.optimizer
         self.ema = WeightEMA(params, ac.ema_decay) if ac.ema_decay else None
         self._run = run  # weights(): the run's model now (after FSDP2, rank 0's plain copy)
