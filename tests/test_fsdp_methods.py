@@ -144,10 +144,10 @@ def test_whole_tensors_on_simulated_ranks_equal_the_whole_transform(k):
     from dpft.step.postprocess import rmt_transform
 
     g = torch.Generator().manual_seed(0)
-    u, v = torch.randn(12, 1, generator=g), torch.randn(1, 10, generator=g)
-    grads = {"w": 3 * u @ v / 10 + 0.1 * torch.randn(12, 10, generator=g), "b": torch.randn(5, generator=g)}
+    u, v = torch.randn(25, 1, generator=g), torch.randn(1, 20, generator=g)  # min dim 20 > rank + oversample
+    grads = {"w": 3 * u @ v / 10 + 0.1 * torch.randn(25, 20, generator=g), "b": torch.randn(5, generator=g)}
     cfg = SimpleNamespace(kappa=1.0, rank=2, min_dim=1)
-    model = torch.nn.Linear(10, 12)
+    model = torch.nn.Linear(20, 25)
     model.weight.data = grads["w"].clone()
     names = {"weight": "w"}
 
@@ -159,7 +159,7 @@ def test_whole_tensors_on_simulated_ranks_equal_the_whole_transform(k):
     ctx = {"noise_std": 0.1, "step": 0, "q": 0.1}
     whole = make()(dict(grads), ctx)
     assert not torch.equal(whole["w"], grads["w"])  # denoised
-    rows = [torch.tensor_split(grads["w"], [min(r * -(-12 // k), 12) for r in range(1, k)])[r] for r in range(k)]
+    rows = list(torch.tensor_split(grads["w"], [min(r * -(-25 // k), 25) for r in range(1, k)]))
     for local_only in (False, True):  # True: the planted bug, each rank denoising its own rows
         parts = []
         for r in range(k):
@@ -172,3 +172,17 @@ def test_whole_tensors_on_simulated_ranks_equal_the_whole_transform(k):
             parts.append(out["w"])
         same = torch.allclose(torch.cat(parts), whole["w"], rtol=1e-5, atol=1e-6)
         assert same is (not local_only)
+
+
+def test_fsdp_methods_audit_checks_pass_and_catch_the_planted_bug():
+    """audit/checks_fsdp_methods.py (registered in the suite): the sharded RMT update equals the
+    1-process one; ``fsdp_rmt_local_rows`` (each rank denoising its own rows) is caught."""
+    from dpft.audit import planted, suite
+    from dpft.audit.checks_fsdp_methods import PLANTED, fsdp_methods_checks
+
+    assert ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", PLANTED) in suite.OPTIONAL_CHECKS
+    assert set(PLANTED) <= set(planted.ALL)
+    honest = fsdp_methods_checks()
+    assert len(honest) == 2 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
+    for name in PLANTED:
+        assert all(not c.passed for c in fsdp_methods_checks(name)), name

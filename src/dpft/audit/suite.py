@@ -133,6 +133,8 @@ OPTIONAL_CHECKS = (
      ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
     # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
     ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
+    # issue 38: method plug-ins on FSDP2 shards (RMT's whole-matrix SVD on the gathered rows)
+    ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", ("fsdp_rmt_local_rows",)),
 )
 
 
