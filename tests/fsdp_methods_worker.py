@@ -66,14 +66,19 @@ def run_trainer_job(job: dict, out_dir: Path) -> dict:
     from dpft.integrations.hf import DPArguments, DPTrainer
 
     model = tiny_model()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for m in model.modules():
-        if type(m).__name__ == "BertLayer":
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fsdp: dict = {}
+    if job.get("fsdp_args"):  # TrainingArguments.fsdp: DPTrainer shards the model itself (integrations/hf_fsdp.py)
+        fsdp = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}}
+    else:  # the caller sharded it
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for m in model.modules():
+            if type(m).__name__ == "BertLayer":
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     args = TrainingArguments(output_dir=str(out_dir), max_steps=3, learning_rate=0.5, lr_scheduler_type="constant",
                              optim="sgd", weight_decay=0.0, per_device_train_batch_size=2, report_to=[], use_cpu=True,
-                             save_strategy="no", logging_strategy="no", disable_tqdm=True, label_names=["labels"])
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, label_names=["labels"],
+                             **fsdp)
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
                      reproducible_seed=3, max_physical_batch_size=2, methods=job["methods"])
     tr = DPTrainer(model=model, args=args, train_dataset=make_rows(30, None), data_collator=pad_collate, dp_args=dp)
@@ -90,7 +95,8 @@ def run_trainer_job(job: dict, out_dir: Path) -> dict:
     tr.train()
     log["transforms"] = [type(t).__name__ for t in tr.dp_step.spec.transforms]
     log["ledger"] = tr.ledger.to_json()
-    log["weights"] = {n: p.full_tensor().detach().flatten().tolist() for n, p in tr.engine.params.items()}
+    log["weights"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+                      for n, p in tr.engine.params.items()}
     log["world_size"] = tr.world.world_size
     return log
 
