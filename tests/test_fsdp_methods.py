@@ -44,7 +44,7 @@ def _weights_close(a, b, atol: float) -> None:
 
 def _metrics(run) -> list[dict]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [{k: v for k, v in r.items() if k.startswith(("rmt/", "clip_norm", "clip_rate_private", "gamma"))}
+    return [{k: v for k, v in r.items() if k.startswith(("rmt/", "clip_norm", "clip_rate_private", "gamma", "dev_loss"))}
             for r in rows if "step" in r]
 
 
@@ -70,7 +70,7 @@ def test_fsdp_method_two_processes_equal_one(lm_dirs, tmp_path, case):  # noqa: 
     if case == "rmt":
         assert sum(r.get("rmt/touched", 0) for r in ma) > 0  # the denoiser changed some matrix
     else:
-        assert {"clip_norm", "gamma"} <= set(ma[-1])
+        assert {"clip_norm", "gamma", "dev_loss", "dev_loss_raw"} <= set(ma[-1])  # dev: the EMA and the raw weights
         from safetensors.torch import load_file
 
         ea, eb = (load_file(next((d / "model_ema").glob("*.safetensors"))) for d in (one, two))
