@@ -186,3 +186,22 @@ def test_fsdp_methods_audit_checks_pass_and_catch_the_planted_bug():
     assert len(honest) == 2 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
     for name in PLANTED:
         assert all(not c.passed for c in fsdp_methods_checks(name)), name
+
+
+def test_a_plugin_that_declares_nothing_is_refused_with_the_fix():
+    from pydantic import BaseModel
+
+    from dpft.methods.base import Method
+
+    class Cfg(BaseModel):
+        pass
+
+    class Mine(Method):
+        name = "mine"
+        config = Cfg
+
+    msg = refusal_message("make_private", [Mine(Cfg(), None)])
+    assert msg.startswith("make_private: with an FSDP2-sharded model, method 'mine': not verified")
+    assert "supports_fsdp = True" in msg
+    Mine.supports_fsdp = True
+    assert refusal_message("make_private", [Mine(Cfg(), None)]) is None

@@ -124,7 +124,9 @@ class Method:
         (e.g. a NOT CERTIFIED diagnostic that reads the clean sum) overrides this."""
         if cls.supports_fsdp:
             return None
-        return cls.fsdp_refusal or "not verified on FSDP2-sharded parameters"
+        return cls.fsdp_refusal or ("not verified on FSDP2-sharded parameters (a plug-in declares supports_fsdp = True "
+                                    "once its transforms, optimizer and statistics work on row shards: "
+                                    "dpft/fsdp_methods.py)")
 
     def __init__(self, cfg: BaseModel, recipe: Any):
         self.cfg = cfg
