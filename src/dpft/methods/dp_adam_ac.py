@@ -122,8 +122,9 @@ def make_dp_adam(params, o, ac, sharded: bool = False) -> DPAdam:
         raise ValueError("adam_ac.bias_correction / gamma_nudge need optimizer.name adam or adamw")
     if o.name == "adam" and o.weight_decay:
         raise ValueError("optimizer.name adam with weight_decay: use adamw (decoupled decay) with DP-Adam-AC")
-    return (_ShardedDPAdam if sharded else DPAdam)(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                  bias_correction=ac.bias_correction, bc_floor=ac.bc_floor)
+    cls = _ShardedDPAdam if sharded else DPAdam
+    return cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+               bias_correction=ac.bias_correction, bc_floor=ac.bc_floor)
 
 
 @register_method
