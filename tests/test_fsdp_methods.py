@@ -27,11 +27,13 @@ RMT = {"denoise.method": "rmt", "denoise.kappa": 1.0, "denoise.min_dim": 1}
 ADAM_AC = {"adam_ac.adaptive_clip": True, "adam_ac.bias_correction": True, "adam_ac.gamma_nudge": True,
            "adam_ac.ema_decay": 0.5, "adam_ac.count_noise": 4.0, "optimizer.name": "adamw", "optimizer.lr": 0.01,
            "privacy.clipping.max_norm": 0.05}
-CASES = {"rmt": RMT, "dp_adam_ac": ADAM_AC}
+#: DP-SFT's Full-DP baseline (no subspace; the paper's noise placement: a σB Gaussian on the whole gradient).
+DPSFT_NONE = {"subspace.source": "none", "subspace.paper_noise_placement": True}
+CASES = {"rmt": RMT, "dp_adam_ac": ADAM_AC, "dpsft_none": DPSFT_NONE}
 #: Weight tolerance per case. DP-AdamBC divides by (v̂ − Φ̂)^½ floored at bc_floor, which amplifies the float
 #: rounding of the reduce-scatter's other summation order (measured: 1 element of 1,024 off by 2.8e-5 after 3
 #: AdamW steps of lr 0.01, i.e. 0.3 % of one step; the rest within 1e-6).
-ATOL = {"rmt": 1e-6, "dp_adam_ac": 1e-4}
+ATOL = {"rmt": 1e-6, "dp_adam_ac": 1e-4, "dpsft_none": 1e-6}
 
 
 def _weights_close(a, b, atol: float) -> None:
@@ -69,7 +71,7 @@ def test_fsdp_method_two_processes_equal_one(lm_dirs, tmp_path, case):  # noqa: 
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
     if case == "rmt":
         assert sum(r.get("rmt/touched", 0) for r in ma) > 0  # the denoiser changed some matrix
-    else:
+    elif case == "dp_adam_ac":
         assert {"clip_norm", "gamma", "dev_loss", "dev_loss_raw"} <= set(ma[-1])  # dev: the EMA and the raw weights
         from safetensors.torch import load_file
 
@@ -105,7 +107,7 @@ def test_dpft_train_fsdp_refuses_with_the_methods_reason(lm_dirs, name):  # noqa
         check_recipe(r, 2, methods, True, False)
 
 
-@pytest.mark.parametrize("extra", [RMT, ADAM_AC], ids=["rmt", "dp_adam_ac"])
+@pytest.mark.parametrize("extra", [RMT, ADAM_AC, DPSFT_NONE], ids=["rmt", "dp_adam_ac", "dpsft_none"])
 def test_dpft_train_fsdp_accepts_rmt_and_adam_ac(lm_dirs, extra):  # noqa: F811
     r = _recipe(lm_dirs, **extra)
     methods = active_methods(r)
@@ -122,7 +124,8 @@ def test_python_ways_in_refuse_with_the_methods_reason():
 
     refuse_sharded_methods("DPTrainer", [{"name": "rmt", "method": "rmt"}])  # runs sharded
     refuse_sharded_methods("DPTrainer", python_methods([{"name": "dp_adam_ac", "adaptive_clip": True}], "DPTrainer"))
-    dpsft = {"name": "dpsft", "source": "none", "paper_noise_placement": True}
+    dpsft = {"name": "dpsft", "source": "file", "file": "/nonexistent/basis.safetensors", "k": 4}
+    refuse_sharded_methods("DPTrainer", [{"name": "dpsft", "source": "none", "paper_noise_placement": True}])  # runs
     with pytest.raises(ValueError, match="DPTrainer: with an FSDP2-sharded model, method 'dpsft': stage 2 projects "
                                          "every per-example gradient.*all-reduce of per-shard partial projections"):
         refuse_sharded_methods("DPTrainer", [{"name": "rmt", "method": "rmt"}, dpsft])

@@ -350,7 +350,7 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
     from dpft.audit import checks_hf_ddp as hd
     from dpft.integrations.hf import DPTrainer
 
-    meths = [{"name": "dpsft", "source": "none", "paper_noise_placement": True}]
+    meths = [{"name": "dpsft", "source": "file", "file": "/nonexistent/basis.safetensors", "k": 4}]
     args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2}, label_names=["labels"])
     with pytest.raises(ValueError, match=r"DPTrainer: with an FSDP2-sharded model, method 'dpsft': stage 2"):
         DPTrainer(model=_Untouchable(), args=args, train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,

@@ -452,6 +452,12 @@ class DPSFT(Method):
     example_level_only = True
 
     @classmethod
+    def sharded_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
+        """``source: none`` (the paper's noise placement alone: a σB Gaussian mechanism on the whole
+        gradient, sharded by the step like any Gaussian) runs on FSDP2 shards; a subspace does not."""
+        return None if cfg.source == "none" else cls.fsdp_refusal
+
+    @classmethod
     def python_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
         """A given subspace (``source: file``, or ``none`` with the paper's noise placement) runs in
         every way in: stage 2 is a DP-SGD step on the k coordinates. A subspace estimated in this
