@@ -22,7 +22,8 @@ multiprocessing.set_forkserver_preload(["fsdp_methods_worker", "dpft", "dpft.api
 
 RMT = [{"name": "rmt", "method": "rmt", "kappa": 1.0, "min_dim": 1}]
 ADACLIP = [{"name": "dp_adam_ac", "adaptive_clip": True, "count_noise": 2.0, "clip_lr": 0.5}]
-JOBS = {"api_rmt": {"methods": RMT}, "api_adaclip": {"methods": ADACLIP},
+DPSFT_NONE = [{"name": "dpsft", "source": "none", "paper_noise_placement": True}]  # the σB Gaussian alone
+JOBS = {"api_rmt": {"methods": RMT}, "api_adaclip": {"methods": ADACLIP}, "api_dpsft_none": {"methods": DPSFT_NONE},
         "trainer_rmt": {"methods": RMT, "trainer": True}, "trainer_adaclip": {"methods": ADACLIP, "trainer": True},
         # TrainingArguments.fsdp (FSDP2): DPTrainer shards the unsharded model itself (1 process: nothing to shard)
         "trainer_args_rmt": {"methods": RMT, "trainer": True, "fsdp_args": True},
