@@ -341,17 +341,18 @@ def test_dptrainer_fsdp_banded_mf_releases_through_the_sharded_mechanism(tmp_pat
 
 
 def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
-    """The twin of make_private's refusal (tests/test_sharded_refusal.py): the sharded step runs no
-    method hooks, so DPArguments.methods is refused for a fully_shard-ed model and under fsdp."""
+    """The twin of make_private's refusal (tests/test_sharded_refusal.py): a method that cannot run on
+    shards (DP-SFT's per-example projection) is refused with its reason for a fully_shard-ed model and
+    under fsdp (RMT and adaptive clipping run: tests/test_fsdp_methods_api.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from dpft.audit import checks_hf_ddp as hd
     from dpft.integrations.hf import DPTrainer
 
-    meths = [{"name": "rmt", "method": "rmt"}]
+    meths = [{"name": "dpsft", "source": "file", "file": "/nonexistent/basis.safetensors", "k": 4}]
     args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2}, label_names=["labels"])
-    with pytest.raises(ValueError, match=r"DPArguments.methods with an FSDP2 \(fully_shard\) model is not supported"):
+    with pytest.raises(ValueError, match=r"DPTrainer: with an FSDP2-sharded model, method 'dpsft': stage 2"):
         DPTrainer(model=_Untouchable(), args=args, train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,
                   dp_args=_dp(methods=meths))  # before the model is sharded or Trainer built
     if dist.is_initialized():  # pragma: no cover
@@ -363,7 +364,7 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
             if type(m).__name__ == "BertLayer":
                 fully_shard(m, mesh=init_device_mesh("cpu", (1,)))
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(ValueError, match=r"DPArguments.methods with an FSDP2 \(fully_shard\) model"):
+        with pytest.raises(ValueError, match=r"DPTrainer: with an FSDP2-sharded model, method 'dpsft'"):
             DPTrainer(model=model, args=_args(tmp_path, label_names=["labels"]), train_dataset=hd.make_rows(6),
                       data_collator=hd.pad_collate, dp_args=_dp(methods=meths))
     finally:

@@ -60,8 +60,10 @@ def test_make_private_takes_fsdp2_root_and_refuses_a_sharded_submodule_only(gloo
 
     with pytest.raises(ddp.DistributedError, match=r"make_private: only submodules .*apply fully_shard to the root"):
         call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), "0"))
-    with pytest.raises(ValueError, match=r"methods= with an FSDP2 \(fully_shard\) model is not supported"):
-        call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))), methods=[{"name": "rmt", "method": "rmt"}])
+    # a method that cannot run sharded is refused with its reason (RMT runs: tests/test_fsdp_methods_api.py)
+    with pytest.raises(ValueError, match=r"make_private: with an FSDP2-sharded model, method 'dpsft': stage 2 projects"):
+        call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))),
+             methods=[{"name": "dpsft", "source": "file", "file": "/nonexistent/basis.safetensors", "k": 4}])
     model, opt, crit, loader = call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))))
     from dpft.api.sharded import ShardedDPOptimizer
 

@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
+from dpft.fsdp_methods import method_refusals, wrap_transforms
 from dpft.grads.groups import split_groups
 from dpft.step.correlated import BandedMFMechanism
 from dpft.step.noise import GaussianMechanism
@@ -89,19 +90,18 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
     """Refuse, before any loading, what the FSDP step does not run correctly.
 
     Raises:
-        FSDPError: another engine than book-keeping (a private run) (``auto`` is book-keeping), a
-            method plug-in (named with the fix). ``--resume`` runs (dpft/fsdp_state.py). User level runs: each rank
-            clips whole users (``distributed.shard_units``), a placeholder micro-batch carries no
-            clipping groups (its sum is replaced by zeros before the reduce-scatter).
+        FSDPError: another engine than book-keeping in a private run (``auto`` is book-keeping), a
+            method plug-in that cannot run sharded (named with its reason: dpft/fsdp_methods.py).
+            ``--resume`` runs (dpft/fsdp_state.py). User level runs: each rank clips whole users
+            (``distributed.shard_units``), a placeholder micro-batch carries no clipping groups (its
+            sum is replaced by zeros before the reduce-scatter).
     """
     why = []  # a non-private run is plain FSDP2 training (dpft/fsdp_plain.py)
     if private and recipe.privacy.engine not in ("auto", "bookkeeping"):
         # ``auto`` is the book-keeping engine (step/build.py ``make_engine``), which FSDP runs.
         why.append(f"privacy.engine {recipe.privacy.engine!r}: FSDP runs the book-keeping engine only "
                    "(set privacy.engine: auto or bookkeeping)")
-    if methods:
-        why.append(f"method(s) {', '.join(m.name for m in methods)}: no method is verified on sharded "
-                   "parameters yet (use perf.sharding: ddp)")
+    why += method_refusals(methods)  # each method's own reason (methods/base.py ``sharded_refusal``)
     if why:
         raise FSDPError("perf.sharding: fsdp cannot run this recipe: " + "; ".join(why))
 
@@ -472,6 +472,8 @@ class FSDPStep(DPStep):
             mech.world = world
             mech.shapes = {n: (tuple(p.shape), tuple(local(p).shape)) for n, p in params.items()}
             spec = spec.replace(mechanism=mech)
+        # whole-tensor post-processing (RMT's SVD per matrix) on the gathered noisy gradient: fsdp_methods.py
+        spec = spec.replace(transforms=wrap_transforms(spec.transforms, params, world))
         super().__init__(spec, ledger, n, on_release=on_release, world_group=world.group)
         self.dummy_batch = dummy_batch
 

@@ -19,6 +19,7 @@ from dpft.api.optimizer import DPOptimizer
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model, sharded_step
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
+from dpft.fsdp_methods import refusal_message
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.privacy.randomness import Randomness
 from dpft.step.pipeline import DPStep
@@ -376,7 +377,7 @@ class PrivacyEngine:
             world=world, groups=group)
         if sharded:  # one FSDP2 model for the world: nothing to broadcast
             dp_step = sharded_step(plan, self.ledger, n_units, world, self._on_release)
-            dp_opt = ShardedDPOptimizer(optimizer, dp_step, planned, world, batches)
+            dp_opt = ShardedDPOptimizer(optimizer, dp_step, planned, world, batches, methods=pm if pm else None)
         else:
             ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
             dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
@@ -415,14 +416,14 @@ def _check_sharded(module, meths) -> bool:
     (api/sharded.py); a sharded submodule only, or methods it cannot run, are refused.
 
     Raises:
-        ValueError: methods with an FSDP2 model (the sharded optimizer runs no method hooks, as
-            ``dpft train`` under FSDP), or what ``check_fsdp2_model`` refuses."""
+        ValueError: a method that cannot run on sharded parameters (each named with its reason:
+            methods/base.py ``sharded_refusal``), or what ``check_fsdp2_model`` refuses."""
     if not is_fsdp2_model(module):
         return False
     check_fsdp2_model(module, "make_private")  # banded MF runs sharded: its state is gathered (api/state.py)
-    if meths:
-        raise ValueError("make_private: methods= with an FSDP2 (fully_shard) model is not supported: the sharded "
-                         "step runs no method hooks; drop methods= or train unsharded (DDP)")
+    why = refusal_message("make_private", meths)  # RMT, DP-Adam-AC's adaptive clipping run sharded
+    if why:
+        raise ValueError(why)
     return True
 
 

@@ -138,8 +138,9 @@ class ShardedDPOptimizer(DPOptimizer):
     """:class:`~dpft.api.optimizer.DPOptimizer` over an :class:`~dpft.fsdp.FSDPStep`: local-shard
     accumulators, placeholder micro-batches, the counts (not the sums) all-reduced at release."""
 
-    def __init__(self, optimizer, dp_step: "fsdp.FSDPStep", planned_steps, world, batches: ShardedMicroBatches):
-        super().__init__(optimizer, dp_step, planned_steps, world=world)
+    def __init__(self, optimizer, dp_step: "fsdp.FSDPStep", planned_steps, world, batches: ShardedMicroBatches,
+                 methods=None):
+        super().__init__(optimizer, dp_step, planned_steps, world=world, methods=methods)
         self.batches = batches
         self._dummy = False
 

@@ -209,6 +209,9 @@ ALL = ALL + FSDP_PLANTED
 # DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin (issue 38; audit/checks_fsdp.py plants them)
 HF_FSDP_PLANTED = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
 ALL = ALL + HF_FSDP_PLANTED
+# methods on FSDP2 shards (issue 38; audit/checks_fsdp_methods.py plants it): RMT denoising each rank's rows
+FSDP_METHODS_PLANTED = ("fsdp_rmt_local_rows",)
+ALL = ALL + FSDP_METHODS_PLANTED
 # ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
 # collated with the next row's target; relative-position table rules (issue 36) giving every example the
 # batch-summed gradient of the shared table.

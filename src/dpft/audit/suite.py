@@ -136,6 +136,8 @@ OPTIONAL_CHECKS = (
     # issue 38: DPDPOTrainer and QLoRA under fsdp, the non-private FSDP step (skipped where trl is absent)
     ("dpft.audit.checks_fsdp_trl", "fsdp_trl_checks", ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept",
                                                        "fsdp_plain_dummy_counted")),
+    # issue 38: method plug-ins on FSDP2 shards (RMT's whole-matrix SVD on the gathered rows)
+    ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", ("fsdp_rmt_local_rows",)),
 )
 
 

@@ -61,6 +61,8 @@ import torch
 from dpft import distributed as ddp
 from dpft import fsdp
 from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
+from dpft.fsdp_methods import refusal_message
+from dpft.methods.python import python_methods
 
 __all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
            "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
@@ -282,14 +284,19 @@ def check_still_sharded(model, sharded: bool, world, where: str) -> None:
 
 
 def refuse_sharded_methods(where: str, methods: list) -> None:
-    """Refuse ``DPArguments.methods`` on the sharded step, which runs no method hooks (as ``dpft
-    train`` under ``perf.sharding: fsdp``: dpft/fsdp.py ``check_recipe``).
+    """Refuse the ``DPArguments.methods`` that cannot run on the sharded step, each named with its reason
+    (methods/base.py ``sharded_refusal``; RMT and DP-Adam-AC's adaptive clipping run: dpft/fsdp_methods.py).
+    ``methods``: plug-ins (methods/python.py ``python_methods``) or their specs (validated here first).
 
     Raises:
-        ValueError: naming the fix."""
-    if methods:  # (method specs or plug-ins: refused before the model is sharded or Trainer is built)
-        raise ValueError(f"{where}: DPArguments.methods with an FSDP2 (fully_shard) model is not supported: the "
-                         "sharded step runs no method hooks; drop methods or train unsharded (DDP)")
+        ValueError: naming the method, its reason and the fix."""
+    if not methods:
+        return
+    plugins = methods if all(hasattr(m, "sharded_refusal") and hasattr(m, "cfg") for m in methods) \
+        else python_methods(methods, where)
+    why = refusal_message(where, plugins)
+    if why:
+        raise ValueError(why)
 
 
 def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
@@ -330,6 +337,7 @@ def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
         out = trainer.dp_step.run(t, trainer._micro_batches(idx))
     ddp.check_step_digest(trainer.world, t, idx, {})  # the ranks hold different shards: the batch only
     trainer.last_private_stats = dict(out.private)
+    trainer._pending_update = out if trainer.methods else None  # the methods' after_update: once applied
     if trainer.dp_args.log_private_train_loss:
         return torch.tensor(float(out.private["train_loss"]), device=trainer.args.device)
     return torch.zeros((), device=trainer.args.device)

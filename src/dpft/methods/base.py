@@ -28,7 +28,8 @@ its caller, or :func:`phase_runner` (the driver registered with :func:`register_
 Methods never import the driver (``run/``).
 
 A method declares what the driver checks: ``supports_ddp`` (runs under torchrun as it does
-alone), ``supports_device`` (runs on an accelerator); ``card_mechanism``/``card_usage`` give
+alone), ``supports_fsdp`` / ``sharded_refusal`` (runs on FSDP2 shards), ``supports_device``
+(runs on an accelerator); ``card_mechanism``/``card_usage`` give
 the model card's lines where the method changes them (the driver names no method).
 
 A recipe names its methods in ``methods:`` (a list of ``{name: ..., <config keys>}``; the
@@ -87,6 +88,15 @@ class Method:
     #: Why the method cannot run across processes, in terms of its mechanism (shown in the
     #: refusal of ``distributed.check_methods``); None = no reason given.
     ddp_refusal: ClassVar[Optional[str]] = None
+    #: The method runs on FSDP2-sharded parameters (``perf.sharding: fsdp``, ``make_private`` on a
+    #: ``fully_shard``-ed model, DPTrainer with ``fsdp``) as it does in one process: its transforms
+    #: see this rank's row shard of the noisy gradient (or declare ``whole_tensors`` to get the
+    #: gathered tensors: dpft/fsdp_methods.py), its optimizer and statistics work on shards or on the
+    #: world's all-reduced counts. Checked by :meth:`sharded_refusal`.
+    supports_fsdp: ClassVar[bool] = False
+    #: Why the method cannot run on sharded parameters, in terms of its maths (shown in the FSDP
+    #: refusal of every way in); None = "not verified".
+    fsdp_refusal: ClassVar[Optional[str]] = None
     #: Every tensor the method creates follows the model's device (buffers, bases, noise drawn
     #: with ``Randomness.stream(..., device=...)``), so it runs on an accelerator; a method that
     #: does not declare it is run on the CPU (``perf.device: auto``) or refused (perf.py).
@@ -106,6 +116,17 @@ class Method:
         optimizer or its run folder); a method that only changes the step's parts overrides this."""
         return ("it needs dpft train's driver (its earlier private phases, the recipe's optimizer or data, or the "
                 "run folder); run it with `dpft train`")
+
+    @classmethod
+    def sharded_refusal(cls, cfg: BaseModel) -> Optional[str]:
+        """Why this method (with this config) cannot run on FSDP2-sharded parameters, or None.
+        Default: :attr:`fsdp_refusal` unless :attr:`supports_fsdp`; a method whose config decides
+        (e.g. a NOT CERTIFIED diagnostic that reads the clean sum) overrides this."""
+        if cls.supports_fsdp:
+            return None
+        return cls.fsdp_refusal or ("not verified on FSDP2-sharded parameters (a plug-in declares supports_fsdp = True "
+                                    "once its transforms, optimizer and statistics work on row shards: "
+                                    "dpft/fsdp_methods.py)")
 
     def __init__(self, cfg: BaseModel, recipe: Any):
         self.cfg = cfg

@@ -17,13 +17,14 @@ examples, which the loop already counts.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
 from pydantic import Field
 
 from dpft.config_base import PluginConfig
+from dpft.fsdp_methods import is_dtensor
 from dpft.methods.base import Method, register_method
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
@@ -75,8 +76,44 @@ def _active(ac) -> bool:
     return bool(ac.adaptive_clip or ac.gamma_nudge or ac.ema_decay or ac.bias_correction or ac.reproduce_paper)
 
 
-def make_dp_adam(params, o, ac) -> DPAdam:
-    """``DPAdam`` for ``optimizer.name`` adam (no decay) or adamw (decoupled decay).
+@contextmanager
+def _swap_in(params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]):
+    """``values`` (name → full tensor) copied into ``params`` for the block, the old values restored
+    after (the FSDP2 EMA on rank 0's plain copy of the model)."""
+    saved = {n: params[n].detach().clone() for n in values}
+    with torch.no_grad():
+        for n, v in values.items():
+            params[n].copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, v in saved.items():
+                params[n].copy_(v)
+
+
+class _ShardedDPAdam(DPAdam):
+    """DPAdam in an FSDP2 run: ``torch.distributed.checkpoint`` (``get_optimizer_state_dict``, what the
+    run's per-rank checkpoints save: dpft/fsdp_state.py) keys optimizer state by parameter only, so
+    DPAdam's running Φ̂ (its non-parameter ``"_phi"`` entry) is kept beside the state during ``step``.
+    It is not checkpointed: a run with adam_ac options does not resume (``DPAdamAC.prepare``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._phi_state = self.state.pop("_phi")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.state["_phi"] = self._phi_state
+        try:
+            return super().step(closure)
+        finally:
+            self._phi_state = self.state.pop("_phi")
+
+
+def make_dp_adam(params, o, ac, sharded: bool = False) -> DPAdam:
+    """``DPAdam`` for ``optimizer.name`` adam (no decay) or adamw (decoupled decay); ``sharded``
+    (``perf.sharding: fsdp``): its FSDP2-checkpointable form (:class:`_ShardedDPAdam`).
 
     Raises:
         ValueError: SGD with Adam-only options.
@@ -85,8 +122,9 @@ def make_dp_adam(params, o, ac) -> DPAdam:
         raise ValueError("adam_ac.bias_correction / gamma_nudge need optimizer.name adam or adamw")
     if o.name == "adam" and o.weight_decay:
         raise ValueError("optimizer.name adam with weight_decay: use adamw (decoupled decay) with DP-Adam-AC")
-    return DPAdam(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                  bias_correction=ac.bias_correction, bc_floor=ac.bc_floor)
+    cls = _ShardedDPAdam if sharded else DPAdam
+    return cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+               bias_correction=ac.bias_correction, bc_floor=ac.bc_floor)
 
 
 @register_method
@@ -114,6 +152,12 @@ class DPAdamAC(Method):
     #: Optimizer moments and the EMA are created like the parameters (zeros_like, clone); the
     #: count noise is a host scalar from the secret stream; the gradient noise is the step's.
     supports_device = True
+
+    #: Under FSDP2: the noisy count reads the world's all-reduced counts (``FSDPStep._stats``) and
+    #: draws from the shared key; the σ_Δ Gaussian mechanism of ``build`` is sharded by the step
+    #: (``fsdp.shard_mechanism``); DPAdam, AdamBC's Φ and the EMA are elementwise on the shards; the
+    #: EMA saved at the end is gathered at the last step (a collective every rank runs).
+    supports_fsdp = True
 
     #: The noisy count counts rows: refused with user-level units (methods/python.py).
     example_level_only = True
@@ -143,8 +187,20 @@ class DPAdamAC(Method):
             return "; ".join(why) + "; or run it with `dpft train`"
         return None
 
+    @classmethod
+    def sharded_refusal(cls, cfg: AdamACCfg) -> Optional[str]:
+        """Every private option runs sharded; the paper's leaky rule does not (NOT CERTIFIED)."""
+        if cfg.reproduce_paper:
+            return ("reproduce_paper sets C from the percentile of raw per-example norms, which each rank holds "
+                    "for its own examples only (a NOT CERTIFIED reproduction: run it in one process)")
+        return None
+
     def __init__(self, cfg, recipe):
         super().__init__(cfg, recipe)
+        #: FSDP2: the full EMA weights, gathered on every rank at the last step (``finish`` and
+        #: ``weights`` then run on rank 0 alone, on a plain copy of the model).
+        self._ema_full: Optional[dict[str, torch.Tensor]] = None
+        self._run = None
         self.clip = None
         self.ema: Optional[WeightEMA] = None
         self.gamma: Optional[GammaNudger] = None
@@ -187,9 +243,12 @@ class DPAdamAC(Method):
             changes.update(clip=self.clip, mechanism=mech)
         params = spec.params if spec.params is not None else spec.engine.params
         if ac.bias_correction or ac.gamma_nudge or ac.reproduce_paper:
-            self.optimizer = make_dp_adam(head_param_groups(params, r.optimizer.head_lr), r.optimizer, ac)
+            # (only dpft train gets here: the Python ways in refuse these options, methods/python.py)
+            self.optimizer = make_dp_adam(head_param_groups(params, r.optimizer.head_lr), r.optimizer, ac,
+                                          sharded=r.perf.sharding == "fsdp")
             changes["optimizer"] = self.optimizer
         self.ema = WeightEMA(params, ac.ema_decay) if ac.ema_decay else None
+        self._run = run  # weights(): the run's model now (after FSDP2, rank 0's plain copy)
         if ac.gamma_nudge or ac.reproduce_paper:
             self.gamma = GammaNudger(ac.rho_low, ac.rho_high, ac.gamma_up, ac.gamma_down, ac.gamma_min, ac.gamma_max)
         if ac.bias_correction:
@@ -210,6 +269,10 @@ class DPAdamAC(Method):
         res: dict[str, Any] = {}
         if self.ema is not None:
             self.ema.update()
+            if out.step + 1 >= run.total_steps and any(is_dtensor(t) for t in self.ema.shadow.values()):
+                # FSDP2: rank 0 alone saves and generates, on a plain copy; gather the EMA now (every rank)
+                self._ema_full = {n: (t.full_tensor() if is_dtensor(t) else t).detach()
+                                  for n, t in self.ema.shadow.items()}
         bsz, clipped = out.private["batch_size"], out.private["clipped"]
         rate = None
         if run.private and isinstance(self.clip, AdaptiveQuantileClip):
@@ -232,8 +295,14 @@ class DPAdamAC(Method):
         return res
 
     def weights(self):
-        """Context manager swapping in the EMA weights (no-op without an EMA)."""
-        return self.ema.swap() if self.ema is not None else nullcontext()
+        """Context manager swapping in the EMA weights (no-op without an EMA). After an FSDP2 run the
+        model is a plain copy (``fsdp.materialise``): the gathered EMA goes into its parameters."""
+        if self.ema is None:
+            return nullcontext()
+        model = getattr(self._run, "model", None)
+        if self._ema_full is not None and model is not None and not any(is_dtensor(p) for p in model.parameters()):
+            return _swap_in(dict(model.named_parameters()), self._ema_full)
+        return self.ema.swap()
 
     @torch.no_grad()
     def evaluate(self, run, evaluate):
@@ -248,7 +317,7 @@ class DPAdamAC(Method):
 
     def finish(self, run) -> None:
         if self.ema is not None:  # the EMA weights beside the raw ones
-            with self.ema.swap():
+            with self.weights():  # FSDP2: rank 0's plain copy, the gathered EMA swapped in
                 run.model.save_pretrained(run.run_dir / "model_ema")
             run.tokenizer.save_pretrained(run.run_dir / "model_ema")
 

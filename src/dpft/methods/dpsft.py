@@ -441,8 +441,21 @@ class DPSFT(Method):
                    "subspace.source: file (stage 2 is a DP-SGD step on the k coordinates: its clipped sums are "
                    "all-reduced and noised once for the world like any other)")
 
+    #: Under FSDP2 (issue 38; dpft/fsdp_methods.py shows it in every way in's refusal).
+    fsdp_refusal = ("stage 2 projects every per-example gradient onto the k-dimensional subspace (s_i = Pᵀ g_i) "
+                    "before clipping; with the weights and P's rows sharded over the ranks, each example's k "
+                    "coordinates need an all-reduce of per-shard partial projections before its norm and clip, and "
+                    "the sharded step only reduce-scatters the book-keeping engine's per-parameter clipped sums "
+                    "(not built; train DP-SFT under DDP with subspace.source: file)")
+
     #: The coordinates are per row: refused with user-level units (methods/python.py).
     example_level_only = True
+
+    @classmethod
+    def sharded_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
+        """``source: none`` (the paper's noise placement alone: a σB Gaussian mechanism on the whole
+        gradient, sharded by the step like any Gaussian) runs on FSDP2 shards; a subspace does not."""
+        return None if cfg.source == "none" else cls.fsdp_refusal
 
     @classmethod
     def python_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:

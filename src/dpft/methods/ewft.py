@@ -396,6 +396,11 @@ class ForwardLDP(Method):
     #: its own stream (``ldp``, step, rank): independent draws for different examples, as in one
     #: process; the world records one event per step (the same Poisson-sampled release set).
     supports_ddp = True
+    #: Under FSDP2 (issue 38; dpft/fsdp_methods.py shows it in every way in's refusal).
+    fsdp_refusal = ("the forward-pass noise layer splits the model into pre(·) and post(·) around a block and "
+                    "(ldp.train_pre) trains pre(·) with an engine and mechanism of its own; neither the split model "
+                    "nor that engine is wired to FSDP's sharded blocks and per-parameter reduce-scatter (not "
+                    "verified; run EW-FT under DDP)")
 
     @classmethod
     def enabled(cls, cfg: LdpCfg) -> bool:

@@ -75,6 +75,11 @@ class RMTDenoise(Method):
     supports_ddp = True
     #: The SVDs run on the noisy gradient's device (its sketch generator too: public, seeded).
     supports_device = True
+    #: Under FSDP2: each rank holds its rows of the noisy gradient; the SVD needs whole matrices, so
+    #: the transform declares ``whole_tensors`` and the sharded step all-gathers them (already noised:
+    #: post-processing, no privacy cost), denoises them identically on every rank (the sketch
+    #: generator is public and seeded) and keeps this rank's rows (dpft/fsdp_methods.py).
+    supports_fsdp = True
     #: Post-processing of the noisy sum: the step's events are unchanged (a search may vary it).
     search_events_unchanged = True
     uncertified_fields = ("diagnostics",)
@@ -91,6 +96,16 @@ class RMTDenoise(Method):
             return "diagnostics: true keeps un-noised gradient statistics (NOT CERTIFIED research runs only)"
         return None
 
+    @classmethod
+    def sharded_refusal(cls, cfg: DenoiseCfg) -> Optional[str]:
+        """RMT runs sharded (whole matrices gathered after the noise); its NOT CERTIFIED diagnostics do
+        not: they read the clean clipped sum, which FSDP holds only as reduce-scattered row shards."""
+        if cfg.diagnostics:
+            return ("denoise.diagnostics reads the clean (un-noised) clipped sum, which FSDP holds only as "
+                    "reduce-scattered row shards; run diagnostics (NOT CERTIFIED research) in one process or "
+                    "under DDP")
+        return None
+
     def prepare(self, run) -> None:
         if self.cfg.diagnostics and run.private:
             run.ledger.mark_not_certified(DIAGNOSTICS_REASON)
@@ -101,7 +116,10 @@ class RMTDenoise(Method):
 
         params = spec.params if spec.params is not None else spec.engine.params
         if not self.cfg.diagnostics:
-            return spec.replace(transforms=[*spec.transforms, rmt_transform(run.model, list(params), self.cfg)])
+            tf = rmt_transform(run.model, list(params), self.cfg)
+            # the SVD acts on whole matrices: under FSDP the step gathers them (dpft/fsdp_methods.py)
+            tf.whole_tensors = list(matrix_param_names(run.model, list(params)))  # type: ignore[attr-defined]
+            return spec.replace(transforms=[*spec.transforms, tf])
         cap = _CleanCapture(spec.mechanism)
         return spec.replace(mechanism=cap, transforms=[*spec.transforms, self._diagnostic_transform(run, params, cap)])
 
