@@ -10,7 +10,8 @@ sampled user, whole users per rank); ``caller_sharded`` — no ``fsdp=``: the ca
 test compares it with the ``fsdp=`` run of one process at the same unit); ``max_batch_size`` — truncated
 Poisson; ``banded`` — banded MF (b = 2); ``dpo`` — DPDPOTrainer on preference pairs instead (the pair is the
 unit). :func:`run_resume` (``resume_test``): AdamW, a run stopped after its checkpoint at step 2, resumed by
-a new trainer, against an uninterrupted run.
+a new trainer, against an uninterrupted run. ``ddp`` — no FSDP at all: under 2 processes the DDP world
+(every rank the whole model, one all-reduce of the clipped sums), in one process the plain step.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
 
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok))  # a fixed seed: the same initial weights on every rank
-    fsdp = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
+    fsdp = {} if job.get("ddp") else {"fsdp": True, "fsdp_config": {"fsdp_version": 2}}
     if job.get("caller_sharded"):  # the caller shards the policy; no fsdp= asked
         _caller_shard(model)
         fsdp = {}

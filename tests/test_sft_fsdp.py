@@ -32,6 +32,8 @@ JOBS = {"sft": {}, "sft_user": {"user_level": True},
         "caller_sharded": {"caller_sharded": True},
         "caller_sharded_user": {"caller_sharded": True, "user_level": True},
         "sft_truncated": {"max_batch_size": 3}, "dpo_truncated": {"dpo": True, "max_batch_size": 3}}
+#: No FSDP: DPSFTTrainer at user level in the DDP world (2 processes) against the plain 1-process step.
+DDP = {"ddp_sft_user": {"ddp": True, "user_level": True}}
 #: Banded MF (b = 2) with AdamW, stopped after the checkpoint at step 2 and resumed by a new trainer.
 RESUME = {"sft_banded_resume": {"banded": True, "resume_test": True},
           "dpo_banded_resume": {"dpo": True, "banded": True, "resume_test": True}}
@@ -44,13 +46,13 @@ def one_and_two(tmp_path_factory):
     if dist.is_initialized():  # pragma: no cover - another test left one
         pytest.skip("a process group is already initialised")
     root = tmp_path_factory.mktemp("sft_fsdp")
-    one = worker.run_jobs({"jobs": {**{k: v for k, v in JOBS.items() if k not in TWO_ONLY}, **RESUME},
+    one = worker.run_jobs({"jobs": {**{k: v for k, v in JOBS.items() if k not in TWO_ONLY}, **RESUME, **DDP},
                            "out": str(root / "one")}, 0)
     for job, same in TWO_ONLY.items():
         one["jobs"][job] = one["jobs"][same]
     logs = root / "logs"
     logs.mkdir()
-    cfg = {"jobs": {**JOBS, **RESUME}, "log_dir": str(logs), "out": str(root / "two")}
+    cfg = {"jobs": {**JOBS, **RESUME, **DDP}, "log_dir": str(logs), "out": str(root / "two")}
     torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()),
                                           nprocs=2, join=True, start_method="forkserver")
     two = [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
@@ -130,6 +132,32 @@ def test_trl_fsdp2_banded_resume_equals_the_uninterrupted_run(one_and_two, job):
     _close(a["whole"]["weights"], a["resumed"]["weights"])
     _close(r0["whole"]["weights"], r0["resumed"]["weights"])
     _close(a["whole"]["weights"], r0["resumed"]["weights"], **ADAMW_ACROSS_WORLDS)
+
+
+@pytest.mark.slow
+def test_dpsfttrainer_user_level_ddp_two_processes_equal_one(one_and_two):
+    """DPSFTTrainer at user level under DDP (no FSDP; every rank the whole model): the same ledger over
+    users, the same logical batches, whole users per rank, the ranks' weights identical and within float
+    tolerance of the 1-process run's (DDP and one process draw the same noise streams)."""
+    one, two = one_and_two
+    a = one["jobs"]["ddp_sft_user"]
+    r0, r1 = (log["jobs"]["ddp_sft_user"] for log in two)
+    assert (a["world_size"], r0["world_size"], r1["rank"]) == (1, 2, 1)
+    for log in (a, r0, r1):
+        assert log["user_level"] and not log["sharded"] and not log["fsdp_step"] and log["fsdp_units"] == 0
+    assert r0["ledger"] == r1["ledger"] == a["ledger"]
+    assert a["ledger"]["entries"][0]["event"]["sampling_probability"] == pytest.approx(3 / 5)
+    users = worker.USERS
+    both = False
+    for t, full in a["batches"].items():
+        assert r0["batches"][t] == r1["batches"][t] == full
+        s0, s1 = r0["shares"][t], r1["shares"][t]
+        assert not set(s0) & set(s1) and sorted(s0 + s1) == sorted(full)
+        assert not {users[i] for i in s0} & {users[i] for i in s1}
+        both = both or bool(s0 and s1)
+    assert both
+    assert r0["weights"] == r1["weights"]
+    _close(a["weights"], r0["weights"])
 
 
 # -- fast -------------------------------------------------------------------------------------------------
