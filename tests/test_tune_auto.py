@@ -160,3 +160,19 @@ def test_tiny_auto_search_equals_typed_in_and_resume_reuses(tiny_model_dir, sst_
     assert state2["sigmas"] == state["sigmas"] and state2["k"] == state["k"]
     assert [t["hyperparameters"] for t in state2["trials"]] == [t["hyperparameters"] for t in state["trials"]]
     assert rep2["auto"] is None and "batch/steps auto" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_audit_auto_search_check_and_its_planted_bug():
+    """The audit's check passes, and (B, T) chosen against one run's ε instead of the search's bound (an
+    overspend) is caught; the bug is registered with the suite and planted through bug_planter."""
+    from dpft.audit import checks_tune as C
+    from dpft.audit import planted, suite
+
+    assert "auto_single_run_sigma" in C.PLANTED and "auto_single_run_sigma" in planted.ALL
+    assert ("dpft.audit.checks_tune", "tune_checks", C.PLANTED) in suite.OPTIONAL_CHECKS
+    ok = C._auto_search(None)
+    assert ok.passed, ok.message
+    bad = C._auto_search("auto_single_run_sigma")
+    assert not bad.passed and bad.stats["epsilon"] > 8.0, bad.message
+    assert S.search_sigma.__module__ == "dpft.run.tune_space"  # the plant was undone
