@@ -7,7 +7,9 @@ The search (Papernot & Steinke 2022, accounting/selection.py):
    row; with ``task.dev_public: true`` the whole training set is fit and the (public) dev file
    scores;
 2. per-trial σ of every (q, steps) configuration is calibrated so that the WHOLE search spends
-   ``privacy.target_epsilon`` (selection bound on the trials' dp-accounting events);
+   ``privacy.target_epsilon`` (selection bound on the trials' dp-accounting events); with
+   ``batch.expected_batch_size``/``schedule.steps: auto`` one (B, T) is first chosen for the fit rows,
+   against that bound (run/tune_space.py ``resolve_search_auto``), and is then the one configuration;
 3. K ~ the declared law and every trial's hyperparameters are drawn from the run's secret
    randomness and written to ``tune_private/state.json`` *before* the first trial (a resume
    never redraws K);
