@@ -40,7 +40,8 @@ def test_rule_is_train_auto_with_the_search_sigma(monkeypatch):
     ref = budget.choose_batch_and_steps(n, 8.0, 1e-5, None, sigma_for=lambda q, t: 0.4 + 40.0 * q)
     assert [(x["batch"], x["steps"]) for x in auto["rows"]] == [(x["batch"], x["steps"]) for x in ref.rows]
     assert [(q, t) for q, t, *_ in seen] == [(x["batch"] / n, x["steps"]) for x in ref.rows]
-    assert all(s[2:] == pytest.approx((8.0, 1e-5, 3.0, 10.0)) for s in seen)  # the search's ε, δ, law of K and score noise
+    # the search's ε, δ, law of K and score noise
+    assert all(s[2:] == pytest.approx((8.0, 1e-5, 3.0, 10.0)) for s in seen)
     best = min(auto["rows"], key=lambda x: x["sigma"] / x["batch"])
     assert (auto["batch"], auto["steps"], auto["sigma"]) == (best["batch"], best["steps"], best["sigma"])
     assert (r2.batch.expected_batch_size, r2.schedule.steps) == (auto["batch"], auto["steps"])
@@ -112,7 +113,8 @@ def _auto_recipe(model_dir, files, typed=None):
     if typed:  # the same search with the auto choice typed in: (B, T) and the scaled learning rates
         s = typed["lr_scale"]
         space["optimizer.lr"] = {"log_uniform": [1e-3 * s, 1e-1 * s]}
-        extra = {"batch.expected_batch_size": typed["batch"], "schedule.steps": typed["steps"], "optimizer.lr": 1e-2 * s}
+        extra = {"batch.expected_batch_size": typed["batch"], "schedule.steps": typed["steps"],
+                 "optimizer.lr": 1e-2 * s}
     extra["tune"] = {"trials": {"distribution": "truncated_negative_binomial", "mean": 2.0, "eta": 1.0},
                      "score_fraction": 0.3, "space": space}
     return tune_recipe(model_dir, files, **extra)

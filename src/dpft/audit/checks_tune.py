@@ -290,7 +290,10 @@ def _uncovered_charged(planted=None) -> Check:
 def _plant_single_run_sigma(p) -> None:
     """Planted ``auto_single_run_sigma``: each candidate's σ is one run's σ at the search's ε (RDP), not
     the σ at which the whole search (K trials, scores, selection) spends it — smaller, so the search overspends."""
-    p.set(TS, "search_sigma", lambda q, t, eps, delta, dist, score_sigma: _budget._sigma_rdp(q, t, eps, delta))  # noqa: SLF001
+    def one_run(q, t, eps, delta, dist, score_sigma):
+        return _budget._sigma_rdp(q, t, eps, delta)  # noqa: SLF001
+
+    p.set(TS, "search_sigma", one_run)
 
 
 _auto_bug = bug_planter(("auto_single_run_sigma",), {"auto_single_run_sigma": _plant_single_run_sigma})
@@ -303,7 +306,8 @@ def _auto_search(planted=None) -> Check:
     r = Recipe.model_validate({"privacy": {"target_epsilon": target, "delta": delta},
                                "batch": {"expected_batch_size": "auto"},
                                "schedule": {"steps": "auto", "compute_budget": 1600},  # candidates B = 8, 16
-                               "tune": {"trials": {"mean": 3.0}, "space": {"optimizer.lr": {"log_uniform": [1e-4, 1e-3]}}}})
+                               "tune": {"trials": {"mean": 3.0},
+                                        "space": {"optimizer.lr": {"log_uniform": [1e-4, 1e-3]}}}})
     dist = KDistribution.with_mean("truncated_negative_binomial", 3.0)
     with _auto_bug(planted if planted == "auto_single_run_sigma" else None):
         r2, auto, _ = TS.resolve_search_auto(r, n, dist, score)

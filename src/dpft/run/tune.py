@@ -282,7 +282,8 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         sigmas, _ = calibrate_search(r.privacy.target_epsilon, r.privacy.delta, dist, plans, score_sigma)
         k, trials = draw_trials(r, dist, rng)
     if not resume:
-        state = {"recipe": _comparable(orig), "auto": auto, "k": k, "distribution": dist.as_dict(), "sigmas": sigmas, "configurations": combos,
+        state = {"recipe": _comparable(orig), "auto": auto, "k": k, "distribution": dist.as_dict(), "sigmas": sigmas,
+                 "configurations": combos,
                  "n_fit": n, "n_score": len(score_rows), "score_sigma": score_sigma, "trials": trials,
                  "steps_by_batch": steps_by_batch}
         _save_state(state_path, state)  # K persisted before the first trial: a resume never redraws it

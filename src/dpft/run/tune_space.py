@@ -266,7 +266,8 @@ def resolve_search_auto(r, n: int, dist: KDistribution, score_sigma: Optional[fl
         again = " (resumed: the choice made when the search started)"
     b, t, scale = int(done["batch"]), int(done["steps"]), float(done["lr_scale"])
     lines = [f"auto (search){again}: B = {b}, T = {t} steps per trial (B·T ≈ {done['budget']} examples processed "
-             f"per trial): the smallest noise on the averaged gradient σ_trial/B = {done['sigma'] / b:.4g} (σ_trial = "
+             f"per trial): the smallest noise on the averaged gradient σ_trial/B = {done['sigma'] / b:.4g} "
+             "(σ_trial = "
              f"{done['sigma']:.4g}), σ_trial being each trial's σ at which the WHOLE search (K ~ {dist.kind}, E[K] = "
              f"{dist.mean():.3g}; noisy score σ_s = {score_sigma}) spends ε = {eps:g} at δ = {delta:g} (selection "
              "bound, accounting/selection.py), among the candidates at this compute (Sander et al. 2023):"]
