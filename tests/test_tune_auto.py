@@ -121,7 +121,8 @@ def _auto_recipe(model_dir, files, typed=None):
 
 
 @pytest.mark.slow
-def test_tiny_auto_search_equals_typed_in_and_resume_reuses(tiny_model_dir, sst_like_files, tmp_path, monkeypatch):
+def test_tiny_auto_search_equals_typed_in_and_resume_reuses(tiny_model_dir, sst_like_files, tmp_path, monkeypatch,
+                                                            capsys):
     """End to end: an auto search interrupted after its first trial resumes with the first choice (the
     chooser is never called again); its released ledger, accounting table and trial draws are those of
     the same search with the chosen numbers typed in."""
@@ -139,14 +140,17 @@ def test_tiny_auto_search_equals_typed_in_and_resume_reuses(tiny_model_dir, sst_
 
     monkeypatch.setattr(Trainer, "run", run_once)
     with pytest.raises(KeyboardInterrupt):  # K = 2 under seed 7
-        T.tune(rec, out, progress=False)
+        T.tune(rec, out, progress=True)
+    said = capsys.readouterr().err
+    assert "auto (search): B = 8, T = 4 steps per trial" in said and "WHOLE search" in said
     state = json.loads((out / "tune_private" / "state.json").read_text())
     auto = state["auto"]
     assert (auto["batch"], auto["steps"]) == (8, 4) and state["sigmas"] == [auto["sigma"]]
     monkeypatch.setattr(Trainer, "run", real_run)
     monkeypatch.setattr(S, "search_sigma", lambda *a: pytest.fail("the choice was recomputed on resume"))
     monkeypatch.setattr(T, "calibrate_search", lambda *a, **k: pytest.fail("recalibrated on resume"))
-    rep = T.tune(rec, out, resume=True, progress=False)
+    rep = T.tune(rec, out, resume=True, progress=True)
+    assert "auto (search) (resumed: the choice made when the search started): B = 8, T = 4" in capsys.readouterr().err
     monkeypatch.undo()
     assert rep["auto"]["batch"] == 8 and rep["epsilon"] <= 8.0
     chosen = __import__("yaml").safe_load((out / "recipe.yaml").read_text())
