@@ -457,6 +457,10 @@ def summary(rep: dict) -> str:
            f"{s['naive_k']} trials {s['epsilon_naive']:.4g}; one trial {s['per_trial_epsilon']:.4g}; "
            f"E[K] = {s['mean_k']:.3g}")
     c = rep.get("chosen")
+    a = rep.get("auto")
+    if a:  # batch/steps auto: the (B, T) every trial ran, chosen before K was drawn
+        out += (f"\nauto: B = {a['batch']}, T = {a['steps']} per trial (σ_trial = {a['sigma']:.4g}, learning rate "
+                f"× {a['lr_scale']:.4g})")
     return out + ("\nK = 0: no model released (the ε above is spent)" if not c else
                   f"\nchosen: {json.dumps(c['hyperparameters'])} (noisy score {c['noisy_score']:.1f})")
 
