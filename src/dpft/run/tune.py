@@ -276,6 +276,8 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     if resume:
         sigmas = state["sigmas"]
     elif auto is not None:  # the choice's σ IS calibrate_search on this one configuration (tune_space.search_sigma)
+        if plans != [(auto["batch"] / n, auto["steps"])]:  # auto_refusal keeps (B, T) out of tune.space
+            raise TuneError(f"tune: internal: auto chose one (B, T) but the search has configurations {combos}")
         sigmas = [auto["sigma"]]
         k, trials = draw_trials(r, dist, rng)
     else:
