@@ -57,6 +57,9 @@ def test_rule_is_train_auto_with_the_search_sigma(monkeypatch):
     r3, a3, _ = S.resolve_search_auto(_recipe(batch={"expected_batch_size": 64}, schedule={"compute_budget": 6400}),
                                       n, dist, 10.0)
     assert (a3["batch"], a3["steps"], a3["lr_scale"], r3.optimizer.lr) == (64, 100, 1.0, 4e-4)
+    assert T.configurations(r3) == [{}] and T._steps_and_q(r3, {}, n) == (64 / n, 100)  # the plan tune() checks
+    with pytest.raises(S.BudgetError, match="exceeds the 37 fit rows"):
+        S.resolve_search_auto(_recipe(batch={"expected_batch_size": 64}), 37, dist, 10.0)
     # a resume: the saved choice, nothing recomputed
     monkeypatch.setattr(S, "search_sigma", lambda *a: pytest.fail("recomputed on resume"))
     r4, a4, msg4 = S.resolve_search_auto(r, n, dist, 10.0, done=json.loads(json.dumps(auto)))

@@ -251,6 +251,9 @@ def resolve_search_auto(r, n: int, dist: KDistribution, score_sigma: Optional[fl
     b_auto = r.batch.expected_batch_size == "auto"
     eps, delta = r.privacy.target_epsilon, r.privacy.delta
     if done is None:
+        if not b_auto and int(r.batch.expected_batch_size) > n:
+            raise BudgetError(f"expected batch size {r.batch.expected_batch_size} exceeds the {n} fit rows; choose a "
+                              "smaller batch or batch.expected_batch_size: auto")
         fixed_t = None
         if not (r.schedule.steps == "auto"):
             fixed_t = int(r.schedule.steps) if r.schedule.steps else max(1, math.ceil(r.schedule.epochs * n / 256))
