@@ -59,13 +59,14 @@ class BudgetChoice:
         return "\n".join([head, *lines])
 
 
-def _candidate_rows(cands, n: int, epsilon: float, delta: float, extra=None) -> list[dict]:
-    """One row per candidate (B, T) the target ε reaches: σ (RDP, for ranking only; the run's σ is then
-    calibrated with PLD), σ/B, and ``extra(B, T)``'s keys; a (B, T) out of reach is left out."""
+def _candidate_rows(cands, n: int, epsilon: float, delta: float, extra=None, sigma_for=None) -> list[dict]:
+    """One row per candidate (B, T) the target ε reaches: σ (``sigma_for(q, T)``; default RDP of one run,
+    for ranking only; the run's σ is then calibrated with PLD), σ/B, and ``extra(B, T)``'s keys; a (B, T)
+    out of reach is left out."""
     rows = []
     for b, t in cands:
         try:
-            s = _sigma_rdp(b / n, t, epsilon, delta)
+            s = sigma_for(b / n, t) if sigma_for else _sigma_rdp(b / n, t, epsilon, delta)
         except Exception:  # noqa: BLE001 - the target is out of reach at this (B, T)
             continue
         rows.append({"batch": b, "steps": t, "sigma": s, "noise_per_example": s / b, **(extra(b, t) if extra else {})})
@@ -82,13 +83,17 @@ def _sigma_rdp(q: float, steps: int, epsilon: float, delta: float) -> float:
 
 
 def choose_batch_and_steps(n: int, epsilon: float, delta: float, budget: Optional[int] = None,
-                           batch: Optional[int] = None, steps: Optional[int] = None) -> BudgetChoice:
+                           batch: Optional[int] = None, steps: Optional[int] = None,
+                           sigma_for: Optional[Callable[[float, int], float]] = None) -> BudgetChoice:
     """(B, T) minimising σ(B/N, T)/B at B·T = ``budget`` (default 3 epochs: 3N), B = 8, 16, … ≤ N
     with T = budget/B ≥ min(MIN_STEPS, budget/8).
 
     Args:
         n: training examples N. epsilon, delta: the run's target.
         budget: examples processed E; batch / steps: a fixed B or T (the other is E / it).
+        sigma_for: σ of a candidate (q, T) (raises where the target is out of reach); default: one run's σ
+            at (ε, δ) by RDP. A private search (run/tune_space.py) passes each trial's σ at which the whole
+            search spends ε (the selection bound, accounting/selection.py ``calibrate_search``).
 
     Raises:
         BudgetError: N < 2, or no candidate meets the target (then raise ε or the budget)."""
@@ -109,7 +114,7 @@ def choose_batch_and_steps(n: int, epsilon: float, delta: float, budget: Optiona
             b *= 2
         bs = bs or [min(n, budget)]
         cands = [(b, max(1, round(budget / b))) for b in bs]
-    rows = _candidate_rows(cands, n, epsilon, delta)
+    rows = _candidate_rows(cands, n, epsilon, delta, sigma_for=sigma_for)
     if not rows:
         raise BudgetError(f"no (B, T) at B·T = {budget} meets ε = {epsilon:g} at δ = {delta:g} with σ ≤ 500; "
                           "raise ε or lower schedule.compute_budget")

@@ -21,6 +21,12 @@
 * **uncovered trials are charged** — a trial whose recorded events exceed every candidate (e.g. a
   method adding a release) is composed on top of the selection in the released ledger, in full;
   planted ``uncovered_trial_hidden`` (the coverage test answering "all covered") fails it.
+* **auto (B, T) in a search** — ``batch.expected_batch_size: auto`` / ``steps: auto`` in a search
+  recipe (run/tune_space.py ``resolve_search_auto``): the chosen configuration's per-trial σ, put in the
+  ledger's selection event, gives a search ε that equals an independent evaluation of both theorems
+  for that (B, T) and is within the target; the choice is the smallest σ/B among its candidates.
+  Planted ``auto_single_run_sigma`` ((B, T) and σ chosen against ONE run's ε instead of the search's
+  bound, an overspend) fails it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import torch
 from dpft.accounting import selection_profile as _prof
 from dpft.accounting.ledger import PrivacyLedger, event_to_dict
 from dpft.accounting.selection import ORDERS, KDistribution, RandomKSelectionDpEvent, candidate_event, selection_epsilon
+from dpft.accounting import budget as _budget
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.methods.base import registered
 from dpft.models.losses import classification_loss
@@ -46,12 +54,13 @@ from dpft.step.build import build_clip, build_step_spec, make_engine
 from dpft.config import Recipe
 from dpft.privacy.randomness import Randomness
 from dpft.run import tune as T
+from dpft.run import tune_space as TS
 
 __all__ = ["PLANTED", "tune_checks"]
 
 #: Planted bugs :func:`tune_checks` must catch.
 PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
-           "uncovered_trial_hidden")
+           "uncovered_trial_hidden", "auto_single_run_sigma")
 
 #: The options that switch each search-safe built-in method fully on (audited by :func:`_method_events`).
 METHOD_ON = {"rmt": {"method": "rmt", "kappa": 1.1},
@@ -278,6 +287,48 @@ def _uncovered_charged(planted=None) -> Check:
                  f"ledger phases {phases}; ε {rep['epsilon']:.4f} against the selection alone {alone:.4f}")
 
 
+def _plant_single_run_sigma(p) -> None:
+    """Planted ``auto_single_run_sigma``: each candidate's σ is one run's σ at the search's ε (RDP), not
+    the σ at which the whole search (K trials, scores, selection) spends it — smaller, so the search overspends."""
+    def one_run(q, t, eps, delta, dist, score_sigma):
+        return _budget._sigma_rdp(q, t, eps, delta)  # noqa: SLF001
+
+    p.set(TS, "search_sigma", one_run)
+
+
+_auto_bug = bug_planter(("auto_single_run_sigma",), {"auto_single_run_sigma": _plant_single_run_sigma})
+
+
+def _auto_search(planted=None) -> Check:
+    """batch/steps auto in a search: the ε the search's ledger certifies for the chosen (B, T) and its σ
+    equals an independent evaluation of both bounds, within the target; the argmin of σ/B was chosen."""
+    target, delta, n, score = 8.0, 1e-5, 1000, 10.0
+    r = Recipe.model_validate({"privacy": {"target_epsilon": target, "delta": delta},
+                               "batch": {"expected_batch_size": "auto"},
+                               "schedule": {"steps": "auto", "compute_budget": 1600},  # candidates B = 8, 16
+                               "tune": {"trials": {"mean": 3.0},
+                                        "space": {"optimizer.lr": {"log_uniform": [1e-4, 1e-3]}}}})
+    dist = KDistribution.with_mean("truncated_negative_binomial", 3.0)
+    with _auto_bug(planted if planted == "auto_single_run_sigma" else None):
+        r2, auto, _ = TS.resolve_search_auto(r, n, dist, score)
+    b, t = int(r2.batch.expected_batch_size), int(r2.schedule.steps)
+    cand = candidate_event(auto["sigma"], b / n, t, score)  # what dpft tune's ledger holds for this search
+    led = PrivacyLedger()
+    led.record("tune", RandomKSelectionDpEvent(candidates=[cand], kind=dist.kind, eta=dist.eta, gamma=dist.gamma,
+                                               mu=dist.mu))
+    got = led.epsilon(delta).epsilon
+    bound = selection_epsilon([cand], dist, delta)
+    ind = min(_independent_rdp_epsilon(cand, dist, delta),
+              _independent_profile_epsilon(cand, dist, delta, (bound.profile_detail or {}).get("eps2", 0.0)))
+    best = min(auto["rows"], key=lambda x: x["sigma"] / x["batch"])
+    ok = (abs(got - ind) <= 2e-3 + 1e-4 * ind and got <= target * (1 + 1e-9) and ind <= target + 2e-3
+          and (best["batch"], best["steps"]) == (b, t) and len(auto["rows"]) >= 2)
+    return Check("tune: auto (B, T) is charged as the search's bound allows", ok,
+                 f"chose B = {b}, T = {t}, σ_trial = {auto['sigma']:.4f} among {len(auto['rows'])} candidates; search "
+                 f"ε {got:.4f} (ledger) vs independent {ind:.4f}; target {target:g}",
+                 {"epsilon": got, "independent": ind, "batch": b, "steps": t})
+
+
 def tune_checks(planted: str | None = None) -> list:
     """The search's checks (tens of seconds on a CPU). ``planted``: None or one of :data:`PLANTED`.
 
@@ -286,4 +337,4 @@ def tune_checks(planted: str | None = None) -> list:
     if planted is not None and planted not in PLANTED:
         raise ValueError(f"unknown planted tune bug {planted!r}; known: {PLANTED}")
     return [_k_law(planted), _selection_epsilon(planted), _noisy_score(planted), _one_release(planted),
-            _method_events(planted), _uncovered_charged(planted)]
+            _method_events(planted), _uncovered_charged(planted), _auto_search(planted)]

@@ -56,7 +56,7 @@ MECHANISMS_PLANTED = ("truncate_first_rows", "padding_contributes", "truncation_
 ALL = ALL + MECHANISMS_PLANTED
 # issue 35 (private hyperparameter search): planted by audit/checks_tune.py
 TUNE_PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
-                "uncovered_trial_hidden")
+                "uncovered_trial_hidden", "auto_single_run_sigma")
 ALL = ALL + TUNE_PLANTED
 
 

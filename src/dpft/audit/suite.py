@@ -116,7 +116,8 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
-                                               "profile_ratio_dropped", "uncovered_trial_hidden")),
+                                               "profile_ratio_dropped", "uncovered_trial_hidden",
+                                               "auto_single_run_sigma")),
     # issue 28: truncated Poisson and banded matrix factorization
     ("dpft.audit.checks_mechanisms", "mechanism_checks",
      ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",

@@ -7,7 +7,9 @@ The search (Papernot & Steinke 2022, accounting/selection.py):
    row; with ``task.dev_public: true`` the whole training set is fit and the (public) dev file
    scores;
 2. per-trial σ of every (q, steps) configuration is calibrated so that the WHOLE search spends
-   ``privacy.target_epsilon`` (selection bound on the trials' dp-accounting events);
+   ``privacy.target_epsilon`` (selection bound on the trials' dp-accounting events); with
+   ``batch.expected_batch_size``/``schedule.steps: auto`` one (B, T) is first chosen for the fit rows,
+   against that bound (run/tune_space.py ``resolve_search_auto``), and is then the one configuration;
 3. K ~ the declared law and every trial's hyperparameters are drawn from the run's secret
    randomness and written to ``tune_private/state.json`` *before* the first trial (a resume
    never redraws K);
@@ -47,7 +49,8 @@ from dpft.config import Recipe, dump_recipe
 from dpft.config_tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
 from dpft.run.errors import TrainingError
-from dpft.run.tune_space import apply_hyperparameters, check_search_methods, steps_for, time_budget_refusal, time_plan
+from dpft.run.tune_space import (BudgetError, apply_hyperparameters, auto_refusal, check_search_methods,
+                                 resolve_search_auto, search_auto, steps_for, time_budget_refusal, time_plan)
 
 __all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search", "summary"]
 
@@ -86,9 +89,8 @@ def check_tune_recipe(r: Recipe) -> None:
     if timed and {"schedule.steps", "schedule.epochs"} & set(r.tune.space or {}):
         raise TuneError("tune: schedule.time_budget chooses each trial's steps; remove schedule.steps/epochs from "
                         "tune.space (or drop the time budget)")
-    if r.batch.expected_batch_size == "auto" or (r.schedule.steps == "auto" and not timed):
-        raise TuneError("dpft tune: batch/steps auto is for dpft train; give numbers or search them in tune.space "
-                        "(batch.expected_batch_size / schedule.steps: {choice: [...]})")
+    if auto_refusal(r):  # batch/steps auto: one (B, T) chosen against the search's bound (run/tune_space.py)
+        raise TuneError(auto_refusal(r))
     if r.task.dev_public and not r.task.dev_file and r.task.name in ("files",):
         raise TuneError("task.dev_public: true needs a task.dev_file (a dev set held out of the training file is "
                         "private data)")
@@ -210,7 +212,7 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     from dpft.data.tasks import load_task
     from dpft.run.loop import Trainer
 
-    r = recipe
+    r = orig = recipe  # orig: the recipe as given (a resume compares it); r: with auto (B, T) resolved
     check_tune_recipe(r)
     run_dir = Path(run_dir)
     priv = run_dir / PRIVATE
@@ -222,7 +224,7 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         raise TuneError(f"--resume: {run_dir} holds no search state ({state_path})")
     if resume:  # before any data is copied: a finished search reruns nothing; another recipe is refused
         state = json.loads(state_path.read_text())
-        if state.get("recipe") != _comparable(r):
+        if state.get("recipe") != _comparable(orig):
             raise TuneError(f"--resume: the recipe differs from the one that started the search in {run_dir}; "
                             "resume with the same recipe, or use a new --output-dir")
         if state.get("finished"):
@@ -255,6 +257,15 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         raise TuneError(f"δ = {r.privacy.delta:g} is not below 1/N = {1 / n:.3g} for the {n} fit rows; lower δ")
     t = tc.trials
     dist = KDistribution.with_mean(t.distribution, t.mean, t.eta)
+    score_sigma = None if public else tc.score_noise_multiplier
+    auto = None
+    if search_auto(r):  # before K is drawn: (B, T) for the whole search's bound; a resume reuses the first choice
+        try:
+            r, auto, said = resolve_search_auto(r, n, dist, score_sigma, state.get("auto") if resume else None)
+        except BudgetError as exc:
+            raise TuneError(f"tune: {exc}") from None
+        if progress:
+            print(said, file=sys.stderr)
     combos = configurations(r)
     steps_by_batch = state.get("steps_by_batch") if resume else None
     if r.schedule.time_budget is not None and not resume:  # T per batch size from a timed probe (no private data)
@@ -262,13 +273,19 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         if progress:
             print(said, file=sys.stderr)
     plans = [_steps_and_q(r, c, n, steps_by_batch) for c in combos]
-    score_sigma = None if public else tc.score_noise_multiplier
     if resume:
         sigmas = state["sigmas"]
+    elif auto is not None:  # the choice's σ IS calibrate_search on this one configuration (tune_space.search_sigma)
+        if plans != [(auto["batch"] / n, auto["steps"])]:  # auto_refusal keeps (B, T) out of tune.space
+            raise TuneError(f"tune: internal: auto chose one (B, T) but the search has configurations {combos}")
+        sigmas = [auto["sigma"]]
+        k, trials = draw_trials(r, dist, rng)
     else:
         sigmas, _ = calibrate_search(r.privacy.target_epsilon, r.privacy.delta, dist, plans, score_sigma)
         k, trials = draw_trials(r, dist, rng)
-        state = {"recipe": _comparable(r), "k": k, "distribution": dist.as_dict(), "sigmas": sigmas, "configurations": combos,
+    if not resume:
+        state = {"recipe": _comparable(orig), "auto": auto, "k": k, "distribution": dist.as_dict(), "sigmas": sigmas,
+                 "configurations": combos,
                  "n_fit": n, "n_score": len(score_rows), "score_sigma": score_sigma, "trials": trials,
                  "steps_by_batch": steps_by_batch}
         _save_state(state_path, state)  # K persisted before the first trial: a resume never redraws it
@@ -330,6 +347,7 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         "score_noise_multiplier": state["score_sigma"],
         "configurations": [{"config": c, "sigma": s} for c, s in zip(state["configurations"], state["sigmas"])],
         "steps_by_batch": state.get("steps_by_batch"),  # chosen by schedule.time_budget (None: not timed)
+        "auto": _auto_public(state.get("auto")),  # (B, T) chosen by batch/steps auto (None: typed in)
         "not_released": "K, and the other trials' hyperparameters and scores (tune_private/, mode 0700): the "
                         "selection theorem covers the chosen trial's output only",
     }
@@ -376,6 +394,14 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         for f in ("fit.jsonl", "score.jsonl"):
             (priv / f).unlink(missing_ok=True)
     return rep
+
+
+def _auto_public(auto: Optional[dict]) -> Optional[dict]:
+    """The auto choice as released: (B, T), the compute budget, the lr factor and each candidate's σ_trial —
+    functions of the recipe, the law of K and N (public by dpft's convention), nothing else."""
+    if not auto:
+        return None
+    return {k: auto[k] for k in ("batch", "steps", "sigma", "budget", "n_fit", "lr_scale", "rows") if k in auto}
 
 
 def _certified_by(bound, epsilon: float) -> str:
@@ -433,6 +459,10 @@ def summary(rep: dict) -> str:
            f"{s['naive_k']} trials {s['epsilon_naive']:.4g}; one trial {s['per_trial_epsilon']:.4g}; "
            f"E[K] = {s['mean_k']:.3g}")
     c = rep.get("chosen")
+    a = rep.get("auto")
+    if a:  # batch/steps auto: the (B, T) every trial ran, chosen before K was drawn
+        out += (f"\nauto: B = {a['batch']}, T = {a['steps']} per trial (σ_trial = {a['sigma']:.4g}, learning rate "
+                f"× {a['lr_scale']:.4g})")
     return out + ("\nK = 0: no model released (the ε above is spent)" if not c else
                   f"\nchosen: {json.dumps(c['hyperparameters'])} (noisy score {c['noisy_score']:.1f})")
 
@@ -448,6 +478,11 @@ def _markdown(rep: dict) -> str:
              f"| {s['profile_bound']} | {s.get('epsilon_profile', math.inf):.4g} |",
              f"| one trial (PLD) | {s['per_trial_epsilon']:.4g} |", "",
              f"K ~ {json.dumps(rep['k_distribution'])}; score: {rep['score']}.", ""]
+    if rep.get("auto"):
+        a = rep["auto"]
+        lines += [f"batch/steps auto: B = {a['batch']}, T = {a['steps']} per trial (B·T ≈ {a['budget']}), the smallest "
+                  f"σ_trial/B among {len(a.get('rows', []))} candidate(s), σ_trial calibrated for the whole search; "
+                  f"learning rate × {a['lr_scale']:.4g}.", ""]
     if rep.get("chosen"):
         c = rep["chosen"]
         lines += [f"Chosen: {json.dumps(c['hyperparameters'])}, noisy score {c['noisy_score']:.1f}, σ = "

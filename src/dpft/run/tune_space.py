@@ -18,16 +18,25 @@ budget on average and longer when K > E[K], with the probability printed), or wi
 ``tune.trials.time_quantile: p`` budget / k_p (k_p the p-quantile of K: the search fits with
 probability ≥ p). Within a trial's share, T for each searched batch size B is what fits after the
 trial's model load and its evaluations on the scoring rows (run/timing.py measures them).
+
+**Budget-aware (B, T)** (``batch.expected_batch_size: auto`` / ``schedule.steps: auto`` in a search
+recipe; :func:`resolve_search_auto`): before K is drawn, the (B, T) of every trial is chosen by the rule
+of ``dpft train``'s auto (accounting/budget.py ``choose_batch_and_steps``: at B·T = the compute budget per
+trial, the smallest σ/B) with σ = each trial's σ at which the WHOLE search spends ε (the selection
+bound, ``calibrate_search``), and the learning rate (the recipe's and the searched range) is scaled
+with B by ``scaled_lr``. The chosen (B, T) is then the search's one configuration: its σ is the one a
+recipe with these numbers typed in gets, and a resume reuses the first choice (``state.json``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from dpft.accounting.budget import steps_in_time
+from dpft.accounting.budget import BudgetError, choose_batch_and_steps, scaled_lr, steps_in_time
+from dpft.accounting.selection import KDistribution, calibrate_search
 from dpft.config import apply_overrides
 from dpft.config_tune import PRIVACY_KEYS, is_method_key
 from dpft.methods.base import MethodError, get_method, method_name
@@ -173,4 +182,111 @@ def steps_for(r, hp: dict, steps_by_batch: dict[str, int] | None) -> dict:
     return {**hp, "schedule.steps": steps_by_batch[str(b)]}
 
 
-__all__ += ["steps_for", "PRIVACY_KEYS"]
+def search_auto(r) -> bool:
+    """Whether the search recipe ``r`` leaves (B, T) to :func:`resolve_search_auto` (a time budget's
+    ``steps: auto`` is :func:`time_plan`'s)."""
+    return r.batch.expected_batch_size == "auto" or (r.schedule.steps == "auto" and r.schedule.time_budget is None)
+
+
+def auto_refusal(r) -> Optional[str]:
+    """Why ``auto`` in the search recipe ``r`` cannot be resolved (None: it can), from the recipe alone."""
+    space = (r.tune.space or {}) if r.tune else {}
+    for key in PRIVACY_KEYS:
+        if any(v == "auto" for v in next(iter(space.get(key, {"choice": []}).values()))):
+            return (f"tune.space.{key}: 'auto' among the choices is not supported (auto picks one (B, T) for the "
+                    f"search); set {key}: auto in the recipe and remove it from tune.space, or list numbers only")
+    b_auto, t_auto = r.batch.expected_batch_size == "auto", r.schedule.steps == "auto"
+    timed = r.schedule.time_budget is not None
+    if b_auto and timed:
+        return ("dpft tune: batch.expected_batch_size: auto with a time budget is not supported; give the batch "
+                "size (or search it in tune.space) and keep the time budget, or drop the time budget")
+    if b_auto and "batch.expected_batch_size" in space:
+        return "dpft tune: batch.expected_batch_size is auto and searched in tune.space; keep one"
+    if t_auto and not timed and {"schedule.steps", "schedule.epochs", "batch.expected_batch_size"} & set(space):
+        return ("dpft tune: schedule.steps: auto chooses one (B, T) for the search; remove schedule.steps/epochs and "
+                "batch.expected_batch_size from tune.space (or give schedule.steps / epochs)")
+    if t_auto and not timed and r.schedule.epochs is not None:
+        return "schedule.steps: auto and schedule.epochs both set; keep one"
+    return None
+
+
+def search_sigma(q: float, steps: int, epsilon: float, delta: float, dist: KDistribution,
+                 score_sigma: Optional[float]) -> float:
+    """Each trial's σ at (q, T) when the search's one configuration is (q, T): the σ at which the whole
+    search (K ~ ``dist``, every trial's steps and noisy score, the selection) spends ``epsilon`` —
+    ``calibrate_search`` exactly as ``dpft tune`` calls it for a recipe with these numbers typed in.
+
+    Raises:
+        SelectionError: out of reach at this (q, T) (the candidate is then left out)."""
+    return calibrate_search(epsilon, delta, dist, [(q, steps)], score_sigma)[0][0]
+
+
+def _typed_in(r, b: int, t: int, scale: float):
+    """``r`` with (B, T) as numbers, no compute budget, and the learning rate — the recipe's and the
+    searched ``optimizer.lr`` — multiplied by ``scale``: the recipe a user could have typed in."""
+    d = r.model_dump(mode="json")
+    d["batch"]["expected_batch_size"] = b
+    d["schedule"].update({"steps": t, "epochs": None, "compute_budget": None})
+    d["optimizer"]["lr"] = d["optimizer"]["lr"] * scale
+    spec = (d["tune"].get("space") or {}).get("optimizer.lr")
+    if spec is not None and scale != 1.0:
+        kind, vals = next(iter(spec.items()))
+        spec[kind] = [float(v) * scale for v in vals]
+    return type(r).model_validate(d)
+
+
+def resolve_search_auto(r, n: int, dist: KDistribution, score_sigma: Optional[float],
+                        done: Optional[dict] = None) -> tuple[Any, dict, str]:
+    """The search recipe ``r`` with its ``auto`` (B, T) chosen for ``n`` fit rows (module docstring).
+
+    Candidates and rule as ``dpft train``'s auto (``choose_batch_and_steps``; compute budget per trial
+    ``schedule.compute_budget``, default 3 epochs of the fit rows), each candidate's σ by
+    :func:`search_sigma`. N (the fit rows after the scoring split) is treated as public, as ``dpft
+    train``'s auto treats the training rows' count. ``done``: the choice saved when the search started
+    (a resume reuses it, nothing is recomputed). Returns ``(recipe with numbers, choice, message)``;
+    ``choice["sigma"]`` is the configuration's per-trial σ.
+
+    Raises:
+        BudgetError: no candidate meets the search's ε (raise ε, lower E[K] or the compute budget)."""
+    b_auto = r.batch.expected_batch_size == "auto"
+    eps, delta = r.privacy.target_epsilon, r.privacy.delta
+    if done is None:
+        if not b_auto and int(r.batch.expected_batch_size) > n:
+            raise BudgetError(f"expected batch size {r.batch.expected_batch_size} exceeds the {n} fit rows; choose a "
+                              "smaller batch or batch.expected_batch_size: auto")
+        fixed_t = None
+        if not (r.schedule.steps == "auto"):
+            fixed_t = int(r.schedule.steps) if r.schedule.steps else max(1, math.ceil(r.schedule.epochs * n / 256))
+        choice = choose_batch_and_steps(n, eps, delta, r.schedule.compute_budget,
+                                        batch=None if b_auto else int(r.batch.expected_batch_size),
+                                        steps=fixed_t,
+                                        sigma_for=lambda q, t: search_sigma(q, t, eps, delta, dist, score_sigma))
+        done = {"batch": choice.batch, "steps": choice.steps, "sigma": choice.sigma, "budget": choice.budget,
+                "n_fit": n, "lr_scale": scaled_lr(1.0, choice.batch, r.optimizer.name) if b_auto else 1.0,
+                "rows": choice.rows}
+        again = ""
+    else:
+        again = " (resumed: the choice made when the search started)"
+    b, t, scale = int(done["batch"]), int(done["steps"]), float(done["lr_scale"])
+    lines = [f"auto (search){again}: B = {b}, T = {t} steps per trial (B·T ≈ {done['budget']} examples processed "
+             f"per trial): the smallest noise on the averaged gradient σ_trial/B = {done['sigma'] / b:.4g} "
+             "(σ_trial = "
+             f"{done['sigma']:.4g}), σ_trial being each trial's σ at which the WHOLE search (K ~ {dist.kind}, E[K] = "
+             f"{dist.mean():.3g}; noisy score σ_s = {score_sigma}) spends ε = {eps:g} at δ = {delta:g} (selection "
+             "bound, accounting/selection.py), among the candidates at this compute (Sander et al. 2023):"]
+    lines += [f"    B = {row['batch']:>6}  T = {row['steps']:>6}  σ_trial = {row['sigma']:8.4f}  σ_trial/B = "
+              f"{row['noise_per_example']:.4g}" for row in done.get("rows", [])]
+    lines.append(f"  N = {done['n_fit']} fit rows (after the scoring split; treated as public, as dpft train's auto "
+                 "treats N); the search's accounting is then that of a recipe with these numbers typed in")
+    if b_auto:
+        lines.append(f"  learning rate (recipe {r.optimizer.lr:g}"
+                     + (f"; searched optimizer.lr range {next(iter(r.tune.space['optimizer.lr'].values()))}"
+                        if "optimizer.lr" in (r.tune.space or {}) else "")
+                     + f") taken as tuned at B = 256 and scaled by {scale:.4g} ("
+                     + ("linear" if r.optimizer.name == "sgd" else "square-root") + " rule, accounting/budget.py; "
+                     "optimizer.head_lr is not scaled, as in dpft train)")
+    return _typed_in(r, b, t, scale), done, "\n".join(lines)
+
+
+__all__ += ["steps_for", "PRIVACY_KEYS", "search_auto", "auto_refusal", "search_sigma", "resolve_search_auto",
+            "BudgetError"]
