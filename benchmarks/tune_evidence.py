@@ -101,6 +101,9 @@ def run_seed(args, seed: int, out: Path) -> dict:
     best = None
     for i, tr in enumerate(state["trials"]):
         ov = {**base, **tr["hyperparameters"], "privacy.enabled": False, **_held_out_dev(rec)}
+        if state.get("auto"):  # the search chose one (B, T) (batch/steps auto): the same numbers, typed in
+            ov.update({"batch.expected_batch_size": state["auto"]["batch"], "schedule.steps": state["auto"]["steps"],
+                       "schedule.epochs": None, "schedule.compute_budget": None})
         r2 = load_recipe(args.recipe, ov)
         r2.tune = None
         d = out / f"nodp-s{seed}-t{i}"
