@@ -160,6 +160,7 @@ def test_dpsfttrainer_user_level_ddp_two_processes_equal_one(one_and_two):
     _close(a["weights"], r0["weights"])
 
 
+@pytest.mark.slow  # about 26 s on 2 shared cores (3 trainers)
 def test_resume_of_a_model_the_caller_sharded_equals_the_uninterrupted_run(tmp_path, monkeypatch):
     """DPTrainer on a model the caller sharded with ``fully_shard`` (a 1-process gloo group: DTensor
     parameters, one rank holding every shard): ``resume_from_checkpoint`` loads the checkpoint's full

@@ -413,12 +413,11 @@ def load_full_into_shards(model, ckpt: str) -> None:
         finally:
             del model.load_state_dict
         full = renamed
-    set_model_state_dict(model, full, options=opts)
-    loaded = set(full)
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in loaded]
-    if missing:
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in full]
+    if missing:  # checked before loading (set_model_state_dict adds the model's own entries to the dict it is given)
         raise ValueError(f"resume_from_checkpoint: {ckpt} holds no weights for the trainable parameters {missing[:3]} "
                          "of this model: it was written for another model. Resume with the model that wrote it")
+    set_model_state_dict(model, dict(full), options=opts)
 
 
 def load_full_optimizer(model, optimizer, ckpt: str) -> None:
