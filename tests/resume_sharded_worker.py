@@ -5,7 +5,8 @@ stop are tests/hf_fsdp_worker.py's (the audit's tiny BERT, AdamW, 4 reproducible
 at step 2); the model is sharded here, before ``DPTrainer(...)``: its ``BertLayer`` blocks, then the root, on
 the world's CPU mesh (a 1-process gloo group: one rank holds every shard, still ``DTensor`` parameters).
 Job keys: ``lora`` — a PEFT LoRA adapter (the checkpoint holds ``adapter_model.safetensors``, keys without
-the adapter name).
+the adapter name); ``banded`` — banded MF (b = 2: the secret noise state rank 0 gathered at the checkpoint
+is given back to each rank's shards on resume).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def run_job(job: dict, out_dir: Path) -> dict:
                              use_cpu=True, logging_strategy="no", disable_tqdm=True, save_strategy="steps",
                              save_steps=2, label_names=["labels"])
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
-                     reproducible_seed=3, max_physical_batch_size=2)
+                     reproducible_seed=3, max_physical_batch_size=2, max_rows_per_user=2,
+                     **({"mechanism": "banded_mf", "bands": 2} if job.get("banded") else {}))
     model = tiny_model()
     if job.get("lora"):
         from peft import LoraConfig, get_peft_model
