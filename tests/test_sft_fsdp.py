@@ -160,17 +160,18 @@ def test_dpsfttrainer_user_level_ddp_two_processes_equal_one(one_and_two):
     _close(a["weights"], r0["weights"])
 
 
-# -- fast -------------------------------------------------------------------------------------------------
-def test_resume_of_a_model_the_caller_sharded_is_refused_with_the_fix(tmp_path, monkeypatch):
-    """DPTrainer on a model the caller sharded with ``fully_shard``: ``resume_from_checkpoint`` is refused
-    (the checkpoint holds full tensors and DPTrainer has no plain copy of the model to load them into;
-    not a limit of the maths: ``fsdp=`` resumes), naming both fixes, before anything is read."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import TrainingArguments
+@pytest.mark.slow  # about 26 s on 2 shared cores (3 trainers)
+def test_resume_of_a_model_the_caller_sharded_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """DPTrainer on a model the caller sharded with ``fully_shard`` (a 1-process gloo group: DTensor
+    parameters, one rank holding every shard): ``resume_from_checkpoint`` loads the checkpoint's full
+    tensors straight into the shards (hf_fsdp.py ``load_full_into_shards``) and the optimizer's full state;
+    AdamW stopped after the checkpoint at step 2 of 4 and resumed = the uninterrupted run (the same ledger,
+    weights within float tolerance, trained away from the initial weights). 2 processes:
+    tests/test_resume_sharded.py. A checkpoint without the model's trainable weights is refused."""
+    import resume_sharded_worker  # tests/resume_sharded_worker.py
 
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf_fsdp import load_full_into_shards
 
     if dist.is_initialized():  # pragma: no cover - another test left one
         pytest.skip("a process group is already initialised")
@@ -179,20 +180,26 @@ def test_resume_of_a_model_the_caller_sharded_is_refused_with_the_fix(tmp_path, 
     monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        model = hd.tiny_model()
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        tr = DPTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
-                                                           max_steps=1, label_names=["labels"]),
-                       train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,
-                       dp_args=DPArguments(target_delta=1e-3, expected_batch_size=2, noise_multiplier=1.0))
-        with pytest.raises(ValueError, match=r"resume_from_checkpoint with a model you sharded yourself.*"
-                                             r"fsdp_config=\{'fsdp_version': 2\}.*pass ledger="):
-            tr.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))  # refused before the folder is read
-        assert tr.state.global_step == 0 and not tr.ledger.to_json()["entries"]
+        out = resume_sharded_worker.run_resume({}, tmp_path)
+        other = torch.nn.Linear(2, 2)
+        resume_sharded_worker._caller_shard(other)
+        with pytest.raises(ValueError, match=r"holds no weights for the trainable parameters.*another model"):
+            load_full_into_shards(other, str(tmp_path / "run" / "checkpoint-2"))
+        with pytest.raises(ValueError, match=r"holds no model.safetensors"):
+            load_full_into_shards(other, str(tmp_path))
     finally:
         dist.destroy_process_group()
+    resumed, whole = out["resumed"], out["whole"]
+    assert resumed["sharded"] and resumed["fsdp_step"] and not resumed["args_fsdp"]
+    assert resumed["ledger"] == whole["ledger"] and sum(e["count"] for e in resumed["ledger"]["entries"]) == 4
+    assert sum(e["count"] for e in out["first_ledger"]["entries"]) == 2
+    _close(whole["weights"], resumed["weights"])
+    init = dict(hd.tiny_model().named_parameters())
+    assert not torch.allclose(init["classifier.weight"], torch.tensor(resumed["weights"]["classifier.weight"]).view_as(
+        init["classifier.weight"]))
 
 
+# -- fast -------------------------------------------------------------------------------------------------
 def test_dpsfttrainer_user_level_in_one_process_counts_users(tmp_path):
     """DPSFTTrainer at user level with no FSDP and no process group (the plain 1-process step): the ledger's
     q counts users (3 of 5), every logical batch holds at most k = 2 rows of a user, the user ids ride

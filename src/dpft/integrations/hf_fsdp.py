@@ -28,8 +28,8 @@ book-keeping engine runs). ``state_dict_type`` has no effect: ``save_model`` and
 hold the gathered full model (:func:`full_model_state`; PEFT: the adapter), the format ``from_pretrained``
 loads, and the full optimizer state by parameter name (:func:`full_optimizer_state`);
 ``resume_from_checkpoint`` loads both back into the shards (:func:`load_full_checkpoint`,
-:func:`load_full_optimizer`) when DPTrainer sharded the model (a model the caller sharded has no plain
-copy to load into: refused, :func:`resumable`). In one
+:func:`load_full_optimizer`): through a plain copy when DPTrainer sharded the model, straight into the
+shards when the caller did (:func:`load_full_into_shards`). In one
 process nothing is sharded but the step is still the sharded one (its noise layout), so a 1-process
 run equals a K-process one, as ``dpft train``'s. Banded MF runs sharded (:class:`~dpft.fsdp.ShardedBandedMFMechanism`:
 each rank keeps the noise buffers of its own shards); a checkpoint gathers every rank's slices and rank 0
@@ -66,8 +66,8 @@ from dpft.methods.python import python_methods
 
 __all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
            "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
-           "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "resumable", "load_full_checkpoint",
-           "load_full_optimizer"]
+           "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "load_full_checkpoint",
+           "load_full_into_shards", "load_full_optimizer"]
 
 _TRUE = ("1", "true", "yes")
 
@@ -343,23 +343,81 @@ def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), device=trainer.args.device)
 
 
-def resumable(model) -> bool:
-    """Whether a sharded ``model`` can resume from a DPTrainer checkpoint: dpft sharded it
-    (:func:`dpft.fsdp.shard_model` kept a parameter-free template to rebuild a plain copy), or it is
-    not sharded at all."""
-    return not is_fsdp2_model(model) or fsdp._TEMPLATES.get(model) is not None
-
-
 def load_full_checkpoint(model, ckpt: str, load) -> None:
     """Load the full weights of checkpoint ``ckpt`` (written by :func:`full_model_state`) into the
-    FSDP2 ``model``: ``load(ckpt, plain)`` — ``Trainer``'s own loader (safetensors, PEFT adapters) — on a
-    plain copy (:func:`dpft.fsdp.materialise`, a collective; the full model's memory on every rank while
-    it lasts), then each rank keeps its shards (``set_model_state_dict(full_state_dict=True)``)."""
+    FSDP2 ``model`` (a collective: every rank calls it). Sharded by DPTrainer (``fsdp=``): ``load(ckpt,
+    plain)`` — ``Trainer``'s own loader (safetensors, PEFT adapters) — on a plain copy
+    (:func:`dpft.fsdp.materialise`; the full model's memory on every rank while it lasts), then each rank
+    keeps its shards. Sharded by the caller (no plain copy): :func:`load_full_into_shards`.
+    Both end in ``set_model_state_dict(full_state_dict=True)``: each rank keeps its slice."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    if fsdp._TEMPLATES.get(model) is None:
+        load_full_into_shards(model, ckpt)
+        return
     plain = fsdp.materialise(model)
     load(ckpt, plain)
     set_model_state_dict(model, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
+
+
+def _read_safetensors(ckpt: str, stem: str) -> Optional[dict[str, torch.Tensor]]:
+    """The tensors of ``ckpt/{stem}.safetensors`` or of the files its ``.index.json`` names (CPU); None: none."""
+    import json
+
+    from safetensors.torch import load_file
+
+    one, index = os.path.join(ckpt, f"{stem}.safetensors"), os.path.join(ckpt, f"{stem}.safetensors.index.json")
+    if os.path.isfile(one):
+        return load_file(one, device="cpu")
+    if not os.path.isfile(index):
+        return None
+    with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update(load_file(os.path.join(ckpt, name), device="cpu"))
+    return out
+
+
+def load_full_into_shards(model, ckpt: str) -> None:
+    """Load checkpoint ``ckpt``'s full tensors straight into the shards of an FSDP2 ``model`` the caller
+    sharded with ``fully_shard`` (``Trainer``'s loader cannot load into ``DTensor`` parameters and there is
+    no plain copy): every rank reads ``model.safetensors`` (or its index's files) or, for a PEFT model, the
+    adapter's ``adapter_model.safetensors`` (keys renamed to the model's by PEFT's own
+    ``set_peft_model_state_dict``), and ``set_model_state_dict(full_state_dict=True, strict=False)`` keeps
+    each rank's slice (a collective; the checkpoint's full tensors in CPU memory on every rank while it lasts).
+
+    Raises:
+        ValueError: no safetensors weights in ``ckpt``, or a trainable parameter the checkpoint does not hold
+            (another model's checkpoint: resuming would train from the wrong weights)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    peft = hasattr(model, "peft_config") and hasattr(model, "active_adapter")
+    full = _read_safetensors(ckpt, "adapter_model" if peft else "model")
+    if full is None:
+        raise ValueError(f"resume_from_checkpoint: {ckpt} holds no {'adapter_model' if peft else 'model'}.safetensors "
+                         "(DPTrainer writes one at every checkpoint); resume from a checkpoint DPTrainer wrote")
+    if peft:
+        from peft.utils import set_peft_model_state_dict
+
+        renamed: dict[str, torch.Tensor] = {}
+
+        def capture(sd, strict=False, assign=False):  # what PEFT's loader hands model.load_state_dict, renamed
+            renamed.update(sd)
+            return torch.nn.modules.module._IncompatibleKeys([], [])
+
+        model.load_state_dict = capture
+        try:
+            set_peft_model_state_dict(model, full, adapter_name=model.active_adapter)
+        finally:
+            del model.load_state_dict
+        full = renamed
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in full]
+    if missing:  # checked before loading (set_model_state_dict adds the model's own entries to the dict it is given)
+        raise ValueError(f"resume_from_checkpoint: {ckpt} holds no weights for the trainable parameters {missing[:3]} "
+                         "of this model: it was written for another model. Resume with the model that wrote it")
+    set_model_state_dict(model, dict(full), options=opts)
 
 
 def load_full_optimizer(model, optimizer, ckpt: str) -> None:

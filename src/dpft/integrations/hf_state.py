@@ -25,7 +25,7 @@ from dpft.errors import TrainingError
 from dpft.integrations.hf_card import write_trainer_card
 from dpft.integrations.hf_checks import refuse as _refuse
 from dpft.integrations.hf_fsdp import (full_model_state, full_optimizer_state, is_fsdp2_model, load_full_checkpoint,
-                                       load_full_optimizer, resumable)
+                                       load_full_optimizer)
 from dpft.run.lock import RunLock
 from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
 
@@ -138,8 +138,9 @@ class PrivateState:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """``Trainer``'s loader; an FSDP2 model sharded by DPTrainer loads the checkpoint's full weights
-        through a plain copy and keeps its shards (hf_fsdp.py ``load_full_checkpoint``)."""
+        """``Trainer``'s loader; an FSDP2 model loads the checkpoint's full weights and keeps its shards
+        (hf_fsdp.py ``load_full_checkpoint``: through a plain copy when DPTrainer sharded it, straight into
+        the shards when the caller did)."""
         if not is_fsdp2_model(self.model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_full_checkpoint(self.model, resume_from_checkpoint, super()._load_from_checkpoint)
@@ -176,12 +177,6 @@ class PrivateState:
               ignore_keys_for_eval: Optional[list[str]] = None, **kwargs) -> TrainOutput:
         """``Trainer.train`` with the ledger continued on resume. The returned ``training_loss``
         is NaN unless ``log_private_train_loss`` (the un-noised loss is private)."""
-        if resume_from_checkpoint and not resumable(self.model):
-            _refuse("resume_from_checkpoint with a model you sharded yourself (fully_shard) is not supported: the "
-                    "checkpoint holds full tensors and DPTrainer has no plain copy of your model to load them into "
-                    "before resharding. Pass the unsharded model with TrainingArguments(fsdp=True, fsdp_config="
-                    "{'fsdp_version': 2}) (DPTrainer shards it and resumes), or start a new DPTrainer from the saved "
-                    "model (its ledger composes: pass ledger=)")
         if trial is not None:
             _refuse("hyperparameter search trains on the private data once per trial, and the trials' "
                     "releases compose; it is not supported")
