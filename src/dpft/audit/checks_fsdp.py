@@ -436,9 +436,8 @@ def hf_fsdp_checks(planted: Optional[str] = None) -> list[Check]:
     return out
 
 
-def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
-    """The FSDP step's white-box checks (see the module docstring); ``planted``: one of
-    :data:`PLANTED` (the checks must then fail)."""
+def _step_checks(planted: Optional[str] = None) -> list[Check]:
+    """The FSDP step's white-box checks (see the module docstring)."""
     with _planted(planted):
         # the norm check exercises no planted bug (it builds a model: skipped when planting)
         return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check()
@@ -578,11 +577,8 @@ def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> lis
     return out
 
 
-_fsdp_checks_before_api_banded = fsdp_checks
-
-
-def fsdp_checks(planted: Optional[str] = None) -> list[Check]:  # noqa: F811 - extends the entry point above
+def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (module docstring and the blocks after it); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
     with _planted_api_banded(planted):
-        return _fsdp_checks_before_api_banded(planted) + _api_banded_check()
+        return _step_checks(planted) + _api_banded_check()
