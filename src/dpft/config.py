@@ -126,6 +126,9 @@ class TaskCfg(_Strict):
     text_column: Optional[str] = None
     text_pair_column: Optional[str] = None
     label_column: Optional[str] = None
+    #: ``files``: the classes in id order (default: the training rows' sorted distinct string labels, or
+    #: 0..K-1 for integers); ``dpft tune``'s trials keep the task's own order with it.
+    label_names: Optional[list[str]] = None
     #: Use only the first n training examples (after a seeded shuffle); N is then n.
     max_train_examples: Optional[int] = Field(None, ge=1)
     max_dev_examples: Optional[int] = Field(None, ge=1)

@@ -408,7 +408,8 @@ def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:
             split = train.train_test_split(test_size=cfg.dev_fraction, seed=seed)
             train, dev = split["train"], split["test"]
             notes.append(f"dev = {cfg.dev_fraction:.0%} of {cfg.train_file} held out (seed {seed})")
-        train, dev, names = _encode_labels(train, dev, cfg.train_file, dev_where, label, text_column=text)
+        train, dev, names = _encode_labels(train, dev, cfg.train_file, dev_where, label, cfg.label_names,
+                                           text_column=text)
         data = TaskData("files", train, dev, names, f"files: {cfg.train_file}", notes)
     else:
         if cfg.name not in REGISTRY:

@@ -161,13 +161,15 @@ def _write_split(rows, path: Path, label_names: list[str]) -> None:
             f.write(json.dumps(out) + "\n")
 
 
-def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pair: bool) -> Recipe:
+def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pair: bool,
+                  label_names: list[str]) -> Recipe:
     d = r.model_dump(mode="json")
     d["tune"] = None
     d["output_dir"] = None
     d["task"].update({"name": "files", "train_file": str(fit), "dev_file": str(score), "text_column": "text",
                       "label_column": "label", "text_pair_column": "text_pair" if pair else None,
-                      "max_train_examples": None, "max_dev_examples": None, "dev_public": False})
+                      "max_train_examples": None, "max_dev_examples": None, "dev_public": False,
+                      "label_names": list(label_names)})  # the task's class order, not the names' sorted order
     d["privacy"].update({"noise_multiplier": sigma, "target_epsilon": None})
     d["schedule"]["time_budget"] = None  # the search's budget: its share is in hp's schedule.steps
     if "schedule.steps" in hp:
@@ -297,7 +299,8 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         combo = {k2: hp[k2] for k2 in PRIVACY_KEYS if k2 in hp}
         sigma = sigmas[combos.index(combo)]
         tdir = priv / f"trial_{i}"
-        rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair)
+        rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair,
+                            task.label_names)
         if progress:
             print(f"trial {i + 1}: {json.dumps(hp)} σ = {sigma:.4f}", file=sys.stderr)
         trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=progress,
