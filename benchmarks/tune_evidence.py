@@ -33,12 +33,25 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from dpft import train, tune  # noqa: E402
-from dpft.config import dump_recipe, load_recipe  # noqa: E402
-from dpft.run.predict import predict  # noqa: E402
+from dpft.config import load_recipe  # noqa: E402
+from dpft.run.predict import predict, read_rows  # noqa: E402
 
 
 def _test_accuracy(run_dir: Path, test_file: str) -> float:
-    return float(predict(run_dir, test_file, output=run_dir / "test_predictions.jsonl", progress=False)["accuracy"])
+    """Test accuracy of a run's model. A model whose class ids are a permutation of the task's (a search
+    released before its trials kept the task's class order: SST-5's names sorted alphabetically) is
+    scored by class name against the test file's labels, not by id."""
+    res = predict(run_dir, test_file, output=run_dir / "test_predictions.jsonl", progress=False)
+    rec = load_recipe(run_dir / "recipe.yaml")
+    from dpft.data.tasks import REGISTRY
+
+    spec = REGISTRY.get(rec.task.name)
+    names, got = (spec.label_names if spec else None), res.get("labels")
+    if not names or not got or got == names or sorted(got) != sorted(names):
+        return float(res["accuracy"])
+    gold = read_rows(test_file, spec.text, spec.pair, spec.label, names)["label"]
+    lines = [json.loads(x) for x in (run_dir / "test_predictions.jsonl").read_text().splitlines()]
+    return sum(names.index(x["label"]) == g for x, g in zip(lines, gold)) / len(gold)
 
 
 def _held_out_dev(rec) -> dict:
