@@ -142,3 +142,60 @@ def _group_key():
     from dpft.grads.groups import GROUP_KEY
 
     return GROUP_KEY
+
+
+# ----------------------------------------------------------------------------- 2 processes = 1
+
+JOBS = {"dpo_user_ddp": {"ddp": True}, "dpo_user_fsdp": {}}
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    import json
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    import dpo_user_worker as worker  # tests/dpo_user_worker.py
+    from test_ddp import free_port
+
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        pytest.skip("a process group is already initialised")
+    multiprocessing.set_forkserver_preload(["dpo_user_worker", "hf_fsdp_worker", "dpft", "dpft.integrations.trl"])
+    root = tmp_path_factory.mktemp("dpo_user")
+    one = worker.run_jobs({"jobs": JOBS, "out": str(root / "one")}, 0)
+    logs = root / "logs"
+    logs.mkdir()
+    torch.multiprocessing.start_processes(worker.forked_entry, args=({"jobs": JOBS, "log_dir": str(logs),
+                                                                      "out": str(root / "two")}, free_port()),
+                                          nprocs=2, join=True, start_method="forkserver")
+    return one, [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", list(JOBS))
+def test_dpo_user_level_two_processes_equal_one(one_and_two, job):
+    """DDP and FSDP2 (``fsdp=``): the same ledger over users, the same logical batches, whole users
+    per rank (disjoint, covering), the ranks' weights identical and within float tolerance of one process."""
+    from sft_fsdp_worker import USERS
+
+    one, two = one_and_two
+    a = one["jobs"][job]
+    r0, r1 = (log["jobs"][job] for log in two)
+    assert (a["world_size"], r0["world_size"], r1["rank"]) == (1, 2, 1)
+    assert a["user_level"] and r0["user_level"] and r1["user_level"]
+    if job == "dpo_user_fsdp":
+        assert r0["sharded"] and r0["fsdp_step"] and r0["step"] == "FSDPStep"
+    assert r0["ledger"] == r1["ledger"] == a["ledger"]
+    assert a["ledger"]["entries"][0]["event"]["sampling_probability"] == pytest.approx(3 / 5)  # users, not pairs
+    both = False
+    for t, full in a["batches"].items():
+        assert r0["batches"][t] == r1["batches"][t] == full
+        s0, s1 = r0["shares"][t], r1["shares"][t]
+        assert not set(s0) & set(s1) and sorted(s0 + s1) == sorted(full)
+        assert not {USERS[i] for i in s0} & {USERS[i] for i in s1}  # whole users per rank
+        both = both or bool(s0 and s1)
+    assert both
+    assert r0["weights"] == r1["weights"]
+    for n, w in a["weights"].items():
+        torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
