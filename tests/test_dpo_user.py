@@ -45,14 +45,17 @@ class _null:
         return False
 
 
-def _released(tmp_path, rows, name, c, clipping="group"):
-    """q = 1 (every pair of every user), σ = 0, SGD at lr 1: the clipped sum −Δθ·E[B]."""
+def _released(tmp_path, rows, name, c, clipping="group", planted=False):
+    """q = 1 (every pair of every user), σ = 0, SGD at lr 1: the clipped sum −Δθ·E[B]. ``planted``:
+    the bug of a pair-level group under ``group`` clipping (each pair its own group, clipped to C)."""
     tr, model, tok = _trainer(tmp_path, rows, name, noise_multiplier=0.0, max_grad_norm=c, reproducible_seed=0,
                               user_clipping=clipping)
     ref = tiny_llama(len(tok))  # seeded: the policy's initial weights (a copy of the hooked model is not)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     tr.sampler.indices = lambda step: torch.arange(len(rows))
+    if planted:
+        tr.sampler.groups = lambda micro: torch.arange(len(micro))
     tr.train()
     assert tr.ledger.steps == 1
     return -(torch.cat([p.detach().flatten() for p in model.parameters()]) - before) * 2, ref, tok
@@ -92,6 +95,15 @@ def test_leave_one_user_out_changes_the_clipped_sum_by_at_most_c(tmp_path):
     expected = user * min(1.0, c / (float(user.norm()) + 1e-6))
     torch.testing.assert_close(diff, expected, rtol=1e-3, atol=1e-6)
     assert float(diff.norm()) == pytest.approx(c, rel=1e-3)
+
+
+def test_leave_one_user_out_catches_the_planted_pair_level_group(tmp_path):
+    """Planted bug: a user's pairs clipped each to C (groups of one pair) → removing user "b" moves
+    the sum by more than C; the check above fails on it."""
+    c = 0.05
+    full, _, _ = _released(tmp_path, user_pairs(), "all", c, planted=True)
+    without, _, _ = _released(tmp_path, user_pairs(skip="b"), "without_b", c, planted=True)
+    assert float((full - without).norm()) > 1.5 * c
 
 
 def test_leave_one_user_out_per_example_over_k(tmp_path):
