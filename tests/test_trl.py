@@ -365,12 +365,18 @@ def test_dpo_refusals(tmp_path, kw, match):
                      processing_class=tiny_tokenizer(), dp_args=dp())
 
 
-def test_dpo_refuses_user_level(tmp_path):
+def test_dpo_user_level_counts_users(tmp_path):
+    """User level is built (tests/test_dpo_user.py: leave-one-user-out, ledger, k): N and q count
+    users, not pairs; a user column missing from the pairs is refused naming the fix."""
     from dpft.integrations.trl import DPDPOTrainer
 
-    with pytest.raises(ValueError, match="pair is the privacy unit"):
-        DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out"), train_dataset=preference_rows(),
-                     processing_class=tiny_tokenizer(), dp_args=dp(user_column="user"))
+    rows = preference_rows().add_column("user", ["a", "a", "b", "c"])
+    tr = DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out"), train_dataset=rows,
+                      processing_class=tiny_tokenizer(), dp_args=dp(user_column="user", expected_batch_size=2))
+    assert tr.user_level and tr.n == 3 and tr.q == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="not a column of train_dataset"):
+        DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out2"), train_dataset=preference_rows(),
+                     processing_class=tiny_tokenizer(), dp_args=dp(user_column="user", expected_batch_size=2))
 
 
 def test_dpo_micro_batches_hold_this_ranks_pairs_only(tmp_path):

@@ -82,6 +82,7 @@ from dpft import distributed as ddp
 from dpft.grads.groups import GROUP_KEY
 from dpft.integrations import hf_data
 from dpft.integrations.hf_fsdp import fsdp_requested
+from dpft.integrations.trl_user import user_pair_batches
 from dpft.integrations.trl_fsdp import (add_reference_adapter, check_reference_adapter, hashable_sharded,
                                        reference_adapter_kept, score_all_ranks, scored_by_every_rank)
 from dpft.api.sharded import is_fsdp2_model
@@ -397,6 +398,12 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
     (noise, ledger, files, logging, resume) is ``DPTrainer``'s. Sensitivity: add/remove one pair
     changes the clipped sum by at most C.
 
+    User level (``DPArguments(user_column=...)``, a user id per pair): DPTrainer's user sampling
+    over pairs (``q = expected_batch_size / U``, at most ``max_rows_per_user`` pairs per sampled
+    user, whole users per rank); with ``user_clipping='group'`` all of a user's chosen and
+    rejected rows are one clipping group (integrations/trl_user.py). Add/remove one user changes
+    the clipped sum by at most C; the ledger counts users.
+
     Under FSDP2 (``DPOConfig(fsdp=True, fsdp_config={"fsdp_version": 2})``, accelerate's FSDP2 plugin,
     or a policy sharded with ``fully_shard``; integrations/trl_fsdp.py): the reference is the policy
     before training, scored on every rank together when it is sharded (rank 0's values kept); a PEFT
@@ -428,10 +435,6 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
                             "max_grad_norm=..., expected_batch_size=...)")
         args = copy.copy(args) if args is not None else DPOConfig(output_dir="trainer_output")
         check_dpo_config(args)
-        if getattr(dp_args, "user_column", None) is not None:
-            # A pair's two rows are already one clipping group; a user's pairs would need groups of groups.
-            raise ValueError("DPDPOTrainer: user-level DP (DPArguments.user_column) is not supported: a preference "
-                             "pair is the privacy unit; drop user_column, or use DPSFTTrainer / DPTrainer for user level")
         check_rows(train_dataset, "DPDPOTrainer")
         args.precompute_ref_log_probs = True
         if loss_fn is None:
@@ -493,6 +496,9 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
         """Physical batches of the sampled pairs: ``2P`` rows each, a pair's rows one group."""
         mine = self._share(idx)  # DDP: this rank's pairs only (each rank clipping all would count a pair K times)
         if not len(mine):
+            return
+        if self.user_level:  # whole users per batch, a user's pairs one group (integrations/trl_user.py)
+            yield from user_pair_batches(self, mine, pair_rows)
             return
         rows = self._rows(mine)
         for k in range(0, len(rows), self.physical_batch_size):
