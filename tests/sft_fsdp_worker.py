@@ -73,7 +73,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
                   lr_scheduler_type="constant", optim=job.get("optim", "sgd"), weight_decay=0.0,
                   per_device_train_batch_size=2, report_to=[], use_cpu=True, logging_strategy="no",
                   disable_tqdm=True, max_length=64, dataset_num_proc=None, bf16=False, **saving, **fsdp)
-    if job.get("dpo"):  # preference pairs: the pair is the unit (DPDPOTrainer refuses user_column)
+    if job.get("dpo"):  # preference pairs: the pair is the unit (user level for DPO: tests/dpo_user_worker.py)
         tr = DPDPOTrainer(model=model, args=DPOConfig(beta=0.5, **common), processing_class=tok,
                           train_dataset=trl_rows({"trainer": "dpo", "rows": len(USERS)}), dp_args=_dp_args(job, False))
     else:
