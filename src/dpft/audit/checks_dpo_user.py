@@ -32,9 +32,10 @@ import time
 import warnings
 from typing import Optional
 
+import datasets
+import dp_accounting as dpa
 import torch
-
-import trl  # noqa: F401 - this module's checks need TRL; an ImportError skips them in the suite
+from trl import DPOConfig  # this module's checks need TRL; an ImportError skips them in the suite
 
 from dpft.audit.checks_api import C, TOL, _no_dropout, _released_sum
 from dpft.audit.checks_trl import _gc_frozen, tiny_llama, tiny_tokenizer
@@ -80,15 +81,11 @@ planted_bug = bug_planter(PLANTED, {
 
 
 def _rows(skip: Optional[str] = None):
-    import datasets
-
     return datasets.Dataset.from_list([{"prompt": p, "chosen": c, "rejected": " sorry", "user": u}
                                        for p, c, u in _PAIRS if u != skip])
 
 
 def _trainer(model, tok, rows, out: str, *, c: float, sigma: float, eb: int) -> DPDPOTrainer:
-    from trl import DPOConfig
-
     args = DPOConfig(output_dir=out, bf16=False, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant",
                      optim="sgd", weight_decay=0.0, per_device_train_batch_size=len(rows), report_to=[],
                      use_cpu=not torch.cuda.is_available(), save_strategy="no", logging_strategy="no",
@@ -134,9 +131,9 @@ def louo_check(model=None, tok=None) -> Check:
     off = float((d - expected).norm()) / max(float(expected.norm()), 1e-12)
     ok = worst <= C * (1 + TOL) and gn > C and off <= 1e-2
     return Check("trl user level: DPDPOTrainer leave-one-user-out", ok,
-                 f"max_u ‖S(D) − S(D∖u)‖ = {worst:.4g} vs C = {C:g} (U = {len(diffs)} users, {len(_PAIRS)} pairs, "
-                 f"q = 1, σ = 0); user {_TWO_PAIRS!r} (2 pairs, ‖g_u‖ = {gn:.4g}): ‖S(D) − S(D∖u)‖ = "
-                 f"{float(d.norm()):.4g}, relative distance to clip_C(g_u) {off:.2e}"
+                 f"max_u ‖S(D) − S(D∖u)‖ = {worst:.4g} vs C = {C:g} (U = {len(diffs)} users, "
+                 f"{len(_PAIRS)} pairs, q = 1, σ = 0); user {_TWO_PAIRS!r} (2 pairs, ‖g_u‖ = {gn:.4g}): "
+                 f"‖S(D) − S(D∖u)‖ = {float(d.norm()):.4g}, relative distance to clip_C(g_u) {off:.2e}"
                  + ("" if ok else " — a user moves the release by more than C, or not as one clipped group"),
                  {"loo_over_C": worst / C, "user_grad_over_C": gn / C, "rel_off": off,
                   "seconds": round(time.perf_counter() - t0, 2)})
@@ -144,8 +141,6 @@ def louo_check(model=None, tok=None) -> Check:
 
 def ledger_check(model=None, tok=None) -> Check:
     """N = U users, q = expected users / U, one PoissonSampledDpEvent(q, Gaussian(σ)) per step."""
-    import dp_accounting as dpa
-
     t0 = time.perf_counter()
     tok = tok or tiny_tokenizer()
     model = copy.deepcopy(model if model is not None else tiny_llama(len(tok)))
@@ -158,10 +153,11 @@ def ledger_check(model=None, tok=None) -> Check:
             tr.train()
     want = [("train", 1, dpa.PoissonSampledDpEvent(eb / u, dpa.GaussianDpEvent(tr.sigma)))]
     got = [(e.phase, e.count, e.event) for e in tr.ledger.entries]
+    shown = [(p, n, type(e).__name__, getattr(e, "sampling_probability", None)) for p, n, e in got]
     ok = tr.n == u and tr.plan.n == u and abs(tr.q - eb / u) <= 1e-12 and got == want
     return Check("trl user level: DPDPOTrainer's ledger counts users", ok,
                  f"N = {tr.n} (plan {tr.plan.n}) for U = {u} users in {len(rows)} pairs, q = {tr.q:.4g} vs "
-                 f"{eb}/{u}; ledger {[(p, n, type(e).__name__, getattr(e, 'sampling_probability', None)) for p, n, e in got]}"
+                 f"{eb}/{u}; ledger {shown}"
                  + ("" if ok else " — the ledger does not count users"),
                  {"n": tr.n, "q": tr.q, "seconds": round(time.perf_counter() - t0, 2)})
 
