@@ -243,3 +243,7 @@ ALL = ALL + METHODS_API_PLANTED
 # them): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
 FSDP_TRL_PLANTED = ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept", "fsdp_plain_dummy_counted")
 ALL = ALL + FSDP_TRL_PLANTED
+# issue 38: DPDPOTrainer at user level (audit/checks_dpo_user.py plants them, when trl is installed): each pair its
+# own clipping group instead of the user's pairs together; the plan (N, q) built over pairs instead of users.
+DPO_USER_PLANTED = ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")
+ALL = ALL + DPO_USER_PLANTED
