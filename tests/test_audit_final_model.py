@@ -209,7 +209,8 @@ def test_dirac_canaries_ride_every_release_with_the_run_noise():
     assert bool((wb.scores[~inc] == 0).all()) and bool((wb.scores[inc] > 0).all())  # q·T ≈ 12 joins each
     assert abs(wb.scores[inc].mean().item() - 12.5) < 3
     with dirac_canaries(40, Randomness()) as wb2:
-        _release_steps(0.5, 1.0, 25, grads)  # σ = 1 gave ε̂ = 0 in 2 of 300 runs (40 canaries); σ = 0.5: ε̂ ≥ 1.5 in 300
+        # σ = 0.5: ε̂ ≥ 1.5 in 300 secret-key runs (σ = 1 gave ε̂ = 0 in 2 of 300 with 40 canaries)
+        _release_steps(0.5, 1.0, 25, grads)
     from dpft.audit.estimators import epsilon_lower_bound
 
     b = epsilon_lower_bound(wb2.scores[wb2.included].tolist(), wb2.scores[~wb2.included].tolist(), delta=1e-5)
