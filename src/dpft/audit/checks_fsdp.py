@@ -50,6 +50,7 @@ White-box, in one process (no process group needed), on the real classes of dpft
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Optional
 
 import torch
@@ -336,69 +337,76 @@ def _trainer_planted(name: Optional[str]) -> Iterator[None]:
             setattr(obj, attr, val)
 
 
-def _trainer_run(way: str, tmp: str) -> dict:
-    """One DPTrainer under FSDP asked through ``way`` (``"args"``: TrainingArguments.fsdp; ``"env"``:
-    accelerate's FSDP2 environment), two logical steps: what ``Trainer`` built its accelerator with,
-    the step class, how many FSDPStep runs and ledger events, and the raw gradients autograd wrote."""
-    import os
-
+@contextlib.contextmanager
+def watch_trainer(seen: dict, env: Optional[dict] = None):
+    """Record what ``Trainer`` hands accelerate as it builds its accelerator, count FSDPStep runs; set
+    ``env`` meanwhile. Everything restored afterwards (accelerate's global state reset)."""
     import transformers
-    from transformers import PrinterCallback, TrainingArguments
+    from accelerate.state import AcceleratorState
 
-
-    seen: dict = {"error": None, "runs": 0, "raw_grads": 0}
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-           "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer"} if way == "env" else {}
-    fsdp_kw = {} if way == "env" else {"fsdp": True, "fsdp_config": {"fsdp_version": 2,
-                                                                        "transformer_layer_cls_to_wrap": ["BertLayer"]}}
+    env = env or {}
     real_create = transformers.Trainer.create_accelerator_and_postprocess
     real_run = fsdp.FSDPStep.run
 
-    def create(self):  # what accelerate is handed, as it builds its accelerator
+    def create(self):
         seen["fsdp_args"] = bool(getattr(self.args, "fsdp", None)) or self.args.fsdp_plugin_args is not None
         seen["fsdp_env"] = str(os.environ.get("ACCELERATE_USE_FSDP", "")).lower() == "true"
         real_create(self)
         seen["fsdp_plugin"] = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
 
     def run(self, *a, **k):
-        seen["runs"] += 1
+        seen["runs"] = seen.get("runs", 0) + 1
         return real_run(self, *a, **k)
 
-    saved_env = {k: os.environ.get(k) for k in {**env, "ACCELERATE_USE_FSDP": ""}}  # accelerate sets it too
+    saved = {k: os.environ.get(k) for k in {**env, "ACCELERATE_USE_FSDP": ""}}
     transformers.Trainer.create_accelerator_and_postprocess = create
     fsdp.FSDPStep.run = run
     os.environ.update(env)
     try:
-        args = TrainingArguments(output_dir=tmp, max_steps=2, learning_rate=0.5, optim="sgd", use_cpu=True,
-                                 per_device_train_batch_size=2, report_to=[], save_strategy="no",
-                                 logging_strategy="no", disable_tqdm=True, label_names=["labels"], **fsdp_kw)
-        tr = DPTrainer(model=tiny_model(), args=args, train_dataset=make_rows(20), data_collator=pad_collate,
-                       dp_args=DPArguments(target_delta=1e-3, noise_multiplier=1.0, max_grad_norm=0.5,
-                                           expected_batch_size=6, max_physical_batch_size=2))
-        tr.remove_callback(PrinterCallback)
-
-        def raw(_p):
-            seen["raw_grads"] += 1
-
-        hooks = [p.register_post_accumulate_grad_hook(raw) for p in tr.model.parameters() if p.requires_grad]
-        seen["step"] = type(tr.dp_step).__name__
-        tr.train()
-        for h in hooks:
-            h.remove()
-        seen["events"] = sum(e["count"] for e in tr.ledger.to_json()["entries"])
-    except Exception as exc:  # noqa: BLE001 - a planted bug may break Trainer; the record above decides
-        seen["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        yield seen
     finally:
         transformers.Trainer.create_accelerator_and_postprocess = real_create
         fsdp.FSDPStep.run = real_run
-        for k, v in saved_env.items():
+        for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(True)
 
-        AcceleratorState._reset_state(True)  # no FSDP state left for later accelerators in this process
+
+def _trainer_run(way: str, tmp: str) -> dict:
+    """One DPTrainer under FSDP asked through ``way`` (``"args"``: TrainingArguments.fsdp; ``"env"``:
+    accelerate's FSDP2 environment), two logical steps: what ``Trainer`` built its accelerator with,
+    the step class, how many FSDPStep runs and ledger events, and the raw gradients autograd wrote."""
+    from transformers import PrinterCallback, TrainingArguments
+
+    seen: dict = {"error": None, "runs": 0, "raw_grads": 0}
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+           "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer"} if way == "env" else {}
+    fsdp_kw = {} if way == "env" else {"fsdp": True, "fsdp_config": {"fsdp_version": 2,
+                                                                        "transformer_layer_cls_to_wrap": ["BertLayer"]}}
+    with watch_trainer(seen, env):
+        try:
+            args = TrainingArguments(output_dir=tmp, max_steps=2, learning_rate=0.5, optim="sgd", use_cpu=True,
+                                     per_device_train_batch_size=2, report_to=[], save_strategy="no",
+                                     logging_strategy="no", disable_tqdm=True, label_names=["labels"], **fsdp_kw)
+            tr = DPTrainer(model=tiny_model(), args=args, train_dataset=make_rows(20), data_collator=pad_collate,
+                           dp_args=DPArguments(target_delta=1e-3, noise_multiplier=1.0, max_grad_norm=0.5,
+                                               expected_batch_size=6, max_physical_batch_size=2))
+            tr.remove_callback(PrinterCallback)
+
+            def raw(_p):
+                seen["raw_grads"] += 1
+
+            hooks = [p.register_post_accumulate_grad_hook(raw) for p in tr.model.parameters() if p.requires_grad]
+            seen["step"] = type(tr.dp_step).__name__
+            tr.train()
+            for h in hooks:
+                h.remove()
+            seen["events"] = sum(e["count"] for e in tr.ledger.to_json()["entries"])
+        except Exception as exc:  # noqa: BLE001 - a planted bug may break Trainer; the record above decides
+            seen["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     return seen
 
 

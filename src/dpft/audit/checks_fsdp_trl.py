@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import tempfile
 import warnings
 from typing import Optional
@@ -46,9 +45,10 @@ import torch
 
 import trl  # noqa: F401 - the DPO check needs TRL; an ImportError skips this module in the suite
 
-from dpft import fsdp, fsdp_plain
+from dpft import fsdp_plain
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.models.quant import bnb_config
+from dpft.audit.checks_fsdp import watch_trainer
 from dpft.audit.checks_hf_ddp import trl_rows
 from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
 from dpft.audit.planted import bug_planter
@@ -91,44 +91,6 @@ _COMMON = dict(max_steps=2, learning_rate=0.5, lr_scheduler_type="constant", opt
                logging_strategy="no", disable_tqdm=True)
 _DP = dict(target_delta=1e-3, noise_multiplier=1.0, max_grad_norm=0.5, expected_batch_size=4,
            max_physical_batch_size=2, reproducible_seed=5)
-
-
-@contextlib.contextmanager
-def _watch(seen: dict, env: Optional[dict] = None):
-    """Record what ``Trainer`` hands accelerate as it builds its accelerator, count FSDPStep runs; set
-    ``env`` meanwhile. Everything restored afterwards (accelerate's global state reset)."""
-    import transformers
-    from accelerate.state import AcceleratorState
-
-    env = env or {}
-    real_create = transformers.Trainer.create_accelerator_and_postprocess
-    real_run = fsdp.FSDPStep.run
-
-    def create(self):
-        seen["fsdp_args"] = bool(getattr(self.args, "fsdp", None)) or self.args.fsdp_plugin_args is not None
-        seen["fsdp_env"] = str(os.environ.get("ACCELERATE_USE_FSDP", "")).lower() == "true"
-        real_create(self)
-        seen["fsdp_plugin"] = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
-
-    def run(self, *a, **k):
-        seen["runs"] = seen.get("runs", 0) + 1
-        return real_run(self, *a, **k)
-
-    saved = {k: os.environ.get(k) for k in {**env, "ACCELERATE_USE_FSDP": ""}}
-    transformers.Trainer.create_accelerator_and_postprocess = create
-    fsdp.FSDPStep.run = run
-    os.environ.update(env)
-    try:
-        yield seen
-    finally:
-        transformers.Trainer.create_accelerator_and_postprocess = real_create
-        fsdp.FSDPStep.run = real_run
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        AcceleratorState._reset_state(True)
 
 
 def _train(tr, seen: dict) -> None:
@@ -174,7 +136,7 @@ def _dpo_run(tmp: str) -> dict:
     from trl import DPOConfig
 
     seen: dict = {"error": None}
-    with _watch(seen):
+    with watch_trainer(seen):
         try:
             tok = tiny_tokenizer()
             model = get_peft_model(tiny_llama(len(tok)), LoraConfig(
@@ -250,7 +212,7 @@ def _qlora_run(tmp: str) -> dict:
             mask[i, :len(r["input_ids"])] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
-    with warnings.catch_warnings(), _watch(seen, env):
+    with warnings.catch_warnings(), watch_trainer(seen, env):
         warnings.simplefilter("ignore")
         try:
             import datasets
