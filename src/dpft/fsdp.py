@@ -66,6 +66,7 @@ from torch import nn
 
 from dpft.fsdp_methods import method_refusals, wrap_transforms
 from dpft.grads.groups import split_groups
+from dpft.shards import chunk_rows, is_sharded
 from dpft.step.correlated import BandedMFMechanism
 from dpft.step.noise import GaussianMechanism
 from dpft.step.pipeline import DPStep, StepOutput
@@ -106,13 +107,6 @@ def check_recipe(recipe, world_size: int, methods: list, private: bool, resume: 
         raise FSDPError("perf.sharding: fsdp cannot run this recipe: " + "; ".join(why))
 
 
-def is_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``DTensor`` (an FSDP2 sharded parameter)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``t`` (``t`` itself when it is not sharded)."""
     return t.to_local() if is_sharded(t) else t
@@ -145,8 +139,7 @@ def chunk_range(shape: tuple[int, ...], rank: int, world_size: int) -> tuple[int
     chunk among ``world_size`` (``torch.chunk``: ``ceil(d0/K)`` rows each, the last ranks fewer or none)."""
     d0 = shape[0] if shape else 1
     inner = math.prod(shape[1:]) if len(shape) > 1 else 1
-    rows = math.ceil(d0 / world_size) if d0 else 0
-    start, end = min(rank * rows, d0), min((rank + 1) * rows, d0)
+    start, end = chunk_rows(d0, rank, world_size)
     return start * inner, (end - start) * inner
 
 

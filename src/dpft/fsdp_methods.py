@@ -28,12 +28,13 @@ Source: issue 38; DESIGN.md "Distributed"; Gavish & Donoho 2014 / RMT denoising 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-__all__ = ["method_refusals", "refusal_message", "WholeTensors", "wrap_transforms", "full_tensor", "is_dtensor"]
+from dpft.shards import chunk_rows, is_sharded
+
+__all__ = ["method_refusals", "refusal_message", "WholeTensors", "wrap_transforms", "full_tensor"]
 
 
 # -- which methods run sharded -------------------------------------------------------------------
@@ -62,13 +63,6 @@ def refusal_message(where: str, methods: Iterable[Any]) -> Optional[str]:
 
 
 # -- whole-tensor post-processing -----------------------------------------------------------------
-def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``DTensor`` (an FSDP2 sharded parameter)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def full_tensor(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The full tensor whose dim-0 shard on this rank is ``rows``, laid out as the sharded parameter
     ``p`` (a collective: every rank calls it for the same parameter, in the same order)."""
@@ -77,14 +71,6 @@ def full_tensor(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     d = DTensor.from_local(rows.contiguous(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
                            stride=p.stride())
     return d.full_tensor()
-
-
-def _row_range(shape: tuple, rank: int, world_size: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` of rank ``rank``'s dim-0 chunk (``torch.chunk``, FSDP2's layout; the
-    same as dpft/fsdp.py ``chunk_range`` in rows)."""
-    d0 = shape[0]
-    rows = math.ceil(d0 / world_size) if d0 else 0
-    return min(rank * rows, d0), min((rank + 1) * rows, d0)
 
 
 class WholeTensors:
@@ -112,7 +98,7 @@ class WholeTensors:
         self.world = world
         want = getattr(tf, "whole_tensors", True)
         names = list(self.params) if want is True else [n for n in self.params if n in set(want)]
-        self.names = [n for n in names if gather is not None or is_dtensor(self.params[n])]
+        self.names = [n for n in names if gather is not None or is_sharded(self.params[n])]
         self.gather = gather or (lambda name, rows: full_tensor(self.params[name], rows))
         if hasattr(tf, "denoiser"):  # DPStep releases the denoiser's summary (rmt/layers, touched, spikes)
             self.denoiser = tf.denoiser
@@ -126,8 +112,7 @@ class WholeTensors:
         self._check_agree(out, names)
         res = dict(out)
         for n in names:
-            shape = tuple(self.params[n].shape)
-            a, b = _row_range(shape, self.world.rank, self.world.world_size)
+            a, b = chunk_rows(self.params[n].shape[0], self.world.rank, self.world.world_size)
             res[n] = out[n][a:b].clone()  # this rank's rows; the full tensor is freed
         return res
 
@@ -155,7 +140,7 @@ def wrap_transforms(transforms: Iterable[Callable], params: Mapping[str, torch.T
     (the others see this rank's row shards, which is right for elementwise maps)."""
     out = []
     for tf in transforms:
-        if getattr(tf, "whole_tensors", None) and any(is_dtensor(p) for p in params.values()):
+        if getattr(tf, "whole_tensors", None) and any(is_sharded(p) for p in params.values()):
             tf = WholeTensors(tf, params, world)
         out.append(tf)
     return out
