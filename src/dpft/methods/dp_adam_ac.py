@@ -17,16 +17,16 @@ examples, which the loop already counts.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 from pydantic import Field
 
 from dpft.config_base import PluginConfig
-from dpft.fsdp_methods import is_dtensor
 from dpft.methods.base import Method, register_method
-from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
+from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA, swap_values
+from dpft.shards import is_sharded
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
 from dpft.step.noise import GaussianMechanism
 
@@ -74,22 +74,6 @@ class AdamACCfg(PluginConfig):
 
 def _active(ac) -> bool:
     return bool(ac.adaptive_clip or ac.gamma_nudge or ac.ema_decay or ac.bias_correction or ac.reproduce_paper)
-
-
-@contextmanager
-def _swap_in(params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]):
-    """``values`` (name → full tensor) copied into ``params`` for the block, the old values restored
-    after (the FSDP2 EMA on rank 0's plain copy of the model)."""
-    saved = {n: params[n].detach().clone() for n in values}
-    with torch.no_grad():
-        for n, v in values.items():
-            params[n].copy_(v)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for n, v in saved.items():
-                params[n].copy_(v)
 
 
 class _ShardedDPAdam(DPAdam):
@@ -269,9 +253,9 @@ class DPAdamAC(Method):
         res: dict[str, Any] = {}
         if self.ema is not None:
             self.ema.update()
-            if out.step + 1 >= run.total_steps and any(is_dtensor(t) for t in self.ema.shadow.values()):
+            if out.step + 1 >= run.total_steps and any(is_sharded(t) for t in self.ema.shadow.values()):
                 # FSDP2: rank 0 alone saves and generates, on a plain copy; gather the EMA now (every rank)
-                self._ema_full = {n: (t.full_tensor() if is_dtensor(t) else t).detach()
+                self._ema_full = {n: (t.full_tensor() if is_sharded(t) else t).detach()
                                   for n, t in self.ema.shadow.items()}
         bsz, clipped = out.private["batch_size"], out.private["clipped"]
         rate = None
@@ -300,8 +284,8 @@ class DPAdamAC(Method):
         if self.ema is None:
             return nullcontext()
         model = getattr(self._run, "model", None)
-        if self._ema_full is not None and model is not None and not any(is_dtensor(p) for p in model.parameters()):
-            return _swap_in(dict(model.named_parameters()), self._ema_full)
+        if self._ema_full is not None and model is not None and not any(is_sharded(p) for p in model.parameters()):
+            return swap_values(dict(model.named_parameters()), self._ema_full)
         return self.ema.swap()
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ of it costs privacy or touches the ledger.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -146,19 +147,21 @@ class WeightEMA:
             self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
 
     def swap(self):
-        ema = self
+        """Context manager: θ̂ in the model for the block, θ restored after."""
+        return swap_values(self.params, self.shadow)
 
-        class _Swap:
-            def __enter__(self):
-                self.saved = {n: p.detach().clone() for n, p in ema.params.items()}
-                with torch.no_grad():
-                    for n, p in ema.params.items():
-                        p.copy_(ema.shadow[n])
 
-            def __exit__(self, *exc):
-                with torch.no_grad():
-                    for n, p in ema.params.items():
-                        p.copy_(self.saved[n])
-                return False
-
-        return _Swap()
+@contextmanager
+def swap_values(params: dict[str, torch.Tensor], values: dict[str, torch.Tensor]):
+    """``values`` (name → tensor shaped as ``params[name]``) copied into ``params`` for the block; the old
+    values restored after (the EMA's ``swap``; after FSDP2, the gathered EMA into rank 0's plain copy)."""
+    saved = {n: params[n].detach().clone() for n in values}
+    with torch.no_grad():
+        for n, v in values.items():
+            params[n].copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, v in saved.items():
+                params[n].copy_(v)
