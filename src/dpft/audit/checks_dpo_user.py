@@ -1,5 +1,5 @@
 """Audit checks of ``DPDPOTrainer`` at user level (issue 38; ``DPArguments(user_column=...)``,
-integrations/trl_user.py ``user_pair_batches``): a user's preference pairs are one privacy unit.
+integrations/trl_user.py ``user_pair_chunks``): a user's preference pairs are one privacy unit.
 
 Each run builds a tiny random Llama and the word-level tokenizer of audit/checks_trl.py in-process and
 trains one logical step of ``DPDPOTrainer`` with ``σ = 0``, plain SGD at learning rate 1 and the

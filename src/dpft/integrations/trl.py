@@ -82,7 +82,7 @@ from dpft import distributed as ddp
 from dpft.grads.groups import GROUP_KEY
 from dpft.integrations import hf_data
 from dpft.integrations.hf_fsdp import fsdp_requested
-from dpft.integrations.trl_user import user_pair_batches
+from dpft.integrations.trl_user import user_pair_chunks
 from dpft.integrations.trl_fsdp import (add_reference_adapter, check_reference_adapter, hashable_sharded,
                                        reference_adapter_kept, score_all_ranks, scored_by_every_rank)
 from dpft.api.sharded import is_fsdp2_model
@@ -498,16 +498,19 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
         if not len(mine):
             return
         if self.user_level:  # whole users per batch, a user's pairs one group (integrations/trl_user.py)
-            yield from user_pair_batches(self, mine, pair_rows)
-            return
-        rows = self._rows(mine)
-        for k in range(0, len(rows), self.physical_batch_size):
-            chunk = rows[k:k + self.physical_batch_size]
+            chunks = user_pair_chunks(self, mine)
+        else:
+            rows = self._rows(mine)
+            p = self.physical_batch_size
+            chunks = ((rows[k:k + p], None) for k in range(0, len(rows), p))
+        for chunk, users in chunks:
             batch = pair_rows(self._dp_collator(chunk))
             # One sampled pair must be exactly two rows of one group.
             hf_data.check_unpacked_batch(batch, 2 * len(chunk), "DPDPOTrainer")
             if not torch.equal(batch[GROUP_KEY], torch.arange(len(chunk)).repeat_interleave(2)):
                 raise PackedBatchError("DPDPOTrainer: the collated batch is not two rows per sampled pair")
+            if users is not None:  # user level: both rows of each pair take the pair's user's group
+                batch[GROUP_KEY] = users.repeat_interleave(2)
             yield self._prepare_inputs(batch)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
