@@ -178,10 +178,11 @@ def test_second_signal_abandons_a_step_before_its_release(tiny_model_dir, sst_li
         return inner(i)
 
     tr.step = step
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under nohup / a background job
     with pytest.raises(TrainingInterrupted) as e:
         tr.run()
     assert e.value.step == 4 and e.value.checkpoint_step == 4 and e.value.abandoned
     assert "step 5 abandoned before its noise was released" in str(e.value)
     assert tr.ledger.steps == 4 and _train_releases(tmp_path / "run") == 4
     assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 4
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler restored
