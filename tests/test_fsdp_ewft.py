@@ -68,34 +68,49 @@ def _model_files(run) -> dict[str, torch.Tensor]:
     return out
 
 
+#: The slow cases: the certified frozen pre(·) (with a test file: rank 0 evaluates the materialised copy under
+#: FSDP2), and the NOT CERTIFIED ablation of DP-Forward's flaw (i) (pre(·) trained through the noise by plain
+#: autograd: FSDP2's own reduce-scatter of pre(·)'s gradients too).
+CASES = {"frozen": {}, "repro_flaw_i": {"ldp.reproduce_flaws": ["i"]}}
+
+
 @pytest.mark.slow
-def test_fsdp_two_processes_equal_ddp_two_processes_and_one_process_ledger(tiny_model_dir, sst_like_files, tmp_path):
-    """FSDP2 × 2 = DDP × 2 draw for draw (shares, ledger, ε, saved weights within float tolerance);
-    the ledger (and ε) also equal one process's (module docstring: why not the weights)."""
-    base = ldp_overrides(tiny_model_dir, sst_like_files)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_two_processes_equal_ddp_two_processes(tiny_model_dir, sst_like_files, tmp_path, case):
+    """FSDP2 × 2 = DDP × 2 draw for draw (batches, shares, micro-batch counts, ledger, report's privacy section,
+    test-file metrics, saved weights within float tolerance); ``frozen``: the ledger and ε also equal one
+    process's (module docstring: why not the weights)."""
+    base = ldp_overrides(tiny_model_dir, sst_like_files, **{"task.test_file": str(sst_like_files["csv"]),
+                                                             **CASES[case]})
     runs, logs = {}, {}
     for sharding in ("ddp", "fsdp"):
         failure, logs[sharding] = launch_worker(tmp_path / sharding, {**base, "perf.sharding": sharding})
         assert failure is None, (failure, logs[sharding])
         runs[sharding] = tmp_path / sharding / "rank0" / "run"
-    one = tmp_path / "one"
-    Trainer(load_recipe(None, base), one, progress=False).run()
+    if case == "frozen":
+        runs["one"] = tmp_path / "one"
+        Trainer(load_recipe(None, base), runs["one"], progress=False).run()
 
-    ledgers = {k: json.loads((d / "ledger.json").read_text()) for k, d in {**runs, "one": one}.items()}
-    assert ledgers["fsdp"] == ledgers["ddp"] == ledgers["one"]
+    ledgers = {k: json.loads((d / "ledger.json").read_text()) for k, d in runs.items()}
+    assert all(v == ledgers["ddp"] for v in ledgers.values())
     entries = ledgers["fsdp"]["entries"]
     assert entries and all(e["phase"] == "ldp-forward" for e in entries) and sum(e["count"] for e in entries) == 6
-    reps = {k: json.loads((d / "report.json").read_text()) for k, d in {**runs, "one": one}.items()}
-    assert reps["fsdp"]["privacy"]["epsilon"] == reps["ddp"]["privacy"]["epsilon"] == reps["one"]["privacy"]["epsilon"]
-    for r in range(2):  # the same logical batches and the same share on each rank
-        assert logs["fsdp"][r]["batches"] == logs["ddp"][r]["batches"]
-        assert logs["fsdp"][r]["shares"] == logs["ddp"][r]["shares"]
-    micro = {k: [len(logs[k][r]["micro"]["0"]) for r in range(2)] for k in ("fsdp", "ddp")}
-    assert micro["fsdp"] == micro["ddp"]
-    assert any(len(set(len(logs["fsdp"][r]["micro"][t]) for r in range(2))) > 1 for t in logs["fsdp"][0]["micro"]), \
+    reps = {k: json.loads((d / "report.json").read_text()) for k, d in runs.items()}
+    assert all(r["privacy"] == reps["ddp"]["privacy"] for r in reps.values())  # ε, local, linked-rows sections
+    assert (reps["fsdp"]["privacy"]["epsilon"] is None) is (case != "frozen")  # the ablation: NOT CERTIFIED
+    for r in range(2):  # the same logical batches, the same share and micro-batches on each rank
+        for key in ("batches", "shares", "micro"):
+            assert logs["fsdp"][r][key] == logs["ddp"][r][key], key
+    assert any(len(logs["fsdp"][0]["micro"][t]) != len(logs["fsdp"][1]["micro"][t]) for t in logs["fsdp"][0]["micro"]), \
         "no step had uneven micro-batch counts: FSDP's placeholder path was not exercised"
+    # rank 0 evaluated the test file on the live split (DDP) and on the materialised copy (FSDP2): the same
+    # noise streams (ldp_eval), the trained σ, inference noise on and off
+    td, tf = reps["ddp"]["test"], reps["fsdp"]["test"]
+    assert {"test_loss_clean_inference", "test_loss_noisy_inference"} <= set(tf)
+    for k in ("test_loss_clean_inference", "test_loss_noisy_inference", "test_loss"):
+        assert tf[k] == pytest.approx(td[k], rel=1e-4), k
 
-    wd, wf, w1 = _model_files(runs["ddp"]), _model_files(runs["fsdp"]), _model_files(one)
+    wd, wf = _model_files(runs["ddp"]), _model_files(runs["fsdp"])
     assert wd.keys() == wf.keys() and any(k.startswith("autoencoder") for k in wd)
     for k in wd:
         # An attention key bias has gradient exactly 0 (softmax is invariant to the shift q·b_k it adds to
@@ -105,10 +120,14 @@ def test_fsdp_two_processes_equal_ddp_two_processes_and_one_process_ledger(tiny_
         atol = 1e-3 if k.endswith("attention.self.key.bias") else 1e-5
         torch.testing.assert_close(wf[k], wd[k], rtol=1e-5, atol=atol, msg=k)
     init = load_file(next(tiny_model_dir.glob("*.safetensors")))
-    head = [k for k in wf if "classifier.weight" in k]
-    assert head and not torch.allclose(wf[head[0]], init["classifier.weight"])  # it trained
-    # other draws than one process: the weights differ (the claim against 1 process is the ledger's)
-    assert any(not torch.allclose(wf[k], w1[k], atol=1e-6) for k in wf if k in w1 and "classifier" in k)
+    trained = "bert.encoder.layer.0.output.dense.weight" if case == "repro_flaw_i" else "classifier.weight"
+    assert not torch.allclose(wf[f"model.safetensors:{trained}"], init[trained])  # it trained (pre(·) too: flaw i)
+    if case == "frozen":
+        # other draws than one process: the weights differ (the claim against 1 process is the ledger's)
+        w1 = _model_files(runs["one"])
+        assert any(not torch.allclose(wf[k], w1[k], atol=1e-6) for k in wf if "classifier" in k)
+        pre = "bert.encoder.layer.0.output.dense.weight"  # frozen pre(·): untouched
+        assert torch.equal(wf[f"model.safetensors:{pre}"], init[pre])
 
 
 # -- fast: which configs run sharded, and why the other is refused -------------------------------------------
