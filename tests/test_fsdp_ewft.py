@@ -101,7 +101,8 @@ def test_fsdp_two_processes_equal_ddp_two_processes(tiny_model_dir, sst_like_fil
     for r in range(2):  # the same logical batches, the same share and micro-batches on each rank
         for key in ("batches", "shares", "micro"):
             assert logs["fsdp"][r][key] == logs["ddp"][r][key], key
-    assert any(len(logs["fsdp"][0]["micro"][t]) != len(logs["fsdp"][1]["micro"][t]) for t in logs["fsdp"][0]["micro"]), \
+    micro = [logs["fsdp"][r]["micro"] for r in range(2)]
+    assert any(len(micro[0][t]) != len(micro[1][t]) for t in micro[0]), \
         "no step had uneven micro-batch counts: FSDP's placeholder path was not exercised"
     # rank 0 evaluated the test file on the live split (DDP) and on the materialised copy (FSDP2): the same
     # noise streams (ldp_eval), the trained σ, inference noise on and off

@@ -50,7 +50,6 @@ from dpft.methods.ewft_parts import (  # noqa: F401 (public here: the ldp: secti
     INFERENCE_STATEMENT,
     ldp_stream,
     rank_parts,
-    fsdp_world,
     pre_cache_allowed,
     privatize_labels,
     max_releases_per_epoch,
