@@ -91,7 +91,7 @@ def _recipe(lm_dirs, **extra):  # noqa: F811
 REFUSED = {
     "dpsft": ({"subspace.source": "file", "subspace.file": "/nonexistent/basis.safetensors", "subspace.k": 4},
               "projects every per-example gradient"),
-    "ewft": ({"ldp.enabled": True}, "forward-pass noise layer"),
+    "ewft": ({"ldp.enabled": True, "ldp.train_pre.enabled": True}, "ldp.train_pre trains pre"),
     "rmt": ({**RMT, "denoise.diagnostics": True}, "clean .un-noised. clipped sum"),
     "dp_adam_ac": ({"adam_ac.reproduce_paper": True}, "raw per-example norms"),
 }

@@ -50,6 +50,7 @@ from dpft.methods.ewft_parts import (  # noqa: F401 (public here: the ldp: secti
     INFERENCE_STATEMENT,
     ldp_stream,
     rank_parts,
+    pre_cache_allowed,
     privatize_labels,
     max_releases_per_epoch,
     linked_section,
@@ -161,8 +162,10 @@ class LDPRun:
             check_trainable(params, f"pre(·) at {c.position!r}")
             for p in params:  # the split froze them; DP-SGD trains them (no pre(·) cache: it changes)
                 p.requires_grad_(True)
-        elif "i" not in f:
-            self.split.pre_cache = {}  # frozen pre(·): computed once per example (speed only)
+        elif "i" not in f and pre_cache_allowed(trainer):
+            # frozen pre(·): computed once per example (speed only); off under FSDP2 on K > 1 ranks,
+            # where pre(·)'s forwards are collectives every rank must run alike (ewft_parts.pre_cache_allowed)
+            self.split.pre_cache = {}
         if self.repro:
             trainer.ledger.mark_not_certified(self.repro_reason())
         self.pretrain_loss: list[float] = []
@@ -375,7 +378,16 @@ class LDPRun:
                                    else int(self.split.model.config.hidden_size))]}
 
 
-#: What ``ldp.train_pre`` protects (issue 29).
+#: Why ``ldp.train_pre`` does not run under FSDP2 (issue 38): a wiring limit, not the maths.
+TRAIN_PRE_FSDP_REFUSAL = (
+    "ldp.train_pre trains pre(·) by DP-SGD through the noise layer with a step engine of its own "
+    "(methods/ldp_train_pre.py TrainPreEngine: post(·)'s plain gradients by autograd, pre(·)'s per-example clipped "
+    "sums by a book-keeping engine on the pre(·) tail) that calls pre(·) and post(·) outside the model's forward, "
+    "so FSDP2's root all-gather and its post-backward reduce-scatter do not run around them, and its gradient noise "
+    "(TrainPreMechanism) has no sharded block layout; with privacy.enabled: false the driver builds the "
+    "non-private FSDP step, which carries no mechanism. The maths allow it (pre(·)'s clipped sums reduce-scattered "
+    "plus block-layout noise give the same PoissonSampled(q, Gaussian(σ_eff)) event per step) but it is not built: "
+    "run ldp.train_pre under perf.sharding: ddp or in one process, or leave pre(·) frozen (runs under FSDP2)")
 
 
 @register_method
@@ -396,11 +408,20 @@ class ForwardLDP(Method):
     #: its own stream (``ldp``, step, rank): independent draws for different examples, as in one
     #: process; the world records one event per step (the same Poisson-sampled release set).
     supports_ddp = True
-    #: Under FSDP2 (issue 38; dpft/fsdp_methods.py shows it in every way in's refusal).
-    fsdp_refusal = ("the forward-pass noise layer splits the model into pre(·) and post(·) around a block and "
-                    "(ldp.train_pre) trains pre(·) with an engine and mechanism of its own; neither the split model "
-                    "nor that engine is wired to FSDP's sharded blocks and per-parameter reduce-scatter (not "
-                    "verified; run EW-FT under DDP)")
+    #: Under FSDP2 (issue 38), with a frozen pre(·) (the default; :meth:`sharded_refusal`): the recipe is
+    #: ``privacy.enabled: false``, so the step is the non-private FSDP step (dpft/fsdp_plain.py) on the split
+    #: model — post(·), the decoder and the head get plain gradients (post-processing of the released codes),
+    #: reduce-scattered by FSDP2 and summed over the ranks; each rank releases its share's codes with
+    #: noise from its own stream (``ldp``, step, rank: as under DDP, ewft_parts.rank_parts); the world
+    #: records one event per step (:meth:`LDPRun.after_step`, as in one process); pre(·)'s cache is off
+    #: (its forwards are collectives: ewft_parts.pre_cache_allowed). ``ldp.train_pre`` is refused:
+    fsdp_refusal = TRAIN_PRE_FSDP_REFUSAL
+
+    @classmethod
+    def sharded_refusal(cls, cfg: LdpCfg) -> Optional[str]:
+        """Why this ``ldp:`` config cannot run on FSDP2 shards: only ``ldp.train_pre`` (its reason:
+        :data:`TRAIN_PRE_FSDP_REFUSAL`); a frozen pre(·) runs (None)."""
+        return cls.fsdp_refusal if cfg.enabled and cfg.train_pre.enabled else None
 
     @classmethod
     def enabled(cls, cfg: LdpCfg) -> bool:
@@ -452,7 +473,7 @@ class ForwardLDP(Method):
         ``*_clean_inference``); ``dev_accuracy`` / ``dev_loss`` are the ones ``ldp.eval_noise``
         selects (always clean in the reproduction, as the code). Eval noise comes from its own
         secret stream ``ldp_eval`` (never a training step's)."""
-        layer = self.ldp.layer
+        layer = self._eval_layer(run)
         keep, gen = layer.eval_noise, layer.generator
         self._n_eval = getattr(self, "_n_eval", 0) + 1
         out: dict = {}
@@ -468,6 +489,19 @@ class ForwardLDP(Method):
         finally:
             layer.eval_noise, layer.generator = keep, gen
         return out
+
+    def _eval_layer(self, run) -> GaussianLDP:
+        """The noise layer of the model evaluated now. Under FSDP2 the driver evaluates the test file
+        on a plain copy of the sharded model (dpft/fsdp.py ``materialise``, made from a template taken
+        at sharding time), whose layer is a copy: it gets the training layer's current σ (the last
+        epoch's) and switches, so the copy evaluates as the trained model does (its stream is set
+        by :meth:`evaluate`)."""
+        lay = getattr(run.model, "noise", None)
+        if isinstance(lay, GaussianLDP) and lay is not self.ldp.layer:
+            lay.set_sigma(self.ldp.layer.sigma)
+            lay.eval_noise = self.ldp.layer.eval_noise
+            return lay
+        return self.ldp.layer
 
     def privacy_section(self, run):
         return self.ldp.privacy_section(run.total_steps)

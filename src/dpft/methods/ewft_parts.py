@@ -195,16 +195,45 @@ INFERENCE_STATEMENT = (
 
 def ldp_stream(run, step: int):
     """The secret stream of step ``step``'s forward-LDP releases on this process: ``ldp``, step
-    (and the rank under DDP, :func:`rank_parts`), drawn on the model's device."""
+    (and the rank under DDP or FSDP2, :func:`rank_parts`), drawn on the model's device."""
     return run.rng.stream("ldp", int(step), *rank_parts(run), device=run.device)
 
 
 def rank_parts(run) -> tuple:
-    """Extra parts of a per-example noise stream's name under DDP: ``("rank", r)`` with K > 1
+    """Extra parts of a per-example noise stream's name across processes: ``("rank", r)`` with K > 1
     processes (each rank noises other examples: the same draw on two ranks would let anyone who
-    sees both releases subtract the noise), none in one process (its streams stay as they were)."""
+    sees both releases subtract the noise), none in one process (its streams stay as they were).
+
+    The same under DDP and FSDP2 (``perf.sharding: fsdp``): FSDP2 shards the *parameters*, not the
+    examples — each rank still runs its own share of the logical batch (``distributed.shard``) and
+    releases those examples' codes, so the release noise is per example, hence per rank. (Unlike the
+    gradient noise of the DP step, one tensor cut into shards, drawn from a block layout that is the
+    same for any K: dpft/fsdp.py ``shard_noise``.) K ranks therefore equal K DDP ranks draw for draw,
+    and one process in law (each example's codes get an independent N(0, σ²(2C)²I) draw)."""
     k = int(getattr(run, "world_size", 1) or 1)
     return ("rank", int(getattr(run, "rank", 0))) if k > 1 else ()
+
+
+def fsdp_world(run) -> bool:
+    """True when the run's parameters are FSDP2 shards over K > 1 processes (``perf.sharding: fsdp``
+    under torchrun); one process with ``fsdp`` shards nothing (dpft/fsdp.py ``shard_model``)."""
+    perf = getattr(getattr(run, "recipe", None), "perf", None)
+    return getattr(perf, "sharding", "none") == "fsdp" and int(getattr(run, "world_size", 1) or 1) > 1
+
+
+def pre_cache_allowed(run) -> bool:
+    """Whether the frozen pre(·)'s per-example cache (privacy/ldp.py ``SplitClassifier.pre_cache``,
+    a speed-up only) may be on: not when pre(·)'s blocks are FSDP2 units on K > 1 ranks.
+
+    Why: under FSDP2 each transformer block (and the embeddings) all-gathers its parameter shards
+    when its forward starts — a collective that every rank must enter in the same order. With the
+    cache, a rank whose rows were all seen before skips pre(·)'s forwards (and their all-gathers)
+    while another rank, with one unseen row, enters them: the ranks' collectives then pair different
+    blocks — a hang, or, for blocks of equal shapes, silently exchanged shards (the audit plants it:
+    audit/checks_fsdp_ewft.py ``ewft_fsdp_pre_cache_kept``). Without the cache every micro-batch runs
+    pre(·) on every rank (placeholders included): the same collectives everywhere; the released codes
+    are the same function of the rows (pre(·) is frozen and deterministic), only slower."""
+    return not fsdp_world(run)
 
 
 def privatize_labels(ds, eps: float, num_labels: int, generator):

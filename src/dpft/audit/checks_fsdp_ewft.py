@@ -1,0 +1,196 @@
+"""Audit checks of EW-FT / DP-Forward (forward-pass local DP, ``ldp:``) under FSDP2 (issue 38).
+
+Under ``perf.sharding: fsdp`` a frozen-pre(·) EW-FT run is the non-private FSDP step (dpft/fsdp_plain.py)
+on the split model (privacy/ldp.py ``SplitClassifier``): each rank releases its share of the logical
+batch through the noise layer, post(·) trains on the noisy codes with plain gradients, and the method
+records one event per step (methods/ewft.py). White-box, in one process (no process group), on the real
+:class:`~dpft.methods.ewft.LDPRun` of simulated ranks (K = 2) of a tiny random BERT:
+
+* **every rank runs the same FSDP2 units per micro-batch, whatever it ran before** — every transformer
+  block and the embeddings are FSDP2 units (dpft/fsdp.py ``block_classes``), whose forwards all-gather
+  their shards: collectives every rank must enter alike. Rank 0 releases rows it has released before,
+  rank 1 new rows; the sequence of units each rank's forward enters must be the same on both (pre(·)'s
+  per-example cache must be off: methods/ewft_parts.py ``pre_cache_allowed``). Planted
+  ``ewft_fsdp_pre_cache_kept``: the cache stays on under FSDP2 — rank 0 skips pre(·)'s units, so its
+  all-gathers pair with other blocks' on rank 1 (a hang, or silently exchanged shards of equal shape).
+* **each rank's release noise is its own stream, as DDP's rank** — the noise the layer adds at step t on
+  rank r is exactly the draw of the secret stream (``ldp``, t, ``rank``, r) (what DDP's rank r draws,
+  checked against a DDP rank too), with std σ·2C, and rank 0's and rank 1's draws differ (independent
+  noise for different examples). Planted ``ewft_fsdp_shared_stream``: under FSDP2 the ranks name their
+  stream without the rank (as if the FSDP world drew one stream, like the sharded gradient noise): two
+  ranks add the same noise to different examples, and anyone who sees both releases subtracts it.
+* **the test-file evaluation of the materialised copy uses the trained σ** — the driver evaluates the
+  test file on a plain copy of the sharded model (dpft/fsdp.py ``materialise``, made from a template
+  taken at sharding time); the method must switch the copy's layer (the last epoch's σ, inference noise
+  on and off), not the live one. Planted ``ewft_fsdp_eval_live_layer``: the live layer is switched, so the
+  copy evaluates at the σ it was copied with and the "clean" accuracy is a noisy one.
+
+:func:`fsdp_ewft_checks` is the entry point (``audit/suite.py`` ``OPTIONAL_CHECKS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from types import SimpleNamespace
+from typing import Iterator, Optional
+
+import torch
+
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.audit.whitebox import Check
+from dpft.config import load_recipe
+from dpft.fsdp import block_classes
+from dpft.methods import ewft, ewft_parts
+from dpft.methods.ewft import ForwardLDP, LDPRun
+from dpft.privacy.randomness import Randomness
+
+__all__ = ["PLANTED", "fsdp_ewft_checks", "ldp_run"]
+
+#: Planted bugs :func:`fsdp_ewft_checks` must catch.
+PLANTED = ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer")
+
+_T, _VOCAB, _N = 8, 64, 40
+
+
+@contextlib.contextmanager
+def _planted(name: Optional[str]) -> Iterator[None]:
+    saved = []
+
+    def patch(obj, attr, val):
+        saved.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, val)
+
+    try:
+        if name == "ewft_fsdp_pre_cache_kept":
+            patch(ewft, "pre_cache_allowed", lambda run: True)
+        elif name == "ewft_fsdp_shared_stream":
+            real = ewft_parts.rank_parts
+            patch(ewft_parts, "rank_parts", lambda run: () if ewft_parts.fsdp_world(run) else real(run))
+        elif name == "ewft_fsdp_eval_live_layer":
+            patch(ForwardLDP, "_eval_layer", lambda self, run: self.ldp.layer)
+        yield
+    finally:
+        for obj, attr, val in reversed(saved):
+            setattr(obj, attr, val)
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=_VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+def ldp_run(rank: int = 0, world_size: int = 2, sharding: str = "fsdp", **extra):
+    """A real :class:`~dpft.methods.ewft.LDPRun` (noise after block 1, a [16, 4] autoencoder, EWPBA over 2
+    epochs at ε = 4) on a tiny random BERT, for simulated rank ``rank`` of ``world_size`` processes under
+    ``perf.sharding: sharding``; the trainer is a namespace with what the method reads (a reproducible
+    key: the audit compares draws). Returns ``(ldp_run, trainer)``."""
+    ov = {"model.name": "minilm", "model.max_length": _T, "task.name": "sst2", "privacy.enabled": False,
+          "batch.expected_batch_size": 8, "schedule.epochs": 2, "perf.sharding": sharding, "seed": 5,
+          "ldp.enabled": True, "ldp.position": "encoder:1", "ldp.noise_multiplier": 0.8, "ldp.target_epsilon": None,
+          "ldp.delta": 1e-3, "ldp.autoencoder.sizes": [16, 4], "ldp.autoencoder.pretrain_epochs": 0, **extra}
+    recipe = load_recipe(None, ov)
+    ledger = PrivacyLedger()
+    tr = SimpleNamespace(recipe=recipe, n=_N, q=8 / _N, model=_tiny_bert(), device=torch.device("cpu"), ledger=ledger,
+                         rng=Randomness(11), task=SimpleNamespace(num_labels=2), total_steps=0, rank=rank,
+                         world_size=world_size, loss_fn=None, train_tok=None,
+                         record=lambda phase, ev, count=1: ledger.record(phase, ev, count))
+    return LDPRun(tr), tr
+
+
+def _rows(seed: int, b: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, _VOCAB, (b, _T - 2), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _units_check() -> Check:
+    """Rank 0 releases rows it released before, rank 1 new rows: both enter the same FSDP2 units."""
+    seqs: list[list[list[str]]] = []
+    cached = []
+    for rank, plan in ((0, (1, 1, 1)), (1, (2, 3, 4))):  # rank 0: the same rows each step; rank 1: new ones
+        ldp, _ = ldp_run(rank)
+        split = ldp.split
+        cached.append(split.pre_cache is not None)
+        units = block_classes(split)
+        calls: list[str] = []
+        hooks = [m.register_forward_pre_hook(lambda mod, a, name=name: calls.append(name))
+                 for name, m in split.named_modules() if type(m).__name__ in units]
+        per = []
+        try:
+            split.train()
+            for t, seed in enumerate(plan):
+                ldp.before_step(t)
+                calls.clear()
+                with torch.no_grad():
+                    split(**_rows(seed))
+                per.append(list(calls))
+        finally:
+            for h in hooks:
+                h.remove()
+        seqs.append(per)
+    ok = seqs[0] == seqs[1] and all(len(s) > 0 for s in seqs[0])
+    why = ("same units on both ranks at every step (pre(·)'s cache off: "
+           f"{sum(cached)} of 2 ranks cached; {len(seqs[0][0])} units per forward)")
+    if not ok:
+        bad = next(t for t in range(len(seqs[0])) if seqs[0][t] != seqs[1][t])
+        why = (f"step {bad}: rank 0 entered {len(seqs[0][bad])} FSDP2 units, rank 1 {len(seqs[1][bad])} — their "
+               f"all-gathers pair different blocks (pre(·)'s cache on under FSDP2: {cached})")
+    return Check("ewft fsdp: every rank's forward enters the same FSDP2 units, whatever it released before", ok, why)
+
+
+def _stream_check() -> Check:
+    """Rank r's release noise at step t = the stream (ldp, t, rank, r) = DDP rank r's; ranks differ."""
+    t, shape = 3, (3, _T, 4)
+    draws, ok, why = {}, True, ""
+    for sharding in ("fsdp", "ddp"):
+        for rank in (0, 1):
+            ldp, tr = ldp_run(rank, sharding=sharding)
+            ldp.before_step(t)
+            lay = ldp.layer
+            got = lay.noise_like(torch.zeros(shape))
+            want = tr.rng.stream("ldp", t, "rank", rank).normal(shape, dtype=torch.float32)
+            want = want * lay.sigma * lay.sensitivity  # std σ·2C
+            draws[sharding, rank] = got
+            if not torch.equal(got, want):
+                ok, why = False, f"{sharding} rank {rank}: its noise is not the stream (ldp, {t}, rank, {rank})"
+    if ok and not all(torch.equal(draws["fsdp", r], draws["ddp", r]) for r in (0, 1)):
+        ok, why = False, "an FSDP2 rank draws other noise than the DDP rank of the same number"
+    corr = float(torch.corrcoef(torch.stack([draws["fsdp", 0].flatten(), draws["fsdp", 1].flatten()]))[0, 1])
+    if torch.equal(draws["fsdp", 0], draws["fsdp", 1]) or abs(corr) > 0.3:
+        ok, why = False, f"ranks 0 and 1 add the same (correlated: {corr:.3f}) noise to different examples"
+    std = float(draws["fsdp", 0].std())
+    return Check("ewft fsdp: each rank's release noise is its own stream (ldp, t, rank), as DDP's rank", ok,
+                 why or f"ranks' draws = DDP ranks' draws, independent (corr {corr:.3f}), std {std:.3f}")
+
+
+def _eval_copy_check() -> Check:
+    """ForwardLDP.evaluate on a copy of the split (materialise's template) uses the trained σ, both switches."""
+    ldp, tr = ldp_run(0)
+    m = ForwardLDP(tr.recipe.ldp, tr.recipe)
+    m.ldp = ldp
+    copied = copy.deepcopy(ldp.split)  # taken at sharding time: σ of epoch 0
+    last = ldp.schedule.sigmas[-1] * 0.5 + 0.01  # a σ the copy does not hold
+    ldp.layer.set_sigma(last)
+    seen: list[tuple[float, bool]] = []
+
+    def evaluate():
+        seen.append((copied.noise.sigma, bool(copied.noise.eval_noise)))
+        return {"dev_accuracy": 0.0, "dev_loss": 0.0}
+
+    m.evaluate(SimpleNamespace(model=copied, rng=tr.rng, device=torch.device("cpu"), rank=0, world_size=2), evaluate)
+    ok = [s for s, _ in seen] == [last, last] and sorted(n for _, n in seen) == [False, True]
+    return Check("ewft fsdp: the test file's materialised copy is evaluated at the trained σ, with and without noise",
+                 ok, f"copy's (σ, inference noise) per pass: {seen}; trained σ {last:.4g}")
+
+
+def fsdp_ewft_checks(planted: Optional[str] = None) -> list[Check]:
+    """The white-box checks of EW-FT under FSDP2 (module docstring); ``planted``: one of :data:`PLANTED`
+    (a check must then fail)."""
+    with _planted(planted):
+        return [_units_check(), _stream_check(), _eval_copy_check()]
