@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fsdp_methods_worker as worker  # tests/fsdp_methods_worker.py: a make_private loop / a DPTrainer run per rank
+import fsdp_dpsft_worker as worker  # tests/fsdp_dpsft_worker.py: a make_private loop / a DPTrainer run per rank
 from dpft.config import load_recipe
 from dpft.distributed import World, shard
 from dpft.fsdp_methods import ReplicatedSum
@@ -35,9 +35,10 @@ from dpft.step.clip import FlatClip
 from dpft.transforms.subspace import SubspaceBasis
 
 from test_ddp import free_port, launch_worker  # noqa: E402 (tests/ helpers)
+from test_fsdp import fsdp_recipe, lm_dirs  # noqa: E402,F401 (module fixture)
 from test_fsdp_methods import _weights_close  # noqa: E402
 
-multiprocessing.set_forkserver_preload(["fsdp_methods_worker", "dpft", "dpft.api", "torch.distributed.fsdp"])
+multiprocessing.set_forkserver_preload(["fsdp_dpsft_worker", "fsdp_methods_worker", "dpft", "dpft.api", "torch.distributed.fsdp"])
 
 K = 3
 
@@ -173,6 +174,20 @@ def test_what_stays_refused_under_fsdp2():
     assert why and "optimizer_space coords" in why and "optimizer_space: full" in why
 
 
+def test_dpft_train_fsdp_check_accepts_a_basis_file_and_refuses_stage1(lm_dirs):  # noqa: F811
+    """``perf.sharding: fsdp``'s recipe check (before any loading): DP-SFT on a file passes; a stage 1 in
+    this run is refused naming the method and the fix."""
+    from dpft.fsdp import FSDPError, check_recipe
+    from dpft.methods.base import active_methods
+
+    r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"subspace.source": "file", "subspace.k": K,
+                                                           "subspace.file": "/nonexistent/basis.safetensors"}))
+    check_recipe(r, 2, active_methods(r), True, False)  # no refusal
+    r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"subspace.source": "private"}))
+    with pytest.raises(FSDPError, match="method 'dpsft': subspace.source public/private: stage 1 .*source: file"):
+        check_recipe(r, 2, active_methods(r), True, False)
+
+
 def test_fsdp_dpsft_audit_check_passes_and_catches_the_planted_bugs():
     """audit/checks_fsdp_methods.py: the sharded DP-SFT step on 2 and 3 simulated ranks equals one
     process; each planted bug (a rank's own coordinate sum, a rank's own noise) is caught."""
@@ -236,6 +251,7 @@ def api_one_and_two(tmp_path_factory):
     from dpft.audit.checks_hf_ddp import tiny_model
 
     root = tmp_path_factory.mktemp("fsdp_dpsft_api")
+    init = {n: p.detach().flatten().tolist() for n, p in _model(0).named_parameters()}  # make_private's start
     mlp = make_basis(_model(0), root / "mlp_basis.safetensors")
     bert = make_basis(tiny_model(), root / "bert_basis.safetensors")
     spec = {"name": "dpsft", "source": "file", "k": K, "start": "initial"}
@@ -252,6 +268,7 @@ def api_one_and_two(tmp_path_factory):
     torch.multiprocessing.start_processes(worker.forked_entry, args=(
         {"jobs": jobs, "log_dir": str(logs), "out": str(root / "two")}, free_port()), nprocs=2, join=True,
         start_method="forkserver")
+    one["jobs"]["api_dpsft"]["init"] = init
     return jobs, one, [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -272,5 +289,8 @@ def test_dpsft_file_python_ways_in_two_processes_equal_one(api_one_and_two, job)
         assert r0["epsilon"] == r1["epsilon"] == a["epsilon"]
     assert r0["weights"] == r1["weights"]  # gathered: one model for the world
     assert a["weights"]
+    assert a["weights"].keys() == a["init"].keys()  # the spanned model parameters, not the k coordinates
+    moved = max(float((torch.tensor(w) - torch.tensor(a["init"][n])).abs().max()) for n, w in a["weights"].items())
+    assert moved > 1e-3
     for n, w in a["weights"].items():
         torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
