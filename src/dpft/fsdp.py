@@ -24,7 +24,9 @@ What the world of K processes computes is the DP-SGD step of one process (DESIGN
   (a rank with fewer runs a *placeholder* one: it sends zeros, and still adds the shard it receives,
   which holds the other ranks' examples): FSDP's all-gathers and these reduce-scatters are
   collectives. The engine's one-time usage probe (a partial backward, so FSDP all-gathers that depend
-  on the batch) runs on the same placeholder batch on every rank.
+  on the batch) runs on the same placeholder batch on every rank. An engine whose clipped sum is no
+  sharded parameter (DP-SFT's (k,) coordinates, ``engine.replicated_sum``) gets
+  :class:`~dpft.fsdp_methods.ReplicatedSum` instead: all-reduced once per step, its noise drawn whole.
 - **Noise on each shard from disjoint streams, together one draw.** :class:`ShardedGaussianMechanism`
   draws the noise of parameter ``name`` in fixed blocks of :data:`NOISE_BLOCK` flat elements,
   block k from the secret stream ``noise``, (t, name, ``"fsdp-block"``, k); a rank draws the blocks
