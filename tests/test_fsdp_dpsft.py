@@ -34,7 +34,7 @@ from dpft.step.aggregate import Aggregator
 from dpft.step.clip import FlatClip
 from dpft.transforms.subspace import SubspaceBasis
 
-from test_ddp import free_port, launch_worker  # noqa: E402 (tests/ helpers)
+from test_ddp import files_under, free_port, launch_worker  # noqa: E402 (tests/ helpers)
 from test_fsdp import fsdp_recipe, lm_dirs  # noqa: E402,F401 (module fixture)
 from test_fsdp_methods import _weights_close  # noqa: E402
 
@@ -226,9 +226,14 @@ def test_dpft_train_dpsft_file_two_processes_equal_one(tiny_model_dir, sst_like_
     ov = _train_recipe(tiny_model_dir, sst_like_files["csv"], basis)
     one = tmp_path / "one"
     Trainer(load_recipe(None, ov), one, progress=False).run()
-    failure, _ = launch_worker(tmp_path / "two", ov)
+    failure, logs = launch_worker(tmp_path / "two", ov)
     assert failure is None, failure
     two = tmp_path / "two" / "rank0" / "run"
+    r0, r1 = logs
+    assert r0["world_size"] == 2 and all(not set(r0["shares"][t]) & set(r1["shares"][t]) for t in ("0", "1", "2"))
+    # at some step one rank ran a placeholder micro-batch (its coordinates must count as zeros)
+    assert any(-(-len(r0["shares"][t]) // 2) != -(-len(r1["shares"][t]) // 2) for t in ("0", "1", "2"))
+    assert any(f.startswith("run/checkpoint_shards") for f in files_under(tmp_path / "two" / "rank1"))  # sharded
     la, lb = (json.loads((d / "ledger.json").read_text()) for d in (one, two))
     assert la == lb
     assert [e["phase"] for e in la["entries"]] == ["subspace", "train"] and la["entries"][1]["count"] == 3
@@ -238,8 +243,12 @@ def test_dpft_train_dpsft_file_two_processes_equal_one(tiny_model_dir, sst_like_
     from dpft.fsdp_state import read_trainable
 
     start = SubspaceBasis.load(basis).start
-    w = read_trainable(one)
-    assert max(float((w[n] - start[n]).abs().max()) for n in w) > 1e-4  # stage 2 moved the weights off Θ*
+    w, w2 = read_trainable(one), read_trainable(two, tmp_path / "two" / "rank1" / "run")
+    moved = max(float((w[n] - start[n]).abs().max()) for n in w)
+    dw = max(float((w[n] - w2[n]).abs().max()) for n in w)
+    print(f"dpft train dpsft file: max |Δw| 2 vs 1 process = {dw:.3g}; moved off Θ* by {moved:.3g}; "
+          f"d = {sum(t.numel() for t in w.values()):,}")
+    assert moved > 1e-4  # stage 2 moved the weights off Θ*
 
 
 @pytest.fixture(scope="module")
@@ -292,5 +301,7 @@ def test_dpsft_file_python_ways_in_two_processes_equal_one(api_one_and_two, job)
     assert a["weights"].keys() == a["init"].keys()  # the spanned model parameters, not the k coordinates
     moved = max(float((torch.tensor(w) - torch.tensor(a["init"][n])).abs().max()) for n, w in a["weights"].items())
     assert moved > 1e-3
+    dw = max(float((torch.tensor(r0["weights"][n]) - torch.tensor(w)).abs().max()) for n, w in a["weights"].items())
+    print(f"{job}: max |Δw| 2 vs 1 process = {dw:.3g}; moved {moved:.3g}")
     for n, w in a["weights"].items():
         torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
