@@ -89,8 +89,7 @@ def _recipe(lm_dirs, **extra):  # noqa: F811
 
 
 REFUSED = {
-    "dpsft": ({"subspace.source": "file", "subspace.file": "/nonexistent/basis.safetensors", "subspace.k": 4},
-              "projects every per-example gradient"),
+    "dpsft": ({"subspace.source": "private"}, "stage 1 is a training phase"),  # stage 2 on a file runs: test_fsdp_dpsft.py
     "ewft": ({"ldp.enabled": True, "ldp.train_pre.enabled": True}, "ldp.train_pre trains pre"),
     "rmt": ({**RMT, "denoise.diagnostics": True}, "clean .un-noised. clipped sum"),
     "dp_adam_ac": ({"adam_ac.reproduce_paper": True}, "raw per-example norms"),
@@ -116,8 +115,8 @@ def test_dpft_train_fsdp_accepts_rmt_and_adam_ac(lm_dirs, extra):  # noqa: F811
 
 
 def test_python_ways_in_refuse_with_the_methods_reason():
-    """DPTrainer's refusal (specs validated first) accepts RMT and adaptive clipping and names DP-SFT's
-    reason; the Python ways in refuse RMT's diagnostics and the paper's rule earlier (python_refusal)."""
+    """DPTrainer's refusal (specs validated first) accepts RMT, adaptive clipping and DP-SFT on a given basis;
+    the Python ways in refuse RMT's diagnostics and the paper's rule earlier (python_refusal)."""
     from dpft.errors import PlanError
     from dpft.integrations.hf_fsdp import refuse_sharded_methods
     from dpft.methods.python import python_methods
@@ -126,11 +125,8 @@ def test_python_ways_in_refuse_with_the_methods_reason():
     refuse_sharded_methods("DPTrainer", python_methods([{"name": "dp_adam_ac", "adaptive_clip": True}], "DPTrainer"))
     dpsft = {"name": "dpsft", "source": "file", "file": "/nonexistent/basis.safetensors", "k": 4}
     refuse_sharded_methods("DPTrainer", [{"name": "dpsft", "source": "none", "paper_noise_placement": True}])  # runs
-    with pytest.raises(ValueError, match="DPTrainer: with an FSDP2-sharded model, method 'dpsft': stage 2 projects "
-                                         "every per-example gradient.*all-reduce of per-shard partial projections"):
-        refuse_sharded_methods("DPTrainer", [{"name": "rmt", "method": "rmt"}, dpsft])
-    assert refusal_message("make_private", python_methods([dpsft], "make_private")).startswith(
-        "make_private: with an FSDP2-sharded model, method 'dpsft': ")
+    refuse_sharded_methods("DPTrainer", [{"name": "rmt", "method": "rmt"}, dpsft])  # runs: tests/test_fsdp_dpsft.py
+    assert refusal_message("make_private", python_methods([dpsft], "make_private")) is None
     with pytest.raises(PlanError, match="diagnostics"):
         refuse_sharded_methods("DPTrainer", [{"name": "rmt", "method": "rmt", "diagnostics": True}])
 
@@ -179,16 +175,18 @@ def test_whole_tensors_on_simulated_ranks_equal_the_whole_transform(k):
 
 def test_fsdp_methods_audit_checks_pass_and_catch_the_planted_bug():
     """audit/checks_fsdp_methods.py (registered in the suite): the sharded RMT update equals the
-    1-process one; ``fsdp_rmt_local_rows`` (each rank denoising its own rows) is caught."""
+    1-process one, and so does the sharded DP-SFT step (tests/test_fsdp_dpsft.py); each planted bug
+    (``fsdp_rmt_local_rows``: each rank denoising its own rows; DP-SFT's) is caught."""
     from dpft.audit import planted, suite
     from dpft.audit.checks_fsdp_methods import PLANTED, fsdp_methods_checks
 
     assert ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", PLANTED) in suite.OPTIONAL_CHECKS
     assert set(PLANTED) <= set(planted.ALL)
     honest = fsdp_methods_checks()
-    assert len(honest) == 2 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
+    assert len(honest) == 4 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
     for name in PLANTED:
-        assert all(not c.passed for c in fsdp_methods_checks(name)), name
+        assert not all(c.passed for c in fsdp_methods_checks(name)), name
+    assert all(not c.passed for c in fsdp_methods_checks("fsdp_rmt_local_rows")[:2])
 
 
 def test_a_plugin_that_declares_nothing_is_refused_with_the_fix():

@@ -340,19 +340,23 @@ def test_dptrainer_fsdp_banded_mf_releases_through_the_sharded_mechanism(tmp_pat
     assert tr.dp_step.spec.mechanism.rng is tr._run_rng is tr.sampler.rng
 
 
-def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path):
+def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path, monkeypatch):
     """The twin of make_private's refusal (tests/test_sharded_refusal.py): a method that cannot run on
-    shards (DP-SFT's per-example projection) is refused with its reason for a fully_shard-ed model and
-    under fsdp (RMT and adaptive clipping run: tests/test_fsdp_methods_api.py)."""
+    shards is refused with its reason for a fully_shard-ed model and under fsdp (RMT, adaptive clipping and
+    DP-SFT on a given basis run: tests/test_fsdp_methods_api.py, tests/test_fsdp_dpsft.py; a refusal
+    stood in for the plumbing)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from dpft.audit import checks_hf_ddp as hd
     from dpft.integrations.hf import DPTrainer
+    from dpft.methods.dpsft import DPSFT
+
+    monkeypatch.setattr(DPSFT, "sharded_refusal", classmethod(lambda cls, cfg: "a stand-in reason"))
 
     meths = [{"name": "dpsft", "source": "file", "file": "/nonexistent/basis.safetensors", "k": 4}]
     args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2}, label_names=["labels"])
-    with pytest.raises(ValueError, match=r"DPTrainer: with an FSDP2-sharded model, method 'dpsft': stage 2"):
+    with pytest.raises(ValueError, match=r"DPTrainer: with an FSDP2-sharded model, method 'dpsft': a stand-in"):
         DPTrainer(model=_Untouchable(), args=args, train_dataset=hd.make_rows(6), data_collator=hd.pad_collate,
                   dp_args=_dp(methods=meths))  # before the model is sharded or Trainer built
     if dist.is_initialized():  # pragma: no cover

@@ -46,7 +46,7 @@ def _sharded(model: nn.Module, submodule: str | None = None) -> nn.Module:
     return model
 
 
-def test_make_private_takes_fsdp2_root_and_refuses_a_sharded_submodule_only(gloo_group):
+def test_make_private_takes_fsdp2_root_and_refuses_a_sharded_submodule_only(gloo_group, monkeypatch):
     """make_private runs an FSDP2 model (api/sharded.py; tests/test_fsdp_api.py) when its root is
     sharded; a model with only a submodule sharded is refused naming the fix."""
     from dpft import PrivacyEngine
@@ -60,8 +60,12 @@ def test_make_private_takes_fsdp2_root_and_refuses_a_sharded_submodule_only(gloo
 
     with pytest.raises(ddp.DistributedError, match=r"make_private: only submodules .*apply fully_shard to the root"):
         call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), "0"))
-    # a method that cannot run sharded is refused with its reason (RMT runs: tests/test_fsdp_methods_api.py)
-    with pytest.raises(ValueError, match=r"make_private: with an FSDP2-sharded model, method 'dpsft': stage 2 projects"):
+    # a method that cannot run sharded is refused with its reason (RMT and DP-SFT on a given basis run:
+    # tests/test_fsdp_methods_api.py, tests/test_fsdp_dpsft.py; a refusal stood in for the plumbing)
+    from dpft.methods.dpsft import DPSFT
+
+    monkeypatch.setattr(DPSFT, "sharded_refusal", classmethod(lambda cls, cfg: "a stand-in reason"))
+    with pytest.raises(ValueError, match=r"make_private: with an FSDP2-sharded model, method 'dpsft': a stand-in"):
         call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))),
              methods=[{"name": "dpsft", "source": "file", "file": "/nonexistent/basis.safetensors", "k": 4}])
     model, opt, crit, loader = call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))))

@@ -24,7 +24,9 @@ What the world of K processes computes is the DP-SGD step of one process (DESIGN
   (a rank with fewer runs a *placeholder* one: it sends zeros, and still adds the shard it receives,
   which holds the other ranks' examples): FSDP's all-gathers and these reduce-scatters are
   collectives. The engine's one-time usage probe (a partial backward, so FSDP all-gathers that depend
-  on the batch) runs on the same placeholder batch on every rank.
+  on the batch) runs on the same placeholder batch on every rank. An engine whose clipped sum is no
+  sharded parameter (DP-SFT's (k,) coordinates, ``engine.replicated_sum``) gets
+  :class:`~dpft.fsdp_methods.ReplicatedSum` instead: all-reduced once per step, its noise drawn whole.
 - **Noise on each shard from disjoint streams, together one draw.** :class:`ShardedGaussianMechanism`
   draws the noise of parameter ``name`` in fixed blocks of :data:`NOISE_BLOCK` flat elements,
   block k from the secret stream ``noise``, (t, name, ``"fsdp-block"``, k); a rank draws the blocks
@@ -64,7 +66,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from dpft.fsdp_methods import method_refusals, wrap_transforms
+from dpft.fsdp_methods import ReplicatedSum, method_refusals, wrap_transforms
 from dpft.grads.groups import split_groups
 from dpft.shards import chunk_rows, is_sharded
 from dpft.step.correlated import BandedMFMechanism
@@ -301,6 +303,9 @@ class ReduceScatter:
         part = DTensor.from_local(full, p.device_mesh, [Partial()], run_check=False)
         return part.redistribute(p.device_mesh, [Shard(0)]).to_local()
 
+    def finish(self, agg) -> None:
+        """Nothing left at the release: the sums were reduce-scattered per micro-batch."""
+
     def finish_with_zeros(self) -> None:
         """Send zeros for every parameter not yet reduce-scattered in this micro-batch."""
         left = [n for n in self.names if n not in self.done]
@@ -457,13 +462,17 @@ class FSDPStep(DPStep):
             raise FSDPError(f"perf.sharding: fsdp needs the book-keeping engine (got {type(eng).__name__})")
         self.world = world
         params = spec.params if spec.params is not None else eng.params
-        self.layout = {n: (p.numel(), *local_range(p, world.rank, world.world_size)) for n, p in params.items()}
-        self.scatter = ReduceScatter(params, eng.param_names, world)
+        # noise goes on what the engine sums (DP-SFT: its (k,) coordinates, whole on every rank)
+        summed = {**params, **eng.params}
+        self.layout = {n: (p.numel(), *local_range(p, world.rank, world.world_size)) for n, p in summed.items()}
+        # a clipped sum that is no sharded parameter (DP-SFT's coordinates): all-reduced at release
+        self.scatter = ReplicatedSum(world) if getattr(eng, "replicated_sum", False) \
+            else ReduceScatter(params, eng.param_names, world)
         eng.on_param_sum = self.scatter
         if spec.mechanism is not None:
             mech = shard_mechanism(spec.mechanism, self.layout)
             mech.world = world
-            mech.shapes = {n: (tuple(p.shape), tuple(local(p).shape)) for n, p in params.items()}
+            mech.shapes = {n: (tuple(p.shape), tuple(local(p).shape)) for n, p in summed.items()}
             spec = spec.replace(mechanism=mech)
         # whole-tensor post-processing (RMT's SVD per matrix) on the gathered noisy gradient: fsdp_methods.py
         spec = spec.replace(transforms=wrap_transforms(spec.transforms, params, world))
@@ -493,6 +502,7 @@ class FSDPStep(DPStep):
             return failed
         import torch.distributed as dist
 
+        self.scatter.finish(agg)  # a replicated sum (DP-SFT's coordinates): all-reduced here
         s = torch.tensor([agg.loss_sum, float(agg.batch_size), float(agg.clipped), float(agg.overflowed),
                           float(failed)], dtype=torch.float64)
         dist.all_reduce(s, group=self.world.group)
@@ -519,7 +529,7 @@ class FSDPStep(DPStep):
                 sp.engine.check_usage(*split_groups(self.dummy_batch()))
             # The probe's layout check may backpropagate with the weights requiring grad (FSDP then
             # reduce-scatters that non-private gradient into .grad): dropped, never used.
-            for p in sp.engine.params.values():
+            for p in _trained(sp.engine).values():
                 p.grad = None
         failure: Optional[Exception] = None
         for i in range(total):
@@ -555,10 +565,15 @@ class FSDPStep(DPStep):
     def _check_no_fsdp_grads(self) -> None:
         """No gradient reached a parameter behind the engine's back (FSDP would reduce-scatter it
         unclipped)."""
-        bad = [n for n, p in self.spec.engine.params.items() if p.grad is not None]
+        bad = [n for n, p in _trained(self.spec.engine).items() if p.grad is not None]
         if bad:
             raise FSDPError(f"FSDP step: parameters {bad[:3]} received an (unclipped) gradient from autograd; "
                             "the engine must switch requires_grad off for its pass")
+
+
+def _trained(eng) -> Mapping[str, torch.Tensor]:
+    """The model parameters the engine's pass must leave without ``.grad`` (DP-SFT: the spanned ones)."""
+    return getattr(eng, "model_params", eng.params)
 
 
 # -- the driver's hooks (run/loop.py) ------------------------------------------------------------

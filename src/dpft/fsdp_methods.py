@@ -23,6 +23,15 @@ Memory: the gathered tensors of a whole-tensor transform are alive on every rank
 (for RMT: the full gradients of the trainable weight matrices — small for LoRA; a full fine-tune of
 a large model pays one full gradient per rank at that moment).
 
+An engine whose clipped sum is not a sharded parameter — DP-SFT's ``(k,)`` subspace coordinates
+(grads/subspace.py, ``replicated_sum``) — gets :class:`ReplicatedSum` as its per-micro-batch hook
+instead of the step's reduce-scatter: each rank keeps the sum of its own examples (a placeholder's
+replaced by zeros) and one all-reduce per logical batch gives every rank the world's sum, which the
+step's mechanism then noises identically on every rank (the tensor is whole, so every rank draws
+the same block of the shared key's stream: the same values for any number of ranks).
+:func:`local_rows` names the dim-0 rows of a parameter this rank holds, for a post-processing map
+that writes only those rows (DP-SFT's unprojection ``P z``: the rank's column block of ``P``).
+
 Source: issue 38; DESIGN.md "Distributed"; Gavish & Donoho 2014 / RMT denoising (transforms/rmt/).
 """
 
@@ -34,7 +43,8 @@ import torch
 
 from dpft.shards import chunk_rows, is_sharded
 
-__all__ = ["method_refusals", "refusal_message", "WholeTensors", "wrap_transforms", "full_tensor"]
+__all__ = ["method_refusals", "refusal_message", "WholeTensors", "wrap_transforms", "full_tensor", "ReplicatedSum",
+           "local_rows"]
 
 
 # -- which methods run sharded -------------------------------------------------------------------
@@ -144,3 +154,71 @@ def wrap_transforms(transforms: Iterable[Callable], params: Mapping[str, torch.T
             tf = WholeTensors(tf, params, world)
         out.append(tf)
     return out
+
+
+# -- a clipped sum held whole by every rank (DP-SFT's coordinates) --------------------------------
+class ReplicatedSum:
+    """The sharded step's sum hook (``engine.on_param_sum``) for an engine whose clipped sum is a
+    small tensor held whole by every rank (``engine.replicated_sum``: DP-SFT's ``Σ_i c_i s_i``,
+    ``(k,)``), in place of :class:`~dpft.fsdp.ReduceScatter`.
+
+    Per micro-batch nothing is sent: the rank's sum is kept (a placeholder's replaced by zeros, so
+    the step's placeholder branch adds nothing). :meth:`finish` all-reduces the logical batch's sums
+    over the world once, before the release (every rank then holds the world's clipped sum, and the
+    mechanism adds one noise draw that is the same on every rank). Not a reduce-scatter: the sum is
+    no sharded parameter; its ``k`` floats cost one small all-reduce per logical step.
+
+    Args:
+        world: the :class:`~dpft.distributed.World` (its group).
+        reduce: ``reduce(name, buf)`` sums ``buf`` over the ranks in place (default: ``all_reduce`` over
+            the world's group when it is distributed; the audit passes a simulated one)."""
+
+    def __init__(self, world, reduce: Optional[Callable[[str, torch.Tensor], None]] = None):
+        self.world = world
+        self.reduce = reduce
+        self.dummy = False
+
+    def start(self, dummy: bool) -> None:
+        """A new micro-batch (``dummy``: a placeholder whose contribution must be zeros)."""
+        self.dummy = dummy
+
+    def __call__(self, name: str, total: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(total, dtype=torch.float32) if self.dummy else total.float()
+
+    def finish_with_zeros(self) -> None:
+        """Nothing to complete: no collective runs per micro-batch."""
+
+    def finish(self, agg) -> None:
+        """Sum ``agg``'s buffers over the world (a collective: every rank, once per logical batch)."""
+        if self.reduce is not None:
+            for n, buf in agg.sum.items():
+                self.reduce(n, buf)
+            return
+        if not getattr(self.world, "distributed", False):
+            return
+        import torch.distributed as dist
+
+        for buf in agg.sum.values():
+            dist.all_reduce(buf, group=self.world.group)
+
+
+def local_rows(p: torch.Tensor) -> Optional[tuple[int, int]]:
+    """Rows ``[start, end)`` of dim 0 of parameter ``p`` that this rank holds: FSDP2's chunk of its
+    mesh rank (``torch.chunk`` layout, dpft/shards.py), or None when ``p`` is whole (not sharded).
+
+    Raises:
+        ValueError: ``p`` is sharded otherwise than on dim 0 of a 1-D mesh (fully_shard's default), or its
+            local shard is not that chunk."""
+    if not is_sharded(p):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = p.device_mesh
+    if mesh.ndim != 1 or len(p.placements) != 1 or p.placements[0] != Shard(0):
+        raise ValueError(f"a parameter of shape {tuple(p.shape)} is sharded as {p.placements} on a {mesh.ndim}-D "
+                         "mesh; dpft expects fully_shard's dim-0 chunks on a 1-D mesh")
+    a, b = chunk_rows(p.shape[0], mesh.get_local_rank(), mesh.size())
+    if p.to_local().shape[0] != b - a:
+        raise ValueError(f"the local shard of a {tuple(p.shape)} parameter has {p.to_local().shape[0]} rows, not "
+                         f"rows [{a}, {b}) of fully_shard's dim-0 chunking")
+    return a, b

@@ -145,7 +145,8 @@ class ShardedDPOptimizer(DPOptimizer):
         self._dummy = False
 
     def _new_aggregator(self) -> Aggregator:
-        return Aggregator({n: fsdp.local(p) for n, p in self.dp_step.params.items()})
+        # what the engine sums (DP-SFT: its (k,) coordinates, not the parameters the step updates)
+        return Aggregator({n: fsdp.local(p) for n, p in self.dp_step.spec.engine.params.items()})
 
     def _digest_params(self) -> dict:
         return {}  # the ranks hold different shards; the digest compares the logical batch

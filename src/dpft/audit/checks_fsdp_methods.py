@@ -15,6 +15,18 @@ White-box, in one process (no process group), on the real classes:
   the method's), not a privacy one.
   Planted ``fsdp_rmt_local_rows``: each rank denoises its own rows of the gradient instead of the
   gathered matrix (the SVD of a row block is not the row block of the SVD).
+* **a sharded DP-SFT step equals the one-process step** — DP-SFT stage 2 on a given basis (its real
+  ``build``: the subspace engine and the unprojection) under :class:`~dpft.fsdp.FSDPStep` (real
+  construction: it must pick :class:`~dpft.fsdp_methods.ReplicatedSum` for the engine's (k,) sum and lay
+  the coordinates' noise out whole) on K = 2, 3 simulated ranks, each running its share of one Poisson
+  batch (every K-th example) in micro-batches of 2, a short rank padding with placeholders; the
+  all-reduce simulated through ``ReplicatedSum.finish``'s ``reduce``; the release by the step's sharded
+  mechanism; each rank's unprojection writes its FSDP dim-0 rows (``local_rows`` simulated). Every rank
+  must hold the same noisy coordinates z, equal to one process's, record the same ledger event, and the
+  ranks' rows of the SGD update, put together, must equal one process's update — with a clipped example
+  in the batch and noise of std σC = 0.3 on each coordinate (a rank's own noise would show).
+  Planted ``fsdp_dpsft_local_coords``: no all-reduce (each rank noises its own examples' sum);
+  ``fsdp_dpsft_rank_noise``: each rank draws its own noise for z (the stream named by its rank).
 
 :func:`fsdp_methods_checks` is the entry point (``audit/suite.py`` ``OPTIONAL_CHECKS``).
 """
@@ -22,23 +34,34 @@ White-box, in one process (no process group), on the real classes:
 from __future__ import annotations
 
 import contextlib
+import copy
 from types import SimpleNamespace
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from dpft import fsdp_methods
+from dpft import fsdp, fsdp_methods
+from dpft.accounting.ledger import PrivacyLedger
 from dpft.audit.whitebox import Check
-from dpft.distributed import World
+from dpft.distributed import World, shard
+from dpft.grads.subspace import COORDS
+from dpft.methods import dpsft
 from dpft.methods.rmt import DenoiseCfg, RMTDenoise
+from dpft.privacy.randomness import Randomness
+from dpft.shards import chunk_rows
+from dpft.step.aggregate import Aggregator
+from dpft.step.clip import FlatClip
+from dpft.step.noise import GaussianMechanism
 from dpft.step.pipeline import StepSpec
+from dpft.step.postprocess import divide
 from dpft.transforms.rmt import matrix_param_names
+from dpft.transforms.subspace import SubspaceBasis
 
-__all__ = ["PLANTED", "fsdp_methods_checks"]
+__all__ = ["PLANTED", "fsdp_dpsft_check", "fsdp_methods_checks"]
 
 #: Planted bugs :func:`fsdp_methods_checks` must catch.
-PLANTED = ("fsdp_rmt_local_rows",)
+PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise")
 
 
 @contextlib.contextmanager
@@ -49,6 +72,13 @@ def _planted(name: Optional[str]) -> Iterator[None]:
             real = fsdp_methods.WholeTensors.__call__
             saved.append((fsdp_methods.WholeTensors, "__call__", real))
             fsdp_methods.WholeTensors.__call__ = lambda self, grads, ctx: self.tf(grads, ctx)  # no gather
+        elif name == "fsdp_dpsft_local_coords":
+            saved.append((fsdp_methods.ReplicatedSum, "finish", fsdp_methods.ReplicatedSum.finish))
+            fsdp_methods.ReplicatedSum.finish = lambda self, agg: None  # a rank's own sum is noised
+        elif name == "fsdp_dpsft_rank_noise":
+            saved.append((fsdp._ShardedNoise, "noise_stream", fsdp._ShardedNoise.noise_stream))
+            fsdp._ShardedNoise.noise_stream = lambda self, step, n, device: fsdp._ShardStream(
+                self, step, f"{n}@rank{self.world.rank}", self.layout[n])  # each rank its own stream
         yield
     finally:
         for obj, attr, val in reversed(saved):
@@ -141,8 +171,134 @@ def _rmt_check(lr: float = 0.5, s: float = 0.05) -> list[Check]:
     return out
 
 
+# -- DP-SFT stage 2 on simulated ranks ----------------------------------------------------------------
+_K, _C, _SIGMA, _LR, _N = 3, 0.3, 1.0, 0.5, 40
+
+
+def _dpsft_parts():
+    """A tiny MLP with uneven dim-0 chunks (5 and 3 rows), a random orthonormal basis over its
+    parameters, one logical batch of 9 examples (one of them clipped) and its loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
+    params = dict(model.named_parameters())
+    g = torch.Generator().manual_seed(1)
+    flat, _ = torch.linalg.qr(torch.randn(sum(p.numel() for p in params.values()), _K, generator=g))
+    blocks, o = {}, 0
+    for n, p in params.items():
+        blocks[n] = flat[o:o + p.numel()].T.reshape(_K, *p.shape).contiguous()
+        o += p.numel()
+    basis = SubspaceBasis(blocks=blocks, singular_values=torch.ones(_K, dtype=torch.float64), meta={"source": "public"})
+    x = torch.randn(9, 6, generator=g)
+    x[4] *= 40
+    batch = {"x": x, "y": torch.randint(0, 3, (9,), generator=g)}
+
+    def loss(fwd, b):
+        return nn.functional.cross_entropy(fwd(input=b["x"]), b["y"], reduction="none")
+
+    return model, basis, batch, loss
+
+
+def _dpsft_rank(model, basis, loss, world: World):
+    """Rank ``world.rank``'s FSDPStep over DP-SFT's real ``build`` (its own model copy and engine)."""
+    model = copy.deepcopy(model)
+    recipe = SimpleNamespace(method_config=lambda name: SimpleNamespace(method="none"),
+                             privacy=SimpleNamespace(clipping=SimpleNamespace(style="flat", max_norm=_C)))
+    m = dpsft.DPSFT(dpsft.SubspaceCfg(source="file", file="basis.safetensors", k=_K, start="initial"), recipe)
+    m.basis, m.info = basis, {}
+    run = SimpleNamespace(recipe=recipe, private=True, model=model, per_example_loss=loss, evaluate=None,
+                          make_optimizer=None, device=torch.device("cpu"))
+    spec = StepSpec(engine=None, clip=FlatClip(_C), mechanism=GaussianMechanism(_SIGMA, _C, Randomness(5)),
+                    sampler=None, optimizer=None, params=None)
+    spec = m.build(spec, run)
+    return fsdp.FSDPStep(spec, PrivacyLedger(), _N, world, lambda: None), model
+
+
+@contextlib.contextmanager
+def _rows_of(rank: int, k: int) -> Iterator[None]:
+    """``dpsft.local_rows`` as on rank ``rank`` of ``k`` (FSDP2's dim-0 chunk of every parameter)."""
+    real = dpsft.local_rows
+    dpsft.local_rows = lambda p: chunk_rows(p.shape[0], rank, k) if k > 1 else None
+    try:
+        yield
+    finally:
+        dpsft.local_rows = real
+
+
+def _dpsft_world(k: int):
+    """One logical step of K simulated ranks; returns per rank ``(z, event, rows of the updated weights)``
+    and whether FSDPStep chose the replicated sum with the coordinates' noise laid out whole."""
+    model, basis, batch, loss = _dpsft_parts()
+    idx = torch.arange(9)
+    ranks = [_dpsft_rank(model, basis, loss, World(r, k)) for r in range(k)]
+    wired = all(isinstance(st.scatter, fsdp_methods.ReplicatedSum) and st.layout.get(COORDS) == (_K, 0, _K)
+                for st, _ in ranks)
+    shares = [shard(idx, World(r, k)) for r in range(k)]
+    most = max(-(-len(s) // 2) for s in shares)
+    aggs = []
+    for (st, _), mine in zip(ranks, shares):  # FSDPStep.run's loop: the rank's micro-batches, then placeholders
+        eng, chunks = st.spec.engine, list(mine.split(2))
+        agg = Aggregator({n: fsdp.local(p) for n, p in eng.params.items()})
+        for i in range(most):
+            dummy = i >= len(chunks)
+            st.scatter.start(dummy)
+            res = eng.clipped_sum({n: v[idx[:1] if dummy else chunks[i]] for n, v in batch.items()})
+            if dummy:
+                for n, buf in agg.sum.items():
+                    buf.add_(res.grad_sum[n])
+            else:
+                agg.add(res)
+        aggs.append(agg)
+    totals = {n: torch.stack([a.sum[n] for a in aggs]).sum(0) for n in aggs[0].sum}
+    out = []
+    for r, ((st, mdl), agg) in enumerate(zip(ranks, aggs)):
+        st.scatter.reduce = lambda n, buf: buf.copy_(totals[n])  # the simulated all-reduce
+        st.scatter.finish(agg)
+        q = 9 / _N
+        noisy, event = st.spec.mechanism.release(agg.sum, _C, q, 0)
+        grads = divide(noisy, q * _N)
+        with _rows_of(r, k):
+            for tf in st.spec.transforms:
+                grads = tf(grads, {"noise_std": _SIGMA * _C / (q * _N), "step": 0, "q": q})
+        rows = {}
+        for n, p in dict(mdl.named_parameters()).items():
+            a, b = chunk_rows(p.shape[0], r, k) if k > 1 else (0, p.shape[0])
+            rows[n] = p.detach()[a:b] - _LR * grads[n]
+        out.append((noisy[COORDS], repr(event), rows))
+    return out, wired
+
+
+def _dpsft_check() -> list[Check]:
+    (one,), _ = _dpsft_world(1)
+    out = []
+    for k in (2, 3):
+        ranks, wired = _dpsft_world(k)
+        same_z = all(torch.equal(z, ranks[0][0]) for z, _, _ in ranks)
+        z_one = torch.allclose(ranks[0][0], one[0], rtol=1e-5, atol=1e-6)
+        events = all(e == one[1] for _, e, _ in ranks)
+        got = {n: torch.cat([rows[n] for _, _, rows in ranks]) for n in one[2]}
+        equal = all(got[n].shape == one[2][n].shape and torch.allclose(got[n], one[2][n], rtol=1e-5, atol=1e-6)
+                    for n in one[2])
+        ok = wired and same_z and z_one and events and equal
+        why = "; ".join(w for w, bad in (
+            ("FSDPStep did not put ReplicatedSum on the engine's (k,) sum with its noise laid out whole", not wired),
+            ("the ranks hold different noisy coordinates z", not same_z),
+            ("the ranks' noisy z is not one process's (no all-reduce of the clipped sums, or other noise)", not z_one),
+            ("a rank's ledger event differs from one process's", not events),
+            ("the ranks' rows of P z put together are not the one-process update", not equal)) if bad)
+        out.append(Check(f"fsdp dpsft (source file): {k} ranks' sharded step equals the one-process step", ok,
+                         f"K = {k}: {why}" if why else "the (k,) clipped sums all-reduced, one noise draw for the "
+                         "world, each rank's rows of P z: the one-process update"))
+    return out
+
+
+def fsdp_dpsft_check(planted: Optional[str] = None) -> list[Check]:
+    """The sharded DP-SFT step's check alone (module docstring); ``planted`` as :func:`fsdp_methods_checks`."""
+    with _planted(planted):
+        return _dpsft_check()
+
+
 def fsdp_methods_checks(planted: Optional[str] = None) -> list[Check]:
     """The white-box checks of methods on FSDP2 shards (module docstring); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
     with _planted(planted):
-        return _rmt_check()
+        return _rmt_check() + _dpsft_check()

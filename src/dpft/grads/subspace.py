@@ -25,6 +25,14 @@ exist; the largest per-example object is one tile of one layer.
 
 The engine's single clipping group is the k-vector: ``sq_norms`` is ``(B, 1)`` = ``‖s_i‖²`` and
 the flat clip factor ``min(1, C/‖s_i‖)`` bounds each example's contribution in R^k by ``C``.
+
+Under FSDP2 (dpft/fsdp.py, issue 38) FSDP all-gathers each block before its forward and backward,
+so every captured contribution of a rank's own examples is full-shape, and with ``P`` replicated
+on every rank (``k × d_trainable`` floats per rank) ``s_i`` is complete on the example's rank: no
+communication per example. The clipped sum ``Σ_i c_i s_i`` is not a sharded parameter but a
+``(k,)`` vector: the engine hands it to ``on_param_sum`` (the step's
+:class:`~dpft.fsdp_methods.ReplicatedSum`, which zeroes a placeholder's) and the step all-reduces
+it once per logical batch (``replicated_sum``), then noises it once for the world.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from torch import nn
 
 from dpft.grads.capture import Capture
 
-from dpft.grads.contrib import Contribution, Outer, PerExample, merge
+from dpft.grads.contrib import Contribution, Outer, PerExample, full_precision, merge
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss, trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine, _batch_size
 from dpft.step.clip import ClipPolicy, check_finite_norms
@@ -130,6 +138,23 @@ class SubspaceEngine(PerExampleEngine):
         self.param_names = [COORDS]
         self._checked = False
 
+    #: The clipped sum is a ``(k,)`` vector held whole by every rank (all-reduced under FSDP2,
+    #: dpft/fsdp.py), not a sharded parameter to reduce-scatter.
+    replicated_sum = True
+    #: The sharded step's hook ``(name, sum) -> sum`` for each micro-batch's clipped coordinate sum
+    #: (dpft/fsdp_methods.py ``ReplicatedSum``: zeros for a placeholder). None: kept as is.
+    on_param_sum = None
+
+    def check_usage(self, batch: Mapping[str, torch.Tensor], groups: torch.Tensor | None = None) -> None:
+        """The book-keeping engine's one-time usage probe (every use of a spanned weight is a hooked
+        module call); the sharded step runs it on the same placeholder batch on every rank."""
+        self._bk.check_usage(batch, groups)
+        self._checked = True
+
+    def finish_sum(self, total: torch.Tensor) -> torch.Tensor:
+        """``Σ_i c_i s_i`` of one micro-batch through the sharded step's hook (as is without one)."""
+        return total if self.on_param_sum is None else self.on_param_sum(COORDS, total)
+
     def coordinates(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Unclipped per-example coordinates ``(B, k)`` float32 and the per-example losses ``(B,)``."""
         b = _batch_size(batch)
@@ -166,8 +191,77 @@ class SubspaceEngine(PerExampleEngine):
         sq = coords.pow(2).sum(1, keepdim=True)
         check_finite_norms(sq)
         scales = self.clip.scales(sq)
-        total = (coords * scales).sum(0)
+        total = self.finish_sum((coords * scales).sum(0))
         return ClippedBatch({COORDS: total}, sq, scales, float(losses.sum()), coords.shape[0])
 
 
-__all__ = ["COORDS", "SubspaceEngine", "project_contribution"]
+class LiveSubspace:
+    """DP-SFT's subspace engine driven by the user's own loop (``make_private``): the engine
+    :class:`~dpft.grads.live.LiveBookKeeping` is handed. Under ``make_private`` the user's
+    ``module(x)`` and ``loss.backward()`` run the forward and backward and the live hooks capture
+    each layer's per-example contributions, as for the plain engine; this view holds the spanned
+    model parameters (frozen for the forward, so no weight gradient is built), the book-keeping
+    units and usage check, and a ``reduce`` that projects the contributions onto the basis instead
+    of summing them: ``s_i = Σ_l P_lᵀ g_{i,l}`` (``project_contribution``, the engine's own
+    projection), clipped in R^k to C and summed under the engine's one key ``COORDS`` (Zheng et al.,
+    AAAI 2026, Algorithm 2 lines 5-10).
+
+    Attributes:
+        model, units: the engine's model and book-keeping units; params: the spanned parameters.
+    """
+
+    def __init__(self, engine: SubspaceEngine):
+        self.sub = engine
+        self.model = engine.model
+        self.units = engine.units
+        self.params = engine.model_params
+
+    # The book-keeping engine owns the first-call usage check and the checkpointing flag.
+    @property
+    def _checked(self) -> bool:
+        return self.sub._bk._checked
+
+    @_checked.setter
+    def _checked(self, value: bool) -> None:
+        self.sub._bk._checked = value
+
+    @property
+    def recomputes(self) -> bool:
+        return getattr(self.sub._bk, "recomputes", False)
+
+    @recomputes.setter
+    def recomputes(self, value: bool) -> None:
+        self.sub._bk.recomputes = value
+
+    def verify_uses(self, *args, **kwargs):
+        return self.sub._bk.verify_uses(*args, **kwargs)
+
+    def reduce(self, contribs: dict, b: int, loss_sum: float, device=None, grad_scale: float = 1.0,
+               groups=None, losses=None) -> ClippedBatch:
+        """``Σ_i c_i s_i`` of one micro-batch: ``(k,)`` under ``COORDS``; ``sq_norms``/``scales``
+        ``(B, 1)`` (``‖s_i‖²`` and the flat clip factor min(1, C/‖s_i‖)).
+
+        Raises:
+            ValueError: user ids (group clipping is refused with DP-SFT before this).
+            NonFiniteGradientError: a non-finite coordinate norm (nothing is released)."""
+        if groups is not None:
+            raise ValueError("DP-SFT coordinates are per row; user-level group clipping is not supported")
+        for u in self.units:  # outputs kept for a layout check that did not run (no criterion)
+            u.check_outputs = []
+        basis = self.sub.basis
+        with full_precision():
+            coords = torch.zeros(b, basis.k, dtype=torch.float32, device=basis.device)
+            for n in basis.names:
+                for c in merge(contribs.pop(n, [])):
+                    coords += project_contribution(c, basis.blocks[n], b).to(coords.device)
+            contribs.clear()
+            if grad_scale != 1.0:  # a batch-mean loss: each example's own gradient
+                coords = coords * float(grad_scale)
+            sq = coords.pow(2).sum(1, keepdim=True)
+            check_finite_norms(sq)
+            scales = self.sub.clip.scales(sq)
+            total = self.sub.finish_sum((coords * scales).sum(0))  # FSDP2: a placeholder's is zeros
+        return ClippedBatch({COORDS: total}, sq, scales, float(loss_sum), b)
+
+
+__all__ = ["COORDS", "LiveSubspace", "SubspaceEngine", "project_contribution"]

@@ -42,15 +42,14 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import TaskCfg
 from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
-from dpft.grads.base import ClippedBatch
-from dpft.grads.contrib import full_precision, merge
-from dpft.grads.subspace import COORDS, SubspaceEngine, project_contribution
+from dpft.fsdp_methods import local_rows
+from dpft.grads.subspace import COORDS, LiveSubspace, SubspaceEngine
 from dpft.methods.base import Method, MethodError, register_method
 from dpft.models.losses import classification_loss
-from dpft.step.clip import FlatClip, check_finite_norms
+from dpft.step.clip import FlatClip
 from dpft.step.noise import GaussianMechanism
 from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
-                                      snapshot_schedule, unproject_transform)
+                                      snapshot_schedule)
 
 #: Ledger phase of a private stage 1.
 PHASE = "subspace"
@@ -332,73 +331,29 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
     return basis, info
 
 
-class LiveSubspace:
-    """DP-SFT's subspace engine driven by the user's own loop (``make_private``): the engine
-    :class:`~dpft.grads.live.LiveBookKeeping` is handed. Under ``make_private`` the user's
-    ``module(x)`` and ``loss.backward()`` run the forward and backward and the live hooks capture
-    each layer's per-example contributions, as for the plain engine; this view holds the spanned
-    model parameters (frozen for the forward, so no weight gradient is built), the book-keeping
-    units and usage check, and a ``reduce`` that projects the contributions onto the basis instead
-    of summing them: ``s_i = Σ_l P_lᵀ g_{i,l}`` (``project_contribution``, the engine's own
-    projection), clipped in R^k to C and summed under the engine's one key ``COORDS`` (Zheng et al.,
-    AAAI 2026, Algorithm 2 lines 5-10).
+def unproject_held(basis: SubspaceBasis, params: dict[str, torch.Tensor], key: str = COORDS):
+    """Post-processing transform (no privacy cost): ``{key: s̃ (k,)}`` -> ``{name: P_n s̃}`` over what this
+    process holds of each spanned parameter: the whole tensor, or under FSDP2 its dim-0 rows
+    ``[a, b)`` (:func:`~dpft.fsdp_methods.local_rows`), computed as ``P_n[:, a:b] s̃`` — the rank's
+    column block of ``P`` — from the ``s̃`` every rank holds alike, so the ranks' rows together are the
+    one-process update ``P s̃`` (Zheng et al., AAAI 2026, Algorithm 2 lines 12-13).
 
-    Attributes:
-        model, units: the engine's model and book-keeping units; params: the spanned parameters.
-    """
+    Raises (from a call): SubspaceError: no coordinates under ``key``."""
 
-    def __init__(self, engine: SubspaceEngine):
-        self.sub = engine
-        self.model = engine.model
-        self.units = engine.units
-        self.params = engine.model_params
+    def apply(grads, ctx):
+        if key not in grads:
+            raise SubspaceError(f"unproject: expected the noisy coordinates under {key!r}")
+        c = grads[key].float()
+        if c.shape != (basis.k,):
+            raise SubspaceError(f"unproject: coordinates must have shape ({basis.k},), got {tuple(c.shape)}")
+        out = {}
+        for n, b in basis.blocks.items():
+            rows = local_rows(params[n])
+            out[n] = torch.tensordot(c, (b if rows is None else b[:, rows[0]:rows[1]]).float(), dims=1)
+        return out
 
-    # The book-keeping engine owns the first-call usage check and the checkpointing flag.
-    @property
-    def _checked(self) -> bool:
-        return self.sub._bk._checked
-
-    @_checked.setter
-    def _checked(self, value: bool) -> None:
-        self.sub._bk._checked = value
-
-    @property
-    def recomputes(self) -> bool:
-        return getattr(self.sub._bk, "recomputes", False)
-
-    @recomputes.setter
-    def recomputes(self, value: bool) -> None:
-        self.sub._bk.recomputes = value
-
-    def verify_uses(self, *args, **kwargs):
-        return self.sub._bk.verify_uses(*args, **kwargs)
-
-    def reduce(self, contribs: dict, b: int, loss_sum: float, device=None, grad_scale: float = 1.0,
-               groups=None, losses=None) -> ClippedBatch:
-        """``Σ_i c_i s_i`` of one micro-batch: ``(k,)`` under ``COORDS``; ``sq_norms``/``scales``
-        ``(B, 1)`` (``‖s_i‖²`` and the flat clip factor min(1, C/‖s_i‖)).
-
-        Raises:
-            ValueError: user ids (group clipping is refused with DP-SFT before this).
-            NonFiniteGradientError: a non-finite coordinate norm (nothing is released)."""
-        if groups is not None:
-            raise ValueError("DP-SFT coordinates are per row; user-level group clipping is not supported")
-        for u in self.units:  # outputs kept for a layout check that did not run (no criterion)
-            u.check_outputs = []
-        basis = self.sub.basis
-        with full_precision():
-            coords = torch.zeros(b, basis.k, dtype=torch.float32, device=basis.device)
-            for n in basis.names:
-                for c in merge(contribs.pop(n, [])):
-                    coords += project_contribution(c, basis.blocks[n], b).to(coords.device)
-            contribs.clear()
-            if grad_scale != 1.0:  # a batch-mean loss: each example's own gradient
-                coords = coords * float(grad_scale)
-            sq = coords.pow(2).sum(1, keepdim=True)
-            check_finite_norms(sq)
-            scales = self.sub.clip.scales(sq)
-            total = (coords * scales).sum(0)
-        return ClippedBatch({COORDS: total}, sq, scales, float(loss_sum), b)
+    apply.basis = basis  # type: ignore[attr-defined]
+    return apply
 
 
 def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter], basis: SubspaceBasis):
@@ -441,21 +396,32 @@ class DPSFT(Method):
                    "subspace.source: file (stage 2 is a DP-SGD step on the k coordinates: its clipped sums are "
                    "all-reduced and noised once for the world like any other)")
 
-    #: Under FSDP2 (issue 38; dpft/fsdp_methods.py shows it in every way in's refusal).
-    fsdp_refusal = ("stage 2 projects every per-example gradient onto the k-dimensional subspace (s_i = Pᵀ g_i) "
-                    "before clipping; with the weights and P's rows sharded over the ranks, each example's k "
-                    "coordinates need an all-reduce of per-shard partial projections before its norm and clip, and "
-                    "the sharded step only reduce-scatters the book-keeping engine's per-parameter clipped sums "
-                    "(not built; train DP-SFT under DDP with subspace.source: file)")
+    #: Under FSDP2 (issue 38; dpft/fsdp_methods.py shows it in every way in's refusal): what stays refused.
+    fsdp_refusal = ("subspace.source public/private: stage 1 is a training phase of its own (snapshots of the "
+                    "trajectory, then the basis P) that is not run on FSDP2 shards, as under DDP; build the basis in "
+                    "one process and train stage 2 sharded with subspace.source: file")
+    fsdp_coords_refusal = ("subspace.optimizer_space coords: its forward hook would write Θ_start + P z into the shards "
+                           "after FSDP2's root unit has gathered them for that forward (not built); use "
+                           "optimizer_space: full")
 
     #: The coordinates are per row: refused with user-level units (methods/python.py).
     example_level_only = True
 
     @classmethod
     def sharded_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
-        """``source: none`` (the paper's noise placement alone: a σB Gaussian mechanism on the whole
-        gradient, sharded by the step like any Gaussian) runs on FSDP2 shards; a subspace does not."""
-        return None if cfg.source == "none" else cls.fsdp_refusal
+        """What runs on FSDP2 shards (dpft/fsdp.py): ``source: none`` (the paper's noise placement alone:
+        a σB Gaussian on the whole gradient, sharded like any Gaussian) and stage 2 on a given basis
+        (``source: file``, ``optimizer_space: full``). Stage 2 sharded: P is replicated on every rank
+        (``k × d_trainable`` floats per rank, ``subspace.dtype``: 4 or 2 bytes each; a per-layer
+        all-gather of a row-sharded P would cut that to 1/K and is not built); FSDP all-gathers each
+        layer for the rank's own examples, so ``s_i = Σ_l P_lᵀ g_{i,l}`` is complete on its rank, clipped
+        in R^k there; the (k,) clipped sums are all-reduced once per step (fsdp_methods.ReplicatedSum),
+        noised once for the world (the same draw on every rank), and each rank writes its own rows of
+        ``P z`` (:func:`unproject_held`). Refused: stage 1 (``public``/``private``) and ``coords``."""
+        why = [cls.fsdp_refusal] if cfg.source in ("public", "private") else []
+        if cfg.source != "none" and cfg.optimizer_space == "coords":
+            why.append(cls.fsdp_coords_refusal)
+        return "; ".join(why) or None
 
     @classmethod
     def python_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
@@ -533,11 +499,13 @@ class DPSFT(Method):
                     if basis.start[n].shape != p.shape:
                         raise SubspaceError(f"Θ* of {n} has shape {tuple(basis.start[n].shape)}, the model "
                                             f"{tuple(p.shape)} (different number of labels in stage 1?)")
-                    p.copy_(basis.start[n])
+                    rows = local_rows(p)  # FSDP2: this rank's rows of Θ*
+                    (p if rows is None else p.to_local()).copy_(
+                        basis.start[n] if rows is None else basis.start[n][rows[0]:rows[1]])
         transforms = list(spec.transforms)
         if cfg.optimizer_space == "full":
             params = engine.model_params
-            transforms.insert(0, unproject_transform(basis, COORDS))
+            transforms.insert(0, unproject_held(basis, params, COORDS))
         else:
             z = nn.Parameter(torch.zeros(basis.k, device=run.device))
             params = {COORDS: z}

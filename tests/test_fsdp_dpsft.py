@@ -1,0 +1,307 @@
+"""DP-SFT stage 2 on a given basis (``subspace.source: file``) under FSDP2 (issue 38; methods/dpsft.py,
+dpft/fsdp_methods.py ``ReplicatedSum``): each rank projects its own examples' full-layer gradients on the
+replicated basis P (s_i = Σ_l P_lᵀ g_{i,l}), clips in R^k, the (k,) clipped sums are all-reduced once per
+logical step and noised once for the world (the same draw on every rank), and each rank writes its own
+rows of P z.
+
+Slow: 2 CPU processes (gloo) equal 1 process — ``dpft train`` (``perf.sharding: fsdp``, a tiny BERT),
+``make_private`` on a caller ``fully_shard``-ed MLP, and ``DPTrainer`` (caller-sharded and ``fsdp=``): the
+same ledger and ε, the weights within float tolerance. Fast: the maths on simulated ranks (the all-reduced
+clipped coordinate sums of the ranks' shares, placeholders included, equal one process's; the ranks' rows
+of P z put together equal P z), the audit's white-box check and its planted bugs, and what stays refused."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp_dpsft_worker as worker  # tests/fsdp_dpsft_worker.py: a make_private loop / a DPTrainer run per rank
+from dpft.config import load_recipe
+from dpft.distributed import World, shard
+from dpft.fsdp_methods import ReplicatedSum
+from dpft.grads.subspace import COORDS, SubspaceEngine
+from dpft.methods import dpsft
+from dpft.methods.dpsft import DPSFT, SubspaceCfg
+from dpft.run.loop import Trainer
+from dpft.shards import chunk_rows
+from dpft.step.aggregate import Aggregator
+from dpft.step.clip import FlatClip
+from dpft.transforms.subspace import SubspaceBasis
+
+from test_ddp import files_under, free_port, launch_worker  # noqa: E402 (tests/ helpers)
+from test_fsdp import fsdp_recipe, lm_dirs  # noqa: E402,F401 (module fixture)
+from test_fsdp_methods import _weights_close  # noqa: E402
+
+multiprocessing.set_forkserver_preload(["fsdp_dpsft_worker", "fsdp_methods_worker", "dpft", "dpft.api", "torch.distributed.fsdp"])
+
+K = 3
+
+
+def make_basis(model: nn.Module, path: Path, k: int = K, with_start: bool = False, seed: int = 2) -> Path:
+    """A random orthonormal basis over ``model``'s trainable parameters, recorded as built by a private
+    stage 1 (one PoissonSampled Gaussian event ×5 that the run's ledger must compose), saved to ``path``;
+    ``with_start``: Θ* = the weights + a small perturbation (``subspace.start: stage1``)."""
+    import dp_accounting as dpa
+
+    from dpft.accounting.ledger import PrivacyLedger
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    g = torch.Generator().manual_seed(seed)
+    flat, _ = torch.linalg.qr(torch.randn(sum(p.numel() for p in params.values()), k, generator=g))
+    blocks, start, o = {}, {}, 0
+    for n, p in params.items():
+        blocks[n] = flat[o:o + p.numel()].T.reshape(k, *p.shape).contiguous()
+        start[n] = p.detach() + 0.01 * torch.randn(p.shape, generator=g)
+        o += p.numel()
+    led = PrivacyLedger()
+    led.record("subspace", dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(3.0)), 5)
+    SubspaceBasis(blocks=blocks, singular_values=torch.ones(k, dtype=torch.float64),
+                  meta={"source": "private", "ledger": led.to_json()}, start=start if with_start else None).save(path)
+    return path
+
+
+# -- the maths on simulated ranks (fast) -----------------------------------------------------------------
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _loss(fwd, b):
+    return nn.functional.cross_entropy(fwd(input=b["x"]), b["y"], reduction="none")
+
+
+def _basis(model: nn.Module) -> SubspaceBasis:
+    params = dict(model.named_parameters())
+    flat, _ = torch.linalg.qr(torch.randn(sum(p.numel() for p in params.values()), K,
+                                          generator=torch.Generator().manual_seed(1)))
+    blocks, o = {}, 0
+    for n, p in params.items():
+        blocks[n] = flat[o:o + p.numel()].T.reshape(K, *p.shape).contiguous()
+        o += p.numel()
+    return SubspaceBasis(blocks=blocks, singular_values=torch.ones(K, dtype=torch.float64), meta={"source": "public"})
+
+
+def _batch(n: int = 9) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    x[2] *= 40  # a clipped example
+    return {"x": x, "y": torch.randint(0, 3, (n,), generator=g)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduced_clipped_coordinate_sums_of_the_shares_equal_one_process(world_size):
+    """Each simulated rank runs its share (every K-th example) in micro-batches of 2 through the engine with
+    the sharded step's hook, a short rank padding with placeholders (which must add nothing); the
+    simulated all-reduce of the ranks' (k,) sums equals the one-process clipped sum. Without the all-reduce
+    (a rank's own sum) it does not."""
+    n = {2: 9, 3: 7}[world_size]  # some rank runs a placeholder micro-batch
+    model, batch = _mlp(), _batch(n)
+    basis = _basis(model)
+    eng = SubspaceEngine(model, _loss, FlatClip(0.3), basis)
+    one = eng.clipped_sum(batch)
+    assert one.sq_norms.max() > 0.09 > one.sq_norms.min()  # some examples clipped, some not
+    idx = torch.arange(n)
+    shares = [shard(idx, World(r, world_size)) for r in range(world_size)]
+    counts = [-(-len(s) // 2) for s in shares]
+    most = max(counts)
+    assert min(counts) < most
+    aggs = []
+    for r, mine in enumerate(shares):
+        hook = ReplicatedSum(World(r, world_size))
+        eng.on_param_sum = hook
+        agg = Aggregator({COORDS: torch.zeros(K)})
+        chunks = list(mine.split(2))
+        for i in range(most):
+            dummy = i >= len(chunks)
+            hook.start(dummy)
+            c = idx[:1] if dummy else chunks[i]  # a placeholder: row 0, the same on every rank
+            res = eng.clipped_sum({k: v[c] for k, v in batch.items()})
+            if dummy:
+                assert torch.equal(res.grad_sum[COORDS], torch.zeros(K))
+                agg.sum[COORDS].add_(res.grad_sum[COORDS])
+            else:
+                agg.add(res)
+        aggs.append((hook, agg))
+    eng.on_param_sum = None
+    own = [a.sum[COORDS].clone() for _, a in aggs]
+    assert not torch.allclose(own[0], one.grad_sum[COORDS], atol=1e-6)  # a rank's own sum is not the world's
+    total = torch.stack(own).sum(0)
+    for hook, agg in aggs:
+        hook.reduce = lambda n, buf: buf.copy_(total)  # the simulated all-reduce
+        hook.finish(agg)
+        torch.testing.assert_close(agg.sum[COORDS], one.grad_sum[COORDS], rtol=1e-5, atol=1e-6)
+    assert sum(a.batch_size for _, a in aggs) == n
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_ranks_rows_of_the_unprojection_equal_the_full_update(monkeypatch, world_size):
+    """DP-SFT's unprojection (the transform ``build`` inserts) on simulated ranks, each holding FSDP's dim-0
+    chunk of every parameter (``local_rows`` simulated): the rank's rows of P z, put together, equal P z."""
+    model = _mlp()
+    basis = _basis(model)
+    params = dict(model.named_parameters())
+    z = torch.randn(K, generator=torch.Generator().manual_seed(5))
+    full = dpsft.unproject_held(basis, params)({COORDS: z}, {})
+    for n, b in basis.blocks.items():
+        torch.testing.assert_close(full[n], torch.einsum("k,k...->...", z, b))
+    parts: dict[str, list] = {n: [] for n in params}
+    for r in range(world_size):
+        monkeypatch.setattr(dpsft, "local_rows", lambda p, r=r: chunk_rows(p.shape[0], r, world_size))
+        out = dpsft.unproject_held(basis, params)({COORDS: z}, {})
+        for n in params:
+            a, b = chunk_rows(params[n].shape[0], r, world_size)
+            assert out[n].shape == (b - a, *params[n].shape[1:])
+            parts[n].append(out[n])
+    for n in params:
+        torch.testing.assert_close(torch.cat(parts[n]), full[n], rtol=0, atol=1e-7)
+
+
+def test_what_stays_refused_under_fsdp2():
+    """A given basis runs sharded; stage 1 (public/private) and optimizer_space coords are refused with
+    their reasons."""
+    assert DPSFT.sharded_refusal(SubspaceCfg(source="file", file="b.safetensors")) is None
+    assert DPSFT.sharded_refusal(SubspaceCfg(source="none", paper_noise_placement=True)) is None
+    for src, extra in (("private", {}), ("public", {"public_task": {"name": "imdb"}})):
+        why = DPSFT.sharded_refusal(SubspaceCfg(source=src, **extra))
+        assert why and "stage 1" in why and "subspace.source: file" in why
+    why = DPSFT.sharded_refusal(SubspaceCfg(source="file", file="b.safetensors", optimizer_space="coords"))
+    assert why and "optimizer_space coords" in why and "optimizer_space: full" in why
+
+
+def test_dpft_train_fsdp_check_accepts_a_basis_file_and_refuses_stage1(lm_dirs):  # noqa: F811
+    """``perf.sharding: fsdp``'s recipe check (before any loading): DP-SFT on a file passes; a stage 1 in
+    this run is refused naming the method and the fix."""
+    from dpft.fsdp import FSDPError, check_recipe
+    from dpft.methods.base import active_methods
+
+    r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"subspace.source": "file", "subspace.k": K,
+                                                           "subspace.file": "/nonexistent/basis.safetensors"}))
+    check_recipe(r, 2, active_methods(r), True, False)  # no refusal
+    r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"subspace.source": "private"}))
+    with pytest.raises(FSDPError, match="method 'dpsft': subspace.source public/private: stage 1 .*source: file"):
+        check_recipe(r, 2, active_methods(r), True, False)
+
+
+def test_fsdp_dpsft_audit_check_passes_and_catches_the_planted_bugs():
+    """audit/checks_fsdp_methods.py: the sharded DP-SFT step on 2 and 3 simulated ranks equals one
+    process; each planted bug (a rank's own coordinate sum, a rank's own noise) is caught."""
+    from dpft.audit.checks_fsdp_methods import PLANTED, fsdp_dpsft_check
+
+    honest = fsdp_dpsft_check()
+    assert honest and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
+    for name in ("fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise"):
+        assert name in PLANTED
+        from dpft.audit.checks_fsdp_methods import _planted
+
+        with _planted(name):
+            assert not all(c.passed for c in fsdp_dpsft_check()), name
+
+
+# -- 2 processes = 1 process (slow) ------------------------------------------------------------------------
+def _train_recipe(model_dir: Path, csv: Path, basis: Path, **extra) -> dict:
+    ov = {"model.name": str(model_dir), "model.max_length": 16, "model.dropout": 0.0, "task.name": "files",
+          "task.train_file": str(csv), "privacy.noise_multiplier": 1.0, "privacy.target_epsilon": None,
+          "privacy.delta": 1e-3, "privacy.reproducible": True, "schedule.steps": 3, "schedule.decay": "constant",
+          "batch.expected_batch_size": 9, "batch.max_physical_batch_size": 2, "eval.every_steps": 3,
+          "checkpoint_every": 3, "perf.sharding": "fsdp", "optimizer.name": "sgd", "optimizer.lr": 0.5,
+          "subspace.source": "file", "subspace.file": str(basis), "subspace.k": K}
+    ov.update(extra)
+    return ov
+
+
+@pytest.mark.slow
+def test_dpft_train_dpsft_file_two_processes_equal_one(tiny_model_dir, sst_like_files, tmp_path):
+    """``dpft train`` with DP-SFT on a saved basis (Θ* in it: ``start: stage1``), ``perf.sharding: fsdp``:
+    2 processes = 1 process (ledger with the basis's stage-1 events and one event per step, weights)."""
+    from transformers import BertForSequenceClassification
+
+    basis = make_basis(BertForSequenceClassification.from_pretrained(tiny_model_dir), tmp_path / "basis.safetensors",
+                       with_start=True)
+    ov = _train_recipe(tiny_model_dir, sst_like_files["csv"], basis)
+    one = tmp_path / "one"
+    Trainer(load_recipe(None, ov), one, progress=False).run()
+    failure, logs = launch_worker(tmp_path / "two", ov)
+    assert failure is None, failure
+    two = tmp_path / "two" / "rank0" / "run"
+    r0, r1 = logs
+    assert r0["world_size"] == 2 and all(not set(r0["shares"][t]) & set(r1["shares"][t]) for t in ("0", "1", "2"))
+    # at some step one rank ran a placeholder micro-batch (its coordinates must count as zeros)
+    assert any(-(-len(r0["shares"][t]) // 2) != -(-len(r1["shares"][t]) // 2) for t in ("0", "1", "2"))
+    assert any(f.startswith("run/checkpoint_shards") for f in files_under(tmp_path / "two" / "rank1"))  # sharded
+    la, lb = (json.loads((d / "ledger.json").read_text()) for d in (one, two))
+    assert la == lb
+    assert [e["phase"] for e in la["entries"]] == ["subspace", "train"] and la["entries"][1]["count"] == 3
+    ra, rb = (json.loads((d / "report.json").read_text()) for d in (one, two))
+    assert ra["privacy"]["epsilon"] == rb["privacy"]["epsilon"]
+    _weights_close(one, two, 1e-6)
+    from dpft.fsdp_state import read_trainable
+
+    start = SubspaceBasis.load(basis).start
+    w, w2 = read_trainable(one), read_trainable(two, tmp_path / "two" / "rank1" / "run")
+    moved = max(float((w[n] - start[n]).abs().max()) for n in w)
+    dw = max(float((w[n] - w2[n]).abs().max()) for n in w)
+    print(f"dpft train dpsft file: max |Δw| 2 vs 1 process = {dw:.3g}; moved off Θ* by {moved:.3g}; "
+          f"d = {sum(t.numel() for t in w.values()):,}")
+    assert moved > 1e-4  # stage 2 moved the weights off Θ*
+
+
+@pytest.fixture(scope="module")
+def api_one_and_two(tmp_path_factory):
+    if dist.is_initialized():  # pragma: no cover - another test left one
+        pytest.skip("a process group is already initialised")
+    from ddp_api_worker import _model
+
+    from dpft.audit.checks_hf_ddp import tiny_model
+
+    root = tmp_path_factory.mktemp("fsdp_dpsft_api")
+    init = {n: p.detach().flatten().tolist() for n, p in _model(0).named_parameters()}  # make_private's start
+    mlp = make_basis(_model(0), root / "mlp_basis.safetensors")
+    bert = make_basis(tiny_model(), root / "bert_basis.safetensors")
+    spec = {"name": "dpsft", "source": "file", "k": K, "start": "initial"}
+    jobs = {"api_dpsft": {"methods": [{**spec, "file": str(mlp)}]},
+            "trainer_dpsft": {"methods": [{**spec, "file": str(bert)}], "trainer": True},
+            "trainer_args_dpsft": {"methods": [{**spec, "file": str(bert)}], "trainer": True, "fsdp_args": True}}
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        one = worker.run_jobs({"jobs": jobs, "out": str(root / "one")}, 0)
+    finally:
+        dist.destroy_process_group()
+    logs = root / "logs"
+    logs.mkdir()
+    torch.multiprocessing.start_processes(worker.forked_entry, args=(
+        {"jobs": jobs, "log_dir": str(logs), "out": str(root / "two")}, free_port()), nprocs=2, join=True,
+        start_method="forkserver")
+    one["jobs"]["api_dpsft"]["init"] = init
+    return jobs, one, [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["api_dpsft", "trainer_dpsft", "trainer_args_dpsft"])
+def test_dpsft_file_python_ways_in_two_processes_equal_one(api_one_and_two, job):
+    """``make_private`` on a ``fully_shard``-ed MLP, ``DPTrainer`` on a caller-sharded BERT and with
+    ``TrainingArguments.fsdp``: 2 processes = 1 process (ledger: the basis's events then one per step; ε;
+    the gathered weights)."""
+    _, one, two = api_one_and_two
+    a = one["jobs"][job]
+    r0, r1 = (log["jobs"][job] for log in two)
+    assert (a["world_size"], r0["world_size"]) == (1, 2)
+    assert r0["ledger"] == r1["ledger"] == a["ledger"]
+    assert [e["phase"] for e in a["ledger"]["entries"]] == ["subspace", "train"]
+    assert a["ledger"]["entries"][1]["count"] == (3 if "trainer" in job else 4)
+    if "epsilon" in a:
+        assert r0["epsilon"] == r1["epsilon"] == a["epsilon"]
+    assert r0["weights"] == r1["weights"]  # gathered: one model for the world
+    assert a["weights"]
+    assert a["weights"].keys() == a["init"].keys()  # the spanned model parameters, not the k coordinates
+    moved = max(float((torch.tensor(w) - torch.tensor(a["init"][n])).abs().max()) for n, w in a["weights"].items())
+    assert moved > 1e-3
+    dw = max(float((torch.tensor(r0["weights"][n]) - torch.tensor(w)).abs().max()) for n, w in a["weights"].items())
+    print(f"{job}: max |Δw| 2 vs 1 process = {dw:.3g}; moved {moved:.3g}")
+    for n, w in a["weights"].items():
+        torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
