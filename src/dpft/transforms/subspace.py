@@ -252,18 +252,4 @@ def snapshot_schedule(total_steps: int, m: int) -> tuple[int, list[int]]:
     return t1, [y * (j + 1) for j in range(m)]
 
 
-__all__ = ["SubspaceBasis", "SubspaceError", "basis_from_snapshots", "format_bytes", "snapshot_schedule",
-           "unproject_transform"]
-
-
-def unproject_transform(basis: SubspaceBasis, key: str = "subspace.coords"):
-    """Loop transform (post-processing, no privacy cost): ``{key: s̃ (k,)}`` -> ``{name: P_n s̃}``
-    for every parameter the basis spans (Algorithm 2 lines 12-13)."""
-
-    def apply(grads, ctx):
-        if key not in grads:
-            raise SubspaceError(f"unproject: expected the noisy coordinates under {key!r}")
-        return basis.unproject(grads[key])
-
-    apply.basis = basis  # type: ignore[attr-defined]
-    return apply
+__all__ = ["SubspaceBasis", "SubspaceError", "basis_from_snapshots", "format_bytes", "snapshot_schedule"]
