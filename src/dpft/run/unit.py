@@ -26,7 +26,7 @@ def check_user_level(recipe, method_names: list[str]) -> None:
 
     Raises:
         TrainingError: methods, ``batch.schedule``, fp16 or packing with a user column. (Under DDP
-            each rank takes whole users: ``distributed.shard_units``; FSDP refuses user level.)"""
+            and FSDP2 each rank takes whole users: ``distributed.shard_units``.)"""
     r = recipe
     why = []
     if method_names:
