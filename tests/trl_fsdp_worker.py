@@ -8,7 +8,11 @@ the pairs with the policy before training, here sharded: every rank scores toget
 LoRA policy (the reference: TRL's frozen ``ref`` copy of the adapter, made before sharding); ``ref_model`` —
 an unsharded ``ref_model`` passed by the caller (rank 0 scores alone); ``env`` — FSDP asked through
 accelerate's FSDP2 environment (``accelerate launch``) instead of ``DPOConfig.fsdp``; ``user_sharded`` — the
-policy sharded by the caller with ``fully_shard`` (its reference adapter added first; 2 processes only).
+policy sharded by the caller with ``fully_shard`` (its reference adapter added first; 2 processes only);
+``user_level`` — DPO at user level (``DPArguments(user_column="user")``: tests/sft_fsdp_worker.py's 12 pairs of
+5 users and its user-level ``DPArguments``, as tests/dpo_user_worker.py). ``resume_test`` — the job is
+tests/sft_fsdp_worker.py's ``run_resume`` (AdamW, stopped after the checkpoint at step 2 of 4 and resumed,
+against the uninterrupted run), so one launch runs both workers' jobs.
 Without ``dpo``: DPTrainer on a 4-bit NF4 tiny Llama (``llama_dir``; bitsandbytes' CPU backend,
 ``bnb_4bit_quant_storage`` = fp32 so that FSDP2 shards the packed weights) with LoRA adapters, logging each
 NF4 layer's shard. DPO jobs also log the reference log-probabilities of the training pairs.
@@ -53,9 +57,13 @@ def _dpo(job: dict, common: dict):
     extra = {"ref_model": tiny_llama(len(tok))} if job.get("ref_model") else {}
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=4,
                      reproducible_seed=3, max_physical_batch_size=2)
+    rows = trl_rows({"trainer": "dpo", "rows": 12})
+    if job.get("user_level"):  # the settings of tests/dpo_user_worker.py: a 1-process run equals its fsdp= job
+        from sft_fsdp_worker import USERS, _dp_args
+
+        rows, dp = rows.add_column("user", [f"u{u}" for u in USERS]), _dp_args({}, True)
     args = DPOConfig(bf16=False, beta=0.5, max_length=64, dataset_num_proc=None, **common)
-    return DPDPOTrainer(model=model, args=args, train_dataset=trl_rows({"trainer": "dpo", "rows": 12}),
-                        processing_class=tok, dp_args=dp, **extra)
+    return DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, dp_args=dp, **extra)
 
 
 #: accelerate launch's environment for an FSDP2 config on the tiny Llama (``distributed_type: FSDP``,
@@ -92,6 +100,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
     else:
         log["nf4"] = _nf4_shards(tr.model)
     log.update(_train(tr, job, out_dir))
+    log["user_level"] = bool(getattr(tr, "user_level", False))
     return log
 
 
@@ -188,8 +197,11 @@ def _qlora(job: dict, common: dict):
 
 
 def run_jobs(cfg: dict, rank: int) -> dict:
-    out = {"jobs": {name: run_job(job, Path(cfg.get("out", "."), f"{name}-{rank}"))
-                    for name, job in cfg["jobs"].items()}}
+    from sft_fsdp_worker import run_resume
+
+    # a resumed run reads the checkpoint rank 0 wrote: one output folder for the world, as in practice
+    out = {"jobs": {name: run_resume(job, Path(cfg.get("out", "."), name)) if job.get("resume_test") else
+                    run_job(job, Path(cfg.get("out", "."), f"{name}-{rank}")) for name, job in cfg["jobs"].items()}}
     if cfg.get("log_dir"):
         Path(cfg["log_dir"], f"rank{rank}.json").write_text(json.dumps(out))
     return out
