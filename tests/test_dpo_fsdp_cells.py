@@ -8,7 +8,8 @@ test of their own (issue 38 item 1):
   and the 1-process run equal to the ``fsdp=`` one;
 - ``resume_from_checkpoint`` of a DPDPOTrainer the caller sharded (pairs; AdamW stopped after its checkpoint
   at step 2 of 4 on 2 processes, resumed by a new trainer on a freshly sharded policy) against the
-  uninterrupted run and the 1-process ``fsdp=`` run (integrations/hf_fsdp.py ``load_full_into_shards``).
+  uninterrupted run and the 1-process ``fsdp=`` run (integrations/hf_fsdp.py ``load_full_into_shards``:
+  rank 0 reads the checkpoint and broadcasts it; a checkpoint it refuses is refused on every rank).
 
 Workers reused: tests/trl_fsdp_worker.py (``user_level``, ``user_sharded``, ``env``) and
 tests/sft_fsdp_worker.py (``run_resume`` with ``dpo`` and ``caller_sharded``), both in one 2-process launch.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 
 import pytest
 import torch
@@ -54,7 +56,8 @@ def one_and_two(tmp_path_factory):
     one["dpo_caller_resume"] = sft_fsdp_worker.run_job(RESUME_BASE, root / "one" / "resume")  # fsdp=, 1 process
     logs = root / "logs"
     logs.mkdir()
-    cfg = {"jobs": {**CALLER_USER, "dpo_user_env": USER["dpo_user_env"], **RESUME}, "log_dir": str(logs),
+    cfg = {"jobs": {**CALLER_USER, "dpo_user_env": USER["dpo_user_env"], **RESUME, "refusals": {"refusals": True}},
+           "log_dir": str(logs),
            "out": str(root / "two")}
     torch.multiprocessing.start_processes(worker.forked_entry, args=(cfg, free_port()),
                                           nprocs=2, join=True, start_method="forkserver")
@@ -111,7 +114,7 @@ def _initial_weights() -> dict:
 
 
 @pytest.mark.slow
-def test_caller_sharded_dpodpotrainer_resume_equals_the_uninterrupted_run(one_and_two):
+def test_caller_sharded_dpdpotrainer_resume_equals_the_uninterrupted_run(one_and_two):
     """DPDPOTrainer on a tiny Llama the caller sharded (decoder layer + root; pairs), AdamW stopped after the
     checkpoint at step 2 of 4 on 2 processes and resumed by a new trainer (``resume_from_checkpoint``: the
     policy's full tensors loaded straight into the shards, the optimizer's full state): the resumed run's
@@ -132,3 +135,15 @@ def test_caller_sharded_dpodpotrainer_resume_equals_the_uninterrupted_run(one_an
     _close(r0["whole"]["weights"], r0["resumed"]["weights"])
     _close(a["weights"], r0["resumed"]["weights"], **ADAMW_ACROSS_WORLDS)
     _close(a["weights"], r0["whole"]["weights"], **ADAMW_ACROSS_WORLDS)
+
+
+@pytest.mark.slow
+def test_caller_sharded_resume_refusals_reach_every_rank(one_and_two):
+    """Rank 0 alone reads the checkpoint (``load_full_into_shards``): a folder without weights and another
+    model's checkpoint are refused on both ranks with rank 0's reason (rank 1 does not wait in the broadcast)."""
+    _, two = one_and_two
+    r0, r1 = (log["refusals"] for log in two)
+    assert r0 == r1
+    assert r0["empty"][0] == "ValueError" and "holds no model.safetensors" in r0["empty"][1]
+    assert r0["foreign"][0] == "ValueError"
+    assert re.search(r"holds no weights for the trainable parameters .*another model", r0["foreign"][1])
