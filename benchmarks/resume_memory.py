@@ -64,6 +64,17 @@ class _Peaks:
         return False
 
 
+def _same(a, b) -> bool:
+    """Whether two (nested) state dicts hold equal values."""
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
 def _model(args, seed: int):
     import torch
     import transformers
@@ -101,6 +112,11 @@ def _rank(rank: int, args, port: int, ckpt: str, out: str) -> None:
         with _Peaks() as peaks:
             load_full_into_shards(model, ckpt)
         peak = _status("VmHWM")
+        ok = True
+        with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as fh:
+            for name, p in model.named_parameters():  # every rank gathers (a collective); rank 0 compares
+                full = p.full_tensor()
+                ok = ok and (rank != 0 or torch.equal(full, fh.get_tensor(name)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for q in model.parameters():  # AdamW's state (two tensors per parameter), non-zero
             q.grad = q.detach() * 0.5
@@ -118,18 +134,15 @@ def _rank(rank: int, args, port: int, ckpt: str, out: str) -> None:
         with _Peaks() as opt_peaks:
             load_full_optimizer(model, opt, ckpt)
         opt_peak = _status("VmHWM")
-        ok = True
-        with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as fh:
-            for name, p in model.named_parameters():  # every rank gathers (a collective); rank 0 compares
-                full = p.full_tensor()
-                ok = ok and (rank != 0 or torch.equal(full, fh.get_tensor(name)))
+        again = full_optimizer_state(model, opt)  # gathered after the load (a collective); rank 0 compares
+        opt_ok = rank != 0 or _same(again, torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "rss_before_mb": before["VmRSS"], "peak_mb": peak,
                        "load_increment_mb": peak - before["VmRSS"],
                        "anon_increment_mb": max(peaks.anon, before["RssAnon"]) - before["RssAnon"],
                        "file_increment_mb": max(peaks.file, before["RssFile"]) - before["RssFile"],
                        "weights_equal_file": ok, "optimizer_load_increment_mb": opt_peak - opt_before["VmRSS"],
-                       "optimizer_anon_increment_mb": max(opt_peaks.anon, opt_before["RssAnon"])
+                       "optimizer_equal_file": opt_ok, "optimizer_anon_increment_mb": max(opt_peaks.anon, opt_before["RssAnon"])
                        - opt_before["RssAnon"]}, f)
     finally:
         dist.destroy_process_group()

@@ -29,7 +29,8 @@ hold the gathered full model (:func:`full_model_state`; PEFT: the adapter), the 
 loads, and the full optimizer state by parameter name (:func:`full_optimizer_state`);
 ``resume_from_checkpoint`` loads both back into the shards (:func:`load_full_checkpoint`,
 :func:`load_full_optimizer`): through a plain copy when DPTrainer sharded the model, straight into the
-shards when the caller did (:func:`load_full_into_shards`). In one
+shards when the caller did (:func:`load_full_into_shards`); rank 0 alone reads the caller-sharded model's
+weights and every ``optimizer.pt``, broadcast one tensor at a time (``broadcast_from_rank0``). In one
 process nothing is sharded but the step is still the sharded one (its noise layout), so a 1-process
 run equals a K-process one, as ``dpft train``'s. Banded MF runs sharded (:class:`~dpft.fsdp.ShardedBandedMFMechanism`:
 each rank keeps the noise buffers of its own shards); a checkpoint gathers every rank's slices and rank 0
