@@ -8,7 +8,12 @@ the pairs with the policy before training, here sharded: every rank scores toget
 LoRA policy (the reference: TRL's frozen ``ref`` copy of the adapter, made before sharding); ``ref_model`` —
 an unsharded ``ref_model`` passed by the caller (rank 0 scores alone); ``env`` — FSDP asked through
 accelerate's FSDP2 environment (``accelerate launch``) instead of ``DPOConfig.fsdp``; ``user_sharded`` — the
-policy sharded by the caller with ``fully_shard`` (its reference adapter added first; 2 processes only).
+policy sharded by the caller with ``fully_shard`` (its reference adapter added first; 2 processes only);
+``user_level`` — DPO at user level (``DPArguments(user_column="user")``: tests/sft_fsdp_worker.py's 12 pairs of
+5 users and its user-level ``DPArguments``, as tests/dpo_user_worker.py). ``resume_test`` — the job is
+tests/sft_fsdp_worker.py's ``run_resume`` (AdamW, stopped after the checkpoint at step 2 of 4 and resumed,
+against the uninterrupted run), so one launch runs both workers' jobs; ``refusals`` — no trainer:
+:func:`refused_checkpoints` (2 processes only).
 Without ``dpo``: DPTrainer on a 4-bit NF4 tiny Llama (``llama_dir``; bitsandbytes' CPU backend,
 ``bnb_4bit_quant_storage`` = fp32 so that FSDP2 shards the packed weights) with LoRA adapters, logging each
 NF4 layer's shard. DPO jobs also log the reference log-probabilities of the training pairs.
@@ -53,9 +58,13 @@ def _dpo(job: dict, common: dict):
     extra = {"ref_model": tiny_llama(len(tok))} if job.get("ref_model") else {}
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=4,
                      reproducible_seed=3, max_physical_batch_size=2)
+    rows = trl_rows({"trainer": "dpo", "rows": 12})
+    if job.get("user_level"):  # the settings of tests/dpo_user_worker.py: a 1-process run equals its fsdp= job
+        from sft_fsdp_worker import USERS, _dp_args
+
+        rows, dp = rows.add_column("user", [f"u{u}" for u in USERS]), _dp_args({}, True)
     args = DPOConfig(bf16=False, beta=0.5, max_length=64, dataset_num_proc=None, **common)
-    return DPDPOTrainer(model=model, args=args, train_dataset=trl_rows({"trainer": "dpo", "rows": 12}),
-                        processing_class=tok, dp_args=dp, **extra)
+    return DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, dp_args=dp, **extra)
 
 
 #: accelerate launch's environment for an FSDP2 config on the tiny Llama (``distributed_type: FSDP``,
@@ -92,6 +101,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
     else:
         log["nf4"] = _nf4_shards(tr.model)
     log.update(_train(tr, job, out_dir))
+    log["user_level"] = bool(getattr(tr, "user_level", False))
     return log
 
 
@@ -187,9 +197,46 @@ def _qlora(job: dict, common: dict):
                      data_collator=causal_collate, dp_args=dp)
 
 
+def refused_checkpoints(out_dir: Path) -> dict:
+    """``load_full_into_shards`` of a tiny Llama the caller sharded, from a folder without weights and from
+    another model's checkpoint (rank 0 reads and checks them): what each rank raises (type, message)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from sft_fsdp_worker import _caller_shard
+
+    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.integrations.hf_fsdp import load_full_into_shards
+
+    model = tiny_llama(len(tiny_tokenizer()))
+    _caller_shard(model)
+    empty, foreign = out_dir / "empty", out_dir / "foreign"
+    if dist.get_rank() == 0:
+        empty.mkdir(parents=True, exist_ok=True)
+        foreign.mkdir(parents=True, exist_ok=True)
+        save_file({"classifier.weight": torch.zeros(2, 2)}, str(foreign / "model.safetensors"))
+    dist.barrier()
+    out = {}
+    for name, folder in (("empty", empty), ("foreign", foreign)):
+        try:
+            load_full_into_shards(model, str(folder))
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+            out[name] = [type(exc).__name__, str(exc)]
+    return out
+
+
 def run_jobs(cfg: dict, rank: int) -> dict:
-    out = {"jobs": {name: run_job(job, Path(cfg.get("out", "."), f"{name}-{rank}"))
-                    for name, job in cfg["jobs"].items()}}
+    from sft_fsdp_worker import run_resume
+
+    def one(name: str, job: dict):
+        out = Path(cfg.get("out", "."), name)
+        if job.get("refusals"):
+            return refused_checkpoints(out)
+        # a resumed run reads the checkpoint rank 0 wrote: one output folder for the world, as in practice
+        return run_resume(job, out) if job.get("resume_test") else run_job(job, Path(f"{out}-{rank}"))
+
+    out = {"jobs": {name: one(name, job) for name, job in cfg["jobs"].items()}}
     if cfg.get("log_dir"):
         Path(cfg["log_dir"], f"rank{rank}.json").write_text(json.dumps(out))
     return out

@@ -29,7 +29,8 @@ hold the gathered full model (:func:`full_model_state`; PEFT: the adapter), the 
 loads, and the full optimizer state by parameter name (:func:`full_optimizer_state`);
 ``resume_from_checkpoint`` loads both back into the shards (:func:`load_full_checkpoint`,
 :func:`load_full_optimizer`): through a plain copy when DPTrainer sharded the model, straight into the
-shards when the caller did (:func:`load_full_into_shards`). In one
+shards when the caller did (:func:`load_full_into_shards`); rank 0 alone reads the caller-sharded model's
+weights and every ``optimizer.pt``, broadcast one tensor at a time (``broadcast_from_rank0``). In one
 process nothing is sharded but the step is still the sharded one (its noise layout), so a 1-process
 run equals a K-process one, as ``dpft train``'s. Banded MF runs sharded (:class:`~dpft.fsdp.ShardedBandedMFMechanism`:
 each rank keeps the noise buffers of its own shards); a checkpoint gathers every rank's slices and rank 0
@@ -54,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -382,49 +383,120 @@ def _read_safetensors(ckpt: str, stem: str) -> Optional[dict[str, torch.Tensor]]
 def load_full_into_shards(model, ckpt: str) -> None:
     """Load checkpoint ``ckpt``'s full tensors straight into the shards of an FSDP2 ``model`` the caller
     sharded with ``fully_shard`` (``Trainer``'s loader cannot load into ``DTensor`` parameters and there is
-    no plain copy): every rank reads ``model.safetensors`` (or its index's files) or, for a PEFT model, the
+    no plain copy). Rank 0 alone reads ``model.safetensors`` (or its index's files) or, for a PEFT model, the
     adapter's ``adapter_model.safetensors`` (keys renamed to the model's by PEFT's own
-    ``set_peft_model_state_dict``), and ``set_model_state_dict(full_state_dict=True, strict=False)`` keeps
-    each rank's slice (a collective; the checkpoint's full tensors in CPU memory on every rank while it lasts).
+    ``set_peft_model_state_dict``); ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True,
+    strict=False)`` broadcasts one tensor at a time and each rank keeps its slice (a collective; the other
+    ranks pass an empty dict). Host memory while it loads: rank 0 the checkpoint's tensors (safetensors maps
+    the file: its pages resident as they are read), every other rank at most one full tensor at a time (the
+    broadcast's receive buffer) and no read of the file (measured: benchmarks/resume_memory.py).
 
     Raises:
-        ValueError: no safetensors weights in ``ckpt``, or a trainable parameter the checkpoint does not hold
-            (another model's checkpoint: resuming would train from the wrong weights)."""
+        ValueError: on every rank (rank 0's reason sent to all, so none waits in the broadcast): no
+            safetensors weights in ``ckpt``, or a trainable parameter the checkpoint does not hold (another
+            model's checkpoint: resuming would train from the wrong weights). Any other error reading the
+            checkpoint on rank 0 is raised there and as ``RuntimeError`` on the other ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, strict=False)
+    full = _read_on_rank0(lambda: _checkpoint_weights(model, ckpt), ckpt)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=False))
+
+
+def _read_on_rank0(read: Callable[[], dict], ckpt: str) -> dict:
+    """``read()`` on rank 0 of the default group only: its dict there, ``{}`` on the other ranks (what
+    ``StateDictOptions(broadcast_from_rank0=True)`` wants). An error raised by ``read`` is raised on every
+    rank (rank 0's reason sent to the others, so none waits in the broadcast that follows): a ``ValueError``
+    as itself, anything else as ``RuntimeError`` naming ``ckpt`` on the other ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # pragma: no cover - an FSDP2 model lives in a process group
+        return read()
+    out: dict = {}
+    failure: Optional[BaseException] = None
+    if dist.get_rank() == 0:
+        try:
+            out = read()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, its reason on every rank
+            failure = exc
+    box = [None if failure is None else (isinstance(failure, ValueError), str(failure))]
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[0] is not None:
+        is_value, why = box[0]
+        raise ValueError(why) if is_value else RuntimeError(f"resume_from_checkpoint: rank 0 could not read {ckpt}: "
+                                                            f"{why}")
+    return out
+
+
+def _checkpoint_weights(model, ckpt: str) -> dict[str, torch.Tensor]:
+    """The full tensors of checkpoint ``ckpt`` under ``model``'s state-dict keys (PEFT: the adapter's file,
+    renamed by ``set_peft_model_state_dict``), checked to hold every trainable parameter (rank 0 runs it).
+
+    Raises:
+        ValueError: no safetensors weights in ``ckpt``, or a trainable parameter it does not hold."""
     peft = hasattr(model, "peft_config") and hasattr(model, "active_adapter")
     full = _read_safetensors(ckpt, "adapter_model" if peft else "model")
     if full is None:
         raise ValueError(f"resume_from_checkpoint: {ckpt} holds no {'adapter_model' if peft else 'model'}.safetensors "
                          "(DPTrainer writes one at every checkpoint); resume from a checkpoint DPTrainer wrote")
     if peft:
-        from peft.utils import set_peft_model_state_dict
-
-        renamed: dict[str, torch.Tensor] = {}
-
-        def capture(sd, strict=False, assign=False):  # what PEFT's loader hands model.load_state_dict, renamed
-            renamed.update(sd)
-            return torch.nn.modules.module._IncompatibleKeys([], [])
-
-        model.load_state_dict = capture
-        try:
-            set_peft_model_state_dict(model, full, adapter_name=model.active_adapter)
-        finally:
-            del model.load_state_dict
-        full = renamed
+        full = _peft_renamed(model, full)
     missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in full]
     if missing:  # checked before loading (set_model_state_dict adds the model's own entries to the dict it is given)
         raise ValueError(f"resume_from_checkpoint: {ckpt} holds no weights for the trainable parameters {missing[:3]} "
                          "of this model: it was written for another model. Resume with the model that wrote it")
-    set_model_state_dict(model, dict(full), options=opts)
+    return full
+
+
+def _peft_renamed(model, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter file's tensors under the PEFT ``model``'s keys: what PEFT's own ``set_peft_model_state_dict``
+    hands ``model.load_state_dict`` (the adapter name put back, modules-to-save mapped), captured, with its
+    resharding for transformers' tensor parallelism switched off (PEFT 0.21 cuts a tensor whose parameter is a
+    ``DTensor`` into this rank's shard, a ``DTensor`` holding rank 0's slice only; here rank 0 alone reads, and
+    the broadcast wants the full tensors).
+
+    Raises:
+        RuntimeError: PEFT still handed back a ``DTensor`` (a PEFT release that reshards otherwise)."""
+    from unittest import mock
+
+    import peft.utils.save_and_load as peft_io
+
+    renamed: dict[str, torch.Tensor] = {}
+
+    def capture(sd, strict=False, assign=False):  # what PEFT's loader hands model.load_state_dict, renamed
+        renamed.update(sd)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    no_tp = (mock.patch.object(peft_io, "is_transformers_dtensor_tp", False)
+             if hasattr(peft_io, "is_transformers_dtensor_tp") else contextlib.nullcontext())
+    model.load_state_dict = capture
+    try:
+        with no_tp:
+            peft_io.set_peft_model_state_dict(model, adapter, adapter_name=model.active_adapter)
+    finally:
+        del model.load_state_dict
+    sharded = [k for k, v in renamed.items() if fsdp.is_sharded(v)]
+    if sharded:
+        raise RuntimeError(f"resume_from_checkpoint: PEFT's set_peft_model_state_dict returned sharded tensors for "
+                           f"{sharded[:3]} (this PEFT release reshards adapters on load in a way dpft does not switch off); "
+                           "resume with peft 0.21, or report the PEFT version to dpft")
+    return renamed
 
 
 def load_full_optimizer(model, optimizer, ckpt: str) -> None:
     """Set the FSDP2 ``optimizer``'s shards from the full state :func:`full_optimizer_state` wrote to
-    ``ckpt/optimizer.pt`` (``set_optimizer_state_dict(full_state_dict=True)``: each rank keeps its slice)."""
+    ``ckpt/optimizer.pt``: rank 0 alone reads it (``torch.load``), ``set_optimizer_state_dict(full_state_dict=True,
+    broadcast_from_rank0=True)`` broadcasts one tensor at a time and each rank keeps its slice (the other ranks
+    pass ``{}``; was: every rank read the whole file).
+
+    Raises:
+        RuntimeError: on the other ranks, when rank 0 could not read the file (rank 0 raises its own error)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from transformers.trainer import OPTIMIZER_NAME
 
-    full = torch.load(os.path.join(ckpt, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
-    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+    full = _read_on_rank0(lambda: torch.load(os.path.join(ckpt, OPTIMIZER_NAME), map_location="cpu",
+                                             weights_only=True), ckpt)
+    set_optimizer_state_dict(model, optimizer, full,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
