@@ -35,9 +35,9 @@ import torch
 from safetensors.torch import load_file
 
 from dpft.config import load_recipe
-from dpft.fsdp import FSDPError, check_recipe
+from dpft.fsdp import check_recipe
 from dpft.methods.base import active_methods
-from dpft.methods.ewft import TRAIN_PRE_FSDP_REFUSAL, ForwardLDP
+from dpft.methods.ewft import ForwardLDP
 from dpft.methods.ewft_parts import fsdp_world, pre_cache_allowed, rank_parts
 from dpft.run.loop import Trainer
 
@@ -71,7 +71,10 @@ def _model_files(run) -> dict[str, torch.Tensor]:
 #: The slow cases: the certified frozen pre(·) (with a test file: rank 0 evaluates the materialised copy under
 #: FSDP2), and the NOT CERTIFIED ablation of DP-Forward's flaw (i) (pre(·) trained through the noise by plain
 #: autograd: FSDP2's own reduce-scatter of pre(·)'s gradients too).
-CASES = {"frozen": {}, "repro_flaw_i": {"ldp.reproduce_flaws": ["i"]}}
+#: ``train_pre``: pre(·) trained by DP-SGD through the noise (methods/ldp_fsdp.py: the engine on a plain copy
+#: gathered each step, clipped sums reduce-scattered, DDP's gradient noise sliced per shard).
+CASES = {"frozen": {}, "repro_flaw_i": {"ldp.reproduce_flaws": ["i"]},
+         "train_pre": {"ldp.train_pre.enabled": True, "ldp.train_pre.max_grad_norm": 0.5}}
 
 
 @pytest.mark.slow
@@ -87,17 +90,18 @@ def test_fsdp_two_processes_equal_ddp_two_processes(tiny_model_dir, sst_like_fil
         failure, logs[sharding] = launch_worker(tmp_path / sharding, {**base, "perf.sharding": sharding})
         assert failure is None, (failure, logs[sharding])
         runs[sharding] = tmp_path / sharding / "rank0" / "run"
-    if case == "frozen":
+    if case in ("frozen", "train_pre"):
         runs["one"] = tmp_path / "one"
         Trainer(load_recipe(None, base), runs["one"], progress=False).run()
 
     ledgers = {k: json.loads((d / "ledger.json").read_text()) for k, d in runs.items()}
     assert all(v == ledgers["ddp"] for v in ledgers.values())
     entries = ledgers["fsdp"]["entries"]
-    assert entries and all(e["phase"] == "ldp-forward" for e in entries) and sum(e["count"] for e in entries) == 6
+    phase = "ldp-forward+dp-sgd" if case == "train_pre" else "ldp-forward"  # train_pre: one joint event per step
+    assert entries and all(e["phase"] == phase for e in entries) and sum(e["count"] for e in entries) == 6
     reps = {k: json.loads((d / "report.json").read_text()) for k, d in runs.items()}
     assert all(r["privacy"] == reps["ddp"]["privacy"] for r in reps.values())  # ε, local, linked-rows sections
-    assert (reps["fsdp"]["privacy"]["epsilon"] is None) is (case != "frozen")  # the ablation: NOT CERTIFIED
+    assert (reps["fsdp"]["privacy"]["epsilon"] is None) is (case == "repro_flaw_i")  # the ablation: NOT CERTIFIED
     for r in range(2):  # the same logical batches, the same share and micro-batches on each rank
         for key in ("batches", "shares", "micro"):
             assert logs["fsdp"][r][key] == logs["ddp"][r][key], key
@@ -121,33 +125,29 @@ def test_fsdp_two_processes_equal_ddp_two_processes(tiny_model_dir, sst_like_fil
         atol = 1e-3 if k.endswith("attention.self.key.bias") else 1e-5
         torch.testing.assert_close(wf[k], wd[k], rtol=1e-5, atol=atol, msg=k)
     init = load_file(next(tiny_model_dir.glob("*.safetensors")))
-    trained = "bert.encoder.layer.0.output.dense.weight" if case == "repro_flaw_i" else "classifier.weight"
+    trained = "classifier.weight" if case == "frozen" else "bert.encoder.layer.0.output.dense.weight"
     assert not torch.allclose(wf[f"model.safetensors:{trained}"], init[trained])  # it trained (pre(·) too: flaw i)
-    if case == "frozen":
+    if case in ("frozen", "train_pre"):
         # other draws than one process: the weights differ (the claim against 1 process is the ledger's)
         w1 = _model_files(runs["one"])
         assert any(not torch.allclose(wf[k], w1[k], atol=1e-6) for k in wf if "classifier" in k)
+    if case == "frozen":
         pre = "bert.encoder.layer.0.output.dense.weight"  # frozen pre(·): untouched
         assert torch.equal(wf[f"model.safetensors:{pre}"], init[pre])
 
 
 # -- fast: which configs run sharded, and why the other is refused -------------------------------------------
-def test_frozen_pre_is_accepted_and_train_pre_refused_with_its_reason(tiny_model_dir, sst_like_files):
-    ok = load_recipe(None, ldp_overrides(tiny_model_dir, sst_like_files, **{"perf.sharding": "fsdp"}))
-    methods = active_methods(ok)
-    assert [m.name for m in methods] == ["ewft"]
-    check_recipe(ok, 2, methods, False, False)  # no refusal
-    for extra in ({"ldp.schedule": "uniform"}, {"ldp.autoencoder.sizes": []}, {"ldp.label_epsilon": 2.0},
-                  {"ldp.reproduce_flaws": ["ii"]}):
+def test_frozen_and_trained_pre_are_accepted(tiny_model_dir, sst_like_files):
+    """No ldp: config is refused under FSDP2 any more: a frozen pre(·) and ``ldp.train_pre`` both pass the
+    recipe check (train_pre runs its own sharded step, methods/ldp_fsdp.py)."""
+    for extra in ({}, {"ldp.schedule": "uniform"}, {"ldp.autoencoder.sizes": []}, {"ldp.label_epsilon": 2.0},
+                  {"ldp.reproduce_flaws": ["ii"]}, {"ldp.train_pre.enabled": True, "ldp.schedule": "uniform"},
+                  {"ldp.train_pre.enabled": True, "ldp.train_pre.engine": "reference"}):
         r = load_recipe(None, ldp_overrides(tiny_model_dir, sst_like_files, **{"perf.sharding": "fsdp", **extra}))
-        check_recipe(r, 2, active_methods(r), False, False)
-    tp = load_recipe(None, ldp_overrides(tiny_model_dir, sst_like_files, **{
-        "perf.sharding": "fsdp", "ldp.train_pre.enabled": True, "ldp.schedule": "uniform"}))
-    with pytest.raises(FSDPError, match=r"method 'ewft': ldp.train_pre trains pre\(·\) by DP-SGD.*TrainPreMechanism"
-                                        r".*not built: run ldp.train_pre under perf.sharding: ddp"):
-        check_recipe(tp, 2, active_methods(tp), False, False)
-    assert ForwardLDP.sharded_refusal(tp.ldp) == TRAIN_PRE_FSDP_REFUSAL
-    assert ForwardLDP.sharded_refusal(ok.ldp) is None
+        methods = active_methods(r)
+        assert [m.name for m in methods] == ["ewft"]
+        check_recipe(r, 2, methods, False, False)  # no refusal
+        assert ForwardLDP.sharded_refusal(r.ldp) is None
 
 
 def test_pre_cache_rule_and_stream_names():
