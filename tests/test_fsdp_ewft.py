@@ -200,3 +200,44 @@ def test_fsdp_ewft_audit_checks_pass_and_catch_the_planted_bugs():
     assert len(honest) >= 2 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
     for name in PLANTED:
         assert any(not c.passed for c in fsdp_ewft_checks(name)), name
+
+
+def test_fsdp_train_pre_one_process_equals_unsharded(tiny_model_dir, sst_like_files, tmp_path):
+    """``ldp.train_pre`` with ``perf.sharding: fsdp`` in one process runs methods/ldp_fsdp.py's step (picked by
+    dpft/fsdp_plain.py ``make_step`` from the engine's ``fsdp_step``); nothing is sharded, so it is the
+    one-process run draw for draw: the same ledger and weights as ``perf.sharding: none``, and pre(·) trained."""
+    from dpft.methods.ldp_fsdp import TrainPreFSDPStep
+
+    base = ldp_overrides(tiny_model_dir, sst_like_files, **{"ldp.train_pre.enabled": True, "schedule.epochs": 1,
+                                                             "ldp.train_pre.max_grad_norm": 0.5})
+    runs = {}
+    for sharding in ("none", "fsdp"):
+        tr = Trainer(load_recipe(None, {**base, "perf.sharding": sharding}), tmp_path / sharding, progress=False)
+        assert isinstance(tr.dp_step, TrainPreFSDPStep) is (sharding == "fsdp")
+        tr.run()
+        runs[sharding] = tmp_path / sharding
+    ledgers = [json.loads((d / "ledger.json").read_text()) for d in runs.values()]
+    assert ledgers[0] == ledgers[1] and {e["phase"] for e in ledgers[0]["entries"]} == {"ldp-forward+dp-sgd"}
+    wn, wf = _model_files(runs["none"]), _model_files(runs["fsdp"])
+    assert wn.keys() == wf.keys()
+    for k in wn:
+        torch.testing.assert_close(wf[k], wn[k], rtol=0, atol=0, msg=k)
+    init = load_file(next(tiny_model_dir.glob("*.safetensors")))
+    pre = "bert.encoder.layer.0.output.dense.weight"
+    assert not torch.allclose(wf[f"model.safetensors:{pre}"], init[pre])
+
+
+def test_fsdp_plain_make_step_picks_the_engines_own_step():
+    """dpft/fsdp_plain.py ``make_step``: the engine's ``fsdp_step`` when set (whatever ``plan.private``); a
+    non-private plan with a mechanism and no such step is refused (naming the fix), never run without noise."""
+    from dpft import fsdp_plain
+    from dpft.fsdp import FSDPError
+
+    seen = []
+    eng = SimpleNamespace(fsdp_step=lambda spec, ledger, n, world, on_release: seen.append((spec, n)) or "own")
+    plan = SimpleNamespace(spec=SimpleNamespace(engine=eng, mechanism=object()), private=False,
+                           unit=SimpleNamespace(n=7), world=None)
+    assert fsdp_plain.make_step(plan, None, None, None) == "own" and seen == [(plan.spec, 7)]
+    plan.spec.engine = SimpleNamespace()
+    with pytest.raises(FSDPError, match="has no sharded step.*perf.sharding: ddp"):
+        fsdp_plain.make_step(plan, None, None, None)
