@@ -235,7 +235,8 @@ def _train_pre_noise_check() -> Check:
     t, q = 4, tr.q
     shapes = {n: tuple(p.shape) for n, p in eng.params.items()}
     want, ev = base.release({n: torch.zeros(s) for n, s in shapes.items()}, 0.5, q, t)
-    ok, why = bool(base.pre_names) and set(base.pre_names) != set(shapes), ""
+    ok = bool(base.pre_names) and set(base.pre_names) != set(shapes)
+    why = "" if ok else f"pre(·) names {sorted(base.pre_names)[:3]}: none, or every tensor (post(·) would be noised)"
     for k in (2, 3):
         parts: dict[str, list[torch.Tensor]] = {n: [] for n in shapes}
         for r in range(k):
@@ -259,7 +260,8 @@ def _train_pre_noise_check() -> Check:
         ok, why = False, "post(·)'s sums were noised"
     std = float(torch.cat([want[n].reshape(-1) for n in base.pre_names]).std())
     return Check("ewft fsdp: ldp.train_pre's sharded gradient noise is the one-process (DDP) draw, sliced, one event",
-                 ok, why or f"K = 2, 3: slices = the one draw over {len(base.pre_names)} pre(·) tensors (std {std:.3f}, "
+                 ok, why or f"K = 2, 3: slices = the one draw over {len(base.pre_names)} pre(·) tensors "
+                            f"(std {std:.3f}, "
                             f"σ_grad·C_g = {base.std:.3f}); {len(post)} post(·) tensors unnoised; events equal")
 
 
@@ -275,12 +277,14 @@ def _train_pre_copy_check() -> Check:
     ldp_fsdp.sync_layer(plain, ldp.split)
     shape = (2, _T, 4)
     got = plain.noise.noise_like(torch.zeros(shape))
-    want = tr.rng.stream("ldp", t, "rank", rank).normal(shape, dtype=torch.float32) * ldp.layer.sigma * ldp.layer.sensitivity
+    want = tr.rng.stream("ldp", t, "rank", rank).normal(shape, dtype=torch.float32)
+    want = want * ldp.layer.sigma * ldp.layer.sensitivity  # std σ·2C
     ok = torch.equal(got, want) and plain.training
     why = ("the copy's release noise = the stream (ldp, t, rank, 1) at the live σ; train mode copied" if ok else
            f"the copy's noise is not the live layer's (σ copy {plain.noise.sigma:.4g} vs live {ldp.layer.sigma:.4g}; "
            f"stream shared: {plain.noise.generator is ldp.layer.generator}; train mode {plain.training})")
-    return Check("ewft fsdp: ldp.train_pre's plain copy releases with the live layer's σ and the rank's stream", ok, why)
+    return Check("ewft fsdp: ldp.train_pre's plain copy releases with the live layer's σ and the rank's stream",
+                 ok, why)
 
 
 def fsdp_ewft_checks(planted: Optional[str] = None) -> list[Check]:

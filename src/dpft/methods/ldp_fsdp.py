@@ -85,7 +85,8 @@ class _SliceStream:
 class _SlicedGaussian(GaussianMechanism):
     """A :class:`GaussianMechanism` whose draw of tensor ``name`` is the shard's slice of the one-process draw."""
 
-    def __init__(self, base: GaussianMechanism, layout: Mapping[str, tuple[int, int, int]], shapes: Mapping[str, tuple]):
+    def __init__(self, base: GaussianMechanism, layout: Mapping[str, tuple[int, int, int]],
+                 shapes: Mapping[str, tuple]):
         self.__dict__.update(vars(base))
         self.layout, self.shapes = dict(layout), dict(shapes)
 
