@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from dpft.fsdp import FSDPError, FSDPStep, local, make_step as make_private_step
+from dpft.fsdp import FSDPError, FSDPStep, ReduceScatter, local, make_step as make_private_step
 from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError
@@ -61,6 +61,9 @@ class PlainFSDPStep(FSDPStep):
         if spec.mechanism is not None:
             raise FSDPError("PlainFSDPStep is the non-private step; a private step needs FSDPStep (clipped sums)")
         self.world = world
+        # FSDPStep._stats finishes its sum hook (a replicated sum's all-reduce); FSDP2 reduced this step's
+        # gradients itself, so the hook holds nothing: a reduce-scatter over no parameter
+        self.scatter = ReduceScatter({}, [], world)
         DPStep.__init__(self, spec, ledger, n, on_release=on_release, world_group=world.group)
         self.dummy_batch = dummy_batch
 
