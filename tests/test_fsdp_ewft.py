@@ -24,6 +24,9 @@ Hence the slow test checks:
 * **= 1 process in its ledger** (the distributional claim: one event per step, the same q and σ's,
   the same ε), not in its weights (other noise draws).
 
+A third slow test: ``train_pre`` under FSDP2 × 2 interrupted and resumed from its per-rank checkpoint = the
+uninterrupted run, bit for bit.
+
 Fast tests: no ``ldp:`` config refused (frozen and trained pre(·) accepted), ``train_pre`` under
 ``perf.sharding: fsdp`` in one process = the unsharded run exactly, the sharded step picked from the engine,
 the pre(·) cache rule, the test-file evaluation of the materialised copy, and the audit's white-box
@@ -141,6 +144,36 @@ def test_fsdp_two_processes_equal_ddp_two_processes(tiny_model_dir, sst_like_fil
     if case == "frozen":
         pre = "bert.encoder.layer.0.output.dense.weight"  # frozen pre(·): untouched
         assert torch.equal(wf[f"model.safetensors:{pre}"], init[pre])
+
+
+@pytest.mark.slow
+def test_fsdp_train_pre_resumes_from_its_sharded_checkpoint(tiny_model_dir, sst_like_files, tmp_path):
+    """``ldp.train_pre`` under FSDP2 × 2: a SIGINT reaching rank 1 during step index 2 stops the world with the
+    per-rank checkpoint at step 3; ``--resume`` on 2 processes runs steps 3–5 and ends where the uninterrupted
+    FSDP2 × 2 run ends (ledger equal, weights bit for bit: the step's noise streams are named by step, the
+    plain copy is gathered again from the restored shards)."""
+    import shutil
+
+    ov = {**ldp_overrides(tiny_model_dir, sst_like_files, **CASES["train_pre"]), "perf.sharding": "fsdp"}
+    failure, _ = launch_worker(tmp_path / "full", ov)
+    assert failure is None, failure
+    two = tmp_path / "two"
+    failure, (r0, r1) = launch_worker(two, ov, interrupt={"rank": 1, "step": 2})
+    assert failure is None, failure
+    assert r0["interrupted"] == r1["interrupted"] == "interrupted (SIGINT) at step 3 of 6; checkpoint at step 3"
+    run, rank1 = two / "rank0" / "run", two / "rank1" / "run"
+    for sub in [d.name for d in rank1.iterdir() if d.is_dir()]:  # the ranks' files as a shared file system shows them
+        shutil.copytree(rank1 / sub, run / sub, dirs_exist_ok=True)
+        shutil.copytree(run / sub, rank1 / sub, dirs_exist_ok=True)
+    failure, (r0, _) = launch_worker(two, ov, resume=True)
+    assert failure is None, failure
+    assert sorted(r0["batches"]) == ["3", "4", "5"]
+    full = tmp_path / "full" / "rank0" / "run"
+    assert json.loads((run / "ledger.json").read_text()) == json.loads((full / "ledger.json").read_text())
+    wa, wb = _model_files(full), _model_files(run)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0, msg=k)
 
 
 # -- fast: every ldp: config runs sharded --------------------------------------------------------------------
