@@ -90,7 +90,6 @@ def _recipe(lm_dirs, **extra):  # noqa: F811
 
 REFUSED = {
     "dpsft": ({"subspace.source": "private"}, "stage 1 is a training phase"),  # stage 2 on a file runs: test_fsdp_dpsft.py
-    "ewft": ({"ldp.enabled": True, "ldp.train_pre.enabled": True}, "ldp.train_pre trains pre"),
     "rmt": ({**RMT, "denoise.diagnostics": True}, "clean .un-noised. clipped sum"),
     "dp_adam_ac": ({"adam_ac.reproduce_paper": True}, "raw per-example norms"),
 }

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from dpft.fsdp import FSDPError, FSDPStep, local, make_step as make_private_step
+from dpft.fsdp import FSDPError, FSDPStep, ReduceScatter, local, make_step as make_private_step
 from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError
@@ -61,6 +61,9 @@ class PlainFSDPStep(FSDPStep):
         if spec.mechanism is not None:
             raise FSDPError("PlainFSDPStep is the non-private step; a private step needs FSDPStep (clipped sums)")
         self.world = world
+        # FSDPStep._stats finishes its sum hook (a replicated sum's all-reduce); FSDP2 reduced this step's
+        # gradients itself, so the hook holds nothing: a reduce-scatter over no parameter
+        self.scatter = ReduceScatter({}, [], world)
         DPStep.__init__(self, spec, ledger, n, on_release=on_release, world_group=world.group)
         self.dummy_batch = dummy_batch
 
@@ -100,8 +103,19 @@ class PlainFSDPStep(FSDPStep):
 
 
 def make_step(plan, ledger, on_release, dummy_batch) -> FSDPStep:
-    """The sharded step of a plan built with ``perf.sharding: fsdp``: :class:`PlainFSDPStep` for a
-    non-private run (``plan.private`` False), else :func:`dpft.fsdp.make_step` (the DP step)."""
+    """The sharded step of a plan built with ``perf.sharding: fsdp``: the engine's own sharded step when it
+    has one (``engine.fsdp_step``: a method whose engine releases through its own mechanism, e.g.
+    ``ldp.train_pre`` in a ``privacy.enabled: false`` recipe, methods/ldp_fsdp.py), :class:`PlainFSDPStep`
+    for a non-private run (``plan.private`` False), else :func:`dpft.fsdp.make_step` (the DP step).
+
+    Raises:
+        FSDPError: a non-private plan whose spec carries a mechanism but whose engine has no sharded step."""
+    own = getattr(plan.spec.engine, "fsdp_step", None)
+    if own is not None:  # a capability handed by the method's engine: this layer names no method
+        return own(plan.spec, ledger, plan.unit.n, plan.world, on_release)
+    if not plan.private and plan.spec.mechanism is not None:
+        raise FSDPError(f"perf.sharding: fsdp: the step's mechanism {type(plan.spec.mechanism).__name__} has no "
+                        "sharded step (its engine sets no fsdp_step); use perf.sharding: ddp")
     if plan.private:
         return make_private_step(plan, ledger, on_release, dummy_batch)
     return PlainFSDPStep(plan.spec, ledger, plan.unit.n, plan.world, dummy_batch, on_release=on_release)

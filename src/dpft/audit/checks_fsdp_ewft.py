@@ -24,6 +24,20 @@ records one event per step (methods/ewft.py). White-box, in one process (no proc
   taken at sharding time); the method must switch the copy's layer (the last epoch's σ, inference noise
   on and off), not the live one. Planted ``ewft_fsdp_eval_live_layer``: the live layer is switched, so the
   copy evaluates at the σ it was copied with and the "clean" accuracy is a noisy one.
+* **``ldp.train_pre``: the world's gradient noise is DDP's one draw, sliced** — under FSDP2 the step's
+  mechanism (methods/ldp_fsdp.py ``ShardedTrainPreMechanism``) gives each rank its flat range of the
+  one-process draw of every pre(·) tensor (stream ``noise``, (t, name)). On simulated ranks (K = 2, 3,
+  FSDP's dim-0 chunks) the ranks' slices put together must be exactly the DDP / one-process noise, post(·)'s
+  sums unnoised, and every rank's event the one-process event. Planted ``ewft_fsdp_train_pre_noise_offset``:
+  each rank takes the *first* elements of the draw (its offset ignored) — every shard gets the same noise,
+  so the world's noise is not one N(0, σ²C²I) draw (correlated across shards, the tail rows' noise never used).
+* **``ldp.train_pre``: the plain copy releases with the live layer's σ and the rank's stream** — the FSDP2
+  step runs the engine on a plain copy of the model made from the template taken at sharding time
+  (before any step); before each step :func:`~dpft.methods.ldp_fsdp.sync_layer` gives the copy's noise
+  layer the live layer's σ and secret stream (``ldp``, t, ``rank``, r). Planted
+  ``ewft_fsdp_train_pre_layer_unsynced``: the copy keeps its own layer — its σ is the one copied at sharding
+  time and it draws from a fresh stream of its own, not the rank's (the release the ledger accounts at σ is
+  not the one made).
 
 :func:`fsdp_ewft_checks` is the entry point (``audit/suite.py`` ``OPTIONAL_CHECKS``).
 """
@@ -32,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from types import SimpleNamespace
 from typing import Iterator, Optional
 
@@ -41,14 +56,21 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.audit.whitebox import Check
 from dpft.config import load_recipe
 from dpft.fsdp import block_classes
-from dpft.methods import ewft, ewft_parts
+from dpft.fsdp import chunk_range
+from dpft.methods import ewft, ewft_parts, ldp_fsdp
 from dpft.methods.ewft import ForwardLDP, LDPRun
+from dpft.methods.ldp_train_pre import TrainPreEngine, TrainPreMechanism
 from dpft.privacy.randomness import Randomness
+from dpft.shards import chunk_rows
+from dpft.step.clip import make_clip_policy
 
 __all__ = ["PLANTED", "fsdp_ewft_checks", "ldp_run"]
 
 #: Planted bugs :func:`fsdp_ewft_checks` must catch.
-PLANTED = ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer")
+PLANTED = ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
+           "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")
+#: ``ldp.train_pre`` on (a uniform σ: its calibration is joint).
+TRAIN_PRE = {"ldp.train_pre.enabled": True, "ldp.train_pre.max_grad_norm": 0.5, "ldp.schedule": "uniform"}
 
 _T, _VOCAB, _N = 8, 64, 40
 
@@ -69,6 +91,10 @@ def _planted(name: Optional[str]) -> Iterator[None]:
             patch(ewft_parts, "rank_parts", lambda run: () if ewft_parts.fsdp_world(run) else real(run))
         elif name == "ewft_fsdp_eval_live_layer":
             patch(ForwardLDP, "_eval_layer", lambda self, run: self.ldp.layer)
+        elif name == "ewft_fsdp_train_pre_noise_offset":
+            patch(ldp_fsdp, "shard_slice", lambda full, layout, shape: full.reshape(-1)[:layout[2]].reshape(shape))
+        elif name == "ewft_fsdp_train_pre_layer_unsynced":
+            patch(ldp_fsdp, "sync_layer", lambda plain, live: plain.train(live.training))
         yield
     finally:
         for obj, attr, val in reversed(saved):
@@ -189,8 +215,80 @@ def _eval_copy_check() -> Check:
                  ok, f"copy's (σ, inference noise) per pass: {seen}; trained σ {last:.4g}")
 
 
+def _ce_loss(forward, batch):
+    return torch.nn.functional.cross_entropy(forward(**batch).logits, batch["labels"], reduction="none")
+
+
+def train_pre_parts(rank: int = 0):
+    """``(ldp_run, trainer, engine, mechanism)`` of an ``ldp.train_pre`` run on the tiny BERT (simulated rank
+    ``rank`` of 2, FSDP2): the real :class:`TrainPreEngine` and :class:`TrainPreMechanism` the method builds."""
+    ldp, tr = ldp_run(rank, **TRAIN_PRE)
+    clip = make_clip_policy("flat", 0.5)
+    eng = TrainPreEngine(ldp.split, _ce_loss, clip, ldp.first_block)
+    mech = TrainPreMechanism(ldp.schedule.sigmas[0], ldp.sigma_grad, clip.sensitivity, tr.rng, eng.pre_names)
+    return ldp, tr, eng, mech
+
+
+def _train_pre_noise_check() -> Check:
+    """Simulated ranks' slices of the sharded train_pre mechanism = the one-process draw; post(·) unnoised."""
+    _, tr, eng, base = train_pre_parts()
+    t, q = 4, tr.q
+    shapes = {n: tuple(p.shape) for n, p in eng.params.items()}
+    want, ev = base.release({n: torch.zeros(s) for n, s in shapes.items()}, 0.5, q, t)
+    ok = bool(base.pre_names) and set(base.pre_names) != set(shapes)
+    why = "" if ok else f"pre(·) names {sorted(base.pre_names)[:3]}: none, or every tensor (post(·) would be noised)"
+    for k in (2, 3):
+        parts: dict[str, list[torch.Tensor]] = {n: [] for n in shapes}
+        for r in range(k):
+            layout = {n: (math.prod(s), *chunk_range(s, r, k)) for n, s in shapes.items()}
+            local = {}
+            for n, s in shapes.items():
+                a, b = chunk_rows(s[0] if s else 1, r, k)
+                local[n] = torch.zeros((b - a, *s[1:]) if s else ())
+            got, ev_r = ldp_fsdp.ShardedTrainPreMechanism(base, layout, shapes).release(local, 0.5, q, t)
+            if ev_r != ev:
+                ok, why = False, f"K={k} rank {r}: event {ev_r} is not the one-process {ev}"
+            for n in shapes:
+                parts[n].append(got[n].reshape(-1))
+        for n in shapes:
+            if not torch.equal(torch.cat(parts[n]), want[n].reshape(-1)):
+                ok, why = False, (f"K={k}: the ranks' noise of {n} put together is not the one-process draw "
+                                  f"({'pre' if n in base.pre_names else 'post'}(·))")
+                break
+    post = [n for n in shapes if n not in base.pre_names]
+    if ok and any(bool(want[n].abs().sum()) for n in post):
+        ok, why = False, "post(·)'s sums were noised"
+    std = float(torch.cat([want[n].reshape(-1) for n in base.pre_names]).std())
+    return Check("ewft fsdp: ldp.train_pre's sharded gradient noise is the one-process (DDP) draw, sliced, one event",
+                 ok, why or f"K = 2, 3: slices = the one draw over {len(base.pre_names)} pre(·) tensors "
+                            f"(std {std:.3f}, "
+                            f"σ_grad·C_g = {base.std:.3f}); {len(post)} post(·) tensors unnoised; events equal")
+
+
+def _train_pre_copy_check() -> Check:
+    """The plain copy (taken before any step) draws, after sync_layer, the live layer's σ and rank stream."""
+    rank, t = 1, 3
+    ldp, tr, _, _ = train_pre_parts(rank)
+    plain = copy.deepcopy(ldp.split)  # the template is taken at sharding time, before the first step
+    plain.eval()
+    ldp.before_step(t)
+    ldp.layer.set_sigma(ldp.layer.sigma * 0.5 + 0.01)  # a σ the copy does not hold
+    ldp.split.train()
+    ldp_fsdp.sync_layer(plain, ldp.split)
+    shape = (2, _T, 4)
+    got = plain.noise.noise_like(torch.zeros(shape))
+    want = tr.rng.stream("ldp", t, "rank", rank).normal(shape, dtype=torch.float32)
+    want = want * ldp.layer.sigma * ldp.layer.sensitivity  # std σ·2C
+    ok = torch.equal(got, want) and plain.training
+    why = ("the copy's release noise = the stream (ldp, t, rank, 1) at the live σ; train mode copied" if ok else
+           f"the copy's noise is not the live layer's (σ copy {plain.noise.sigma:.4g} vs live {ldp.layer.sigma:.4g}; "
+           f"stream shared: {plain.noise.generator is ldp.layer.generator}; train mode {plain.training})")
+    return Check("ewft fsdp: ldp.train_pre's plain copy releases with the live layer's σ and the rank's stream",
+                 ok, why)
+
+
 def fsdp_ewft_checks(planted: Optional[str] = None) -> list[Check]:
     """The white-box checks of EW-FT under FSDP2 (module docstring); ``planted``: one of :data:`PLANTED`
     (a check must then fail)."""
     with _planted(planted):
-        return [_units_check(), _stream_check(), _eval_copy_check()]
+        return [_units_check(), _stream_check(), _eval_copy_check(), _train_pre_noise_check(), _train_pre_copy_check()]

@@ -214,7 +214,8 @@ ALL = ALL + HF_FSDP_PLANTED
 FSDP_METHODS_PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise")
 ALL = ALL + FSDP_METHODS_PLANTED
 # EW-FT under FSDP2 (issue 38; audit/checks_fsdp_ewft.py plants them)
-ALL = ALL + ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer")
+ALL = ALL + ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
+             "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")
 # ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
 # collated with the next row's target; relative-position table rules (issue 36) giving every example the
 # batch-summed gradient of the shared table.

@@ -29,7 +29,7 @@ from dpft.privacy.label_rr import make_corrected_classification_loss, rr_transit
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, local_epsilon,
                               local_epsilon_composed, parse_position, pretrain_autoencoder)
 
-from dpft.methods import ewft_parts
+from dpft.methods import ewft_parts, ldp_fsdp
 from dpft.methods.ewft_parts import (  # noqa: F401 (public here: the ldp: section's models and statements)
     PHASE,
     LdpAutoencoderCfg,
@@ -378,18 +378,6 @@ class LDPRun:
                                    else int(self.split.model.config.hidden_size))]}
 
 
-#: Why ``ldp.train_pre`` does not run under FSDP2 (issue 38): a wiring limit, not the maths.
-TRAIN_PRE_FSDP_REFUSAL = (
-    "ldp.train_pre trains pre(·) by DP-SGD through the noise layer with a step engine of its own "
-    "(methods/ldp_train_pre.py TrainPreEngine: post(·)'s plain gradients by autograd, pre(·)'s per-example clipped "
-    "sums by a book-keeping engine on the pre(·) tail) that calls pre(·) and post(·) outside the model's forward, "
-    "so FSDP2's root all-gather and its post-backward reduce-scatter do not run around them, and its gradient noise "
-    "(TrainPreMechanism) has no sharded block layout; with privacy.enabled: false the driver builds the "
-    "non-private FSDP step, which carries no mechanism. The maths allow it (pre(·)'s clipped sums reduce-scattered "
-    "plus block-layout noise give the same PoissonSampled(q, Gaussian(σ_eff)) event per step) but it is not built: "
-    "run ldp.train_pre under perf.sharding: ddp or in one process, or leave pre(·) frozen (runs under FSDP2)")
-
-
 @register_method
 class ForwardLDP(Method):
     """EW-FT / DP-Forward as a plug-in: the noise layer wraps the model in ``prepare``; each
@@ -408,20 +396,16 @@ class ForwardLDP(Method):
     #: its own stream (``ldp``, step, rank): independent draws for different examples, as in one
     #: process; the world records one event per step (the same Poisson-sampled release set).
     supports_ddp = True
-    #: Under FSDP2 (issue 38), with a frozen pre(·) (the default; :meth:`sharded_refusal`): the recipe is
+    #: Under FSDP2 (issue 38), with a frozen pre(·) (the default): the recipe is
     #: ``privacy.enabled: false``, so the step is the non-private FSDP step (dpft/fsdp_plain.py) on the split
     #: model — post(·), the decoder and the head get plain gradients (post-processing of the released codes),
     #: reduce-scattered by FSDP2 and summed over the ranks; each rank releases its share's codes with
     #: noise from its own stream (``ldp``, step, rank: as under DDP, ewft_parts.rank_parts); the world
     #: records one event per step (:meth:`LDPRun.after_step`, as in one process); pre(·)'s cache is off
-    #: (its forwards are collectives: ewft_parts.pre_cache_allowed). ``ldp.train_pre`` is refused:
-    fsdp_refusal = TRAIN_PRE_FSDP_REFUSAL
-
-    @classmethod
-    def sharded_refusal(cls, cfg: LdpCfg) -> Optional[str]:
-        """Why this ``ldp:`` config cannot run on FSDP2 shards: only ``ldp.train_pre`` (its reason:
-        :data:`TRAIN_PRE_FSDP_REFUSAL`); a frozen pre(·) runs (None)."""
-        return cls.fsdp_refusal if cfg.enabled and cfg.train_pre.enabled else None
+    #: (its forwards are collectives: ewft_parts.pre_cache_allowed). ``ldp.train_pre`` runs its own sharded
+    #: step (methods/ldp_fsdp.py ``TrainPreFSDPStep``: the engine on a plain copy gathered once per step,
+    #: clipped sums reduce-scattered, DDP's gradient noise sliced per shard, one joint event per step).
+    supports_fsdp = True
 
     @classmethod
     def enabled(cls, cfg: LdpCfg) -> bool:
@@ -456,6 +440,7 @@ class ForwardLDP(Method):
         eng = TrainPreEngine(self.ldp.split, run.loss_fn, clip, self.ldp.first_block, tp.embeddings, tp.engine)
         mech = TrainPreMechanism(self.ldp.schedule.sigmas[0], self.ldp.sigma_grad, clip.sensitivity, run.rng,
                                  eng.pre_names)
+        eng.fsdp_step = ldp_fsdp.make_step  # perf.sharding: fsdp (dpft/fsdp_plain.py make_step)
         return spec.replace(engine=eng, clip=clip, mechanism=mech, phase=PHASE_TRAIN_PRE)
 
     def before_step(self, step, run) -> None:

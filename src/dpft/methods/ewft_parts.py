@@ -208,7 +208,8 @@ def rank_parts(run) -> tuple:
     examples — each rank still runs its own share of the logical batch (``distributed.shard``) and
     releases those examples' codes, so the release noise is per example, hence per rank. (Unlike the
     gradient noise of the DP step, one tensor cut into shards, drawn from a block layout that is the
-    same for any K: dpft/fsdp.py ``shard_noise``.) K ranks therefore equal K DDP ranks draw for draw,
+    same for any K: dpft/fsdp.py ``shard_noise``; ``ldp.train_pre``'s, the one-process draw sliced:
+    methods/ldp_fsdp.py.) K ranks therefore equal K DDP ranks draw for draw,
     and one process in law (each example's codes get an independent N(0, σ²(2C)²I) draw)."""
     k = int(getattr(run, "world_size", 1) or 1)
     return ("rank", int(getattr(run, "rank", 0))) if k > 1 else ()

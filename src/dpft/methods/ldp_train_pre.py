@@ -189,6 +189,10 @@ class TrainPreEngine(PerExampleEngine):
         engine: ``bookkeeping`` or ``reference`` (grads/).
     """
 
+    #: Under FSDP2 the driver runs the step this factory builds (``(spec, ledger, n, world, on_release)``;
+    #: dpft/fsdp_plain.py ``make_step``): methods/ewft.py sets methods/ldp_fsdp.py ``make_step``.
+    fsdp_step = None
+
     def __init__(self, split, loss_fn, clip, first_block: int, embeddings: bool = False,
                  engine: str = "bookkeeping"):
         super().__init__(split, loss_fn, clip)
@@ -196,6 +200,7 @@ class TrainPreEngine(PerExampleEngine):
         if embeddings and first_block:
             raise LDPError("ldp.train_pre.embeddings needs every block of pre(·) trained (train_pre.blocks unset)")
         self.first_block = int(first_block)
+        self.engine_name = engine
         self.tail = PreTail(split, first_block, embeddings)
         self.pre_engine = make_engine(engine, self.tail, _surrogate_loss, clip)
         ids = {id(p): n for n, p in self.params.items()}
