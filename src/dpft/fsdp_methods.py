@@ -44,7 +44,7 @@ import torch
 from dpft.shards import chunk_rows, is_sharded
 
 __all__ = ["method_refusals", "refusal_message", "WholeTensors", "wrap_transforms", "full_tensor", "ReplicatedSum",
-           "local_rows"]
+           "local_rows", "held"]
 
 
 # -- which methods run sharded -------------------------------------------------------------------
@@ -222,3 +222,9 @@ def local_rows(p: torch.Tensor) -> Optional[tuple[int, int]]:
         raise ValueError(f"the local shard of a {tuple(p.shape)} parameter has {p.to_local().shape[0]} rows, not "
                          f"rows [{a}, {b}) of fully_shard's dim-0 chunking")
     return a, b
+
+
+def held(p: torch.Tensor) -> torch.Tensor:
+    """The tensor of the rows of ``p`` this rank holds, to read or write in place: FSDP2's local shard
+    (rows :func:`local_rows`) of a sharded parameter, else ``p`` itself (detached)."""
+    return p.to_local().detach() if is_sharded(p) else p.detach()

@@ -42,7 +42,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import TaskCfg
 from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
-from dpft.fsdp_methods import local_rows
+from dpft.fsdp_methods import held, local_rows
 from dpft.grads.subspace import COORDS, LiveSubspace, SubspaceEngine
 from dpft.methods.base import Method, MethodError, register_method
 from dpft.models.losses import classification_loss
@@ -376,8 +376,8 @@ class CoordsSync:
         self.model, self.z, self.params = model, z, params
         self.unproject = unproject_held(basis, params, COORDS)
         #: this process's rows of Θ_start (the parameters when the coordinates are zero)
-        self.start = {n: (p if local_rows(p) is None else p.to_local()).detach().clone() for n, p in params.items()}
-        self.seen: Optional[int] = None  # z's version at the last write (None: never written)
+        self.start = {n: held(p).clone() for n, p in params.items()}
+        self.seen: Optional[torch.Tensor] = None  # z at the last write (None: never written)
 
     def attach(self, optimizer) -> "CoordsSync":
         """Write after every step of ``optimizer`` (a ``torch.optim.Optimizer``)."""
@@ -385,8 +385,9 @@ class CoordsSync:
         return self
 
     def refresh(self) -> None:
-        """Write when the coordinates changed since the last write (a resume's load), or never written."""
-        if self.seen != self.z._version:
+        """Write when the coordinates differ from those of the last write (a resume's load; compared by
+        value: a load need not bump the tensor's version), or were never written."""
+        if self.seen is None or not torch.equal(self.seen, self.z.detach()):
             self.write()
 
     @torch.no_grad()
@@ -400,9 +401,9 @@ class CoordsSync:
                     m.reshard()
         delta = self.unproject({COORDS: self.z.detach()}, {})
         for n, p in self.params.items():
-            dst = p if local_rows(p) is None else p.to_local()
+            dst = held(p)
             dst.copy_(self.start[n] + delta[n].to(dst.dtype))
-        self.seen = self.z._version
+        self.seen = self.z.detach().clone()
 
 
 @register_method
