@@ -30,7 +30,9 @@ replaced by zeros) and one all-reduce per logical batch gives every rank the wor
 step's mechanism then noises identically on every rank (the tensor is whole, so every rank draws
 the same block of the shared key's stream: the same values for any number of ranks).
 :func:`local_rows` names the dim-0 rows of a parameter this rank holds, for a post-processing map
-that writes only those rows (DP-SFT's unprojection ``P z``: the rank's column block of ``P``).
+that writes only those rows (DP-SFT's unprojection ``P z``: the rank's column block of ``P``), and
+:func:`held` the tensor of those rows to write in place (DP-SFT ``optimizer_space: coords`` writes its rows
+of ``Θ_start + P z`` there after each step).
 
 Source: issue 38; DESIGN.md "Distributed"; Gavish & Donoho 2014 / RMT denoising (transforms/rmt/).
 """
