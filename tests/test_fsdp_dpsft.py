@@ -2,9 +2,11 @@
 dpft/fsdp_methods.py ``ReplicatedSum``): each rank projects its own examples' full-layer gradients on the
 replicated basis P (s_i = Σ_l P_lᵀ g_{i,l}), clips in R^k, the (k,) clipped sums are all-reduced once per
 logical step and noised once for the world (the same draw on every rank), and each rank writes its own
-rows of P z.
+rows of P z (``optimizer_space: coords``: every rank steps the same z and writes its rows of Θ_start + P z after
+each step and after a load).
 
-Slow: 2 CPU processes (gloo) equal 1 process — ``dpft train`` (``perf.sharding: fsdp``, a tiny BERT),
+Slow: 2 CPU processes (gloo) equal 1 process — ``dpft train`` (``perf.sharding: fsdp``, a tiny BERT; with
+``optimizer_space`` full and coords; and ``--resume`` after a stop at step 2 of 4 equal to the uninterrupted run),
 ``make_private`` on a caller ``fully_shard``-ed MLP, and ``DPTrainer`` (caller-sharded and ``fsdp=``): the
 same ledger and ε, the weights within float tolerance. Fast: the maths on simulated ranks (the all-reduced
 clipped coordinate sums of the ranks' shares, placeholders included, equal one process's; the ranks' rows
@@ -163,15 +165,15 @@ def test_the_ranks_rows_of_the_unprojection_equal_the_full_update(monkeypatch, w
 
 
 def test_what_stays_refused_under_fsdp2():
-    """A given basis runs sharded; stage 1 (public/private) and optimizer_space coords are refused with
-    their reasons."""
+    """A given basis runs sharded (optimizer_space full or coords); stage 1 (public/private) is refused with
+    its reason."""
     assert DPSFT.sharded_refusal(SubspaceCfg(source="file", file="b.safetensors")) is None
+    assert DPSFT.sharded_refusal(SubspaceCfg(source="file", file="b.safetensors", optimizer_space="coords")) is None
     assert DPSFT.sharded_refusal(SubspaceCfg(source="none", paper_noise_placement=True)) is None
     for src, extra in (("private", {}), ("public", {"public_task": {"name": "imdb"}})):
         why = DPSFT.sharded_refusal(SubspaceCfg(source=src, **extra))
         assert why and "stage 1" in why and "subspace.source: file" in why
-    why = DPSFT.sharded_refusal(SubspaceCfg(source="file", file="b.safetensors", optimizer_space="coords"))
-    assert why and "optimizer_space coords" in why and "optimizer_space: full" in why
+        assert DPSFT.sharded_refusal(SubspaceCfg(source=src, optimizer_space="coords", **extra)) == why
 
 
 def test_dpft_train_fsdp_check_accepts_a_basis_file_and_refuses_stage1(lm_dirs):  # noqa: F811
@@ -190,12 +192,16 @@ def test_dpft_train_fsdp_check_accepts_a_basis_file_and_refuses_stage1(lm_dirs):
 
 def test_fsdp_dpsft_audit_check_passes_and_catches_the_planted_bugs():
     """audit/checks_fsdp_methods.py: the sharded DP-SFT step on 2 and 3 simulated ranks equals one
-    process; each planted bug (a rank's own coordinate sum, a rank's own noise) is caught."""
+    process, and with optimizer_space coords each rank's rows of Θ_start + P z (after the step, after a
+    load) make the one-process Θ; each planted bug (a rank's own coordinate sum, a rank's own noise, a
+    rank's rows of P z without its offset, no write after the step) is caught."""
     from dpft.audit.checks_fsdp_methods import PLANTED, fsdp_dpsft_check
 
     honest = fsdp_dpsft_check()
     assert honest and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
-    for name in ("fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise"):
+    assert len(honest) == 5  # 2 and 3 ranks' step; 1, 2 and 3 ranks' coords writes
+    for name in ("fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
+                 "fsdp_dpsft_coords_stale"):
         assert name in PLANTED
         from dpft.audit.checks_fsdp_methods import _planted
 
@@ -305,3 +311,106 @@ def test_dpsft_file_python_ways_in_two_processes_equal_one(api_one_and_two, job)
     print(f"{job}: max |Δw| 2 vs 1 process = {dw:.3g}; moved {moved:.3g}")
     for n, w in a["weights"].items():
         torch.testing.assert_close(torch.tensor(r0["weights"][n]), torch.tensor(w), rtol=1e-5, atol=1e-6)
+
+
+def _model_weights(run: Path) -> dict[str, torch.Tensor]:
+    """The final model ``dpft train`` saved (``model/``: Θ itself, also for ``optimizer_space: coords``,
+    whose checkpoint holds the k coordinates only)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "model" / "model.safetensors"))
+
+
+def _dev_rows(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [{k: v for k, v in r.items() if k.startswith("dev_")} | {"step": r["step"]} for r in rows
+            if "dev_loss" in r]
+
+
+def _same_final_model(one: Path, two: Path, start: dict, atol: float, last_eval: bool = False) -> float:
+    """Equal saved models (within ``atol``) and equal dev evaluations (``last_eval``: the final one only: an
+    interrupted run skips the evaluation of the step it stops at); returns how far the spanned weights moved
+    off ``start``."""
+    wa, wb = _model_weights(one), _model_weights(two)
+    assert wa.keys() == wb.keys() and wa
+    for n in wa:
+        torch.testing.assert_close(wb[n], wa[n], rtol=1e-5, atol=atol)
+    da, db = _dev_rows(one), _dev_rows(two)
+    if last_eval:
+        da, db = da[-1:], db[-1:]
+    assert [r["step"] for r in da] == [r["step"] for r in db] and da
+    for ra, rb in zip(da, db):  # evaluation saw the same weights (no stale gathered copy)
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (k, ra, rb)
+    return max(float((wa[n] - start[n]).abs().max()) for n in start if n in wa)
+
+
+@pytest.mark.slow
+def test_dpft_train_dpsft_coords_two_processes_equal_one(tiny_model_dir, sst_like_files, tmp_path):
+    """``optimizer_space: coords`` (Adam on the k coordinates, Θ = Θ* + P z written after every step, each
+    rank its rows) with ``perf.sharding: fsdp``: 2 processes = 1 process (the sharded noise layout) — the
+    ledger, the coordinates in the checkpoint, the saved model Θ and the dev evaluation after every step
+    (evaluation on gathered weights must see the rows written after the update, not a stale gathered copy)."""
+    from transformers import BertForSequenceClassification
+
+    basis = make_basis(BertForSequenceClassification.from_pretrained(tiny_model_dir), tmp_path / "basis.safetensors",
+                       with_start=True)
+    ov = _train_recipe(tiny_model_dir, sst_like_files["csv"], basis, **{
+        "subspace.optimizer_space": "coords", "optimizer.name": "adamw", "optimizer.lr": 0.05,
+        "eval.every_steps": 1})
+    one = tmp_path / "one"
+    Trainer(load_recipe(None, ov), one, progress=False).run()
+    failure, logs = launch_worker(tmp_path / "two", ov)
+    assert failure is None, failure
+    two = tmp_path / "two" / "rank0" / "run"
+    assert logs[0]["world_size"] == 2
+    assert any(f.startswith("run/checkpoint_shards") for f in files_under(tmp_path / "two" / "rank1"))  # sharded
+    la, lb = (json.loads((d / "ledger.json").read_text()) for d in (one, two))
+    assert la == lb and [e["phase"] for e in la["entries"]] == ["subspace", "train"]
+    _weights_close(one, two, 1e-6)  # the checkpoint: the k coordinates z
+    from dpft.fsdp_state import read_trainable
+
+    assert list(read_trainable(one)) == [COORDS]
+    moved = _same_final_model(one, two, SubspaceBasis.load(basis).start, 1e-6)
+    print(f"dpft train dpsft coords: 2 vs 1 process equal; Θ moved off Θ* by {moved:.3g}")
+    assert moved > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("space", ["full", "coords"])
+def test_dpft_train_dpsft_sharded_resume_equals_uninterrupted(tiny_model_dir, sst_like_files, tmp_path, space):
+    """``--resume`` of a sharded DP-SFT stage 2 (``source: file``, Adam): a SIGINT reaches rank 1 during step
+    index 1, the world checkpoints at step 2 of 4 (per-rank DCP shards: the weights and Adam's state for
+    ``full``, the coordinates and their Adam state for ``coords``); with the ranks' files in one folder (a
+    shared file system), ``--resume`` on 2 processes runs steps 3-4 and equals the uninterrupted 1-process
+    run: the ledger (the basis's events, then 4 steps; nothing replayed), the checkpoint and the saved model."""
+    import shutil
+
+    from transformers import BertForSequenceClassification
+
+    basis = make_basis(BertForSequenceClassification.from_pretrained(tiny_model_dir), tmp_path / "basis.safetensors",
+                       with_start=True)
+    ov = _train_recipe(tiny_model_dir, sst_like_files["csv"], basis, **{
+        "subspace.optimizer_space": space, "optimizer.name": "adamw", "optimizer.lr": 0.05, "schedule.steps": 4,
+        "checkpoint_every": 2, "eval.every_steps": 2})
+    one = tmp_path / "one"
+    Trainer(load_recipe(None, ov), one, progress=False).run()
+    two = tmp_path / "two"
+    failure, (r0, r1) = launch_worker(two, ov, interrupt={"rank": 1, "step": 1})
+    assert failure is None, failure
+    assert r0["interrupted"] == r1["interrupted"] == "interrupted (SIGINT) at step 2 of 4; checkpoint at step 2"
+    run, rank1 = two / "rank0" / "run", two / "rank1" / "run"
+    for a, b in ((rank1, run), (run, rank1)):  # the two ranks' shard folders as one shared folder shows them
+        shutil.copytree(a / "checkpoint_shards", b / "checkpoint_shards", dirs_exist_ok=True)
+    failure, (r0, r1) = launch_worker(two, ov, resume=True)
+    assert failure is None, failure
+    assert set(r0["batches"]) == set(r1["batches"]) == {"2", "3"}
+    la, lb = (json.loads((d / "ledger.json").read_text()) for d in (one, run))
+    assert la == lb and [(e["phase"], e["count"]) for e in la["entries"]] == [("subspace", 5), ("train", 4)]
+    ra, rb = (json.loads((d / "report.json").read_text()) for d in (one, run))
+    assert ra["privacy"]["epsilon"] == rb["privacy"]["epsilon"]
+    _weights_close(one, run, 1e-6)
+    moved = _same_final_model(one, run, SubspaceBasis.load(basis).start, 1e-6, last_eval=True)
+    print(f"dpft train dpsft {space} sharded resume at step 2 of 4 = uninterrupted; moved {moved:.3g}")
+    assert moved > 1e-4

@@ -524,6 +524,7 @@ class FSDPStep(DPStep):
             # collectives depend on the batch: every rank probes the same placeholder batch.
             from dpft.grads.bookkeeping import _rng_devices
 
+            self._reshard()  # no unit may hold a gathered copy older than its shards (a resume's load)
             with torch.random.fork_rng(devices=_rng_devices(sp.engine.params.values())):
                 # a placeholder with clipping groups (user level, DPO pairs) is probed as the step clips it
                 sp.engine.check_usage(*split_groups(self.dummy_batch()))

@@ -30,7 +30,9 @@ replaced by zeros) and one all-reduce per logical batch gives every rank the wor
 step's mechanism then noises identically on every rank (the tensor is whole, so every rank draws
 the same block of the shared key's stream: the same values for any number of ranks).
 :func:`local_rows` names the dim-0 rows of a parameter this rank holds, for a post-processing map
-that writes only those rows (DP-SFT's unprojection ``P z``: the rank's column block of ``P``).
+that writes only those rows (DP-SFT's unprojection ``P z``: the rank's column block of ``P``), and
+:func:`held` the tensor of those rows to write in place (DP-SFT ``optimizer_space: coords`` writes its rows
+of ``Θ_start + P z`` there after each step).
 
 Source: issue 38; DESIGN.md "Distributed"; Gavish & Donoho 2014 / RMT denoising (transforms/rmt/).
 """
@@ -44,7 +46,7 @@ import torch
 from dpft.shards import chunk_rows, is_sharded
 
 __all__ = ["method_refusals", "refusal_message", "WholeTensors", "wrap_transforms", "full_tensor", "ReplicatedSum",
-           "local_rows"]
+           "local_rows", "held"]
 
 
 # -- which methods run sharded -------------------------------------------------------------------
@@ -222,3 +224,9 @@ def local_rows(p: torch.Tensor) -> Optional[tuple[int, int]]:
         raise ValueError(f"the local shard of a {tuple(p.shape)} parameter has {p.to_local().shape[0]} rows, not "
                          f"rows [{a}, {b}) of fully_shard's dim-0 chunking")
     return a, b
+
+
+def held(p: torch.Tensor) -> torch.Tensor:
+    """The tensor of the rows of ``p`` this rank holds, to read or write in place: FSDP2's local shard
+    (rows :func:`local_rows`) of a sharded parameter, else ``p`` itself (detached)."""
+    return p.to_local().detach() if is_sharded(p) else p.detach()

@@ -135,12 +135,31 @@ def _dcp_load(world, state: dict, d: Path, what: str) -> None:
         dcp.load(state, checkpoint_id=str(d), no_dist=not world.distributed)
 
 
+def _optim_owner(trainer) -> torch.nn.Module:
+    """The module whose parameter names key the optimizer state: the model, or — when the optimizer steps
+    tensors that are no model parameter (DP-SFT ``optimizer_space: coords``: the k coordinates, whole on
+    every rank) — a holder of ``trainer.params`` under their names."""
+    owned = {id(p) for p in trainer.model.parameters()}
+    if all(id(p) in owned for g in trainer.optimizer.param_groups for p in g["params"]):
+        return trainer.model
+    holder = torch.nn.Module()
+    for name, p in trainer.params.items():
+        *path, leaf = name.split(".")
+        m = holder
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, p)
+    return holder
+
+
 def _optim_state(trainer) -> dict:
     """The optimizer state keyed by parameter name (this rank's ``DTensor`` shards under FSDP2;
     plain tensors in one process), as DCP saves and loads it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    return get_optimizer_state_dict(_optim_owner(trainer), trainer.optimizer)
 
 
 def _buffer_tensors(mech, params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -236,7 +255,7 @@ def load_checkpoint(trainer, ck: Mapping[str, Any]) -> None:
     state = {"model": {n: p.detach() for n, p in trainer.params.items()}, "optim": _optim_state(trainer)}
     with torch.no_grad():  # DCP copies into the destinations: the parameters' own shards
         _dcp_load(world, state, run / st["sharded_checkpoint"], "the trainable weights and optimizer state")
-    set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=state["optim"])
+    set_optimizer_state_dict(_optim_owner(trainer), trainer.optimizer, optim_state_dict=state["optim"])
     noise = ck.get("noise_state")
     if noise is not None and noise.get("buffers_dcp"):
         bufs = {"buffers": _empty_buffers(int(noise["buffers_count"]), trainer.params)}

@@ -27,6 +27,15 @@ White-box, in one process (no process group), on the real classes:
   in the batch and noise of std σC = 0.3 on each coordinate (a rank's own noise would show).
   Planted ``fsdp_dpsft_local_coords``: no all-reduce (each rank noises its own examples' sum);
   ``fsdp_dpsft_rank_noise``: each rank draws its own noise for z (the stream named by its rank).
+* **DP-SFT ``optimizer_space: coords`` writes Θ = Θ_start + P z on each rank's rows** — the real
+  ``build`` (its :class:`~dpft.methods.dpsft.CoordsSync` on the optimizer of z) on K = 1, 2, 3 simulated
+  ranks, each holding FSDP's dim-0 rows of every parameter (``local_rows``/``held`` simulated as row views
+  of the rank's model copy): right after one optimizer step on z (no forward in between: an evaluation on
+  gathered weights reads the rows as they are), the ranks' rows put together equal one process's
+  ``Θ_start + P z`` and no rank touched rows it does not hold; after z is overwritten as a resume loads it,
+  ``before_step`` writes ``Θ_start + P z_loaded``. Planted ``fsdp_dpsft_coords_rows_offset``: a rank writes
+  rows ``[0, b − a)`` of ``P z`` into its rows ``[a, b)`` (its offset dropped); ``fsdp_dpsft_coords_stale``:
+  nothing is written after the step (the old forward-hook timing: evaluation would see stale Θ).
 
 :func:`fsdp_methods_checks` is the entry point (``audit/suite.py`` ``OPTIONAL_CHECKS``).
 """
@@ -61,7 +70,8 @@ from dpft.transforms.subspace import SubspaceBasis
 __all__ = ["PLANTED", "fsdp_dpsft_check", "fsdp_methods_checks"]
 
 #: Planted bugs :func:`fsdp_methods_checks` must catch.
-PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise")
+PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
+           "fsdp_dpsft_coords_stale")
 
 
 @contextlib.contextmanager
@@ -79,6 +89,21 @@ def _planted(name: Optional[str]) -> Iterator[None]:
             saved.append((fsdp._ShardedNoise, "noise_stream", fsdp._ShardedNoise.noise_stream))
             fsdp._ShardedNoise.noise_stream = lambda self, step, n, device: fsdp._ShardStream(
                 self, step, f"{n}@rank{self.world.rank}", self.layout[n])  # each rank its own stream
+        elif name == "fsdp_dpsft_coords_rows_offset":
+            saved.append((dpsft.CoordsSync, "write", dpsft.CoordsSync.write))
+
+            @torch.no_grad()
+            def write(self):  # P z's first rows, whatever rows the rank holds
+                full = self.unproject.basis.unproject(self.z.detach())
+                for n, p in self.params.items():
+                    dst = dpsft.held(p)
+                    dst.copy_(self.start[n] + full[n][:dst.shape[0]].to(dst.dtype))
+                self.seen = self.z.detach().clone()
+
+            dpsft.CoordsSync.write = write
+        elif name == "fsdp_dpsft_coords_stale":
+            saved.append((dpsft.CoordsSync, "attach", dpsft.CoordsSync.attach))
+            dpsft.CoordsSync.attach = lambda self, optimizer: self  # written at the next forward only
         yield
     finally:
         for obj, attr, val in reversed(saved):
@@ -291,14 +316,84 @@ def _dpsft_check() -> list[Check]:
     return out
 
 
+@contextlib.contextmanager
+def _held_rows(rank: int, k: int) -> Iterator[None]:
+    """``dpsft.local_rows``/``dpsft.held`` as on rank ``rank`` of ``k``: the rank's dim-0 chunk of every
+    parameter, a row view of its (whole) model copy, so writes land in those rows only."""
+    real = dpsft.held
+    dpsft.held = (lambda p: p.detach()[slice(*chunk_rows(p.shape[0], rank, k))]) if k > 1 else real
+    try:
+        with _rows_of(rank, k):
+            yield
+    finally:
+        dpsft.held = real
+
+
+def _coords_world(k: int):
+    """DP-SFT coords on K simulated ranks: per rank (rows after one SGD step on z, rows after a load of z,
+    whether rows outside the rank's chunk stayed Θ_start); and one process's Θ_start + P z for both z."""
+    model, basis, _, loss = _dpsft_parts()
+    g = torch.randn(_K, generator=torch.Generator().manual_seed(7))  # the noisy coordinate gradient
+    z_load = torch.randn(_K, generator=torch.Generator().manual_seed(8))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = [{n: start[n] + d for n, d in basis.unproject(-_LR * g).items()},
+            {n: start[n] + d for n, d in basis.unproject(z_load).items()}]
+    out = []
+    for r in range(k):
+        mdl = copy.deepcopy(model)
+        recipe = SimpleNamespace(method_config=lambda name: SimpleNamespace(method="none"),
+                                 privacy=SimpleNamespace(clipping=SimpleNamespace(style="flat", max_norm=_C)))
+        m = dpsft.DPSFT(dpsft.SubspaceCfg(source="file", file="basis.safetensors", k=_K, start="initial",
+                                          optimizer_space="coords"), recipe)
+        m.basis, m.info = basis, {}
+        run = SimpleNamespace(recipe=recipe, private=True, model=mdl, per_example_loss=loss, evaluate=None,
+                              make_optimizer=lambda params: torch.optim.SGD(list(params.values()), lr=_LR),
+                              device=torch.device("cpu"))
+        spec = StepSpec(engine=None, clip=FlatClip(_C), mechanism=None, sampler=None, optimizer=None, params=None)
+        with _held_rows(r, k):
+            spec = m.build(spec, run)
+            z = spec.params[COORDS]
+            z.grad = g.clone()
+            spec.optimizer.step()  # the write follows the step: no forward in between
+            stepped = {n: p.detach().clone() for n, p in mdl.named_parameters()}
+            with torch.no_grad():
+                z.copy_(z_load)  # as a resume's load of the checkpointed coordinates
+            m.before_step(0, run)
+            loaded = {n: p.detach().clone() for n, p in mdl.named_parameters()}
+        rows = {n: slice(*chunk_rows(p.shape[0], r, k)) for n, p in start.items()}
+        outside = all(torch.equal(torch.cat([w[n][:rows[n].start], w[n][rows[n].stop:]]),
+                                  torch.cat([start[n][:rows[n].start], start[n][rows[n].stop:]]))
+                      for w in (stepped, loaded) for n in start)
+        out.append(({n: stepped[n][rows[n]] for n in start}, {n: loaded[n][rows[n]] for n in start}, outside))
+    return out, want
+
+
+def _coords_check() -> list[Check]:
+    out = []
+    for k in (1, 2, 3):
+        ranks, want = _coords_world(k)
+        good = [all(torch.allclose(torch.cat([rk[j][n] for rk in ranks]), want[j][n], rtol=1e-5, atol=1e-6)
+                    for n in want[j]) for j in (0, 1)]
+        outside = all(o for _, _, o in ranks)
+        why = "; ".join(w for w, bad in (
+            ("right after the optimizer step the ranks' rows put together are not Θ_start + P z (stale or "
+             "misplaced rows)", not good[0]),
+            ("after a load of z the rows are not Θ_start + P z_loaded", not good[1]),
+            ("a rank wrote rows it does not hold", not outside)) if bad)
+        out.append(Check(f"fsdp dpsft coords: {k} ranks' rows of Θ_start + P z after the step and after a load",
+                         not why, f"K = {k}: {why}" if why else "each rank writes its rows of Θ_start + P z after "
+                         "every step and after a load: together the one-process Θ"))
+    return out
+
+
 def fsdp_dpsft_check(planted: Optional[str] = None) -> list[Check]:
     """The sharded DP-SFT step's check alone (module docstring); ``planted`` as :func:`fsdp_methods_checks`."""
     with _planted(planted):
-        return _dpsft_check()
+        return _dpsft_check() + _coords_check()
 
 
 def fsdp_methods_checks(planted: Optional[str] = None) -> list[Check]:
     """The white-box checks of methods on FSDP2 shards (module docstring); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
     with _planted(planted):
-        return _rmt_check() + _dpsft_check()
+        return _rmt_check() + _dpsft_check() + _coords_check()

@@ -42,7 +42,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import TaskCfg
 from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
-from dpft.fsdp_methods import local_rows
+from dpft.fsdp_methods import held, local_rows
 from dpft.grads.subspace import COORDS, LiveSubspace, SubspaceEngine
 from dpft.methods.base import Method, MethodError, register_method
 from dpft.models.losses import classification_loss
@@ -356,22 +356,54 @@ def unproject_held(basis: SubspaceBasis, params: dict[str, torch.Tensor], key: s
     return apply
 
 
-def _sync_hook(model: nn.Module, z: nn.Parameter, params: dict[str, nn.Parameter], basis: SubspaceBasis):
-    """Forward pre-hook for ``optimizer_space=coords``: keeps ``Θ = Θ_start + P z`` whenever the
-    coordinates ``z`` changed (optimizer step, resume)."""
-    start = {n: p.detach().clone() for n, p in params.items()}
-    seen = {"v": z._version}
+class CoordsSync:
+    """``optimizer_space=coords``: keeps ``Θ = Θ_start + P z`` (Zheng et al., AAAI 2026, Algorithm 2
+    line 13 with the update in span(P)) by writing the parameters after every optimizer step on the
+    coordinates ``z`` (:meth:`attach`: the optimizer's step post-hook) and after a load (:meth:`refresh`,
+    from the method's ``before_step``/``evaluate``: when ``z`` changed since the last write). One path for
+    every world: each process writes the rows it holds (whole tensors in one process and under DDP; under
+    FSDP2 its dim-0 rows ``[a, b)`` of each sharded parameter, ``Θ_start[a:b] + P_n[:, a:b] z`` through
+    :func:`unproject_held`), with no collective; the FSDP2 units are resharded first, so that no gathered
+    copy of the old values survives (the next forward, or evaluation's ``gathered()``, gathers the new rows).
 
-    def hook(module, args, kwargs):
-        if z._version != seen["v"]:
-            with torch.no_grad():
-                delta = basis.unproject(z.detach())
-                for n, p in params.items():
-                    p.copy_(start[n] + delta[n].to(p.dtype))
-            seen["v"] = z._version
-        return None
+    Args:
+        model: the network (its FSDP2 units are resharded before a write).
+        z: the ``(k,)`` coordinates the optimizer steps (the same values on every rank).
+        params: the spanned parameters (``DTensor`` shards under FSDP2).
+        basis: ``P``."""
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+    def __init__(self, model: nn.Module, z: torch.Tensor, params: dict[str, torch.Tensor], basis: SubspaceBasis):
+        self.model, self.z, self.params = model, z, params
+        self.unproject = unproject_held(basis, params, COORDS)
+        #: this process's rows of Θ_start (the parameters when the coordinates are zero)
+        self.start = {n: held(p).clone() for n, p in params.items()}
+        self.seen: Optional[torch.Tensor] = None  # z at the last write (None: never written)
+
+    def attach(self, optimizer) -> "CoordsSync":
+        """Write after every step of ``optimizer`` (a ``torch.optim.Optimizer``)."""
+        optimizer.register_step_post_hook(lambda *a: self.write())
+        return self
+
+    def refresh(self) -> None:
+        """Write when the coordinates differ from those of the last write (a resume's load; compared by
+        value: a load need not bump the tensor's version), or were never written."""
+        if self.seen is None or not torch.equal(self.seen, self.z.detach()):
+            self.write()
+
+    @torch.no_grad()
+    def write(self) -> None:
+        """``Θ = Θ_start + P z`` on the rows this process holds (no collective)."""
+        if any(local_rows(p) is not None for p in self.params.values()):
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model.modules():  # FSDP2: drop the gathered copies (the root keeps its own)
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        delta = self.unproject({COORDS: self.z.detach()}, {})
+        for n, p in self.params.items():
+            dst = held(p)
+            dst.copy_(self.start[n] + delta[n].to(dst.dtype))
+        self.seen = self.z.detach().clone()
 
 
 @register_method
@@ -400,10 +432,6 @@ class DPSFT(Method):
     fsdp_refusal = ("subspace.source public/private: stage 1 is a training phase of its own (snapshots of the "
                     "trajectory, then the basis P) that is not run on FSDP2 shards, as under DDP; build the basis in "
                     "one process and train stage 2 sharded with subspace.source: file")
-    fsdp_coords_refusal = ("subspace.optimizer_space coords: its forward hook would write Θ_start + P z into the shards "
-                           "after FSDP2's root unit has gathered them for that forward (not built); use "
-                           "optimizer_space: full")
-
     #: The coordinates are per row: refused with user-level units (methods/python.py).
     example_level_only = True
 
@@ -411,17 +439,15 @@ class DPSFT(Method):
     def sharded_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
         """What runs on FSDP2 shards (dpft/fsdp.py): ``source: none`` (the paper's noise placement alone:
         a σB Gaussian on the whole gradient, sharded like any Gaussian) and stage 2 on a given basis
-        (``source: file``, ``optimizer_space: full``). Stage 2 sharded: P is replicated on every rank
+        (``source: file``, ``optimizer_space`` full or coords). Stage 2 sharded: P is replicated on every rank
         (``k × d_trainable`` floats per rank, ``subspace.dtype``: 4 or 2 bytes each; a per-layer
         all-gather of a row-sharded P would cut that to 1/K and is not built); FSDP all-gathers each
         layer for the rank's own examples, so ``s_i = Σ_l P_lᵀ g_{i,l}`` is complete on its rank, clipped
         in R^k there; the (k,) clipped sums are all-reduced once per step (fsdp_methods.ReplicatedSum),
         noised once for the world (the same draw on every rank), and each rank writes its own rows of
-        ``P z`` (:func:`unproject_held`). Refused: stage 1 (``public``/``private``) and ``coords``."""
-        why = [cls.fsdp_refusal] if cfg.source in ("public", "private") else []
-        if cfg.source != "none" and cfg.optimizer_space == "coords":
-            why.append(cls.fsdp_coords_refusal)
-        return "; ".join(why) or None
+        ``P z`` (:func:`unproject_held`); with ``coords`` every rank steps the same ``z`` and writes its rows
+        of ``Θ_start + P z`` after each step (:class:`CoordsSync`). Refused: stage 1 (``public``/``private``)."""
+        return cls.fsdp_refusal if cfg.source in ("public", "private") else None
 
     @classmethod
     def python_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
@@ -509,15 +535,25 @@ class DPSFT(Method):
         else:
             z = nn.Parameter(torch.zeros(basis.k, device=run.device))
             params = {COORDS: z}
-            self._hook = _sync_hook(run.model, z, engine.model_params, basis)
         if run.evaluate is not None:  # a Python way in holds no dev set
             self.info["start_dev_accuracy"] = run.evaluate()["dev_accuracy"]
         # A Python way in keeps the user's optimizer: "full" steps the same trainable parameters.
         optimizer = run.make_optimizer(params) if run.make_optimizer is not None else spec.optimizer
+        if cfg.optimizer_space == "coords":  # Θ = Θ_start + P z after every step of the coordinates
+            self.sync = CoordsSync(run.model, params[COORDS], engine.model_params, basis).attach(optimizer)
         spec = spec.replace(engine=engine, clip=clip, params=params, transforms=transforms, optimizer=optimizer)
         if cfg.paper_noise_placement:
             spec = spec.replace(mechanism=self._paper_mechanism(spec, run))
         return spec
+
+    def before_step(self, step: int, run) -> None:
+        if getattr(self, "sync", None) is not None:  # coords: Θ_start + P z after a resume's load of z
+            self.sync.refresh()
+
+    def evaluate(self, run, evaluate):
+        if getattr(self, "sync", None) is not None:  # coords: a resumed run that evaluates before any step
+            self.sync.refresh()
+        return None
 
     def report(self, run) -> dict:
         return self.info
