@@ -266,7 +266,8 @@ def _api_check() -> list[Check]:
            Check("fsdp make_private: the ranks' real rows are disjoint and cover the logical batch", cover,
                  "shares of one Poisson batch" if cover else "a row on two ranks, or missing")]
     p = torch.nn.Parameter(torch.ones(4, 3))
-    step = SimpleNamespace(spec=SimpleNamespace(mechanism=None, clip=SimpleNamespace(max_norm=1.0)), params={"p": p},
+    step = SimpleNamespace(spec=SimpleNamespace(mechanism=None, clip=SimpleNamespace(max_norm=1.0),
+                                                engine=SimpleNamespace(params={"p": p})), params={"p": p},
                            scatter=fsdp.ReduceScatter({"p": p}, ["p"], World()), _reshard=lambda: None)
     mb = ShardedMicroBatches(sampler, 6, 3, 6, world=World(1, 2))
     opt = ShardedDPOptimizer(torch.optim.SGD([p], lr=0.1), step, 6, World(1, 2), mb)
