@@ -17,10 +17,11 @@ DPTrainer writes it). The loaded weights are checked against the file.
 ``--case save``: the plain copy ``dpft train`` builds after FSDP2 training for rank 0's save, generation
 and test file (``dpft.fsdp.materialise`` of a model ``dpft.fsdp.shard_model`` sharded): the same per-rank
 peak increment while it is built, and rank 0's copy checked against the weights (a checkout whose
-``materialise`` has no ``keep``: the copy on every rank, as before). Measured (2 gloo processes, the 45 M
-Llama above, 173 MB): before, each rank +354 MB (the gathered tensors and their copies); after, rank 0
-+245 MB (the copy and one tensor in flight), rank 1 +143 MB and no full tensor kept (the gathers of the
-65.5 MB embedding and head pass through; 8 layers, 222 MB: rank 1 +147 MB, before +454 MB on each).
+``materialise`` has no ``keep``: the copy on every rank, as before). Measured, MiB as printed (2 gloo
+processes, the 45 M Llama above, 173 MiB): before, each rank +354 (the gathered tensors and their
+copies); after, rank 0 +245 (the copy and one tensor in flight), rank 1 +143 and no full tensor kept
+(the 62.5 MiB embedding and head pass through its gathers). 8 layers (222 MiB): before +454 on each
+rank; after rank 0 +294, rank 1 +147.
 
 Run from the repository root (``before``: the code of another checkout, e.g. ``PYTHONPATH=/work/main/src``)::
 
