@@ -247,9 +247,10 @@ def materialise(model: nn.Module, keep: bool = True) -> nn.Module:
     calls it; the parameters are gathered one at a time in ``model``'s name order). Used for what runs
     after training on rank 0 alone (saving, generation). A model that was never sharded is returned as is.
 
-    ``keep`` False (the ranks that do not save): each gathered tensor is dropped at once (host/device
-    peak: one full tensor) and ``model`` itself, still sharded, is returned. ``keep`` True: the copy
-    (peak: the full model plus one tensor; a gathered tensor is used as is, not copied again)."""
+    ``keep`` False (the ranks that do not save): each gathered tensor is dropped at once (peak: one
+    tensor's gather, not the model) and ``model`` itself, still sharded, is returned. ``keep`` True: the
+    copy (peak: the full model plus one gather; a gathered tensor is used as is, not copied again).
+    Measured: benchmarks/resume_memory.py ``--case save``."""
     tmpl = _TEMPLATES.get(model)
     if tmpl is None:
         return model

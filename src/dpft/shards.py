@@ -32,7 +32,7 @@ def full_on_rank0(tensors: Mapping[str, torch.Tensor]) -> Optional[dict[str, tor
     """Full (gathered) copies of ``tensors`` on rank 0 of the default process group, in name order, and
     None on the other ranks (a collective: every rank calls it; each ``DTensor`` is gathered with
     ``full_tensor()`` in the same order). A rank other than 0 drops each gathered tensor at once: its
-    peak is one full tensor, not the full set. Unsharded tensors are returned as they are (detached);
+    peak is one tensor's gather, not the full set. Unsharded tensors are returned as they are (detached);
     outside a process group every rank is rank 0."""
     import torch.distributed as dist  # deferred with DTensor (is_sharded)
 

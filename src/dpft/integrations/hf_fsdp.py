@@ -349,11 +349,11 @@ def load_full_checkpoint(model, ckpt: str, load) -> None:
     FSDP2 ``model`` (a collective: every rank calls it); each rank keeps its slice. A checkpoint with
     safetensors weights (what DPTrainer writes by default), whoever sharded the model:
     :func:`load_full_into_shards` (rank 0 alone reads the file; broadcast one tensor at a time). A
-    checkpoint without (``save_safetensors=False``) of a model DPTrainer sharded (``fsdp=``): rank 0 alone
+    checkpoint without (``pytorch_model.bin``, as an older transformers wrote) of a model DPTrainer sharded (``fsdp=``): rank 0 alone
     builds a plain copy (:func:`dpft.fsdp.materialise`; the other ranks join its gathers and drop each
     tensor) and loads it with ``load(ckpt, plain)`` — ``Trainer``'s own loader — then
     ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` (was: a plain copy loaded on
-    every rank, the full model's host memory on each).
+    every rank, the full model's host memory on each; measured: benchmarks/resume_memory.py).
 
     Raises:
         ValueError, RuntimeError: as :func:`load_full_into_shards` (on every rank)."""
@@ -379,7 +379,7 @@ def _has_safetensors(model, ckpt: str) -> bool:
     """Whether ``ckpt`` holds the safetensors weights :func:`_checkpoint_weights` reads for ``model``
     (PEFT: ``adapter_model``; else ``model``; one file or an index)."""
     stem = "adapter_model" if hasattr(model, "peft_config") and hasattr(model, "active_adapter") else "model"
-    return any(os.path.isfile(os.path.join(ckpt, f"{stem}{ext}")) for ext in (".safetensors", ".safetensors.index.json"))
+    return any(os.path.isfile(os.path.join(ckpt, stem + ext)) for ext in (".safetensors", ".safetensors.index.json"))
 
 
 def _read_safetensors(ckpt: str, stem: str) -> Optional[dict[str, torch.Tensor]]:
