@@ -347,7 +347,7 @@ def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
 def load_full_checkpoint(model, ckpt: str, load) -> None:
     """Load the full weights of checkpoint ``ckpt`` (written by :func:`full_model_state`) into the
     FSDP2 ``model`` (a collective: every rank calls it); each rank keeps its slice. A checkpoint with
-    safetensors weights (what DPTrainer writes by default), whoever sharded the model:
+    safetensors weights (what DPTrainer writes), whoever sharded the model:
     :func:`load_full_into_shards` (rank 0 alone reads the file; broadcast one tensor at a time). A
     checkpoint without (``pytorch_model.bin``, as an older transformers wrote) of a model DPTrainer sharded (``fsdp=``): rank 0 alone
     builds a plain copy (:func:`dpft.fsdp.materialise`; the other ranks join its gathers and drop each
