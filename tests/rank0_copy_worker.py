@@ -1,7 +1,7 @@
 """One rank of tests/test_rank0_copy.py's 2-process check (gloo, spawned): a tiny random GPT-2 with tied
 embeddings sharded by ``dpft.fsdp.shard_model``; what each rank holds after ``materialise(keep=rank 0)``
 and ``full_on_rank0``, and the ``fsdp=`` resume (``load_full_checkpoint``) from a safetensors checkpoint
-and from a ``pytorch_model.bin`` one (no safetensors: rank 0's plain copy). Writes
+and from a ``pytorch_model.bin`` one (no safetensors: rank 0's plain copy), and a LoRA adapter's. Writes
 ``rank{r}.json`` with the facts the test asserts; rank 0 saves the plain copy with ``save_pretrained``."""
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ def _model(seed: int):
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2,
                                                                 n_positions=16))
+
+
+def _lora(seed: int):
+    """The seed-0 GPT-2 with a LoRA adapter drawn from ``seed`` (both factors random: not the zero update)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base = _model(0)
+    torch.manual_seed(seed)
+    return get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], init_lora_weights=False))
 
 
 def entry(rank: int, out: str, port: int) -> None:
@@ -72,6 +82,19 @@ def entry(rank: int, out: str, port: int) -> None:
             for n, p in target.named_parameters():  # a collective: every rank gathers, each compares
                 ok = ok and torch.equal(p.full_tensor(), want[n])
             log[f"{fmt}_equal"] = ok
+        # the same for a PEFT model DPTrainer sharded: the adapter's file, renamed by PEFT, broadcast by rank 0
+        ckpt = os.path.join(out, "ckpt_lora")
+        if rank == 0:
+            _lora(1).save_pretrained(ckpt)
+        dist.barrier()
+        target = fsdp.shard_model(_lora(2), World(rank=rank, world_size=2))
+        load_full_checkpoint(target, ckpt, lambda *a: used.append("loader"))
+        want = _lora(1).state_dict()
+        ok, n_lora = True, 0
+        for n, p in target.named_parameters():
+            ok = ok and torch.equal(p.full_tensor(), want[n])
+            n_lora += "lora_" in n
+        log["lora_equal"], log["lora_params"] = ok, n_lora
     finally:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(log, f)

@@ -6,7 +6,7 @@ dpft/shards.py ``full_on_rank0``, integrations/hf_fsdp.py ``load_full_checkpoint
 - 2 gloo processes (tests/rank0_copy_worker.py): rank 1 holds no full tensor after ``materialise`` nor after
   ``full_on_rank0``; rank 0's saved model equals the weights (what every rank's copy held before); the
   ``fsdp=`` resume loads a safetensors checkpoint and a ``pytorch_model.bin`` one (the latter read by rank 0
-  alone, through its plain copy) into both ranks' shards.
+  alone, through its plain copy) and a LoRA adapter's into both ranks' shards.
 """
 
 from __future__ import annotations
@@ -119,3 +119,5 @@ def test_two_processes_rank1_holds_no_full_copy(tmp_path):
         assert r["safetensors_equal"] and r["bin_equal"] and r["safetensors_still_sharded"] and r["bin_still_sharded"]
         assert r["safetensors_loader_ranks"] == []  # safetensors: load_full_into_shards, no plain copy at all
     assert r0["bin_loader_ranks"] == [0] and r1["bin_loader_ranks"] == []
+    for r in (r0, r1):  # a LoRA adapter's checkpoint into a PEFT model DPTrainer sharded (PEFT renames the keys)
+        assert r["lora_equal"] and r["lora_params"] == 4  # A and B of c_attn in 2 blocks
