@@ -242,14 +242,30 @@ def full_state(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: (params[n].full_tensor() if is_sharded(params[n]) else params[n]).detach() for n in sorted(params)}
 
 
-def materialise(model: nn.Module) -> nn.Module:
-    """A plain (unsharded) copy of an FSDP ``model`` with its current weights, on every rank (a
-    collective). Used for what runs after training on rank 0 alone (saving, generation). A model
-    that was never sharded is returned as is."""
+def materialise(model: nn.Module, keep: bool = True) -> nn.Module:
+    """A plain (unsharded) copy of an FSDP ``model`` with its current weights (a collective: every rank
+    calls it; the parameters are gathered one at a time in ``model``'s name order). Used for what runs
+    after training on rank 0 alone (saving, generation). A model that was never sharded is returned as is.
+
+    ``keep`` False (the ranks that do not save): each gathered tensor is dropped at once (peak: one
+    tensor's gather, not the model) and ``model`` itself, still sharded, is returned. ``keep`` True: the
+    copy (peak: the full model plus one gather; a gathered tensor is used as is, not copied again).
+    Measured: benchmarks/resume_memory.py ``--case save``."""
     tmpl = _TEMPLATES.get(model)
     if tmpl is None:
         return model
-    full = {n: (p.full_tensor() if is_sharded(p) else p).detach() for n, p in model.named_parameters()}
+    full: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        t = (p.full_tensor() if is_sharded(p) else p).detach()
+        if keep:  # a gathered tensor is used as is when it owns its memory; else (a live tensor, the shard
+            # itself in a 1-rank mesh, a view of a padded buffer) copied
+            st = t.untyped_storage()
+            own = (is_sharded(p) and t.is_contiguous() and st.nbytes() == t.numel() * t.element_size()
+                   and st.data_ptr() != p.to_local().untyped_storage().data_ptr())
+            full[n] = t if own else t.clone()
+        del t
+    if not keep:
+        return model
     bufs = dict(model.named_buffers(remove_duplicate=False))
     made: dict[int, nn.Parameter] = {}
     names = {}
@@ -260,8 +276,7 @@ def materialise(model: nn.Module) -> nn.Module:
             if p is None:
                 continue
             if id(p) not in made:
-                src = full[names[id(p)]]
-                made[id(p)] = nn.Parameter(src.clone(), requires_grad=p.requires_grad)
+                made[id(p)] = nn.Parameter(full.pop(names[id(p)]), requires_grad=p.requires_grad)
             m._parameters[k] = made[id(p)]
         for k, b in list(m._buffers.items()):
             if b is not None:

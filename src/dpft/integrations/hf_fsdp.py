@@ -28,8 +28,8 @@ book-keeping engine runs). ``state_dict_type`` has no effect: ``save_model`` and
 hold the gathered full model (:func:`full_model_state`; PEFT: the adapter), the format ``from_pretrained``
 loads, and the full optimizer state by parameter name (:func:`full_optimizer_state`);
 ``resume_from_checkpoint`` loads both back into the shards (:func:`load_full_checkpoint`,
-:func:`load_full_optimizer`): through a plain copy when DPTrainer sharded the model, straight into the
-shards when the caller did (:func:`load_full_into_shards`); rank 0 alone reads the caller-sharded model's
+:func:`load_full_optimizer`): straight into the shards (:func:`load_full_into_shards`; a checkpoint without
+safetensors of a model DPTrainer sharded: through a plain copy on rank 0 alone); rank 0 alone reads the
 weights and every ``optimizer.pt``, broadcast one tensor at a time (``broadcast_from_rank0``). In one
 process nothing is sharded but the step is still the sharded one (its noise layout), so a 1-process
 run equals a K-process one, as ``dpft train``'s. Banded MF runs sharded (:class:`~dpft.fsdp.ShardedBandedMFMechanism`:
@@ -346,19 +346,40 @@ def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:
 
 def load_full_checkpoint(model, ckpt: str, load) -> None:
     """Load the full weights of checkpoint ``ckpt`` (written by :func:`full_model_state`) into the
-    FSDP2 ``model`` (a collective: every rank calls it). Sharded by DPTrainer (``fsdp=``): ``load(ckpt,
-    plain)`` — ``Trainer``'s own loader (safetensors, PEFT adapters) — on a plain copy
-    (:func:`dpft.fsdp.materialise`; the full model's memory on every rank while it lasts), then each rank
-    keeps its shards. Sharded by the caller (no plain copy): :func:`load_full_into_shards`.
-    Both end in ``set_model_state_dict(full_state_dict=True)``: each rank keeps its slice."""
+    FSDP2 ``model`` (a collective: every rank calls it); each rank keeps its slice. A checkpoint with
+    safetensors weights (what DPTrainer writes), whoever sharded the model:
+    :func:`load_full_into_shards` (rank 0 alone reads the file; broadcast one tensor at a time). A
+    checkpoint without (``pytorch_model.bin``, as an older transformers wrote) of a model DPTrainer sharded (``fsdp=``): rank 0 alone
+    builds a plain copy (:func:`dpft.fsdp.materialise`; the other ranks join its gathers and drop each
+    tensor) and loads it with ``load(ckpt, plain)`` — ``Trainer``'s own loader — then
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` (was: a plain copy loaded on
+    every rank, the full model's host memory on each; measured: benchmarks/resume_memory.py).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`load_full_into_shards` (on every rank)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if fsdp._TEMPLATES.get(model) is None:
+    if fsdp._TEMPLATES.get(model) is None or _has_safetensors(model, ckpt):
         load_full_into_shards(model, ckpt)
         return
-    plain = fsdp.materialise(model)
-    load(ckpt, plain)
-    set_model_state_dict(model, plain.state_dict(), options=StateDictOptions(full_state_dict=True))
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    plain = fsdp.materialise(model, keep=main)  # rank 0: the plain copy; the others: ``model``, nothing kept
+
+    def read() -> dict[str, torch.Tensor]:
+        load(ckpt, plain)
+        return plain.state_dict()
+
+    full = _read_on_rank0(read, ckpt)
+    del plain
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _has_safetensors(model, ckpt: str) -> bool:
+    """Whether ``ckpt`` holds the safetensors weights :func:`_checkpoint_weights` reads for ``model``
+    (PEFT: ``adapter_model``; else ``model``; one file or an index)."""
+    stem = "adapter_model" if hasattr(model, "peft_config") and hasattr(model, "active_adapter") else "model"
+    return any(os.path.isfile(os.path.join(ckpt, stem + ext)) for ext in (".safetensors", ".safetensors.index.json"))
 
 
 def _read_safetensors(ckpt: str, stem: str) -> Optional[dict[str, torch.Tensor]]:

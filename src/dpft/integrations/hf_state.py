@@ -139,8 +139,7 @@ class PrivateState:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """``Trainer``'s loader; an FSDP2 model loads the checkpoint's full weights and keeps its shards
-        (hf_fsdp.py ``load_full_checkpoint``: through a plain copy when DPTrainer sharded it, straight into
-        the shards when the caller did)."""
+        (hf_fsdp.py ``load_full_checkpoint``: rank 0 alone reads it, broadcast one tensor at a time)."""
         if not is_fsdp2_model(self.model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_full_checkpoint(self.model, resume_from_checkpoint, super()._load_from_checkpoint)

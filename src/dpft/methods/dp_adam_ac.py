@@ -26,7 +26,7 @@ from pydantic import Field
 from dpft.config_base import PluginConfig
 from dpft.methods.base import Method, register_method
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA, swap_values
-from dpft.shards import is_sharded
+from dpft.shards import full_on_rank0, is_sharded
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
 from dpft.step.noise import GaussianMechanism
 
@@ -254,9 +254,9 @@ class DPAdamAC(Method):
         if self.ema is not None:
             self.ema.update()
             if out.step + 1 >= run.total_steps and any(is_sharded(t) for t in self.ema.shadow.values()):
-                # FSDP2: rank 0 alone saves and generates, on a plain copy; gather the EMA now (every rank)
-                self._ema_full = {n: (t.full_tensor() if is_sharded(t) else t).detach()
-                                  for n, t in self.ema.shadow.items()}
+                # FSDP2: rank 0 alone saves and generates, on a plain copy; gather the EMA now (every rank
+                # joins each gather, in the same order); rank 0 alone keeps it (dpft/shards.py)
+                self._ema_full = full_on_rank0(self.ema.shadow)
         bsz, clipped = out.private["batch_size"], out.private["clipped"]
         rate = None
         if run.private and isinstance(self.clip, AdaptiveQuantileClip):

@@ -474,9 +474,9 @@ class Trainer:
             after_report(self, rep)  # model card from the written report
             return rep
 
-        if self.plan.sharded:  # FSDP: rank 0 alone saves and generates: a plain copy of the weights
-
-            self.model = self.ctx.model = materialise(self.model)
+        if self.plan.sharded:  # FSDP: rank 0 alone saves and generates, on a plain copy of the weights; the
+            # other ranks join each tensor's gather and drop it (they keep their shards: no full copy)
+            self.model = self.ctx.model = materialise(self.model, keep=self.world.is_main)
         return ddp.on_rank0(self.world, finish)
 
     # ------------------------------------------------------------------ interrupts (run/interrupt.py)
