@@ -371,7 +371,7 @@ def load_full_checkpoint(model, ckpt: str, load) -> None:
         return plain.state_dict()
 
     full = _read_on_rank0(read, ckpt)
-    del plain
+    plain = None  # free rank 0's copy before the broadcast
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
