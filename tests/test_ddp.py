@@ -88,6 +88,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_then_two(worker, jobs: dict, root: Path) -> tuple[dict, list[dict]]:
+    """``worker.run_jobs`` on ``jobs`` in this process (a 1-process gloo group: the same sharded step),
+    then on 2 ranks forked from the fork server (``worker.forked_entry``). Returns (the 1-process
+    result, [rank 0's, rank 1's] logs)."""
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        one = worker.run_jobs({"jobs": jobs, "out": str(root / "one")}, 0)
+    finally:
+        dist.destroy_process_group()
+    logs = root / "logs"
+    logs.mkdir()
+    torch.multiprocessing.start_processes(worker.forked_entry, args=(
+        {"jobs": jobs, "log_dir": str(logs), "out": str(root / "two")}, free_port()), nprocs=2, join=True,
+        start_method="forkserver")
+    return one, [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
+
+
 # Ranks are started from a fork server that imported dpft once and never ran a parallel torch
 # op (forking pytest itself would inherit its OpenMP thread pool, which deadlocks libgomp).
 multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.report.report", "matplotlib.pyplot",

@@ -36,7 +36,7 @@ from dpft.step.aggregate import Aggregator
 from dpft.step.clip import FlatClip
 from dpft.transforms.subspace import SubspaceBasis
 
-from test_ddp import files_under, free_port, launch_worker  # noqa: E402 (tests/ helpers)
+from test_ddp import files_under, launch_worker, one_then_two  # noqa: E402 (tests/ helpers)
 from test_fsdp import fsdp_recipe, lm_dirs  # noqa: E402,F401 (module fixture)
 from test_fsdp_methods import _weights_close  # noqa: E402
 
@@ -273,18 +273,9 @@ def api_one_and_two(tmp_path_factory):
     jobs = {"api_dpsft": {"methods": [{**spec, "file": str(mlp)}]},
             "trainer_dpsft": {"methods": [{**spec, "file": str(bert)}], "trainer": True},
             "trainer_args_dpsft": {"methods": [{**spec, "file": str(bert)}], "trainer": True, "fsdp_args": True}}
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
-    try:
-        one = worker.run_jobs({"jobs": jobs, "out": str(root / "one")}, 0)
-    finally:
-        dist.destroy_process_group()
-    logs = root / "logs"
-    logs.mkdir()
-    torch.multiprocessing.start_processes(worker.forked_entry, args=(
-        {"jobs": jobs, "log_dir": str(logs), "out": str(root / "two")}, free_port()), nprocs=2, join=True,
-        start_method="forkserver")
+    one, two = one_then_two(worker, jobs, root)
     one["jobs"]["api_dpsft"]["init"] = init
-    return jobs, one, [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
+    return jobs, one, two
 
 
 @pytest.mark.slow

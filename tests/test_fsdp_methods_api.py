@@ -8,7 +8,6 @@ within float tolerance."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_methods_worker as worker  # tests/fsdp_methods_worker.py: what each rank runs
-from test_ddp import free_port
+from test_ddp import one_then_two
 
 multiprocessing.set_forkserver_preload(["fsdp_methods_worker", "dpft", "dpft.api", "torch.distributed.fsdp"])
 
@@ -34,18 +33,7 @@ JOBS = {"api_rmt": {"methods": RMT}, "api_adaclip": {"methods": ADACLIP}, "api_d
 def one_and_two(tmp_path_factory):
     if dist.is_initialized():  # pragma: no cover - another test left one
         pytest.skip("a process group is already initialised")
-    root = tmp_path_factory.mktemp("fsdp_methods_api")
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
-    try:
-        one = worker.run_jobs({"jobs": JOBS, "out": str(root / "one")}, 0)
-    finally:
-        dist.destroy_process_group()
-    logs = root / "logs"
-    logs.mkdir()
-    torch.multiprocessing.start_processes(worker.forked_entry, args=(
-        {"jobs": JOBS, "log_dir": str(logs), "out": str(root / "two")}, free_port()), nprocs=2, join=True,
-        start_method="forkserver")
-    return one, [json.loads((logs / f"rank{r}.json").read_text()) for r in range(2)]
+    return one_then_two(worker, JOBS, tmp_path_factory.mktemp("fsdp_methods_api"))
 
 
 def _close(a: dict, b: dict) -> None:
