@@ -89,7 +89,6 @@ def _recipe(lm_dirs, **extra):  # noqa: F811
 
 
 REFUSED = {
-    "dpsft": ({"subspace.source": "private"}, "stage 1 is a training phase"),  # stage 2 on a file runs: test_fsdp_dpsft.py
     "rmt": ({**RMT, "denoise.diagnostics": True}, "clean .un-noised. clipped sum"),
     "dp_adam_ac": ({"adam_ac.reproduce_paper": True}, "raw per-example norms"),
 }
@@ -105,7 +104,8 @@ def test_dpft_train_fsdp_refuses_with_the_methods_reason(lm_dirs, name):  # noqa
         check_recipe(r, 2, methods, True, False)
 
 
-@pytest.mark.parametrize("extra", [RMT, ADAM_AC, DPSFT_NONE], ids=["rmt", "dp_adam_ac", "dpsft_none"])
+@pytest.mark.parametrize("extra", [RMT, ADAM_AC, DPSFT_NONE, {"subspace.source": "private"}],
+                         ids=["rmt", "dp_adam_ac", "dpsft_none", "dpsft_stage1"])  # DP-SFT stage 1: issue 38
 def test_dpft_train_fsdp_accepts_rmt_and_adam_ac(lm_dirs, extra):  # noqa: F811
     r = _recipe(lm_dirs, **extra)
     methods = active_methods(r)
