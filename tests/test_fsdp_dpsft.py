@@ -10,7 +10,8 @@ Slow: 2 CPU processes (gloo) equal 1 process — ``dpft train`` (``perf.sharding
 ``make_private`` on a caller ``fully_shard``-ed MLP, and ``DPTrainer`` (caller-sharded and ``fsdp=``): the
 same ledger and ε, the weights within float tolerance. Fast: the maths on simulated ranks (the all-reduced
 clipped coordinate sums of the ranks' shares, placeholders included, equal one process's; the ranks' rows
-of P z put together equal P z), the audit's white-box check and its planted bugs, and what stays refused."""
+of P z put together equal P z), the audit's white-box check and its planted bugs, and that nothing is refused
+(stage 1 in a world: tests/test_dpsft_stage1_world.py)."""
 
 from __future__ import annotations
 
@@ -194,15 +195,16 @@ def test_dpft_train_fsdp_check_accepts_a_basis_file_and_stage1(lm_dirs):  # noqa
 def test_fsdp_dpsft_audit_check_passes_and_catches_the_planted_bugs():
     """audit/checks_fsdp_methods.py: the sharded DP-SFT step on 2 and 3 simulated ranks equals one
     process, and with optimizer_space coords each rank's rows of Θ_start + P z (after the step, after a
-    load) make the one-process Θ; each planted bug (a rank's own coordinate sum, a rank's own noise, a
-    rank's rows of P z without its offset, no write after the step) is caught."""
+    load) make the one-process Θ, and stage 1's basis (gathered snapshots, built on rank 0, broadcast) is the
+    one-process basis on every rank; each planted bug (a rank's own coordinate sum, a rank's own noise, a
+    rank's rows of P z without its offset, no write after the step, a rank's basis from its own rows) is caught."""
     from dpft.audit.checks_fsdp_methods import PLANTED, fsdp_dpsft_check
 
     honest = fsdp_dpsft_check()
     assert honest and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
-    assert len(honest) == 5  # 2 and 3 ranks' step; 1, 2 and 3 ranks' coords writes
+    assert len(honest) == 7  # 2 and 3 ranks' step; 1, 2 and 3 ranks' coords writes; 2 and 3 ranks' stage-1 basis
     for name in ("fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
-                 "fsdp_dpsft_coords_stale"):
+                 "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis"):
         assert name in PLANTED
         from dpft.audit.checks_fsdp_methods import _planted
 

@@ -182,7 +182,7 @@ def test_fsdp_methods_audit_checks_pass_and_catch_the_planted_bug():
     assert ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", PLANTED) in suite.OPTIONAL_CHECKS
     assert set(PLANTED) <= set(planted.ALL)
     honest = fsdp_methods_checks()
-    assert len(honest) == 7 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]  # RMT 2, DP-SFT 2 + coords 3
+    assert len(honest) == 9 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]  # RMT 2, DP-SFT 2 + coords 3 + stage 1 2
     for name in PLANTED:
         assert not all(c.passed for c in fsdp_methods_checks(name)), name
     assert all(not c.passed for c in fsdp_methods_checks("fsdp_rmt_local_rows")[:2])

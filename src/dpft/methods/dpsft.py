@@ -46,12 +46,11 @@ from dpft.fsdp_methods import held, local_rows
 from dpft.grads.subspace import COORDS, LiveSubspace, SubspaceEngine
 from dpft.distributed import World, broadcast_object
 from dpft.methods.base import Method, MethodError, register_method
-from dpft.methods.dpsft_stage1 import Snapshots, gather_on_rank0, share_basis
+from dpft.methods.dpsft_stage1 import Snapshots, share_basis, world_basis
 from dpft.models.losses import classification_loss
 from dpft.step.clip import FlatClip
 from dpft.step.noise import GaussianMechanism
-from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
-                                      snapshot_schedule)
+from dpft.transforms.subspace import SubspaceBasis, SubspaceError, format_bytes, snapshot_schedule
 
 #: Ledger phase of a private stage 1.
 PHASE = "subspace"
@@ -239,15 +238,6 @@ def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
     rep = st.run()
     if snaps.recorded != len(after):
         raise SubspaceError(f"stage 1 recorded {snaps.recorded} of {len(after)} snapshots")
-    final = gather_on_rank0(st.params, world)  # Θ* (a collective under FSDP2)
-    dev = next(iter(st.params.values())).device
-
-    def build() -> SubspaceBasis:  # rank 0 alone; every rank gets its P, Θ* and meta (share_basis)
-        b = basis_from_snapshots(snaps.snapshots, cfg.k)
-        b.start = {n: p.clone() for n, p in final.items()}
-        b.meta.update(info)
-        return b
-
     info = {"source": cfg.source, "stage1_steps": rec.schedule.steps, "snapshots": len(after),
             "stage1_expected_batch_size": rec.batch.expected_batch_size,
             "stage1_examples_expected": rec.schedule.steps * rec.batch.expected_batch_size,
@@ -258,8 +248,8 @@ def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
         # Provenance of a saved basis: the stage-1 releases alone (for source: file elsewhere).
         info["ledger"] = _stage1_only(st.ledger, n_before)
         info["stage1_epsilon_alone"] = PrivacyLedger.from_json(info["ledger"]).epsilon(r.privacy.delta).epsilon
-    basis = share_basis(world, build, dev)
-    return basis, info
+    # P and Θ* built once (rank 0) from the full snapshots and broadcast: every rank holds the same basis
+    return world_basis(snaps, st.params, world, cfg.k, info), info
 
 
 def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:

@@ -26,9 +26,9 @@ import torch
 
 from dpft.distributed import World, broadcast_object
 from dpft.shards import full_on_rank0
-from dpft.transforms.subspace import SubspaceBasis
+from dpft.transforms.subspace import SubspaceBasis, basis_from_snapshots
 
-__all__ = ["Snapshots", "gather_on_rank0", "share_basis"]
+__all__ = ["Snapshots", "gather_on_rank0", "share_basis", "world_basis"]
 
 
 def gather_on_rank0(params: dict[str, torch.Tensor], world: Optional[World]) -> Optional[dict[str, torch.Tensor]]:
@@ -114,3 +114,23 @@ def share_basis(world: Optional[World], build: Callable[[], SubspaceBasis], devi
     sv = bcast(basis.singular_values if basis else None, sv_shape, "torch.float64").cpu()
     st = None if start is None else {n: bcast(basis.start[n] if basis else None, *start[n]) for n in start}
     return SubspaceBasis(got, sv, st, dict(meta))
+
+
+def world_basis(snaps: Snapshots, params: dict[str, torch.Tensor], world: Optional[World], k: int,
+                meta: dict) -> SubspaceBasis:
+    """Stage 1's basis for the world, after its last step: ``Θ*`` = the full ``params`` (gathered: a collective
+    under FSDP2), ``P`` = the top-k basis of ``snaps`` (Eq. 3-4), built on rank 0 alone with ``meta`` added and
+    broadcast (:func:`share_basis`), so every rank holds the same ``P``, ``Θ*`` (full shapes) and meta.
+
+    Raises:
+        SubspaceError: rank(A) < k (on every rank)."""
+    final = gather_on_rank0(params, world)
+    dev = next(iter(params.values())).device
+
+    def build() -> SubspaceBasis:
+        b = basis_from_snapshots(snaps.snapshots, k)
+        b.start = {n: p.clone() for n, p in final.items()}
+        b.meta.update(meta)
+        return b
+
+    return share_basis(world, build, dev)
