@@ -44,7 +44,7 @@ from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
 from dpft.fsdp_methods import held, local_rows
 from dpft.grads.subspace import COORDS, LiveSubspace, SubspaceEngine
-from dpft.distributed import World, broadcast_object
+from dpft.distributed import World, any_rank, broadcast_object
 from dpft.methods.base import Method, MethodError, register_method
 from dpft.methods.dpsft_stage1 import Snapshots, share_basis, world_basis
 from dpft.models.losses import classification_loss
@@ -215,7 +215,8 @@ def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
     check_public_source(r)
     rec, after = stage1_recipe(r, trainer.n)
     d = trainer.run_dir / "subspace" / "stage1"
-    if (d / "checkpoint").exists():
+    stale = (d / "checkpoint").exists() or (d / "checkpoint_shards").exists()  # one process/DDP, or FSDP2
+    if any_rank(World(getattr(trainer, "rank", 0), getattr(trainer, "world_size", 1)), stale):  # every rank stops
         raise TrainingError(f"stage 1 in {d} was interrupted before its basis was written; remove {d} "
                             "and run again (its snapshots were in memory only)")
     if getattr(trainer, "train_phase", None) is None:
