@@ -153,3 +153,22 @@ def test_dpft_train_dpsft_stage1_two_processes_equal_one(tiny_model_dir, sst_lik
     _weights_close(one, two, 1e-5)
     print(f"dpsft stage 1 {source} {sharding}: 2 vs 1 process: max |ΔP| = {dp:.3g}, max |ΔΘ*| = {ds:.3g}; "
           f"ledger equal")
+
+
+@pytest.mark.slow
+def test_an_interrupted_world_stage1_is_refused_on_every_rank(tiny_model_dir, sst_like_files, public_csv, tmp_path):
+    """DDP: a SIGINT reaches rank 1 during stage 1's step index 1; the world checkpoints stage 1 (rank 0's
+    folder alone) and stops. Stage 1 cannot be continued (its snapshots were in memory only; the run itself has
+    no checkpoint, so ``--resume`` is refused): a new start in the same folder stops on every rank, also rank 1
+    whose folder holds no stage-1 checkpoint, with the fix (no rank waits at a collective)."""
+    ov = _recipe(tiny_model_dir, sst_like_files["csv"], "ddp", "private", public_csv)
+    two = tmp_path / "two"
+    failure, (r0, r1) = launch_worker(two, ov, interrupt={"rank": 1, "step": 1})
+    assert failure is None, failure
+    assert r0["interrupted"].startswith("interrupted (SIGINT)") and r1["interrupted"].startswith("interrupted (SIGINT)")
+    assert (two / "rank0" / "run" / "subspace" / "stage1" / "checkpoint").exists()
+    assert not (two / "rank1" / "run" / "subspace" / "stage1" / "checkpoint").exists()
+    failure, (r0, r1) = launch_worker(two, ov)
+    assert failure is not None
+    for log in (r0, r1):
+        assert "was interrupted before its basis was written" in log["error"], log

@@ -21,7 +21,8 @@ saved basis; a privately built one brings its recorded events along).
 
 The plug-in :class:`DPSFT` (``methods: [{name: dpsft, ...}]`` or the ``subspace:`` section)
 runs stage 1 in ``prepare`` (before σ is calibrated) and swaps in the subspace engine in
-``build``.
+``build``. Every source runs in one process, under DDP and under FSDP2: stage 1 is a world run of the
+driver, its basis built once on rank 0 from the full snapshots and broadcast (methods/dpsft_stage1.py).
 """
 
 from __future__ import annotations
