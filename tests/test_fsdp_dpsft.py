@@ -10,7 +10,8 @@ Slow: 2 CPU processes (gloo) equal 1 process — ``dpft train`` (``perf.sharding
 ``make_private`` on a caller ``fully_shard``-ed MLP, and ``DPTrainer`` (caller-sharded and ``fsdp=``): the
 same ledger and ε, the weights within float tolerance. Fast: the maths on simulated ranks (the all-reduced
 clipped coordinate sums of the ranks' shares, placeholders included, equal one process's; the ranks' rows
-of P z put together equal P z), the audit's white-box check and its planted bugs, and what stays refused."""
+of P z put together equal P z), the audit's white-box check and its planted bugs, and that nothing is refused
+(stage 1 in a world: tests/test_dpsft_stage1_world.py)."""
 
 from __future__ import annotations
 
@@ -164,44 +165,46 @@ def test_the_ranks_rows_of_the_unprojection_equal_the_full_update(monkeypatch, w
         torch.testing.assert_close(torch.cat(parts[n]), full[n], rtol=0, atol=1e-7)
 
 
-def test_what_stays_refused_under_fsdp2():
-    """A given basis runs sharded (optimizer_space full or coords); stage 1 (public/private) is refused with
-    its reason."""
-    assert DPSFT.sharded_refusal(SubspaceCfg(source="file", file="b.safetensors")) is None
-    assert DPSFT.sharded_refusal(SubspaceCfg(source="file", file="b.safetensors", optimizer_space="coords")) is None
-    assert DPSFT.sharded_refusal(SubspaceCfg(source="none", paper_noise_placement=True)) is None
-    for src, extra in (("private", {}), ("public", {"public_task": {"name": "imdb"}})):
-        why = DPSFT.sharded_refusal(SubspaceCfg(source=src, **extra))
-        assert why and "stage 1" in why and "subspace.source: file" in why
-        assert DPSFT.sharded_refusal(SubspaceCfg(source=src, optimizer_space="coords", **extra)) == why
+def test_nothing_is_refused_under_fsdp2_or_ddp():
+    """Every source runs sharded and across processes (issue 38): a given basis (optimizer_space full or
+    coords), the paper's noise placement alone, and stage 1 (public/private: a world run of the driver)."""
+    from dpft import distributed as ddp
+
+    for cfg in (SubspaceCfg(source="file", file="b.safetensors"),
+                SubspaceCfg(source="file", file="b.safetensors", optimizer_space="coords"),
+                SubspaceCfg(source="none", paper_noise_placement=True), SubspaceCfg(source="private"),
+                SubspaceCfg(source="private", optimizer_space="coords"),
+                SubspaceCfg(source="public", public_task={"name": "imdb"})):
+        assert DPSFT.sharded_refusal(cfg) is None
+    assert DPSFT.supports_ddp
+    ddp.check_methods(ddp.World(0, 2), [DPSFT(SubspaceCfg(source="private"), None)])
 
 
-def test_dpft_train_fsdp_check_accepts_a_basis_file_and_refuses_stage1(lm_dirs):  # noqa: F811
-    """``perf.sharding: fsdp``'s recipe check (before any loading): DP-SFT on a file passes; a stage 1 in
-    this run is refused naming the method and the fix."""
-    from dpft.fsdp import FSDPError, check_recipe
+def test_dpft_train_fsdp_check_accepts_a_basis_file_and_stage1(lm_dirs):  # noqa: F811
+    """``perf.sharding: fsdp``'s recipe check (before any loading): DP-SFT on a file and with a stage 1 of
+    its own (private or public) pass."""
+    from dpft.fsdp import check_recipe
     from dpft.methods.base import active_methods
 
-    r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"subspace.source": "file", "subspace.k": K,
-                                                           "subspace.file": "/nonexistent/basis.safetensors"}))
-    check_recipe(r, 2, active_methods(r), True, False)  # no refusal
-    r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"subspace.source": "private"}))
-    with pytest.raises(FSDPError, match="method 'dpsft': subspace.source public/private: stage 1 .*source: file"):
-        check_recipe(r, 2, active_methods(r), True, False)
+    for ov in ({"subspace.source": "file", "subspace.k": K, "subspace.file": "/nonexistent/basis.safetensors"},
+               {"subspace.source": "private"}):
+        r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **ov))
+        check_recipe(r, 2, active_methods(r), True, False)  # no refusal
 
 
 def test_fsdp_dpsft_audit_check_passes_and_catches_the_planted_bugs():
     """audit/checks_fsdp_methods.py: the sharded DP-SFT step on 2 and 3 simulated ranks equals one
     process, and with optimizer_space coords each rank's rows of Θ_start + P z (after the step, after a
-    load) make the one-process Θ; each planted bug (a rank's own coordinate sum, a rank's own noise, a
-    rank's rows of P z without its offset, no write after the step) is caught."""
+    load) make the one-process Θ, and stage 1's basis (gathered snapshots, built on rank 0, broadcast) is the
+    one-process basis on every rank; each planted bug (a rank's own coordinate sum, a rank's own noise, a
+    rank's rows of P z without its offset, no write after the step, a rank's basis from its own rows) is caught."""
     from dpft.audit.checks_fsdp_methods import PLANTED, fsdp_dpsft_check
 
     honest = fsdp_dpsft_check()
     assert honest and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
-    assert len(honest) == 5  # 2 and 3 ranks' step; 1, 2 and 3 ranks' coords writes
+    assert len(honest) == 7  # 2 and 3 ranks' step; 1, 2 and 3 ranks' coords writes; 2 and 3 ranks' stage-1 basis
     for name in ("fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
-                 "fsdp_dpsft_coords_stale"):
+                 "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis"):
         assert name in PLANTED
         from dpft.audit.checks_fsdp_methods import _planted
 

@@ -89,7 +89,6 @@ def _recipe(lm_dirs, **extra):  # noqa: F811
 
 
 REFUSED = {
-    "dpsft": ({"subspace.source": "private"}, "stage 1 is a training phase"),  # stage 2 on a file runs: test_fsdp_dpsft.py
     "rmt": ({**RMT, "denoise.diagnostics": True}, "clean .un-noised. clipped sum"),
     "dp_adam_ac": ({"adam_ac.reproduce_paper": True}, "raw per-example norms"),
 }
@@ -105,7 +104,8 @@ def test_dpft_train_fsdp_refuses_with_the_methods_reason(lm_dirs, name):  # noqa
         check_recipe(r, 2, methods, True, False)
 
 
-@pytest.mark.parametrize("extra", [RMT, ADAM_AC, DPSFT_NONE], ids=["rmt", "dp_adam_ac", "dpsft_none"])
+@pytest.mark.parametrize("extra", [RMT, ADAM_AC, DPSFT_NONE, {"subspace.source": "private"}],
+                         ids=["rmt", "dp_adam_ac", "dpsft_none", "dpsft_stage1"])  # DP-SFT stage 1: issue 38
 def test_dpft_train_fsdp_accepts_rmt_and_adam_ac(lm_dirs, extra):  # noqa: F811
     r = _recipe(lm_dirs, **extra)
     methods = active_methods(r)
@@ -182,7 +182,7 @@ def test_fsdp_methods_audit_checks_pass_and_catch_the_planted_bug():
     assert ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", PLANTED) in suite.OPTIONAL_CHECKS
     assert set(PLANTED) <= set(planted.ALL)
     honest = fsdp_methods_checks()
-    assert len(honest) == 7 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]  # RMT 2, DP-SFT 2 + coords 3
+    assert len(honest) == 9 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]  # RMT 2, DP-SFT 2 + coords 3 + stage 1 2
     for name in PLANTED:
         assert not all(c.passed for c in fsdp_methods_checks(name)), name
     assert all(not c.passed for c in fsdp_methods_checks("fsdp_rmt_local_rows")[:2])

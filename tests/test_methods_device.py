@@ -169,9 +169,7 @@ def test_refusals_across_processes_name_the_mechanism(tiny_model_dir, sst_like_f
 
     two = ddp.World(0, 2)
     pub = active_methods(load_recipe(None, _ov(tiny_model_dir, sst_like_files, **PUBLIC)))
-    with pytest.raises(ddp.DistributedError, match=r"dpsft: subspace.source public/private: stage 1 is a training "
-                                                   r"phase.*subspace.source: file"):
-        ddp.check_methods(two, pub)
+    ddp.check_methods(two, pub)  # DP-SFT's stage 1 runs as a world (issue 38: tests/test_dpsft_stage1_world.py)
     f = {**PUBLIC, "subspace.source": "file", "subspace.file": "basis.safetensors"}
     ddp.check_methods(two, active_methods(load_recipe(None, _ov(tiny_model_dir, sst_like_files, **f))))
     ddp.check_methods(two, active_methods(load_recipe(None, _ov(tiny_model_dir, sst_like_files, **LDP))))

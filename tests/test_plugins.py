@@ -150,7 +150,7 @@ def test_ddp_support_is_declared_by_each_method():
     from dpft import distributed as ddp
 
     reg = registered()
-    assert {n for n, c in reg.items() if c.supports_ddp} == {"rmt", "dp_adam_ac", "ewft"}
+    assert {n for n, c in reg.items() if c.supports_ddp} == {"rmt", "dp_adam_ac", "ewft", "dpsft"}
     two = ddp.World(0, 2)
     with pytest.raises(ddp.DistributedError, match="toy_scale.*one process"):
         ddp.check_methods(two, [ToyScale(ToyCfg(), None)])

@@ -36,6 +36,13 @@ White-box, in one process (no process group), on the real classes:
   ``before_step`` writes ``Θ_start + P z_loaded``. Planted ``fsdp_dpsft_coords_rows_offset``: a rank writes
   rows ``[0, b − a)`` of ``P z`` into its rows ``[a, b)`` (its offset dropped); ``fsdp_dpsft_coords_stale``:
   nothing is written after the step (the old forward-hook timing: evaluation would see stale Θ).
+* **DP-SFT stage 1 builds one basis for the world** — the real :class:`~dpft.methods.dpsft_stage1.Snapshots`
+  and :func:`~dpft.methods.dpsft_stage1.world_basis` (``run_stage1``'s path after the phase) on K = 2, 3
+  simulated ranks, each holding FSDP's dim-0 rows of every parameter along a 4-step trajectory (the gather
+  ``full_on_rank0`` and the broadcasts simulated: rank 0 gets the full tensors, the others what rank 0
+  sent): every rank must hold the one-process ``P``, singular values, ``Θ*`` (full shapes) and meta, and
+  no rank but 0 may keep snapshots (memory). Planted ``dpsft_stage1_rank_basis``: each rank builds the basis
+  from its own rows of the snapshots (no gather, no broadcast).
 
 :func:`fsdp_methods_checks` is the entry point (``audit/suite.py`` ``OPTIONAL_CHECKS``).
 """
@@ -55,7 +62,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.audit.whitebox import Check
 from dpft.distributed import World, shard
 from dpft.grads.subspace import COORDS
-from dpft.methods import dpsft
+from dpft.methods import dpsft, dpsft_stage1
 from dpft.methods.rmt import DenoiseCfg, RMTDenoise
 from dpft.privacy.randomness import Randomness
 from dpft.shards import chunk_rows
@@ -71,7 +78,7 @@ __all__ = ["PLANTED", "fsdp_dpsft_check", "fsdp_methods_checks"]
 
 #: Planted bugs :func:`fsdp_methods_checks` must catch.
 PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
-           "fsdp_dpsft_coords_stale")
+           "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")
 
 
 @contextlib.contextmanager
@@ -104,6 +111,11 @@ def _planted(name: Optional[str]) -> Iterator[None]:
         elif name == "fsdp_dpsft_coords_stale":
             saved.append((dpsft.CoordsSync, "attach", dpsft.CoordsSync.attach))
             dpsft.CoordsSync.attach = lambda self, optimizer: self  # written at the next forward only
+        elif name == "dpsft_stage1_rank_basis":  # each rank its own rows, its own basis
+            saved += [(dpsft_stage1, "gather_on_rank0", dpsft_stage1.gather_on_rank0),
+                      (dpsft_stage1, "share_basis", dpsft_stage1.share_basis)]
+            dpsft_stage1.gather_on_rank0 = lambda params, world: {n: p.detach() for n, p in params.items()}
+            dpsft_stage1.share_basis = lambda world, build, device: build()
         yield
     finally:
         for obj, attr, val in reversed(saved):
@@ -386,14 +398,97 @@ def _coords_check() -> list[Check]:
     return out
 
 
+def _trajectory(m: int = 4):
+    """Θ_0..Θ_m of a tiny MLP with uneven dim-0 chunks (random steps: a trajectory of rank m)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
+    g = torch.Generator().manual_seed(3)
+    traj = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    for _ in range(m):
+        traj.append({n: t + 0.1 * torch.randn(t.shape, generator=g) for n, t in traj[-1].items()})
+    return traj
+
+
+@contextlib.contextmanager
+def _sim_collectives(rank: int, sent: list) -> Iterator[None]:
+    """``full_on_rank0`` and the broadcasts of ``share_basis`` as on rank ``rank``: a simulated shard carries its
+    full tensor (``_full``, what the gather would assemble); rank 0 records what it broadcasts in ``sent``,
+    the other ranks receive it in order."""
+    import torch.distributed as dist
+
+    got = iter(list(sent))
+
+    def obj(world, o):
+        if rank == 0:
+            sent.append(o)
+            return o
+        return next(got)
+
+    def bcast(buf, src=0, group=None):
+        if rank == 0:
+            sent.append(buf.clone())
+        else:
+            buf.copy_(next(got))
+
+    saved = [(dpsft_stage1, "full_on_rank0", dpsft_stage1.full_on_rank0),
+             (dpsft_stage1, "broadcast_object", dpsft_stage1.broadcast_object), (dist, "broadcast", dist.broadcast)]
+    dpsft_stage1.full_on_rank0 = lambda ts: {n: ts[n]._full for n in sorted(ts)} if rank == 0 else None
+    dpsft_stage1.broadcast_object, dist.broadcast = obj, bcast
+    try:
+        yield
+    finally:
+        for o, a, v in saved:
+            setattr(o, a, v)
+
+
+def _stage1_check() -> list[Check]:
+    traj, meta = _trajectory(), {"source": "private", "stage1_steps": 4}
+    after = list(range(1, len(traj)))
+
+    def run(views, world):
+        snaps = dpsft_stage1.Snapshots(after)
+        snaps.start(views[0], world)
+        for t in after:
+            snaps(t, views[t])
+        return dpsft_stage1.world_basis(snaps, views[-1], world, _K, dict(meta)), snaps
+
+    one, _ = run(traj, None)
+    out = []
+    for k in (2, 3):
+        sent: list = []
+        ranks = []
+        for r in range(k):
+            views = []
+            for state in traj:
+                v = {}
+                for n, t in state.items():
+                    v[n] = t[slice(*chunk_rows(t.shape[0], r, k))].clone()
+                    v[n]._full = t  # what FSDP2's gather assembles from the ranks' rows
+                views.append(v)
+            with _sim_collectives(r, sent):
+                ranks.append(run(views, World(r, k)))
+        same = all(b.blocks.keys() == one.blocks.keys() and b.start is not None
+                   and all(b.blocks[n].shape == one.blocks[n].shape and torch.equal(b.blocks[n], one.blocks[n])
+                           and torch.equal(b.start[n], one.start[n]) for n in one.blocks)
+                   and torch.equal(b.singular_values, one.singular_values) and b.meta == one.meta for b, _ in ranks)
+        kept = all(not s.snapshots for _, s in ranks[1:])
+        why = "; ".join(w for w, bad in (
+            ("a rank's basis P, Θ* or singular values is not the one-process basis (built from its own rows?)",
+             not same), ("a rank other than 0 kept snapshots", not kept)) if bad)
+        out.append(Check(f"dpsft stage 1: {k} ranks hold the one-process basis", not why,
+                         f"K = {k}: {why}" if why else "full snapshots gathered to rank 0, P and Θ* built there "
+                         "once and broadcast: every rank holds the one-process basis"))
+    return out
+
+
 def fsdp_dpsft_check(planted: Optional[str] = None) -> list[Check]:
     """The sharded DP-SFT step's check alone (module docstring); ``planted`` as :func:`fsdp_methods_checks`."""
     with _planted(planted):
-        return _dpsft_check() + _coords_check()
+        return _dpsft_check() + _coords_check() + _stage1_check()
 
 
 def fsdp_methods_checks(planted: Optional[str] = None) -> list[Check]:
     """The white-box checks of methods on FSDP2 shards (module docstring); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
     with _planted(planted):
-        return _rmt_check() + _dpsft_check() + _coords_check()
+        return _rmt_check() + _dpsft_check() + _coords_check() + _stage1_check()

@@ -211,9 +211,10 @@ HF_FSDP_PLANTED = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
 ALL = ALL + HF_FSDP_PLANTED
 # methods on FSDP2 shards (issue 38; audit/checks_fsdp_methods.py plants them): RMT denoising each rank's rows;
 # DP-SFT noising a rank's own coordinate sum (no all-reduce), each rank drawing its own noise for z; coords: a rank
-# writing P z's rows without its offset, nothing written after the step (stale Θ)
+# writing P z's rows without its offset, nothing written after the step (stale Θ); stage 1: each rank building
+# the basis from its own rows of the snapshots
 FSDP_METHODS_PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise",
-                        "fsdp_dpsft_coords_rows_offset", "fsdp_dpsft_coords_stale")
+                        "fsdp_dpsft_coords_rows_offset", "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")
 ALL = ALL + FSDP_METHODS_PLANTED
 # EW-FT under FSDP2 (issue 38; audit/checks_fsdp_ewft.py plants them)
 ALL = ALL + ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",

@@ -138,10 +138,11 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_fsdp_trl", "fsdp_trl_checks", ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept",
                                                        "fsdp_plain_dummy_counted")),
     # issue 38: method plug-ins on FSDP2 shards (RMT's whole-matrix SVD on the gathered rows; DP-SFT's
-    # all-reduced coordinates, noised once for the world; coords: each rank's rows of Θ_start + P z)
+    # all-reduced coordinates, noised once for the world; coords: each rank's rows of Θ_start + P z; stage 1: one
+    # basis for the world, built on rank 0 from the gathered snapshots and broadcast)
     ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords",
                                                                "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
-                                                               "fsdp_dpsft_coords_stale")),
+                                                               "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")),
     ("dpft.audit.checks_fsdp_ewft", "fsdp_ewft_checks",
      ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
       "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT

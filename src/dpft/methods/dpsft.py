@@ -21,7 +21,8 @@ saved basis; a privately built one brings its recorded events along).
 
 The plug-in :class:`DPSFT` (``methods: [{name: dpsft, ...}]`` or the ``subspace:`` section)
 runs stage 1 in ``prepare`` (before σ is calibrated) and swaps in the subspace engine in
-``build``.
+``build``. Every source runs in one process, under DDP and under FSDP2: stage 1 is a world run of the
+driver, its basis built once on rank 0 from the full snapshots and broadcast (methods/dpsft_stage1.py).
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
 from dpft.fsdp_methods import held, local_rows
 from dpft.grads.subspace import COORDS, LiveSubspace, SubspaceEngine
+from dpft.distributed import World, any_rank, broadcast_object
 from dpft.methods.base import Method, MethodError, register_method
+from dpft.methods.dpsft_stage1 import Snapshots, share_basis, world_basis
 from dpft.models.losses import classification_loss
 from dpft.step.clip import FlatClip
 from dpft.step.noise import GaussianMechanism
-from dpft.transforms.subspace import (SubspaceBasis, SubspaceError, basis_from_snapshots, format_bytes,
-                                      snapshot_schedule)
+from dpft.transforms.subspace import SubspaceBasis, SubspaceError, format_bytes, snapshot_schedule
 
 #: Ledger phase of a private stage 1.
 PHASE = "subspace"
@@ -116,37 +118,6 @@ class SubspaceCfg(PluginConfig):
         return self
 
 
-
-
-class Snapshots:
-    """Stage 1's step hook: records ``Θ_t − Θ_0`` of the phase's trainable parameters after the
-    given steps (Algorithm 1 lines 12-15). Called by the driver as ``on_step(done, params)``
-    after each completed step; ``snapshots``: name -> ``(m, *shape)``.
-
-    Args:
-        record_after: the step counts (1-based: steps done) after which to record, in order.
-    """
-
-    def __init__(self, record_after: list[int]):
-        self.record_after = {s: j for j, s in enumerate(record_after)}
-        self.theta0: Optional[dict[str, torch.Tensor]] = None
-        self.snapshots: dict[str, torch.Tensor] = {}
-        self.recorded = 0
-
-    def start(self, params: dict) -> None:
-        """Take Θ_0 (the phase's parameters before its first step); the snapshots live on the
-        parameters' device (the basis is built there)."""
-        self.theta0 = {n: p.detach().clone() for n, p in params.items()}
-        m = len(self.record_after)
-        self.snapshots = {n: torch.zeros(m, *p.shape, dtype=torch.float32, device=p.device)
-                          for n, p in params.items()}
-
-    def __call__(self, done: int, params: dict) -> None:
-        j = self.record_after.get(done)
-        if j is not None:
-            for n, p in params.items():
-                self.snapshots[n][j] = (p.detach() - self.theta0[n]).float()
-            self.recorded += 1
 
 
 def stage1_recipe(r: Any, n_train: int) -> tuple[Any, list[int]]:
@@ -245,7 +216,8 @@ def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
     check_public_source(r)
     rec, after = stage1_recipe(r, trainer.n)
     d = trainer.run_dir / "subspace" / "stage1"
-    if (d / "checkpoint").exists():
+    stale = (d / "checkpoint").exists() or (d / "checkpoint_shards").exists()  # one process/DDP, or FSDP2
+    if any_rank(World(getattr(trainer, "rank", 0), getattr(trainer, "world_size", 1)), stale):  # every rank stops
         raise TrainingError(f"stage 1 in {d} was interrupted before its basis was written; remove {d} "
                             "and run again (its snapshots were in memory only)")
     if getattr(trainer, "train_phase", None) is None:
@@ -257,16 +229,17 @@ def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
     # an independent child of the run's secret source.
     private = cfg.source == "private"
     snaps = Snapshots(after)
+    # Under DDP/FSDP2 the phase is a world run like any other (the same plan: one Poisson batch for the world,
+    # one noise draw, one ledger event per step on every rank's copy of the parent's ledger, rank 0 writing).
     st = trainer.train_phase(rec, d, progress=trainer.progress, rng=trainer.rng.child("dpsft-stage1"),
                              on_step=snaps, **({"ledger": trainer.ledger, "phase": PHASE,
                                                 "live_ledger_path": trainer.live_ledger_path} if private else {}))
-    snaps.start(st.params)
+    world = getattr(st, "world", None)
+    snaps.start(st.params, world)  # full parameters, kept on rank 0 (dpsft_stage1.py)
     n_before = trainer.ledger.steps
     rep = st.run()
     if snaps.recorded != len(after):
         raise SubspaceError(f"stage 1 recorded {snaps.recorded} of {len(after)} snapshots")
-    basis = basis_from_snapshots(snaps.snapshots, cfg.k)
-    basis.start = {n: p.detach().clone() for n, p in st.params.items()}
     info = {"source": cfg.source, "stage1_steps": rec.schedule.steps, "snapshots": len(after),
             "stage1_expected_batch_size": rec.batch.expected_batch_size,
             "stage1_examples_expected": rec.schedule.steps * rec.batch.expected_batch_size,
@@ -277,8 +250,8 @@ def run_stage1(trainer) -> tuple[SubspaceBasis, dict]:
         # Provenance of a saved basis: the stage-1 releases alone (for source: file elsewhere).
         info["ledger"] = _stage1_only(st.ledger, n_before)
         info["stage1_epsilon_alone"] = PrivacyLedger.from_json(info["ledger"]).epsilon(r.privacy.delta).epsilon
-    basis.meta.update(info)
-    return basis, info
+    # P and Θ* built once (rank 0) from the full snapshots and broadcast: every rank holds the same basis
+    return world_basis(snaps, st.params, world, cfg.k, info), info
 
 
 def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
@@ -297,8 +270,13 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
     cfg = r.subspace
     # A Python way in (make_private, DPTrainer) has no run folder: nothing is cached or written.
     cached = trainer.run_dir / "subspace" / "basis.safetensors" if trainer.run_dir is not None else None
-    if trainer.resume and cached is not None and cached.is_file():
-        basis = SubspaceBasis.load(cached)
+    reuse = bool(trainer.resume and cached is not None and cached.is_file())
+    world = World(getattr(trainer, "rank", 0), getattr(trainer, "world_size", 1))
+    if world.distributed and cfg.source in ("public", "private"):  # rank 0's folder decides; its basis is shared
+        reuse = broadcast_object(world, reuse)
+    if reuse:
+        basis = share_basis(world if cfg.source in ("public", "private") else None,
+                            lambda: SubspaceBasis.load(cached), trainer.device)
         fresh = False
     elif cfg.source == "file":
         basis = SubspaceBasis.load(cfg.file)
@@ -315,7 +293,7 @@ def build_subspace(trainer) -> tuple[SubspaceBasis, dict]:
         # A private basis from a file (another run on the same data): its releases compose here.
         # (On --resume the live ledger, loaded after this, already holds them.)
         _record_events(trainer, basis.meta["ledger"])
-    if cached is not None and not (trainer.resume and cached.is_file()) and getattr(trainer, "is_main", True):
+    if cached is not None and not reuse and getattr(trainer, "is_main", True):
         basis.save(cached)  # rank 0 alone writes (DDP)
     basis = basis.to(cfg.dtype)
     info = {
@@ -422,16 +400,11 @@ class DPSFT(Method):
     #: Stage 1 runs through the driver on the recipe's device; its snapshots, the basis P, the
     #: coordinates and their noise (drawn on the coordinates' device) follow the model's device.
     supports_device = True
-    ddp_refusal = ("subspace.source public/private: stage 1 is a training phase of its own (snapshots of the "
-                   "trajectory, then the basis P written to <run>/subspace/) that is not run as one world across "
-                   "processes; build the basis in one process and train stage 2 under torchrun with "
-                   "subspace.source: file (stage 2 is a DP-SGD step on the k coordinates: its clipped sums are "
-                   "all-reduced and noised once for the world like any other)")
-
-    #: Under FSDP2 (issue 38; dpft/fsdp_methods.py shows it in every way in's refusal): what stays refused.
-    fsdp_refusal = ("subspace.source public/private: stage 1 is a training phase of its own (snapshots of the "
-                    "trajectory, then the basis P) that is not run on FSDP2 shards, as under DDP; build the basis in "
-                    "one process and train stage 2 sharded with subspace.source: file")
+    #: Every source runs across processes (issue 38): stage 1 (``public``/``private``) is a world run of the
+    #: driver like any other, its basis built once on rank 0 from the full snapshots and broadcast
+    #: (methods/dpsft_stage1.py); stage 2 is a DP-SGD step on the k coordinates (clipped sums all-reduced,
+    #: noised once for the world).
+    supports_ddp = True
     #: The coordinates are per row: refused with user-level units (methods/python.py).
     example_level_only = True
 
@@ -446,8 +419,10 @@ class DPSFT(Method):
         in R^k there; the (k,) clipped sums are all-reduced once per step (fsdp_methods.ReplicatedSum),
         noised once for the world (the same draw on every rank), and each rank writes its own rows of
         ``P z`` (:func:`unproject_held`); with ``coords`` every rank steps the same ``z`` and writes its rows
-        of ``Θ_start + P z`` after each step (:class:`CoordsSync`). Refused: stage 1 (``public``/``private``)."""
-        return cls.fsdp_refusal if cfg.source in ("public", "private") else None
+        of ``Θ_start + P z`` after each step (:class:`CoordsSync`). Stage 1 (``public``/``private``) runs
+        too: a sharded world run of the driver whose snapshots are the gathered full parameters (rank 0 keeps
+        them), the basis built once on rank 0 and broadcast (methods/dpsft_stage1.py). Nothing is refused."""
+        return None
 
     @classmethod
     def python_refusal(cls, cfg: SubspaceCfg) -> Optional[str]:
@@ -466,12 +441,6 @@ class DPSFT(Method):
             why.append("optimizer_space 'coords' builds an optimizer over the k coordinates; use "
                        "optimizer_space 'full' (your optimizer steps the unprojected gradient)")
         return "; ".join(why) or None
-
-    def __init__(self, cfg, recipe):
-        super().__init__(cfg, recipe)
-        #: Across processes only without a stage 1 of its own: a basis from a file (read by every
-        #: rank) or the paper's noise placement alone (a σB Gaussian mechanism on the shared key).
-        self.supports_ddp = cfg.source in ("file", "none")
 
     @classmethod
     def enabled(cls, cfg: SubspaceCfg) -> bool:

@@ -208,6 +208,10 @@ def basis_from_snapshots(
         gram += f @ f.T
     evals, evecs = torch.linalg.eigh(gram)  # ascending
     evals, evecs = evals.flip(0), evecs.flip(1)
+    # eigh's sign per eigenvector is arbitrary: fix it (largest-|·| entry positive) so that two runs whose
+    # trajectories agree to round-off (1 process and a world of K) build the same P, not P with flipped columns.
+    lead = evecs.abs().argmax(0)
+    evecs = evecs * torch.sign(evecs[lead, torch.arange(m, device=dev)]).clamp_min(0).mul(2).sub(1)
     top = float(evals[0])
     if not top > 0:
         raise SubspaceError("the trajectory is all zeros (the parameters never moved); check the learning "
