@@ -43,6 +43,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.config import TaskCfg
 from dpft.config_base import PluginConfig
 from dpft.errors import TrainingError
+from dpft.fsdp import reshard_all
 from dpft.fsdp_methods import held, local_rows
 from dpft.grads.subspace import COORDS, LiveSubspace, SubspaceEngine
 from dpft.distributed import World, any_rank, broadcast_object
@@ -371,12 +372,7 @@ class CoordsSync:
     @torch.no_grad()
     def write(self) -> None:
         """``Θ = Θ_start + P z`` on the rows this process holds (no collective)."""
-        if any(local_rows(p) is not None for p in self.params.values()):
-            from torch.distributed.fsdp import FSDPModule
-
-            for m in self.model.modules():  # FSDP2: drop the gathered copies (the root keeps its own)
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+        reshard_all(self.model)  # FSDP2: drop the gathered copies (the root keeps its own); else nothing
         delta = self.unproject({COORDS: self.z.detach()}, {})
         for n, p in self.params.items():
             dst = held(p)
@@ -495,8 +491,7 @@ class DPSFT(Method):
                         raise SubspaceError(f"Θ* of {n} has shape {tuple(basis.start[n].shape)}, the model "
                                             f"{tuple(p.shape)} (different number of labels in stage 1?)")
                     rows = local_rows(p)  # FSDP2: this rank's rows of Θ*
-                    (p if rows is None else p.to_local()).copy_(
-                        basis.start[n] if rows is None else basis.start[n][rows[0]:rows[1]])
+                    held(p).copy_(basis.start[n] if rows is None else basis.start[n][rows[0]:rows[1]])
         transforms = list(spec.transforms)
         if cfg.optimizer_space == "full":
             params = engine.model_params
