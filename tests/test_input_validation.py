@@ -40,8 +40,8 @@ def test_fractional_labels_are_refused_with_file_column_and_rows(tmp_path):
     with pytest.raises(DataError) as e:
         load_task(cfg)
     msg = str(e.value)
-    assert cfg.train_file in msg and "'y'" in msg and "1.5" in msg
-    assert "data rows 2, 4" in msg and "non-integer" in msg
+    assert cfg.train_file in msg and "'y'" in msg and "1.5" not in msg and "2.5" not in msg  # never the value
+    assert "data rows 2, 4" in msg and "2 non-integer labels (a number that is not whole)" in msg
 
 
 def test_whole_float_labels_are_accepted_as_ints(tmp_path):
@@ -58,7 +58,8 @@ def test_out_of_range_dev_label_names_the_dev_file_and_row(tmp_path):
     with pytest.raises(DataError, match="outside the label set 0..1") as e:
         load_task(cfg)
     msg = str(e.value)
-    assert msg.startswith(cfg.dev_file) and "label 7" in msg and "data row 3 " in msg
+    assert msg.startswith(cfg.dev_file) and "1 label in column 'label' at data row 3 " in msg
+    assert "7" not in msg.replace(cfg.dev_file, "")  # the value is private: counted and located, never quoted
 
 
 def test_negative_train_label_names_the_train_file(tmp_path):

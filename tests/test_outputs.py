@@ -221,7 +221,7 @@ def test_test_file_errors_name_the_fix(tiny_model_dir, labelled_files, tmp_path)
     from dpft.data.tasks import DataError
     from dpft.run.predict import read_rows
 
-    with pytest.raises(DataError, match="not in the run's label set"):
+    with pytest.raises(DataError, match="not among the run's 2 labels"):
         read_rows(bad, "text", None, "label", ["neg", "pos"], require_labels=True)
     with pytest.raises(ValueError, match="classification tasks only"):
         load_recipe(None, {"task.name": "text", "task.train_file": "x.txt", "task.test_file": "t.txt"})

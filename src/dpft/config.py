@@ -180,7 +180,9 @@ class LoraCfg(_Strict):
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["query", "value"]
+    #: None: the architecture's (PEFT's targets for its model type, else its attention's query and value
+    #: projections; models/lora_targets.py), e.g. query, value on BERT and q_proj, v_proj on Llama
+    target_modules: Optional[list[str]] = None
 
 
 class TrainableCfg(_Strict):

@@ -40,11 +40,40 @@ import numpy as np
 from scipy import optimize, special, stats
 
 __all__ = ["EpsilonBound", "steinke_p_value", "steinke_epsilon", "fdp_epsilon", "hull_counts",
-           "epsilon_lower_bound", "METHODS"]
+           "epsilon_lower_bound", "gaussian_events", "METHODS", "GAUSSIAN_ASSUMPTION"]
 
-#: Estimator names (:func:`epsilon_lower_bound` ``method``) → what the report calls them.
-METHODS = {"steinke": "one-run (Steinke, Nasr & Jagielski 2023)",
-           "fdp": "one-run f-DP, Gaussian trade-off (Mahloujifar et al. 2025)"}
+#: Estimator names (:func:`epsilon_lower_bound` ``method``) → what the report calls them. The
+#: Steinke bound is valid for any (ε, δ) mechanism (the headline); the f-DP bound only for a
+#: mechanism under the Gaussian trade-off curve (shown with :data:`GAUSSIAN_ASSUMPTION`).
+METHODS = {"steinke": "one-run, valid for any mechanism (Steinke, Nasr & Jagielski 2023)",
+           "fdp": "one-run f-DP, assuming a Gaussian trade-off curve (Mahloujifar et al. 2025)"}
+#: The words that go with every f-DP ε̂ (report, model card, CLI, final_model_audit.md).
+GAUSSIAN_ASSUMPTION = "assuming a Gaussian trade-off curve"
+
+
+def gaussian_events(events) -> bool:
+    """Whether every ``dp_accounting`` event of a ledger is built from Gaussian releases only
+    (``GaussianDpEvent`` under Poisson or truncated subsampling, self-composed or composed;
+    ``NoOpDpEvent``): the runs whose f-DP ε̂ counts in the final-model audit's verdict. Any
+    other event (randomized response, Laplace, a selection event, an unknown one) gives False:
+    there only the Steinke bound is valid, the f-DP one can exceed ε on an honest run (ε-DP
+    randomized response: in most runs). An empty list gives False (nothing was released)."""
+    import dp_accounting as dpa
+
+    def ok(e) -> bool:
+        if isinstance(e, (dpa.GaussianDpEvent, dpa.NoOpDpEvent)):
+            return True
+        if isinstance(e, dpa.TruncatedSubsampledGaussianDpEvent):
+            return True
+        if isinstance(e, (dpa.PoissonSampledDpEvent, dpa.SampledWithReplacementDpEvent,
+                          dpa.SampledWithoutReplacementDpEvent, dpa.SelfComposedDpEvent)):
+            return ok(e.event)
+        if isinstance(e, dpa.ComposedDpEvent):
+            return all(ok(x) for x in e.events)
+        return False
+
+    events = list(events)
+    return bool(events) and all(ok(e) for e in events)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from dpft.audit.dirac import dirac_canaries
+from dpft.audit.estimators import gaussian_events
 from dpft.audit.final_model import (FINAL_MODEL_PLANTED, MAX_CANARY_TOKENS, CanarySet, audit_record, audit_summary,
                                     canary_losses, log_odds_loss, rows_once_per_batch, token_canaries)
 from dpft.audit.planted import plant
@@ -118,13 +119,18 @@ def _epsilon(ledger, delta: float) -> Optional[float]:
 
 
 def audit_line(audit: dict) -> str:
-    """One line: the headline ε̂ next to the certified ε of the audited run."""
+    """One line: the headline ε̂ (Steinke et al., valid for any mechanism), the f-DP ε̂ assuming a
+    Gaussian trade-off curve, next to the certified ε of the audited run, and the verdict."""
     h, eps = audit["headline"], audit["certified_epsilon"]
     cert = "not private" if eps is None else f"certified ε = {eps:.3g}"
     wb = audit.get("whitebox")
-    white = f"; white-box ε̂ ≥ {wb['bounds']['fdp']['epsilon']:.3g} ({wb['m']} Dirac canaries)" if wb else ""
+    g = (h.get("gaussian") or {}).get("epsilon_hat")
+    gauss = f"; assuming a Gaussian trade-off curve (f-DP): ε̂ ≥ {g:.3g}" if g is not None else ""
+    white = (f"; white-box ε̂ ≥ {wb['bounds']['steinke']['epsilon']:.3g} (f-DP, Gaussian curve: "
+             f"{wb['bounds']['fdp']['epsilon']:.3g}; {wb['m']} Dirac canaries)" if wb else "")
     return (f"{audit['way_in']}: ε̂ ≥ {h['epsilon_hat']:.3g} at {h['confidence']:.0%} confidence by a final-model "
-            f"audit with m = {h['m']} {h['design']} canaries (black-box, f-DP estimator){white}; {cert} at "
+            f"audit with m = {h['m']} {h['design']} canaries (black-box, Steinke et al., valid for any mechanism)"
+            f"{gauss}{white}; verdict {'FAIL' if audit.get('violation') else 'pass'}; {cert} at "
             f"δ = {audit['delta']:g}")
 
 
@@ -199,7 +205,7 @@ def audit_final_model_make_private(train: Callable[[torch.nn.Module, Any], Any],
     return audit_record(recipe="make_private loop", planted=planted, private=ledger is not None,
                         certified_epsilon=eps, delta=float(delta), confidence=confidence, n=len(train_rows),
                         steps=steps, sigma=sigma, sets=[s], dirac=wb, seconds=time.perf_counter() - t0,
-                        way_in="make_private")
+                        way_in="make_private", gaussian=ledger is not None and gaussian_events(ledger.events()))
 
 
 # ----------------------------------------------------------------------------- DPTrainer / DPSFTTrainer
@@ -333,7 +339,8 @@ def audit_final_model_trainer(make_trainer: Callable[[Any], Any], train_dataset,
                          certified_epsilon=_epsilon(trainer.ledger, trainer.dp_args.target_delta),
                          delta=float(trainer.dp_args.target_delta), confidence=confidence, n=int(trainer.n),
                          steps=int(trainer.total_steps), sigma=trainer.sigma, sets=[s], dirac=wb,
-                         seconds=time.perf_counter() - t0, way_in=type(trainer).__name__, batches_ok=batches_ok)
+                         seconds=time.perf_counter() - t0, way_in=type(trainer).__name__, batches_ok=batches_ok,
+                         gaussian=gaussian_events(trainer.ledger.events()))
     if output_dir is not None:
         out = Path(output_dir)
         trainer.save_model(str(out))

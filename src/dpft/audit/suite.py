@@ -148,6 +148,8 @@ OPTIONAL_CHECKS = (
       "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
     # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
     ("dpft.audit.checks_dpo_user", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
+    # issue 44 item 5: no data error quotes a label value (a planted label driven through every refusal)
+    ("dpft.audit.checks_data", "data_checks", ("label_quoted",)),
 )
 
 

@@ -203,27 +203,43 @@ def _is_missing(v) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
+def _kind(v) -> str:
+    """What a label is, never its value (``"a string"``, ``"a number that is not whole"``): the
+    words a message uses for an offending label, since a label column may hold private text
+    (``docs/bad_inputs.md``). The audit's ``label_quoted`` bug (audit/checks_data.py) plants a
+    version that quotes the value."""
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, float) and not v.is_integer():
+        return "a number that is not whole"
+    if isinstance(v, (int, float)):
+        return "a number"
+    return f"a {type(v).__name__}"
+
+
 def _int_labels(ds: datasets.Dataset, where: str, column: str) -> list[int]:
     """The labels of ``ds`` as ints; whole numbers written as floats (``1.0``) are accepted.
 
     Raises:
-        DataError: a label that is not a number, or a number that is not whole (``1.5``).
+        DataError: a label that is not a number, or a number that is not whole (``1.5``); the
+        message gives the rows and the label's kind, never its value.
     """
     out: list[int] = []
     frac: list[int] = []
     first_frac = None
     for v, r in zip(_col(ds, "label"), _col(ds, _ROW)):
         if isinstance(v, str) or not isinstance(v, (int, float)):  # its value is not quoted: it may be text
-            raise DataError(f"{where}: the label in column {column!r} at {_rows([r])} is not a number while "
-                            "other labels are; labels must be all integers 0..K-1 or all strings")
+            raise DataError(f"{where}: the label in column {column!r} at {_rows([r])} is {_kind(v)} while "
+                            "other labels are numbers; labels must be all integers 0..K-1 or all strings")
         if isinstance(v, float) and not v.is_integer():
             frac.append(r)
             first_frac = v if first_frac is None else first_frac
             continue
         out.append(int(v))
     if frac:
-        raise DataError(f"{where}: column {column!r} has non-integer labels (e.g. {first_frac!r}) at {_rows(frac)}; "
-                        "labels must be whole numbers 0..K-1 or strings (dpft does not round them)")
+        raise DataError(f"{where}: column {column!r} has {len(frac)} non-integer label{'s' if len(frac) > 1 else ''} "
+                        f"({_kind(first_frac)}) at {_rows(frac)}; labels must be whole numbers 0..K-1 or strings "
+                        "(dpft does not round them)")
     return out
 
 
@@ -297,11 +313,11 @@ def _check_label_set(values: list, where: str, column: str, text_column: str) ->
         hi = max(counts)
         gaps = [i for i in range(hi + 1) if i not in counts]
         if gaps:
-            shown = ", ".join(map(str, gaps[:5])) + (", …" if len(gaps) > 5 else "")
-            raise DataError(f"{where}: integer labels in column {column!r} run 0..{hi} but {len(gaps)} of those never "
-                            f"occur in the training rows ({shown}): the head would have {hi + 1} classes for {k} "
-                            "present. Renumber the labels 0..K-1, or write them as strings (e.g. \"c5\"), which "
-                            "dpft maps to classes itself")
+            # counts only: which integers occur (or not) are label values
+            raise DataError(f"{where}: integer labels in column {column!r} leave {len(gaps)} of the integers from 0 "
+                            f"to the largest label unused in the training rows: the head would have {hi + 1} classes "
+                            f"for {k} present. Renumber the labels 0..K-1, or write them as strings (e.g. \"c5\"), "
+                            "which dpft maps to classes itself")
 
 
 def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "label",
@@ -330,9 +346,11 @@ def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "
         for ds, where in splits:
             unknown = [r for v, r in zip(_col(ds, "label"), _col(ds, _ROW)) if v not in index]
             if unknown:  # values not quoted (they may be text); the rows are named
+                among = (f"the task's {len(names)} labels" if label_names is not None else
+                         f"the {len(names)} labels of the training rows ({train_where})")
                 raise DataError(f"{where}: {len(unknown)} label{'s' if len(unknown) > 1 else ''} in column {column!r} "
-                                f"at {_rows(unknown)} are not among the {len(names)} labels of the training rows "
-                                f"({train_where}); fix or drop those rows (labels match exactly, case included)")
+                                f"at {_rows(unknown)} {'are' if len(unknown) > 1 else 'is'} not among {among}; fix or "
+                                "drop those rows (labels match exactly, case included)")
         return (_with_labels(train, [index[v] for v in tr_vals]),
                 _with_labels(dev, [index[v] for v in _col(dev, "label")]), names)
     tr_ints = _int_labels(train, train_where, column)
@@ -342,13 +360,12 @@ def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "
     k = len(label_names) if label_names is not None else max(tr_ints) + 1
     names = label_names or [str(i) for i in range(k)]
     for ds, ints, where in ((train, tr_ints, train_where), (dev, dv_ints, dev_where)):
-        bad = [(r, v) for v, r in zip(ints, _col(ds, _ROW)) if not 0 <= v < k]
-        if bad:
-            vals = sorted({v for _, v in bad})
-            raise DataError(f"{where}: label{'s' if len(vals) > 1 else ''} {', '.join(map(str, vals[:5]))} in column "
-                            f"{column!r} at {_rows([r for r, _ in bad])} outside the label set 0..{k - 1} (the "
-                            f"{'task' if label_names is not None else 'training split'}'s); fix those labels "
-                            "(integer labels must be 0..K-1; strings are also accepted)")
+        bad = [r for v, r in zip(ints, _col(ds, _ROW)) if not 0 <= v < k]
+        if bad:  # counted and located, never quoted: the values are private labels
+            raise DataError(f"{where}: {len(bad)} label{'s' if len(bad) > 1 else ''} in column {column!r} at "
+                            f"{_rows(bad)} {'are' if len(bad) > 1 else 'is'} outside the label set 0..{k - 1} (the "
+                            f"{'task' if label_names is not None else 'training split'}'s: negative or ≥ {k}); fix "
+                            "those labels (integer labels must be 0..K-1; strings are also accepted)")
     return _with_labels(train, tr_ints), _with_labels(dev, dv_ints), names
 
 

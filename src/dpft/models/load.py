@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dpft.models.lora_targets import resolve_lora_targets
 from dpft.models.arch import HEAD_PATTERNS, ModelError, _block_list  # noqa: F401 (re-exported)
 from dpft.config import TrainableCfg
 from dpft.models.standard import MeanPoolClassifier  # noqa: F401  (re-exported: dpft.models.load.MeanPoolClassifier)
@@ -221,7 +222,7 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
 
     Modes: ``full`` (all; optionally not the word embeddings), ``head`` (classifier/pooler),
     ``last_k`` (top k blocks + head), ``bias`` (all biases + head), ``lora`` (peft LoRA on
-    ``target_modules``; the head trains too).
+    ``target_modules``, by default the architecture's: models/lora_targets.py; the head trains too).
 
     Raises:
         ModelError: unknown LoRA target module, k larger than the depth, nothing trainable.
@@ -232,8 +233,10 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
         peft = import_peft()
         LoraConfig, TaskType, get_peft_model = peft.LoraConfig, peft.TaskType, peft.get_peft_model
 
+        # unset: PEFT's targets for this model type, or its attention's query/value projections
+        wanted = resolve_lora_targets(model, cfg.lora.target_modules)
         leaf_names = {n.split(".")[-1] for n, _ in model.named_modules()}
-        missing = [t for t in cfg.lora.target_modules if t not in leaf_names]
+        missing = [t for t in wanted if t not in leaf_names]
         if missing:
             linear_names = sorted({n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ModelError(f"LoRA target modules {missing} not in this model; choose from {linear_names}")
@@ -250,7 +253,7 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
             task_type=None if custom else (TaskType.SEQ_2_SEQ_LM if s2s else
                                            TaskType.CAUSAL_LM if causal else TaskType.SEQ_CLS),
             r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout, target_modules=list(cfg.lora.target_modules),
+            lora_dropout=cfg.lora.dropout, target_modules=wanted,
         )
         model = get_peft_model(model, lcfg)
         if custom:
@@ -295,9 +298,10 @@ def _select_units(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
         peft = import_peft()
         LoraConfig, TaskType, get_peft_model = peft.LoraConfig, peft.TaskType, peft.get_peft_model
 
-        targets = lora_targets_in_units(model, names, cfg.lora.target_modules)
+        wanted = resolve_lora_targets(model, cfg.lora.target_modules)
+        targets = lora_targets_in_units(model, names, wanted)
         if not targets:
-            raise ModelError(f"units {cfg.units} hold no Linear layer named {cfg.lora.target_modules} for LoRA; "
+            raise ModelError(f"units {cfg.units} hold no Linear layer named {wanted} for LoRA; "
                              "select blocks or change trainable.lora.target_modules")
         lcfg = LoraConfig(task_type=TaskType.SEQ_CLS, r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                           lora_dropout=cfg.lora.dropout, target_modules=targets)

@@ -29,7 +29,7 @@ import torch
 from dpft.models.arch import ModelError
 
 __all__ = ["QUANTIZATIONS", "QuantizationError", "check_recipe", "bnb_config", "compute_dtype", "quant_device",
-           "load_quantized_causal_lm", "is_quantized"]
+           "load_quantized_causal_lm", "unquantizable_layers", "is_quantized"]
 
 #: ``model.quantization`` values.
 QUANTIZATIONS = ("nf4", "int8")
@@ -90,20 +90,23 @@ def compute_dtype(perf_dtype: str) -> torch.dtype:
     return _DTYPES[perf_dtype]
 
 
-def bnb_config(quantization: str, dtype: torch.dtype = torch.float32):
+def bnb_config(quantization: str, dtype: torch.dtype = torch.float32, skip: Optional[list[str]] = None):
     """transformers' ``BitsAndBytesConfig`` for ``quantization`` (:data:`QUANTIZATIONS`).
 
     ``nf4``: NF4, double quantization, compute and storage dtype ``dtype`` (storage = compute so
     that FSDP2 shards the packed weights with the rest). ``int8``: ``llm_int8_threshold = 0`` (see
-    the module docstring), ``lm_head`` kept in full precision (transformers' default).
+    the module docstring), ``lm_head`` kept in full precision (transformers' default). ``skip``:
+    ``llm_int8_skip_modules`` (used for 4-bit too), the layers left in full precision
+    (:func:`unquantizable_layers`; None: transformers' default, the output head).
     """
     from transformers import BitsAndBytesConfig
 
     if quantization == "nf4":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+                                  bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype,
+                                  llm_int8_skip_modules=skip)
     if quantization == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0, llm_int8_skip_modules=skip)
     raise QuantizationError(f"model.quantization must be one of {', '.join(QUANTIZATIONS)} (got {quantization!r})")
 
 
@@ -117,6 +120,41 @@ def quant_device(perf_device: str = "auto") -> torch.device:
     if s in ("auto", "cuda"):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
     return torch.device(s)
+
+
+#: bitsandbytes' 4-bit CPU kernel (``_convert_weight_packed_for_cpu``, taken in eval mode without
+#: gradients: dev evaluation, generation) packs the weight in blocks of 32 output rows and reads the
+#: absmax of each 64-wide block of a row: out_features % 32 and in_features % 64 must be 0, else it
+#: fails with "N must be divisible by block_n" (bitsandbytes 0.49) or a reshape error.
+CPU_NF4_BLOCK_N, CPU_NF4_BLOCK_K = 32, 64
+
+
+def unquantizable_layers(path: str, quantization: str, device: torch.device) -> tuple[list[str], list[str]]:
+    """``(skip, unfit)``: the ``llm_int8_skip_modules`` that load ``path`` with every layer the
+    kernel of ``device`` can take (transformers' default skips, the output head, plus ``unfit``),
+    and ``unfit``, the Linear layers (full names) whose shapes the kernel cannot take: on the
+    CPU, for ``nf4``, out_features not a multiple of :data:`CPU_NF4_BLOCK_N` or in_features not a
+    multiple of :data:`CPU_NF4_BLOCK_K` (stories260K's MLP: 64 → 172 → 64). They stay in full
+    precision and frozen, as transformers leaves ``lm_head`` (no weight is read: the model is built
+    on the meta device from config.json). On CUDA, and for int8, nothing is unfit.
+
+    Returns ``([], [])`` when nothing is unfit (transformers' own default then applies)."""
+    if quantization != "nf4" or device.type != "cpu":
+        return [], []
+    import re
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    default = list(get_keys_to_not_convert(meta))
+    unfit = [n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)
+             and (m.out_features % CPU_NF4_BLOCK_N or m.in_features % CPU_NF4_BLOCK_K)
+             and not any(n == k or n.endswith("." + k) or n.startswith(k + ".") for k in default)]
+    if not unfit:
+        return [], []
+    return default + [re.escape(n) for n in unfit], unfit
 
 
 def load_quantized_causal_lm(name: str, quantization: str, *, seed: int = 0, dtype: str = "fp32",
@@ -141,10 +179,12 @@ def load_quantized_causal_lm(name: str, quantization: str, *, seed: int = 0, dty
     torch.manual_seed(seed)
     try:
         tok = _named_tokenizer(AutoTokenizer.from_pretrained(path), path)
+        skip, unfit = unquantizable_layers(path, quantization, dev)
         with warnings.catch_warnings():  # bitsandbytes' CPU-backend notices; errors still raise
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(quantization, cdt),
-                                                         device_map={"": dev}, dtype=cdt)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, quantization_config=bnb_config(quantization, cdt, skip=skip or None),
+                device_map={"": dev}, dtype=cdt)
     except (OSError, ValueError) as exc:
         raise ModelError(model_load_message(name, exc, f"a {quantization} causal language model",
                                             "model.quantization needs a decoder (Llama, Qwen2 …) folder with "
@@ -152,7 +192,18 @@ def load_quantized_causal_lm(name: str, quantization: str, *, seed: int = 0, dty
     pad_for_loss(tok, model)
     peft = import_peft()
     model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model.dpft_unquantized = list(unfit)  # for the run's note (models/build.py)
+    if unfit:
+        import sys
+
+        print(f"model.quantization {quantization}: {len(unfit)} layer(s) whose shapes bitsandbytes' {dev.type} 4-bit "
+              f"kernel cannot take (out_features a multiple of {CPU_NF4_BLOCK_N}, in_features of {CPU_NF4_BLOCK_K}) "
+              f"are left in full precision and frozen, as lm_head is: {_short(unfit)}", file=sys.stderr)
     return tok, model
+
+
+def _short(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f", … ({len(names)} in all)" if len(names) > shown else "")
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

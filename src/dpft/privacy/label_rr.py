@@ -91,7 +91,8 @@ def randomized_response(labels: torch.Tensor, eps: float, num_labels: int,
     k = int(num_labels)
     _check(eps, k)
     if y.numel() and (int(y.min()) < 0 or int(y.max()) >= k):
-        raise LDPError(f"labels must lie in [0, {k}); got range [{int(y.min())}, {int(y.max())}]")
+        bad = int(((y < 0) | (y >= k)).sum())  # counted, not quoted: the labels are private
+        raise LDPError(f"labels must lie in [0, {k}); {bad} of {y.numel()} are outside it")
     if isinstance(generator, torch.Generator):
         raise TypeError("randomized_response needs a dpft SecretStream, not a torch.Generator (a CPU generator "
                         "keeps 32 bits of its seed): pass dpft.privacy.randomness.Randomness().stream('label_rr')")

@@ -215,12 +215,20 @@ def audited_lines(rep: dict[str, Any]) -> list[str]:
         return []
     where = ("this run, trained with the canaries" if a.get("same_run")
              else "a run of the same recipe with the canaries added")
+    # the headline is the estimator valid for any mechanism (Steinke et al.); the f-DP one only beside it, with
+    # its assumption (an attached audit from before issue 44 headlined f-DP: its method says so)
     line = (f"**Audited:** ε̂ ≥ {a['epsilon_hat']:.3g} at {a['confidence']:.0%} confidence by a final-model audit "
             f"with m = {a['m']} canaries ({a['method']}; {a['design']} canaries, black-box, on {where})"
             + (" — it detected no leakage at this power" if a["epsilon_hat"] == 0 else ""))
+    if a.get("epsilon_hat_gaussian") is not None:
+        line += f"; assuming a Gaussian trade-off curve (f-DP, Mahloujifar et al. 2025): ε̂ ≥ {a['epsilon_hat_gaussian']:.3g}"
     if a.get("whitebox"):
-        line += (f"; white-box upper reference on the same run, {a['whitebox']['m']} Dirac gradient canaries on every "
-                 f"release: ε̂ ≥ {a['whitebox']['fdp']:.3g}")
+        w = a["whitebox"]
+        line += (f"; white-box upper reference on the same run, {w['m']} Dirac gradient canaries on every "
+                 f"release: ε̂ ≥ {w['steinke']:.3g} (any mechanism), ≥ {w['fdp']:.3g} assuming a Gaussian trade-off "
+                 "curve")
+    if a.get("verdict") == "FAIL":
+        line += " — **the audit FAILED: ε̂ exceeds the certified ε**"
     if a.get("planted"):
         line = f"**PLANTED BUG `{a['planted']}` (auditor self-test, not an audit):** " + line[len("**Audited:** "):]
     return [line + ".", "", AUDIT_MEANING, ""]

@@ -178,7 +178,10 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         dp_guarantee=p.get("guarantee"),
         dp_privacy_unit=((rep["dp"].get("privacy_unit") or {}).get("unit") if rep["dp"].get("private") else None),
         # a final-model audit's lower bound (audit/final_model.py), when one is attached
+        # (Steinke et al.: valid for any mechanism), and the f-DP one, which assumes a Gaussian trade-off curve
         dp_audited_epsilon_lower_bound=(rep.get("final_model_audit") or {}).get("epsilon_hat"),
+        dp_audited_epsilon_lower_bound_gaussian_tradeoff=(rep.get("final_model_audit") or {}).get(
+            "epsilon_hat_gaussian"),
         dp_audit_confidence=(rep.get("final_model_audit") or {}).get("confidence"),
     )
     lines = [

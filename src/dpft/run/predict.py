@@ -81,15 +81,17 @@ def read_rows(path: str | Path, text: str, pair: Optional[str], label: Optional[
             index = {n: i for i, n in enumerate(label_names)}
             bad = [r for v, r in zip(vals, _col(ds, _ROW)) if v not in index]
             if bad:
-                raise DataError(f"{where}: labels in column {label!r} at {_rows(bad)} are not in the run's label set "
-                                f"{list(label_names)}")
+                # neither the file's values nor the run's label set are quoted: both are label values
+                raise DataError(f"{where}: {len(bad)} label(s) in column {label!r} at {_rows(bad)} are not among the "
+                                f"run's {len(label_names)} labels (its model's config.json id2label lists them; "
+                                "labels match exactly, case included)")
             ints = [index[v] for v in vals]
         else:
             ints = _int_labels(ds, where, label)
             bad = [r for v, r in zip(ints, _col(ds, _ROW)) if not 0 <= v < len(label_names)]
             if bad:
-                raise DataError(f"{where}: labels in column {label!r} at {_rows(bad)} are outside the run's label "
-                                f"set 0..{len(label_names) - 1} ({list(label_names)})")
+                raise DataError(f"{where}: {len(bad)} label(s) in column {label!r} at {_rows(bad)} are outside the "
+                                f"run's label set 0..{len(label_names) - 1} (negative or ≥ {len(label_names)})")
         ds = ds.remove_columns("label").add_column("label", ints)
     return ds.remove_columns(_ROW)
 
