@@ -148,6 +148,9 @@ OPTIONAL_CHECKS = (
       "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
     # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
     ("dpft.audit.checks_dpo_user", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
+    # issue 44 item 2: every update of the weights is a DP release (custom loops refused, the optimizer guard)
+    ("dpft.audit.checks_guard", "guard_checks", ("trainer_step_skips_release", "custom_loop_accepted",
+                                                 "raw_update_accepted", "weights_moved_unreleased")),
 )
 
 

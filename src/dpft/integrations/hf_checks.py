@@ -91,10 +91,14 @@ def check_training_arguments(args: TrainingArguments) -> None:
                "CUDA_VISIBLE_DEVICES=0")
 
 def _owned(klass: type) -> bool:
-    """A class whose loop methods are the DP step's or transformers' stock ones."""
+    """A class whose loop methods are the DP step's (dpft's trainers) or transformers' stock ones."""
     from transformers import Trainer
 
-    return klass is Trainer or klass.__module__.split(".")[0] == "dpft"
+    return klass is Trainer or _dpft_trainer(klass)
+
+
+def _dpft_trainer(klass: type) -> bool:
+    return klass.__module__.startswith("dpft.integrations.")
 
 
 def loop_overrides(cls: type) -> list[str]:
@@ -108,7 +112,7 @@ def loop_overrides(cls: type) -> list[str]:
             if not _owned(klass):
                 out.append(f"{klass.__name__}.{meth}")
                 break
-            if klass.__module__.split(".")[0] == "dpft" and meth in _TERMINAL:
+            if _dpft_trainer(klass) and meth in _TERMINAL:
                 break  # dpft's training_step never calls the next class's
     return out
 
