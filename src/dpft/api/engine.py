@@ -22,6 +22,7 @@ from dpft.grads.live import LiveBookKeeping
 from dpft.fsdp_methods import refusal_message
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.privacy.randomness import Randomness
+from dpft.step.guard import ReleaseGuard
 from dpft.step.pipeline import DPStep
 from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.step.unit import build_user_unit
@@ -56,6 +57,8 @@ class PrivacyEngine:
         self.noise_multiplier: Optional[float] = None
         self._calls = 0
         self._sessions: list[LiveBookKeeping] = []
+        #: (guard, DP step) of every make_private loop (step/guard.py), for :meth:`check_releases`.
+        self._guards: list[tuple[ReleaseGuard, DPStep]] = []
         #: the last make_private's stateful parts (api/state.py); None before the first.
         self._loop: Optional[LoopState] = None
         #: the live release record (``<state path>.releases.json``), once a state was saved.
@@ -77,6 +80,7 @@ class PrivacyEngine:
             Whether this process wrote the file.
         """
         world = self.world if self.world is not None else ddp.World()
+        self.check_releases()
         if not world.is_main:
             return False
         from pathlib import Path
@@ -84,6 +88,18 @@ class PrivacyEngine:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.ledger.save(path)
         return True
+
+    def check_releases(self) -> None:
+        """Every update of the optimizers made private by this engine applied exactly one DP release
+        (each loop's optimizer steps = the releases its DP step recorded in :attr:`ledger`), and no
+        update ever ran without one (step/guard.py). :meth:`save_ledger` calls it first.
+
+        Raises:
+            dpft.step.guard.UpdateWithoutReleaseError: naming the violation (the ledger's ε does not
+                cover the weights)."""
+        for guard, step in self._guards:
+            guard.check_clean("the ledger")
+            guard.check_end(step.recorded)
 
     def save_noise_state(self, path) -> bool:
         """Write the secret state of the last ``make_private`` with a stateful mechanism
@@ -382,6 +398,10 @@ class PrivacyEngine:
             ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
             dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
             dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world, methods=pm if pm else None)
+        if plan.spec.mechanism is not None:  # every step of the user's optimizer = one release of dp_step
+            dp_opt.release_guard = dp_step.guard = ReleaseGuard("make_private", _GUARD_FIX)
+            dp_opt.release_guard.attach(optimizer)
+            self._guards.append((dp_opt.release_guard, dp_step))
         # An engine that runs its own forward (a method's, e.g. DP-SFT's subspace engine) offers the
         # view that the user's forward and backward drive.
         live = plan.engine.live_view() if hasattr(plan.engine, "live_view") else plan.engine
@@ -452,3 +472,9 @@ def _check_same_on_every_rank(world, mine: tuple) -> None:
             "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, batch size, "
             "steps/epochs, σ or target, C, clipping); call make_private with the same data and arguments on every "
             "rank")
+
+
+#: What a make_private user whose loop trips the release guard should do instead.
+_GUARD_FIX = ("Step only the optimizer make_private returned, once after the last micro-batch of each logical batch "
+              "of its data loader (it clips, noises and then steps your optimizer); never call step() on the "
+              "optimizer you passed in, nor change p.grad between its release and the update")

@@ -70,6 +70,9 @@ class DPOptimizer(torch.optim.Optimizer):
         #: reaches the user's loop.
         self.lr_scheduler = None
         self._warned: set[str] = set()
+        #: the :class:`~dpft.step.guard.ReleaseGuard` on ``optimizer`` (set by make_private; None for a
+        #: non-private step): each of its steps must apply one release of ``dp_step``.
+        self.release_guard = None
         self._engine_ids = {id(p) for p in dp_step.params.values()}
         #: id → name of the module's parameters (for error messages); set by make_private.
         self.param_names: dict[int, str] = {}

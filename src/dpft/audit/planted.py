@@ -18,6 +18,8 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
 * make_private across processes and at user level (``audit/checks_api_ddp.py``, planted in its
   2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
 * TRL (``audit/checks_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
+* Every update a DP release (``audit/checks_guard.py``, issue 44): ``trainer_step_skips_release``,
+  ``custom_loop_accepted``, ``raw_update_accepted``, ``weights_moved_unreleased``.
 """
 
 from __future__ import annotations
@@ -258,3 +260,9 @@ ALL = ALL + DPO_USER_PLANTED
 # offending label quotes its value
 DATA_PLANTED = ("label_quoted",)
 ALL = ALL + DATA_PLANTED
+# issue 44 item 2 (audit/checks_guard.py plants them): DPTrainer's step falling back to a stock backward (a Trainer
+# path that updates without the DP step), the custom-loop refusal off, the optimizer's release hook off, the
+# end-of-training check (weights moved with no release) off.
+GUARD_PLANTED = ("trainer_step_skips_release", "custom_loop_accepted", "raw_update_accepted",
+                 "weights_moved_unreleased")
+ALL = ALL + GUARD_PLANTED

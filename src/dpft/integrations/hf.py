@@ -70,14 +70,16 @@ own train sampler/dataloader, an iterable or empty ``train_dataset``, fp16 (its 
 scaler; bf16 works: autocast forward, fp32 norms, sums, noise and optimizer state), activation
 checkpointing with the reference engine (with the book-keeping engine it works), label smoothing or
 ``compute_loss_func`` without a per-example ``loss_fn``, ``model_init``, token counting,
-``auto_find_batch_size``, hyperparameter search, LOMO optimizers, DeepSpeed, FSDP1 and FSDP2 options
+``auto_find_batch_size``, hyperparameter search, a subclass's own training loop (``train``,
+``_inner_training_loop``, ``_run_epoch``, ``training_step``), LOMO optimizers, DeepSpeed, FSDP1 and FSDP2 options
 that would change the DP step (``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin and a model the
 caller sharded with ``fully_shard`` run the sharded step: integrations/hf_fsdp.py), several GPUs in
 one process (``DataParallel``) and resuming with another number of processes; packing / padding-free collators
 (``DataCollatorWithFlattening``, packed SFT: a collated batch whose leading dimension is not the
 number of sampled rows, ``position_ids`` restarting inside a row, ``cu_seq_lens`` keys:
 :class:`~dpft.api.PackedBatchError`); and, checked at every step, a change of the trainable
-parameters after construction or a gradient on an optimizer parameter outside the engine (a
+parameters after construction, an optimizer update that applies no DP release (integrations/
+hf_guard.py: the training stops, and no model card is written), or a gradient on an optimizer parameter outside the engine (a
 user optimizer over all parameters with some unfrozen later; a model wrapped in DDP:
 :class:`~dpft.api.UnclippedParameterError`).
 
@@ -115,7 +117,8 @@ from dpft.integrations.hf_args import DPArguments
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.integrations.hf_data import TOKEN, PoissonData
 from dpft.integrations.hf_state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
-from dpft.integrations.hf_checks import check_trainer, check_training_arguments
+from dpft.integrations.hf_checks import check_trainer, check_training_arguments, check_training_path
+from dpft.integrations.hf_guard import GuardedTraining
 from dpft.integrations.hf_fsdp import (accelerate_fsdp_off, check_sharded_model, check_still_sharded,
                                        refuse_sharded_methods, shard_requested, sharded_trainer_step, sharded_training_step)
 from dpft.integrations.hf_loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
@@ -162,7 +165,7 @@ class _MethodsAfterUpdate(TrainerCallback):
 # --------------------------------------------------------------------------- the trainer
 
 
-class DPTrainer(PoissonData, PrivateState, Trainer):
+class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
     """``transformers.Trainer`` with DP-SGD / DP-Adam: Poisson sampling, per-example clipping,
     Gaussian noise once per logical batch, one privacy ledger (see the module docstring).
 
@@ -194,6 +197,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         if not isinstance(dp_args, DPArguments):
             raise TypeError("DPTrainer needs dp_args=DPArguments(target_epsilon=..., target_delta=..., "
                             "max_grad_norm=..., expected_batch_size=...)")
+        check_training_path(type(self), type(self).__name__)  # its own training loop: before any loading
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         # TrainingArguments.fsdp / accelerate's FSDP2 plugin: dpft shards the model itself (hf_fsdp.py)
@@ -306,6 +310,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
         self.mechanism = spec.mechanism
         self.dp_step = sharded_trainer_step(self, spec) if self.sharded else DPStep(
             spec, self.ledger, self.n, on_release=self._save_live_ledger, world_group=self.world.group)
+        self._init_release_guard()  # every optimizer update = one release of dp_step (hf_guard.py)
         self._live_written = False
         self._params_checked = False
         self._stop_at: Optional[int] = None  # a resumed run's ε cap (hf_state.py CapStop)
@@ -438,6 +443,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
                         "(classifier/score/pooler/lm_head); pass optimizers=(opt, None) with your own param groups")
             for g in extra:
                 opt.add_param_group(g)
+        self._guard_optimizer(opt)  # each of its steps must apply one DP release
         return opt
 
     # ------------------------------------------------------------------ no DDP buckets
@@ -492,6 +498,7 @@ class DPTrainer(PoissonData, PrivateState, Trainer):
             raise RuntimeError("DPTrainer.training_step got a batch that its Poisson sampler did not produce; "
                                "do not replace DPTrainer's train dataloader")
         self._check_not_ddp(model)
+        self._guard_optimizer()  # idempotent; an optimizer swapped in since is hooked too
         if self.sharded:
             reshard_all(self.model)  # an evaluation since the last step left the root unit gathered
         self._check_params()

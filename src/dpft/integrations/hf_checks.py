@@ -10,7 +10,19 @@ from transformers import TrainingArguments
 
 from dpft import distributed as ddp
 
-__all__ = ["check_training_arguments", "check_trainer", "refuse"]
+__all__ = ["check_training_arguments", "check_trainer", "check_training_path", "refuse", "LOOP_METHODS"]
+
+#: ``transformers.Trainer``'s path from ``train()`` to the optimizer's step (transformers 5:
+#: ``train`` → ``_inner_training_loop`` → ``_run_epoch`` → ``training_step``, then
+#: ``optimizer.step()``). An override of any of them by a class the DP step does not own replaces
+#: the code that runs the DP step (or runs a stock backward): refused. The sampling overrides
+#: (``get_train_dataloader``, ``_get_train_sampler``) are refused by :func:`check_trainer`.
+LOOP_METHODS = ("train", "_inner_training_loop", "_run_epoch", "training_step")
+#: dpft's definitions that end the chain (they do not call the next class's version).
+_TERMINAL = ("training_step",)
+_LOOP_FIX = ("keep transformers' training loop (override compute_loss via loss_fn=, evaluation, logging or "
+             "callbacks instead), or write your own loop with dpft.PrivacyEngine().make_private(...), whose "
+             "optimizer.step() runs the DP step")
 
 
 def refuse(msg: str) -> None:
@@ -78,8 +90,50 @@ def check_training_arguments(args: TrainingArguments) -> None:
         refuse(f"{args.n_gpu} GPUs visible (torch.nn.DataParallel); expose one device, e.g. "
                "CUDA_VISIBLE_DEVICES=0")
 
+def _owned(klass: type) -> bool:
+    """A class whose loop methods are the DP step's (dpft's trainers) or transformers' stock ones."""
+    from transformers import Trainer
+
+    return klass is Trainer or _dpft_trainer(klass)
+
+
+def _dpft_trainer(klass: type) -> bool:
+    return klass.__module__.startswith("dpft.integrations.")
+
+
+def loop_overrides(cls: type) -> list[str]:
+    """``Class.method`` for every :data:`LOOP_METHODS` override in ``cls``'s method order that would
+    run (before dpft's terminal definition, if any) and is not dpft's or ``transformers.Trainer``'s."""
+    out = []
+    for meth in LOOP_METHODS:
+        for klass in cls.__mro__:
+            if meth not in klass.__dict__:
+                continue
+            if not _owned(klass):
+                out.append(f"{klass.__name__}.{meth}")
+                break
+            if _dpft_trainer(klass) and meth in _TERMINAL:
+                break  # dpft's training_step never calls the next class's
+    return out
+
+
+def check_training_path(cls: type, where: str) -> None:
+    """Refuse a trainer class whose training loop is not transformers' stock loop around the DP
+    step (:data:`LOOP_METHODS` overridden by the user's class or a third-party base).
+
+    Raises:
+        ValueError: naming the overrides and the fix."""
+    own = loop_overrides(cls)
+    if own:
+        raise ValueError(f"{where}: {', '.join(own)} overrides transformers' training loop, which must run the DP "
+                         "step (Poisson batch, per-example clipping, noise, ledger) before every optimizer update; "
+                         f"its own loop would update the weights outside the DP step and ε would cover nothing. "
+                         f"Remove the override: {_LOOP_FIX}")
+
+
 def check_trainer(self, loss_fn, base) -> None:
-    """Refuse a trainer whose sampling, loss or plugins break the DP step (``base``: DPTrainer)."""
+    """Refuse a trainer whose sampling, training loop, loss or plugins break the DP step (``base``:
+    DPTrainer); the training loop is checked before (:func:`check_training_path`)."""
     for meth in ("get_train_dataloader", "_get_train_sampler"):
         if getattr(type(self), meth) is not getattr(base, meth):
             refuse(f"{type(self).__name__}.{meth} is overridden: a custom (shuffled, fixed-size) train "

@@ -92,6 +92,7 @@ class PrivateState:
         gathered first (every rank calls this: a collective) and rank 0 writes the full weights with
         ``save_pretrained`` (PEFT: the adapter), the files ``from_pretrained`` loads; no ``DTensor``."""
         directory = output_dir if output_dir is not None else self.args.output_dir
+        self.check_releases("save_model and its model card")  # weights moved outside the DP step: nothing
         if is_fsdp2_model(self.model):
             state = full_model_state(self.model)  # rank 0: full CPU tensors; the other ranks: {}
             if self.args.should_save:
@@ -105,6 +106,7 @@ class PrivateState:
     def create_model_card(self, *args, **kwargs) -> None:
         """dpft's card in ``output_dir/README.md`` instead of ``Trainer``'s (``push_to_hub`` calls
         this before uploading, so the pushed card states the guarantee)."""
+        self.check_releases("the model card")
         if self.is_world_process_zero():
             write_trainer_card(self, self.args.output_dir)
 

@@ -11,7 +11,9 @@
 The returned class is ``(DPTrainer, cls)``: DPTrainer's Poisson sampling, per-example clipping,
 noise, ledger, checkpoints and resume come first in the method order, and everything else of
 ``cls`` (its evaluation, generation, logging) is kept. A subclass whose training path or loss
-breaks the per-example structure is refused by name, with the reason.
+breaks the per-example structure is refused by name, with the reason, and so is one with its own
+training loop (integrations/hf_checks.py ``LOOP_METHODS``). Whatever the class, every update of the
+optimizer must be a DP release (step/guard.py), or training stops.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from transformers import Trainer
 
 from dpft.integrations.hf import DPTrainer
+from dpft.integrations.hf_checks import check_training_path
 
 __all__ = ["privatize_trainer", "REFUSED"]
 
@@ -42,7 +45,9 @@ def privatize_trainer(cls: type) -> type:
     Raises:
         TypeError: ``cls`` is not a ``transformers.Trainer`` subclass.
         ValueError: ``cls`` (or a base) is in :data:`REFUSED`, or it overrides the sampling or the
-            training step, which the DP step replaces — each naming the reason.
+            training step, which the DP step replaces, or the training loop around it (``train``,
+            ``_inner_training_loop``, ``_run_epoch``: its own loop would update the weights without
+            the DP step) — each naming the reason and the fix.
     """
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
         raise TypeError(f"privatize_trainer: {cls!r} is not a transformers.Trainer subclass")
@@ -56,6 +61,7 @@ def privatize_trainer(cls: type) -> type:
     if own:
         raise ValueError(f"privatize_trainer: {cls.__name__} overrides {', '.join(own)}, which the DP step replaces "
                          "(Poisson sampling and the per-example step); its own version would be silently skipped")
+    check_training_path(cls, "privatize_trainer")  # its own train / _inner_training_loop / _run_epoch
     doc = f"{cls.__name__} with DPTrainer's DP step (dpft.integrations.privatize.privatize_trainer)."
     body = {"__module__": cls.__module__, "__doc__": doc}
     if getattr(cls, "compute_loss") is not Trainer.compute_loss:

@@ -125,6 +125,11 @@ class DPStep:
         self.n = int(n)
         self.on_release = on_release
         self.world_group = world_group
+        #: The way in's :class:`~dpft.step.guard.ReleaseGuard` (None: no guard): every release
+        #: grants the real optimizer exactly one update on the gradient it wrote.
+        self.guard = None
+        #: Ledger events this step has recorded (its releases; the guard's end-of-training count).
+        self.recorded = 0
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -181,6 +186,7 @@ class DPStep:
             for obs in _RELEASE_OBSERVERS:
                 obs.after_release(noisy, sp.clip.sensitivity, q, step, sp.mechanism)
             self.ledger.record(sp.phase, event)
+            self.recorded += 1
             if self.on_release is not None:
                 self.on_release()
             noise_std = sp.mechanism.std
@@ -200,6 +206,8 @@ class DPStep:
         params = self.params
         for name, p in params.items():
             p.grad = self._as_grad(p, grads[name].to(p.dtype))
+        if self.guard is not None and sp.mechanism is not None:
+            self.guard.grant(params)  # the optimizer may apply this noised gradient, once
         sp.optimizer.step()
         sp.optimizer.zero_grad(set_to_none=True)
         private = {"train_loss": agg.loss_sum / max(agg.batch_size, 1), "batch_size": agg.batch_size,
