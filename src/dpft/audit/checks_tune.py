@@ -281,7 +281,7 @@ def _uncovered_charged(planted=None) -> Check:
             rep = T.finish_search(r, run, state, dist, [cand], keep=False)
         led = PrivacyLedger.load(run / "ledger.json")
         alone = selection_epsilon([cand], dist, 1e-5).epsilon
-        phases = [e.phase for e in led.entries]
+        phases = [e.phase.split(":")[0] for e in led.entries]
         ok = phases == ["tune", "tune_uncovered"] and rep["epsilon"] > alone + 1e-6
     return Check("tune: a trial outside the candidates is charged in full", ok,
                  f"ledger phases {phases}; ε {rep['epsilon']:.4f} against the selection alone {alone:.4f}")
