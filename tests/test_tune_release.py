@@ -85,3 +85,26 @@ def test_search_releases_one_record_and_prints_no_trial(tiny_model_dir, sst_like
         tdir = out / "tune_private" / f"trial_{t['index']}"
         assert not (tdir / "tensorboard").exists()
         assert not json.loads((tdir / "report.json").read_text()).get("test")
+
+
+def test_second_search_into_a_live_folder_is_refused(tmp_path):
+    """Another process holds the search folder (a live ``dpft tune``): a resume is refused naming it."""
+    import subprocess
+    import sys
+
+    from dpft.config import Recipe
+    from dpft.errors import RunLockError
+    from dpft.run import tune as T
+
+    run = tmp_path / "run"
+    code = ("import sys, time; from dpft.run.lock import RunLock; RunLock.for_dir(sys.argv[1]).acquire(); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        r = Recipe.model_validate({"privacy": {"target_epsilon": 8.0}, "tune": {"trials": {"mean": 3.0}}})
+        with pytest.raises(RunLockError, match=f"pid {p.pid}"):
+            T.tune(r, run, resume=True, progress=False)
+    finally:
+        p.kill()
+        p.wait()
