@@ -54,12 +54,12 @@ def _default_run_dir(name: str, no_dp: bool, resume: bool) -> tuple[Path, Option
     raise typer.BadParameter(f"runs/{base}-K: no free run directory; give --output-dir")
 
 
-def _resume_command(run_dir: Path) -> str:
-    """The command line that resumes this run: as typed, with ``--output-dir RUN_DIR`` and
-    ``--resume`` added when absent."""
+def _resume_command(run_dir: Path, command: str = "train") -> str:
+    """The command line that resumes this run: as typed (every flag and ``--set`` kept), with
+    ``--output-dir RUN_DIR`` and ``--resume`` added when absent."""
     import shlex
 
-    args = list(sys.argv[1:]) if sys.argv[1:2] == ["train"] else ["train", "…"]
+    args = list(sys.argv[1:]) if sys.argv[1:2] == [command] else [command, "…"]
     has_out = any(a in ("-o", "--output-dir") or a.startswith("--output-dir=") for a in args)
     if not has_out:
         args += ["--output-dir", str(run_dir)]
@@ -117,6 +117,24 @@ def _time_first_step(trainer) -> None:
     trainer.step = step
 
 
+#: The data flags ``dpft train`` and ``dpft tune`` share (one definition each; issue 44 item 9).
+_TRAIN_FILE = typer.Option(None, help="task.train_file (CSV/TSV/JSONL/Parquet).")
+_DEV_FILE = typer.Option(None, help="task.dev_file.")
+_TEST_FILE = typer.Option(
+    None, help="task.test_file: labelled file evaluated once after training, reported apart from dev.")
+_TEXT_COLUMN = typer.Option(None, help="task.text_column.")
+_TEXT_PAIR_COLUMN = typer.Option(None, help="task.text_pair_column.")
+_LABEL_COLUMN = typer.Option(None, help="task.label_column.")
+
+
+def _data_flags(train_file, dev_file, test_file, text_column, text_pair_column, label_column) -> tuple:
+    """``(flag, recipe key, value)`` of the shared data flags."""
+    return (("--train-file", "task.train_file", train_file), ("--dev-file", "task.dev_file", dev_file),
+            ("--test-file", "task.test_file", test_file), ("--text-column", "task.text_column", text_column),
+            ("--text-pair-column", "task.text_pair_column", text_pair_column),
+            ("--label-column", "task.label_column", label_column))
+
+
 _TIME_HELP = "schedule.time_budget: wall-clock budget (30m, 2h, 1h30m or seconds); T (and B when auto) chosen to fit"
 
 
@@ -156,21 +174,32 @@ def tune(
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
     time_budget: Optional[str] = typer.Option(None, "--time-budget", help=_TIME_HELP + " for the whole search "
                                               "(per trial: budget / E[K]; docs/tune.md)."),
+    train_file: Optional[str] = _TRAIN_FILE,
+    dev_file: Optional[str] = _DEV_FILE,
+    test_file: Optional[str] = _TEST_FILE,
+    text_column: Optional[str] = _TEXT_COLUMN,
+    text_pair_column: Optional[str] = _TEXT_PAIR_COLUMN,
+    label_column: Optional[str] = _LABEL_COLUMN,
 ):
     """Private random hyperparameter search (run/tune.py): K ~ the declared law of DP trials, each scored
     privately; only the best trial's model is released; the whole search is charged."""
     ov, origins = _overrides((("--epsilon", "privacy.target_epsilon", epsilon),
                               ("--output-dir", "output_dir", str(output_dir) if output_dir else None),
-                              ("--time-budget", "schedule.time_budget", time_budget)), set)
+                              ("--time-budget", "schedule.time_budget", time_budget),
+                              *_data_flags(train_file, dev_file, test_file, text_column, text_pair_column,
+                                           label_column)), set)
     _time_budget_steps(ov, origins, time_budget)
     run_dir = output_dir
     try:
         rec = load_recipe(recipe, ov, origins)
+        # a classifier's training file given on the command line is read as task 'files' (as dpft train)
+        if train_file and rec.task.name not in ("text", "instruct", "seq2seq"):
+            rec.task.name = "files"
         _name_run(rec, ov)
         run_dir = Path(rec.output_dir) if rec.output_dir else Path("runs") / f"{rec.name}-tune"
         typer.echo(f"run directory: {run_dir}\n{summary(run_tune(rec, run_dir, resume=resume, progress=not quiet))}")
     except KeyboardInterrupt:  # a trial's checkpoint and the search state (K, trials) are on disk
-        typer.secho(f"interrupted; resume with: dpft tune {recipe} -o {run_dir} --resume (K is kept)", err=True)
+        typer.secho(f"interrupted; resume with: {_resume_command(run_dir, 'tune')} (K is kept)", err=True)
         raise typer.Exit(130)
     except (ValueError, TrainingError, FileNotFoundError) as exc:
         _fail(str(exc))
@@ -187,13 +216,12 @@ def train(
     no_dp: bool = typer.Option(False, "--no-dp", help="Non-private reference run (no guarantee)."),
     model: Optional[str] = typer.Option(None, help="model.name: HF folder, hub id or 'minilm'."),
     task: Optional[str] = typer.Option(None, help="task.name (sst2, sst5, imdb, qnli, files)."),
-    train_file: Optional[str] = typer.Option(None, help="task.train_file (CSV/TSV/JSONL/Parquet)."),
-    dev_file: Optional[str] = typer.Option(None, help="task.dev_file."),
-    test_file: Optional[str] = typer.Option(
-        None, help="task.test_file: labelled file evaluated once after training, reported apart from dev."),
-    text_column: Optional[str] = typer.Option(None, help="task.text_column."),
-    text_pair_column: Optional[str] = typer.Option(None, help="task.text_pair_column."),
-    label_column: Optional[str] = typer.Option(None, help="task.label_column."),
+    train_file: Optional[str] = _TRAIN_FILE,
+    dev_file: Optional[str] = _DEV_FILE,
+    test_file: Optional[str] = _TEST_FILE,
+    text_column: Optional[str] = _TEXT_COLUMN,
+    text_pair_column: Optional[str] = _TEXT_PAIR_COLUMN,
+    label_column: Optional[str] = _LABEL_COLUMN,
     user_column: Optional[str] = typer.Option(
         None, help="task.user_column: privacy unit = user (Poisson sampling over users, ≤ k rows each, "
                    "a user's summed gradient clipped to C); --batch-size then counts users."),
@@ -240,11 +268,8 @@ def train(
         _fail("give --steps or --epochs, not both")
     lock = None
     ov, origins = _overrides((
-        ("--model", "model.name", model), ("--task", "task.name", task), ("--train-file", "task.train_file", train_file),
-        ("--dev-file", "task.dev_file", dev_file), ("--test-file", "task.test_file", test_file),
-        ("--text-column", "task.text_column", text_column),
-        ("--text-pair-column", "task.text_pair_column", text_pair_column),
-        ("--label-column", "task.label_column", label_column),
+        ("--model", "model.name", model), ("--task", "task.name", task),
+        *_data_flags(train_file, dev_file, test_file, text_column, text_pair_column, label_column),
         ("--user-column", "task.user_column", user_column),
         ("--max-rows-per-user", "task.max_rows_per_user", max_rows_per_user),
         ("--max-train-examples", "task.max_train_examples", max_train_examples),

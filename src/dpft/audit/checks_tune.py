@@ -27,6 +27,8 @@
   for that (B, T) and is within the target; the choice is the smallest σ/B among its candidates.
   Planted ``auto_single_run_sigma`` ((B, T) and σ chosen against ONE run's ε instead of the search's
   bound, an overspend) fails it.
+* **what a search lets out, its folder** (audit/checks_tune_release.py, issue 44): silent trials, the
+  run lock, one ledger entry per search, one score per trial across crashes.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dpft.accounting import selection_profile as _prof
 from dpft.accounting.ledger import PrivacyLedger, event_to_dict
 from dpft.accounting.selection import ORDERS, KDistribution, RandomKSelectionDpEvent, candidate_event, selection_epsilon
 from dpft.accounting import budget as _budget
+from dpft.audit.checks_tune_release import RELEASE_PLANTED, release_checks
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.methods.base import registered
@@ -60,7 +63,7 @@ __all__ = ["PLANTED", "tune_checks"]
 
 #: Planted bugs :func:`tune_checks` must catch.
 PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
-           "uncovered_trial_hidden", "auto_single_run_sigma")
+           "uncovered_trial_hidden", "auto_single_run_sigma") + RELEASE_PLANTED
 
 #: The options that switch each search-safe built-in method fully on (audited by :func:`_method_events`).
 METHOD_ON = {"rmt": {"method": "rmt", "kappa": 1.1},
@@ -281,7 +284,7 @@ def _uncovered_charged(planted=None) -> Check:
             rep = T.finish_search(r, run, state, dist, [cand], keep=False)
         led = PrivacyLedger.load(run / "ledger.json")
         alone = selection_epsilon([cand], dist, 1e-5).epsilon
-        phases = [e.phase for e in led.entries]
+        phases = [e.phase.split(":")[0] for e in led.entries]
         ok = phases == ["tune", "tune_uncovered"] and rep["epsilon"] > alone + 1e-6
     return Check("tune: a trial outside the candidates is charged in full", ok,
                  f"ledger phases {phases}; ε {rep['epsilon']:.4f} against the selection alone {alone:.4f}")
@@ -337,4 +340,5 @@ def tune_checks(planted: str | None = None) -> list:
     if planted is not None and planted not in PLANTED:
         raise ValueError(f"unknown planted tune bug {planted!r}; known: {PLANTED}")
     return [_k_law(planted), _selection_epsilon(planted), _noisy_score(planted), _one_release(planted),
-            _method_events(planted), _uncovered_charged(planted), _auto_search(planted)]
+            _method_events(planted), _uncovered_charged(planted), _auto_search(planted),
+            *release_checks(planted)]  # issue 44: silent trials, the lock, the ledger per search, one score

@@ -58,7 +58,9 @@ MECHANISMS_PLANTED = ("truncate_first_rows", "padding_contributes", "truncation_
 ALL = ALL + MECHANISMS_PLANTED
 # issue 35 (private hyperparameter search): planted by audit/checks_tune.py
 TUNE_PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
-                "uncovered_trial_hidden", "auto_single_run_sigma")
+                "uncovered_trial_hidden", "auto_single_run_sigma",
+                # issue 44: what a search lets out, and its folder (audit/checks_tune_release.py)
+                "trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume")
 ALL = ALL + TUNE_PLANTED
 
 

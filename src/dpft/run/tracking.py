@@ -16,7 +16,8 @@ from dpft.run.release import PRIVATE_KEYS
 from dpft.config import dump_recipe
 
 #: Keys a tracker may receive besides ``dev_*`` / ``test_*`` metrics.
-ALLOWED = frozenset({"epsilon", "lr"})
+#: ``noisy_score``: a search's released score of its chosen trial (run/tune.py ``track_search``).
+ALLOWED = frozenset({"epsilon", "lr", "noisy_score"})
 
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 

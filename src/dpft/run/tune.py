@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import shutil
 import sys
 from pathlib import Path
@@ -48,6 +49,7 @@ from dpft.accounting.selection import (KDistribution, RandomKSelectionDpEvent, c
 from dpft.config import Recipe, dump_recipe
 from dpft.config_tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
+from dpft.report.report import NOT_FOR_RELEASE, REPRODUCIBLE_WARNING
 from dpft.run.errors import TrainingError
 from dpft.run.tune_space import (BudgetError, apply_hyperparameters, auto_refusal, check_search_methods,
                                  resolve_search_auto, search_auto, steps_for, time_budget_refusal, time_plan)
@@ -91,9 +93,35 @@ def check_tune_recipe(r: Recipe) -> None:
                         "tune.space (or drop the time budget)")
     if auto_refusal(r):  # batch/steps auto: one (B, T) chosen against the search's bound (run/tune_space.py)
         raise TuneError(auto_refusal(r))
+    for bad in publishing_settings(r):
+        raise TuneError(bad)
+    if r.task.test_file and not Path(r.task.test_file).is_file():
+        raise TuneError(f"test file not found: {r.task.test_file}")
     if r.task.dev_public and not r.task.dev_file and r.task.name in ("files",):
         raise TuneError("task.dev_public: true needs a task.dev_file (a dev set held out of the training file is "
                         "private data)")
+
+
+#: The one thing a trial's eval.every_steps becomes: never (a trial is evaluated once, by the private score).
+NEVER = 10 ** 9
+
+
+def publishing_settings(r: Recipe) -> list[str]:
+    """Recipe settings that would publish per-trial numbers, each as its refusal (issue 44 item 1).
+
+    A trial has no outputs of its own (DESIGN.md "Tuning is a private algorithm"): its hyperparameters,
+    σ, dev accuracy on the private scoring rows and K are covered by the selection theorem only
+    while they stay inside the search. ``log.report_to`` is kept — the tracker gets ONE record at the end
+    (:func:`track_search`) — and periodic evaluation is switched off in every trial (said on the screen)."""
+    out = []
+    if r.eval.save_predictions:
+        out.append("dpft tune: eval.save_predictions writes each trial's predictions on the private scoring rows "
+                   "(per-trial numbers the search's ε does not cover); remove it and run dpft predict on the "
+                   "released model")
+    if r.log.private_diagnostics:
+        out.append("dpft tune: log.private_diagnostics writes each trial's per-step private statistics (per-trial "
+                   "numbers the search's ε does not cover); remove it (a search keeps no per-trial diagnostics)")
+    return out
 
 
 def configurations(r: Recipe) -> list[dict[str, Any]]:
@@ -166,7 +194,12 @@ def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pai
     d = r.model_dump(mode="json")
     d["tune"] = None
     d["output_dir"] = None
-    d["task"].update({"name": "files", "train_file": str(fit), "dev_file": str(score), "text_column": "text",
+    # A trial has no outputs of its own (issue 44 item 1): no tracker, no periodic or test evaluation
+    # (the search scores it once), no predictions or diagnostics files.
+    d["log"].update({"report_to": [], "private_diagnostics": False})
+    d["eval"].update({"every_steps": NEVER, "save_predictions": False})
+    d["task"].update({"name": "files", "train_file": str(fit), "dev_file": str(score), "test_file": None,
+                      "text_column": "text",
                       "label_column": "label", "text_pair_column": "text_pair" if pair else None,
                       "max_train_examples": None, "max_dev_examples": None, "dev_public": False,
                       "label_names": list(label_names)})  # the task's class order, not the names' sorted order
@@ -179,18 +212,25 @@ def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pai
     return Recipe.model_validate(apply_hyperparameters(d, dict(hp)))
 
 
-def private_score(correct: int, score_sigma: Optional[float], ledger: PrivacyLedger, rng: Randomness, i: int,
+def private_score(correct: int, score_sigma: Optional[float], ledger: PrivacyLedger, noise, i: int = 0,
                   ledger_path: Optional[Path] = None) -> float:
-    """Trial ``i``'s released score: ``correct`` + N(0, σ_s²) from the secret stream ("tune_score", i),
-    the ``GaussianDpEvent(σ_s)`` recorded in the trial's ledger (and saved) BEFORE the draw
-    (sensitivity 1: one scoring row changes the count by at most 1 under add/remove); or the exact
-    count when ``score_sigma`` is None (a public dev file: no private data)."""
+    """Trial ``i``'s released score: ``correct`` + σ_s·z, the ``GaussianDpEvent(σ_s)`` recorded in the
+    trial's ledger (and saved) BEFORE the score is formed (sensitivity 1: one scoring row changes the count
+    by at most 1 under add/remove); or the exact count when ``score_sigma`` is None (a public dev file).
+
+    ``noise``: z itself (a float drawn from the secret stream ("tune_score", i) when the search started and
+    kept in ``tune_private/state.json``, so that a resume forms the SAME score again: issue 44 item 3), or a
+    :class:`Randomness` to draw z from now. A ledger that already holds this trial's score event (a crash
+    between forming the score and saving the state) gets none again: the same count + the same z is the
+    same release, not a new one."""
     if score_sigma is None:
         return float(correct)
-    ledger.record("score", dpa.GaussianDpEvent(score_sigma))
-    if ledger_path is not None:
-        ledger.save(ledger_path)
-    return correct + score_sigma * float(rng.stream("tune_score", i).normal((1,))[0])
+    if not any(e.phase == "score" for e in ledger.entries):
+        ledger.record("score", dpa.GaussianDpEvent(score_sigma))
+        if ledger_path is not None:
+            ledger.save(ledger_path)
+    z = float(noise.stream("tune_score", i).normal((1,))[0]) if isinstance(noise, Randomness) else float(noise)
+    return correct + score_sigma * z
 
 
 def _comparable(r: Recipe) -> dict:
@@ -209,14 +249,41 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
          rng: Optional[Randomness] = None, keep_trials: bool = False) -> dict[str, Any]:
     """Run the private search of ``recipe`` in ``run_dir`` (module docstring). Returns the report.
 
+    The run folder is locked (run/lock.py) for the search's whole life, as ``dpft train`` locks its own:
+    a second search or resume into it while this one runs is refused naming this one (issue 44 item 3).
+    ``progress``: the search's own lines on stderr (the law of K, the auto choice, one line at the end);
+    a trial prints nothing and has no progress bar whatever ``progress`` is (issue 44 item 1).
+
     Raises:
-        TuneError, SelectionError, DataError: each naming the fix (recipe refusals before loading)."""
+        TuneError, SelectionError, DataError: each naming the fix (recipe refusals before loading);
+        RunLockError: another process holds ``run_dir``."""
+    from dpft.run.lock import RunLock
+
+    check_tune_recipe(recipe)
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TuneError(f"output folder {run_dir} is a file; give --output-dir a folder")
+    lock = RunLock.for_dir(run_dir, what=f"search folder {run_dir}",
+                           fix="wait for that search to finish, stop it (kill PID), or give this search another "
+                               "--output-dir").acquire()
+    try:
+        return _tune_locked(recipe, run_dir, resume, progress, rng, keep_trials)
+    finally:
+        lock.release()
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _tune_locked(recipe: Recipe, run_dir: Path, resume: bool, progress: bool, rng: Optional[Randomness],
+                 keep_trials: bool) -> dict[str, Any]:
+    from dpft.accounting.ledger import PrivacyLedger as _Ledger
     from dpft.data.tasks import load_task
     from dpft.run.loop import Trainer
 
     r = orig = recipe  # orig: the recipe as given (a resume compares it); r: with auto (B, T) resolved
-    check_tune_recipe(r)
-    run_dir = Path(run_dir)
     priv = run_dir / PRIVATE
     state_path = priv / "state.json"
     if state_path.exists() and not resume:
@@ -234,11 +301,14 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     priv.mkdir(parents=True, exist_ok=True)
     os.chmod(priv, 0o700)
     rng = rng or Randomness(r.seed if r.privacy.reproducible else None)
+    if r.privacy.reproducible:
+        _say(progress, f"WARNING: {NOT_FOR_RELEASE} — this search's ε is NOT CERTIFIED for release")
     tc = r.tune
     public = bool(r.task.dev_public)
     # A dev file equal to the training file keeps load_task from splitting by a permutation of all rows.
     own_file = (r.task.name == "files" or r.task.train_file) and not r.task.dev_file
-    task_cfg = r.task.model_copy(update={"dev_file": r.task.train_file}) if own_file else r.task
+    task_cfg = r.task.model_copy(update={"dev_file": r.task.train_file, "test_file": None}) if own_file else \
+        r.task.model_copy(update={"test_file": None})
     task = load_task(task_cfg, seed=r.seed)
     fit_path, score_path = priv / "fit.jsonl", priv / "score.jsonl"
     if public:
@@ -266,14 +336,14 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
             r, auto, said = resolve_search_auto(r, n, dist, score_sigma, state.get("auto") if resume else None)
         except BudgetError as exc:
             raise TuneError(f"tune: {exc}") from None
-        if progress:
-            print(said, file=sys.stderr)
+        _say(progress, said)
     combos = configurations(r)
     steps_by_batch = state.get("steps_by_batch") if resume else None
+    timing = None
     if r.schedule.time_budget is not None and not resume:  # T per batch size from a timed probe (no private data)
-        steps_by_batch, said = time_plan(r, n, len(score_rows), task.num_labels, dist, combos)
-        if progress:
-            print(said, file=sys.stderr)
+        steps_by_batch, said, timing = time_plan(r, n, len(score_rows), task.num_labels, dist, combos,
+                                                 with_timing=True)
+        _say(progress, said)
     plans = [_steps_and_q(r, c, n, steps_by_batch) for c in combos]
     if resume:
         sigmas = state["sigmas"]
@@ -286,11 +356,17 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         sigmas, _ = calibrate_search(r.privacy.target_epsilon, r.privacy.delta, dist, plans, score_sigma)
         k, trials = draw_trials(r, dist, rng)
     if not resume:
-        state = {"recipe": _comparable(orig), "auto": auto, "k": k, "distribution": dist.as_dict(), "sigmas": sigmas,
-                 "configurations": combos,
+        if score_sigma is not None:  # each trial's score noise z, drawn now and kept private: a resume
+            for tr in trials:        # forms the same score again instead of a second release (item 3)
+                tr["noise"] = float(rng.stream("tune_score", tr["index"]).normal((1,))[0])
+        state = {"search_id": secrets.token_hex(8), "recipe": _comparable(orig), "auto": auto, "k": k,
+                 "distribution": dist.as_dict(), "sigmas": sigmas, "configurations": combos,
                  "n_fit": n, "n_score": len(score_rows), "score_sigma": score_sigma, "trials": trials,
                  "steps_by_batch": steps_by_batch}
         _save_state(state_path, state)  # K persisted before the first trial: a resume never redraws it
+    state.setdefault("search_id", "0" * 16)  # a search started before ids: one id for its one entry
+    if progress:
+        _say(progress, k_law_message(r, dist, plans, n, len(score_rows), task.num_labels, combos, timing))
     candidates = [candidate_event(s, q, steps, score_sigma) for s, (q, steps) in zip(sigmas, plans)]
     for tr in state["trials"]:
         if tr.get("score") is not None:
@@ -299,20 +375,81 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
         combo = {k2: hp[k2] for k2 in PRIVACY_KEYS if k2 in hp}
         sigma = sigmas[combos.index(combo)]
         tdir = priv / f"trial_{i}"
-        rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair,
-                            task.label_names)
-        if progress:
-            print(f"trial {i + 1}: {json.dumps(hp)} σ = {sigma:.4f}", file=sys.stderr)
-        trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=progress,
-                          rng=rng.child(f"trial{i}"))
-        trainer.run()
-        correct = round(float(trainer.evaluate()["dev_accuracy"]) * len(score_rows))
-        ledger = trainer.ledger
-        score = private_score(correct, score_sigma, ledger, rng, i, tdir / "ledger.json")
+        if tr.get("correct") is None:  # train (or finish training) the trial, silently, and count once
+            rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair,
+                                task.label_names)
+            trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=False,
+                              rng=rng.child(f"trial{i}"))
+            trainer.run()
+            tr["correct"] = round(float(trainer.evaluate()["dev_accuracy"]) * len(score_rows))
+            _save_state(state_path, state)  # the count (private) before any score is formed from it
+        ledger = _Ledger.load(tdir / "ledger.json")
+        noise = tr.get("noise")
+        score = private_score(tr["correct"], score_sigma, ledger, rng if noise is None else noise, i,
+                              tdir / "ledger.json")
         tr.update({"score": score, "events": [json.loads(json.dumps(_ev(e))) for e in ledger.events()],
                    "trial_epsilon": ledger.epsilon(r.privacy.delta).epsilon, "sigma": sigma})
         _save_state(state_path, state)
-    return finish_search(r, run_dir, state, dist, candidates, keep_trials)
+    rep = finish_search(r, run_dir, state, dist, candidates, keep_trials)
+    track_search(r, run_dir, rep)
+    return rep
+
+
+#: Quantiles of K printed before the first trial (K itself is never shown).
+K_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def k_law_message(r: Recipe, dist: KDistribution, plans: list, n_fit: int, n_score: int, num_labels: int,
+                  combos: list, timing=None) -> str:
+    """What a search may take, said before its first trial (issue 44 item 9): the law of K as quantiles
+    of trials, and of time when a step time is known (a time budget's probe, or a probe here on synthetic
+    rows: run/timing.py, no private data). K itself stays private: it is never printed."""
+    qs = [(p, max(1, dist.tail_quantile(1.0 - p)) if dist.kind != "poisson" else dist.tail_quantile(1.0 - p))
+          for p in K_QUANTILES]
+    lines = [f"search: K trials, K ~ {dist.kind} with E[K] = {dist.mean():.3g}; K is private and never shown — "
+             "trials run silently (no progress bar, score or tracker record of their own); one record at the end",
+             "  law of K: " + ", ".join(f"{p:.0%} of searches run ≤ {k} trials" for p, k in qs)]
+    if timing is None:
+        try:
+            from dpft.run.timing import probe_step_time
+            from dpft.run.tune_space import _probe_recipe
+
+            timing = probe_step_time(_probe_recipe(r, combos), num_labels)
+        except Exception as exc:  # noqa: BLE001 - an estimate only: the search runs without it
+            lines.append(f"  (no time estimate: the timing probe failed: {type(exc).__name__})")
+            return "\n".join(lines)
+    per = max(timing.setup_seconds + steps * timing.step_seconds(int(round(q * n_fit)), n_fit)
+              + 2 * timing.eval_seconds(n_score) for q, steps in plans)
+    from dpft.run.auto import describe_seconds
+
+    lines.append(f"  estimated time (a trial ≈ {describe_seconds(per)} on this machine, the slowest configuration; "
+                 "timed on synthetic rows): " + ", ".join(f"{p:.0%}: ≤ {describe_seconds(k * per)}" for p, k in qs))
+    lines.append("  never restart a search because it runs long: a restart redraws K, and the ε of both is spent "
+                 "(docs/tune.md)")
+    return "\n".join(lines)
+
+
+def track_search(r: Recipe, run_dir: Path, rep: dict) -> None:
+    """``log.report_to``: ONE record for the whole search (issue 44 item 1) — its ε, the chosen
+    hyperparameters (as the run's config) and the noisy score (and the released model's test accuracy);
+    never a trial's. Nothing without trackers."""
+    if not r.log.report_to:
+        return
+    from dpft.run import tracking
+
+    c = rep.get("chosen") or {}
+    config = {"search": "dpft tune", "chosen": c.get("hyperparameters"), "target_epsilon": r.privacy.target_epsilon,
+              "delta": r.privacy.delta, "certified": not r.privacy.reproducible}
+    row: dict[str, Any] = {"step": 0, "epsilon": rep["epsilon"]}
+    if c:
+        row["noisy_score"] = c["noisy_score"]
+    if rep.get("test"):
+        row["test_accuracy"] = rep["test"]["test_accuracy"]
+    tr = tracking.Trackers(r.log.report_to, run_dir, r.name, config)
+    try:
+        tr.log(row)
+    finally:
+        tr.close()
 
 
 def _ev(e):
@@ -331,13 +468,19 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
     private_ledger.save(priv / "ledger_with_trials.json")
     # Released ledger: the selection without its trials (their number is K, which is not released);
     # a trial not covered by the candidates (released again after a crash) is composed on top, in full.
+    # Appended, never replaced (issue 44 item 3): each search in this folder has its own entry, phase
+    # "tune:<search id>"; an earlier search's entries stay and compose with this one. A finish that is
+    # run again (a crash after the ledger was written) finds its own entry and adds nothing.
     ledger = PrivacyLedger.load(run_dir / "ledger.json") if (run_dir / "ledger.json").exists() else PrivacyLedger()
-    ledger.entries = [e for e in ledger.entries if e.phase not in ("tune", "tune_uncovered")]
-    ledger.record("tune", RandomKSelectionDpEvent(candidates=candidates, kind=dist.kind, eta=dist.eta,
-                                                  gamma=dist.gamma, mu=dist.mu))
-    for i in check_trials_covered(full):
-        ledger.record("tune_uncovered", actual[i])
-    ledger.save(run_dir / "ledger.json")
+    sid = state.get("search_id") or "0" * 16
+    phase, phase_unc = search_phases(sid)
+    earlier = sorted({e.phase.split(":", 1)[1] for e in ledger.entries if e.phase.startswith("tune:")} - {sid})
+    if not any(e.phase == phase for e in ledger.entries):
+        ledger.record(phase, RandomKSelectionDpEvent(candidates=candidates, kind=dist.kind, eta=dist.eta,
+                                                     gamma=dist.gamma, mu=dist.mu))
+        for i in check_trials_covered(full):
+            ledger.record(phase_unc, actual[i])
+        ledger.save(run_dir / "ledger.json")
     bound = selection_epsilon(candidates, dist, delta)
     total = ledger.epsilon(delta)
     rep: dict[str, Any] = {
@@ -351,9 +494,15 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         "configurations": [{"config": c, "sigma": s} for c, s in zip(state["configurations"], state["sigmas"])],
         "steps_by_batch": state.get("steps_by_batch"),  # chosen by schedule.time_budget (None: not timed)
         "auto": _auto_public(state.get("auto")),  # (B, T) chosen by batch/steps auto (None: typed in)
-        "not_released": "K, and the other trials' hyperparameters and scores (tune_private/, mode 0700): the "
-                        "selection theorem covers the chosen trial's output only",
+        "not_released": "K, the search's run time, and the other trials' hyperparameters and scores "
+                        "(tune_private/, mode 0700): the selection theorem covers the chosen trial's output only",
+        "search_id": sid,
     }
+    if earlier:  # an earlier search in this folder: its release is composed with this one's
+        rep["earlier_searches"] = earlier
+    if r.privacy.reproducible:  # the seed is in the released recipe.yaml (as dpft train says)
+        rep["reproducible"] = f"{NOT_FOR_RELEASE}. {REPRODUCIBLE_WARNING}."
+        rep["certified_by"] = f"NOT CERTIFIED (reproducible mode); the bound computed: {rep['certified_by']}"
     done = [t for t in trials if t.get("score") is not None]
     if done:
         best = max(done, key=lambda t: t["score"])
@@ -383,13 +532,19 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
                 f"δ = {delta:g})-DP, certified by {rep['certified_by']} (the smaller of two valid bounds: "
                 f"Papernot & Steinke 2022 RDP ε = {bound.epsilon_rdp:.4g}; privacy-profile bound ε = "
                 f"{bound.epsilon_profile:.4g}): the ε stated above.\n")
+        if r.privacy.reproducible:
+            note += f"\n**{rep['reproducible']}**\n"
         if card.exists():
             card.write_text(card.read_text() + note)
+        if r.task.test_file:  # the released model on the test file, once (issue 44 item 9)
+            rep["test"] = _test_score(run_dir, r.task.test_file, r.perf.device)
     else:
         rep["chosen"] = None  # Poisson K = 0: nothing released, the ε above is still spent
     atomic_write_text(run_dir / "report.json", json.dumps(rep, indent=1, default=str))
     atomic_write_text(run_dir / "report.md", _markdown(rep))
     state["finished"] = True
+    for t in trials:  # the score noise is secret state: not kept once the scores are formed
+        t.pop("noise", None)
     _save_state(priv / "state.json", state)
     if not keep:  # the losing models and the copies of the private rows
         for t in trials:
@@ -397,6 +552,25 @@ def finish_search(r: Recipe, run_dir: Path, state: dict, dist: KDistribution, ca
         for f in ("fit.jsonl", "score.jsonl"):
             (priv / f).unlink(missing_ok=True)
     return rep
+
+
+def search_phases(search_id: str) -> tuple[str, str]:
+    """The ledger phases of one search: its selection event, and trials it composes on top in full."""
+    return f"tune:{search_id}", f"tune_uncovered:{search_id}"
+
+
+def _test_score(run_dir: Path, test_file: str, device: str) -> dict:
+    """Accuracy of the released ``run_dir/model`` on ``test_file``, once (``dpft predict``'s path); the
+    per-row predictions go to the private folder and are deleted."""
+    import torch
+
+    from dpft.run.predict import predict
+
+    dev = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    out = run_dir / PRIVATE / "test_predictions.jsonl"
+    res = predict(run_dir, test_file, out, device=dev, progress=False)
+    out.unlink(missing_ok=True)
+    return {"file": str(test_file), "n": res["n"], "test_accuracy": res.get("accuracy")}
 
 
 def _auto_public(auto: Optional[dict]) -> Optional[dict]:
@@ -466,14 +640,24 @@ def summary(rep: dict) -> str:
     if a:  # batch/steps auto: the (B, T) every trial ran, chosen before K was drawn
         out += (f"\nauto: B = {a['batch']}, T = {a['steps']} per trial (σ_trial = {a['sigma']:.4g}, learning rate "
                 f"× {a['lr_scale']:.4g})")
-    return out + ("\nK = 0: no model released (the ε above is spent)" if not c else
-                  f"\nchosen: {json.dumps(c['hyperparameters'])} (noisy score {c['noisy_score']:.1f})")
+    if rep.get("reproducible"):
+        out = f"{NOT_FOR_RELEASE} — {out} — {REPRODUCIBLE_WARNING}"
+    if rep.get("earlier_searches"):
+        out += (f"\nthis folder held {len(rep['earlier_searches'])} earlier search(es): their ledger entries stay and "
+                "compose with this one (the ε above is of all of them)")
+    out += ("\nK = 0: no model released (the ε above is spent)" if not c else
+            f"\nchosen: {json.dumps(c['hyperparameters'])} (noisy score {c['noisy_score']:.1f})")
+    t = rep.get("test")
+    if t and t.get("test_accuracy") is not None:
+        out += f"\ntest accuracy: {t['test_accuracy']:.4f} ({t['n']} examples; the released model, once)"
+    return out
 
 
 def _markdown(rep: dict) -> str:
     s = rep["selection"]
     lines = ["# dpft tune", "", f"**ε = {rep['epsilon']:.4g} at δ = {rep['delta']:g}** for the whole search "
              f"(target {rep['target_epsilon']:g}), certified by {rep.get('certified_by', rep['accountant'])}.", "",
+             *([f"**{rep['reproducible']}**", ""] if rep.get("reproducible") else []),
              "| bound | ε |", "|---|---|",
              f"| Papernot & Steinke 2022 (RDP → (ε, δ), dp-accounting) | {s['epsilon_rdp']:.4g} |",
              f"| naive composition of k* = {s['naive_k']} trials (P[K > k*] ≤ δ/2) | {s['epsilon_naive']:.4g}"
@@ -490,6 +674,9 @@ def _markdown(rep: dict) -> str:
         c = rep["chosen"]
         lines += [f"Chosen: {json.dumps(c['hyperparameters'])}, noisy score {c['noisy_score']:.1f}, σ = "
                   f"{c['sigma']:.4f}.", ""]
+        if rep.get("test") and rep["test"].get("test_accuracy") is not None:
+            lines += [f"Test accuracy of the released model: {rep['test']['test_accuracy']:.4f} ({rep['test']['n']} "
+                      f"rows of {rep['test']['file']}, evaluated once).", ""]
     else:
         lines += ["K = 0 (Poisson): no model was released; the ε above is spent all the same.", ""]
     lines += [f"Not released: {rep['not_released']}."]

@@ -138,10 +138,11 @@ def _probe_recipe(r, combos: list[dict]):
     return type(r).model_validate(d)
 
 
-def time_plan(r, n_fit: int, n_score: int, num_labels: int, dist, combos: list[dict], timing=None
-              ) -> tuple[dict[str, int], str]:
+def time_plan(r, n_fit: int, n_score: int, num_labels: int, dist, combos: list[dict], timing=None,
+              with_timing: bool = False) -> tuple:
     """T for each searched batch size so that the search fits ``schedule.time_budget`` (module
-    docstring), and the explanation to print. Returns ``({str(B): T}, message)``.
+    docstring), and the explanation to print. Returns ``({str(B): T}, message)`` (and the probe's
+    timing as a third item with ``with_timing``).
 
     Raises:
         TrainingError: a trial's share fits no step (raise the budget, lower E[K] or max_length)."""
@@ -154,7 +155,8 @@ def time_plan(r, n_fit: int, n_score: int, num_labels: int, dist, combos: list[d
     timing = timing or probe_step_time(_probe_recipe(r, combos), num_labels)
     ev = timing.eval_seconds(n_score)
     room = share - timing.setup_seconds - ev  # each trial loads its model and is scored once more by the search
-    steps = {str(b): steps_in_time(room, timing.step_seconds(b, n_fit), ev, r.eval.every_steps)
+    # a trial is evaluated only by the search's score (run/tune.py NEVER: no periodic evaluation)
+    steps = {str(b): steps_in_time(room, timing.step_seconds(b, n_fit), ev, 10 ** 9)
              for b in _batches(r, combos)}
     if min(steps.values()) < 1:
         raise TrainingError(f"tune: a trial's share of the time budget ({describe_seconds(share)} = "
@@ -171,7 +173,7 @@ def time_plan(r, n_fit: int, n_score: int, num_labels: int, dist, combos: list[d
            f"  K is random and keeps its declared law (the accounting needs it): P[K > {math.floor(k_plan)}] = "
            f"{over:.3g} (the search then runs past the budget); at K's 90% quantile ({k90}) it takes about "
            f"{describe_seconds(k90 * share)}"]
-    return steps, "\n".join(msg)
+    return (steps, "\n".join(msg), timing) if with_timing else (steps, "\n".join(msg))
 
 
 def steps_for(r, hp: dict, steps_by_batch: dict[str, int] | None) -> dict:
