@@ -66,7 +66,7 @@ def command(arm: Arm, seed: int, run_dir: Path, common: dict[str, Any], common_a
     """The ``dpft train`` command line of one (arm, seed)."""
     sets = {**common, **arm.overrides, **(arm.per_seed(seed) if arm.per_seed else {}), "seed": seed,
             "eval.save_predictions": True}
-    cmd = [sys.executable, "-m", "dpft.cli", "train", arm.recipe, "-o", str(run_dir), "--quiet",
+    cmd = [sys.executable, "-m", "dpft.cli.commands", "train", arm.recipe, "-o", str(run_dir), "--quiet",
            *common_args, *arm.args]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={_fmt_value(v)}"]

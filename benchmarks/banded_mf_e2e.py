@@ -152,7 +152,7 @@ def row_losses(run_dir: Path, pretrained: bool = False) -> dict[int, tuple[float
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
     from dpft.data.instruct import load_instruct_task
     from dpft.data.tokenize import collate
     from dpft.models.losses import model_inputs
@@ -277,7 +277,7 @@ def eps_table(rows: list[dict], eps: float, title: str) -> list[str]:
 # ------------------------------------------------------------------------------- speed and memory
 SPEED_CHILD = r"""
 import json, resource, sys, time
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
 args = json.loads(sys.argv[1])
 rec = load_recipe(args["recipe"], args["overrides"])
@@ -441,7 +441,7 @@ def main():
                "`check_usage`: the 2 × T shape).", "", *spd, "",
                "Fixed shapes pay only where shapes are compiled for: on CPU in eager mode they cost the padding (every "
                "row to model.max_length, every micro-batch to max_physical_batch_size). `torch.compile` is refused for "
-               "private runs (`perf.compile`, `dpft/perf.py` COMPILE_REFUSAL: the engine's hooks break the graph), so "
+               "private runs (`perf.compile`, `dpft/placement/device.py` COMPILE_REFUSAL: the engine's hooks break the graph), so "
                "no dpft configuration gains speed from them today; a GPU gain needs a compiled or CUDA-graph-captured "
                "private step (one capture for the one shape instead of one per shape).", ""]
     md += ["## What the table does not show", "",

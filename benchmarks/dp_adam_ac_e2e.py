@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
 
 SIGMAS = (0.0, 0.1, 0.5, 0.7, 1.0)
@@ -105,7 +105,7 @@ def main() -> None:
     }
     for kv in filter(None, args.extra.split(",")):
         k, v = kv.split("=", 1)
-        from dpft.config import _parse_scalar
+        from dpft.config.recipe import _parse_scalar
 
         base[k] = _parse_scalar(v)
     results = []
@@ -125,7 +125,7 @@ def main() -> None:
             init = tr.evaluate()
             rep = tr.run()
             m = rep["metrics"]
-            from dpft.run.release import read_diagnostics
+            from dpft.outputs.release import read_diagnostics
 
             hist = read_diagnostics(rd)
             tail = [h["train_loss_per_token"] for h in hist[-10:]]

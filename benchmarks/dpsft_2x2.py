@@ -10,7 +10,7 @@ Arms (recipes/sst2-minilm-dpsft.yaml for all, so every arm trains the same param
   (``<imdb-sft>/seedS/subspace/stage1/model``), so the two Θ* arms share Θ*;
 * with ``--paper-noise``: ``theta0-full-paper`` / ``imdb-full-paper``, the paper's noise
   placement (σC after averaging = σB on the sum, ``subspace.paper_noise_placement``; certified
-  as an upper bound, see methods/dpsft.py) — does it explain the paper's weak Full-DP baseline?
+  as an upper bound, see methods/dpsft/method.py) — does it explain the paper's weak Full-DP baseline?
 
 * with ``--tuned``: ``theta0-full-tuned`` / ``imdb-full-tuned`` (and ``*-tuned-paper`` with
   ``--paper-noise``): Full-DP with the demo's fix for a fresh head (head_body clipping, head lr

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 os.chdir(ROOT)
 import test_ddp, torch
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
 import pandas as pd
 def main():

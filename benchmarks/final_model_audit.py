@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from dpft.audit.final_model import audit_final_model
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("DPFT_DATA_DIR", ROOT.parent / "shared" / "data"))

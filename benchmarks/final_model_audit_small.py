@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dpft.audit.final_model import audit_final_model
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["good", "bad", "great", "awful", "fine", "poor", "lovely", "dull", "a", "film", "number"]

@@ -46,8 +46,8 @@ WORDS = ("the cheap pub near river serves french food family friendly a restaura
 def worker(cfg_path: str) -> None:
     import torch
 
-    from dpft.config import load_recipe
-    from dpft.fsdp import local
+    from dpft.config.recipe import load_recipe
+    from dpft.placement.fsdp import local
     from dpft.run.loop import Trainer
 
     cfg = json.loads(Path(cfg_path).read_text())
@@ -206,7 +206,7 @@ runtime.
 | ledger.json, FSDP2 vs DDP (2 processes) | {"identical" if led["fsdp-2"] == led["ddp-2"] else "DIFFERENT"} |
 | trained weights, FSDP2 2 processes vs 1 process, max abs difference | {diff_fsdp:.2e} |
 
-FSDP2 draws its noise in a fixed block layout (`dpft/fsdp.py` `shard_noise`: blocks of 65,536 elements, each
+FSDP2 draws its noise in a fixed block layout (`dpft/placement/fsdp.py` `shard_noise`: blocks of 65,536 elements, each
 from its own secret stream), the same values with 1 or K ranks, so the 2-process FSDP2 run equals the 1-process
 one up to the order of float sums; DDP draws one stream per tensor, so its weights differ from FSDP2's by other
 (equally distributed) noise, while the ledgers are the same.

@@ -29,7 +29,7 @@ def _run(argv: list[str]) -> int:
     args = argv[argv.index("--") + 1:] if "--" in argv else argv[1:]
     import torch
 
-    from dpft import cli
+    from dpft.cli import commands as cli
 
     t0 = time.time()
     code = 0

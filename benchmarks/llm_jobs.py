@@ -10,7 +10,7 @@
     ``RUN_DIR/job.json``: median s/step after the first step, the run's peak GPU memory, ε.
 ``dpo RECIPE --run-dir DIR [--model DIR] [--pairs-from CHATS.jsonl] [--steps N] [--no-dp] [--set k=v]``
     a DPO recipe (recipes/trl/*.yaml: ``model``, ``data``, ``lora`` = peft ``LoraConfig``, ``dpo`` =
-    TRL ``DPOConfig``, ``dp`` = dpft ``DPArguments``) through ``dpft.integrations.trl.DPDPOTrainer``
+    TRL ``DPOConfig``, ``dp`` = dpft ``DPArguments``) through ``dpft.integrations.trl.trainer.DPDPOTrainer``
     (``--no-dp``: TRL's own ``DPOTrainer``, the non-private step); ``--pairs-from`` makes preference
     pairs from a chat file (chosen = the conversation's assistant reply, rejected = another
     conversation's). Writes ``DIR/job.json``: steps, seconds per step, peak GPU memory, ε.
@@ -80,8 +80,8 @@ def dpo_parts(rec: dict, output_dir: str | Path, no_dp: bool = False):
     from peft import LoraConfig
     from trl import DPOConfig
 
-    from dpft.integrations.hf_args import DPArguments
-    from dpft.integrations.trl import check_dpo_config
+    from dpft.integrations.hf.args import DPArguments
+    from dpft.integrations.trl.trainer import check_dpo_config
 
     q = rec.get("model", {}).get("quantization")
     if q is not None and q not in ("nf4", "int8"):
@@ -167,7 +167,7 @@ def run_dpo(rec: dict, run_dir: Path, model_dir: str | None = None, pairs=None, 
 
         tr = DPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tok, peft_config=lora)
     else:
-        from dpft.integrations.trl import DPDPOTrainer
+        from dpft.integrations.trl.trainer import DPDPOTrainer
 
         tr = DPDPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tok, peft_config=lora, dp_args=dp)
     if torch.cuda.is_available():
@@ -192,7 +192,7 @@ def run_sft(run_dir: Path, cli_args: list[str]) -> dict:
     first alone when there is one), the run's peak GPU memory, ε from the run's report."""
     import torch
 
-    from dpft import cli
+    from dpft.cli import commands as cli
     from dpft.run import loop
 
     cuda = torch.cuda.is_available()

@@ -13,7 +13,7 @@ the recipes in recipes/chat-sft-llama-*.yaml set). Columns, in GB (10^9 bytes) p
   quantize kept in fp32 by ``peft.prepare_model_for_kbit_training``) and the trainable parameters
   in fp32 (full fine-tuning: every parameter fp32). With G > 1 GPUs the world runs FSDP2
   (``perf.sharding: fsdp``): every parameter is sharded 1/G; the root unit (embeddings, final norm,
-  LM head) stays gathered for the whole step (dpft/fsdp.py: ``reshard_after_forward=False``) and one
+  LM head) stays gathered for the whole step (dpft/placement/fsdp.py: ``reshard_after_forward=False``) and one
   block is gathered at a time (both added).
 - optimizer: per trainable parameter, the clipped sum (fp32, 4 B) and AdamW's two moments (8 B),
   sharded 1/G under FSDP2.
@@ -329,9 +329,9 @@ def _build(shape: dict, mode: str, tmp: Path, tokens: int):
     import torch
     import transformers
 
-    from dpft.config import TrainableCfg
+    from dpft.config.recipe import TrainableCfg
     from dpft.models.load import select_trainable
-    from dpft.perf import enable_activation_checkpointing
+    from dpft.placement.device import enable_activation_checkpointing
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**shape, max_position_embeddings=tokens, pad_token_id=0)

@@ -76,7 +76,7 @@ def _rows(n=40, t=6, causal=False):
 def trainer_cell(mech: dict, sft: bool = False):
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     dp = DPArguments(target_epsilon=4.0, target_delta=1e-3, expected_batch_size=8, reproducible_seed=SEED,
                      max_grad_norm=1.0, **mech)
@@ -101,7 +101,7 @@ def cli_cell(mech: dict, extra: dict | None = None):
     import pandas as pd
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
     from dpft.models.load import resolve_model_path
     from dpft.run.loop import Trainer
 

@@ -1,5 +1,5 @@
 """Peak host memory per rank while a caller-sharded resume loads a checkpoint's weights
-(``dpft.integrations.hf_fsdp.load_full_into_shards``: the model the caller sharded with ``fully_shard``,
+(``dpft.integrations.hf.fsdp.load_full_into_shards``: the model the caller sharded with ``fully_shard``,
 ``DPTrainer(...).train(resume_from_checkpoint=...)``), on 2 CPU processes (gloo).
 
 A random-initialised Llama from a config (hidden 512, 4 decoder layers, vocabulary 32,000, untied head:
@@ -15,7 +15,7 @@ shared by the ranks of one machine), each sampled every millisecond. Then the sa
 DPTrainer writes it). The loaded weights are checked against the file.
 
 ``--case save``: the plain copy ``dpft train`` builds after FSDP2 training for rank 0's save, generation
-and test file (``dpft.fsdp.materialise`` of a model ``dpft.fsdp.shard_model`` sharded): the same per-rank
+and test file (``dpft.placement.fsdp.materialise`` of a model ``dpft.placement.fsdp.shard_model`` sharded): the same per-rank
 peak increment while it is built, and rank 0's copy checked against the weights (a checkout whose
 ``materialise`` has no ``keep``: the copy on every rank, as before). Measured, MiB as printed (2 gloo
 processes, the 45 M Llama above, 173 MiB): before, each rank +354 (the gathered tensors and their
@@ -101,7 +101,7 @@ def _rank(rank: int, args, port: int, ckpt: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dpft.integrations.hf_fsdp import full_optimizer_state, load_full_into_shards, load_full_optimizer
+    from dpft.integrations.hf.fsdp import full_optimizer_state, load_full_into_shards, load_full_optimizer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -164,8 +164,8 @@ def _save_rank(rank: int, args, port: int, ckpt: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from dpft import fsdp
-    from dpft.distributed import World
+    from dpft.placement import fsdp
+    from dpft.placement.world import World
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -37,7 +37,7 @@ def load_run(d: Path) -> dict:
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rep = json.loads((d / "report.json").read_text())
     evals = [(r["step"], r["dev_accuracy"]) for r in rows if "dev_accuracy" in r]
-    from dpft.run.release import read_diagnostics
+    from dpft.outputs.release import read_diagnostics
 
     # step times are private (they grow with the batch size): the run's diagnostics file
     # (recipes with log.private_diagnostics: true); older runs logged them in metrics.jsonl

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dpft.accounting.calibrate import calibrate_sigma
-from dpft.config import Recipe
+from dpft.config.recipe import Recipe
 from dpft.data.tokenize import collate
 from dpft.run.loop import Trainer
 from dpft.transforms.rmt import RMTDenoiser, cosine_report, matrix_param_names

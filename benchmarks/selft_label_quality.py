@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dpft.config import TaskCfg
+from dpft.config.recipe import TaskCfg
 from dpft.data.tasks import load_task
 from dpft.synth.select_label import dp_select_and_label, embed_texts
 

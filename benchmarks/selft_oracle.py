@@ -123,7 +123,7 @@ def main() -> None:
     from scipy.stats import spearmanr
 
     from dpft.accounting.calibrate import calibrate_sigma
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     out = Path(a.out)
     common: dict = {"privacy.target_epsilon": a.eps}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.methods.selft import SelFTCfg, run_selft
 from dpft.run.loop import Trainer
 

@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from dpft.grads.bookkeeping import BookKeepingEngine  # noqa: E402
 from dpft.grads.reference import ReferenceEngine  # noqa: E402
 from dpft.models.losses import causal_lm_loss, classification_loss  # noqa: E402
-from dpft.perf import Precision  # noqa: E402
+from dpft.placement.device import Precision  # noqa: E402
 from dpft.step.clip import FlatClip  # noqa: E402
 
 METHODS = ["nonprivate", "dpft-bk", "dpft-ref", "opacus-hooks", "opacus-ghost"]

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from dpft.config import TrainableCfg  # noqa: E402
+from dpft.config.recipe import TrainableCfg  # noqa: E402
 from dpft.grads.base import NonPrivateEngine  # noqa: E402
 from dpft.grads.bookkeeping import BookKeepingEngine  # noqa: E402
 from dpft.grads.subspace import COORDS, SubspaceEngine  # noqa: E402

@@ -33,7 +33,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 from dpft import train, tune  # noqa: E402
-from dpft.config import load_recipe  # noqa: E402
+from dpft.config.recipe import load_recipe  # noqa: E402
 from dpft.run.predict import predict, read_rows  # noqa: E402
 
 

@@ -101,7 +101,7 @@ def files_recipe(model_dir, files, **extra):
     """A private classification recipe on the tiny BERT and the SST-like CSV: 3 steps of B = 8,
     δ = 1e-3 (the recipe's default budget unless ``extra`` sets one). ``extra`` overrides any key
     (dotted paths)."""
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {
         "model.name": str(model_dir), "model.max_length": 16,
@@ -118,7 +118,7 @@ def ldp_recipe(model_dir, files, **extra):
     """A forward-LDP (EW-FT) recipe on the tiny BERT and the SST-like CSV: 2 epochs of B = 8,
     noise after encoder block 1, a [16, 4] autoencoder without pre-training, ε = 4 at δ = 1e-3.
     ``extra`` overrides any key (dotted paths)."""
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {
         "model.name": str(model_dir), "model.max_length": 16,

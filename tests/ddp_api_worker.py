@@ -132,6 +132,6 @@ def forked_entry(i: int, cfg: dict, port: int, world_size: int = 2) -> None:
     try:
         run_jobs(cfg, i)
     finally:
-        from dpft import distributed as ddp
+        from dpft.placement import world as ddp
 
         ddp.shutdown()

@@ -41,7 +41,7 @@ def run_rank(cfg: dict, rank: int) -> None:
     os.chdir(cwd)
 
     import dpft
-    from dpft import distributed as ddp
+    from dpft.placement import world as ddp
     from dpft.run.loop import Trainer
 
     log: dict = {"rank": rank, "batches": {}, "shares": {}, "micro": {}, "noise": {}}
@@ -117,7 +117,7 @@ def run_rank(cfg: dict, rank: int) -> None:
         return
     t = current["trainer"]
     h = hashlib.sha256()
-    from dpft.fsdp import full_state  # FSDP: the gathered weights (plain tensors pass through)
+    from dpft.placement.fsdp import full_state  # FSDP: the gathered weights (plain tensors pass through)
 
     for n, v in full_state(t.params).items():
         h.update(v.float().contiguous().numpy().tobytes())

@@ -23,7 +23,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
 
     from dpft.audit.checks_hf_ddp import trl_rows
     from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok))  # a fixed seed: the same initial weights on every rank

@@ -134,7 +134,7 @@ def run_trainer_job(job: dict, out_dir: Path) -> dict:
     import torch.distributed as dist
 
     from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, record_shares, tiny_model
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     model = tiny_model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

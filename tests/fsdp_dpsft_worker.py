@@ -23,7 +23,7 @@ def _full(params) -> dict:
 
 def run_trainer_job(job: dict, out_dir: Path) -> dict:
     """fsdp_methods_worker's DPTrainer run (3 logical steps), logging ``dp_step.params`` before and after."""
-    from dpft.integrations import hf
+    from dpft.integrations.hf import trainer as hf
 
     seen: dict = {}
     real_train = hf.DPTrainer.train

@@ -63,11 +63,11 @@ def run_trainer_job(job: dict, out_dir: Path) -> dict:
     import torch.distributed as dist
 
     from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     model = tiny_model()
     fsdp: dict = {}
-    if job.get("fsdp_args"):  # TrainingArguments.fsdp: DPTrainer shards the model itself (integrations/hf_fsdp.py)
+    if job.get("fsdp_args"):  # TrainingArguments.fsdp: DPTrainer shards the model itself (integrations/hf/fsdp.py)
         fsdp = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}}
     else:  # the caller sharded it
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -1,5 +1,5 @@
 """One rank of a DPTrainer run under ``TrainingArguments.fsdp`` or accelerate's FSDP2 plugin
-environment (integrations/hf_fsdp.py ``shard_requested``), for tests/test_hf_fsdp.py (not a test
+environment (integrations/hf/fsdp.py ``shard_requested``), for tests/test_hf_fsdp.py (not a test
 file); also run in-process, with no process group, as the 1-process reference.
 
 :func:`run_job`: a reproducible DPTrainer on the audit's tiny BERT (the same seed on every rank; rank
@@ -30,7 +30,7 @@ ACCELERATE_FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
 
 
 def run_job(job: dict, out_dir: Path) -> dict:
-    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.hf.trainer import DPArguments
 
     env = ACCELERATE_FSDP2_ENV if job.get("env") else {}
     saved = {k: os.environ.get(k) for k in env}
@@ -52,7 +52,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
 
             from dpft.audit import checks_hf_ddp as hd
             from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
-            from dpft.integrations.trl import DPSFTTrainer
+            from dpft.integrations.trl.trainer import DPSFTTrainer
 
             tok = tiny_tokenizer()
             dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=4,
@@ -79,7 +79,7 @@ def _hf_trainer(job: dict, common: dict, users):
     from transformers import TrainingArguments
 
     from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     args = TrainingArguments(label_names=["labels"], bf16=job.get("bf16", False), **common)
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
@@ -102,7 +102,7 @@ def _train(tr, job: dict, out_dir: Path) -> dict:
     from transformers import PrinterCallback
 
     from dpft.audit.checks_hf_ddp import record_shares
-    from dpft.fsdp import FSDPStep
+    from dpft.placement.fsdp import FSDPStep
 
     tr.remove_callback(PrinterCallback)
     log: dict = {"batches": {}, "shares": {}, "sharded": tr.sharded, "step": type(tr.dp_step).__name__,

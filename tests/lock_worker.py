@@ -1,5 +1,5 @@
 """Processes that take a run lock for tests/test_run_lock.py (a light module: a spawned
-process imports only this and dpft.run.lock, not the CLI)."""
+process imports only this and dpft.outputs.lock, not the CLI)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import time
 
 from dpft.errors import RunLockError
-from dpft.run.lock import RunLock
+from dpft.outputs.lock import RunLock
 
 
 def _contend(folder: str, barrier, results) -> None:

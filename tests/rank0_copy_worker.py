@@ -1,5 +1,5 @@
 """One rank of tests/test_rank0_copy.py's 2-process check (gloo, spawned): a tiny random GPT-2 with tied
-embeddings sharded by ``dpft.fsdp.shard_model``; what each rank holds after ``materialise(keep=rank 0)``
+embeddings sharded by ``dpft.placement.fsdp.shard_model``; what each rank holds after ``materialise(keep=rank 0)``
 and ``full_on_rank0``, and the ``fsdp=`` resume (``load_full_checkpoint``) from a safetensors checkpoint
 and from a ``pytorch_model.bin`` one (no safetensors: rank 0's plain copy), and a LoRA adapter's. Writes
 ``rank{r}.json`` with the facts the test asserts; rank 0 saves the plain copy with ``save_pretrained``."""
@@ -33,10 +33,10 @@ def entry(rank: int, out: str, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dpft import fsdp
-    from dpft.distributed import World
-    from dpft.integrations.hf_fsdp import load_full_checkpoint
-    from dpft.shards import full_on_rank0
+    from dpft.placement import fsdp
+    from dpft.placement.world import World
+    from dpft.integrations.hf.fsdp import load_full_checkpoint
+    from dpft.placement.shards import full_on_rank0
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,5 +1,5 @@
 """One rank of a DPTrainer run on a model the *caller* sharded with ``fully_shard`` (no ``fsdp=``), stopped
-after its checkpoint and resumed (integrations/hf_fsdp.py ``load_full_into_shards``), for
+after its checkpoint and resumed (integrations/hf/fsdp.py ``load_full_into_shards``), for
 tests/test_resume_sharded.py and tests/test_sft_fsdp.py (not a test file). The trainer, its logging and the
 stop are tests/hf_fsdp_worker.py's (the audit's tiny BERT, AdamW, 4 reproducible logical steps, a checkpoint
 at step 2); the model is sharded here, before ``DPTrainer(...)``: its ``BertLayer`` blocks, then the root, on
@@ -35,7 +35,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
     from transformers import TrainingArguments
 
     from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     args = TrainingArguments(output_dir=str(out_dir), max_steps=4, learning_rate=0.5, lr_scheduler_type="constant",
                              optim="adamw_torch", weight_decay=0.0, per_device_train_batch_size=2, report_to=[],

@@ -33,7 +33,7 @@ def _rows(user_level: bool):
 
 
 def _dp_args(job: dict, user: bool):
-    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.hf.trainer import DPArguments
 
     mech = {"mechanism": "banded_mf", "bands": 2} if job.get("banded") else {}
     return DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=3 if user else 4,
@@ -59,7 +59,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
 
     from dpft.audit.checks_hf_ddp import trl_rows
     from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
-    from dpft.integrations.trl import DPDPOTrainer, DPSFTTrainer
+    from dpft.integrations.trl.trainer import DPDPOTrainer, DPSFTTrainer
 
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok))  # a fixed seed: the same initial weights on every rank

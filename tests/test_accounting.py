@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from dpft.accounting.calibrate import CalibrationError, calibrate_sigma, check_delta, epsilon_for_sigma
 from dpft.accounting.ledger import NotCertifiedError, PrivacyLedger, format_epsilon
-from dpft.cli import app
+from dpft.cli.commands import app
 
 
 def direct(event, delta):

@@ -254,7 +254,7 @@ datasets = pytest.importorskip("datasets")
 def _trainer(tmp_path, model, rows, **kw):
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     dp = kw.pop("dp", {})
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=kw.pop("max_steps", 1), learning_rate=1e-2,

@@ -96,7 +96,7 @@ def test_secure_mode_auditor_with_a_guessed_seed_learns_nothing():
 def test_cli_registers_audit():
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     res = CliRunner().invoke(app, ["audit", "--help"])
     assert res.exit_code == 0 and "--quick" in res.output

@@ -56,7 +56,7 @@ def test_each_planted_bug_fails_its_check(name, target):
 
 
 def test_planted_patches_are_undone():
-    from dpft.integrations import hf
+    from dpft.integrations.hf import trainer as hf
     from dpft.step.sample import UserPoissonSampler
 
     groups, plan = UserPoissonSampler.groups, hf.build_privacy_plan

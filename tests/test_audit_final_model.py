@@ -47,7 +47,7 @@ def data_csv(tmp_path_factory) -> Path:
 
 
 def _recipe(model_dir, csv, **extra):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {"model.name": str(model_dir), "model.max_length": 16, "task.name": "files", "task.train_file": str(csv),
           "batch.expected_batch_size": 64, "batch.max_physical_batch_size": 128, "schedule.steps": 20,
@@ -156,8 +156,8 @@ def test_non_private_run_gives_a_large_bound_and_noise_a_small_one(small_bert, d
 def test_cli_final_model_attaches_to_a_run(small_bert, data_csv, tmp_path):
     from typer.testing import CliRunner
 
-    from dpft.cli import app
-    from dpft.config import dump_recipe
+    from dpft.cli.commands import app
+    from dpft.config.recipe import dump_recipe
     from dpft.run.loop import Trainer
 
     r = _recipe(small_bert, data_csv, **{"privacy.noise_multiplier": 5.0, "schedule.steps": 5,
@@ -241,7 +241,7 @@ def test_dirac_canaries_skip_a_mechanism_they_cannot_score():
 def test_causal_lm_audit_with_two_designs(shared_data, tmp_path):
     import pandas as pd
 
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     words = "the cat sat on a mat and the dog ran to the park with a red ball".split()
     texts = [" ".join(words[(i + j) % len(words)] for j in range(8)) for i in range(120)]
@@ -282,8 +282,8 @@ def test_planted_noise_over_4_fails_the_final_model_audit_at_epsilon_4(small_ber
     from typer.testing import CliRunner
 
     from dpft.audit.estimators import GAUSSIAN_ASSUMPTION
-    from dpft.cli import app
-    from dpft.config import dump_recipe
+    from dpft.cli.commands import app
+    from dpft.config.recipe import dump_recipe
 
     rec = tmp_path / "r.yaml"
     rec.write_text(dump_recipe(_recipe(small_bert, data_csv, **{"privacy.target_epsilon": 4.0})))

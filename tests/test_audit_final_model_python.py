@@ -209,7 +209,7 @@ def bert_and_rows(tmp_path_factory):
 def _dp_trainer_factory(tok, cfg, tmp_path, sigma: float, steps: int, seen: list):
     from transformers import BertForSequenceClassification, DataCollatorWithPadding, TrainingArguments
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(cfg)
@@ -278,8 +278,8 @@ def test_dp_sft_trainer_audit_on_text_rows(tmp_path):
     import transformers
     from trl import SFTConfig
 
-    from dpft.integrations.hf import DPArguments
-    from dpft.integrations.trl import DPSFTTrainer
+    from dpft.integrations.hf.trainer import DPArguments
+    from dpft.integrations.trl.trainer import DPSFTTrainer
 
     tok = _word_tokenizer()
     ds = datasets.Dataset.from_dict({"text": [" ".join(f"t{(i + j) % 40}" for j in range(6)) for i in range(40)]})

@@ -62,7 +62,8 @@ def test_each_planted_bug_fails_its_check(name):
 
 
 def test_planted_patches_are_undone():
-    from dpft.integrations import hf, hf_checks
+    from dpft.integrations.hf import trainer as hf
+    from dpft.integrations.hf import checks as hf_checks
     from dpft.step.guard import ReleaseGuard
 
     saved = (hf.DPTrainer.training_step, hf_checks.loop_overrides, ReleaseGuard._before_step, ReleaseGuard.check_end)

@@ -42,7 +42,7 @@ def test_the_headline_is_steinke_and_the_f_dp_bound_counts_only_for_a_gaussian_m
 
 
 def test_report_and_audit_page_headline_steinke_and_qualify_f_dp():
-    from dpft.report.report import audited_lines
+    from dpft.outputs.report import audited_lines
 
     rec = _record(100.0, gaussian=True)
     summary = fm.audit_summary(rec, same_run=True)

@@ -80,8 +80,8 @@ def test_cli_plant_row_level_user_recipe_fails_and_says_planted(user_recipe, tmp
 
     from typer.testing import CliRunner
 
-    from dpft.cli import app
-    from dpft.config import dump_recipe
+    from dpft.cli.commands import app
+    from dpft.config.recipe import dump_recipe
 
     y = tmp_path / "user.yaml"
     y.write_text(dump_recipe(user_recipe))

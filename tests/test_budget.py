@@ -28,7 +28,7 @@ def test_lr_rule():
 
 
 def test_resolver_rewrites_recipe_and_refuses_non_private():
-    from dpft.config import Recipe
+    from dpft.config.recipe import Recipe
     from dpft.run.auto import resolve_auto
 
     r = Recipe.model_validate({"batch": {"expected_batch_size": "auto"}, "schedule": {"steps": "auto",
@@ -55,8 +55,8 @@ def _timing(**kw):
 
 
 def test_durations_and_the_schedule_field():
-    from dpft.config import Recipe
-    from dpft.config_tune import parse_duration
+    from dpft.config.recipe import Recipe
+    from dpft.config.tune import parse_duration
 
     assert [parse_duration(v) for v in ("90s", "30m", "2h", "1h30m", "1.5h", 45, "45")] == \
         [90.0, 1800.0, 7200.0, 5400.0, 5400.0, 45.0, 45.0]
@@ -103,7 +103,7 @@ def test_choose_for_time_fits_and_minimises_noise():
 
 
 def test_resolve_time_budget_with_a_measured_step():
-    from dpft.config import Recipe, dump_recipe, load_recipe
+    from dpft.config.recipe import Recipe, dump_recipe, load_recipe
     from dpft.run.auto import resolve_auto
 
     r = Recipe.model_validate({"batch": {"expected_batch_size": "auto"}, "schedule": {"time_budget": "10m"},
@@ -137,7 +137,7 @@ def test_resolve_time_budget_with_a_measured_step():
 def test_resume_keeps_the_first_choice(tmp_path, monkeypatch):
     import json
 
-    from dpft.config import Recipe
+    from dpft.config.recipe import Recipe
     from dpft.run import auto, timing
 
     r = Recipe.model_validate({"batch": {"expected_batch_size": "auto"}, "schedule": {"time_budget": "10m"},
@@ -198,7 +198,7 @@ def test_cli_train_time_budget_prints_its_choice_and_runs_it(tiny_model_dir, sst
 
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
     from dpft.run import timing
 
     monkeypatch.setattr(timing, "probe_step_time", lambda r, k, **kw: _timing(
@@ -235,7 +235,7 @@ def test_cli_compute_budget_sets_auto_batch_and_steps_and_refuses_typed_steps(ti
     --steps is refused before any loading, naming the flag to drop."""
     from typer.testing import CliRunner
 
-    from dpft.cli import _compute_budget_choice, app
+    from dpft.cli.commands import _compute_budget_choice, app
 
     ov, origins = {"schedule.steps": 150}, {"schedule.steps": "recipe"}
     _compute_budget_choice(ov, origins, 4000)

@@ -15,8 +15,8 @@ from typing import get_args
 import pytest
 from typer.testing import CliRunner
 
-from dpft.cli import _name_run, app
-from dpft.config import ClippingCfg, RecipeError, load_recipe, recipe_keys, suggest_key
+from dpft.cli.commands import _name_run, app
+from dpft.config.recipe import ClippingCfg, RecipeError, load_recipe, recipe_keys, suggest_key
 from dpft.run.loop import Trainer
 
 
@@ -186,7 +186,7 @@ def _no_loading(monkeypatch):
 
 
 def test_read_only_output_folder_is_refused_before_loading(tmp_path, monkeypatch, sst_like_files):
-    import dpft.cli as cli
+    import dpft.cli.commands as cli
 
     _no_loading(monkeypatch)
     ro = tmp_path / "ro"
@@ -235,7 +235,7 @@ def test_output_folder_and_delta_are_checked_before_the_model_is_loaded(tmp_path
 
 
 def test_default_run_dirs_are_unique_without_a_double_suffix(tmp_path, monkeypatch):
-    from dpft.cli import _default_run_dir
+    from dpft.cli.commands import _default_run_dir
 
     monkeypatch.chdir(tmp_path)
     assert _default_run_dir("notes", False, False) == (Path("runs/notes"), None)
@@ -254,8 +254,8 @@ def test_default_run_dirs_are_unique_without_a_double_suffix(tmp_path, monkeypat
 
 
 def test_report_md_lists_only_files_present(tmp_path):
-    from dpft.report.report import present_files
-    from dpft.run.release import RELEASE_SET
+    from dpft.outputs.report import present_files
+    from dpft.outputs.release import RELEASE_SET
 
     (tmp_path / "model").mkdir()
     (tmp_path / "ledger.json").write_text("{}")
@@ -264,7 +264,7 @@ def test_report_md_lists_only_files_present(tmp_path):
 
 
 def _hf_folder(d: Path, steps: int = 30, target: float = 3.0) -> float:
-    """A DPTrainer output_dir as integrations/hf.py writes it: ledger.json (live) and
+    """A DPTrainer output_dir as integrations/hf/trainer.py writes it: ledger.json (live) and
     dp_state.json (save_model), a checkpoint-K/ with both and trainer_state.json."""
     from dpft.accounting.calibrate import dp_sgd_event
     from dpft.accounting.ledger import PrivacyLedger

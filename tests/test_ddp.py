@@ -29,9 +29,9 @@ from safetensors.torch import load_file
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.privacy.randomness import Randomness
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.run.checkpoint import check_world_size
 from dpft.run.loop import Trainer, TrainingError
 
@@ -111,7 +111,7 @@ def one_then_two(worker, jobs: dict, root: Path) -> tuple[dict, list[dict]]:
 
 # Ranks are started from a fork server that imported dpft once and never ran a parallel torch
 # op (forking pytest itself would inherit its OpenMP thread pool, which deadlocks libgomp).
-multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.report.report", "matplotlib.pyplot",
+multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.outputs.report", "matplotlib.pyplot",
                                         "transformers.models.bert.modeling_bert",
                                         "transformers.models.bert.tokenization_bert"])
 

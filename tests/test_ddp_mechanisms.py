@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
 from dpft.step.correlated import NOISE_STATE_FILE
 

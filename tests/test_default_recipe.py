@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from dpft.cli import app
+from dpft.cli.commands import app
 from dpft.errors import TrainingError
 
 

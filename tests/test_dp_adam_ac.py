@@ -13,7 +13,7 @@ from dpft.privacy.randomness import Randomness
 
 from dpft.accounting.calibrate import dp_sgd_event
 from dpft.accounting.ledger import NotCertifiedError, epsilon_of, pld_accountant
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.data.schedule import ScheduledPoissonSampler
 from dpft.data.text import chunk_blocks
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
@@ -258,7 +258,7 @@ def test_text_task_dp_adam_ac_end_to_end(tmp_path, family):
 
 
 def test_reproduction_flag_is_not_certified(tmp_path):
-    from dpft.report.report import epsilon_line
+    from dpft.outputs.report import epsilon_line
     from dpft.run.loop import Trainer
 
     rec = _recipe(tmp_path, _tiny_lm_dir(tmp_path, "llama"), **{"adam_ac.reproduce_paper": True})

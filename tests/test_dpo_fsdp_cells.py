@@ -8,7 +8,7 @@ test of their own (issue 38 item 1):
   and the 1-process run equal to the ``fsdp=`` one;
 - ``resume_from_checkpoint`` of a DPDPOTrainer the caller sharded (pairs; AdamW stopped after its checkpoint
   at step 2 of 4 on 2 processes, resumed by a new trainer on a freshly sharded policy) against the
-  uninterrupted run and the 1-process ``fsdp=`` run (integrations/hf_fsdp.py ``load_full_into_shards``:
+  uninterrupted run and the 1-process ``fsdp=`` run (integrations/hf/fsdp.py ``load_full_into_shards``:
   rank 0 reads the checkpoint and broadcasts it; a checkpoint it refuses is refused on every rank).
 
 Workers reused: tests/trl_fsdp_worker.py (``user_level``, ``user_sharded``, ``env``) and
@@ -35,7 +35,7 @@ from test_sft_fsdp import ADAMW_ACROSS_WORLDS, _close
 
 pytest.importorskip("trl")
 multiprocessing.set_forkserver_preload(["trl_fsdp_worker", "sft_fsdp_worker", "hf_fsdp_worker", "dpft",
-                                        "dpft.integrations.trl", "torch.distributed.fsdp"])
+                                        "dpft.integrations.trl.trainer", "torch.distributed.fsdp"])
 
 #: Equality jobs: the name of each 2-process run, its job, and the 1-process job it is compared with.
 USER = {"dpo_user": {"dpo": True, "user_level": True},

@@ -25,7 +25,7 @@ def user_pairs(users=USERS, skip=None):
 
 
 def _trainer(tmp_path, rows, name="out", **dpkw):
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok))
@@ -173,7 +173,7 @@ def one_and_two(tmp_path_factory):
 
     if dist.is_initialized():  # pragma: no cover - another test left one
         pytest.skip("a process group is already initialised")
-    multiprocessing.set_forkserver_preload(["dpo_user_worker", "hf_fsdp_worker", "dpft", "dpft.integrations.trl"])
+    multiprocessing.set_forkserver_preload(["dpo_user_worker", "hf_fsdp_worker", "dpft", "dpft.integrations.trl.trainer"])
     root = tmp_path_factory.mktemp("dpo_user")
     one = worker.run_jobs({"jobs": JOBS, "out": str(root / "one")}, 0)
     logs = root / "logs"

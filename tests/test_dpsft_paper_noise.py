@@ -8,7 +8,7 @@ from dpft.accounting.calibrate import epsilon_for_sigma
 
 
 def _recipe(model_dir, files, **extra):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {
         "model.name": str(model_dir), "model.max_length": 16,

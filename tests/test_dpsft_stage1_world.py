@@ -1,5 +1,5 @@
 """DP-SFT stage 1 (``subspace.source: public | private``) in a world of processes (issue 38;
-methods/dpsft_stage1.py): stage 1 is a world run of the driver like any other, the snapshots are the full
+methods/dpsft/stage1.py): stage 1 is a world run of the driver like any other, the snapshots are the full
 trainable parameters (gathered under FSDP2, kept on rank 0), the basis P is built once on rank 0 and
 broadcast, then stage 2 runs as before.
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpft.config import load_recipe
-from dpft.distributed import World
-from dpft.methods.dpsft_stage1 import Snapshots, share_basis
+from dpft.config.recipe import load_recipe
+from dpft.placement.world import World
+from dpft.methods.dpsft.stage1 import Snapshots, share_basis
 from dpft.run.loop import Trainer
 from dpft.transforms.subspace import SubspaceBasis, SubspaceError
 
@@ -70,7 +70,7 @@ def test_share_basis_alone_and_on_a_gloo_group():
 def test_snapshots_keep_full_tensors_on_rank0_only(monkeypatch):
     """In a world, rank 0 keeps the full snapshots (in the parameters' order), another rank none; both
     count the records (they take part in every gather)."""
-    from dpft.methods import dpsft_stage1
+    from dpft.methods.dpsft import stage1 as dpsft_stage1
 
     params = {"w": torch.zeros(4, 2), "b": torch.zeros(4)}
     monkeypatch.setattr(dpsft_stage1, "full_on_rank0", lambda t: {n: t[n].detach() for n in sorted(t)})

@@ -1,4 +1,4 @@
-"""EW-FT / DP-Forward wired into the Trainer (methods/ewft.py) on a tiny BERT."""
+"""EW-FT / DP-Forward wired into the Trainer (methods/ewft/method.py) on a tiny BERT."""
 
 import json
 

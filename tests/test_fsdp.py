@@ -1,4 +1,4 @@
-"""FSDP2 (``perf.sharding: fsdp``, dpft/fsdp.py): 2 CPU processes (gloo), forked from pytest as in
+"""FSDP2 (``perf.sharding: fsdp``, dpft/placement/fsdp.py): 2 CPU processes (gloo), forked from pytest as in
 tests/test_ddp.py (its ``launch_worker`` and tests/ddp_worker.py), against 1 process of the same
 recipe, in reproducible mode:
 
@@ -21,16 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
 
-from dpft.fsdp_state import read_trainable
+from dpft.placement.fsdp_checkpoint import read_trainable
 from test_ddp import files_under, launch_worker  # noqa: E402 (tests/ helpers)
 
 # The ranks' fork server also preloads what a causal-LM run imports (peft is imported to save the model).
-multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.report.report", "matplotlib.pyplot",
+multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.outputs.report", "matplotlib.pyplot",
                                         "transformers.models.bert.modeling_bert",
-                                        "transformers.models.bert.tokenization_bert", "dpft.fsdp", "peft",
+                                        "transformers.models.bert.tokenization_bert", "dpft.placement.fsdp", "peft",
                                         "transformers.models.gpt2.modeling_gpt2",
                                         "transformers.models.llama.modeling_llama"])
 
@@ -108,7 +108,7 @@ def test_fsdp_two_processes_equal_one(lm_dirs, tmp_path, case):
     base = load_file(str(lm_dirs[kind] / "model.safetensors"))  # the steps did update the weights
     assert [n for n in pa if (n in base and not torch.equal(pa[n], base[n])) or ("lora_B" in n and pa[n].any())]
     # Rank 0 alone writes; the saved model (the adapter for LoRA) is the one-process model.
-    # rank 1 writes only its shards of the checkpoint (dpft/fsdp_state.py); rank 0 the rest of the run
+    # rank 1 writes only its shards of the checkpoint (dpft/placement/fsdp_checkpoint.py); rank 0 the rest of the run
     assert all(f == "run" or f.startswith("run/checkpoint_shards") for f in files_under(tmp_path / "two" / "rank1"))
     fn = "adapter_model.safetensors" if "lora" in case else "model.safetensors"
     ma, mb = load_file(str(one / "model" / fn)), load_file(str(two / "model" / fn))
@@ -129,7 +129,7 @@ def test_fsdp_audit_checks_pass_and_catch_planted_bugs():
 
 
 def test_sharded_noise_layout_is_world_size_invariant():
-    from dpft import fsdp
+    from dpft.placement import fsdp
     from dpft.privacy.randomness import Randomness
     from dpft.step.noise import GaussianMechanism
 
@@ -144,8 +144,8 @@ def test_sharded_noise_layout_is_world_size_invariant():
 
 
 def test_sharding_refusals(lm_dirs, tmp_path, monkeypatch):
-    from dpft import distributed as ddp
-    from dpft.fsdp import FSDPError
+    from dpft.placement import world as ddp
+    from dpft.placement.fsdp import FSDPError
     from dpft.privacy.randomness import Randomness
 
     assert load_recipe(None, {}).perf.sharding == "ddp"  # today's recipes: DDP under torchrun
@@ -153,7 +153,7 @@ def test_sharding_refusals(lm_dirs, tmp_path, monkeypatch):
     with pytest.raises(ddp.DistributedError, match="perf.sharding: none"):
         Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"perf.sharding": "none"})), tmp_path / "a")
     monkeypatch.undo()
-    from dpft.fsdp import check_recipe
+    from dpft.placement.fsdp import check_recipe
 
     check_recipe(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2")), 2, [], True, False)  # engine auto: runs
     with pytest.raises(FSDPError, match="privacy.engine"):

@@ -25,7 +25,7 @@ from test_ddp import free_port
 multiprocessing.set_forkserver_preload(["fsdp_api_worker", "dpft", "dpft.api", "torch.distributed.fsdp"])
 
 JOBS = {"example": {}, "truncated": {"max_batch_size": 7}, "user": {"user_level": True}}
-#: DPTrainer on a fully_shard-ed tiny BERT (integrations/hf_fsdp.py), in the same worlds.
+#: DPTrainer on a fully_shard-ed tiny BERT (integrations/hf/fsdp.py), in the same worlds.
 TRAINER_JOBS = {"trainer": {"trainer": "hf"}, "trainer_user": {"trainer": "hf", "user_level": True}}
 #: make_private + banded MF under FSDP2: uninterrupted; stopped after step 2, saved and resumed; saved only
 #: (2 processes; resumed by 1 process in the test).
@@ -157,7 +157,7 @@ def test_make_private_fsdp2_banded_resume_one_process(tmp_path):
     sharded step (the refusal is gone); stopped after step 2, saved (0600) and resumed in fresh objects
     it equals the uninterrupted loop (ledger equal, weights within float tolerance); a second
     load_noise_state of the same state after its releases is refused (stale)."""
-    from dpft.fsdp import ShardedBandedMFMechanism
+    from dpft.placement.fsdp import ShardedBandedMFMechanism
 
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is already initialised")
@@ -192,7 +192,7 @@ def test_make_private_refuses_unsharded_root(monkeypatch):
     from torch.distributed.fsdp import fully_shard
 
     from dpft import PrivacyEngine
-    from dpft import distributed as ddp
+    from dpft.placement import world as ddp
 
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is already initialised")
@@ -233,9 +233,9 @@ def test_trl_trainers_train_an_fsdp2_model_through_the_sharded_step(kind, tmp_pa
 
     from dpft.audit import checks_hf_ddp as hd
     from dpft.audit import checks_trl
-    from dpft.fsdp import FSDPStep
-    from dpft.integrations.hf import DPArguments
-    from dpft.integrations.trl import DPDPOTrainer, DPSFTTrainer
+    from dpft.placement.fsdp import FSDPStep
+    from dpft.integrations.hf.trainer import DPArguments
+    from dpft.integrations.trl.trainer import DPDPOTrainer, DPSFTTrainer
 
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is already initialised")

@@ -1,5 +1,5 @@
-"""DP-SFT stage 2 on a given basis (``subspace.source: file``) under FSDP2 (issue 38; methods/dpsft.py,
-dpft/fsdp_methods.py ``ReplicatedSum``): each rank projects its own examples' full-layer gradients on the
+"""DP-SFT stage 2 on a given basis (``subspace.source: file``) under FSDP2 (issue 38; methods/dpsft/method.py,
+dpft/placement/fsdp_methods.py ``ReplicatedSum``): each rank projects its own examples' full-layer gradients on the
 replicated basis P (s_i = Σ_l P_lᵀ g_{i,l}), clips in R^k, the (k,) clipped sums are all-reduced once per
 logical step and noised once for the world (the same draw on every rank), and each rank writes its own
 rows of P z (``optimizer_space: coords``: every rank steps the same z and writes its rows of Θ_start + P z after
@@ -25,14 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_dpsft_worker as worker  # tests/fsdp_dpsft_worker.py: a make_private loop / a DPTrainer run per rank
-from dpft.config import load_recipe
-from dpft.distributed import World, shard
-from dpft.fsdp_methods import ReplicatedSum
+from dpft.config.recipe import load_recipe
+from dpft.placement.world import World, shard
+from dpft.placement.fsdp_methods import ReplicatedSum
 from dpft.grads.subspace import COORDS, SubspaceEngine
-from dpft.methods import dpsft
-from dpft.methods.dpsft import DPSFT, SubspaceCfg
+from dpft.methods.dpsft import method as dpsft
+from dpft.methods.dpsft.method import DPSFT, SubspaceCfg
 from dpft.run.loop import Trainer
-from dpft.shards import chunk_rows
+from dpft.placement.shards import chunk_rows
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import FlatClip
 from dpft.transforms.subspace import SubspaceBasis
@@ -168,7 +168,7 @@ def test_the_ranks_rows_of_the_unprojection_equal_the_full_update(monkeypatch, w
 def test_nothing_is_refused_under_fsdp2_or_ddp():
     """Every source runs sharded and across processes (issue 38): a given basis (optimizer_space full or
     coords), the paper's noise placement alone, and stage 1 (public/private: a world run of the driver)."""
-    from dpft import distributed as ddp
+    from dpft.placement import world as ddp
 
     for cfg in (SubspaceCfg(source="file", file="b.safetensors"),
                 SubspaceCfg(source="file", file="b.safetensors", optimizer_space="coords"),
@@ -183,7 +183,7 @@ def test_nothing_is_refused_under_fsdp2_or_ddp():
 def test_dpft_train_fsdp_check_accepts_a_basis_file_and_stage1(lm_dirs):  # noqa: F811
     """``perf.sharding: fsdp``'s recipe check (before any loading): DP-SFT on a file and with a stage 1 of
     its own (private or public) pass."""
-    from dpft.fsdp import check_recipe
+    from dpft.placement.fsdp import check_recipe
     from dpft.methods.base import active_methods
 
     for ov in ({"subspace.source": "file", "subspace.k": K, "subspace.file": "/nonexistent/basis.safetensors"},
@@ -249,7 +249,7 @@ def test_dpft_train_dpsft_file_two_processes_equal_one(tiny_model_dir, sst_like_
     ra, rb = (json.loads((d / "report.json").read_text()) for d in (one, two))
     assert ra["privacy"]["epsilon"] == rb["privacy"]["epsilon"]
     _weights_close(one, two, 1e-6)
-    from dpft.fsdp_state import read_trainable
+    from dpft.placement.fsdp_checkpoint import read_trainable
 
     start = SubspaceBasis.load(basis).start
     w, w2 = read_trainable(one), read_trainable(two, tmp_path / "two" / "rank1" / "run")
@@ -363,7 +363,7 @@ def test_dpft_train_dpsft_coords_two_processes_equal_one(tiny_model_dir, sst_lik
     la, lb = (json.loads((d / "ledger.json").read_text()) for d in (one, two))
     assert la == lb and [e["phase"] for e in la["entries"]] == ["subspace", "train"]
     _weights_close(one, two, 1e-6)  # the checkpoint: the k coordinates z
-    from dpft.fsdp_state import read_trainable
+    from dpft.placement.fsdp_checkpoint import read_trainable
 
     assert list(read_trainable(one)) == [COORDS]
     moved = _same_final_model(one, two, SubspaceBasis.load(basis).start, 1e-6)

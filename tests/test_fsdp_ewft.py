@@ -3,10 +3,10 @@
 What EW-FT trains: with a frozen pre(·) (the default) the recipe is ``privacy.enabled: false`` — the
 only mechanism is the noise layer on the forward pass (each example's clipped code + N(0, σ²(2C)²I)),
 and post(·), the decoder and the head get *plain* gradients (post-processing of the released codes),
-so under FSDP2 the step is the non-private FSDP step (dpft/fsdp_plain.py) on the split model, and the
+so under FSDP2 the step is the non-private FSDP step (dpft/placement/fsdp_plain.py) on the split model, and the
 ledger gets one ``PoissonSampled(q, Gaussian(σ_e))`` event per step from the method (as in one process).
 ``ldp.train_pre`` (DP-SGD on pre(·) through the noise, one joint event per step) runs its own sharded step
-(methods/ldp_fsdp.py): the one-process engine on a plain copy of the model all-gathered once per step, the
+(methods/ewft/fsdp.py): the one-process engine on a plain copy of the model all-gathered once per step, the
 clipped sums reduce-scattered, and each rank's slice of the one-process (= DDP) draw of pre(·)'s gradient
 noise; one ``PoissonSampled(q, Gaussian(σ_eff))`` event per step.
 
@@ -42,11 +42,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpft.config import load_recipe
-from dpft.fsdp import check_recipe
+from dpft.config.recipe import load_recipe
+from dpft.placement.fsdp import check_recipe
 from dpft.methods.base import active_methods
-from dpft.methods.ewft import ForwardLDP
-from dpft.methods.ewft_parts import fsdp_world, pre_cache_allowed, rank_parts
+from dpft.methods.ewft.method import ForwardLDP
+from dpft.methods.ewft.parts import fsdp_world, pre_cache_allowed, rank_parts
 from dpft.run.loop import Trainer
 
 from test_ddp import launch_worker  # noqa: E402 (tests/ helpers)
@@ -79,7 +79,7 @@ def _model_files(run) -> dict[str, torch.Tensor]:
 #: The slow cases: the certified frozen pre(·) (with a test file: rank 0 evaluates the materialised copy under
 #: FSDP2), and the NOT CERTIFIED ablation of DP-Forward's flaw (i) (pre(·) trained through the noise by plain
 #: autograd: FSDP2's own reduce-scatter of pre(·)'s gradients too).
-#: ``train_pre``: pre(·) trained by DP-SGD through the noise (methods/ldp_fsdp.py: the engine on a plain copy
+#: ``train_pre``: pre(·) trained by DP-SGD through the noise (methods/ewft/fsdp.py: the engine on a plain copy
 #: gathered each step, clipped sums reduce-scattered, DDP's gradient noise sliced per shard).
 CASES = {"frozen": {}, "repro_flaw_i": {"ldp.reproduce_flaws": ["i"]},
          "train_pre": {"ldp.train_pre.enabled": True, "ldp.train_pre.max_grad_norm": 0.5}}
@@ -179,7 +179,7 @@ def test_fsdp_train_pre_resumes_from_its_sharded_checkpoint(tiny_model_dir, sst_
 # -- fast: every ldp: config runs sharded --------------------------------------------------------------------
 def test_frozen_and_trained_pre_are_accepted(tiny_model_dir, sst_like_files):
     """No ldp: config is refused under FSDP2 any more: a frozen pre(·) and ``ldp.train_pre`` both pass the
-    recipe check (train_pre runs its own sharded step, methods/ldp_fsdp.py)."""
+    recipe check (train_pre runs its own sharded step, methods/ewft/fsdp.py)."""
     for extra in ({}, {"ldp.schedule": "uniform"}, {"ldp.autoencoder.sizes": []}, {"ldp.label_epsilon": 2.0},
                   {"ldp.reproduce_flaws": ["ii"]}, {"ldp.train_pre.enabled": True, "ldp.schedule": "uniform"},
                   {"ldp.train_pre.enabled": True, "ldp.train_pre.engine": "reference"}):
@@ -243,10 +243,10 @@ def test_fsdp_ewft_audit_checks_pass_and_catch_the_planted_bugs():
 
 
 def test_fsdp_train_pre_one_process_equals_unsharded(tiny_model_dir, sst_like_files, tmp_path):
-    """``ldp.train_pre`` with ``perf.sharding: fsdp`` in one process runs methods/ldp_fsdp.py's step (picked by
-    dpft/fsdp_plain.py ``make_step`` from the engine's ``fsdp_step``); nothing is sharded, so it is the
+    """``ldp.train_pre`` with ``perf.sharding: fsdp`` in one process runs methods/ewft/fsdp.py's step (picked by
+    dpft/placement/fsdp_plain.py ``make_step`` from the engine's ``fsdp_step``); nothing is sharded, so it is the
     one-process run draw for draw: the same ledger and weights as ``perf.sharding: none``, and pre(·) trained."""
-    from dpft.methods.ldp_fsdp import TrainPreFSDPStep
+    from dpft.methods.ewft.fsdp import TrainPreFSDPStep
 
     base = ldp_overrides(tiny_model_dir, sst_like_files, **{"ldp.train_pre.enabled": True, "schedule.epochs": 1,
                                                              "ldp.train_pre.max_grad_norm": 0.5})
@@ -268,10 +268,10 @@ def test_fsdp_train_pre_one_process_equals_unsharded(tiny_model_dir, sst_like_fi
 
 
 def test_fsdp_plain_make_step_picks_the_engines_own_step():
-    """dpft/fsdp_plain.py ``make_step``: the engine's ``fsdp_step`` when set (whatever ``plan.private``); a
+    """dpft/placement/fsdp_plain.py ``make_step``: the engine's ``fsdp_step`` when set (whatever ``plan.private``); a
     non-private plan with a mechanism and no such step is refused (naming the fix), never run without noise."""
-    from dpft import fsdp_plain
-    from dpft.fsdp import FSDPError
+    from dpft.placement import fsdp_plain
+    from dpft.placement.fsdp import FSDPError
 
     seen = []
     eng = SimpleNamespace(fsdp_step=lambda spec, ledger, n, world, on_release: seen.append((spec, n)) or "own")

@@ -1,9 +1,9 @@
-"""Banded MF and truncated Poisson under FSDP2 (``perf.sharding: fsdp``, dpft/fsdp.py; issue 38 item 3):
+"""Banded MF and truncated Poisson under FSDP2 (``perf.sharding: fsdp``, dpft/placement/fsdp.py; issue 38 item 3):
 2 CPU processes (gloo) against 1 process of the same reproducible recipe — the same ledger (the
 mechanism's own events: banded PoissonSampled/NoOp, ``TruncatedSubsampledGaussianDpEvent``), the same
 trainable weights within float tolerance — and, in one process, the sharded noise of each mechanism is
 the same whatever the number of ranks (each shard's slice of the block layout; banded MF's buffers
-hold the shard's slice of the one-process buffers). ``--resume`` (dpft/fsdp_state.py): per-rank
+hold the shard's slice of the one-process buffers). ``--resume`` (dpft/placement/fsdp_checkpoint.py): per-rank
 ``torch.distributed.checkpoint`` shards of weights, optimizer state and the secret banded buffers
 (0700 folder, 0600 files, outside ``checkpoint/``), resumed on the same and on another number of
 processes (2 save → 1 resumes) equal to the uninterrupted run; old gathered checkpoints still read."""
@@ -14,8 +14,8 @@ import json
 
 import pytest
 import torch
-from dpft.config import load_recipe
-from dpft.fsdp_state import SECRET_SHARDS_DIR, SHARDS_DIR, read_trainable
+from dpft.config.recipe import load_recipe
+from dpft.placement.fsdp_checkpoint import SECRET_SHARDS_DIR, SHARDS_DIR, read_trainable
 from dpft.run.loop import Trainer
 
 from test_ddp import launch_worker  # noqa: E402 (tests/ helpers)
@@ -200,13 +200,13 @@ def test_fsdp_dcp_resume_one_process_equals_uninterrupted(lm_dirs, tmp_path, mon
 
 
 def _tiny_sharded_trainer(run_dir, seed: int):
-    """What dpft/fsdp_state.py reads of a driver (run/loop.Trainer), over a tiny MLP in one process:
+    """What dpft/placement/fsdp_checkpoint.py reads of a driver (run/loop.Trainer), over a tiny MLP in one process:
     AdamW after two noisy banded-MF steps (b = 3: two buffers), the mechanism as FSDPStep shards it."""
     from types import SimpleNamespace
 
-    from dpft import fsdp
+    from dpft.placement import fsdp
     from dpft.accounting.ledger import PrivacyLedger
-    from dpft.distributed import World
+    from dpft.placement.world import World
     from dpft.privacy.randomness import Randomness
     from dpft.step.correlated import BandedMFMechanism, banded_coefficients
 
@@ -234,14 +234,14 @@ def _tiny_steps(tr, steps) -> None:
 
 
 def test_fsdp_state_dcp_round_trip_fast(tmp_path):
-    """Fast (one process, a tiny MLP): dpft/fsdp_state.py's per-rank checkpoint — weights and AdamW
+    """Fast (one process, a tiny MLP): dpft/placement/fsdp_checkpoint.py's per-rank checkpoint — weights and AdamW
     state through DCP (``checkpoint/`` names the shard folder; its safetensors is empty), the banded
     buffers in the secret folder (0700, files 0600) — loads into a fresh model, optimizer and mechanism
     (``local_buffers``), and the next steps equal the uninterrupted ones; ``read_trainable`` reads the
     weights back; an old gathered checkpoint still loads."""
     import os
 
-    from dpft import fsdp_state
+    from dpft.placement import fsdp_checkpoint as fsdp_state
     from dpft.run import checkpoint as ckpt
     from dpft.step.correlated import NOISE_STATE_FILE, load_noise_state
 
@@ -286,7 +286,7 @@ def test_fsdp_state_dcp_round_trip_fast(tmp_path):
 
 def _sharded_noise(mech_factory, shapes, k, steps):
     """The noise the K simulated shards of each tensor add over ``steps`` steps, reassembled."""
-    from dpft import fsdp
+    from dpft.placement import fsdp
 
     out = []
     mechs = []

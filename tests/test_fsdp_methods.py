@@ -1,4 +1,4 @@
-"""Method plug-ins under FSDP2 (issue 38; dpft/fsdp_methods.py): RMT denoising (the noisy gradient's
+"""Method plug-ins under FSDP2 (issue 38; dpft/placement/fsdp_methods.py): RMT denoising (the noisy gradient's
 row shards gathered per matrix, denoised identically on every rank, this rank's rows kept) and
 DP-Adam-AC (adaptive clipping from the world's all-reduced counts, its σ_Δ mechanism sharded,
 DPAdam with AdamBC and γ over the shards, the EMA gathered for rank 0's save) through ``dpft
@@ -13,15 +13,15 @@ import json
 import pytest
 import torch
 
-from dpft.config import load_recipe
-from dpft.fsdp import FSDPError, check_recipe
-from dpft.fsdp_methods import WholeTensors, method_refusals, refusal_message
+from dpft.config.recipe import load_recipe
+from dpft.placement.fsdp import FSDPError, check_recipe
+from dpft.placement.fsdp_methods import WholeTensors, method_refusals, refusal_message
 from dpft.methods.base import active_methods
 from dpft.run.loop import Trainer
 
 from test_ddp import launch_worker  # noqa: E402 (tests/ helpers)
 from test_fsdp import fsdp_recipe, lm_dirs  # noqa: F401 (module fixture)
-from dpft.fsdp_state import read_trainable
+from dpft.placement.fsdp_checkpoint import read_trainable
 
 RMT = {"denoise.method": "rmt", "denoise.kappa": 1.0, "denoise.min_dim": 1}
 ADAM_AC = {"adam_ac.adaptive_clip": True, "adam_ac.bias_correction": True, "adam_ac.gamma_nudge": True,
@@ -117,7 +117,7 @@ def test_python_ways_in_refuse_with_the_methods_reason():
     """DPTrainer's refusal (specs validated first) accepts RMT, adaptive clipping and DP-SFT on a given basis;
     the Python ways in refuse RMT's diagnostics and the paper's rule earlier (python_refusal)."""
     from dpft.errors import PlanError
-    from dpft.integrations.hf_fsdp import refuse_sharded_methods
+    from dpft.integrations.hf.fsdp import refuse_sharded_methods
     from dpft.methods.python import python_methods
 
     refuse_sharded_methods("DPTrainer", [{"name": "rmt", "method": "rmt"}])  # runs sharded
@@ -138,7 +138,7 @@ def test_whole_tensors_on_simulated_ranks_equal_the_whole_transform(k):
     denoising its own rows) does not."""
     from types import SimpleNamespace
 
-    from dpft.distributed import World
+    from dpft.placement.world import World
     from dpft.step.postprocess import rmt_transform
 
     g = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
 """Method plug-ins with ``make_private`` and ``DPTrainer`` on an FSDP2 (``fully_shard``) model (issue 38;
-dpft/fsdp_methods.py): RMT denoising (the noisy gradient's row shards gathered per matrix, denoised on
+dpft/placement/fsdp_methods.py): RMT denoising (the noisy gradient's row shards gathered per matrix, denoised on
 every rank, this rank's rows kept) and DP-Adam-AC's adaptive clipping (the noisy count from the world's
 all-reduced counts and the shared key; its σ_Δ mechanism sharded). 2 CPU processes (gloo) against 1
 process (a 1-process gloo group, the same sharded step): the same ledger and ε, the same released

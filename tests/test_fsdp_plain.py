@@ -1,4 +1,4 @@
-"""Non-private runs under FSDP2 (``dpft train --no-dp`` with ``perf.sharding: fsdp``, dpft/fsdp_plain.py;
+"""Non-private runs under FSDP2 (``dpft train --no-dp`` with ``perf.sharding: fsdp``, dpft/placement/fsdp_plain.py;
 issue 38 item 3): plain FSDP2 training — autograd and FSDP2's own reduce-scatter of the gradient, × K for
 the world's sum, divided by the expected batch size as one process does — the baseline a DP run is
 compared with at the same sharding. 2 CPU processes (gloo; tests/ddp_worker.py) against 1 process of the
@@ -15,15 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dpft.config import load_recipe
-from dpft.fsdp_state import read_trainable
+from dpft.config.recipe import load_recipe
+from dpft.placement.fsdp_checkpoint import read_trainable
 from dpft.run.loop import Trainer
 
 from test_ddp import launch_worker  # noqa: E402 (tests/ helpers)
 from test_fsdp import fsdp_recipe, lm_dirs  # noqa: F401 (the tiny GPT-2 / Llama fixture)
 
-multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.report.report", "matplotlib.pyplot",
-                                        "dpft.fsdp", "peft", "transformers.models.gpt2.modeling_gpt2",
+multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.outputs.report", "matplotlib.pyplot",
+                                        "dpft.placement.fsdp", "peft", "transformers.models.gpt2.modeling_gpt2",
                                         "transformers.models.llama.modeling_llama"])
 
 CASES = {"gpt2-tied-full": ("gpt2", {}),
@@ -70,7 +70,7 @@ def test_non_private_fsdp_two_processes_equal_one(lm_dirs, tmp_path, case):  # n
 
 def test_non_private_fsdp_is_no_longer_refused(lm_dirs):  # noqa: F811
     """check_recipe lets a non-private run through (another engine is irrelevant there: no clipping)."""
-    from dpft.fsdp import check_recipe
+    from dpft.placement.fsdp import check_recipe
 
     r = load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"privacy.enabled": False}))
     check_recipe(r, 2, [], False, False)
@@ -79,9 +79,9 @@ def test_non_private_fsdp_is_no_longer_refused(lm_dirs):  # noqa: F811
 def test_plain_step_refuses_a_private_spec():
     from types import SimpleNamespace
 
-    from dpft import distributed as ddp
-    from dpft.fsdp import FSDPError
-    from dpft.fsdp_plain import PlainFSDPStep
+    from dpft.placement import world as ddp
+    from dpft.placement.fsdp import FSDPError
+    from dpft.placement.fsdp_plain import PlainFSDPStep
 
     with pytest.raises(FSDPError, match="non-private step"):
         PlainFSDPStep(SimpleNamespace(mechanism=object()), None, 4, ddp.World(0, 1), lambda: {})

@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-from dpft import distributed as ddp  # noqa: E402
+from dpft.placement import world as ddp  # noqa: E402
 from dpft.accounting.ledger import PrivacyLedger  # noqa: E402
 from dpft.audit import checks_hf_ddp as hd  # noqa: E402
 
@@ -240,7 +240,7 @@ def test_shard_units_keeps_users_whole():
 def test_user_level_settings_are_checked(tmp_path):
     from transformers import TrainingArguments
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     with pytest.raises(ValueError, match="user_clipping"):
         DPArguments(target_delta=1e-3, expected_batch_size=2, noise_multiplier=1.0, user_column="u",

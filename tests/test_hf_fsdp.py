@@ -1,5 +1,5 @@
-"""DPTrainer under ``TrainingArguments.fsdp`` and accelerate's FSDP2 plugin (integrations/hf_fsdp.py,
-issue 38): DPTrainer shards the model itself with ``dpft.fsdp.shard_model`` and hands ``Trainer`` the
+"""DPTrainer under ``TrainingArguments.fsdp`` and accelerate's FSDP2 plugin (integrations/hf/fsdp.py,
+issue 38): DPTrainer shards the model itself with ``dpft.placement.fsdp.shard_model`` and hands ``Trainer`` the
 arguments with ``fsdp`` cleared, so accelerate never wraps the model, and the step is dpft's FSDPStep.
 
 2 CPU processes (gloo) against 1 process (no process group: nothing sharded, the same sharded step and
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import hf_fsdp_worker as worker  # tests/hf_fsdp_worker.py: the run each rank makes
 from test_ddp import free_port
 
-multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrations.hf", "torch.distributed.fsdp"])
+multiprocessing.set_forkserver_preload(["hf_fsdp_worker", "dpft", "dpft.integrations.hf.trainer", "torch.distributed.fsdp"])
 
 JOBS = {"args": {"save": True, "eval": True}, "env": {"env": True},
         "truncated": {"max_batch_size": 5, "fsdp_config": {"reshard_after_forward": False}},
@@ -208,7 +208,7 @@ def test_dptrainer_fsdp_banded_resume_one_process(tmp_path):
 
 # -- refusals: fast, before any model is touched -----------------------------------------------------------
 def _dp(**kw):
-    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.hf.trainer import DPArguments
 
     return DPArguments(**{"target_delta": 1e-3, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
                           "expected_batch_size": 4, **kw})
@@ -230,8 +230,8 @@ class _Untouchable(torch.nn.Module):
 
 
 def test_fsdp_settings_map_what_dpft_shards_with(tmp_path, monkeypatch):
-    """fsdp_config / accelerate's environment → dpft.fsdp.shard_model's arguments (fast: nothing built)."""
-    from dpft.integrations.hf_fsdp import fsdp_settings
+    """fsdp_config / accelerate's environment → dpft.placement.fsdp.shard_model's arguments (fast: nothing built)."""
+    from dpft.integrations.hf.fsdp import fsdp_settings
 
     got = fsdp_settings(_args(tmp_path, fsdp=True, bf16=True, fsdp_config={
         "fsdp_version": 2, "transformer_layer_cls_to_wrap": "BertLayer", "reshard_after_forward": False,
@@ -254,8 +254,8 @@ def test_dptrainer_fsdp_activation_checkpointing_maps_to_gradient_checkpointing(
     """fsdp_config['activation_checkpointing'] becomes Hugging Face's gradient checkpointing (which the
     book-keeping engine runs); one process: the sharded step on the plain model."""
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.fsdp import FSDPStep
-    from dpft.integrations.hf import DPTrainer
+    from dpft.placement.fsdp import FSDPStep
+    from dpft.integrations.hf.trainer import DPTrainer
 
     args = _args(tmp_path, fsdp=True, label_names=["labels"],
                  fsdp_config={"fsdp_version": 2, "activation_checkpointing": True})
@@ -273,7 +273,7 @@ def test_dptrainer_fsdp_activation_checkpointing_maps_to_gradient_checkpointing(
      r"auto_wrap_policy SIZE_BASED_WRAP has no equivalent.*TRANSFORMER_BASED_WRAP"),
 ])
 def test_dptrainer_refuses_fsdp_options_that_change_the_step(tmp_path, fsdp, config, match):
-    from dpft.integrations.hf import DPTrainer
+    from dpft.integrations.hf.trainer import DPTrainer
 
     args = _args(tmp_path, fsdp=fsdp, fsdp_config=config)
     with pytest.raises(ValueError, match=r"DPTrainer: TrainingArguments.fsdp: " + match):
@@ -281,7 +281,7 @@ def test_dptrainer_refuses_fsdp_options_that_change_the_step(tmp_path, fsdp, con
 
 
 def test_dptrainer_refuses_accelerate_fsdp1_env_and_offload(tmp_path, monkeypatch):
-    from dpft.integrations.hf import DPTrainer
+    from dpft.integrations.hf.trainer import DPTrainer
 
     args = _args(tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch --use_fsdp, fsdp_version unset: FSDP1
@@ -299,7 +299,7 @@ def test_dptrainer_fsdp_refuses_unknown_block_class_and_a_presharded_model(tmp_p
     from torch.distributed.fsdp import fully_shard
 
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.integrations.hf import DPTrainer
+    from dpft.integrations.hf.trainer import DPTrainer
 
     args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": "Nope"})
     with pytest.raises(ValueError, match=r"transformer_layer_cls_to_wrap names \['Nope'\].*BertLayer"):
@@ -314,7 +314,7 @@ def test_dptrainer_fsdp_refuses_unknown_block_class_and_a_presharded_model(tmp_p
         with pytest.raises(ValueError, match=r"already sharded with fully_shard"):
             DPTrainer(model=model, args=args, train_dataset=hd.make_rows(6), dp_args=_dp())
         # a model the caller sharded, with banded MF: no longer refused; the step's sharded mechanism releases
-        from dpft.fsdp import ShardedBandedMFMechanism
+        from dpft.placement.fsdp import ShardedBandedMFMechanism
 
         tr = DPTrainer(model=model, args=_args(tmp_path), train_dataset=hd.make_rows(16), data_collator=hd.pad_collate,
                        dp_args=_dp(mechanism="banded_mf", bands=2))
@@ -329,8 +329,8 @@ def test_dptrainer_fsdp_banded_mf_releases_through_the_sharded_mechanism(tmp_pat
     (the one that releases, whose rng each training loop renews and whose buffers the checkpoint
     gathers), not the plan's unsharded one."""
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.fsdp import ShardedBandedMFMechanism
-    from dpft.integrations.hf import DPTrainer
+    from dpft.placement.fsdp import ShardedBandedMFMechanism
+    from dpft.integrations.hf.trainer import DPTrainer
 
     args = _args(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 2})
     tr = DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(16),
@@ -349,8 +349,8 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path, monkeypatch):
     from torch.distributed.fsdp import fully_shard
 
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.integrations.hf import DPTrainer
-    from dpft.methods.dpsft import DPSFT
+    from dpft.integrations.hf.trainer import DPTrainer
+    from dpft.methods.dpsft.method import DPSFT
 
     monkeypatch.setattr(DPSFT, "sharded_refusal", classmethod(lambda cls, cfg: "a stand-in reason"))
 
@@ -395,8 +395,8 @@ def test_hf_fsdp_audit_checks_pass_and_catch_planted_bugs():
 def test_parameters_added_after_sharding_are_refused():
     """TRL's peft_config wraps the model inside SFTTrainer.__init__, after DPTrainer sharded it: the new
     (plain) trainable parameters would never be reduced over the ranks, so a sharded world refuses them."""
-    from dpft import distributed as ddp
-    from dpft.integrations.hf_fsdp import check_still_sharded
+    from dpft.placement import world as ddp
+    from dpft.integrations.hf.fsdp import check_still_sharded
 
     model = torch.nn.Linear(3, 2)
     check_still_sharded(model, True, ddp.World(0, 1), "DPSFTTrainer")  # one process: nothing to reduce

@@ -1,4 +1,4 @@
-"""dpft.integrations.hf: DPTrainer (a transformers.Trainer) and DPArguments."""
+"""dpft.integrations.hf.trainer: DPTrainer (a transformers.Trainer) and DPArguments."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ datasets = pytest.importorskip("datasets")
 
 from transformers import TrainingArguments, default_data_collator  # noqa: E402
 
-from dpft.integrations.hf import DPArguments, DPTrainer, hf_per_example_loss  # noqa: E402
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer, hf_per_example_loss  # noqa: E402
 
 
 def targs(out, **kw) -> TrainingArguments:

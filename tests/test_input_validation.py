@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from dpft.config import TaskCfg, load_recipe
+from dpft.config.recipe import TaskCfg, load_recipe
 from dpft.data.tasks import DataError, load_task
 
 
@@ -261,7 +261,7 @@ def _sft(private: dict, public: dict):
 
 
 def test_public_subspace_on_the_private_task_is_refused(sst_like_files, tmp_path, monkeypatch):
-    from dpft.methods.dpsft import check_public_source
+    from dpft.methods.dpsft.method import check_public_source
     from dpft.transforms.subspace import SubspaceError
 
     csv, tsv = sst_like_files["csv"], sst_like_files["tsv"]
@@ -384,7 +384,7 @@ def test_user_level_instruct_note_names_the_user_as_the_privacy_unit(tmp_path):
     from transformers import AutoTokenizer
 
     from dpft.data.instruct import load_instruct_task
-    from dpft.report.lm import render_extra
+    from dpft.outputs.report_lm import render_extra
 
     model = SHARED_DATA / "models" / "stories260K"
     if not model.is_dir():

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpft.config import TaskCfg, load_recipe
+from dpft.config.recipe import TaskCfg, load_recipe
 from dpft.data.instruct import IGNORE, encode, group_references, load_instruct_task, read_conversations, render
 from dpft.data.tasks import DataError
 from dpft.data.tokenize import collate
@@ -388,7 +388,7 @@ def test_cli_no_dp_run_of_an_instruct_recipe(tmp_path, monkeypatch):
     """``dpft train … --no-dp`` (the CLI looked for a forward-LDP run on the Trainer and crashed)."""
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     monkeypatch.chdir(ROOT)
     res = CliRunner().invoke(app, [

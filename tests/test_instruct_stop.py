@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpft.config import TaskCfg
+from dpft.config.recipe import TaskCfg
 from dpft.data.instruct import load_instruct_task
 from dpft.data.stop import (check_prepared_rows, identical_generations, learned_stop_ids, set_generation_stop)
 from dpft.data.tasks import DataError
@@ -139,7 +139,7 @@ def test_predict_warns_when_every_generation_is_the_same(tmp_path, capsys):
 def test_cli_summary_of_an_instruct_run_gives_exact_match_and_rouge_l(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     monkeypatch.chdir(ROOT)
     res = CliRunner().invoke(app, [

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from dpft.accounting.calibrate import dp_sgd_event
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.cli import app
+from dpft.cli.commands import app
 
 
 def _interrupted(d, with_checkpoint=True):
@@ -73,6 +73,6 @@ def test_resume_of_a_finished_run_is_refused_before_loading_and_rewrites_nothing
     assert {p.name: p.stat().st_mtime_ns for p in d.rglob("*")} == before
     # the same folder stopped at its last step but before its report: --resume still writes them
     (d / "report.json").unlink()
-    from dpft.run.rundir import check_output_dir
+    from dpft.outputs.rundir import check_output_dir
 
     check_output_dir(d, resume=True)

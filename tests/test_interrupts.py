@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.cli import app
+from dpft.cli.commands import app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ SLOW_DPFT = textwrap.dedent("""
         time.sleep(delay)
         return inner(self, i)
     loop.Trainer.step = step
-    from dpft.cli import app
+    from dpft.cli.commands import app
     sys.argv = ["dpft", *sys.argv[2:]]
     app(prog_name="dpft")
 """)
@@ -161,7 +161,7 @@ def test_overspend_after_resume_from_an_earlier_checkpoint_is_in_the_headline(ti
 def test_second_signal_abandons_a_step_before_its_release(tiny_model_dir, sst_like_files, tmp_path):
     """In-process: a second SIGINT inside a step, before its release, abandons it (no release,
     no update); the checkpoint is at the step before."""
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
     from dpft.run.loop import Trainer, TrainingInterrupted
 
     rec = load_recipe(None, {"model.name": str(tiny_model_dir), "model.max_length": 16, "task.name": "files",

@@ -4,7 +4,7 @@ integer labels (SST-5: 'negative' became 0)."""
 
 from pathlib import Path
 
-from dpft.config import Recipe, TaskCfg
+from dpft.config.recipe import Recipe, TaskCfg
 from dpft.data.tasks import load_task
 
 NAMES = ["very negative", "negative", "neutral", "positive", "very positive"]  # not sorted

@@ -64,7 +64,7 @@ def test_label_randomized_response_counts_labels_out_of_range():
 
 def test_cli_refuses_an_unknown_dev_label_without_printing_it(tmp_path, monkeypatch):
     import dpft.models.build as build
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     def boom(*a, **k):
         raise AssertionError("the model was loaded before the label check")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from dpft.config import TaskCfg
+from dpft.config.recipe import TaskCfg
 from dpft.data.tasks import DataError, load_task
 
 
@@ -25,7 +25,7 @@ def _sentence(i: int) -> str:
 def test_swapped_text_and_label_columns_refused_in_one_short_line_before_loading(tmp_path, monkeypatch):
     """Old: the error listed the whole "label set" (thousands of training sentences, 659 KB)."""
     import dpft.models.build as build
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     tr = _csv(tmp_path / "train.csv", [f"{_sentence(i)},{i % 2}" for i in range(300)])
     dv = _csv(tmp_path / "dev.csv", [f"{_sentence(1000 + i)},{i % 2}" for i in range(40)])

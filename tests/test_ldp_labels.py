@@ -1,5 +1,5 @@
 """Label privacy by K-ary randomized response (privacy/label_rr.py) and its wiring into the
-forward-LDP Trainer run and report (methods/ewft.py)."""
+forward-LDP Trainer run and report (methods/ewft/method.py)."""
 
 import math
 

@@ -9,7 +9,7 @@ import torch
 from conftest import ldp_recipe, tiny_classifier
 from dpft.privacy.randomness import Randomness
 from dpft.accounting.calibrate import epsilon_for_sigma
-from dpft.methods.ewft import REPRO_FLAWS, dp_forward_code_sigma
+from dpft.methods.ewft.method import REPRO_FLAWS, dp_forward_code_sigma
 from dpft.privacy.ldp import GaussianLDP, LDPError, SplitClassifier
 from dpft.run.loop import Trainer
 

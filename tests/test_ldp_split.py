@@ -14,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load as st_load
 
-from dpft.config import load_recipe
-from dpft.methods.ldp_split import LDPClient, make_server, read_token
+from dpft.config.recipe import load_recipe
+from dpft.methods.ewft.split import LDPClient, make_server, read_token
 from dpft.privacy.ldp import LDPError, clip_frobenius
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _split(tiny_model_dir, sst_like_files, tmp_path, ldp_extra, subprocess_serve
             srv.shutdown()
         return client, rep, srv_dir, None
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dpft.cli", "ldp-server", str(path), "--port", "0", "-o", str(srv_dir)],
+    proc = subprocess.Popen([sys.executable, "-m", "dpft.cli.commands", "ldp-server", str(path), "--port", "0", "-o", str(srv_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -176,7 +176,7 @@ def test_split_deployment_example_level_epsilon(tiny_model_dir, sst_like_files, 
 def test_split_sends_only_randomized_labels(tiny_model_dir, sst_like_files, tmp_path):
     """label_epsilon = 0.1: every label that crosses the wire is the client's recorded RR output
     (checked on the client's bodies and on the server's sha256 log); dev labels never leave."""
-    from dpft.methods.ldp_split import tensor_digest
+    from dpft.methods.ewft.split import tensor_digest
     from dpft.privacy.label_rr import example_epsilon_with_label, randomized_response
 
     client, rep, srv_dir, _ = _split(tiny_model_dir, sst_like_files, tmp_path,
@@ -254,7 +254,7 @@ def test_server_token_limits_order_and_generic_errors(tiny_model_dir, tmp_path):
     {"error", "reason"} with no exception text — and every request in wire.jsonl."""
     from starlette.testclient import TestClient
 
-    from dpft.methods.ldp_split import LDPServerState, build_app
+    from dpft.methods.ewft.split import LDPServerState, build_app
 
     state = LDPServerState(_recipe(tiny_model_dir), tmp_path / "s")
     finished = []
@@ -396,7 +396,7 @@ def test_client_refuses_nonfinite_encoder_from_a_malicious_server(tiny_model_dir
 
 
 def test_client_encoder_checks_and_sha256_pin(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.methods.ldp_split import encoder_digest
+    from dpft.methods.ewft.split import encoder_digest
 
     client = _client(tiny_model_dir, sst_like_files, tmp_path)
     own = {k: v.clone() for k, v in client.layer.autoencoder.encoder.state_dict().items()}

@@ -1,5 +1,5 @@
 """Issue 29: ``ldp.train_pre`` — pre(·) of EW-FT / DP-Forward trained by DP-SGD through the noise
-layer; both releases of a step one ledger event, σ's calibrated jointly (methods/ldp_train_pre.py)."""
+layer; both releases of a step one ledger event, σ's calibrated jointly (methods/ewft/train_pre.py)."""
 
 import dp_accounting as dpa
 import pytest
@@ -8,7 +8,7 @@ import torch
 from conftest import ldp_recipe
 from dpft.accounting.ledger import epsilon_of
 from dpft.audit.checks_ewft import PLANTED, check_event, check_noise, ewft_checks, planted_bug
-from dpft.methods.ldp_train_pre import PHASE_TRAIN_PRE, calibrate, effective_sigma, split_sigmas
+from dpft.methods.ewft.train_pre import PHASE_TRAIN_PRE, calibrate, effective_sigma, split_sigmas
 from dpft.privacy.ldp import LDPError
 from dpft.run.loop import Trainer
 

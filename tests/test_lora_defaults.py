@@ -13,7 +13,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from dpft.config import TrainableCfg  # noqa: E402
+from dpft.config.recipe import TrainableCfg  # noqa: E402
 from dpft.models.arch import ModelError  # noqa: E402
 from dpft.models.load import select_trainable  # noqa: E402
 from dpft.models.lora_targets import default_lora_targets  # noqa: E402

@@ -176,7 +176,7 @@ def test_banded_run_resumes_from_its_secret_noise_state(tiny_model_dir, sst_like
     buffers live in an owner-only file outside the release set; without it resume refuses."""
     from dpft.run.errors import TrainingError
     from dpft.run.loop import Trainer
-    from dpft.run.release import RELEASE_SET
+    from dpft.outputs.release import RELEASE_SET
 
     kw = {"privacy.mechanism": "banded_mf", "privacy.bands": 3, "privacy.noise_multiplier": 1.0,
           "privacy.reproducible": True, "schedule.steps": 6, "checkpoint_every": 3, "eval.every_steps": 6,

@@ -201,7 +201,7 @@ datasets = pytest.importorskip("datasets")
 from transformers import TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
 from conftest import tiny_classifier  # noqa: E402
-from dpft.integrations.hf import DPArguments, DPTrainer  # noqa: E402
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer  # noqa: E402
 
 
 def _rows(n=40, t=6):

@@ -34,7 +34,7 @@ def test_parameter_counts_equal_the_models_built_from_the_configs(shape):
 
 
 def test_lora_count_equals_peft():
-    from dpft.config import TrainableCfg
+    from dpft.config.recipe import TrainableCfg
     from dpft.models.load import count_parameters, select_trainable
 
     shape, _ = mp.CHECK_SHAPES["8B/16 width, 2 blocks, V 8016, T 256"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 
 
 def _ov(model_dir, files, **extra) -> dict:
@@ -48,7 +48,7 @@ def test_builtin_methods_are_placed_on_cuda(tiny_model_dir, sst_like_files, monk
     """With CUDA (faked), ``perf.device: cuda`` and ``auto`` both give cuda:0 for every
     built-in method: none is refused and none falls back to the CPU."""
     from dpft.methods.base import active_methods, registered
-    from dpft.perf import build_placement
+    from dpft.placement.device import build_placement
 
     assert all(c.supports_device for c in registered().values() if c.__module__.startswith("dpft."))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -79,7 +79,7 @@ def test_tensors_follow_the_model_device_on_meta():
     model / inputs it is given, never on the default (CPU) device."""
     from dpft.grads.contrib import Outer
     from dpft.grads.subspace import COORDS, SubspaceEngine, project_contribution
-    from dpft.methods.dpsft import Snapshots
+    from dpft.methods.dpsft.method import Snapshots
     from dpft.optim.dp_adam import DPAdam, WeightEMA
     from dpft.privacy.ldp import GaussianLDP, StackedAutoencoder
     from dpft.selection.scoring import random_perturbation
@@ -163,7 +163,7 @@ def test_methods_run_with_an_explicit_device(name, extra, tiny_model_dir, sst_li
 
 
 def test_refusals_across_processes_name_the_mechanism(tiny_model_dir, sst_like_files, monkeypatch):
-    from dpft import distributed as ddp
+    from dpft.placement import world as ddp
     from dpft.methods.base import active_methods
     from dpft.methods.selft import DDP_REFUSAL, SelFTCfg, run_selft
 
@@ -181,7 +181,7 @@ def test_refusals_across_processes_name_the_mechanism(tiny_model_dir, sst_like_f
 
 
 def test_ldp_noise_streams_name_the_rank_only_across_processes():
-    from dpft.methods.ewft import rank_parts
+    from dpft.methods.ewft.method import rank_parts
 
     class R:
         rank, world_size = 1, 2

@@ -131,7 +131,7 @@ def test_adaptive_clip_ledger_equals_plain_dp_sgd_and_calibrates_on_it():
     ({"name": "dpsft", "source": "file", "file": "x.safetensors", "optimizer_space": "coords"}, "'full'"),
 ])
 def test_what_needs_the_driver_refuses_with_the_reason_and_the_fix(cfg, words):
-    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.hf.trainer import DPArguments
 
     with pytest.raises(PlanError, match="cannot run here") as e1:
         _make_private_loop([cfg])
@@ -198,7 +198,7 @@ def test_make_private_dpsft_file_basis_runs_in_the_subspace_and_composes_its_led
 def test_make_private_dpsft_equals_the_engine_that_runs_its_own_forward(tmp_path):
     """The live projection (the user's forward/backward) gives the coordinates the subspace engine
     computes with its own forward: one micro-batch, same rows."""
-    from dpft.methods.dpsft import LiveSubspace
+    from dpft.methods.dpsft.method import LiveSubspace
     from dpft.grads.live import LiveBookKeeping
     from dpft.grads.subspace import COORDS, SubspaceEngine
     from dpft.step.clip import FlatClip
@@ -229,7 +229,7 @@ def test_dptrainer_dpsft_file_basis_and_paper_noise(tmp_path):
     import datasets
     from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(
@@ -268,7 +268,7 @@ def test_dptrainer_refuses_resume_with_adaptive_clip(tmp_path):
     import datasets
     from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1,
                                                      num_attention_heads=2, intermediate_size=16,
@@ -289,8 +289,8 @@ def test_dptrainer_card_names_the_methods_and_their_released_settings(tmp_path):
     import datasets
     from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
-    from dpft.integrations.hf_card import trainer_report, write_trainer_card
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+    from dpft.integrations.hf.card import trainer_report, write_trainer_card
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1,
@@ -343,8 +343,8 @@ def test_dpsfttrainer_runs_adaptive_clipping(tmp_path):
     pytest.importorskip("trl")
     from test_trl import prompt_completion, sft_args, tiny_llama, tiny_tokenizer
 
-    from dpft.integrations.hf import DPArguments
-    from dpft.integrations.trl import DPSFTTrainer
+    from dpft.integrations.hf.trainer import DPArguments
+    from dpft.integrations.trl.trainer import DPSFTTrainer
 
     tok = tiny_tokenizer()
     dp = DPArguments(noise_multiplier=1.0, target_delta=1e-2, max_grad_norm=1.0, expected_batch_size=4,

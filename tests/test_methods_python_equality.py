@@ -74,7 +74,7 @@ def bert_dir(tmp_path_factory):
 
 
 def _cli(bert_dir, csv, run_dir, rng, kind):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
     from dpft.run.loop import Trainer
 
     ov = {"model.name": str(bert_dir), "model.max_length": 16, "task.name": "files", "task.train_file": str(csv),
@@ -159,7 +159,7 @@ def test_method_dptrainer_equals_dpft_train(kind, bert_dir, sst_like_files, tmp_
     from transformers import BertForSequenceClassification, TrainingArguments
 
     from dpft.data.tokenize import collate
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     import datasets
 

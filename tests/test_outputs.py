@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import files_recipe
-from dpft.cli import app
-from dpft.config import load_recipe
+from dpft.cli.commands import app
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
 
 
@@ -228,7 +228,7 @@ def test_test_file_errors_name_the_fix(tiny_model_dir, labelled_files, tmp_path)
 
 
 def test_push_uploads_only_the_release_set(tiny_model_dir, labelled_files, tmp_path):
-    from dpft.run.hub import push
+    from dpft.outputs.hub import push
 
     rec = tiny_recipe(tiny_model_dir, labelled_files, **{"log.private_diagnostics": True,
                                                          "eval.save_predictions": True})
@@ -253,7 +253,7 @@ def test_push_uploads_only_the_release_set(tiny_model_dir, labelled_files, tmp_p
     assert {"dpft_run/report.json", "dpft_run/ledger.json", "dpft_run/report.md"} <= set(files)
     assert not any("private_diagnostics" in f or "dev_predictions" in f or f.startswith("checkpoint") for f in files)
     assert "differential privacy" in seen["card"]
-    with mock.patch("dpft.run.hub.push", return_value="u") as p:  # the CLI passes private unless --public
+    with mock.patch("dpft.outputs.hub.push", return_value="u") as p:  # the CLI passes private unless --public
         res = CliRunner().invoke(app, ["push", str(run), "me/x", "--public"])
     assert res.exit_code == 0 and p.call_args.kwargs["private"] is False
 

@@ -58,7 +58,7 @@ def test_files_pairing_and_errors(tmp_path):
 
 
 def test_trainer_writes_dev_predictions(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
     from dpft.run.loop import Trainer
 
     rec = load_recipe(None, {"model.name": str(tiny_model_dir), "model.max_length": 16, "task.name": "files",

@@ -27,7 +27,7 @@ from test_grads_bookkeeping import assert_same, batch_for, build  # noqa: E402
 
 from dpft.grads.bookkeeping import BookKeepingEngine  # noqa: E402
 from dpft.grads.reference import ReferenceEngine  # noqa: E402
-from dpft.perf import DeviceError, Precision, enable_activation_checkpointing, resolve_device  # noqa: E402
+from dpft.placement.device import DeviceError, Precision, enable_activation_checkpointing, resolve_device  # noqa: E402
 from dpft.step.clip import make_clip_policy  # noqa: E402
 from dpft.step.clip import ClipPolicy  # noqa: E402
 
@@ -85,7 +85,7 @@ def test_cuda_index_beyond_count_names_the_visible_devices(monkeypatch):
 def test_cli_device_cuda_without_cuda_fails_cleanly(tiny_model_dir, sst_like_files, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = CliRunner().invoke(app, ["train", "--model", str(tiny_model_dir), "--train-file",
@@ -101,7 +101,7 @@ def test_cli_device_cuda_without_cuda_fails_cleanly(tiny_model_dir, sst_like_fil
 
 
 def test_recipe_perf_section_and_alias():
-    from dpft.config import Recipe, RecipeError, load_recipe
+    from dpft.config.recipe import Recipe, RecipeError, load_recipe
 
     r = Recipe()
     assert (r.perf.device, r.perf.dtype, r.perf.activation_checkpointing, r.perf.compile) == ("auto", "fp32", False, False)
@@ -400,7 +400,7 @@ def test_dptrainer_bf16_and_checkpointing_match_fp32(tmp_path):
     from test_hf_trainer import random_rows, targs
 
     from conftest import tiny_classifier
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
     from transformers import default_data_collator
 
     def run(name, **kw):
@@ -431,8 +431,8 @@ def test_dptrainer_refuses_fp16_and_checkpointing_with_reference(tmp_path):
     from test_hf_trainer import random_rows, targs
 
     from conftest import tiny_classifier
-    from dpft.integrations.hf import DPArguments, DPTrainer
-    from dpft.integrations.hf_checks import check_training_arguments
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+    from dpft.integrations.hf.checks import check_training_arguments
     from transformers import default_data_collator
 
     with pytest.raises(ValueError, match="dynamic GradScaler"):

@@ -148,7 +148,7 @@ def test_dptrainer_refuses_reordered_rows_on_banded_resume(tmp_path):
     import datasets
     from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 64, (40, 6), generator=g)
@@ -281,7 +281,7 @@ def test_rmt_through_make_private_and_dptrainer_and_refusals():
         run([{"name": "rmt"}])
     with pytest.raises(ValueError, match="NOT CERTIFIED"):
         run([{"name": "rmt", "method": "rmt", "diagnostics": True}])
-    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.hf.trainer import DPArguments
 
     with pytest.raises(ValueError, match="build their own steps"):
         DPArguments(target_epsilon=1.0, target_delta=1e-3, expected_batch_size=4, mechanism="banded_mf",
@@ -299,7 +299,7 @@ def test_dptrainer_lora_card_states_the_guarantee(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 64, (32, 6), generator=g)
@@ -369,7 +369,7 @@ def _hf_rows(n=40):
 def _hf_trainer(out, max_steps, callbacks=None, save_steps=None, **dp):
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     args = TrainingArguments(output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
                              use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=max_steps,
@@ -410,7 +410,7 @@ def test_dptrainer_resume_after_a_crash_ends_within_the_target(tmp_path, capsys)
 
 def test_dptrainer_output_dir_is_owned_by_one_process(tmp_path):
     from dpft.errors import TrainingError
-    from dpft.run.lock import RunLock
+    from dpft.outputs.lock import RunLock
 
     out = tmp_path / "out"
     held = RunLock.for_dir(out).acquire()  # another run (here: another open file description) holds it

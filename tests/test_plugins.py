@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dpft
-from dpft.config import _Strict, load_recipe
+from dpft.config.recipe import _Strict, load_recipe
 from dpft.methods.base import Method, MethodError, register_method
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dpft"
@@ -147,7 +147,7 @@ def test_a_two_phase_toy_method_runs_both_phases_on_one_ledger(tiny_model_dir, s
 
 def test_ddp_support_is_declared_by_each_method():
     from dpft.methods.base import registered
-    from dpft import distributed as ddp
+    from dpft.placement import world as ddp
 
     reg = registered()
     assert {n for n, c in reg.items() if c.supports_ddp} == {"rmt", "dp_adam_ac", "ewft", "dpsft"}
@@ -170,9 +170,9 @@ def test_ddp_support_is_declared_by_each_method():
 
 
 def test_the_model_card_asks_the_methods_for_their_lines():
-    """The card (run/card.py) names no method: a forward-pass LDP run's mechanism row and usage
+    """The card (outputs/card.py) names no method: a forward-pass LDP run's mechanism row and usage
     come from the method's ``card_mechanism``/``card_usage``."""
-    from dpft.run.card import _from_methods, _mechanism_rows
+    from dpft.outputs.card import _from_methods, _mechanism_rows
 
     plain = {"dp": {"private": False}, "privacy": {}}
     assert _mechanism_rows(plain) == ["| mechanism | none (no clipping, no noise) |"]
@@ -183,7 +183,7 @@ def test_the_model_card_asks_the_methods_for_their_lines():
 
 
 def test_unknown_method_and_duplicates_are_clear_errors(tiny_model_dir, sst_like_files):
-    from dpft.config import RecipeError
+    from dpft.config.recipe import RecipeError
 
     with pytest.raises(RecipeError, match="did you mean 'toy_scale'"):
         _recipe(tiny_model_dir, sst_like_files, methods=[{"name": "toy_scal"}])
@@ -201,16 +201,16 @@ def test_unknown_method_and_duplicates_are_clear_errors(tiny_model_dir, sst_like
 
 def test_the_schema_imports_no_method_and_the_registry_installs_its_hook():
     """Issue 34 item 5: config.py validates ``methods:`` through the hook the registry installs
-    (``dpft.config.set_methods_schema``), never by importing ``dpft.methods``; a recipe loaded through
-    ``dpft.config`` alone (a fresh interpreter) still gets the registry's clear error."""
+    (``dpft.config.recipe.set_methods_schema``), never by importing ``dpft.methods``; a recipe loaded through
+    ``dpft.config.recipe`` alone (a fresh interpreter) still gets the registry's clear error."""
     mods = {".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
             for p in SRC.rglob("*.py")}
-    for f in ("config.py", "config_base.py", "config_tune.py"):
-        name = "dpft." + f.removesuffix(".py")
+    for f in ("config/recipe.py", "config/base.py", "config/tune.py", "config/__init__.py"):
+        name = "dpft." + f.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
         deps = _imports(SRC / f, mods, name)
         assert not {d for d in deps if d.startswith("dpft.methods")}, f"{f} imports {deps}"
     code = ("import sys\n"
-            "from dpft.config import RecipeError, load_recipe\n"
+            "from dpft.config.recipe import RecipeError, load_recipe\n"
             "assert 'dpft.methods.base' not in sys.modules\n"
             "try:\n"
             "    load_recipe(None, {'methods': [{'name': 'rmx'}]})\n"
@@ -229,7 +229,7 @@ def test_the_schema_imports_no_method_and_the_registry_installs_its_hook():
 
 def test_the_schema_asks_the_installed_registry():
     """Another registry installed through the hook is the one the schema asks."""
-    from dpft import config
+    from dpft.config import recipe as config
 
     old = config.methods_schema()
     seen = []
@@ -343,7 +343,7 @@ def test_the_cli_loads_no_model_library():
     heavy = ["transformers", "datasets", "peft", "safetensors", "huggingface_hub", "matplotlib", "trl",
              "bitsandbytes", "accelerate"]
     code = ("import sys\nimport dpft\nassert len([m for m in sys.modules if m.startswith('dpft')]) == 1\n"
-            "import dpft.cli\nprint(sorted({m.split('.')[0] for m in sys.modules}))")
+            "import dpft.cli.commands\nprint(sorted({m.split('.')[0] for m in sys.modules}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "PYTHONPATH": str(SRC.parent)})
     assert out.returncode == 0, out.stderr

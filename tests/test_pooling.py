@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from dpft.config import TrainableCfg
+from dpft.config.recipe import TrainableCfg
 from dpft.grads.bookkeeping import BookKeepingEngine
 from dpft.grads.reference import ReferenceEngine
 from dpft.models.load import MeanPoolClassifier, load_classifier, select_trainable
@@ -120,7 +120,7 @@ def test_head_body_clipping_budgets_and_sensitivity():
 
 
 def test_head_body_clipping_in_the_trainer_marks_the_head(tiny_model_dir, sst_like_files, tmp_path):
-    from dpft.config import Recipe
+    from dpft.config.recipe import Recipe
     from dpft.run.loop import Trainer
 
     r = Recipe.model_validate({

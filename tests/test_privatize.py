@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
-from dpft.integrations.hf import DPArguments, DPTrainer
-from dpft.integrations.privatize import privatize_trainer
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+from dpft.integrations.hf.privatize import privatize_trainer
 
 
 def _bart():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpft.config import RecipeError, load_recipe
+from dpft.config.recipe import RecipeError, load_recipe
 from dpft.models import quant
 
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def test_dpft_train_runs_qlora_end_to_end_on_the_cpu(tiny_dir, tmp_path, monkeyp
     from typer.testing import CliRunner
 
     from dpft.accounting.ledger import PrivacyLedger
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     loaded = []
     orig = transformers.AutoModelForCausalLM.from_pretrained
@@ -91,7 +91,7 @@ def test_dpft_train_runs_qlora_end_to_end_on_the_cpu(tiny_dir, tmp_path, monkeyp
 def test_quantization_with_another_trainable_mode_is_refused_before_loading(tiny_dir, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     def never(*a, **kw):
         raise AssertionError("the model was loaded before the refusal")

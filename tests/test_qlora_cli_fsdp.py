@@ -14,15 +14,15 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import ProcessException
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
 
 import ddp_worker  # noqa: E402 (tests/ helpers)
-from dpft.fsdp_state import read_trainable
+from dpft.placement.fsdp_checkpoint import read_trainable
 from test_ddp import files_under, free_port  # noqa: E402
 
-multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.report.report", "matplotlib.pyplot",
-                                        "dpft.fsdp", "peft", "bitsandbytes", "transformers.models.llama.modeling_llama"])
+multiprocessing.set_forkserver_preload(["ddp_worker", "dpft.run.loop", "dpft.outputs.report", "matplotlib.pyplot",
+                                        "dpft.placement.fsdp", "peft", "bitsandbytes", "transformers.models.llama.modeling_llama"])
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install 'dpft[quant]')")
@@ -62,7 +62,7 @@ def recipe(dirs, **extra) -> dict:
 def sharded_entry(i: int, cfg: dict, port: int) -> None:
     """tests/ddp_worker.py's rank ``i``, and after ``fully_shard`` a record of every NF4 layer's weight
     (a DTensor? its local and global shapes, dtype) and of this rank's parameter bytes."""
-    from dpft import fsdp
+    from dpft.placement import fsdp
 
     real = fsdp.shard_model
 
@@ -128,7 +128,7 @@ def test_qlora_fsdp_two_processes_equal_one(dirs, tmp_path):
     for n in pa:
         torch.testing.assert_close(pb[n], pa[n], rtol=1e-5, atol=1e-6)
     assert all("lora_" in n for n in pa) and any("lora_B" in n and pa[n].any() for n in pa)  # the adapters trained
-    # rank 1 writes only its shards of the checkpoint (dpft/fsdp_state.py); rank 0 the rest of the run
+    # rank 1 writes only its shards of the checkpoint (dpft/placement/fsdp_checkpoint.py); rank 0 the rest of the run
     assert all(f == "run" or f.startswith("run/checkpoint_shards") for f in files_under(tmp_path / "two" / "rank1"))
 
 

@@ -1,5 +1,5 @@
-"""After FSDP2 training only rank 0 holds the full model (dpft/fsdp.py ``materialise(keep=...)``,
-dpft/shards.py ``full_on_rank0``, integrations/hf_fsdp.py ``load_full_checkpoint``):
+"""After FSDP2 training only rank 0 holds the full model (dpft/placement/fsdp.py ``materialise(keep=...)``,
+dpft/placement/shards.py ``full_on_rank0``, integrations/hf/fsdp.py ``load_full_checkpoint``):
 
 - one process (a 1-rank gloo group, so the parameters are real ``DTensor`` shards): the kept copy equals the
   weights, keeps the tied head, holds no ``DTensor``; ``keep=False`` hands back the sharded model itself;
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpft import fsdp
-from dpft.distributed import World
-from dpft.shards import full_on_rank0
+from dpft.placement import fsdp
+from dpft.placement.world import World
+from dpft.placement.shards import full_on_rank0
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dpft.cli import app
+from dpft.cli.commands import app
 
 def _finished_run(d: Path) -> Path:
     (d / "model").mkdir(parents=True)

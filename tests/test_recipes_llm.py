@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -45,7 +45,7 @@ def before_loading(r, world_size: int) -> None:
         check_user_level(r, [])
     _recipe_mechanism(r, True, [])
     if r.perf.sharding == "fsdp":
-        from dpft.fsdp import check_recipe
+        from dpft.placement.fsdp import check_recipe
 
         check_recipe(r, world_size, [], True, False)
 

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import Seq2SeqTrainer, Trainer, TrainingArguments, default_data_collator
 
 from dpft import PrivacyEngine
-from dpft.integrations.hf import DPArguments, DPTrainer
-from dpft.integrations.hf_checks import LOOP_METHODS, loop_overrides
-from dpft.integrations.privatize import privatize_trainer
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+from dpft.integrations.hf.checks import LOOP_METHODS, loop_overrides
+from dpft.integrations.hf.privatize import privatize_trainer
 from dpft.step.guard import ReleaseGuard, UpdateWithoutReleaseError, weights_digest
 
 
@@ -59,7 +59,7 @@ def test_stock_and_trl_style_trainers_pass_the_loop_check():
     assert loop_overrides(privatize_trainer(Seq2SeqTrainer)) == []
     trl = pytest.importorskip("trl")  # SFTTrainer's own training_step is shadowed by DPTrainer's
     del trl
-    from dpft.integrations.trl import DPSFTTrainer
+    from dpft.integrations.trl.trainer import DPSFTTrainer
 
     assert loop_overrides(DPSFTTrainer) == []
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from dpft.config import TaskCfg
-from dpft.report.lm import render_extra
-from dpft.report.report import NOT_FOR_RELEASE, dev_is_public, withhold_private_dev_texts
+from dpft.config.recipe import TaskCfg
+from dpft.outputs.report_lm import render_extra
+from dpft.outputs.report import NOT_FOR_RELEASE, dev_is_public, withhold_private_dev_texts
 from test_trust import _recipe
 
 

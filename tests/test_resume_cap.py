@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from dpft.accounting.cap import pld_epsilon, resume_cap
 from dpft.accounting.ledger import PrivacyLedger
 from conftest import files_recipe
-from dpft.cli import app
+from dpft.cli.commands import app
 
 
 def _ev(q=0.2, sigma=1.0):

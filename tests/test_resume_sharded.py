@@ -1,6 +1,6 @@
 """``resume_from_checkpoint`` on a model the caller sharded with ``fully_shard`` (no ``fsdp=``; issue 38
 item 3): DPTrainer has no plain copy of such a model, so the checkpoint's full tensors go straight into
-the shards (integrations/hf_fsdp.py ``load_full_into_shards``: ``model.safetensors``, or a PEFT adapter's
+the shards (integrations/hf/fsdp.py ``load_full_into_shards``: ``model.safetensors``, or a PEFT adapter's
 ``adapter_model.safetensors`` with PEFT's own key renaming) and the optimizer's full state as under
 ``fsdp=`` (``set_optimizer_state_dict(full_state_dict=True)``).
 
@@ -29,7 +29,7 @@ from test_ddp import free_port
 from test_hf_fsdp import ADAMW_ACROSS_WORLDS, _close
 
 multiprocessing.set_forkserver_preload(["resume_sharded_worker", "hf_fsdp_worker", "sft_fsdp_worker", "dpft",
-                                        "dpft.integrations.hf", "torch.distributed.fsdp"])
+                                        "dpft.integrations.hf.trainer", "torch.distributed.fsdp"])
 
 JOBS = {"full": {}, "lora": {"lora": True}, "banded": {"banded": True}}
 

@@ -48,7 +48,7 @@ def test_spike_report_x_and_thresholds():
 
 
 def _recipe(model_dir, files, **extra):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {"model.name": str(model_dir), "model.max_length": 16, "task.name": "files",
           "task.train_file": str(files["csv"]), "batch.expected_batch_size": 16, "batch.max_physical_batch_size": 16,

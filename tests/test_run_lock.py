@@ -1,4 +1,4 @@
-"""One process owns a run folder (issue 36 item 1): run/lock.py across real processes, and
+"""One process owns a run folder (issue 36 item 1): outputs/lock.py across real processes, and
 ``dpft train`` refusing a folder another process is writing, before anything is loaded."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dpft.errors import RunLockError
-from dpft.run.lock import LOCK_NAME, RunLock, is_locked, read_holder
+from dpft.outputs.lock import LOCK_NAME, RunLock, is_locked, read_holder
 from lock_worker import _contend, _hold, _hold_then_hang
 
 _CTX = mp.get_context("spawn")  # a clean interpreter per process, as two `dpft train` would be
@@ -82,7 +82,7 @@ def test_lock_for_a_state_file_and_reentry_in_one_process(tmp_path):
 
 def test_dpft_train_refuses_a_folder_another_process_writes_before_loading(tmp_path, monkeypatch, sst_like_files):
     import dpft.data.tasks as tasks
-    from dpft.cli import app
+    from dpft.cli.commands import app
     import dpft.models.build as build
 
     def boom(*a, **k):
@@ -108,7 +108,7 @@ def test_dpft_train_refuses_a_folder_another_process_writes_before_loading(tmp_p
         p.join(timeout=60)
     # the folder's own run, once the holder is gone: the default run-folder choice skips a locked one
     monkeypatch.chdir(tmp_path)
-    from dpft.cli import _default_run_dir
+    from dpft.cli.commands import _default_run_dir
 
     (tmp_path / "runs" / "x").mkdir(parents=True)
     with RunLock.for_dir(tmp_path / "runs" / "x"):

@@ -7,7 +7,7 @@ import torch
 
 from dpft.privacy.randomness import Randomness
 
-from dpft.config import RecipeError, load_recipe
+from dpft.config.recipe import RecipeError, load_recipe
 from dpft.step.sample import PoissonSampler
 from dpft.data.tasks import DataError, load_task
 from dpft.data.tokenize import collate
@@ -62,7 +62,7 @@ def test_recipe_overrides_and_demo_recipe():
 
 @pytest.mark.parametrize("ext", ["csv", "tsv", "jsonl", "parquet"])
 def test_local_files_load_with_columns(sst_like_files, ext):
-    from dpft.config import TaskCfg
+    from dpft.config.recipe import TaskCfg
 
     d = load_task(TaskCfg(name="files", train_file=str(sst_like_files[ext])), seed=0)
     assert len(d.train) + len(d.dev) == 60 and d.num_labels == 2
@@ -70,7 +70,7 @@ def test_local_files_load_with_columns(sst_like_files, ext):
 
 
 def test_data_errors_name_the_fix(sst_like_files, tmp_path):
-    from dpft.config import TaskCfg
+    from dpft.config.recipe import TaskCfg
 
     f = str(sst_like_files["csv"])
     with pytest.raises(DataError, match="no text column 'sentence'.*--text-column"):
@@ -92,7 +92,7 @@ def test_data_errors_name_the_fix(sst_like_files, tmp_path):
 
 
 def test_sst2_offline_from_shared_data(shared_data, monkeypatch):
-    from dpft.config import TaskCfg
+    from dpft.config.recipe import TaskCfg
 
     monkeypatch.setenv("DPFT_DATA_DIR", str(shared_data))
     d = load_task(TaskCfg(name="sst2"))

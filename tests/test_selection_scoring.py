@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import random_batch, tiny_classifier
-from dpft.config import TrainableCfg
+from dpft.config.recipe import TrainableCfg
 from dpft.models.load import ModelError, select_trainable
 from dpft.models.units import attention_units, lora_targets_in_units, resolve_units, unit_map
 from dpft.selection.scoring import (ScoreCache, ScoreSettings, mean_loss, noise_scale, rank_units,

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.methods.selft import SelFTCfg, run_selft, select_units
 from dpft.models.units import resolve_units
 
@@ -85,7 +85,7 @@ def test_selft_attention_selector_and_errors(tiny_model_dir, sst_like_files, tmp
 def test_cli_selft(tiny_model_dir, sst_like_files, tmp_path):
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     cands = tmp_path / "c.txt"
     cands.write_text("\n".join(CANDS))

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpft.config import TaskCfg, load_recipe
+from dpft.config.recipe import TaskCfg, load_recipe
 from dpft.data.seq2seq import encode_pairs, load_seq2seq_task
 from dpft.data.tasks import DataError
 from dpft.data.tokenize import collate

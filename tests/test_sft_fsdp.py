@@ -25,7 +25,7 @@ import sft_fsdp_worker as worker  # tests/sft_fsdp_worker.py: the run each rank 
 from test_ddp import free_port
 
 pytest.importorskip("trl")
-multiprocessing.set_forkserver_preload(["sft_fsdp_worker", "hf_fsdp_worker", "dpft", "dpft.integrations.trl",
+multiprocessing.set_forkserver_preload(["sft_fsdp_worker", "hf_fsdp_worker", "dpft", "dpft.integrations.trl.trainer",
                                         "torch.distributed.fsdp"])
 
 JOBS = {"sft": {}, "sft_user": {"user_level": True},
@@ -171,7 +171,7 @@ def test_resume_of_a_model_the_caller_sharded_equals_the_uninterrupted_run(tmp_p
     import resume_sharded_worker  # tests/resume_sharded_worker.py
 
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.integrations.hf_fsdp import load_full_into_shards
+    from dpft.integrations.hf.fsdp import load_full_into_shards
 
     if dist.is_initialized():  # pragma: no cover - another test left one
         pytest.skip("a process group is already initialised")
@@ -207,7 +207,7 @@ def test_dpsfttrainer_user_level_in_one_process_counts_users(tmp_path):
     from trl import SFTConfig
 
     from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
-    from dpft.integrations.trl import DPSFTTrainer
+    from dpft.integrations.trl.trainer import DPSFTTrainer
 
     tok = tiny_tokenizer()
     args = SFTConfig(output_dir=str(tmp_path), max_steps=2, learning_rate=0.5, optim="sgd", report_to=[], use_cpu=True,

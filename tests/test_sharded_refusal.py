@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 
 from test_ddp import free_port
 
@@ -62,7 +62,7 @@ def test_make_private_takes_fsdp2_root_and_refuses_a_sharded_submodule_only(gloo
         call(_sharded(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), "0"))
     # a method that cannot run sharded is refused with its reason (RMT and DP-SFT on a given basis run:
     # tests/test_fsdp_methods_api.py, tests/test_fsdp_dpsft.py; a refusal stood in for the plumbing)
-    from dpft.methods.dpsft import DPSFT
+    from dpft.methods.dpsft.method import DPSFT
 
     monkeypatch.setattr(DPSFT, "sharded_refusal", classmethod(lambda cls, cfg: "a stand-in reason"))
     with pytest.raises(ValueError, match=r"make_private: with an FSDP2-sharded model, method 'dpsft': a stand-in"):
@@ -95,7 +95,7 @@ def _hf_args(tmp_path, **kw):
 
 
 def _dp():
-    from dpft.integrations.hf import DPArguments
+    from dpft.integrations.hf.trainer import DPArguments
 
     return DPArguments(target_delta=1e-3, expected_batch_size=2, noise_multiplier=1.0)
 
@@ -103,7 +103,7 @@ def _dp():
 def test_dptrainer_refuses_a_sharded_submodule_only_and_takes_a_sharded_root(gloo_group, tmp_path):
     pytest.importorskip("transformers")
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.integrations.hf import DPTrainer
+    from dpft.integrations.hf.trainer import DPTrainer
 
     model = hd.tiny_model()
     _sharded(model, "bert.encoder")
@@ -113,7 +113,7 @@ def test_dptrainer_refuses_a_sharded_submodule_only_and_takes_a_sharded_root(glo
                   data_collator=hd.pad_collate, dp_args=_dp())
     tr = DPTrainer(model=_sharded(hd.tiny_model()), args=_hf_args(tmp_path), train_dataset=hd.make_rows(6),
                    data_collator=hd.pad_collate, dp_args=_dp())
-    from dpft.fsdp import FSDPStep
+    from dpft.placement.fsdp import FSDPStep
 
     assert tr.sharded and isinstance(tr.dp_step, FSDPStep)
 
@@ -124,7 +124,7 @@ def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_pa
     from trl import SFTConfig, SFTTrainer
 
     from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
-    from dpft.integrations.trl import DPSFTTrainer
+    from dpft.integrations.trl.trainer import DPSFTTrainer
 
     def boom(*a, **k):
         raise AssertionError("SFTTrainer.__init__ ran before the refusal")
@@ -143,7 +143,7 @@ def test_dptrainer_refuses_fsdp1_arguments_fsdp1_plugin_and_deepspeed(tmp_path, 
     (flat parameters) and DeepSpeed stay refused, naming the fix."""
     pytest.importorskip("transformers")
     from dpft.audit import checks_hf_ddp as hd
-    from dpft.integrations.hf import DPTrainer
+    from dpft.integrations.hf.trainer import DPTrainer
 
     def build(args):
         return DPTrainer(model=hd.tiny_model(), args=args, train_dataset=hd.make_rows(6),

@@ -138,7 +138,7 @@ def test_basis_must_span_the_trainable_parameters():
 
 
 def _recipe(model_dir, files, **extra):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {
         "model.name": str(model_dir), "model.max_length": 16,

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from dpft.cli import app
-from dpft.config import load_recipe
+from dpft.cli.commands import app
+from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer, TrainingError
 
 

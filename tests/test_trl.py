@@ -1,4 +1,4 @@
-"""dpft.integrations.trl: DPSFTTrainer (TRL's SFTTrainer with DPTrainer's DP step).
+"""dpft.integrations.trl.trainer: DPSFTTrainer (TRL's SFTTrainer with DPTrainer's DP step).
 
 Tiny random-initialised Llama models and a word-level tokenizer with a ChatML template, built
 in-process; the integration test runs the docs' example on stories260K and E2E."""
@@ -26,8 +26,8 @@ pytest.importorskip("trl")
 from trl import SFTConfig  # noqa: E402
 
 from dpft.api import PackedBatchError  # noqa: E402
-from dpft.integrations.hf import DPArguments  # noqa: E402
-from dpft.integrations.trl import DPSFTTrainer, sft_per_example_loss  # noqa: E402
+from dpft.integrations.hf.trainer import DPArguments  # noqa: E402
+from dpft.integrations.trl.trainer import DPSFTTrainer, sft_per_example_loss  # noqa: E402
 
 WORDS = ("my router phone is slow will not turn on restart it charge the and then try again thanks what if "
          "that does help bring to a shop you are support agent answer briefly sorry hear").split()
@@ -313,7 +313,7 @@ def test_dpo_clipped_update_equals_per_pair_reference(tmp_path, loss_type):
     and rejected sequences clipped as one unit; one ledger event."""
     import torch.nn.functional as F
 
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok))
@@ -358,7 +358,7 @@ def test_dpo_clipped_update_equals_per_pair_reference(tmp_path, loss_type):
     (dict(use_weighting=True), "use_weighting=False"),
 ])
 def test_dpo_refusals(tmp_path, kw, match):
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     with pytest.raises(ValueError, match=match):
         DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out", **kw), train_dataset=preference_rows(),
@@ -368,7 +368,7 @@ def test_dpo_refusals(tmp_path, kw, match):
 def test_dpo_user_level_counts_users(tmp_path):
     """User level is built (tests/test_dpo_user.py: leave-one-user-out, ledger, k): N and q count
     users, not pairs; a user column missing from the pairs is refused naming the fix."""
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     rows = preference_rows().add_column("user", ["a", "a", "b", "c"])
     tr = DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out"), train_dataset=rows,
@@ -382,8 +382,8 @@ def test_dpo_user_level_counts_users(tmp_path):
 def test_dpo_micro_batches_hold_this_ranks_pairs_only(tmp_path):
     """Under DDP each rank clips only its share of the sampled pairs (every rank clipping all of
     them would count each pair K times against noise for one)."""
-    from dpft import distributed as ddp
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.placement import world as ddp
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     tr = DPDPOTrainer(model=tiny_llama(40), args=dpo_args(tmp_path / "out"), train_dataset=preference_rows(),
                       processing_class=tiny_tokenizer(), dp_args=dp())
@@ -429,7 +429,7 @@ def test_trl_audit_checks_pass_and_catch_the_planted_bug():
     assert not bad.passed and "one pair moves the release by more than C" in bad.message
     # undone afterwards
     from dpft.grads import bookkeeping
-    from dpft.integrations import trl as dtrl
+    from dpft.integrations.trl import trainer as dtrl
 
     assert dtrl.check_sft_config.__name__ == "check_sft_config" and dtrl.pair_rows.__name__ == "pair_rows"
     assert bookkeeping.check_example_support.__name__ == "check_example_support"

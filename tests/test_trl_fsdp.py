@@ -1,7 +1,7 @@
 """DPDPOTrainer and QLoRA through DPTrainer under ``TrainingArguments.fsdp`` (FSDP2; issue 38 items 1–2):
-DPTrainer shards the policy itself (integrations/hf_fsdp.py) and the step is dpft's FSDPStep.
+DPTrainer shards the policy itself (integrations/hf/fsdp.py) and the step is dpft's FSDPStep.
 
-DPO (integrations/trl_fsdp.py): TRL scores the pairs with the policy before training (PEFT: a frozen
+DPO (integrations/trl/fsdp.py): TRL scores the pairs with the policy before training (PEFT: a frozen
 ``ref`` copy of the adapter, made before sharding and sharded with the base); the sharded reference pass
 runs on every rank together and rank 0's values are kept; an unsharded ``ref_model`` is scored by rank 0
 alone; through accelerate's FSDP2 environment too, and on a LoRA policy the caller sharded with
@@ -29,7 +29,7 @@ import trl_fsdp_worker as worker  # tests/trl_fsdp_worker.py: the run each rank 
 from test_ddp import free_port
 
 pytest.importorskip("trl")
-multiprocessing.set_forkserver_preload(["trl_fsdp_worker", "hf_fsdp_worker", "dpft", "dpft.integrations.trl",
+multiprocessing.set_forkserver_preload(["trl_fsdp_worker", "hf_fsdp_worker", "dpft", "dpft.integrations.trl.trainer",
                                         "torch.distributed.fsdp", "peft"])
 
 JOBS = {"dpo": {"dpo": True}, "dpo_lora": {"dpo": True, "lora": True}, "dpo_ref": {"dpo": True, "ref_model": True},
@@ -120,7 +120,7 @@ def test_trl_fsdp_two_processes_equal_one(one_and_two, job):
 def test_dtensor_hash_equals_trl_hash_module_on_plain_modules():
     from trl.trainer.utils import hash_module
 
-    from dpft.integrations.trl_fsdp import dtensor_hash
+    from dpft.integrations.trl.fsdp import dtensor_hash
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
@@ -130,7 +130,7 @@ def test_dtensor_hash_equals_trl_hash_module_on_plain_modules():
 def test_hashable_sharded_restores_trl_hash_module():
     import trl.trainer.dpo_trainer as dpo_module
 
-    from dpft.integrations.trl_fsdp import dtensor_hash, hashable_sharded
+    from dpft.integrations.trl.fsdp import dtensor_hash, hashable_sharded
 
     own = dpo_module.hash_module
     with hashable_sharded(False):
@@ -150,7 +150,7 @@ def _lora_llama():
 
 
 def test_reference_adapter_is_a_frozen_copy_kept_through_trl_add_adapter():
-    from dpft.integrations.trl_fsdp import add_reference_adapter, reference_adapter_kept
+    from dpft.integrations.trl.fsdp import add_reference_adapter, reference_adapter_kept
 
     model = _lora_llama()
     assert add_reference_adapter(model) and not add_reference_adapter(model)  # once
@@ -176,8 +176,8 @@ def test_dpo_refuses_a_caller_sharded_peft_policy_without_reference_adapter(tmp_
 
     from dpft.audit.checks_hf_ddp import trl_rows
     from dpft.audit.checks_trl import tiny_tokenizer
-    from dpft.integrations.hf import DPArguments
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.hf.trainer import DPArguments
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     if dist.is_initialized():  # pragma: no cover
         pytest.skip("a process group is already initialised")
@@ -221,7 +221,7 @@ def test_cpu_offload_stays_refused_with_the_reason(tmp_path):
     and the fix, before the model is touched."""
     from transformers import TrainingArguments
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     class Untouchable(torch.nn.Module):
         def parameters(self, *a, **k):

@@ -164,7 +164,7 @@ def test_selft_with_reproduce_paper_is_not_certified_and_keeps_every_phase(tiny_
 
 def test_private_dpsft_stage1_writes_into_the_run_ledger(tiny_model_dir, sst_like_files, tmp_path, monkeypatch):
     """A crash in stage 1 leaves its releases in the run's live ledger; the rerun carries them."""
-    from dpft.methods import dpsft
+    from dpft.methods.dpsft import method as dpsft
 
     rec = _recipe(tiny_model_dir, sst_like_files, **{
         "subspace.source": "private", "subspace.k": 2, "subspace.steps": 4, "trainable.mode": "last_k",

@@ -106,7 +106,7 @@ def test_ledger_composes_selection_conservatively():
 
 
 def tune_recipe(model_dir, files, **extra):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {
         "model.name": str(model_dir), "model.max_length": 16,
@@ -217,7 +217,7 @@ def test_audit_tune_checks_pass():
 def test_cli_tune_refusals_before_loading(tmp_path):
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     f = tmp_path / "r.yaml"
     f.write_text("task: {name: files, train_file: nowhere.csv}\n")
@@ -235,7 +235,7 @@ def test_cli_tune_refusals_before_loading(tmp_path):
 # ---- methods in the search space; the search under a time budget (issue 35, left open) ----
 
 def _space_recipe(space, methods=None, **extra):
-    from dpft.config import Recipe
+    from dpft.config.recipe import Recipe
 
     d = {"privacy": {"target_epsilon": 8.0, "delta": 1e-5}, "schedule": {"steps": 10},
          "tune": {"trials": {"mean": 3.0}, "space": space}, "methods": methods or []}
@@ -270,7 +270,7 @@ def test_space_over_methods_that_keep_the_events():
 
 
 def test_trial_recipe_sets_method_fields():
-    from dpft.config import Recipe
+    from dpft.config.recipe import Recipe
     from dpft.run.tune_space import apply_hyperparameters
 
     r = _space_recipe({}, methods=[{"name": "rmt", "method": "rmt", "kappa": 1.2}])
@@ -389,7 +389,7 @@ def test_audit_catches_a_method_that_claims_search_safety_wrongly(monkeypatch):
 def test_cli_tune_time_budget_refusals(tmp_path):
     from typer.testing import CliRunner
 
-    from dpft.cli import app
+    from dpft.cli.commands import app
 
     f = tmp_path / "r.yaml"
     f.write_text("task: {name: files, train_file: nowhere.csv}\nprivacy: {target_epsilon: 8}\nschedule: {steps: 50}\n"

@@ -9,7 +9,7 @@ import pytest
 
 from dpft.accounting import budget
 from dpft.accounting.selection import KDistribution, calibrate_search, candidate_event, selection_epsilon
-from dpft.config import Recipe
+from dpft.config.recipe import Recipe
 from dpft.run import tune as T
 from dpft.run import tune_space as S
 

@@ -37,7 +37,7 @@ def test_documented_command_runs_as_written(cmd, monkeypatch):
     import typer.main
     from typer.testing import CliRunner
 
-    import dpft.cli as cli
+    import dpft.cli.commands as cli
 
     args = shlex.split(cmd)[1:]
     group = typer.main.get_command(cli.app)
@@ -66,7 +66,7 @@ def test_documented_command_runs_as_written(cmd, monkeypatch):
 def test_resume_command_after_ctrl_c_is_complete(monkeypatch):
     from typer.testing import CliRunner
 
-    import dpft.cli as cli
+    import dpft.cli.commands as cli
 
     args = ["tune", "recipes/tune-sst2-minilm.yaml", "-o", "runs/x", "--epsilon", "3", "--set", "tune.trials.mean=3",
             "--set", "optimizer.weight_decay=0.01", "--train-file", "my file.csv"]

@@ -92,12 +92,12 @@ def test_second_search_into_a_live_folder_is_refused(tmp_path):
     import subprocess
     import sys
 
-    from dpft.config import Recipe
+    from dpft.config.recipe import Recipe
     from dpft.errors import RunLockError
     from dpft.run import tune as T
 
     run = tmp_path / "run"
-    code = ("import sys, time; from dpft.run.lock import RunLock; RunLock.for_dir(sys.argv[1]).acquire(); "
+    code = ("import sys, time; from dpft.outputs.lock import RunLock; RunLock.for_dir(sys.argv[1]).acquire(); "
             "print('held', flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)
     try:

@@ -268,7 +268,7 @@ def _user_files(tmp_path):
 
 
 def _recipe(model_dir, train, dev, **extra):
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
 
     ov = {"model.name": str(model_dir), "model.max_length": 16, "task.name": "files",
           "task.train_file": str(train), "task.dev_file": str(dev), "task.user_column": "person",
@@ -316,7 +316,7 @@ def test_example_level_stays_the_default(tiny_model_dir, tmp_path):
 
 
 def test_clear_errors(tiny_model_dir, tmp_path):
-    from dpft.config import RecipeError
+    from dpft.config.recipe import RecipeError
     from dpft.data.tasks import DataError
     from dpft.run.loop import Trainer, TrainingError
 
@@ -367,7 +367,7 @@ def test_user_level_on_instruction_data(tmp_path, monkeypatch):
     reference on a collated batch with per-token labels."""
     from test_instruct import ROOT, _tiny_model_dir
 
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
     from dpft.data.tokenize import collate
     from dpft.run.loop import Trainer
 

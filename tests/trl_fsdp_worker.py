@@ -32,8 +32,8 @@ def _dpo(job: dict, common: dict):
 
     from dpft.audit.checks_hf_ddp import trl_rows
     from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
-    from dpft.integrations.hf import DPArguments
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.hf.trainer import DPArguments
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok))
@@ -46,7 +46,7 @@ def _dpo(job: dict, common: dict):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from dpft.integrations.trl_fsdp import add_reference_adapter
+        from dpft.integrations.trl.fsdp import add_reference_adapter
 
         add_reference_adapter(model)  # TRL's reference adapter, made before fully_shard (sharded with the base)
         mesh = init_device_mesh("cpu", (2,))
@@ -108,7 +108,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
 def _nf4_shards(model) -> dict:
     """After DPTrainer sharded the model: every bitsandbytes 4-bit layer's weight (a DTensor? local and
     global shape, storage dtype) and this rank's share of the parameter bytes."""
-    from dpft import fsdp
+    from dpft.placement import fsdp
 
     rows = [{"dtensor": fsdp.is_sharded(m.weight), "local": list(fsdp.local(m.weight).shape),
              "global": list(m.weight.shape), "dtype": str(m.weight.dtype)}
@@ -188,7 +188,7 @@ def qlora_model(path: str):
 def _qlora(job: dict, common: dict):
     from transformers import TrainingArguments
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     dp = DPArguments(target_delta=1e-3, noise_multiplier=0.8, max_grad_norm=0.5, expected_batch_size=6,
                      reproducible_seed=3, max_physical_batch_size=2)
@@ -206,7 +206,7 @@ def refused_checkpoints(out_dir: Path) -> dict:
     from sft_fsdp_worker import _caller_shard
 
     from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
-    from dpft.integrations.hf_fsdp import load_full_into_shards
+    from dpft.integrations.hf.fsdp import load_full_into_shards
 
     model = tiny_llama(len(tiny_tokenizer()))
     _caller_shard(model)

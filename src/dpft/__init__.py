@@ -5,7 +5,7 @@ post-processing → optimizer), one ledger of ``dp_accounting`` events per run, 
 
 - ``dpft train RECIPE`` (CLI) or :func:`dpft.train` (Python) for a complete run and a report;
 - :class:`dpft.PrivacyEngine` ``.make_private(...)`` for your own PyTorch loop (Opacus-shaped);
-- ``dpft.integrations.hf.DPTrainer`` for Hugging Face ``Trainer`` users.
+- ``dpft.integrations.hf.trainer.DPTrainer`` for Hugging Face ``Trainer`` users.
 
 Public names: :class:`PrivacyEngine`, :class:`DPStep`, :class:`Recipe`, :func:`train`,
 :class:`PrivacyLedger`, :class:`Method`, :func:`register_method`, :func:`register_layer`,
@@ -23,17 +23,17 @@ _NAMES = {
     "PrivacyEngine": "dpft.api",
     "DPStep": "dpft.step.pipeline",
     "StepSpec": "dpft.step.pipeline",
-    "Recipe": "dpft.config",
-    "PluginConfig": "dpft.config_base",
-    "load_recipe": "dpft.config",
+    "Recipe": "dpft.config.recipe",
+    "PluginConfig": "dpft.config.base",
+    "load_recipe": "dpft.config.recipe",
     "PrivacyLedger": "dpft.accounting.ledger",
     "Method": "dpft.methods.base",
     "register_method": "dpft.methods.base",
     "register_layer": "dpft.grads.registry",
     "unregister_layer": "dpft.grads.registry",
     "Randomness": "dpft.privacy.randomness",
-    "DPTrainer": "dpft.integrations.hf",
-    "DPArguments": "dpft.integrations.hf",
+    "DPTrainer": "dpft.integrations.hf.trainer",
+    "DPArguments": "dpft.integrations.hf.trainer",
 }
 
 __all__ = ["__version__", "train", "tune", *_NAMES]
@@ -60,7 +60,7 @@ def _with_time_budget(overrides: dict[str, Any] | None, time_budget: Any) -> dic
 
 def _recipe_of(recipe: Any, overrides: dict[str, Any] | None):
     """A :class:`Recipe` from a Recipe, a dict of keys or a YAML path, with ``overrides`` applied."""
-    from dpft.config import Recipe, apply_overrides, load_recipe
+    from dpft.config.recipe import Recipe, apply_overrides, load_recipe
 
     if isinstance(recipe, Recipe):
         return recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
@@ -98,13 +98,13 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
 
     Raises:
         RecipeError, DataError, ModelError, CalibrationError, TrainingError — each names the fix;
-        RunLockError (a TrainingError): another process writes ``output_dir`` (run/lock.py).
+        RunLockError (a TrainingError): another process writes ``output_dir`` (outputs/lock.py).
     """
     import os
     from pathlib import Path
 
     from dpft.run.loop import Trainer
-    from dpft.run.rundir import lock_output_dir, release_output_dir
+    from dpft.outputs.rundir import lock_output_dir, release_output_dir
 
     rec = _recipe_of(recipe, _with_time_budget(overrides, time_budget))
     from dpft.run.auto import resolve_auto
@@ -115,7 +115,7 @@ def train(recipe: Any, output_dir: Any = None, *, resume: bool = False, progress
         import sys
 
         print(chosen, file=sys.stderr)
-    # One process writes a run folder (run/lock.py): rank 0 of a torchrun world holds its lock.
+    # One process writes a run folder (outputs/lock.py): rank 0 of a torchrun world holds its lock.
     lock = lock_output_dir(out, resume) if int(os.environ.get("RANK", "0") or 0) == 0 else None
     try:
         return Trainer(rec, out, resume=resume, progress=progress, allow_overspend=allow_overspend).run()

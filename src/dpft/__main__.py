@@ -2,7 +2,7 @@
 ``torchrun --nproc_per_node=K -m dpft train RECIPE`` (multi-process data parallel, see
 distributed.py) or ``accelerate launch -m dpft train RECIPE``."""
 
-from dpft.cli import app
+from dpft.cli.commands import app
 
 if __name__ == "__main__":
     app(prog_name="dpft")

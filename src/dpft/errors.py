@@ -14,7 +14,7 @@ class PlanError(TrainingError, ValueError):
 
 class RunLockError(TrainingError):
     """Another process holds the run folder (or state file) this one would write
-    (``run/lock.py``); the message names the holder and the fix."""
+    (``outputs/lock.py``); the message names the holder and the fix."""
 
 
 __all__ = ["TrainingError", "PlanError", "RunLockError"]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.api.clipping import CLIPPING_STYLES
 from dpft.api.loader import DPDataLoader
 from dpft.api.optimizer import DPOptimizer
@@ -36,7 +36,7 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
 
     Raises:
         ValueError: naming the argument and the fix (see ``make_private``).
-        dpft.distributed.DistributedError: a module wrapped in DistributedDataParallel.
+        dpft.placement.world.DistributedError: a module wrapped in DistributedDataParallel.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"make_private: module must be an nn.Module, got {type(module).__name__}")

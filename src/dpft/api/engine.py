@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.api.arguments import adapt_data, check_arguments, check_optimizer, user_values
 from dpft.api.clipping import api_clip_and_engine
@@ -19,7 +19,7 @@ from dpft.api.optimizer import DPOptimizer
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model, sharded_step
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
-from dpft.fsdp_methods import refusal_message
+from dpft.placement.fsdp_methods import refusal_message
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.privacy.randomness import Randomness
 from dpft.step.guard import ReleaseGuard
@@ -266,7 +266,7 @@ class PrivacyEngine:
         detected and the group is created, gloo on CPU and NCCL for CUDA tensors). Pass the
         *unwrapped* module — not ``DistributedDataParallel(model)`` (refused: its buckets
         all-reduce unclipped gradients). The world runs one DP-SGD, the mechanism of one process
-        (``dpft.distributed``, as ``dpft train`` under torchrun): rank 0 draws the secret key and
+        (``dpft.placement.world``, as ``dpft train`` under torchrun): rank 0 draws the secret key and
         broadcasts it (reproducible mode: every rank derives it from the seed); every rank draws
         the same Poisson logical batch for the world and its data loader yields only this rank's
         share (``distributed.shard``: every K-th example; at user level whole users,
@@ -274,7 +274,7 @@ class PrivacyEngine:
         at the last micro-batch ``optimizer.step()`` all-reduces the clipped sums once, adds the
         same noise draw on every rank (streams of the shared key) and applies the same update,
         checked at every step (``distributed.check_step_digest``: same logical batch, same
-        weights, else :class:`~dpft.distributed.DistributedError` before the step is used). The
+        weights, else :class:`~dpft.placement.world.DistributedError` before the step is used). The
         module's weights are rank 0's from ``make_private`` on (broadcast). Every rank holds the
         same ledger, so ``get_epsilon`` is the same everywhere; :meth:`save_ledger` writes on
         rank 0 only (make_private itself writes no file). ``optimizer.step()`` is a collective
@@ -335,7 +335,7 @@ class PrivacyEngine:
                 above 16 GiB.
             dpft.accounting.calibrate.CalibrationError: the target cannot be met (δ ≥ 1/N, or
                 unreachable with this q and number of steps), with the reason.
-            dpft.distributed.DistributedError: a module wrapped in ``DistributedDataParallel``
+            dpft.placement.world.DistributedError: a module wrapped in ``DistributedDataParallel``
                 (pass ``model.module``); a second world for an engine whose key is already in use;
                 ranks with different secret randomness.
             dpft.grads.bookkeeping.UnattributedUseError: (first training micro-batch) a

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.api.guards import check_unpacked_batch
 from dpft.api.optimizer import DPOptimizer
 from dpft.step.sample import PoissonSampler

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.api.guards import UnclippedParameterError
 from dpft.grads.live import FrozenAfterPrivateError, LiveBookKeeping
 from dpft.step.aggregate import Aggregator
@@ -36,7 +36,7 @@ class DPOptimizer(torch.optim.Optimizer):
             ``after_update`` runs after every noisy update is applied, and ``method_stats`` holds
             what they released at the last one (privatised statistics only, e.g. the C used and
             the privatised clip rate).
-        world: the ``torch.distributed`` world (:class:`dpft.distributed.World`; one process
+        world: the ``torch.distributed`` world (:class:`dpft.placement.world.World`; one process
             alone): under it, each rank's clipped sum is all-reduced once per logical batch
             before the noise (the same draw on every rank) and the ranks' logical batch and
             weights are compared after every noisy update (``distributed.check_step_digest``).

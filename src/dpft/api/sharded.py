@@ -1,10 +1,10 @@
 """``make_private`` on a model the user sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``):
-the same sharded DP step as ``dpft train``'s ``perf.sharding: fsdp`` (dpft/fsdp.py), driven by the
+the same sharded DP step as ``dpft train``'s ``perf.sharding: fsdp`` (dpft/placement/fsdp.py), driven by the
 user's own loop.
 
 - **The plan is the one plan** (step/plan.py): sampler, σ, mechanism, clip policy and the
   book-keeping engine over the module's sharded (``DTensor``) parameters are built as for an
-  unsharded module; :class:`~dpft.fsdp.FSDPStep` then reduce-scatters each micro-batch's clipped
+  unsharded module; :class:`~dpft.placement.fsdp.FSDPStep` then reduce-scatters each micro-batch's clipped
   sum (``engine.on_param_sum``) and shards the mechanism's noise (block layout: the same values for
   any number of ranks; banded MF keeps each shard's buffers, and ``save_noise_state`` /
   ``load_noise_state`` are collectives that gather and re-slice them: api/state.py).
@@ -13,7 +13,7 @@ user's own loop.
   on a rank whose share has fewer micro-batches than another rank's, *placeholder* micro-batches
   (row 0 of the dataset, the same on every rank). The user's loop runs them like any other; the
   engine's clipped sum of a placeholder is replaced by zeros before the reduce-scatter
-  (:class:`~dpft.fsdp.ReduceScatter`) and its statistics are not counted, while the shard this rank
+  (:class:`~dpft.placement.fsdp.ReduceScatter`) and its statistics are not counted, while the shard this rank
   receives (the other ranks' examples) is still added. Every rank computes every rank's share from
   the world's logical batch (the same on every rank), so no message is needed to agree on the count.
 - **Unsharded autograd never reaches the shards:** the live book-keeping hooks (grads/live.py)
@@ -39,8 +39,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dpft import distributed as ddp
-from dpft import fsdp
+from dpft.placement import world as ddp
+from dpft.placement import fsdp
 from dpft.api.loader import _Plan, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
 from dpft.step.aggregate import Aggregator
@@ -64,7 +64,7 @@ def check_fsdp2_model(module: nn.Module, where: str) -> None:
     """Refuse an FSDP2 model the sharded step cannot run: the root not ``fully_shard``-ed (some
     trainable parameters plain tensors) or shards not on dim 0 of one mesh. Every mechanism runs
     sharded: banded MF's per-shard buffers are gathered and re-sliced by ``save_noise_state`` /
-    ``load_noise_state`` (api/state.py) and by DPTrainer's checkpoints (integrations/hf_state.py).
+    ``load_noise_state`` (api/state.py) and by DPTrainer's checkpoints (integrations/hf/state.py).
 
     Raises:
         ddp.DistributedError: naming the fix."""
@@ -135,7 +135,7 @@ class ShardedMicroBatches(_PoissonMicroBatches):
 
 
 class ShardedDPOptimizer(DPOptimizer):
-    """:class:`~dpft.api.optimizer.DPOptimizer` over an :class:`~dpft.fsdp.FSDPStep`: local-shard
+    """:class:`~dpft.api.optimizer.DPOptimizer` over an :class:`~dpft.placement.fsdp.FSDPStep`: local-shard
     accumulators, placeholder micro-batches, the counts (not the sums) all-reduced at release."""
 
     def __init__(self, optimizer, dp_step: "fsdp.FSDPStep", planned_steps, world, batches: ShardedMicroBatches,
@@ -191,7 +191,7 @@ class ShardedDPOptimizer(DPOptimizer):
 
 
 def sharded_step(plan, ledger, n: int, world, on_release) -> "fsdp.FSDPStep":
-    """The :class:`~dpft.fsdp.FSDPStep` of a make_private plan (no driver: the user's loop runs the
+    """The :class:`~dpft.placement.fsdp.FSDPStep` of a make_private plan (no driver: the user's loop runs the
     forwards; the step's own ``run`` is not used)."""
 
     def no_driver():  # pragma: no cover - FSDPStep.run is dpft train's; make_private never calls it

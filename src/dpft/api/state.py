@@ -11,14 +11,14 @@ from then on every release also rewrites the **live release record** ``<path>.re
 - other training rows, or the same rows reordered (the partition is by row position);
 - a record that is missing (the state alone cannot show that nothing was released after it).
 
-One process owns a state path (``<path>.lock``, run/lock.py). The engine's ledger is appended to,
+One process owns a state path (``<path>.lock``, outputs/lock.py). The engine's ledger is appended to,
 never swapped: the saved releases are added after what the
 engine already holds when that is a prefix of them, and refused otherwise.
 
 **Under torch.distributed save and load are collectives: every rank calls them.** Under DDP every
 rank holds the same buffers; under FSDP2 (``make_private`` on a ``fully_shard`` root, api/sharded.py)
 each rank holds the banded buffers of its own parameter shards
-(:class:`~dpft.fsdp.ShardedBandedMFMechanism`). The state is **gathered**: ``save`` gathers every
+(:class:`~dpft.placement.fsdp.ShardedBandedMFMechanism`). The state is **gathered**: ``save`` gathers every
 rank's buffer slices (the one all-gather of ``ShardedBandedMFMechanism.state``) and rank 0 writes the
 one file, mode 0600, that a one-process loop writes; ``load`` has rank 0 read it, broadcasts it, and
 each rank keeps its slice (``ShardedBandedMFMechanism.load_state``). Why gathered rather than a file
@@ -29,7 +29,7 @@ check stay those of one file; a set of per-rank files would need all of them per
 manifest tying them to one release. The cost: (b − 1) × the trainable parameters in fp32 pass
 through host memory at save and load — small for what ``make_private`` users shard and train (LoRA,
 a few blocks); a full fine-tune whose buffers do not fit one host is ``dpft train``'s job, whose
-checkpoints write the buffers per rank (``torch.distributed.checkpoint``, dpft/fsdp_state.py).
+checkpoints write the buffers per rank (``torch.distributed.checkpoint``, dpft/placement/fsdp_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.run.lock import RunLock
+from dpft.outputs.lock import RunLock
 from dpft.step.correlated import write_secret
 
 __all__ = ["LoopState", "live_record_path", "write_live_record", "check_fresh"]
@@ -83,7 +83,7 @@ _HELD: dict = {}
 
 def own_state_path(engine, path) -> None:
     """One process owns a state path: the first engine of this process that saves or loads there
-    takes ``<path>.lock`` (run/lock.py), held until the process exits; later engines of the same
+    takes ``<path>.lock`` (outputs/lock.py), held until the process exits; later engines of the same
     process share it.
 
     Raises:
@@ -110,7 +110,7 @@ class LoopState:
     @property
     def mechanism(self):
         """The mechanism that releases: the step's (under FSDP2 the sharded copy the
-        :class:`~dpft.fsdp.FSDPStep` made of the plan's, holding this rank's buffer slices)."""
+        :class:`~dpft.placement.fsdp.FSDPStep` made of the plan's, holding this rank's buffer slices)."""
         return self.optimizer.dp_step.spec.mechanism
 
     def save(self, engine, path) -> bool:

@@ -60,7 +60,8 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
         ValueError: an unknown name (the known ones listed).
     """
     with planting(name, PLANTED) as p:
-        from dpft.integrations import hf, hf_data
+        from dpft.integrations.hf import trainer as hf
+        from dpft.integrations.hf import data as hf_data
 
         noop = lambda *a, **k: None  # noqa: E731
         if name == "double_capture":
@@ -229,7 +230,7 @@ def _trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=Non
     optimizer over every parameter."""
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     model = copy.deepcopy(model)
     _no_dropout(model)
@@ -386,7 +387,7 @@ def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_
     With ``model``: one logical step of ``DPTrainer`` on a copy of your model (dropout off), ``q = 1``
     over the first ``rows`` rows of ``train_dataset`` (a ``datasets.Dataset``), SGD at learning
     rate 1, your ``trainer_kwargs`` (``data_collator``, ``loss_fn``, ``processing_class``…) and
-    ``dp_kwargs`` for :class:`~dpft.integrations.hf.DPArguments` (e.g. ``clipping``) and
+    ``dp_kwargs`` for :class:`~dpft.integrations.hf.trainer.DPArguments` (e.g. ``clipping``) and
     ``training_args`` for ``TrainingArguments`` (``label_names`` defaults to ``["labels"]``; the
     step's own settings — one step, SGD at learning rate 1 — are the audit's). Checks
     leave-one-out ``≤ C`` and the noise std σC at σ = 1, as :func:`audit_make_private`.

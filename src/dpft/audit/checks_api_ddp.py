@@ -43,9 +43,10 @@ from typing import Optional
 import torch
 
 from dpft.audit.whitebox import Check
-from dpft import PrivacyEngine, distributed as ddp
+from dpft import PrivacyEngine
+from dpft.placement import world as ddp
 from dpft.audit.checks_api import _mp_data, _Net, _released_sum
-from dpft.distributed import DistributedError
+from dpft.placement.world import DistributedError
 from dpft.step import plan as step_plan
 
 PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")

@@ -60,7 +60,7 @@ def _rows(labels) -> list[dict]:
 def error_cases(d: Path) -> dict[str, Callable[[], object]]:
     """``{case: call}``: each call must raise a DataError whose text never holds the planted
     label. Files are written under ``d``. Sizes are the smallest that reach each check."""
-    from dpft.config import TaskCfg
+    from dpft.config.recipe import TaskCfg
     from dpft.data import tasks
 
     s, n = SECRET, SECRET_NUMBER

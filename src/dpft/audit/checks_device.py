@@ -4,7 +4,7 @@
   releases the rows of its share of the logical batch. Each release must carry its own noise:
   two ranks releasing the same clean matrix at the same step must send different noisy
   matrices (else anyone who sees both releases subtracts them and learns the difference of the
-  clean inputs exactly). Runs the real stream choice of ``methods/ewft.py`` (:func:`ldp_stream`)
+  clean inputs exactly). Runs the real stream choice of ``methods/ewft/method.py`` (:func:`ldp_stream`)
   and the real noise layer (:class:`~dpft.privacy.ldp.GaussianLDP`) for ranks 0 and 1 of a
   2-process world, and checks that one process alone keeps its stream names (so a 1-process run
   is unchanged). Planted ``"shared_rank_ldp_noise"``: the stream without the rank, i.e. the same
@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 
 from dpft.audit.whitebox import Check
-from dpft.methods import ewft_parts
-from dpft.methods.ewft import ldp_stream
+from dpft.methods.ewft import parts as ewft_parts
+from dpft.methods.ewft.method import ldp_stream
 from dpft.privacy.ldp import GaussianLDP
 from dpft.privacy.randomness import Randomness
 
@@ -39,7 +39,7 @@ PLANTED = ("shared_rank_ldp_noise",)
 
 @dataclass
 class _RunStub:
-    """What :func:`dpft.methods.ewft.ldp_stream` reads of a run (methods/base.py ``Run``)."""
+    """What :func:`dpft.methods.ewft.method.ldp_stream` reads of a run (methods/base.py ``Run``)."""
 
     rng: Any
     rank: int = 0

@@ -1,5 +1,5 @@
 """Audit checks of ``DPDPOTrainer`` at user level (issue 38; ``DPArguments(user_column=...)``,
-integrations/trl_user.py ``user_pair_chunks``): a user's preference pairs are one privacy unit.
+integrations/trl/user.py ``user_pair_chunks``): a user's preference pairs are one privacy unit.
 
 Each run builds a tiny random Llama and the word-level tokenizer of audit/checks_trl.py in-process and
 trains one logical step of ``DPDPOTrainer`` with ``σ = 0``, plain SGD at learning rate 1 and the
@@ -41,9 +41,9 @@ from dpft.audit.checks_api import C, TOL, _no_dropout, _released_sum
 from dpft.audit.checks_trl import _gc_frozen, tiny_llama, tiny_tokenizer
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
-from dpft.integrations import hf
-from dpft.integrations.hf import DPArguments
-from dpft.integrations.trl import DPDPOTrainer
+from dpft.integrations.hf import trainer as hf
+from dpft.integrations.hf.trainer import DPArguments
+from dpft.integrations.trl.trainer import DPDPOTrainer
 from dpft.step.sample import UserPoissonSampler
 
 __all__ = ["PLANTED", "dpo_user_checks"]

@@ -1,6 +1,6 @@
 """Audit checks of ``ldp.train_pre`` (EW-FT / DP-Forward with pre(·) trained by DP-SGD, issue 29).
 
-On a tiny random BERT cut after block 1 (methods/ldp_train_pre.py), with the representation
+On a tiny random BERT cut after block 1 (methods/ewft/train_pre.py), with the representation
 noise fixed so that the step is deterministic:
 
 * **per-example clipping of pre(·)** — the engine's clipped sum over pre(·)'s parameters equals
@@ -29,8 +29,8 @@ import torch
 
 from dpft.audit.whitebox import Check, tiny_classifier
 from dpft.audit.planted import planting
-from dpft.methods import ldp_train_pre as tp
-from dpft.methods.ldp_train_pre import (
+from dpft.methods.ewft import train_pre as tp
+from dpft.methods.ewft.train_pre import (
     TrainPreEngine, TrainPreMechanism, combined_event, effective_sigma, pre_parameters
 )
 from dpft.models.losses import classification_loss

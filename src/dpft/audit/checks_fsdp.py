@@ -1,20 +1,20 @@
-"""Audit checks of the FSDP2 DP step (``perf.sharding: fsdp``; dpft/fsdp.py; issue 26 item 3).
+"""Audit checks of the FSDP2 DP step (``perf.sharding: fsdp``; dpft/placement/fsdp.py; issue 26 item 3).
 
-White-box, in one process (no process group needed), on the real classes of dpft/fsdp.py:
+White-box, in one process (no process group needed), on the real classes of dpft/placement/fsdp.py:
 
-* **sharded noise is one draw** — the :class:`~dpft.fsdp.ShardedGaussianMechanism` of every
-  simulated rank (K = 2, 3; FSDP's dim-0 chunk layout, :func:`~dpft.fsdp.chunk_range`) adds noise to
+* **sharded noise is one draw** — the :class:`~dpft.placement.fsdp.ShardedGaussianMechanism` of every
+  simulated rank (K = 2, 3; FSDP's dim-0 chunk layout, :func:`~dpft.placement.fsdp.chunk_range`) adds noise to
   its shard; the shards put together must equal the noise one process draws for the whole tensor
   (the streams are disjoint and cover each element once: together exactly one N(0, σ²C²I) draw,
   whatever K), with standard deviation σC, and other tensors and other steps must get other noise.
   Planted ``fsdp_same_shard_stream``: every rank numbers its noise blocks from its own shard's start
   (the same streams on each rank: the shards' noise is correlated, the sum is not one Gaussian draw).
 * **a placeholder micro-batch adds nothing** — a rank with fewer micro-batches than another runs a
-  dummy one to keep the collectives in step; :class:`~dpft.fsdp.ReduceScatter` must send zeros for
+  dummy one to keep the collectives in step; :class:`~dpft.placement.fsdp.ReduceScatter` must send zeros for
   it. Planted ``fsdp_dummy_counted``: the dummy's clipped sum is sent (an example counted twice:
   sensitivity 2C).
 * **every mechanism shards as one draw** (issue 38) — truncated Poisson and banded MF through
-  :func:`~dpft.fsdp.shard_mechanism`: K = 2, 3 simulated ranks' noise over several steps, put
+  :func:`~dpft.placement.fsdp.shard_mechanism`: K = 2, 3 simulated ranks' noise over several steps, put
   together, equals one rank's (banded: the correlated y_t from per-shard buffers), and each sharded
   mechanism records its base mechanism's ledger event. Planted ``fsdp_banded_whole_stream``: the
   sharded mechanisms draw from the whole-tensor stream, so every rank's shard gets the first
@@ -27,12 +27,12 @@ White-box, in one process (no process group needed), on the real classes of dpft
   ``fsdp_api_no_placeholder`` (each rank counts only its own micro-batches) and
   ``fsdp_api_dummy_sent`` (the optimizer opens a placeholder as a real micro-batch: dataset row 0 is
   added again on that rank — sensitivity above C).
-* **DPTrainer under ``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin** (integrations/hf_fsdp.py;
+* **DPTrainer under ``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin** (integrations/hf/fsdp.py;
   :func:`hf_fsdp_checks`, its own entry point) —
   a tiny BERT DPTrainer, each way in, in one process: ``Trainer`` builds its accelerator with ``fsdp``
   cleared and ``ACCELERATE_USE_FSDP`` off (so accelerate's ``fsdp2_prepare_model`` never shards the
   model with its reduce-scatter hooks) and no FSDP plugin in its state, the step is dpft's
-  :class:`~dpft.fsdp.FSDPStep` (two logical steps through its ``run``, one ledger event each), and
+  :class:`~dpft.placement.fsdp.FSDPStep` (two logical steps through its ``run``, one ledger event each), and
   autograd accumulates no gradient on any trainable parameter during training (the engine's pass
   switches ``requires_grad`` off: only the noisy release writes ``.grad``; a raw gradient is what
   FSDP's hooks would reduce-scatter before clipping). Planted ``hf_fsdp_args_kept`` (DPTrainer clears
@@ -55,15 +55,15 @@ from typing import Iterator, Optional
 
 import torch
 
-from dpft import fsdp
+from dpft.placement import fsdp
 from dpft.api import sharded
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
 from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
 from dpft.audit.whitebox import Check
-from dpft.distributed import World
+from dpft.placement.world import World
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.integrations import hf
-from dpft.integrations.hf import DPArguments, DPTrainer
+from dpft.integrations.hf import trainer as hf
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 from dpft.models.losses import causal_lm_loss
 from dpft.privacy.randomness import Randomness
 from dpft.step.clip import make_clip_policy
@@ -314,7 +314,7 @@ def _norm_check(c: float = 0.05) -> list[Check]:
 
 @contextlib.contextmanager
 def _trainer_planted(name: Optional[str]) -> Iterator[None]:
-    """Plant one of :data:`TRAINER_PLANTED` in the names integrations/hf.py imported."""
+    """Plant one of :data:`TRAINER_PLANTED` in the names integrations/hf/trainer.py imported."""
 
     saved = []
     try:
@@ -496,7 +496,7 @@ def _planted_api_banded(name: Optional[str]) -> Iterator[None]:
 @contextlib.contextmanager
 def _simulated_all_gather(mechs: list) -> Iterator[None]:
     """``torch.distributed.all_gather_object`` as K simulated ranks (``mechs[r]``) see it during one
-    rank's :meth:`~dpft.fsdp.ShardedBandedMFMechanism.state`: its j-th call gathers every rank's flat
+    rank's :meth:`~dpft.placement.fsdp.ShardedBandedMFMechanism.state`: its j-th call gathers every rank's flat
     slices of buffer j, in rank order (what the real collective returns when every rank calls it)."""
     import torch.distributed as dist
 

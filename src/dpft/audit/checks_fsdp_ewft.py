@@ -1,16 +1,16 @@
 """Audit checks of EW-FT / DP-Forward (forward-pass local DP, ``ldp:``) under FSDP2 (issue 38).
 
-Under ``perf.sharding: fsdp`` a frozen-pre(·) EW-FT run is the non-private FSDP step (dpft/fsdp_plain.py)
+Under ``perf.sharding: fsdp`` a frozen-pre(·) EW-FT run is the non-private FSDP step (dpft/placement/fsdp_plain.py)
 on the split model (privacy/ldp.py ``SplitClassifier``): each rank releases its share of the logical
 batch through the noise layer, post(·) trains on the noisy codes with plain gradients, and the method
-records one event per step (methods/ewft.py). White-box, in one process (no process group), on the real
-:class:`~dpft.methods.ewft.LDPRun` of simulated ranks (K = 2) of a tiny random BERT:
+records one event per step (methods/ewft/method.py). White-box, in one process (no process group), on the real
+:class:`~dpft.methods.ewft.method.LDPRun` of simulated ranks (K = 2) of a tiny random BERT:
 
 * **every rank runs the same FSDP2 units per micro-batch, whatever it ran before** — every transformer
-  block and the embeddings are FSDP2 units (dpft/fsdp.py ``block_classes``), whose forwards all-gather
+  block and the embeddings are FSDP2 units (dpft/placement/fsdp.py ``block_classes``), whose forwards all-gather
   their shards: collectives every rank must enter alike. Rank 0 releases rows it has released before,
   rank 1 new rows; the sequence of units each rank's forward enters must be the same on both (pre(·)'s
-  per-example cache must be off: methods/ewft_parts.py ``pre_cache_allowed``). Planted
+  per-example cache must be off: methods/ewft/parts.py ``pre_cache_allowed``). Planted
   ``ewft_fsdp_pre_cache_kept``: the cache stays on under FSDP2 — rank 0 skips pre(·)'s units, so its
   all-gathers pair with other blocks' on rank 1 (a hang, or silently exchanged shards of equal shape).
 * **each rank's release noise is its own stream, as DDP's rank** — the noise the layer adds at step t on
@@ -20,12 +20,12 @@ records one event per step (methods/ewft.py). White-box, in one process (no proc
   stream without the rank (as if the FSDP world drew one stream, like the sharded gradient noise): two
   ranks add the same noise to different examples, and anyone who sees both releases subtracts it.
 * **the test-file evaluation of the materialised copy uses the trained σ** — the driver evaluates the
-  test file on a plain copy of the sharded model (dpft/fsdp.py ``materialise``, made from a template
+  test file on a plain copy of the sharded model (dpft/placement/fsdp.py ``materialise``, made from a template
   taken at sharding time); the method must switch the copy's layer (the last epoch's σ, inference noise
   on and off), not the live one. Planted ``ewft_fsdp_eval_live_layer``: the live layer is switched, so the
   copy evaluates at the σ it was copied with and the "clean" accuracy is a noisy one.
 * **``ldp.train_pre``: the world's gradient noise is DDP's one draw, sliced** — under FSDP2 the step's
-  mechanism (methods/ldp_fsdp.py ``ShardedTrainPreMechanism``) gives each rank its flat range of the
+  mechanism (methods/ewft/fsdp.py ``ShardedTrainPreMechanism``) gives each rank its flat range of the
   one-process draw of every pre(·) tensor (stream ``noise``, (t, name)). On simulated ranks (K = 2, 3,
   FSDP's dim-0 chunks) the ranks' slices put together must be exactly the DDP / one-process noise, post(·)'s
   sums unnoised, and every rank's event the one-process event. Planted ``ewft_fsdp_train_pre_noise_offset``:
@@ -33,7 +33,7 @@ records one event per step (methods/ewft.py). White-box, in one process (no proc
   so the world's noise is not one N(0, σ²C²I) draw (correlated across shards, the tail rows' noise never used).
 * **``ldp.train_pre``: the plain copy releases with the live layer's σ and the rank's stream** — the FSDP2
   step runs the engine on a plain copy of the model made from the template taken at sharding time
-  (before any step); before each step :func:`~dpft.methods.ldp_fsdp.sync_layer` gives the copy's noise
+  (before any step); before each step :func:`~dpft.methods.ewft.fsdp.sync_layer` gives the copy's noise
   layer the live layer's σ and secret stream (``ldp``, t, ``rank``, r). Planted
   ``ewft_fsdp_train_pre_layer_unsynced``: the copy keeps its own layer — its σ is the one copied at sharding
   time and it draws from a fresh stream of its own, not the rank's (the release the ledger accounts at σ is
@@ -54,14 +54,16 @@ import torch
 
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.audit.whitebox import Check
-from dpft.config import load_recipe
-from dpft.fsdp import block_classes
-from dpft.fsdp import chunk_range
-from dpft.methods import ewft, ewft_parts, ldp_fsdp
-from dpft.methods.ewft import ForwardLDP, LDPRun
-from dpft.methods.ldp_train_pre import TrainPreEngine, TrainPreMechanism
+from dpft.config.recipe import load_recipe
+from dpft.placement.fsdp import block_classes
+from dpft.placement.fsdp import chunk_range
+from dpft.methods.ewft import method as ewft
+from dpft.methods.ewft import parts as ewft_parts
+from dpft.methods.ewft import fsdp as ldp_fsdp
+from dpft.methods.ewft.method import ForwardLDP, LDPRun
+from dpft.methods.ewft.train_pre import TrainPreEngine, TrainPreMechanism
 from dpft.privacy.randomness import Randomness
-from dpft.shards import chunk_rows
+from dpft.placement.shards import chunk_rows
 from dpft.step.clip import make_clip_policy
 
 __all__ = ["PLANTED", "fsdp_ewft_checks", "ldp_run"]
@@ -112,7 +114,7 @@ def _tiny_bert():
 
 
 def ldp_run(rank: int = 0, world_size: int = 2, sharding: str = "fsdp", **extra):
-    """A real :class:`~dpft.methods.ewft.LDPRun` (noise after block 1, a [16, 4] autoencoder, EWPBA over 2
+    """A real :class:`~dpft.methods.ewft.method.LDPRun` (noise after block 1, a [16, 4] autoencoder, EWPBA over 2
     epochs at ε = 4) on a tiny random BERT, for simulated rank ``rank`` of ``world_size`` processes under
     ``perf.sharding: sharding``; the trainer is a namespace with what the method reads (a reproducible
     key: the audit compares draws). Returns ``(ldp_run, trainer)``."""

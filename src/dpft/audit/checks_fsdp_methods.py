@@ -1,11 +1,11 @@
-"""Audit checks of method plug-ins on FSDP2-sharded parameters (issue 38; dpft/fsdp_methods.py).
+"""Audit checks of method plug-ins on FSDP2-sharded parameters (issue 38; dpft/placement/fsdp_methods.py).
 
 White-box, in one process (no process group), on the real classes:
 
 * **a sharded RMT update equals the one-process update** — the transform RMT's plug-in builds
   (methods/rmt.py ``build``: it must declare every weight matrix in ``whole_tensors``) is run by
   K = 2, 3 simulated ranks, each holding FSDP's dim-0 row shard of the averaged noisy gradient,
-  through :class:`~dpft.fsdp_methods.WholeTensors` (the wrapper :class:`~dpft.fsdp.FSDPStep` puts
+  through :class:`~dpft.placement.fsdp_methods.WholeTensors` (the wrapper :class:`~dpft.placement.fsdp.FSDPStep` puts
   around it; the all-gather simulated by concatenating the ranks' rows). Every rank must compute the
   same denoised matrices (the randomized SVD's sketch generator is public and seeded), and the
   ranks' rows of the SGD update, put together, must equal one process's update on the whole
@@ -16,8 +16,8 @@ White-box, in one process (no process group), on the real classes:
   Planted ``fsdp_rmt_local_rows``: each rank denoises its own rows of the gradient instead of the
   gathered matrix (the SVD of a row block is not the row block of the SVD).
 * **a sharded DP-SFT step equals the one-process step** — DP-SFT stage 2 on a given basis (its real
-  ``build``: the subspace engine and the unprojection) under :class:`~dpft.fsdp.FSDPStep` (real
-  construction: it must pick :class:`~dpft.fsdp_methods.ReplicatedSum` for the engine's (k,) sum and lay
+  ``build``: the subspace engine and the unprojection) under :class:`~dpft.placement.fsdp.FSDPStep` (real
+  construction: it must pick :class:`~dpft.placement.fsdp_methods.ReplicatedSum` for the engine's (k,) sum and lay
   the coordinates' noise out whole) on K = 2, 3 simulated ranks, each running its share of one Poisson
   batch (every K-th example) in micro-batches of 2, a short rank padding with placeholders; the
   all-reduce simulated through ``ReplicatedSum.finish``'s ``reduce``; the release by the step's sharded
@@ -28,7 +28,7 @@ White-box, in one process (no process group), on the real classes:
   Planted ``fsdp_dpsft_local_coords``: no all-reduce (each rank noises its own examples' sum);
   ``fsdp_dpsft_rank_noise``: each rank draws its own noise for z (the stream named by its rank).
 * **DP-SFT ``optimizer_space: coords`` writes Θ = Θ_start + P z on each rank's rows** — the real
-  ``build`` (its :class:`~dpft.methods.dpsft.CoordsSync` on the optimizer of z) on K = 1, 2, 3 simulated
+  ``build`` (its :class:`~dpft.methods.dpsft.method.CoordsSync` on the optimizer of z) on K = 1, 2, 3 simulated
   ranks, each holding FSDP's dim-0 rows of every parameter (``local_rows``/``held`` simulated as row views
   of the rank's model copy): right after one optimizer step on z (no forward in between: an evaluation on
   gathered weights reads the rows as they are), the ranks' rows put together equal one process's
@@ -36,8 +36,8 @@ White-box, in one process (no process group), on the real classes:
   ``before_step`` writes ``Θ_start + P z_loaded``. Planted ``fsdp_dpsft_coords_rows_offset``: a rank writes
   rows ``[0, b − a)`` of ``P z`` into its rows ``[a, b)`` (its offset dropped); ``fsdp_dpsft_coords_stale``:
   nothing is written after the step (the old forward-hook timing: evaluation would see stale Θ).
-* **DP-SFT stage 1 builds one basis for the world** — the real :class:`~dpft.methods.dpsft_stage1.Snapshots`
-  and :func:`~dpft.methods.dpsft_stage1.world_basis` (``run_stage1``'s path after the phase) on K = 2, 3
+* **DP-SFT stage 1 builds one basis for the world** — the real :class:`~dpft.methods.dpsft.stage1.Snapshots`
+  and :func:`~dpft.methods.dpsft.stage1.world_basis` (``run_stage1``'s path after the phase) on K = 2, 3
   simulated ranks, each holding FSDP's dim-0 rows of every parameter along a 4-step trajectory (the gather
   ``full_on_rank0`` and the broadcasts simulated: rank 0 gets the full tensors, the others what rank 0
   sent): every rank must hold the one-process ``P``, singular values, ``Θ*`` (full shapes) and meta, and
@@ -57,15 +57,17 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from dpft import fsdp, fsdp_methods
+from dpft.placement import fsdp
+from dpft.placement import fsdp_methods
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.audit.whitebox import Check
-from dpft.distributed import World, shard
+from dpft.placement.world import World, shard
 from dpft.grads.subspace import COORDS
-from dpft.methods import dpsft, dpsft_stage1
+from dpft.methods.dpsft import method as dpsft
+from dpft.methods.dpsft import stage1 as dpsft_stage1
 from dpft.methods.rmt import DenoiseCfg, RMTDenoise
 from dpft.privacy.randomness import Randomness
-from dpft.shards import chunk_rows
+from dpft.placement.shards import chunk_rows
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import FlatClip
 from dpft.step.noise import GaussianMechanism

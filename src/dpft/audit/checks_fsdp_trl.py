@@ -1,16 +1,16 @@
 """Audit checks of the FSDP2 ways in added by issue 38 items 1–3: ``DPDPOTrainer`` and QLoRA through
-``DPTrainer`` under ``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin (integrations/hf_fsdp.py,
-integrations/trl_fsdp.py), and the non-private FSDP step of ``dpft train --no-dp`` (dpft/fsdp_plain.py).
+``DPTrainer`` under ``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin (integrations/hf/fsdp.py,
+integrations/trl/fsdp.py), and the non-private FSDP step of ``dpft train --no-dp`` (dpft/placement/fsdp_plain.py).
 
 White-box, in one process (no process group: DPTrainer runs the sharded step on the plain model), in the
 style of ``audit/checks_fsdp.py`` ``hf_fsdp_checks``:
 
 * **DPO under fsdp** — a tiny Llama with a LoRA policy, ``DPOConfig(fsdp=True, fsdp_config={"fsdp_version":
-  2})``, two logical steps: dpft's :class:`~dpft.fsdp.FSDPStep` runs every step with one ledger event, no
+  2})``, two logical steps: dpft's :class:`~dpft.placement.fsdp.FSDPStep` runs every step with one ledger event, no
   unclipped gradient reaches a parameter (autograd accumulates none; only the noisy release writes
   ``.grad``), every micro-batch the engine clips — the placeholder's usage probe included — holds whole
   pairs as its clipping groups (``[0, 0, 1, 1, …]``: the pair is the privacy unit), and TRL's reference
-  adapter (made before sharding, :func:`~dpft.integrations.trl_fsdp.add_reference_adapter`) is frozen:
+  adapter (made before sharding, :func:`~dpft.integrations.trl.fsdp.add_reference_adapter`) is frozen:
   outside the engine's parameters and unchanged by training, equal to the policy's adapter before
   training (PEFT re-freezes every inactive adapter whenever TRL switches adapters, so this holds by
   construction; checked all the same). Planted ``dpo_fsdp_args_kept``: DPTrainer clears ``fsdp`` but hands
@@ -23,7 +23,7 @@ style of ``audit/checks_fsdp.py`` ``hf_fsdp_checks``:
   gradients), FSDPStep runs every step with one ledger event, the engine's parameters are the adapters
   alone and no raw gradient reaches any parameter. Planted ``qlora_fsdp_env_kept``: accelerate's FSDP
   environment left on while ``Trainer`` builds its accelerator.
-* **the non-private FSDP step adds nothing for a placeholder** — :class:`~dpft.fsdp_plain.PlainFSDPStep`
+* **the non-private FSDP step adds nothing for a placeholder** — :class:`~dpft.placement.fsdp_plain.PlainFSDPStep`
   on a short rank (one real micro-batch, the world's count two: a placeholder runs) updates the weights
   exactly as the unsharded ``--no-dp`` step (``DPStep`` with ``NonPrivateEngine``) on the real one, and
   records no ledger event. Planted ``fsdp_plain_dummy_counted``: the placeholder's loss is not zeroed
@@ -45,7 +45,7 @@ import torch
 
 import trl  # noqa: F401 - the DPO check needs TRL; an ImportError skips this module in the suite
 
-from dpft import fsdp_plain
+from dpft.placement import fsdp_plain
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.models.quant import bnb_config
 from dpft.audit.checks_fsdp import watch_trainer
@@ -53,11 +53,12 @@ from dpft.audit.checks_hf_ddp import trl_rows
 from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
-from dpft.distributed import World
+from dpft.placement.world import World
 from dpft.grads.base import NonPrivateEngine
 from dpft.grads.groups import GROUP_KEY
-from dpft.integrations import hf, trl as dtrl
-from dpft.integrations.hf import DPArguments
+from dpft.integrations.hf import trainer as hf
+from dpft.integrations.trl import trainer as dtrl
+from dpft.integrations.hf.trainer import DPArguments
 from dpft.step import DPStep
 from dpft.step.build import build_step_spec
 from dpft.step.clip import make_clip_policy

@@ -1,5 +1,5 @@
 """Audit checks of issue 44 item 2: every update of the weights is a DP release, in every Python
-way in (step/guard.py, integrations/hf_checks.py ``LOOP_METHODS``).
+way in (step/guard.py, integrations/hf/checks.py ``LOOP_METHODS``).
 
 * **custom training loop refused** — ``privatize_trainer`` of a ``Trainer`` subclass with its own
   ``_inner_training_loop`` (the review's reproduction: the DP step never ran, the ledger held 0
@@ -40,7 +40,7 @@ PLANTED = ("trainer_step_skips_release", "custom_loop_accepted", "raw_update_acc
 def _skip_release(p) -> None:
     """DPTrainer.training_step runs the DP step at step 0 only; later steps backpropagate the raw
     loss of the sampled rows (no clipping, no noise, no ledger event) — then Trainer steps."""
-    from dpft.integrations import hf
+    from dpft.integrations.hf import trainer as hf
 
     orig = hf.DPTrainer.training_step
 
@@ -57,7 +57,7 @@ def _skip_release(p) -> None:
 
 
 def _no_loop_refusal(p) -> None:
-    from dpft.integrations import hf_checks
+    from dpft.integrations.hf import checks as hf_checks
 
     p.set(hf_checks, "loop_overrides", lambda cls: [])
 
@@ -99,7 +99,7 @@ def _rows(n: int = 8):
 def _trainer(out: str, cls=None, steps: int = 3, optimizer: Optional[Callable] = None):
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     torch.manual_seed(0)
     model = tiny_classifier("bert", vocab=64, max_len=16)
@@ -119,8 +119,8 @@ def _trainer(out: str, cls=None, steps: int = 3, optimizer: Optional[Callable] =
 def _custom_loop_check() -> Check:
     from transformers import Trainer
 
-    from dpft.integrations.hf import DPTrainer
-    from dpft.integrations.privatize import privatize_trainer
+    from dpft.integrations.hf.trainer import DPTrainer
+    from dpft.integrations.hf.privatize import privatize_trainer
 
     class CustomLoop(Trainer):
         def _inner_training_loop(self, *a, **k):

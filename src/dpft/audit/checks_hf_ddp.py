@@ -66,7 +66,7 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
     with planting(name, PLANTED) as p:
         from transformers import Trainer
 
-        from dpft.integrations import hf
+        from dpft.integrations.hf import trainer as hf
 
         if name == "hf_ddp_wrapped":
             p.set(hf.DPTrainer, "create_accelerator_and_postprocess", Trainer.create_accelerator_and_postprocess)
@@ -187,7 +187,7 @@ def run_job(job: dict) -> dict:
     """
     from transformers import PrinterCallback, TrainingArguments
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     out: dict[str, Any] = {"name": job["name"], "batches": {}, "shares": {}}
     users = job.get("users")
@@ -238,11 +238,11 @@ def run_job(job: dict) -> dict:
             if kind == "hf":
                 tr = DPTrainer(model=model, args=args, train_dataset=rows, data_collator=pad_collate, dp_args=dp)
             elif kind == "sft":
-                from dpft.integrations.trl import DPSFTTrainer
+                from dpft.integrations.trl.trainer import DPSFTTrainer
 
                 tr = DPSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, dp_args=dp)
             else:
-                from dpft.integrations.trl import DPDPOTrainer
+                from dpft.integrations.trl.trainer import DPDPOTrainer
 
                 tr = DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tok, dp_args=dp)
             tr.remove_callback(PrinterCallback)  # the audit's output is its checks, not Trainer's logs

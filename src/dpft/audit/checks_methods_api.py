@@ -37,9 +37,11 @@ from torch.utils.data import TensorDataset
 from dpft.api import PrivacyEngine
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
-from dpft.integrations import hf, hf_data
-from dpft.integrations.hf import DPArguments, DPTrainer
-from dpft.methods import dp_adam_ac, dpsft
+from dpft.integrations.hf import trainer as hf
+from dpft.integrations.hf import data as hf_data
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+from dpft.methods import dp_adam_ac
+from dpft.methods.dpsft import method as dpsft
 from dpft.step import clip as clipmod
 from dpft.transforms.subspace import SubspaceBasis
 

@@ -109,7 +109,7 @@ def _trainer_reordered(out: Path) -> tuple[bool, str]:
     from transformers import (BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments,
                               default_data_collator)
 
-    from dpft.integrations.hf import DPArguments, DPTrainer
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 64, (24, 5), generator=g)

@@ -1,4 +1,4 @@
-"""Audit checks that walk :class:`~dpft.integrations.trl.DPSFTTrainer`'s step (issue 26, item 2).
+"""Audit checks that walk :class:`~dpft.integrations.trl.trainer.DPSFTTrainer`'s step (issue 26, item 2).
 
 Each check builds a tiny random Llama and a word-level tokenizer with a ChatML template
 in-process, runs one logical step of ``DPSFTTrainer`` with ``σ = 0``, ``q = 1`` (every row
@@ -68,8 +68,8 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
     Raises:
         ValueError: an unknown name."""
     with planting(name, PLANTED) as p:
-        from dpft.integrations import hf_data
-        from dpft.integrations import trl as dtrl
+        from dpft.integrations.hf import data as hf_data
+        from dpft.integrations.trl import trainer as dtrl
 
         noop = lambda *a, **k: None  # noqa: E731
         if name == "sft_packing_accepted":
@@ -111,7 +111,7 @@ def _gc_frozen() -> Iterator[None]:
 
 def _unchecked_micro_batches(self, idx):
     """DPDPOTrainer._micro_batches without its two-rows-one-group check (the planted bug)."""
-    from dpft.integrations import trl as dtrl
+    from dpft.integrations.trl import trainer as dtrl
 
     if not len(idx):
         return
@@ -157,8 +157,8 @@ def _sft_step(model, rows, tokenizer, *, c: float = C, sigma: float = 0.0, confi
     parameters trainable after the step (the adapters with ``peft_config``)."""
     from trl import SFTConfig
 
-    from dpft.integrations.hf import DPArguments
-    from dpft.integrations.trl import DPSFTTrainer
+    from dpft.integrations.hf.trainer import DPArguments
+    from dpft.integrations.trl.trainer import DPSFTTrainer
 
     model = copy.deepcopy(model)
     _no_dropout(model)
@@ -186,8 +186,8 @@ def _dpo_step(model, rows, tokenizer, *, c: float = C):
     """One logical step of DPDPOTrainer (q = 1 over the pairs, σ = 0, SGD lr 1); ``S``."""
     from trl import DPOConfig
 
-    from dpft.integrations.hf import DPArguments
-    from dpft.integrations.trl import DPDPOTrainer
+    from dpft.integrations.hf.trainer import DPArguments
+    from dpft.integrations.trl.trainer import DPDPOTrainer
 
     model = copy.deepcopy(model)
     _no_dropout(model)

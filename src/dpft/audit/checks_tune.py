@@ -54,7 +54,7 @@ from dpft.audit.whitebox import Check
 from dpft.methods.base import registered
 from dpft.models.losses import classification_loss
 from dpft.step.build import build_clip, build_step_spec, make_engine
-from dpft.config import Recipe
+from dpft.config.recipe import Recipe
 from dpft.privacy.randomness import Randomness
 from dpft.run import tune as T
 from dpft.run import tune_space as TS

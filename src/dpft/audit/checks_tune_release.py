@@ -25,10 +25,10 @@ from dpft.accounting.ledger import PrivacyLedger, event_to_dict
 from dpft.accounting.selection import KDistribution, candidate_event, selection_epsilon
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
-from dpft.config import Recipe
+from dpft.config.recipe import Recipe
 from dpft.errors import RunLockError
 from dpft.privacy.randomness import Randomness
-from dpft.run import lock as L
+from dpft.outputs import lock as L
 from dpft.run import tune as T
 
 __all__ = ["RELEASE_PLANTED", "release_checks"]

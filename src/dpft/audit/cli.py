@@ -34,7 +34,7 @@ from typing import List, Optional
 import typer
 from dpft.audit.planted import ALL
 from dpft.audit.suite import audit_recipe, total_units
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 
 
 def plot_scores(results, path: Path) -> None:

@@ -53,8 +53,8 @@ from dpft.data.prepare import is_causal
 from dpft.data.tokenize import collate
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.privacy.randomness import Randomness
-from dpft.report.report import AUDIT_MEANING, render_markdown
-from dpft.run.card import write_model_cards
+from dpft.outputs.report import AUDIT_MEANING, render_markdown
+from dpft.outputs.card import write_model_cards
 from dpft.run.loop import Trainer
 
 __all__ = ["DESIGNS", "CanarySet", "default_designs", "make_canary_rows", "canary_losses",
@@ -462,7 +462,7 @@ def audit_summary(audit: dict, same_run: bool) -> dict:
 
 def attach_audit(run_dir: str | Path, audit: dict, same_run: bool = False) -> dict:
     """Add the audit's summary to ``run_dir``'s ``report.json`` and rewrite ``report.md`` and the
-    model card(s) from it (run/card.py). ``same_run``: the audit trained this very run (its
+    model card(s) from it (outputs/card.py). ``same_run``: the audit trained this very run (its
     model held the canaries); else the audit ran the same recipe in another folder.
 
     Raises:

@@ -43,10 +43,10 @@ from dpft.audit.estimators import gaussian_events
 from dpft.audit.final_model import (FINAL_MODEL_PLANTED, MAX_CANARY_TOKENS, CanarySet, audit_record, audit_summary,
                                     canary_losses, log_odds_loss, rows_once_per_batch, token_canaries)
 from dpft.audit.planted import plant
-from dpft.integrations.hf_card import trainer_report
+from dpft.integrations.hf.card import trainer_report
 from dpft.models.losses import causal_lm_loss, classification_loss
 from dpft.privacy.randomness import Randomness
-from dpft.run.card import build_card
+from dpft.outputs.card import build_card
 
 __all__ = ["audit_final_model_make_private", "audit_final_model_trainer", "log_odds", "add_rows", "audit_line",
            "write_audited_card"]
@@ -273,7 +273,7 @@ def audit_final_model_trainer(make_trainer: Callable[[Any], Any], train_dataset,
                   design: Optional[str] = None, confidence: float = 0.95, dirac: int = 0,
                   reproducible_seed: Optional[int] = None, planted: Optional[str] = None,
                   canary_length: int = MAX_CANARY_TOKENS, output_dir: Optional[str | Path] = None) -> dict:
-    """Audit the final model of a :class:`~dpft.integrations.hf.DPTrainer` (or ``DPSFTTrainer``) run.
+    """Audit the final model of a :class:`~dpft.integrations.hf.trainer.DPTrainer` (or ``DPSFTTrainer``) run.
 
     Args:
         make_trainer: ``make_trainer(train_dataset) -> trainer``: builds your trainer, not yet
@@ -350,7 +350,7 @@ def audit_final_model_trainer(make_trainer: Callable[[Any], Any], train_dataset,
 
 
 def write_audited_card(trainer, audit: dict, directory: str | Path) -> Path:
-    """Write the trainer's model card (integrations/hf_card.py) with the audited line "Audited: ε̂ ≥ x
+    """Write the trainer's model card (integrations/hf/card.py) with the audited line "Audited: ε̂ ≥ x
     at 95 % confidence by a final-model audit with m canaries …" beside the certified ε, to
     ``directory/README.md``; returns its path."""
     d = Path(directory)

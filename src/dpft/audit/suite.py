@@ -180,7 +180,7 @@ def optional_checks(planted: Optional[str] = None) -> tuple[list, list[str]]:
 
 def audit_recipe(recipe, quick: bool = True, planted: Optional[str] = None, progress=None,
                  run_dir: Optional[str] = None) -> tuple[dict, AuditReport]:
-    """Audit ``recipe`` (a :class:`~dpft.config.Recipe`) through the code ``dpft train`` runs.
+    """Audit ``recipe`` (a :class:`~dpft.config.recipe.Recipe`) through the code ``dpft train`` runs.
 
     Builds the recipe's :class:`~dpft.run.loop.Trainer` (its data, model, privacy unit, sampler,
     clip policy, engine, precision, earlier ledger phases, calibrated σ), takes the plan (unit,

@@ -53,7 +53,7 @@ from typing import Any, Optional, Sequence
 
 import datasets
 
-from dpft.config import TaskCfg
+from dpft.config.recipe import TaskCfg
 from dpft.data.stop import learned_stop_ids
 from dpft.data.tasks import DataError, _load_file
 

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import datasets
 
-from dpft.config import TaskCfg
+from dpft.config.recipe import TaskCfg
 from dpft.data.tasks import DataError, _load_file
 
 #: Column names the trainer uses itself; a kept data column with one of these names is refused.

@@ -17,7 +17,7 @@ from typing import Optional
 
 import datasets
 
-from dpft.config import TaskCfg
+from dpft.config.recipe import TaskCfg
 
 datasets.disable_progress_bars()  # dpft's own bar is the one that matters
 

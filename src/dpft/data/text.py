@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import datasets
 
-from dpft.config import TaskCfg
+from dpft.config.recipe import TaskCfg
 from dpft.data.tasks import DataError, _load_file
 from dpft.data.tokenize import CHARS_PER_TOKEN
 

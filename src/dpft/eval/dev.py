@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.models.losses import model_inputs
 from dpft.run.errors import TrainingError
 
@@ -23,7 +23,7 @@ class DevEvaluator:
 
     Args:
         data: the run's :class:`~dpft.data.prepare.TrainData`.
-        placement: its :class:`~dpft.perf.Placement` (device, autocast).
+        placement: its :class:`~dpft.placement.device.Placement` (device, autocast).
         world: the DDP world: each rank evaluates every K-th dev row and the sums are all-reduced.
         eval_cfg: the recipe's ``eval`` section (batch size, ``save_predictions``).
 

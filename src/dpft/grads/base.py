@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dpft.grads.contrib import full_precision
-from dpft.perf import FP32, Precision
+from dpft.placement.device import FP32, Precision
 from dpft.step.clip import ClipPolicy, check_finite_norms
 from dpft.grads.groups import group_sum, n_groups
 
@@ -72,7 +72,7 @@ class PerExampleEngine(ABC):
 
     Attributes:
         precision: autocast dtype and static loss scale of the forward/backward
-            (:class:`dpft.perf.Precision`; fp32 by default). Engines that apply it declare
+            (:class:`dpft.placement.device.Precision`; fp32 by default). Engines that apply it declare
             ``supports_precision = True``; the trainer refuses bf16/fp16 with any other.
     """
 
@@ -104,7 +104,7 @@ class PerExampleEngine(ABC):
         their rows set to 0; ``(sq, None)`` when there are none or the precision is not fp16.
 
         Such an example then gets clip factor 0 and its factors are zeroed, so it contributes
-        nothing (sensitivity stays C; see :mod:`dpft.perf`). Under fp32/bf16 a non-finite
+        nothing (sensitivity stays C; see :mod:`dpft.placement.device`). Under fp32/bf16 a non-finite
         norm still stops the step (``check_finite_norms``)."""
         if not self.precision.zero_nonfinite:
             return sq, None

@@ -37,7 +37,7 @@ place (those inputs are then copied).
 Activation checkpointing (Hugging Face ``gradient_checkpointing_enable``, reentrant or not, and
 plain ``torch.utils.checkpoint``) is supported: forwards re-run inside the backward are told
 apart from the original calls (``_hooks.Capture``), so each module call is recorded once. Mixed
-precision (``engine.precision``, :class:`dpft.perf.Precision`): the forward runs under autocast,
+precision (``engine.precision``, :class:`dpft.placement.device.Precision`): the forward runs under autocast,
 the backward outside it, and norms, clip factors and the clipped sum are computed in fp32 from
 the captured (bf16/fp16) factors; under fp16 a static loss scale is divided out before the
 norms and an example that overflows contributes 0.
@@ -330,7 +330,7 @@ class BookKeepingEngine(PerExampleEngine):
 
     supports_precision = True
     #: ``(name, full clipped sum) -> tensor`` applied to each parameter's sum as soon as it is
-    #: computed (FSDP: reduce-scatter, this rank's shard; dpft/fsdp.py). None: kept whole.
+    #: computed (FSDP: reduce-scatter, this rank's shard; dpft/placement/fsdp.py). None: kept whole.
     on_param_sum = None
     #: ``clipped_sum`` honours ``batch[GROUP_KEY]`` (user-level group clipping, grads/groups.py).
     supports_groups = True
@@ -563,7 +563,7 @@ class BookKeepingEngine(PerExampleEngine):
         for j, n in enumerate(names):
             grad_sum[n] = weighted_sum(merged.pop(n), weights[:, j], self.params[n], scaled,
                                        0 if uniform else j).detach()
-            if self.on_param_sum is not None:  # FSDP (dpft/fsdp.py): reduce-scattered at once, one full sum alive
+            if self.on_param_sum is not None:  # FSDP (dpft/placement/fsdp.py): reduce-scattered at once, one full sum alive
                 grad_sum[n] = self.on_param_sum(n, grad_sum[n])
         return ClippedBatch(grad_sum, sq.detach(), scales.detach(), float(loss_sum), b, overflowed)
 

@@ -36,7 +36,7 @@ Mixed precision: run the forward under ``torch.autocast`` as usual (bf16; the ba
 inside or outside it). Whatever dtype the layers' inputs and output gradients have, norms, clip
 factors and the clipped sum are computed in fp32 with autocast off. fp16 with
 ``torch.amp.GradScaler`` is not supported: its dynamic scale multiplies the per-example
-gradients the clip sees, and its scale follows the private examples' overflows (dpft/perf.py).
+gradients the clip sees, and its scale follows the private examples' overflows (dpft/placement/device.py).
 
 Per-example losses: the criterion returned by ``make_private`` calls :meth:`on_loss` with the
 ``(B,)`` per-example losses; their gradient reaches the hooks unscaled (a ``mean`` criterion's
@@ -56,7 +56,7 @@ from torch import nn
 from dpft.grads.capture import Capture
 from dpft.grads.base import ClippedBatch
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.perf import uses_activation_checkpointing
+from dpft.placement.device import uses_activation_checkpointing
 
 
 class DoubleCaptureError(RuntimeError):

@@ -26,12 +26,12 @@ exist; the largest per-example object is one tile of one layer.
 The engine's single clipping group is the k-vector: ``sq_norms`` is ``(B, 1)`` = ``‖s_i‖²`` and
 the flat clip factor ``min(1, C/‖s_i‖)`` bounds each example's contribution in R^k by ``C``.
 
-Under FSDP2 (dpft/fsdp.py, issue 38) FSDP all-gathers each block before its forward and backward,
+Under FSDP2 (dpft/placement/fsdp.py, issue 38) FSDP all-gathers each block before its forward and backward,
 so every captured contribution of a rank's own examples is full-shape, and with ``P`` replicated
 on every rank (``k × d_trainable`` floats per rank) ``s_i`` is complete on the example's rank: no
 communication per example. The clipped sum ``Σ_i c_i s_i`` is not a sharded parameter but a
 ``(k,)`` vector: the engine hands it to ``on_param_sum`` (the step's
-:class:`~dpft.fsdp_methods.ReplicatedSum`, which zeroes a placeholder's) and the step all-reduces
+:class:`~dpft.placement.fsdp_methods.ReplicatedSum`, which zeroes a placeholder's) and the step all-reduces
 it once per logical batch (``replicated_sum``), then noises it once for the world.
 """
 
@@ -139,10 +139,10 @@ class SubspaceEngine(PerExampleEngine):
         self._checked = False
 
     #: The clipped sum is a ``(k,)`` vector held whole by every rank (all-reduced under FSDP2,
-    #: dpft/fsdp.py), not a sharded parameter to reduce-scatter.
+    #: dpft/placement/fsdp.py), not a sharded parameter to reduce-scatter.
     replicated_sum = True
     #: The sharded step's hook ``(name, sum) -> sum`` for each micro-batch's clipped coordinate sum
-    #: (dpft/fsdp_methods.py ``ReplicatedSum``: zeros for a placeholder). None: kept as is.
+    #: (dpft/placement/fsdp_methods.py ``ReplicatedSum``: zeros for a placeholder). None: kept as is.
     on_param_sum = None
 
     def check_usage(self, batch: Mapping[str, torch.Tensor], groups: torch.Tensor | None = None) -> None:

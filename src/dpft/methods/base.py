@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol
 import dp_accounting as dpa
 from pydantic import BaseModel
 
-from dpft.config import MethodsSchema, set_methods_schema
+from dpft.config.recipe import MethodsSchema, set_methods_schema
 
 if TYPE_CHECKING:
     from dpft.accounting.ledger import PrivacyLedger
@@ -91,7 +91,7 @@ class Method:
     #: The method runs on FSDP2-sharded parameters (``perf.sharding: fsdp``, ``make_private`` on a
     #: ``fully_shard``-ed model, DPTrainer with ``fsdp``) as it does in one process: its transforms
     #: see this rank's row shard of the noisy gradient (or declare ``whole_tensors`` to get the
-    #: gathered tensors: dpft/fsdp_methods.py), its optimizer and statistics work on shards or on the
+    #: gathered tensors: dpft/placement/fsdp_methods.py), its optimizer and statistics work on shards or on the
     #: world's all-reduced counts. Checked by :meth:`sharded_refusal`.
     supports_fsdp: ClassVar[bool] = False
     #: Why the method cannot run on sharded parameters, in terms of its maths (shown in the FSDP
@@ -126,7 +126,7 @@ class Method:
             return None
         return cls.fsdp_refusal or ("not verified on FSDP2-sharded parameters (a plug-in declares supports_fsdp = True "
                                     "once its transforms, optimizer and statistics work on row shards: "
-                                    "dpft/fsdp_methods.py)")
+                                    "dpft/placement/fsdp_methods.py)")
 
     def __init__(self, cfg: BaseModel, recipe: Any):
         self.cfg = cfg
@@ -232,7 +232,7 @@ def get_method(name: str) -> type[Method]:
 
 _BUILTINS_LOADED = False
 #: Modules of the built-in methods (each registers its Method class on import).
-BUILTIN_METHODS = ("dpft.methods.dpsft", "dpft.methods.ewft", "dpft.methods.dp_adam_ac", "dpft.methods.rmt")
+BUILTIN_METHODS = ("dpft.methods.dpsft.method", "dpft.methods.ewft.method", "dpft.methods.dp_adam_ac", "dpft.methods.rmt")
 
 
 def _load_builtins() -> None:

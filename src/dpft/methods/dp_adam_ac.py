@@ -23,10 +23,10 @@ from typing import Any, Optional
 import torch
 from pydantic import Field
 
-from dpft.config_base import PluginConfig
+from dpft.config.base import PluginConfig
 from dpft.methods.base import Method, register_method
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA, swap_values
-from dpft.shards import full_on_rank0, is_sharded
+from dpft.placement.shards import full_on_rank0, is_sharded
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
 from dpft.step.noise import GaussianMechanism
 
@@ -78,7 +78,7 @@ def _active(ac) -> bool:
 
 class _ShardedDPAdam(DPAdam):
     """DPAdam in an FSDP2 run: ``torch.distributed.checkpoint`` (``get_optimizer_state_dict``, what the
-    run's per-rank checkpoints save: dpft/fsdp_state.py) keys optimizer state by parameter only, so
+    run's per-rank checkpoints save: dpft/placement/fsdp_checkpoint.py) keys optimizer state by parameter only, so
     DPAdam's running Φ̂ (its non-parameter ``"_phi"`` entry) is kept beside the state during ``step``.
     It is not checkpointed: a run with adam_ac options does not resume (``DPAdamAC.prepare``)."""
 
@@ -255,7 +255,7 @@ class DPAdamAC(Method):
             self.ema.update()
             if out.step + 1 >= run.total_steps and any(is_sharded(t) for t in self.ema.shadow.values()):
                 # FSDP2: rank 0 alone saves and generates, on a plain copy; gather the EMA now (every rank
-                # joins each gather, in the same order); rank 0 alone keeps it (dpft/shards.py)
+                # joins each gather, in the same order); rank 0 alone keeps it (dpft/placement/shards.py)
                 self._ema_full = full_on_rank0(self.ema.shadow)
         bsz, clipped = out.private["batch_size"], out.private["clipped"]
         rate = None

@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from dpft.config_base import PluginConfig
+from dpft.config.base import PluginConfig
 from dpft.methods.base import Method, register_method
 from dpft.step.postprocess import rmt_transform
 from dpft.transforms.rmt import RMTDenoiser, matrix_param_names, spike_report
@@ -78,7 +78,7 @@ class RMTDenoise(Method):
     #: Under FSDP2: each rank holds its rows of the noisy gradient; the SVD needs whole matrices, so
     #: the transform declares ``whole_tensors`` and the sharded step all-gathers them (already noised:
     #: post-processing, no privacy cost), denoises them identically on every rank (the sketch
-    #: generator is public and seeded) and keeps this rank's rows (dpft/fsdp_methods.py).
+    #: generator is public and seeded) and keeps this rank's rows (dpft/placement/fsdp_methods.py).
     supports_fsdp = True
     #: Post-processing of the noisy sum: the step's events are unchanged (a search may vary it).
     search_events_unchanged = True
@@ -117,7 +117,7 @@ class RMTDenoise(Method):
         params = spec.params if spec.params is not None else spec.engine.params
         if not self.cfg.diagnostics:
             tf = rmt_transform(run.model, list(params), self.cfg)
-            # the SVD acts on whole matrices: under FSDP the step gathers them (dpft/fsdp_methods.py)
+            # the SVD acts on whole matrices: under FSDP the step gathers them (dpft/placement/fsdp_methods.py)
             tf.whole_tensors = list(matrix_param_names(run.model, list(params)))  # type: ignore[attr-defined]
             return spec.replace(transforms=[*spec.transforms, tf])
         cap = _CleanCapture(spec.mechanism)

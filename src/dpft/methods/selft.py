@@ -36,7 +36,7 @@ from dpft.selection.scoring import ScoreCache, ScoreSettings, rank_units, score_
 from dpft.synth.generators import load_candidate_file
 from dpft.synth.select_label import dp_select_and_label
 from dpft.methods.base import PhaseRunner, phase_runner
-from dpft.perf import resolve_device
+from dpft.placement.device import resolve_device
 from dpft.privacy.randomness import Randomness
 
 SELECTORS = ("selft", "random_noise", "no_noise", "loss", "gradient", "attention")

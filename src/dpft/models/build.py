@@ -16,7 +16,7 @@ def build_model(recipe, num_labels: int | None, device=None):
     ``task.name: seq2seq``: an ``AutoModelForSeq2SeqLM`` (T5, BART). ``num_labels`` None: a
     causal LM (``text``/``instruct`` tasks, ``models/causal.py``); else a
     sequence classifier with that many labels (:func:`load_classifier`). ``model.dropout`` and
-    ``trainable`` are applied here; placement on the device is :func:`dpft.perf.place_model`'s.
+    ``trainable`` are applied here; placement on the device is :func:`dpft.placement.device.place_model`'s.
     ``model.quantization`` (QLoRA, ``models/quant.py``): the base is quantized while loading, on
     ``device`` (the run's device; default from ``perf.device``), and checked before loading.
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from dpft.models.lora_targets import resolve_lora_targets
 from dpft.models.arch import HEAD_PATTERNS, ModelError, _block_list  # noqa: F401 (re-exported)
-from dpft.config import TrainableCfg
+from dpft.config.recipe import TrainableCfg
 from dpft.models.standard import MeanPoolClassifier  # noqa: F401  (re-exported: dpft.models.load.MeanPoolClassifier)
 
 

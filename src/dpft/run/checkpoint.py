@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.accounting.cap import ledger_resume_cap
 from dpft.accounting.ledger import PrivacyLedger
 
@@ -74,7 +74,7 @@ def check_world_size(state: dict[str, Any], world_size: int, run_dir: Path) -> s
     checkpoints written before DDP = 1). A resumed run must have as many: each rank's share of
     a logical batch, its dropout stream and the order of the all-reduced sums depend on it, so
     only the same world replays a reproducible run's steps as they were. (FSDP2 runs are not
-    checked here: their per-rank DCP shards reshard to any world, dpft/fsdp_state.py.)
+    checked here: their per-rank DCP shards reshard to any world, dpft/placement/fsdp_checkpoint.py.)
     """
     was = int(state.get("world_size", 1))
     if was == world_size:

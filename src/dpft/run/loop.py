@@ -20,16 +20,18 @@ from tqdm.auto import tqdm
 
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.config import Recipe, dump_recipe
+from dpft.config.recipe import Recipe, dump_recipe
 from dpft.data.tokenize import collate
 from dpft.methods.base import register_phase_runner
 from dpft.grads.groups import GROUP_KEY
 from dpft.privacy.randomness import Randomness
-from dpft import distributed as ddp, fsdp, fsdp_plain
+from dpft.placement import world as ddp
+from dpft.placement import fsdp
+from dpft.placement import fsdp_plain
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
 from dpft.run.checkpoint import cap_resumed_run, check_world_size, load_checkpoint, release_checkpoints, save_checkpoint
 from dpft.run.plan import build_plan, evaluate_with_methods
-from dpft.run.release import DiagnosticsLog, split_row
+from dpft.outputs.release import DiagnosticsLog, split_row
 from dpft.step import DPStep
 from dpft.step.clip import NonFiniteGradientError
 from dpft.step.postprocess import Transform  # noqa: F401 (Transform: public type)
@@ -38,10 +40,10 @@ from dpft.run.errors import TrainingError  # noqa: F401  (public here since issu
 from dpft.eval.generate import generation_eval
 from dpft.eval.lm import sample_generations
 from dpft.eval.paired import write_predictions
-from dpft.fsdp import gathered, materialise
-from dpft.fsdp_state import load_checkpoint as load_sharded, save_checkpoint as save_sharded
-from dpft.report.report import write_report
-from dpft.run.outputs import after_report, save_run_model
+from dpft.placement.fsdp import gathered, materialise
+from dpft.placement.fsdp_checkpoint import load_checkpoint as load_sharded, save_checkpoint as save_sharded
+from dpft.outputs.report import write_report
+from dpft.outputs.model import after_report, save_run_model
 from dpft.run.predict import evaluate_test_file
 from dpft.run.tracking import Trackers, public_config
 from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
@@ -94,7 +96,7 @@ class Trainer:
         #: The recipe's methods (methods/base.py), composed in order; the driver names none.
         self.methods, self.ctx = p.methods, p.ctx
         self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
-        if p.sharded:  # FSDP2 (dpft/fsdp.py): a rank short of micro-batches runs a placeholder one
+        if p.sharded:  # FSDP2 (dpft/placement/fsdp.py): a rank short of micro-batches runs a placeholder one
 
             self.dp_step = fsdp_plain.make_step(p, self.ledger, self.save_live_ledger, lambda: collate(
                 list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id, self.with_token_types,
@@ -169,7 +171,7 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
         """One logical step through :class:`~dpft.step.DPStep`. Returns the row's fields (the
-        private ones are split off by run/release.py before anything is written)."""
+        private ones are split off by outputs/release.py before anything is written)."""
         torch.manual_seed(ddp.dropout_seed(self.rng, step, self.world))  # dropout masks: per step (and rank), secret
         idx = self.dp_step.indices(step)
         for m in self.methods:
@@ -298,7 +300,7 @@ class Trainer:
         missing = set() if self.plan.sharded else set(self.params) - set(ck["params"])
         if missing:
             raise TrainingError(f"--resume: checkpoint lacks parameters {sorted(missing)[:3]}…")
-        if self.plan.sharded:  # FSDP: each rank loads its shards (dpft/fsdp_state.py)
+        if self.plan.sharded:  # FSDP: each rank loads its shards (dpft/placement/fsdp_checkpoint.py)
             load_sharded(self, ck)
         else:
             with torch.no_grad():
@@ -508,7 +510,7 @@ class Trainer:
 
     def save_model(self) -> None:
         """The model and tokenizer in ``model/`` as ``AutoModelFor…``/``pipeline`` load them, with
-        ``id2label`` (LoRA: the adapter; ``model_merged/`` on request) — run/outputs.py."""
+        ``id2label`` (LoRA: the adapter; ``model_merged/`` on request) — outputs/model.py."""
         save_run_model(self)
         for m in self.methods:  # e.g. EMA weights beside the raw ones
             m.finish(self.ctx)

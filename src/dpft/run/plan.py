@@ -19,7 +19,7 @@ evaluation, checkpoints, release, report). In order::
     optimizer       optim/__init__.py    build_optimizer, build_scheduler
     evaluation      eval/dev.py          DevEvaluator
 
-``make_private`` (api/engine.py) and ``DPTrainer`` (integrations/hf.py) build the overlapping parts —
+``make_private`` (api/engine.py) and ``DPTrainer`` (integrations/hf/trainer.py) build the overlapping parts —
 σ, engine, step spec — with the same step/build.py functions from their own arguments.
 """
 
@@ -39,9 +39,9 @@ from dpft.models.load import is_head_param
 from dpft.models.quant import check_recipe as check_quantization
 from dpft.models.losses import causal_lm_loss, classification_loss, seq2seq_lm_loss
 from dpft.optim import build_optimizer, build_scheduler
-from dpft.perf import Placement, build_placement, place_model
+from dpft.placement.device import Placement, build_placement, place_model
 from dpft.privacy.randomness import Randomness
-from dpft import distributed as ddp
+from dpft.placement import world as ddp
 from dpft.run.auto import has_auto
 from dpft.run.checkpoint import continue_ledger
 from dpft.errors import PlanError, TrainingError
@@ -50,7 +50,7 @@ from dpft.step.mechanisms import Mechanism, mechanism_of_recipe
 from dpft.step.plan import PrivacyPlan, build_privacy_plan
 from dpft.run.unit import build_unit, check_user_level
 from dpft.step.unit import PrivacyUnit
-from dpft.fsdp import check_recipe, shard_model
+from dpft.placement.fsdp import check_recipe, shard_model
 from dpft.grads.base import NonPrivateEngine
 from dpft.step.clip import make_clip_policy
 
@@ -104,7 +104,7 @@ class RunPlan:
     optimizer: Any
     scheduler: Any
     evaluator: DevEvaluator
-    #: ``perf.sharding: fsdp``: parameters are FSDP2 shards and the step is ``dpft.fsdp.FSDPStep``.
+    #: ``perf.sharding: fsdp``: parameters are FSDP2 shards and the step is ``dpft.placement.fsdp.FSDPStep``.
     sharded: bool = False
     #: The privacy plan of the training phase (step/plan.py: the builder every way in shares).
     privacy: Optional[PrivacyPlan] = None
@@ -159,7 +159,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     methods = active_methods(r)
     sharded = r.perf.sharding == "fsdp"
     check_quantization(r)  # model.quantization (QLoRA): bitsandbytes installed, LoRA only; before any loading
-    if sharded:  # refusals that need no data, before any loading (dpft/fsdp.py)
+    if sharded:  # refusals that need no data, before any loading (dpft/placement/fsdp.py)
 
         check_recipe(r, world.world_size, methods, private, resume)
     placement = build_placement(r, world.local_rank if world.distributed else None, progress,

@@ -25,7 +25,7 @@ from dpft.data.tasks import (REGISTRY, DataError, _check_missing_labels, _col, _
                              _ROW)
 from dpft.data.stop import generation_stop_ids, identical_generations
 from dpft.eval.dev import classify
-from dpft.config import load_recipe
+from dpft.config.recipe import load_recipe
 from dpft.data.tokenize import tokenize_split
 from dpft.eval.generate import generate_ids
 

@@ -52,7 +52,7 @@ from dpft.models.build import build_model
 from dpft.models.load import is_head_param
 from dpft.models.losses import classification_loss, model_inputs
 from dpft.optim import build_optimizer
-from dpft.perf import build_placement, place_model
+from dpft.placement.device import build_placement, place_model
 from dpft.privacy.randomness import Randomness
 from dpft.run.checkpoint import release_checkpoints
 from dpft.step.build import build_clip, make_engine

@@ -1,6 +1,6 @@
 """Experiment tracking (``log.report_to: [tensorboard, wandb, mlflow]``), released quantities only.
 
-What a tracker receives is a subset of ``metrics.jsonl`` (the release set, run/release.py):
+What a tracker receives is a subset of ``metrics.jsonl`` (the release set, outputs/release.py):
 ε, dev (and, at the end, test) metrics and the learning rate — an allow-list (:func:`trackable`),
 so a private statistic (training loss, realised batch size, clip fraction, step time) can never
 reach a tracker even if a row carried one by mistake. The trackers are optional extras
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from dpft.run.release import PRIVATE_KEYS
-from dpft.config import dump_recipe
+from dpft.outputs.release import PRIVATE_KEYS
+from dpft.config.recipe import dump_recipe
 
 #: Keys a tracker may receive besides ``dev_*`` / ``test_*`` metrics.
 #: ``noisy_score``: a search's released score of its chosen trial (run/tune.py ``track_search``).

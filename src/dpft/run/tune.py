@@ -46,10 +46,10 @@ from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger, event_from_dict, event_to_dict
 from dpft.accounting.selection import (KDistribution, RandomKSelectionDpEvent, calibrate_search, candidate_event,
                                        check_trials_covered, selection_epsilon)
-from dpft.config import Recipe, dump_recipe
-from dpft.config_tune import PRIVACY_KEYS
+from dpft.config.recipe import Recipe, dump_recipe
+from dpft.config.tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
-from dpft.report.report import NOT_FOR_RELEASE, REPRODUCIBLE_WARNING
+from dpft.outputs.report import NOT_FOR_RELEASE, REPRODUCIBLE_WARNING
 from dpft.run.errors import TrainingError
 from dpft.run.tune_space import (BudgetError, apply_hyperparameters, auto_refusal, check_search_methods,
                                  resolve_search_auto, search_auto, steps_for, time_budget_refusal, time_plan)
@@ -249,7 +249,7 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
          rng: Optional[Randomness] = None, keep_trials: bool = False) -> dict[str, Any]:
     """Run the private search of ``recipe`` in ``run_dir`` (module docstring). Returns the report.
 
-    The run folder is locked (run/lock.py) for the search's whole life, as ``dpft train`` locks its own:
+    The run folder is locked (outputs/lock.py) for the search's whole life, as ``dpft train`` locks its own:
     a second search or resume into it while this one runs is refused naming this one (issue 44 item 3).
     ``progress``: the search's own lines on stderr (the law of K, the auto choice, one line at the end);
     a trial prints nothing and has no progress bar whatever ``progress`` is (issue 44 item 1).
@@ -257,7 +257,7 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     Raises:
         TuneError, SelectionError, DataError: each naming the fix (recipe refusals before loading);
         RunLockError: another process holds ``run_dir``."""
-    from dpft.run.lock import RunLock
+    from dpft.outputs.lock import RunLock
 
     check_tune_recipe(recipe)
     run_dir = Path(run_dir)
@@ -593,7 +593,7 @@ def _card(r: Recipe, run_dir: Path, trial_report: Path, total, private_dev: bool
           certified_by: str = "") -> None:
     """The released model's card from its trial's report, with the SEARCH's ε (the trial's own ε is not the
     guarantee of a selected model) and without dev metrics computed on private scoring rows."""
-    from dpft.run.card import write_model_cards
+    from dpft.outputs.card import write_model_cards
 
     if not trial_report.is_file():
         return

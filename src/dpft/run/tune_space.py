@@ -37,8 +37,8 @@ from pydantic import ValidationError
 
 from dpft.accounting.budget import BudgetError, choose_batch_and_steps, scaled_lr, steps_in_time
 from dpft.accounting.selection import KDistribution, calibrate_search
-from dpft.config import apply_overrides
-from dpft.config_tune import PRIVACY_KEYS, is_method_key
+from dpft.config.recipe import apply_overrides
+from dpft.config.tune import PRIVACY_KEYS, is_method_key
 from dpft.methods.base import MethodError, get_method, method_name
 from dpft.run.auto import describe_seconds, time_budget_refusal
 from dpft.run.errors import TrainingError

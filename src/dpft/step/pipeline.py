@@ -3,7 +3,7 @@
 sample → per-example engine → clip policy (inside the engine) → aggregate → mechanism.release
 (returns its ``DpEvent``; sensitivity asked of the clip policy at release time) → ledger.record
 → post-processing transforms → optimizer. The CLI trainer (``run/loop.py``), the Opacus-shaped
-``PrivacyEngine`` (``api/``) and the Hugging Face ``DPTrainer`` (``integrations/hf.py``) all
+``PrivacyEngine`` (``api/``) and the Hugging Face ``DPTrainer`` (``integrations/hf/trainer.py``) all
 run their private steps through it, so sampling, noise and accounting agree by construction
 (jax_privacy's ``DPExecutionPlan`` idea).
 
@@ -93,7 +93,7 @@ class StepOutput:
 
     ``released``: post-processing statistics of the noisy gradient (safe to publish).
     ``private``: un-noised statistics (loss, realised batch size, clipped count, times): the
-    release set never holds them (run/release.py).
+    release set never holds them (outputs/release.py).
     """
 
     step: int
@@ -169,7 +169,7 @@ class DPStep:
         return self.release_and_update(step, agg, t0)
 
     def _as_grad(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """``g`` as ``p``'s ``.grad`` (FSDP, dpft/fsdp.py: this rank's shard wrapped as a DTensor)."""
+        """``g`` as ``p``'s ``.grad`` (FSDP, dpft/placement/fsdp.py: this rank's shard wrapped as a DTensor)."""
         return g
 
     def release_and_update(self, step: int, agg: Aggregator, t0: Optional[float] = None) -> StepOutput:
@@ -215,6 +215,6 @@ class DPStep:
                    "step_seconds": time.perf_counter() - t0, "transform_seconds": t_tf}
         if sp.mechanism is not None:
             private["clip_fraction"] = agg.clipped / max(agg.batch_size, 1)
-        private["overflowed"] = agg.overflowed  # fp16 examples that contributed 0 (dpft/perf.py)
+        private["overflowed"] = agg.overflowed  # fp16 examples that contributed 0 (dpft/placement/device.py)
         norms = torch.cat(agg.norms) if agg.norms else None
         return StepOutput(step, q, released, private, norms)

@@ -15,7 +15,7 @@ gives ``W = Aᵀ U Λ^{-1/2}``), followed by one ``k × k`` re-orthonormalisatio
 the round-off of the Gram route.
 
 Everything here is post-processing of whatever produced the snapshots: it costs no privacy
-itself; the privacy of a basis is that of its trajectory (see ``methods/dpsft.py``).
+itself; the privacy of a basis is that of its trajectory (see ``methods/dpsft/method.py``).
 """
 
 from __future__ import annotations

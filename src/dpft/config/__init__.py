@@ -1,0 +1,7 @@
+"""The recipe schema: the recipe and its sections (recipe.py), the base of every config model and
+the run-level sections (base.py), the search's ``tune:`` section (tune.py).
+
+The public path ``dpft.config`` (``from dpft.config import Recipe, load_recipe``) is kept here.
+"""
+
+from dpft.config.recipe import *  # noqa: F401,F403  (the public path dpft.config)
