@@ -27,6 +27,9 @@ from typing import Callable, Optional
 
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
+from dpft.config.recipe import TaskCfg
+from dpft.data import tasks
+from dpft.data.tasks import DataError
 
 __all__ = ["PLANTED", "SECRET", "SECRET_NUMBER", "error_cases", "data_checks", "planted_bug"]
 
@@ -37,7 +40,6 @@ SECRET_NUMBER = 424242
 
 
 def _plant_quoted(p) -> None:
-    from dpft.data import tasks
 
     p.set(tasks, "_kind", lambda v: repr(v))
 
@@ -60,8 +62,6 @@ def _rows(labels) -> list[dict]:
 def error_cases(d: Path) -> dict[str, Callable[[], object]]:
     """``{case: call}``: each call must raise a DataError whose text never holds the planted
     label. Files are written under ``d``. Sizes are the smallest that reach each check."""
-    from dpft.config.recipe import TaskCfg
-    from dpft.data import tasks
 
     s, n = SECRET, SECRET_NUMBER
 
@@ -99,7 +99,6 @@ def leaked(text: str) -> bool:
 
 def run_case(call: Callable[[], object]) -> tuple[bool, str]:
     """(refused with a DataError, its full text: type, message and traceback)."""
-    from dpft.data.tasks import DataError
 
     try:
         call()

@@ -31,6 +31,14 @@ from torch import nn
 
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check, tiny_classifier
+from dpft import PrivacyEngine
+from dpft.integrations.hf import checks as hf_checks
+from dpft.integrations.hf import trainer as hf
+from dpft.integrations.hf.privatize import privatize_trainer
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+from dpft.integrations.hf.trainer import DPTrainer
+from dpft.step.guard import ReleaseGuard
+from dpft.step.guard import UpdateWithoutReleaseError
 
 __all__ = ["PLANTED", "guard_checks", "planted_bug"]
 
@@ -40,7 +48,6 @@ PLANTED = ("trainer_step_skips_release", "custom_loop_accepted", "raw_update_acc
 def _skip_release(p) -> None:
     """DPTrainer.training_step runs the DP step at step 0 only; later steps backpropagate the raw
     loss of the sampled rows (no clipping, no noise, no ledger event) — then Trainer steps."""
-    from dpft.integrations.hf import trainer as hf
 
     orig = hf.DPTrainer.training_step
 
@@ -57,13 +64,11 @@ def _skip_release(p) -> None:
 
 
 def _no_loop_refusal(p) -> None:
-    from dpft.integrations.hf import checks as hf_checks
 
     p.set(hf_checks, "loop_overrides", lambda cls: [])
 
 
 def _no_hook(p) -> None:
-    from dpft.step.guard import ReleaseGuard
 
     def before_step(self, optimizer, args, kwargs):
         self._pending = None
@@ -73,7 +78,6 @@ def _no_hook(p) -> None:
 
 
 def _no_end_check(p) -> None:
-    from dpft.step.guard import ReleaseGuard
 
     p.set(ReleaseGuard, "check_end", lambda self, *a, **k: None)
 
@@ -99,7 +103,6 @@ def _rows(n: int = 8):
 def _trainer(out: str, cls=None, steps: int = 3, optimizer: Optional[Callable] = None):
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     torch.manual_seed(0)
     model = tiny_classifier("bert", vocab=64, max_len=16)
@@ -119,8 +122,6 @@ def _trainer(out: str, cls=None, steps: int = 3, optimizer: Optional[Callable] =
 def _custom_loop_check() -> Check:
     from transformers import Trainer
 
-    from dpft.integrations.hf.trainer import DPTrainer
-    from dpft.integrations.hf.privatize import privatize_trainer
 
     class CustomLoop(Trainer):
         def _inner_training_loop(self, *a, **k):
@@ -173,8 +174,6 @@ def _trainer_updates_check() -> Check:
 def _raw_update_check() -> Check:
     from torch.utils.data import DataLoader, TensorDataset
 
-    from dpft import PrivacyEngine
-    from dpft.step.guard import UpdateWithoutReleaseError
 
     name = "guard: make_private refuses an update without a DP release (raw optimizer step)"
     torch.manual_seed(0)
@@ -203,7 +202,6 @@ def _raw_update_check() -> Check:
 def _weights_moved_check() -> Check:
     from transformers.trainer_utils import TrainOutput
 
-    from dpft.step.guard import UpdateWithoutReleaseError
 
     name = "guard: DPTrainer whose loop writes the weights itself is stopped at the end of train()"
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():

@@ -46,6 +46,8 @@ from dpft.step import mechanisms
 from dpft.step.correlated import CyclicPoissonSampler, banded_coefficients, banded_phase_event, strategy_matrix
 from dpft.step.mechanisms import TruncatedPoisson
 from dpft.step.truncated import truncated_event
+from dpft.integrations.hf.trainer import DPArguments
+from dpft.integrations.hf.trainer import DPTrainer
 
 __all__ = ["PLANTED", "mechanisms_api_checks", "planted_bug", "make_private_banded", "make_private_truncated",
            "trainer_banded", "trainer_truncated"]
@@ -256,7 +258,6 @@ def _rows(n: int, t: int = 6):
 def _trainer(out: str, dp, max_steps: int, save_steps: Optional[int] = None):
     from transformers import TrainingArguments, default_data_collator
 
-    from dpft.integrations.hf.trainer import DPTrainer
 
     args = TrainingArguments(output_dir=out, learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
                              use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=max_steps,
@@ -280,7 +281,6 @@ def _record_batches(tr) -> dict[int, list[int]]:
 
 def trainer_banded() -> list[Check]:
     """DPTrainer(mechanism="banded_mf"): noise, separation + events, the secret file."""
-    from dpft.integrations.hf.trainer import DPArguments
 
     bands, steps, sigma, c_clip = 2, 3, 0.9, 1.0
     dp = DPArguments(noise_multiplier=sigma, target_delta=1e-3, expected_batch_size=8, max_grad_norm=c_clip,
@@ -322,7 +322,6 @@ def trainer_banded() -> list[Check]:
 
 def trainer_truncated() -> Check:
     """DPTrainer(max_batch_size=B_max): every logical batch ≤ B_max; the truncated event."""
-    from dpft.integrations.hf.trainer import DPArguments
 
     steps, sigma, b_max, batch = 2, 1.0, 11, 16
     dp = DPArguments(noise_multiplier=sigma, target_delta=1e-3, expected_batch_size=batch, max_batch_size=b_max,

@@ -36,6 +36,8 @@ from dpft.grads.bookkeeping import BookKeepingEngine
 from dpft.grads.reference import ReferenceEngine
 from dpft.models.losses import seq2seq_lm_loss
 from dpft.step.clip import make_clip_policy
+from dpft.data import tokenize
+from dpft.data.tokenize import collate
 
 PLANTED = ("seq2seq_targets_across_rows", "relative_table_batch_summed")
 TOL = 1e-3
@@ -53,7 +55,6 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
 
     Raises:
         ValueError: an unknown name."""
-    from dpft.data import tokenize
 
     with planting(name, PLANTED) as p:
         if name == "seq2seq_targets_across_rows":
@@ -137,7 +138,6 @@ def _deberta():
 
 
 def _deberta_batch(rows) -> dict:
-    from dpft.data.tokenize import collate
 
     batch = collate([{"input_ids": r["input_ids"]} for r in rows], 0)
     batch["labels"] = torch.tensor([r["label"] for r in rows])
@@ -171,7 +171,6 @@ def _deberta_clipped_sum(model, rows, c: float) -> torch.Tensor:
 def _clipped_sum(model, rows) -> torch.Tensor:
     import warnings
 
-    from dpft.data import tokenize
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # BART's embeddings take the exact torch.func fallback

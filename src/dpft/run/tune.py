@@ -53,6 +53,10 @@ from dpft.outputs.report import NOT_FOR_RELEASE, REPRODUCIBLE_WARNING
 from dpft.run.errors import TrainingError
 from dpft.run.tune_space import (BudgetError, apply_hyperparameters, auto_refusal, check_search_methods,
                                  resolve_search_auto, search_auto, steps_for, time_budget_refusal, time_plan)
+from dpft.accounting.ledger import PrivacyLedger as _Ledger
+from dpft.outputs.lock import RunLock
+from dpft.run import tracking
+from dpft.run.auto import describe_seconds
 
 __all__ = ["tune", "TuneError", "configurations", "split_rows", "draw_trials", "private_score", "finish_search", "summary"]
 
@@ -257,7 +261,6 @@ def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bo
     Raises:
         TuneError, SelectionError, DataError: each naming the fix (recipe refusals before loading);
         RunLockError: another process holds ``run_dir``."""
-    from dpft.outputs.lock import RunLock
 
     check_tune_recipe(recipe)
     run_dir = Path(run_dir)
@@ -279,7 +282,6 @@ def _say(progress: bool, msg: str) -> None:
 
 def _tune_locked(recipe: Recipe, run_dir: Path, resume: bool, progress: bool, rng: Optional[Randomness],
                  keep_trials: bool) -> dict[str, Any]:
-    from dpft.accounting.ledger import PrivacyLedger as _Ledger
     from dpft.data.tasks import load_task
     from dpft.run.loop import Trainer
 
@@ -420,7 +422,6 @@ def k_law_message(r: Recipe, dist: KDistribution, plans: list, n_fit: int, n_sco
             return "\n".join(lines)
     per = max(timing.setup_seconds + steps * timing.step_seconds(int(round(q * n_fit)), n_fit)
               + 2 * timing.eval_seconds(n_score) for q, steps in plans)
-    from dpft.run.auto import describe_seconds
 
     lines.append(f"  estimated time (a trial ≈ {describe_seconds(per)} on this machine, the slowest configuration; "
                  "timed on synthetic rows): " + ", ".join(f"{p:.0%}: ≤ {describe_seconds(k * per)}" for p, k in qs))
@@ -435,7 +436,6 @@ def track_search(r: Recipe, run_dir: Path, rep: dict) -> None:
     never a trial's. Nothing without trackers."""
     if not r.log.report_to:
         return
-    from dpft.run import tracking
 
     c = rep.get("chosen") or {}
     config = {"search": "dpft tune", "chosen": c.get("hyperparameters"), "target_epsilon": r.privacy.target_epsilon,
