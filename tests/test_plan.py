@@ -459,3 +459,22 @@ def test_make_private_names_a_parameter_frozen_after_it(when):
                 opt.step()
                 opt.zero_grad()
     assert eng.ledger.steps == when  # nothing was released with the frozen parameter
+
+
+def test_epochs_1_1_over_100_rows_at_b_10_is_11_steps_in_every_way_in(tiny_model_dir, sst_like_files, tmp_path):
+    """Issue 46 item 3: one ``planned_steps`` (⌈epochs · N / B − 1e-9⌉) behind dpft train, dpft tune, the
+    auto choice, make_private and DPTrainer: 1.1 · 100 / 10 is 11.000000000000002 in floating point, which
+    the CLI's own ⌈·⌉ made 12 steps while make_private and DPTrainer planned 11 — the same settings
+    calibrating σ for different T."""
+    from dpft.config import load_recipe
+    from dpft.run.loop import Trainer
+    from dpft.run.tune import _steps_and_q
+
+    assert 1.1 * 100 / 10 > 11 and planned_steps(100, 10, epochs=1.1) == 11
+    r = load_recipe(None, {"schedule.epochs": 1.1, "schedule.steps": None, "batch.expected_batch_size": 10})
+    assert _steps_and_q(r, {}, 100)[1] == 11  # dpft tune's trials
+    # dpft train on 60 rows at B = 6 (1.1 · 60 / 6 = 11.000000000000002 as well)
+    r = files_recipe(tiny_model_dir, sst_like_files, **{"schedule.epochs": 1.1, "schedule.steps": None,
+                                                        "batch.expected_batch_size": 6,
+                                                        "task.dev_file": str(sst_like_files["csv"])})
+    assert Trainer(r, tmp_path / "run", progress=False).total_steps == 11

@@ -8,11 +8,11 @@ fits the wall-clock budget, from a step timed on synthetic rows before σ is cal
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Optional
 
+from dpft.step.plan import planned_steps
 from dpft.accounting.budget import (BudgetError, choose_batch_and_steps, choose_for_time, scaled_lr,
                                     steps_in_time)
 
@@ -61,7 +61,7 @@ def resolve_auto(recipe, n: Optional[int] = None, *, num_labels: Optional[int] =
     b_auto, t_auto = r.batch.expected_batch_size == "auto", r.schedule.steps == "auto"
     fixed_t = None
     if not t_auto:
-        fixed_t = r.schedule.steps or max(1, math.ceil(r.schedule.epochs * n / 256))
+        fixed_t = planned_steps(n, 256, r.schedule.steps or None, r.schedule.epochs)
     choice = choose_batch_and_steps(n, r.privacy.target_epsilon, r.privacy.delta, r.schedule.compute_budget,
                                     batch=None if b_auto else r.batch.expected_batch_size,
                                     steps=None if t_auto else fixed_t)

@@ -25,7 +25,6 @@ evaluation, checkpoints, release, report). In order::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -47,7 +46,7 @@ from dpft.run.checkpoint import continue_ledger
 from dpft.errors import PlanError, TrainingError
 from dpft.step.build import build_clip, make_engine
 from dpft.step.mechanisms import Mechanism, mechanism_of_recipe
-from dpft.step.plan import PrivacyPlan, build_privacy_plan
+from dpft.step.plan import PrivacyPlan, build_privacy_plan, planned_steps
 from dpft.run.unit import build_unit, check_user_level
 from dpft.step.unit import PrivacyUnit
 from dpft.placement.fsdp import check_recipe, shard_model
@@ -176,7 +175,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
         data = extra_rows(r, data, tokenizer)
     unit = build_unit(r, data.train_tok, data.task.notes, rng, private, mechanism)
     s = r.schedule
-    total_steps = s.steps or max(1, math.ceil(s.epochs * unit.n / r.batch.expected_batch_size))
+    total_steps = planned_steps(unit.n, r.batch.expected_batch_size, s.steps or None, s.epochs)
 
     ddp.check_methods(world, methods, registry=registered())  # DDP: only methods correct across ranks
     evaluator = DevEvaluator(data, placement, world, r.eval)

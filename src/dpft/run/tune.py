@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import dp_accounting as dpa
 
+from dpft.step.plan import planned_steps
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger, event_from_dict, event_to_dict
 from dpft.accounting.selection import (KDistribution, RandomKSelectionDpEvent, calibrate_search, candidate_event,
@@ -148,7 +149,7 @@ def _steps_and_q(r: Recipe, combo: dict, n: int, steps_by_batch: Optional[dict] 
         steps, epochs = steps_by_batch[str(b)], None
     elif steps is None and epochs is None:
         steps, epochs = r.schedule.steps, r.schedule.epochs
-    t = int(steps) if steps else max(1, math.ceil(float(epochs) * n / b))
+    t = planned_steps(n, b, int(steps) if steps else None, None if steps else float(epochs))
     if b > n:
         raise TuneError(f"tune: expected batch size {b} exceeds the {n} fit rows; choose smaller batches")
     return b / n, t

@@ -36,6 +36,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from dpft.accounting.budget import BudgetError, choose_batch_and_steps, scaled_lr, steps_in_time
+from dpft.step.plan import planned_steps
 from dpft.accounting.selection import KDistribution, calibrate_search
 from dpft.config.recipe import apply_overrides
 from dpft.config.tune import PRIVACY_KEYS, is_method_key
@@ -258,7 +259,7 @@ def resolve_search_auto(r, n: int, dist: KDistribution, score_sigma: Optional[fl
                               "smaller batch or batch.expected_batch_size: auto")
         fixed_t = None
         if not (r.schedule.steps == "auto"):
-            fixed_t = int(r.schedule.steps) if r.schedule.steps else max(1, math.ceil(r.schedule.epochs * n / 256))
+            fixed_t = planned_steps(n, 256, int(r.schedule.steps) if r.schedule.steps else None, r.schedule.epochs)
         choice = choose_batch_and_steps(n, eps, delta, r.schedule.compute_budget,
                                         batch=None if b_auto else int(r.batch.expected_batch_size),
                                         steps=fixed_t,
