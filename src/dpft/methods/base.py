@@ -232,7 +232,8 @@ def get_method(name: str) -> type[Method]:
 
 _BUILTINS_LOADED = False
 #: Modules of the built-in methods (each registers its Method class on import).
-BUILTIN_METHODS = ("dpft.methods.dpsft.method", "dpft.methods.ewft.method", "dpft.methods.dp_adam_ac", "dpft.methods.rmt")
+BUILTIN_METHODS = ("dpft.methods.dpsft.method", "dpft.methods.ewft.method", "dpft.methods.dp_adam_ac", "dpft.methods.rmt",
+                   "dpft.methods.lpft")
 
 
 def _load_builtins() -> None:
