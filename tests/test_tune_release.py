@@ -163,3 +163,21 @@ def test_search_killed_between_score_and_state_resumes_to_the_same_release(tiny_
     assert [e["phase"] for e in led["entries"]] == [f"tune:{after['search_id']}"]  # no trial composed on top
     eps = PrivacyLedger.load(out / "ledger.json").epsilon(rec.privacy.delta).epsilon
     assert eps <= rec.privacy.target_epsilon and rep["epsilon"] == pytest.approx(eps)
+
+
+@pytest.mark.slow  # two tiny searches: 74 s on 2 cores under a load of 7
+def test_audit_catches_a_trial_that_prints_its_numbers():
+    """``dpft audit``'s screen check (audit/checks_tune_release.py): a tiny search's captured stdout/stderr
+    name no trial's hyperparameters, σ, count or score; planted ``trial_prints`` is caught."""
+    from dpft.audit import checks_tune as C
+    from dpft.audit import planted, suite
+    from dpft.audit import checks_tune_release as R
+
+    assert "trial_prints" in R.RELEASE_PLANTED and "trial_prints" in C.PLANTED and "trial_prints" in planted.ALL
+    assert ("dpft.audit.checks_tune", "tune_checks", C.PLANTED) in suite.OPTIONAL_CHECKS
+    clean = R._screen_silent(None)
+    assert clean.passed and clean.message.endswith("on the screen: none"), clean.row()
+    bad = R._screen_silent("trial_prints")
+    assert not bad.passed
+    for what in ("learning rate", "σ", "score", "count"):
+        assert f"trial 0's {what}" in bad.message, bad.row()
