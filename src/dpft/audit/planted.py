@@ -60,7 +60,8 @@ ALL = ALL + MECHANISMS_PLANTED
 TUNE_PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
                 "uncovered_trial_hidden", "auto_single_run_sigma",
                 # issue 44: what a search lets out, and its folder (audit/checks_tune_release.py)
-                "trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume")
+                "trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume",
+                "trial_prints")
 ALL = ALL + TUNE_PLANTED
 
 

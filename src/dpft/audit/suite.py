@@ -120,7 +120,7 @@ OPTIONAL_CHECKS = (
                                                "auto_single_run_sigma",
                                                # issue 44 (audit/checks_tune_release.py)
                                                "trial_publishes", "search_skips_lock", "ledger_entry_replaced",
-                                               "score_redrawn_on_resume")),
+                                               "score_redrawn_on_resume", "trial_prints")),
     # issue 28: truncated Poisson and banded matrix factorization
     ("dpft.audit.checks_mechanisms", "mechanism_checks",
      ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
