@@ -15,6 +15,8 @@ import torch
 
 from conftest import files_recipe
 
+pytestmark = pytest.mark.slow  # each test runs Trainers end to end (20-40 s on 2 shared cores)
+
 MODES = {
     "head": {"trainable.mode": "head"},
     "last_k": {"trainable.mode": "last_k", "trainable.last_k": 1},

@@ -254,3 +254,8 @@ ALL = ALL + FSDP_TRL_PLANTED
 # own clipping group instead of the user's pairs together; the plan (N, q) built over pairs instead of users.
 DPO_USER_PLANTED = ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")
 ALL = ALL + DPO_USER_PLANTED
+# issue 45: frozen features computed once (audit/checks_features.py plants them): the cache computed with
+# the frozen part in train mode (dropout), the memmap written inside the run folder and kept, the key
+# blind to the frozen weights.
+FEATURES_PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_key_ignores_weights")
+ALL = ALL + FEATURES_PLANTED

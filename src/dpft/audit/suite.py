@@ -148,6 +148,9 @@ OPTIONAL_CHECKS = (
       "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
     # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
     ("dpft.audit.checks_dpo_user", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
+    # issue 45: frozen features computed once (exact, private at rest, keyed to the frozen weights)
+    ("dpft.audit.checks_features", "features_checks", ("features_prefix_train_mode", "features_cache_in_run_dir",
+                                                       "features_key_ignores_weights")),
 )
 
 

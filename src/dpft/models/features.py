@@ -87,7 +87,7 @@ class FrozenPrefix:
     def describe(self) -> str:
         """``"embeddings + blocks 0–3"`` etc. (for the plan that ``dpft train`` prints)."""
         if self.kind == "pooled":
-            return f"the whole encoder ({self.num_blocks} blocks) + mean pooling"
+            return f"encoder ({self.num_blocks} blocks) + mean pooling"
         if self.start == 0:
             return "the embeddings"
         return f"embeddings + blocks 0–{self.start - 1} of {self.num_blocks}"
