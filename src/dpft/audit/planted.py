@@ -269,3 +269,8 @@ ALL = ALL + DATA_PLANTED
 GUARD_PLANTED = ("trainer_step_skips_release", "custom_loop_accepted", "raw_update_accepted",
                  "weights_moved_unreleased")
 ALL = ALL + GUARD_PLANTED
+# issue 45: frozen features computed once (audit/checks_features.py plants them): the cache computed with
+# the frozen part in train mode (dropout), the memmap written inside the run folder and kept, the key
+# blind to the frozen weights.
+FEATURES_PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_key_ignores_weights")
+ALL = ALL + FEATURES_PLANTED

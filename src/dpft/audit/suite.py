@@ -156,6 +156,9 @@ OPTIONAL_CHECKS = (
     # issue 44 item 2: every update of the weights is a DP release (custom loops refused, the optimizer guard)
     ("dpft.audit.checks_guard", "guard_checks", ("trainer_step_skips_release", "custom_loop_accepted",
                                                  "raw_update_accepted", "weights_moved_unreleased")),
+    # issue 45: frozen features computed once (exact, private at rest, keyed to the frozen weights)
+    ("dpft.audit.checks_features", "features_checks", ("features_prefix_train_mode", "features_cache_in_run_dir",
+                                                       "features_key_ignores_weights")),
 )
 
 
