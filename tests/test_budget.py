@@ -27,7 +27,7 @@ def test_lr_rule():
     assert scaled_lr(1e-3, 64, "sgd") == pytest.approx(2.5e-4)
 
 
-def test_resolver_rewrites_recipe_and_refuses_non_private():
+def test_resolver_rewrites_recipe_and_gives_non_private_the_private_choice():
     from dpft.config.recipe import Recipe
     from dpft.run.auto import resolve_auto
 
@@ -39,8 +39,15 @@ def test_resolver_rewrites_recipe_and_refuses_non_private():
     assert r2.optimizer.lr == pytest.approx(r.optimizer.lr * math.sqrt(r2.batch.expected_batch_size / 256))
     assert "auto: B =" in msg and "learning rate" in msg
     assert resolve_auto(Recipe(), n=1000) == (Recipe(), None)
-    with pytest.raises(BudgetError, match="target_epsilon"):
-        resolve_auto(r.model_copy(update={"privacy": r.privacy.model_copy(update={"enabled": False})}), n=1000)
+    # --no-dp (issue 44 item 9): the private run's (B, T, lr) at the recipe's target ε, said as such
+    ref, msg = resolve_auto(r.model_copy(update={"privacy": r.privacy.model_copy(update={"enabled": False})}), n=1000)
+    assert not ref.privacy.enabled
+    got = (ref.batch.expected_batch_size, ref.schedule.steps, ref.optimizer.lr)
+    assert got == (r2.batch.expected_batch_size, r2.schedule.steps, r2.optimizer.lr)
+    assert msg.startswith(f"non-private reference of the run dpft train would make at ε = 3: B = {got[0]}, T = {got[1]}")
+    with pytest.raises(BudgetError, match="target_epsilon"):  # no target ε to take the choice at
+        resolve_auto(r.model_copy(update={"privacy": r.privacy.model_copy(update={"enabled": False,
+                                                                                  "target_epsilon": None})}), n=1000)
 
 
 # ---- time budget (issue 35 item 3, left open: "a time budget measured on the first step") ----

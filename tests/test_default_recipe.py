@@ -67,3 +67,33 @@ def test_instruct_without_a_recipe_uses_lora_on_the_models_linear_layers(tmp_pat
     r = CliRunner().invoke(app, ["train", str(tmp_path / "r.yaml"), "--train-file", str(tmp_path / "t.jsonl"),
                                  "-o", str(tmp_path / "o2")])
     assert captured["recipe"].trainable.mode == "full"
+
+
+@pytest.mark.parametrize("eps", [None, 3.0])
+def test_no_dp_without_a_recipe_is_the_reference_of_the_private_run(tmp_path, sst_like_files, captured, eps):
+    """``dpft train --no-dp`` with data flags only (issue 44 item 9): was refused ("batch/steps auto choose (B, T)
+    for a target ε"); now the same command's auto choice at its nominal ε (the default recipe's 8, or
+    ``--epsilon``) — the same B, T and scaled learning rate — without noise, and it says so."""
+    flags = ["train", "--train-file", str(sst_like_files["csv"])] + (["--epsilon", str(eps)] if eps else [])
+    r = CliRunner().invoke(app, flags + ["-o", str(tmp_path / "dp")])
+    assert r.exit_code == 2 and "stopped by the test" in r.output, r.output
+    dp = captured["recipe"]
+    r = CliRunner().invoke(app, flags + ["--no-dp", "-o", str(tmp_path / "nodp")])
+    assert r.exit_code == 2 and "stopped by the test" in r.output, r.output
+    ref = captured["recipe"]
+    assert dp.privacy.enabled and not ref.privacy.enabled
+    b, t, lr = dp.batch.expected_batch_size, dp.schedule.steps, dp.optimizer.lr
+    assert isinstance(b, int) and isinstance(t, int) and lr != 3e-4  # an auto choice, the lr scaled with B
+    assert (ref.batch.expected_batch_size, ref.schedule.steps, ref.optimizer.lr) == (b, t, lr)
+    assert ref.optimizer.head_lr == dp.optimizer.head_lr and ref.trainable.mode == dp.trainable.mode
+    said = " ".join(r.output.split())
+    assert (f"non-private reference of the run dpft train would make at ε = {eps or 8.0:g}: B = {b}, T = {t}, "
+            f"lr = {lr:.3g}") in said, said
+
+
+def test_no_dp_auto_without_a_target_is_still_refused(tmp_path, sst_like_files, captured):
+    """Nothing to take the choice at (``privacy.target_epsilon: null``): refused, naming the fix."""
+    r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "--no-dp", "--set",
+                                 "privacy.target_epsilon=null", "-o", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "stopped by the test" not in r.output
+    assert "set privacy.target_epsilon" in " ".join(r.output.split()), r.output

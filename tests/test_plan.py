@@ -466,7 +466,7 @@ def test_epochs_1_1_over_100_rows_at_b_10_is_11_steps_in_every_way_in(tiny_model
     auto choice, make_private and DPTrainer: 1.1 · 100 / 10 is 11.000000000000002 in floating point, which
     the CLI's own ⌈·⌉ made 12 steps while make_private and DPTrainer planned 11 — the same settings
     calibrating σ for different T."""
-    from dpft.config import load_recipe
+    from dpft.config.recipe import load_recipe
     from dpft.run.loop import Trainer
     from dpft.run.tune import _steps_and_q
 

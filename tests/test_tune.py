@@ -207,7 +207,7 @@ def test_audit_tune_checks_pass():
     from dpft.audit.checks_tune import tune_checks
 
     checks = tune_checks()
-    assert len(checks) == 11 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
+    assert len(checks) == 12 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
     # a profile bound computed in our favour (the R^{η+1} factor on δ dropped) is caught
     from dpft.audit.checks_tune import _selection_epsilon
 

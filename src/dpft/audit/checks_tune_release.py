@@ -13,11 +13,20 @@
 * **a score is formed once** — forming a trial's score again after a crash (same count, same kept noise)
   gives the same value and records no second ``GaussianDpEvent``; planted ``score_redrawn_on_resume``
   (a fresh draw and a new event each time, the overspend of a resumed search) fails it.
+* **a trial says nothing on the screen** — a tiny search (a random BERT with a word-level tokenizer,
+  40 rows, one step per trial, a fixed key) runs with its progress lines on, its stdout and stderr
+  captured at the file descriptors: no trial's hyperparameters, σ, count of correct predictions or
+  score appears, and no trial progress bar (``dev_acc``); planted ``trial_prints`` (each trial's
+  ``{hyperparameters} σ = …`` line and its score printed, the review's black-box leak) fails it.
+  Tens of seconds on a CPU: its test is marked slow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,7 +42,8 @@ from dpft.run import tune as T
 
 __all__ = ["RELEASE_PLANTED", "release_checks"]
 
-RELEASE_PLANTED = ("trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume")
+RELEASE_PLANTED = ("trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume",
+                   "trial_prints")
 
 
 def _plant_publish(p) -> None:
@@ -75,9 +85,25 @@ def _plant_redraw(p) -> None:
     p.set(T, "private_score", redraw)
 
 
+def _plant_prints(p) -> None:
+    rec, score = T._trial_recipe, T.private_score  # noqa: SLF001
+
+    def says_hp(r, hp, sigma, *a, **kw):  # the per-trial line the review saw on stderr
+        print(f"trial: {hp} σ = {sigma:.4f}", file=sys.stderr, flush=True)
+        return rec(r, hp, sigma, *a, **kw)
+
+    def says_score(correct, score_sigma, ledger, noise, i=0, ledger_path=None):
+        s = score(correct, score_sigma, ledger, noise, i, ledger_path)
+        print(f"trial {i}: correct {correct}, score {s:.2f}", flush=True)
+        return s
+
+    p.set(T, "_trial_recipe", says_hp)
+    p.set(T, "private_score", says_score)
+
+
 _bug = bug_planter(RELEASE_PLANTED, {"trial_publishes": _plant_publish, "search_skips_lock": _plant_no_lock,
                                      "ledger_entry_replaced": _plant_one_phase,
-                                     "score_redrawn_on_resume": _plant_redraw})
+                                     "score_redrawn_on_resume": _plant_redraw, "trial_prints": _plant_prints})
 
 
 def _recipe(**extra) -> Recipe:
@@ -157,6 +183,83 @@ def _score_once(planted=None) -> Check:
                  f"score formed twice: {a:.3f}, {b:.3f}; score events in the trial's ledger: {n}")
 
 
+@contextlib.contextmanager
+def _screen(path: Path):
+    """Everything written to stdout and stderr inside the block, at the file descriptors (print, tqdm,
+    logging handlers, C extensions), appended to ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "a", encoding="utf-8") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                yield
+        finally:
+            f.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _tiny_classifier_dir(d: Path) -> Path:
+    """A random 2-layer BERT (hidden 16) and a word-level tokenizer over ``_WORDS``, saved to ``d``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertConfig, BertForSequenceClassification, PreTrainedTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {w: i for i, w in enumerate(special + sorted(set(_WORDS)) + [str(i) for i in range(40)])}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(d)
+    torch.manual_seed(0)
+    BertForSequenceClassification(BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=32,
+                                             max_position_embeddings=64)).save_pretrained(d)
+    return d
+
+
+_WORDS = ("a", "good", "bad", "great", "awful", "film", "number")
+
+
+def _screen_silent(planted=None) -> Check:
+    """A tiny search run with its progress lines on: its captured screen names no trial's numbers."""
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        with _screen(d / "setup.txt"):  # the model's own save bar, kept off the audit's console
+            model = _tiny_classifier_dir(d / "model")
+        rows = "\n".join(f"a {_WORDS[1 + i % 4]} film number {i},{int(i % 4 < 2)}" for i in range(40))
+        (d / "train.csv").write_text("text,label\n" + rows + "\n")
+        r = Recipe.model_validate({
+            "model": {"name": str(model), "max_length": 8}, "task": {"name": "files", "train_file": str(d / "train.csv")},
+            "batch": {"expected_batch_size": 8, "max_physical_batch_size": 8}, "schedule": {"steps": 1},
+            "privacy": {"target_epsilon": 8.0, "delta": 1e-3, "engine": "reference"}, "perf": {"device": "cpu"},
+            "tune": {"trials": {"distribution": "truncated_negative_binomial", "mean": 2.0, "eta": 1.0},
+                     "score_fraction": 0.3, "space": {"optimizer.lr": {"log_uniform": [1e-3, 1e-1]}}}})
+        with _bug(planted if planted == "trial_prints" else None), _screen(d / "screen.txt"):
+            T.tune(r, d / "run", progress=True, rng=Randomness.from_key(b"audit-tune-screen".ljust(32, b"\0")))
+        text = (d / "screen.txt").read_text(errors="replace")
+        trials = json.loads((d / "run" / T.PRIVATE / "state.json").read_text())["trials"]
+    seen = []
+    for t in trials:
+        lr = t["hyperparameters"]["optimizer.lr"]
+        for what, s in (("learning rate", repr(lr)[:8]), ("σ", f"{t['sigma']:.4f}"), ("score", f"{t['score']:.2f}"),
+                        ("count", f"correct {t['correct']}")):
+            if s in text:
+                seen.append(f"trial {t['index']}'s {what}")
+    if "dev_acc" in text:
+        seen.append("a trial's progress bar")
+    return Check("tune: a trial prints nothing to the screen (stdout, stderr)", bool(trials) and not seen,
+                 f"{len(trials)} trial(s); {len(text.splitlines())} screen lines; trial numbers on the screen: "
+                 f"{', '.join(seen) or 'none'}")
+
+
 def release_checks(planted: str | None = None) -> list:
-    """The checks above (seconds). ``planted``: None, one of :data:`RELEASE_PLANTED`, or another module's."""
-    return [_silent_trials(planted), _lock_held(planted), _ledger_composes(planted), _score_once(planted)]
+    """The checks above (tens of seconds: the screen check runs a tiny search). ``planted``: None, one of
+    :data:`RELEASE_PLANTED`, or another module's."""
+    return [_silent_trials(planted), _lock_held(planted), _ledger_composes(planted), _score_once(planted),
+            _screen_silent(planted)]

@@ -60,7 +60,8 @@ ALL = ALL + MECHANISMS_PLANTED
 TUNE_PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
                 "uncovered_trial_hidden", "auto_single_run_sigma",
                 # issue 44: what a search lets out, and its folder (audit/checks_tune_release.py)
-                "trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume")
+                "trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume",
+                "trial_prints")
 ALL = ALL + TUNE_PLANTED
 
 
@@ -268,3 +269,8 @@ ALL = ALL + DATA_PLANTED
 GUARD_PLANTED = ("trainer_step_skips_release", "custom_loop_accepted", "raw_update_accepted",
                  "weights_moved_unreleased")
 ALL = ALL + GUARD_PLANTED
+# issue 45: frozen features computed once (audit/checks_features.py plants them): the cache computed with
+# the frozen part in train mode (dropout), the memmap written inside the run folder and kept, the key
+# blind to the frozen weights.
+FEATURES_PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_key_ignores_weights")
+ALL = ALL + FEATURES_PLANTED

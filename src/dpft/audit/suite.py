@@ -120,7 +120,7 @@ OPTIONAL_CHECKS = (
                                                "auto_single_run_sigma",
                                                # issue 44 (audit/checks_tune_release.py)
                                                "trial_publishes", "search_skips_lock", "ledger_entry_replaced",
-                                               "score_redrawn_on_resume")),
+                                               "score_redrawn_on_resume", "trial_prints")),
     # issue 28: truncated Poisson and banded matrix factorization
     ("dpft.audit.checks_mechanisms", "mechanism_checks",
      ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
@@ -156,6 +156,9 @@ OPTIONAL_CHECKS = (
     # issue 44 item 2: every update of the weights is a DP release (custom loops refused, the optimizer guard)
     ("dpft.audit.checks_guard", "guard_checks", ("trainer_step_skips_release", "custom_loop_accepted",
                                                  "raw_update_accepted", "weights_moved_unreleased")),
+    # issue 45: frozen features computed once (exact, private at rest, keyed to the frozen weights)
+    ("dpft.audit.checks_features", "features_checks", ("features_prefix_train_mode", "features_cache_in_run_dir",
+                                                       "features_key_ignores_weights")),
 )
 
 

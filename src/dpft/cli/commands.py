@@ -18,7 +18,8 @@ from dpft.config.recipe import load_recipe
 from dpft.outputs.report_lm import generation_summary
 from dpft.outputs.report import epsilon_line, reprint
 from dpft.run.errors import TrainingError
-from dpft.run.tune import summary, tune as run_tune
+from dpft.run.tune import tune as run_tune
+from dpft.run.tune_report import summary
 import dpft.methods.base  # noqa: F401,E402 (the method registry installs the recipe schema's methods hook)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

@@ -46,6 +46,23 @@ class PerfCfg(_Strict):
     #: and optimizer state sharded over the ranks; book-keeping engine; dpft/placement/fsdp.py, docs/fsdp.md)
     #: · ``none`` (refuse more than one process).
     sharding: Literal["none", "ddp", "fsdp"] = "ddp"
+    #: Frozen features computed once (run/features.py, issue 45): when the trainable scope
+    #: leaves a frozen prefix (``trainable.mode: head``, ``last_k``, ``units`` above block i),
+    #: its output is computed once per training and dev row (eval mode) and every step runs
+    #: only the rest. ``auto``: where the model and recipe allow it (one process, no method, a
+    #: classification task, no truncated Poisson); ``on``: the same, or an error saying why
+    #: not; ``off``: never. Exact: the same gradients and released values as ``off``.
+    feature_cache: Literal["auto", "on", "off"] = "auto"
+    #: Cached features above this size (MiB) go to a numpy memmap in a private temp folder
+    #: (mode 0700) instead of RAM.
+    feature_cache_memory_mb: int = Field(2048, ge=0)
+    #: Keep the cache (private data at rest, never in the run folder) in
+    #: ``feature_cache_dir``/<key> after the run, for a later run with the same frozen weights,
+    #: tokenised rows and settings; default false: removed when the run ends.
+    keep_feature_cache: bool = False
+    #: Where a kept cache lives (default ``$XDG_CACHE_HOME/dpft/features`` or
+    #: ``~/.cache/dpft/features``); refused inside the run's output folder.
+    feature_cache_dir: Optional[str] = None
 
     @field_validator("device")
     @classmethod

@@ -53,11 +53,12 @@ class MeanPoolClassifier(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, **_ignored):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, **_ignored):
         from transformers.modeling_outputs import SequenceClassifierOutput
 
         kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                                ("position_ids", position_ids)) if v is not None}
+                                ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
         h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
         pooled = masked_mean(h, attention_mask)
         return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))

@@ -39,7 +39,8 @@ def resolve_auto(recipe, n: Optional[int] = None, *, num_labels: Optional[int] =
     so a resume plans the same run and σ).
 
     Raises:
-        BudgetError: a non-private run (with ``auto`` batch), a causal-LM or user-level task,
+        BudgetError: a non-private run (with ``auto`` batch) with no target ε to take the choice at (with one:
+            the private run's choice, :func:`_reference`), a causal-LM or user-level task,
             ``steps: auto`` with ``epochs``, no feasible (B, T), a time budget under torchrun — each
             naming the fix, before any model loading (the time probe loads one, after these checks)."""
     if not has_auto(recipe):
@@ -47,6 +48,8 @@ def resolve_auto(recipe, n: Optional[int] = None, *, num_labels: Optional[int] =
     r = recipe
     timed = r.schedule.time_budget is not None
     private = r.privacy.enabled and r.privacy.target_epsilon is not None and r.privacy.noise_multiplier is None
+    if not private and not (timed and r.batch.expected_batch_size != "auto") and _nominal(r):
+        return _reference(r, n, num_labels=num_labels, n_dev=n_dev, timing=timing, resume_dir=resume_dir)
     if not private and not (timed and r.batch.expected_batch_size != "auto"):
         raise BudgetError("batch/steps auto choose (B, T) for a target ε: set privacy.target_epsilon (and no "
                           "noise_multiplier), or give numbers")
@@ -71,6 +74,31 @@ def resolve_auto(recipe, n: Optional[int] = None, *, num_labels: Optional[int] =
         lr = scaled_lr(r.optimizer.lr, choice.batch, r.optimizer.name)
         msg += _lr_line(r, lr)
     return _resolved(r, choice.batch, choice.steps, lr), msg
+
+
+def _nominal(r) -> bool:
+    """A non-private run (``--no-dp``) whose recipe still names a target ε and no σ: its auto (B, T) can be
+    the private run's at that ε (:func:`_reference`)."""
+    p = r.privacy
+    return not p.enabled and p.target_epsilon is not None and p.noise_multiplier is None
+
+
+def _reference(r, n, **kw):
+    """``--no-dp`` with batch/steps auto (issue 44 item 9): the non-private reference of the run the same
+    command makes with DP — the B, T and scaled learning rate :func:`resolve_auto` chooses for this recipe at
+    its nominal ``privacy.target_epsilon`` (``--epsilon``, or the default recipe's), so that "the same
+    recipe without DP" is one flag. Nothing private is spent: the choice reads N (and a timed probe on
+    synthetic rows under a time budget), as the private run's does.
+
+    Returns ``(recipe, explanation)``: ``r`` (still non-private) with that (B, T, lr), and the private
+    choice's explanation headed by the line that says whose choice it is."""
+    priv = r.model_copy(update={"privacy": r.privacy.model_copy(update={"enabled": True})})
+    chosen, msg = resolve_auto(priv, n, **kw)
+    b, t, lr = chosen.batch.expected_batch_size, chosen.schedule.steps, chosen.optimizer.lr
+    head = (f"non-private reference of the run dpft train would make at ε = {r.privacy.target_epsilon:g}: "
+            f"B = {b}, T = {t}, lr = {lr:.3g} (its auto choice, below; this run adds no noise and has NO privacy "
+            "guarantee)")
+    return _resolved(r, b, t, lr), head + ("\n" + msg if msg else "")
 
 
 def _resolved(r, b: int, t: int, lr: float):

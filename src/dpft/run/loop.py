@@ -69,7 +69,8 @@ class Trainer:
                  ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
                  phase: str = "train", live_ledger_path: Optional[str | Path] = None,
                  on_step: Optional[Callable[[int, dict], None]] = None, allow_overspend: bool = False,
-                 extra_rows: Optional[Callable] = None):  # run/plan.py build_plan's hook (audit canaries)
+                 extra_rows: Optional[Callable] = None,  # run/plan.py build_plan's hook (audit canaries)
+                 features=None):  # a FeatureCache to reuse (run/features.py; tune trials)
         t0 = time.time()
         #: A resumed run may end above the target ε (issue 36: by default it stops within it).
         self.allow_overspend = allow_overspend
@@ -80,7 +81,7 @@ class Trainer:
         #: Everything the run is, resolved once before the loop (run/plan.py).
         self.plan = p = build_plan(recipe, run_dir, resume=resume, transforms=transforms, progress=progress,
                                    ledger=ledger, rng=rng, phase=phase, live_ledger_path=live_ledger_path,
-                                   train_phase=train_phase, extra_rows=extra_rows)
+                                   train_phase=train_phase, extra_rows=extra_rows, features=features)
         self.recipe, self.run_dir, self.resume, self.phase = recipe, p.run_dir, resume, p.phase
         self.world, self.rng, self.progress, self.private = p.world, p.rng, p.progress, p.private
         #: The ledger is appended to, never replaced (run/checkpoint.py ``continue_ledger``).
@@ -177,6 +178,8 @@ class Trainer:
         for m in self.methods:
             m.before_step(step, self.ctx)
         self.model.train()
+        if self.plan.prefix is not None:  # the frozen prefix: eval mode (no dropout), cached or not
+            self.plan.prefix.eval_prefix()
         idx = self.logical_order(idx)
         micro_batches = self.micro_batches(idx)
         try:
@@ -233,9 +236,13 @@ class Trainer:
                                            self.train_tok, self.pad_id, self.with_token_types, r.model.max_length,
                                            self.device, collate=collate)
             return
+        feats = self.plan.features.store.train if self.plan.features is not None else None
         for micro in micros:
-            batch = collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
-                            device=self.device)
+            if feats is not None:  # frozen features computed once (run/features.py)
+                batch = feats.batch(micro, self.device)
+            else:
+                batch = collate(list(self.train_tok.select(micro.tolist())), self.pad_id, self.with_token_types,
+                                device=self.device)
             if groups:
                 batch[GROUP_KEY] = self.sampler.groups(micro).to(self.device)
             yield batch
@@ -355,7 +362,15 @@ class Trainer:
         return self.ledger.epsilon(self.recipe.privacy.delta).epsilon
 
     def run(self) -> dict[str, Any]:
-        """Train to ``total_steps`` (from the checkpoint with ``resume``); write the report."""
+        """Train to ``total_steps`` (from the checkpoint with ``resume``); write the report. Cached
+        features this run built are removed at the end, however it ends (unless kept)."""
+        try:
+            return self._run()
+        finally:
+            if self.plan.features is not None:
+                self.plan.features.close()
+
+    def _run(self) -> dict[str, Any]:
         r = self.recipe
         if r.eval.save_predictions and self.world.distributed:  # refused before training, not after
             raise TrainingError("eval.save_predictions is not supported with DDP yet; run on one process")

@@ -42,6 +42,7 @@ from dpft.placement.device import Placement, build_placement, place_model
 from dpft.privacy.randomness import Randomness
 from dpft.placement import world as ddp
 from dpft.run.auto import has_auto
+from dpft.run.features import FeatureDevEvaluator, build_for_plan, prefix_of
 from dpft.run.checkpoint import continue_ledger
 from dpft.errors import PlanError, TrainingError
 from dpft.step.build import build_clip, make_engine
@@ -107,6 +108,10 @@ class RunPlan:
     sharded: bool = False
     #: The privacy plan of the training phase (step/plan.py: the builder every way in shares).
     privacy: Optional[PrivacyPlan] = None
+    #: The model's frozen prefix (models/features.py), run in eval mode by every step; None: none.
+    prefix: Any = None
+    #: Frozen features computed once (run/features.py); None: the step runs the whole model.
+    features: Any = None
 
     @property
     def mechanism(self) -> Mechanism:
@@ -128,14 +133,17 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                progress: bool = True, ledger: Optional[PrivacyLedger] = None, rng: Optional[Randomness] = None,
                phase: str = "train", live_ledger_path: Optional[str | Path] = None,
                train_phase: Optional[PhaseRunner] = None,
-               extra_rows: Optional[Callable[[Any, TrainData, Any], TrainData]] = None) -> RunPlan:
+               extra_rows: Optional[Callable[[Any, TrainData, Any], TrainData]] = None,
+               features: Any = None) -> RunPlan:
     """Resolve ``recipe`` into a :class:`RunPlan` (see the module docstring for the order).
 
     Args: as :class:`~dpft.run.loop.Trainer`; ``train_phase``: the driver's phase runner, given
     to the methods as ``Run.train_phase`` (a method's earlier training phase runs through it and
     appends to this run's ledger; the plan cannot import the loop that calls it);
     ``extra_rows(recipe, data, tokenizer) -> data``: rows added to the tokenised training rows
-    before N is counted (the final-model audit's canaries, audit/final_model.py).
+    before N is counted (the final-model audit's canaries, audit/final_model.py); ``features``: a
+    :class:`~dpft.run.features.FeatureCache` built earlier (a tune trial's), reused when its key
+    matches this run's (run/features.py).
 
     Raises:
         DataError, ModelError, CalibrationError, TrainingError, DistributedError — each naming
@@ -194,15 +202,25 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
 
         ctx.model = shard_model(ctx.model, world, r.perf.dtype)
     total_steps = ctx.total_steps
+    # Frozen features computed once (run/features.py): the engine then runs the model from them.
+    prefix = prefix_of(r, ctx.model, methods, data.causal)
+    cache = None
+    if extra_rows is None and (prefix is not None or r.perf.feature_cache == "on"):
+        cache = build_for_plan(r, data, ctx.model, tokenizer, placement, world, methods, run_dir=run_dir,
+                               reuse=features, progress=progress)
+        if cache is not None:
+            prefix = cache.split
+            evaluator = FeatureDevEvaluator(data, placement, world, r.eval, cache)
+    step_loss = cache.loss(ctx.loss_fn) if cache is not None else ctx.loss_fn
 
     p = r.privacy
 
     def parts(sampler):
         if not private:
-            engine = NonPrivateEngine(ctx.model, ctx.loss_fn, make_clip_policy("flat", 1.0))
+            engine = NonPrivateEngine(ctx.model, step_loss, make_clip_policy("flat", 1.0))
             return engine.clip, engine
         clip = build_clip(p, r.task.user_clipping if unit.user_level else None, r.task.max_rows_per_user)
-        return clip, make_engine(p.engine, ctx.model, ctx.loss_fn, clip)
+        return clip, make_engine(p.engine, ctx.model, step_loss, clip)
 
     # DDP: rank 0 calibrates and every rank gets its σ (one value for the world).
     privacy = build_privacy_plan(
@@ -232,7 +250,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                    sigma=sigma, methods=methods, ctx=ctx, spec=spec,
                    params=spec.params if spec.params is not None else spec.engine.params, optimizer=spec.optimizer,
                    scheduler=build_scheduler(spec.optimizer, s, total_steps), evaluator=evaluator, sharded=sharded,
-                   privacy=privacy)
+                   privacy=privacy, prefix=prefix, features=cache)
 
 
 def _recipe_mechanism(r, private: bool, method_names: list[str]) -> Mechanism:

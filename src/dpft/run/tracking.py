@@ -16,7 +16,7 @@ from dpft.outputs.release import PRIVATE_KEYS
 from dpft.config.recipe import dump_recipe
 
 #: Keys a tracker may receive besides ``dev_*`` / ``test_*`` metrics.
-#: ``noisy_score``: a search's released score of its chosen trial (run/tune.py ``track_search``).
+#: ``noisy_score``: a search's released score of its chosen trial (run/tune_report.py ``track_search``).
 ALLOWED = frozenset({"epsilon", "lr", "noisy_score"})
 
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
