@@ -102,6 +102,7 @@ class LPFT(Method):
     config = LPFTCfg
     report_key = "lpft"
     order = 5  # before any method that wraps the model: the probe sets the head first
+    keeps_frozen_part = True  # it sets the head only: phase 2 keeps the feature cache of its frozen blocks
 
     @classmethod
     def enabled(cls, cfg: LPFTCfg) -> bool:
