@@ -84,6 +84,9 @@ class Method:
     #: The method runs under DDP (torchrun) as it does in one process: it draws per-example
     #: randomness per rank and reads only all-reduced statistics (distributed.py
     #: ``check_methods`` refuses the others across processes).
+    #: The method changes neither the model's frozen part nor the training rows (it may set trainable
+    #: weights in ``prepare``): the driver may compute the frozen part once per row (run/features.py).
+    keeps_frozen_part: ClassVar[bool] = False
     supports_ddp: ClassVar[bool] = False
     #: Why the method cannot run across processes, in terms of its mechanism (shown in the
     #: refusal of ``distributed.check_methods``); None = no reason given.
@@ -232,7 +235,8 @@ def get_method(name: str) -> type[Method]:
 
 _BUILTINS_LOADED = False
 #: Modules of the built-in methods (each registers its Method class on import).
-BUILTIN_METHODS = ("dpft.methods.dpsft.method", "dpft.methods.ewft.method", "dpft.methods.dp_adam_ac", "dpft.methods.rmt")
+BUILTIN_METHODS = ("dpft.methods.dpsft.method", "dpft.methods.ewft.method", "dpft.methods.dp_adam_ac", "dpft.methods.rmt",
+                   "dpft.methods.lpft")
 
 
 def _load_builtins() -> None:

@@ -93,6 +93,7 @@ def cache_refusal(recipe, world, methods: list, causal: bool, sampler=None) -> O
         return "perf.feature_cache: off"
     if causal or r.task.name == "seq2seq":
         return "not a classification task"
+    methods = [m for m in methods if not getattr(m, "keeps_frozen_part", False)]
     if methods:
         return f"method(s) {[m.name for m in methods]} change the model or data"
     if world.distributed:
@@ -109,6 +110,7 @@ def cache_refusal(recipe, world, methods: list, causal: bool, sampler=None) -> O
 def prefix_of(recipe, model, methods: list, causal: bool) -> Optional[FrozenPrefix]:
     """The model's frozen prefix, which every training step runs in eval mode (with or without
     the cache); None when there is none or the recipe's methods own the model."""
+    methods = [m for m in methods if not getattr(m, "keeps_frozen_part", False)]
     if causal or methods or recipe.perf.sharding == "fsdp":
         return None
     split, _ = frozen_prefix(model)
