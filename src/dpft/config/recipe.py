@@ -186,8 +186,9 @@ class LoraCfg(_Strict):
 
 
 class TrainableCfg(_Strict):
-    #: full · head · last_k · bias · lora · units
-    mode: Literal["full", "head", "last_k", "bias", "lora", "units"] = "full"
+    #: full · head · last_k · bias · lora · units · auto (``dpft train`` / ``dpft tune`` choose from N, ε
+    #: and the compute budget before the plan: run/scope.py; the Python ways in need a scope)
+    mode: Literal["full", "head", "last_k", "bias", "lora", "units", "auto"] = "full"
     #: Number of top transformer blocks trained with ``last_k`` (the head always trains).
     last_k: int = Field(2, ge=1)
     #: Freeze the token (word) embedding matrix in ``full`` mode.

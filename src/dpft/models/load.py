@@ -242,6 +242,10 @@ def select_trainable(model: nn.Module, cfg: TrainableCfg) -> nn.Module:
     Raises:
         ModelError: unknown LoRA target module, k larger than the depth, nothing trainable.
     """
+    if cfg.mode == "auto":
+        raise ModelError("trainable.mode: auto is chosen from N by dpft train / dpft tune before the plan "
+                         "(run/scope.py); from Python, call dpft.run.auto.resolve_auto(recipe) first or give a "
+                         "scope (head, last_k, lora, full, units, bias)")
     if cfg.mode == "units":
         return _select_units(model, cfg)
     if cfg.mode == "lora":

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from dpft.run.scope import has_auto_scope, resolve_scope
 from dpft.step.plan import planned_steps
 from dpft.accounting.budget import (BudgetError, choose_batch_and_steps, choose_for_time, scaled_lr,
                                     steps_in_time)
@@ -20,7 +21,8 @@ __all__ = ["resolve_auto", "has_auto", "describe_seconds", "time_budget_refusal"
 
 
 def has_auto(recipe) -> bool:
-    return recipe.batch.expected_batch_size == "auto" or recipe.schedule.steps == "auto"
+    return (recipe.batch.expected_batch_size == "auto" or recipe.schedule.steps == "auto"
+            or has_auto_scope(recipe))
 
 
 def describe_seconds(s: float) -> str:
@@ -45,6 +47,15 @@ def resolve_auto(recipe, n: Optional[int] = None, *, num_labels: Optional[int] =
             naming the fix, before any model loading (the time probe loads one, after these checks)."""
     if not has_auto(recipe):
         return recipe, None
+    if has_auto_scope(recipe):  # the scope first: its bundle may set B and T (run/scope.py)
+        if n is None:
+            n, n_dev, num_labels = _sizes(recipe)
+        recipe, scope_msg = resolve_scope(recipe, n)
+        if not has_auto(recipe):
+            return recipe, scope_msg
+        recipe, msg = resolve_auto(recipe, n, num_labels=num_labels, n_dev=n_dev, timing=timing,
+                                   resume_dir=resume_dir)
+        return recipe, scope_msg + ("\n" + msg if msg else "")
     r = recipe
     timed = r.schedule.time_budget is not None
     private = r.privacy.enabled and r.privacy.target_epsilon is not None and r.privacy.noise_multiplier is None

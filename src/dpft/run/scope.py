@@ -1,0 +1,106 @@
+"""The trainable scope chosen from N, ε and the compute budget: ``trainable.mode: auto`` (issue 45 item 4).
+
+At thousands of rows a DP linear probe on good fixed features often beats end-to-end DP fine-tuning
+(Tramèr & Boneh, ICLR 2021), and costs one forward pass over the data plus seconds of steps with the
+frozen features computed once (run/features.py). At tens of thousands of rows the noise per averaged
+gradient, σ/B, is small enough that training the top blocks wins. The rule follows the project's own
+measurements (benchmarks/results/scope_evidence.md, probe_minilm.md, probe_encoders.md) and prints them
+with its choice. It reads only N (a count, public by convention as in every q = B/N), the target ε and the
+compute budget, never the private rows: choosing a scope this way spends no privacy.
+
+The chosen scope is a bundle of recipe keys (:data:`SCOPES`); a key the recipe already set away from the
+default classification recipe's value (run/defaults.py) is kept as the user set it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from dpft.config.recipe import apply_overrides, load_recipe
+from dpft.run.defaults import CLASSIFICATION
+
+__all__ = ["SCOPES", "HEAD_MAX_ROWS", "choose_scope", "scope_overrides", "has_auto_scope"]
+
+#: At or below this many training rows the rule picks the DP linear probe (``head``); above, the top blocks.
+#: From the evidence table: at 5,000 rows the probe is at or above every fine-tuning arm (SST-2, SST-5) at
+#: a fiftieth of the compute; at 67,349 rows (SST-2 full) the top 2 blocks reach 0.81 against the probe's
+#: 0.80 ceiling.
+HEAD_MAX_ROWS = 20_000
+
+
+def _probe(n: int) -> dict[str, Any]:
+    """recipes/probe-minilm.yaml's settings, scaled to N: q = 1/4, 25 epochs (100 steps), flat C."""
+    b = max(1, round(n / 4))
+    return {"trainable.mode": "head", "model.head_dropout": 0.0,
+            "privacy.clipping.style": "flat", "optimizer.name": "adamw", "optimizer.lr": 0.02,
+            "optimizer.head_lr": None, "optimizer.weight_decay": 0.0,
+            "schedule.epochs": 25.0, "schedule.steps": None, "schedule.warmup_steps": 0,
+            "batch.expected_batch_size": b, "batch.max_physical_batch_size": max(b, 64),
+            "eval.every_steps": 25, "checkpoint_every": 50, "checkpoint_every_release": False}
+
+
+#: scope → (the recipe keys it sets given N, the sentence that says what it is)
+SCOPES: dict[str, tuple[Any, str]] = {
+    "head": (_probe, "a DP linear probe: the head alone on frozen mean-pooled features computed once, q = 1/4, "
+                     "25 epochs (recipes/probe-minilm.yaml)"),
+    "last_k": (lambda n: {"trainable.mode": "last_k", "trainable.last_k": 2},
+               "the top 2 blocks and the head (recipes/sst2-minilm.yaml)"),
+}
+
+
+def has_auto_scope(recipe) -> bool:
+    return recipe.trainable.mode == "auto"
+
+
+def choose_scope(n: int, epsilon: Optional[float]) -> tuple[str, str]:
+    """(scope, why) for N training rows at target ε (None: non-private)."""
+    if n <= HEAD_MAX_ROWS:
+        return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}: at this size a DP linear probe on the frozen features is at or "
+                        "above fine-tuning the top blocks (SST-2 5k rows, ε = 8: probe 0.795 ± 0.009 against 0.78 for "
+                        "today's auto fine-tune; SST-5: 0.385 against 0.375) at a fiftieth of the compute "
+                        "(benchmarks/results/scope_evidence.md)")
+    return "last_k", (f"N = {n} > {HEAD_MAX_ROWS}: with this many rows the noise per averaged gradient is small "
+                      "enough that training the top 2 blocks beats the probe (SST-2 67k rows, ε = 8: 0.81 against "
+                      "the probe's 0.80 ceiling)")
+
+
+def _baseline():
+    return load_recipe(None, dict(CLASSIFICATION, **{"trainable.mode": "last_k"}))
+
+
+def _get(r, key: str) -> Any:
+    obj = r
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def scope_overrides(recipe, scope: str, n: int) -> dict[str, Any]:
+    """The keys of ``scope``'s bundle that the recipe left at the default classification recipe's value (or
+    ``auto``: the scope's own batch and schedule are the tuned choice for it)."""
+    base = _baseline()
+    out = {}
+    bundle = SCOPES[scope][0](n)
+    if recipe.schedule.time_budget is not None or recipe.schedule.compute_budget is not None:
+        # a time or compute budget chooses B and T (accounting/budget.py) for the chosen scope
+        bundle = {k: v for k, v in bundle.items() if not k.startswith(("schedule.", "batch.expected"))}
+    for k, v in bundle.items():
+        cur = _get(recipe, k)
+        if k == "trainable.mode" or cur == _get(base, k) or cur == "auto":
+            out[k] = v
+    if "schedule.epochs" in out and _get(recipe, "schedule.steps") == "auto":
+        out["schedule.steps"] = None  # the scope's epochs replace the accountant's T
+    return out
+
+
+def resolve_scope(recipe, n: int) -> tuple[Any, str]:
+    """``recipe`` with ``trainable.mode: auto`` resolved for N rows, and the lines to print."""
+    eps = recipe.privacy.target_epsilon if recipe.privacy.enabled else None
+    scope, why = choose_scope(n, eps)
+    ov = scope_overrides(recipe, scope, n)
+    d = apply_overrides(recipe.model_dump(mode="json"), ov)
+    kept = sorted(set(SCOPES[scope][0](n)) - set(ov))
+    msg = f"trainable scope (auto): {scope} — {SCOPES[scope][1]}\n  why: {why}"
+    if kept:
+        msg += f"\n  kept as the recipe sets them: {', '.join(kept)}"
+    return load_recipe(None, d), msg
