@@ -255,3 +255,48 @@ def test_dptrainer_loop_writing_the_weights_is_caught_at_the_end():
             tr.train()
         with pytest.raises(UpdateWithoutReleaseError, match="refused"):
             tr.create_model_card()
+
+
+def test_guard_optimizer_subclass_calling_super_step_is_one_update():
+    """torch re-runs the step pre-hooks in every hooked ``step`` of the class chain (SGD's is hooked
+    once any SGD exists): a subclass's ``super().step()`` is the same update, not an unreleased one."""
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # SGD.step hooked, whatever ran before
+
+    class Sub(torch.optim.SGD):
+        boom = tamper = False
+
+        def step(self, closure=None):
+            if self.tamper:
+                self.param_groups[0]["params"][0].grad.add_(1.0)
+            out = super().step(closure)
+            if self.boom:
+                raise RuntimeError("boom")
+            return out
+
+    p = nn.Parameter(torch.zeros(3))
+    opt = Sub([p], lr=1.0)
+    g = ReleaseGuard("unit", "fix it")
+    g.attach(opt)
+    for _ in range(2):
+        p.grad = torch.ones(3)
+        g.grant({"p": p})
+        opt.step()
+    assert g.updates == 2 and g.granted == 2 and torch.equal(p.detach(), -2 * torch.ones(3))
+    with pytest.raises(UpdateWithoutReleaseError, match=r"\(update 3\) without a pending DP release"):
+        opt.step()  # a separate step after the update: not nested
+    g.violation = None
+    opt.boom = True
+    g.grant({"p": p})
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()  # an update that raised after applying: its frame is gone
+    opt.boom = False
+    with pytest.raises(UpdateWithoutReleaseError, match=r"\(update 4\) without a pending DP release"):
+        opt.step()
+    g.violation = None
+    opt.tamper = True
+    p.grad = torch.ones(3)
+    g.grant({"p": p})
+    before = p.detach().clone()
+    with pytest.raises(UpdateWithoutReleaseError, match=r"gradient of \['p'\] changed.*inside the optimizer's step"):
+        opt.step()
+    assert torch.equal(p.detach(), before)  # nothing applied

@@ -17,6 +17,11 @@ a release), and with no update at all the weights must not have moved (a loop th
 parameters without any optimizer). A violation is kept (:attr:`ReleaseGuard.violation`); the way
 in then refuses to write its model card (:meth:`ReleaseGuard.check_clean`).
 
+An optimizer subclass whose ``step()`` calls ``super().step()`` runs torch's hooks once per
+hooked class in its chain (torch wraps each class's ``step`` once an instance of it exists): the
+nested calls inside the one guarded update are that update (counted once, gradients re-checked),
+never a second grant.
+
 Empty Poisson batches release pure noise and are granted like any other step; gradient
 accumulation over micro-batches happens before the release (one grant, one update per logical
 batch); under DDP / FSDP2 every rank releases the same step and guards its own optimizer (the
@@ -27,6 +32,7 @@ mechanism) grants nothing, and no way in attaches a guard to it.
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from typing import Any, Iterable, Optional
 
@@ -96,6 +102,9 @@ class ReleaseGuard:
         self.updates = 0
         self.violation: Optional[str] = None
         self._pending: Optional[list] = None  # [(grad tensor, its version)] of the open release
+        #: (optimizer, torch's step-wrapper frame, consumed release) of the last update: its nested
+        #: ``super().step()`` calls re-run the hooks inside that frame (:meth:`_nested`).
+        self._outer: Optional[tuple] = None
         self._hooks: dict[int, tuple] = {}
 
     # -- the DP step's side --------------------------------------------------------------
@@ -103,6 +112,7 @@ class ReleaseGuard:
         """One release was made and its noised gradient written to ``p.grad`` of ``params``: the
         next optimizer step may apply it (a release left unapplied is replaced, and counted)."""
         self.granted += 1
+        self._outer = None
         self._pending = [(n, p, p.grad, getattr(p.grad, "_version", None)) for n, p in params.items()]
 
     # -- the optimizer's side ------------------------------------------------------------
@@ -135,6 +145,7 @@ class ReleaseGuard:
             if opt is not None and opt.__dict__.get("_dpft_release_guard") is self:
                 del opt.__dict__["_dpft_release_guard"]
         self._hooks.clear()
+        self._outer = None
 
     def _fail(self, msg: str) -> None:
         full = f"{self.where}: {msg}. {self.fix}"
@@ -142,19 +153,49 @@ class ReleaseGuard:
             self.violation = full
         raise UpdateWithoutReleaseError(full)
 
+    @staticmethod
+    def _changed(pending: list) -> list:
+        return [n for n, p, g, v in pending if p.grad is not g or getattr(g, "_version", None) != v]
+
+    def _nested(self, optimizer, caller) -> bool:
+        """This hook call runs inside the update that consumed the last release: an optimizer
+        subclass whose ``step()`` calls ``super().step()`` re-enters torch's hooked step wrapper
+        (torch wraps ``step`` of each class in the chain once an instance of it exists), so the
+        pre-hooks run once per wrapped level of that one ``optimizer.step()``. True only while the
+        wrapper frame of that update is still on the call stack (a later, separate step — even
+        after an update that raised — is not nested)."""
+        outer = self._outer
+        if outer is None or outer[0] is not optimizer:
+            return False
+        f = caller.f_back if caller is not None else None
+        while f is not None:
+            if f is outer[1]:
+                return True
+            f = f.f_back
+        return False
+
     def _before_step(self, optimizer, args, kwargs) -> None:
+        caller = sys._getframe(1)  # torch's step wrapper of this call
+        if self._pending is None and self._nested(optimizer, caller):
+            bad = self._changed(self._outer[2])[:5]
+            if bad:
+                self._fail(f"the gradient of {bad} changed between the DP release and optimizer.step() (inside "
+                           "the optimizer's step, before its super().step()); the update would not be the "
+                           "released one; nothing more was applied")
+            return  # the same update (one release, counted once by the outer call)
         pending, self._pending = self._pending, None
+        self._outer = None
         if pending is None:
             self._fail(f"optimizer.step() (update {self.updates + 1}) without a pending DP release: the "
                        f"parameters would move on a gradient that was not clipped and noised ({self.granted} "
                        f"release(s), {self.updates} update(s) so far); nothing was applied")
-        changed = [n for n, p, g, v in pending if p.grad is not g or getattr(g, "_version", None) != v]
-        bad = changed[:5]
+        bad = self._changed(pending)[:5]
         if bad:
             self._fail(f"the gradient of {bad} changed between the DP release and optimizer.step() (a backward or "
                        "a written gradient after the noise); the update would not be the released one; nothing "
                        "was applied")
         self.updates += 1
+        self._outer = (optimizer, caller, pending)
 
     # -- the end of training -------------------------------------------------------------
     def check_end(self, releases: int, updates: Optional[int] = None, before: Optional[tuple] = None,
