@@ -401,3 +401,39 @@ def test_cli_tune_time_budget_refusals(tmp_path):
     assert res.exit_code == 2 and "time_budget chooses each trial's steps" in res.output  # the recipe's steps: replaced
     res = CliRunner().invoke(app, ["tune", str(f), "-o", str(tmp_path / "o"), "--time-budget", "later"])
     assert res.exit_code == 2 and "30m" in res.output
+
+
+@pytest.mark.slow
+def test_a_head_search_computes_its_frozen_features_once(tiny_model_dir, sst_like_files, tmp_path, monkeypatch):
+    """Issue 45 item 1: the frozen features are computed by the first trial and reused by every later one
+    (same key), and removed when the search ends — not one forward pass of the encoder per trial."""
+    from dpft.data import feature_store
+    from dpft.run import tune as T
+
+    calls = {"n": 0}
+    real = feature_store.compute_split
+
+    def counting(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(feature_store, "compute_split", counting)
+    import dpft.run.features as F
+
+    monkeypatch.setattr(F, "compute_split", counting)
+    rec = tune_recipe(tiny_model_dir, sst_like_files, **{"trainable.mode": "head", "model.pooling": "mean",
+                                                         "perf.feature_cache": "on"})
+    from dpft.run.loop import Trainer
+
+    trials = {"n": 0}
+    real_init = Trainer.__init__
+
+    def counted(self, *a, **kw):
+        trials["n"] += 1
+        return real_init(self, *a, **kw)
+
+    monkeypatch.setattr(Trainer, "__init__", counted)
+    T.tune(rec, tmp_path / "t", progress=False)
+    assert trials["n"] >= 2  # K = 2 under seed 7 (+ the released model's own evaluation, if any)
+    assert calls["n"] == 2  # one pass over the train rows and one over the dev rows, for the whole search
+    assert not list((tmp_path / "t").rglob("*.npy"))  # nothing of the cache in the run folder

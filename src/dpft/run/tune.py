@@ -249,6 +249,27 @@ def _save_state(path: Path, state: dict) -> None:
     atomic_write_text(path, json.dumps(state, indent=1))
 
 
+class _SharedFeatures:
+    """The frozen features of a search (run/features.py), computed once by the first trial that builds them and
+    handed to every later trial (a trial reuses them only when their key — frozen weights, tokenised rows,
+    settings — matches its own); private data at rest, removed when the search ends however it ends."""
+
+    def __init__(self):
+        self.cache = None
+
+    def take(self, trainer) -> None:
+        fc = getattr(getattr(trainer, "plan", None), "features", None)
+        if fc is not None and fc.owned and self.cache is None:
+            fc.owned = False  # the search owns it now: the trial does not remove it at its end
+            self.cache = fc
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.owned = True
+            self.cache.close()
+            self.cache = None
+
+
 def tune(recipe: Recipe, run_dir: str | Path, resume: bool = False, progress: bool = True,
          rng: Optional[Randomness] = None, keep_trials: bool = False) -> dict[str, Any]:
     """Run the private search of ``recipe`` in ``run_dir`` (module docstring). Returns the report.
@@ -370,28 +391,33 @@ def _tune_locked(recipe: Recipe, run_dir: Path, resume: bool, progress: bool, rn
     if progress:
         _say(progress, k_law_message(r, dist, plans, n, len(score_rows), task.num_labels, combos, timing))
     candidates = [candidate_event(s, q, steps, score_sigma) for s, (q, steps) in zip(sigmas, plans)]
-    for tr in state["trials"]:
-        if tr.get("score") is not None:
-            continue
-        i, hp = tr["index"], tr["hyperparameters"]
-        combo = {k2: hp[k2] for k2 in PRIVACY_KEYS if k2 in hp}
-        sigma = sigmas[combos.index(combo)]
-        tdir = priv / f"trial_{i}"
-        if tr.get("correct") is None:  # train (or finish training) the trial, silently, and count once
-            rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair,
-                                task.label_names)
-            trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=False,
-                              rng=rng.child(f"trial{i}"))
-            trainer.run()
-            tr["correct"] = round(float(trainer.evaluate()["dev_accuracy"]) * len(score_rows))
-            _save_state(state_path, state)  # the count (private) before any score is formed from it
-        ledger = _Ledger.load(tdir / "ledger.json")
-        noise = tr.get("noise")
-        score = private_score(tr["correct"], score_sigma, ledger, rng if noise is None else noise, i,
-                              tdir / "ledger.json")
-        tr.update({"score": score, "events": [json.loads(json.dumps(_ev(e))) for e in ledger.events()],
-                   "trial_epsilon": ledger.epsilon(r.privacy.delta).epsilon, "sigma": sigma})
-        _save_state(state_path, state)
+    shared = _SharedFeatures()  # the frozen features, computed by the first trial, reused by the rest
+    try:
+        for tr in state["trials"]:
+            if tr.get("score") is not None:
+                continue
+            i, hp = tr["index"], tr["hyperparameters"]
+            combo = {k2: hp[k2] for k2 in PRIVACY_KEYS if k2 in hp}
+            sigma = sigmas[combos.index(combo)]
+            tdir = priv / f"trial_{i}"
+            if tr.get("correct") is None:  # train (or finish training) the trial, silently, and count once
+                rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair,
+                                    task.label_names)
+                trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=False,
+                                  rng=rng.child(f"trial{i}"), features=shared.cache)
+                shared.take(trainer)
+                trainer.run()
+                tr["correct"] = round(float(trainer.evaluate()["dev_accuracy"]) * len(score_rows))
+                _save_state(state_path, state)  # the count (private) before any score is formed from it
+            ledger = _Ledger.load(tdir / "ledger.json")
+            noise = tr.get("noise")
+            score = private_score(tr["correct"], score_sigma, ledger, rng if noise is None else noise, i,
+                                  tdir / "ledger.json")
+            tr.update({"score": score, "events": [json.loads(json.dumps(_ev(e))) for e in ledger.events()],
+                       "trial_epsilon": ledger.epsilon(r.privacy.delta).epsilon, "sigma": sigma})
+            _save_state(state_path, state)
+    finally:
+        shared.close()
     rep = finish_search(r, run_dir, state, dist, candidates, keep_trials)
     track_search(r, run_dir, rep)
     return rep
