@@ -59,3 +59,13 @@ def test_lpft_refuses_a_head_only_recipe(tiny_model_dir, sst_like_files, tmp_pat
                                                         "task.dev_file": str(sst_like_files["csv"])})
     with pytest.raises(MethodError, match="probe alone"):
         Trainer(r, tmp_path / "run", progress=False).run()
+
+
+@pytest.mark.slow
+def test_audit_lpft_check_passes_and_catches_its_planted_bug():
+    from dpft.audit.checks_lpft import lpft_checks
+
+    (honest,) = lpft_checks()
+    assert honest.passed, honest.message
+    (planted,) = lpft_checks("lpft_probe_own_ledger")
+    assert not planted.passed, planted.message

@@ -274,3 +274,6 @@ ALL = ALL + GUARD_PLANTED
 # blind to the frozen weights.
 FEATURES_PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_key_ignores_weights")
 ALL = ALL + FEATURES_PLANTED
+# issue 45 item 3 (audit/checks_lpft.py plants it): LP-FT's probe phase records its releases in a ledger of its own
+LPFT_PLANTED = ("lpft_probe_own_ledger",)
+ALL = ALL + LPFT_PLANTED

@@ -153,6 +153,8 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_dpo_user", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
     # issue 44 item 5: no data error quotes a label value (a planted label driven through every refusal)
     ("dpft.audit.checks_data", "data_checks", ("label_quoted",)),
+    # issue 45 item 3: LP-FT's two phases in the one ledger, ending at the target ε
+    ("dpft.audit.checks_lpft", "lpft_checks", ("lpft_probe_own_ledger",)),
     # issue 44 item 2: every update of the weights is a DP release (custom loops refused, the optimizer guard)
     ("dpft.audit.checks_guard", "guard_checks", ("trainer_step_skips_release", "custom_loop_accepted",
                                                  "raw_update_accepted", "weights_moved_unreleased")),
