@@ -239,11 +239,35 @@ def feature_cache(recipe, data, model, tokenizer, placement, *, run_dir: Optiona
     return FeatureCache(split, store), ""
 
 
+#: ``auto`` caches a frozen part whose output is a sequence (``last_k``, ``units``) only when the run passes over
+#: its rows at least this often: at about one pass the one feature pass costs what the steps' own forwards
+#: would, and the states take T·d floats a row (the demo: 67k rows × 64 × 384 ≈ 6.6 GB on disk for 1.1 passes).
+MIN_PASSES = 2.0
+
+
+def few_passes(recipe, n: int) -> Optional[str]:
+    """Why ``auto`` skips the cache of a sequence-valued frozen part for this run (None: it caches)."""
+    r = recipe
+    if r.trainable.mode == "head" and r.model.pooling == "mean":  # (N, d) pooled rows: always cheap to keep
+        return None
+    b = r.batch.expected_batch_size
+    if not isinstance(b, int) or n <= 0:
+        return None
+    passes = float(r.schedule.epochs) if r.schedule.epochs else (
+        float(r.schedule.steps) * b / n if isinstance(r.schedule.steps, int) else MIN_PASSES)
+    if passes < MIN_PASSES:
+        return (f"{passes:.2g} expected passes over the rows (< {MIN_PASSES:g}): computing the frozen blocks once "
+                "would cost what the steps' own forwards do (perf.feature_cache: on to cache anyway)")
+    return None
+
+
 def build_for_plan(recipe, data, model, tokenizer, placement, world, methods: list, *, run_dir: Path,
                    reuse: Optional[FeatureCache] = None, progress: bool = False) -> Optional[FeatureCache]:
     """:func:`feature_cache` for ``dpft train``'s plan: None (silently) where ``auto`` does not
     apply; ``on`` where it cannot apply is an error naming why."""
     why = cache_refusal(recipe, world, methods, data.causal)
+    if why is None and reuse is None and recipe.perf.feature_cache == "auto":
+        why = few_passes(recipe, len(data.train_tok))
     cache = None
     if why is None:
         cache, why = feature_cache(recipe, data, model, tokenizer, placement, run_dir=run_dir, reuse=reuse,
