@@ -65,9 +65,12 @@ def test_no_prefix_when_the_bottom_trains():
 def test_auto_skips_a_sequence_cache_at_about_one_pass():
     """The demo (1.1 passes over 67k rows) computes no 6.6 GB of block states under ``auto``; the probe
     (pooled rows) and LP-FT's 3 epochs do cache."""
+    from pathlib import Path
+
     from dpft.config import load_recipe
     from dpft.run.features import few_passes
 
-    assert "1.1 expected passes" in few_passes(load_recipe("recipes/sst2-minilm.yaml"), 67349)
-    assert few_passes(load_recipe("recipes/lpft-minilm.yaml"), 5000) is None
-    assert few_passes(load_recipe("recipes/probe-minilm.yaml"), 5000) is None
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    assert "1.1 expected passes" in few_passes(load_recipe(recipes / "sst2-minilm.yaml"), 67349)
+    assert few_passes(load_recipe(recipes / "lpft-minilm.yaml"), 5000) is None
+    assert few_passes(load_recipe(recipes / "probe-minilm.yaml"), 5000) is None
