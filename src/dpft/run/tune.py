@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import dp_accounting as dpa
 
+from dpft.run.scope import has_auto_scope, resolve_scope
 from dpft.step.plan import planned_steps
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger, event_from_dict, event_to_dict
@@ -354,6 +355,9 @@ def _tune_locked(recipe: Recipe, run_dir: Path, resume: bool, progress: bool, rn
     dist = KDistribution.with_mean(t.distribution, t.mean, t.eta)
     score_sigma = None if public else tc.score_noise_multiplier
     auto = None
+    if has_auto_scope(r):  # the scope from the fit rows' count, as dpft train chooses it (run/scope.py; no privacy)
+        r, said = resolve_scope(r, n)
+        _say(progress, said)
     if search_auto(r):  # before K is drawn: (B, T) for the whole search's bound; a resume reuses the first choice
         try:
             r, auto, said = resolve_search_auto(r, n, dist, score_sigma, state.get("auto") if resume else None)
