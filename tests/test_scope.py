@@ -32,3 +32,31 @@ def test_an_unresolved_auto_scope_is_refused_before_the_model_trains():
 
     with pytest.raises(ModelError, match="resolve_auto"):
         select_trainable(nn.Linear(2, 2), load_recipe(None, {"trainable.mode": "auto"}).trainable)
+
+
+def test_the_scope_in_a_search_space_brings_its_batch_and_schedule(tmp_path):
+    """``tune.space: {trainable.mode: {choice: [head, last_k]}}`` (issue 45 item 4): each scope is a candidate
+    mechanism with the batch and schedule it runs (the probe: q = 1/4, 25 epochs), accounted as it runs."""
+    from dpft.run import tune as T
+
+    r = load_recipe(None, dict(CLASSIFICATION, **{
+        "trainable.mode": "last_k", "privacy.target_epsilon": 8.0, "schedule.steps": 40,
+        "tune": {"space": {"trainable.mode": {"choice": ["head", "last_k"]}}}}))
+    combos = T.configurations(r)
+    assert {c["trainable.mode"] for c in combos} == {"head", "last_k"}
+    plans = {c["trainable.mode"]: T._steps_and_q(r, c, 4000) for c in combos}
+    assert plans["head"] == (1000 / 4000, 100)  # B = N/4, 25 epochs
+    assert plans["last_k"] == (256 / 4000, 40)  # the recipe's own
+    rec = T._trial_recipe(r, {"trainable.mode": "head", "optimizer.lr": 0.05}, 1.0, tmp_path / "f.jsonl",
+                          tmp_path / "s.jsonl", False, ["neg", "pos"], 4000)
+    assert rec.trainable.mode == "head" and rec.batch.expected_batch_size == 1000 and rec.schedule.epochs == 25
+    assert rec.optimizer.lr == 0.05 and rec.privacy.clipping.style == "flat"  # the sampled lr over the bundle's
+    with pytest.raises(ValueError, match="choose among head, last_k"):
+        load_recipe(None, {"tune": {"space": {"trainable.mode": {"choice": ["full"]}}}})
+
+
+def test_scope_choices_of_the_schema_are_the_rules_scopes():
+    from dpft.config.tune import SCOPE_CHOICES
+    from dpft.run.scope import SCOPES
+
+    assert set(SCOPE_CHOICES) == set(SCOPES)

@@ -58,7 +58,10 @@ def time_budget_steps(cls, data: Any) -> Any:
 
 #: Recipe keys a search may vary. The first group changes the privacy cost of a trial (q, steps):
 #: those must be ``choice`` (a finite set of configurations, each calibrated and bounded).
-PRIVACY_KEYS = ("batch.expected_batch_size", "schedule.steps", "schedule.epochs")
+PRIVACY_KEYS = ("batch.expected_batch_size", "schedule.steps", "schedule.epochs", "trainable.mode")
+#: The scopes a search may choose between (``trainable.mode`` in ``tune.space``; each brings its own batch and
+#: schedule for the fit rows, run/scope.py).
+SCOPE_CHOICES = ("head", "last_k")
 FREE_KEYS = ("optimizer.lr", "optimizer.head_lr", "optimizer.weight_decay", "privacy.clipping.max_norm",
              "trainable.last_k", "trainable.lora.r", "trainable.lora.alpha")
 
@@ -120,6 +123,9 @@ class TuneCfg(_Strict):
                 raise ValueError(f"tune.space.{key}: log_uniform needs [lo, hi] with 0 < lo < hi")
             if kind == "choice" and not vals:
                 raise ValueError(f"tune.space.{key}: choice needs at least one value")
+            if key == "trainable.mode" and not set(vals) <= set(SCOPE_CHOICES):
+                raise ValueError(f"tune.space.trainable.mode: choose among {', '.join(SCOPE_CHOICES)} (each brings "
+                                 "its own batch and schedule for the fit rows; run/scope.py)")
         if self.trials.distribution == "truncated_negative_binomial" and self.trials.mean <= 1:
             raise ValueError("tune.trials.mean must be > 1 for a truncated negative binomial K (K ≥ 1)")
         if "schedule.steps" in self.space and "schedule.epochs" in self.space:

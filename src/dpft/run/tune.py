@@ -42,13 +42,13 @@ from typing import Any, Optional
 
 import dp_accounting as dpa
 
-from dpft.run.scope import has_auto_scope, resolve_scope
+from dpft.run.scope import has_auto_scope, resolve_scope, scope_overrides
 from dpft.step.plan import planned_steps
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.ledger import PrivacyLedger, event_from_dict, event_to_dict
 from dpft.accounting.selection import (KDistribution, RandomKSelectionDpEvent, calibrate_search, candidate_event,
                                        check_trials_covered, selection_epsilon)
-from dpft.config.recipe import Recipe, dump_recipe
+from dpft.config.recipe import Recipe, apply_overrides, dump_recipe
 from dpft.config.tune import PRIVACY_KEYS
 from dpft.privacy.randomness import Randomness
 from dpft.outputs.report import NOT_FOR_RELEASE, REPRODUCIBLE_WARNING
@@ -141,7 +141,18 @@ def configurations(r: Recipe) -> list[dict[str, Any]]:
     return combos
 
 
+def _with_scope(r: Recipe, combo: dict, n: int) -> dict:
+    """``combo`` with the batch and schedule its ``trainable.mode`` brings for ``n`` fit rows (run/scope.py), where
+    the combination itself sets none: what a trial of that scope runs, and so what the accounting charges."""
+    scope = combo.get("trainable.mode")
+    if scope is None:
+        return combo
+    return {**{k: v for k, v in scope_overrides(r, scope, n).items()
+               if k in ("batch.expected_batch_size", "schedule.steps", "schedule.epochs")}, **combo}
+
+
 def _steps_and_q(r: Recipe, combo: dict, n: int, steps_by_batch: Optional[dict] = None) -> tuple[float, int]:
+    combo = _with_scope(r, combo, n)
     b = int(combo.get("batch.expected_batch_size", r.batch.expected_batch_size))
     steps = combo.get("schedule.steps")
     epochs = combo.get("schedule.epochs")
@@ -195,8 +206,10 @@ def _write_split(rows, path: Path, label_names: list[str]) -> None:
 
 
 def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pair: bool,
-                  label_names: list[str]) -> Recipe:
+                  label_names: list[str], n: Optional[int] = None) -> Recipe:
     d = r.model_dump(mode="json")
+    if "trainable.mode" in hp:  # the scope's own bundle first (run/scope.py), the sampled values on top
+        d = apply_overrides(d, scope_overrides(r, hp["trainable.mode"], n))
     d["tune"] = None
     d["output_dir"] = None
     # A trial has no outputs of its own (issue 44 item 1): no tracker, no periodic or test evaluation
@@ -406,7 +419,7 @@ def _tune_locked(recipe: Recipe, run_dir: Path, resume: bool, progress: bool, rn
             tdir = priv / f"trial_{i}"
             if tr.get("correct") is None:  # train (or finish training) the trial, silently, and count once
                 rec = _trial_recipe(r, steps_for(r, hp, steps_by_batch), sigma, fit_path, score_path, task.has_pair,
-                                    task.label_names)
+                                    task.label_names, n)
                 trainer = Trainer(rec, tdir, resume=(tdir / "checkpoint").exists(), progress=False,
                                   rng=rng.child(f"trial{i}"), features=shared.cache)
                 shared.take(trainer)

@@ -203,6 +203,9 @@ def auto_refusal(r) -> Optional[str]:
     if b_auto and timed:
         return ("dpft tune: batch.expected_batch_size: auto with a time budget is not supported; give the batch "
                 "size (or search it in tune.space) and keep the time budget, or drop the time budget")
+    if (b_auto or t_auto) and "trainable.mode" in space:
+        return ("dpft tune: trainable.mode in tune.space brings each scope's own batch and schedule; give "
+                "batch.expected_batch_size and schedule.steps/epochs numbers (or drop the scope from tune.space)")
     if b_auto and "batch.expected_batch_size" in space:
         return "dpft tune: batch.expected_batch_size is auto and searched in tune.space; keep one"
     if t_auto and not timed and {"schedule.steps", "schedule.epochs", "batch.expected_batch_size"} & set(space):
