@@ -205,9 +205,9 @@ def test_read_only_output_folder_is_refused_before_loading(tmp_path, monkeypatch
             raise PermissionError(13, "Permission denied", str(tmp_path / "x" / "metrics.jsonl"))
 
     monkeypatch.setattr("dpft.run.loop.Trainer", Fails)
-    # --steps: no budget-aware auto (which reads the rows to count N before the Trainer)
+    # --steps and a scope: no auto (budget-aware B/T or the scope, which read the rows to count N before the Trainer)
     r = CliRunner().invoke(app, ["train", "--train-file", str(sst_like_files["csv"]), "--steps", "3",
-                                 "-o", str(tmp_path / "x")])
+                                 "--trainable", "last_k", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and r.exception is None or isinstance(r.exception, SystemExit)
     assert f"error: cannot write {tmp_path / 'x' / 'metrics.jsonl'}: Permission denied" in _flat(r.output)
 

@@ -24,6 +24,18 @@ from unittest import mock
 import torch
 
 from dpft.audit.whitebox import Check
+from dpft.config.recipe import TrainableCfg
+from dpft.config.recipe import load_recipe
+from dpft.data import feature_store as fs
+from dpft.data.tokenize import collate
+from dpft.grads.bookkeeping import BookKeepingEngine
+from dpft.models import features as mf
+from dpft.models.load import select_trainable
+from dpft.models.losses import classification_loss
+from dpft.models.standard import MeanPoolClassifier
+from dpft.placement.device import Precision
+from dpft.run.features import feature_cache
+from dpft.step.clip import make_clip_policy
 
 __all__ = ["PLANTED", "features_checks"]
 
@@ -33,9 +45,6 @@ PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_
 def _model(mode: str, seed: int = 0):
     import transformers
 
-    from dpft.config.recipe import TrainableCfg
-    from dpft.models.load import select_trainable
-    from dpft.models.standard import MeanPoolClassifier
 
     torch.manual_seed(seed)
     cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -58,13 +67,11 @@ def _data(n: int = 12):
 
 
 def _placement():
-    from dpft.placement.device import Precision
 
     return types.SimpleNamespace(device=torch.device("cpu"), precision=Precision("fp32"))
 
 
 def _recipe(**perf):
-    from dpft.config.recipe import load_recipe
 
     return load_recipe(None, {"model.pooling": "mean", **{f"perf.{k}": v for k, v in perf.items()}})
 
@@ -78,8 +85,6 @@ class _Tok:
 
 @contextlib.contextmanager
 def _plant(planted: Optional[str], run_dir: Path):
-    from dpft.data import feature_store as fs
-    from dpft.models import features as mf
 
     with contextlib.ExitStack() as stack:
         if planted == "features_prefix_train_mode":
@@ -106,11 +111,6 @@ def _plant(planted: Optional[str], run_dir: Path):
 
 
 def _exact() -> tuple[bool, str, float]:
-    from dpft.grads.bookkeeping import BookKeepingEngine
-    from dpft.models.losses import classification_loss
-    from dpft.run.features import feature_cache
-    from dpft.step.clip import make_clip_policy
-    from dpft.data.tokenize import collate
 
     worst = 0.0
     for mode in ("last_k", "head"):
@@ -135,7 +135,6 @@ def _exact() -> tuple[bool, str, float]:
 
 
 def _at_rest(run_dir: Path) -> tuple[bool, str]:
-    from dpft.run.features import feature_cache
 
     cache, why = feature_cache(_recipe(feature_cache_memory_mb=0), _data(), _model("last_k"), _Tok(), _placement(),
                                run_dir=run_dir)
@@ -151,7 +150,6 @@ def _at_rest(run_dir: Path) -> tuple[bool, str]:
 
 
 def _keyed() -> tuple[bool, str]:
-    from dpft.run.features import feature_cache
 
     a, _ = feature_cache(_recipe(), _data(), _model("head"), _Tok(), _placement())
     m = _model("head")

@@ -22,6 +22,7 @@ from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.config.recipe import load_recipe
 from dpft.methods import lpft
+from dpft.run.loop import Trainer
 
 __all__ = ["PLANTED", "lpft_checks", "planted_bug"]
 
@@ -51,7 +52,6 @@ planted_bug = bug_planter(PLANTED, {"lpft_probe_own_ledger": _plant_own_ledger})
 
 
 def _run(d: Path, planted: Optional[str]) -> tuple[dict, PrivacyLedger, float]:
-    from dpft.run.loop import Trainer
 
     with _screen(d / "setup.txt"):
         model = _tiny_classifier_dir(d / "model")

@@ -103,6 +103,7 @@ class LPFT(Method):
     report_key = "lpft"
     order = 5  # before any method that wraps the model: the probe sets the head first
     keeps_frozen_part = True  # it sets the head only: phase 2 keeps the feature cache of its frozen blocks
+    supports_device = True  # the probe phase runs on the run's placement; its head is copied to the model's device
 
     @classmethod
     def enabled(cls, cfg: LPFTCfg) -> bool:

@@ -30,6 +30,8 @@ from dpft.data.feature_store import FeatureStore, compute_split, load_split, pri
 from dpft.eval.dev import DevEvaluator
 from dpft.models.features import FrozenPrefix, frozen_prefix
 from dpft.run.errors import TrainingError
+from dpft.data.tokenize import collate
+from dpft.models.losses import model_inputs
 
 __all__ = ["FeatureCache", "feature_cache", "cache_refusal", "FeatureDevEvaluator", "prefix_of"]
 
@@ -147,7 +149,6 @@ def _cache_root(recipe) -> Path:
 
 def _agree(split: FrozenPrefix, rows, collate, device) -> float:
     """max |logits(suffix(prefix(x))) − logits(model(x))| on up to 8 rows, eval mode."""
-    from dpft.models.losses import model_inputs
 
     m = split.model
     was = m.training
@@ -180,7 +181,6 @@ def feature_cache(recipe, data, model, tokenizer, placement, *, run_dir: Optiona
         TrainingError: ``perf.feature_cache: on`` and the model has no frozen prefix or its split
             does not reproduce the model's outputs; a kept cache folder inside the run folder.
     """
-    from dpft.data.tokenize import collate
 
     r = recipe
     split, why = frozen_prefix(model)
