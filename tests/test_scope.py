@@ -17,6 +17,13 @@ def test_the_rule_by_n(n, scope):
     assert choose_scope(n, 8.0)[0] == scope
 
 
+def test_pairs_train_the_top_blocks_at_any_n():
+    assert choose_scope(4000, 8.0, pair=True)[0] == "last_k"
+    r, msg = resolve_auto(load_recipe(None, dict(CLASSIFICATION, **{"task.name": "qnli"})), 4000, num_labels=2,
+                          n_dev=100)
+    assert r.trainable.mode == "last_k" and "pair task" in msg
+
+
 def test_auto_resolves_to_the_probe_bundle_and_keeps_what_the_user_set():
     r = load_recipe(None, dict(CLASSIFICATION, **{"privacy.target_epsilon": 3.0, "schedule.epochs": 40,
                                                   "schedule.steps": None}))

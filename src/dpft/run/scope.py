@@ -53,8 +53,12 @@ def has_auto_scope(recipe) -> bool:
     return recipe.trainable.mode == "auto"
 
 
-def choose_scope(n: int, epsilon: Optional[float]) -> tuple[str, str]:
-    """(scope, why) for N training rows at target ε (None: non-private)."""
+def choose_scope(n: int, epsilon: Optional[float], pair: bool = False) -> tuple[str, str]:
+    """(scope, why) for N training rows at target ε (None: non-private); ``pair``: rows of two texts."""
+    if pair:
+        return "last_k", ("rows of two texts (a pair task): one mean-pooled embedding of the joined pair does not "
+                          "carry how the texts relate — the DP probe on QNLI (4,000 rows) stayed near chance "
+                          "(0.52–0.53 at ε = 1, benchmarks/results/scope_evidence.md), so the top blocks train")
     if n <= HEAD_MAX_ROWS:
         return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}: at this size a DP linear probe on the frozen features is at or "
                         "above fine-tuning the top blocks (SST-2 5k rows, ε = 8: probe 0.795 ± 0.009 against 0.78 for "
@@ -106,7 +110,8 @@ def scope_overrides(recipe, scope: str, n: int) -> dict[str, Any]:
 def resolve_scope(recipe, n: int) -> tuple[Any, str]:
     """``recipe`` with ``trainable.mode: auto`` resolved for N rows, and the lines to print."""
     eps = recipe.privacy.target_epsilon if recipe.privacy.enabled else None
-    scope, why = choose_scope(n, eps)
+    pair = bool(recipe.task.text_pair_column) or recipe.task.name == "qnli"
+    scope, why = choose_scope(n, eps, pair)
     ov = scope_overrides(recipe, scope, n)
     d = apply_overrides(recipe.model_dump(mode="json"), ov)
     kept = sorted(set(SCOPES[scope][0](n)) - set(ov))
