@@ -67,3 +67,19 @@ def test_scope_choices_of_the_schema_are_the_rules_scopes():
     from dpft.run.scope import SCOPES
 
     assert set(SCOPE_CHOICES) == set(SCOPES)
+
+
+def test_the_head_bundle_is_the_probe_recipe():
+    """``run/scope.py``'s head bundle restates recipes/probe-minilm.yaml (sized for 5,000 rows): the recipe
+    file is the measured source (benchmarks/results/scope_evidence.md); this keeps the two the same."""
+    from pathlib import Path
+
+    from dpft.run.scope import SCOPES, _get
+
+    rec = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "probe-minilm.yaml")
+    bundle = SCOPES["head"][0](5000)
+    for key, value in bundle.items():
+        if key in ("batch.max_physical_batch_size", "eval.every_steps", "checkpoint_every"):
+            continue  # performance and logging only, not the measured mechanism
+        got = _get(rec, key)
+        assert got == value or (got is None and value is None), (key, got, value)
