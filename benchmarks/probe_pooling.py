@@ -139,30 +139,36 @@ def sigma_for(eps: float) -> tuple[float, float]:
     return sigma, spent
 
 
-def dp_adam(x, y, k: int, sigma: float | None, lr: float, seed: int) -> torch.Tensor:
-    """DP-Adam logistic regression on [x, 1] → W (k, D). Seed ``seed`` fixes the head init, the Poisson masks
-    (drawn before anything that depends on the feature width, so every candidate sees the same batches) and
-    the noise stream. ``sigma=None``: ε = ∞ (no clipping, no noise)."""
+def dp_adam(x, y, k: int, sigma: float | None, lrs, seeds) -> torch.Tensor:
+    """DP-Adam logistic regression on [x, 1]: R = len(lrs) × len(seeds) independent runs batched (run j has
+    step size ``lrs[j // len(seeds)]`` and seed ``seeds[j % len(seeds)]``) → W (R, k, D). Seed s fixes the head
+    init, the Poisson masks (drawn before anything that depends on the feature width, so every arm sees the
+    same batches) and the noise stream; runs that share a seed share all three. ``sigma=None``: ε = ∞ (no
+    clipping, no noise). Every row's logits are computed each step and the unsampled rows' residuals zeroed
+    (the same sums as gathering the batch, in one matmul)."""
     n, d = x.shape
-    xt = torch.cat([x, torch.ones(n, 1)], 1)
-    yo = torch.nn.functional.one_hot(y, k).float()
-    g_mask = torch.Generator().manual_seed(10_000 + seed)
-    masks = torch.rand(STEPS, n, generator=g_mask) < Q
-    g_init = torch.Generator().manual_seed(seed)
+    S, R = len(seeds), len(lrs) * len(seeds)
+    xt = torch.cat([x, torch.ones(n, 1)], 1)                               # (n, D)
+    yo = torch.nn.functional.one_hot(y, k).float()[:, None, :]             # (n, 1, k)
+    masks = torch.stack([torch.rand(STEPS, n, generator=torch.Generator().manual_seed(10_000 + s)) < Q
+                         for s in seeds], -1).float()                       # (T, n, S)
     bound = 1 / d ** 0.5  # nn.Linear's default init range
-    w = (torch.rand(k, d + 1, generator=g_init) * 2 - 1) * bound
-    g_noise = torch.Generator().manual_seed(20_000 + seed)
+    w0 = torch.stack([(torch.rand(k, d + 1, generator=torch.Generator().manual_seed(s)) * 2 - 1) * bound for s in seeds])
+    w = w0.repeat(len(lrs), 1, 1)                                          # (R, k, D)
+    lr = torch.tensor([l for l in lrs for _ in seeds], dtype=torch.float32)[:, None, None]
+    g_noise = [torch.Generator().manual_seed(20_000 + s) for s in seeds]
     m1, m2 = torch.zeros_like(w), torch.zeros_like(w)
     b1, b2, eps_adam = 0.9, 0.999, 1e-8
-    xn = xt.norm(dim=1)
+    xn = xt.norm(dim=1)[:, None]                                           # (n, 1)
     for t in range(STEPS):
-        idx = masks[t].nonzero().squeeze(1)
-        xb, r = xt[idx], torch.softmax(xt[idx] @ w.T, -1) - yo[idx]        # per-example grad = r_i ⊗ x_i
+        logits = (xt @ w.reshape(R * k, d + 1).T).reshape(n, R, k)
+        r = (torch.softmax(logits, -1) - yo) * masks[t].repeat(1, len(lrs))[..., None]  # per-example grad r_i ⊗ x_i
         if sigma is not None:
-            c = torch.clamp(CLIP / (r.norm(dim=1) * xn[idx] + 1e-6), max=1.0)
-            g = (r * c[:, None]).T @ xb + sigma * CLIP * torch.randn(k, d + 1, generator=g_noise)
-        else:
-            g = r.T @ xb
+            r = r * torch.clamp(CLIP / (r.norm(dim=-1) * xn + 1e-6), max=1.0)[..., None]
+        g = (r.reshape(n, R * k).T @ xt).reshape(R, k, d + 1)
+        if sigma is not None:
+            z = torch.stack([torch.randn(k, d + 1, generator=gen) for gen in g_noise])  # (S, k, D): one per seed
+            g = g + sigma * CLIP * z.repeat(len(lrs), 1, 1)
         g = g / (Q * n)                                                    # the public expected batch
         m1 = b1 * m1 + (1 - b1) * g
         m2 = b2 * m2 + (1 - b2) * g * g
@@ -171,9 +177,10 @@ def dp_adam(x, y, k: int, sigma: float | None, lr: float, seed: int) -> torch.Te
     return w
 
 
-def accuracy(w, x, y) -> float:
+def accuracy(w, x, y) -> list[float]:
+    """Dev accuracy of each run of W (R, k, D)."""
     xt = torch.cat([x, torch.ones(len(x), 1)], 1)
-    return float(((xt @ w.T).argmax(1) == y).double().mean())
+    return [float(v) for v in (torch.einsum("nd,rkd->rnk", xt, w).argmax(-1) == y).double().mean(-1)]
 
 
 def nonprivate(x, y, xd, yd) -> float:
@@ -199,9 +206,10 @@ def probe(tasks=TASKS) -> dict:
                 res["np"].append(dict(task=task, cand=cand, norm=norm, d=x.shape[1], acc=nonprivate(x, y, xd, yd)))
                 res["norms"].append(dict(task=task, cand=cand, norm=norm, median=float(x.norm(dim=1).median())))
                 for eps in EPSILONS:
-                    for lr in LR_GRID:
-                        accs = [accuracy(dp_adam(x, y, k, sig[eps][0], lr, s), xd, yd) for s in SEEDS]
-                        res["runs"].append(dict(task=task, cand=cand, norm=norm, eps=eps, lr=lr, accs=accs))
+                    accs = accuracy(dp_adam(x, y, k, sig[eps][0], LR_GRID, SEEDS), xd, yd)
+                    for i, lr in enumerate(LR_GRID):
+                        res["runs"].append(dict(task=task, cand=cand, norm=norm, eps=eps, lr=lr,
+                                                accs=accs[i * len(SEEDS):(i + 1) * len(SEEDS)]))
                 print(task, cand, norm, "done", time.strftime("%H:%M:%S"), flush=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     (CACHE / "probe_pooling_results.json").write_text(json.dumps(res, indent=0))
@@ -227,7 +235,10 @@ def write_report(res: dict) -> None:
     ename = lambda e: "∞" if e == float("inf") else f"{e:g}"  # noqa: E731
     L = ["# Richer frozen features from the same encoder: pooling variants for the DP linear probe (issue 45)", "",
          "Produced by `benchmarks/probe_pooling.py` (`embed`, then `probe`). Standalone script, not `dpft train`; "
-         "the step mirrors `recipes/probe-minilm.yaml`.", "",
+         "the step mirrors `recipes/probe-minilm.yaml`. Commands (PYTHONPATH=src HF_HUB_OFFLINE=1 "
+         "DPFT_DATA_DIR=../shared/data, 2 torch threads, `nice -n 5`): `python benchmarks/probe_pooling.py embed sst2 sst5` "
+         "then `python benchmarks/probe_pooling.py probe sst2 sst5` (~30 min on 2 shared cores; `report` rewrites this "
+         "file from the saved results).", "",
          "## Setup (fixed before looking at dev accuracy)", "",
          f"- Encoder all-MiniLM-L6-v2 (embedded `minilm`, 6 blocks, d = 384), eval mode, max_length {MAX_LEN}, one "
          "forward pass with `output_hidden_states=True`; masked pooling over non-padding tokens; features cached "
