@@ -17,8 +17,6 @@ _spec.loader.exec_module(layers)
 KNOWN_BACK_ARROWS = {
     ("dpft.config.recipe", "dpft.methods.base"),
     ("dpft.data.schedule", "dpft.step.sample"),
-    ("dpft.eval.dev", "dpft.placement.world"),
-    ("dpft.eval.dev", "dpft.run.errors"),
     ("dpft.grads.base", "dpft.placement.device"),
     ("dpft.grads.base", "dpft.step.clip"),
     ("dpft.grads.bookkeeping", "dpft.step.clip"),
@@ -27,7 +25,6 @@ KNOWN_BACK_ARROWS = {
     ("dpft.grads.subspace", "dpft.step.clip"),
     ("dpft.grads.subspace", "dpft.transforms.subspace"),
     ("dpft.methods.base", "dpft.run.loop"),
-    ("dpft.placement.device", "dpft.run.errors"),
     ("dpft.privacy.label_rr", "dpft.models.losses"),
 }
 

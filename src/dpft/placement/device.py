@@ -46,7 +46,7 @@ from typing import ContextManager, Optional, Union
 
 import torch
 from torch import nn
-from dpft.run.errors import TrainingError
+from dpft.errors import TrainingError
 
 __all__ = ["DeviceError", "Precision", "FP32", "DTYPES", "DEFAULT_FP16_LOSS_SCALE", "resolve_device",
            "check_dtype_on", "enable_activation_checkpointing", "uses_activation_checkpointing", "COMPILE_REFUSAL",
