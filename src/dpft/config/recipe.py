@@ -295,7 +295,7 @@ class BatchCfg(_Strict):
     #: Largest micro-batch run through the model at once (memory bound).
     max_physical_batch_size: int = Field(32, ge=1)
     #: Variable sampling rate: ``[[from_step, expected_batch_size], ...]`` (steps 0-based,
-    #: first entry at step 0). Each step's own q goes in the ledger (data/schedule.py).
+    #: first entry at step 0). Each step's own q goes in the ledger (step/sample.py ``ScheduledPoissonSampler``).
     schedule: Optional[list[tuple[int, int]]] = None
     #: Truncated Poisson: at most this many examples per logical batch (a uniformly random subset
     #: when more are drawn), accounted by ``TruncatedSubsampledGaussianDpEvent``; micro-batches
