@@ -8,7 +8,6 @@ flags of ``dpft train``).
 from __future__ import annotations
 
 import difflib
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional, get_args
@@ -21,9 +20,12 @@ from dpft.config.tune import Duration, TuneCfg, time_budget_steps
 
 @dataclass(frozen=True)
 class MethodsSchema:
-    """What the recipe schema asks of the method registry, installed by the registry itself
-    (:func:`set_methods_schema`; ``dpft.methods.base`` does on import), so that the schema
-    imports no method (issue 34: the house has one direction, methods → config).
+    """What the recipe schema asks of the method registry, handed to it by the registry's callers
+    (:func:`set_methods_schema`; importing the package ``dpft.methods`` hands the built-in registry,
+    and the CLI, ``dpft.train``, ``dpft.load_recipe`` and the Python ways in import it), so that
+    the schema imports no method and loads none by name (issue 34: the house has one direction,
+    methods → config; issue 46 item 6). Without one the schema knows no method: a recipe without
+    ``methods:`` (or a method section) validates, one with them is refused naming the fix.
 
     Attributes:
         legacy_sections: ``() -> {section: method name}``, the built-ins' historical top-level
@@ -39,25 +41,27 @@ class MethodsSchema:
 
 
 _METHODS_SCHEMA: Optional[MethodsSchema] = None
-#: The built-in registry, loaded by name when no registry has installed itself yet (a registry
-#: lookup, as the built-in methods and the driver's phase runner are: not a static import).
-METHODS_REGISTRY_MODULE = "dpft.methods.base"
+#: Why a recipe that names a method cannot be validated without a registry (and the fix).
+NO_REGISTRY = ("the recipe schema was handed no method registry, so it knows no method: `import dpft.methods` "
+               "first (it hands the built-in registry; `dpft train`, dpft.train and dpft.load_recipe do), or hand "
+               "your own with dpft.config.recipe.set_methods_schema")
 
 
 def set_methods_schema(schema: MethodsSchema) -> None:
-    """Install the method registry's side of the schema (the registry calls this on import)."""
+    """Hand the schema the method registry's side (:class:`MethodsSchema`); the registry's callers
+    do, before a recipe that names a method is loaded (``import dpft.methods`` hands the built-in one)."""
     global _METHODS_SCHEMA
     _METHODS_SCHEMA = schema
 
 
 def methods_schema() -> MethodsSchema:
-    """The installed :class:`MethodsSchema`; loads :data:`METHODS_REGISTRY_MODULE` by name first
-    when none is installed (a recipe loaded through ``dpft.config.recipe`` alone still knows the methods)."""
+    """The :class:`MethodsSchema` handed to the schema.
+
+    Raises:
+        ValueError: none was handed (:data:`NO_REGISTRY` names the fix).
+    """
     if _METHODS_SCHEMA is None:
-        importlib.import_module(METHODS_REGISTRY_MODULE)  # installs itself on import
-    if _METHODS_SCHEMA is None:
-        raise RuntimeError(f"no method registry installed ({METHODS_REGISTRY_MODULE} did not call "
-                           "dpft.config.recipe.set_methods_schema)")
+        raise ValueError(NO_REGISTRY)
     return _METHODS_SCHEMA
 
 
@@ -348,6 +352,11 @@ class Recipe(_Strict):
             return data
         data = dict(data)
         methods = list(data.get("methods") or [])
+        if _METHODS_SCHEMA is None:  # no registry handed: a recipe that names no method still validates
+            named = [k for k in _LEGACY_ATTRS if data.get(k) is not None] + (["methods"] if methods else [])
+            if named:
+                raise ValueError(f"{', '.join(named)}: {NO_REGISTRY}")
+            return data
         for section, name in methods_schema().legacy_sections().items():
             if section in data:
                 body = data.pop(section)
@@ -388,6 +397,8 @@ class Recipe(_Strict):
     @field_validator("methods", mode="before")
     @classmethod
     def _validate_methods(cls, v: Any) -> list[Any]:
+        if not v:
+            return []
         config_model = methods_schema().config_model
         out, seen = [], set()
         for i, item in enumerate(v or []):
@@ -406,6 +417,8 @@ class Recipe(_Strict):
 
     @field_serializer("methods")
     def _dump_methods(self, v: list[Any]) -> list[dict[str, Any]]:
+        if not v:
+            return []
         name_of = methods_schema().name_of
         return [{"name": name_of(c), **c.model_dump(mode="json")} for c in v]
 
@@ -459,9 +472,9 @@ def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
         sub = _model_in(info.annotation)
         if sub is not None:
             keys.extend(recipe_keys(sub, key + "."))
-    if model is Recipe and not prefix:
+    if model is Recipe and not prefix and _METHODS_SCHEMA is not None:
         # the built-in methods' sections (subspace., ldp., adam_ac., denoise.) from their configs
-        schema = methods_schema()
+        schema = _METHODS_SCHEMA
         for section, name in schema.legacy_sections().items():
             keys.append(section)
             keys.extend(recipe_keys(schema.config_model(name), section + "."))

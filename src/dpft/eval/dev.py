@@ -8,8 +8,11 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from dpft.models.losses import model_inputs
+
+from dpft.data.tokenize import collate
 from dpft.errors import TrainingError
+from dpft.eval.lm import lm_eval, seq2seq_eval
+from dpft.models.losses import model_inputs
 
 if TYPE_CHECKING:
     import datasets
@@ -48,12 +51,8 @@ class DevEvaluator:
         return self._classifier(model)
 
     def _lm(self, model) -> dict[str, float]:
-        from dpft.eval.lm import lm_eval
-
         w = self.world
         if getattr(self.data, "seq2seq", False):  # encoder-decoder: target tokens (data/seq2seq.py)
-            from dpft.eval.lm import seq2seq_eval
-
             out = seq2seq_eval(model, list(self.data.dev_tok)[w.rank::w.world_size], self.data.pad_id,
                                self.cfg.batch_size)
         else:
@@ -102,8 +101,6 @@ def classify(model, rows: datasets.Dataset, pad_id: int, with_token_types: bool,
     import contextlib
 
     from tqdm.auto import tqdm
-
-    from dpft.data.tokenize import collate
 
     was = model.training
     model.eval()
