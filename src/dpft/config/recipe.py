@@ -8,61 +8,16 @@ flags of ``dpft train``).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional, get_args
+from typing import Annotated, Any, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from dpft.config.base import EvalCfg, LogCfg, OutputCfg, PerfCfg, PluginConfig
+from dpft.config.methods_hook import (NO_REGISTRY, MethodsSchema, handed_schema, methods_schema,  # noqa: F401
+                                     set_methods_schema)  # public here: dpft.config.recipe.set_methods_schema
 from dpft.config.tune import Duration, TuneCfg, time_budget_steps
-
-@dataclass(frozen=True)
-class MethodsSchema:
-    """What the recipe schema asks of the method registry, handed to it by the registry's callers
-    (:func:`set_methods_schema`; importing the package ``dpft.methods`` hands the built-in registry,
-    and the CLI, ``dpft.train``, ``dpft.load_recipe`` and the Python ways in import it), so that
-    the schema imports no method and loads none by name (issue 34: the house has one direction,
-    methods → config; issue 46 item 6). Without one the schema knows no method: a recipe without
-    ``methods:`` (or a method section) validates, one with them is refused naming the fix.
-
-    Attributes:
-        legacy_sections: ``() -> {section: method name}``, the built-ins' historical top-level
-            sections (``subspace:`` → ``dpsft``, …), moved into ``methods:``.
-        config_model: ``name -> pydantic model`` of a registered method; raises a ``ValueError``
-            naming the registered methods (and the closest one) when ``name`` is unknown.
-        name_of: ``validated config -> its method's registered name`` (for the YAML dump).
-    """
-
-    legacy_sections: Callable[[], dict[str, str]]
-    config_model: Callable[[str], type[BaseModel]]
-    name_of: Callable[[BaseModel], str]
-
-
-_METHODS_SCHEMA: Optional[MethodsSchema] = None
-#: Why a recipe that names a method cannot be validated without a registry (and the fix).
-NO_REGISTRY = ("the recipe schema was handed no method registry, so it knows no method: `import dpft.methods` "
-               "first (it hands the built-in registry; `dpft train`, dpft.train and dpft.load_recipe do), or hand "
-               "your own with dpft.config.recipe.set_methods_schema")
-
-
-def set_methods_schema(schema: MethodsSchema) -> None:
-    """Hand the schema the method registry's side (:class:`MethodsSchema`); the registry's callers
-    do, before a recipe that names a method is loaded (``import dpft.methods`` hands the built-in one)."""
-    global _METHODS_SCHEMA
-    _METHODS_SCHEMA = schema
-
-
-def methods_schema() -> MethodsSchema:
-    """The :class:`MethodsSchema` handed to the schema.
-
-    Raises:
-        ValueError: none was handed (:data:`NO_REGISTRY` names the fix).
-    """
-    if _METHODS_SCHEMA is None:
-        raise ValueError(NO_REGISTRY)
-    return _METHODS_SCHEMA
 
 
 #: ``auto``: chosen by accounting/budget.py (issue 35) before the run is planned.
@@ -352,7 +307,7 @@ class Recipe(_Strict):
             return data
         data = dict(data)
         methods = list(data.get("methods") or [])
-        if _METHODS_SCHEMA is None:  # no registry handed: a recipe that names no method still validates
+        if handed_schema() is None:  # no registry handed: a recipe that names no method still validates
             named = [k for k in _LEGACY_ATTRS if data.get(k) is not None] + (["methods"] if methods else [])
             if named:
                 raise ValueError(f"{', '.join(named)}: {NO_REGISTRY}")
@@ -472,9 +427,9 @@ def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
         sub = _model_in(info.annotation)
         if sub is not None:
             keys.extend(recipe_keys(sub, key + "."))
-    if model is Recipe and not prefix and _METHODS_SCHEMA is not None:
+    schema = handed_schema()
+    if model is Recipe and not prefix and schema is not None:
         # the built-in methods' sections (subspace., ldp., adam_ac., denoise.) from their configs
-        schema = _METHODS_SCHEMA
         for section, name in schema.legacy_sections().items():
             keys.append(section)
             keys.extend(recipe_keys(schema.config_model(name), section + "."))

@@ -1,12 +1,13 @@
 """The method registry (methods/base.py) and the built-in methods, one file each.
 
 Importing the package hands the recipe schema the registry's validator
-(``dpft.config.recipe.set_methods_schema``; the schema imports no method) and hands the registry
-the loader of the built-ins, which register themselves like any plug-in when the registry is first
-read (issue 46 item 6: nothing is loaded by name, and the registry imports no method file).
+(``dpft.config.recipe.set_methods_schema``, config/methods_hook.py; the schema imports no method)
+and hands the registry the loader of the built-ins, which register themselves like any plug-in
+when the registry is first read (issue 46 item 6: nothing is loaded by name, and the registry
+imports no method file).
 """
 
-from dpft.config.recipe import set_methods_schema
+from dpft.config.methods_hook import set_methods_schema
 from dpft.methods.base import recipe_schema, set_builtin_loader
 
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol
 import dp_accounting as dpa
 from pydantic import BaseModel
 
-from dpft.config.recipe import MethodsSchema
+from dpft.config.methods_hook import MethodsSchema
 
 if TYPE_CHECKING:
     from dpft.accounting.ledger import PrivacyLedger
