@@ -16,6 +16,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# The test session is a caller of the recipe schema, as the CLI and dpft.load_recipe are: it hands the
+# schema the method registry (issue 46 item 6: the schema loads no method by name).
+import dpft.methods  # noqa: E402,F401
+
 
 def tiny_classifier(kind: str, num_labels: int = 2, vocab: int = 64):
     """A tiny random sequence classifier of the given family, eval mode (no dropout)."""

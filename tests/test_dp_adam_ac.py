@@ -14,10 +14,10 @@ from dpft.privacy.randomness import Randomness
 from dpft.accounting.calibrate import dp_sgd_event
 from dpft.accounting.ledger import NotCertifiedError, epsilon_of, pld_accountant
 from dpft.config.recipe import load_recipe
-from dpft.data.schedule import ScheduledPoissonSampler
 from dpft.data.text import chunk_blocks
 from dpft.optim.dp_adam import DPAdam, GammaNudger, WeightEMA
 from dpft.step.clip import AdaptiveQuantileClip, PaperPercentileClip, effective_noise_multiplier
+from dpft.step.sample import ScheduledPoissonSampler
 
 from conftest import SHARED_DATA
 

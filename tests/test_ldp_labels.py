@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dpft.models.losses import make_corrected_classification_loss
 from dpft.privacy.label_rr import (example_epsilon_with_label, forward_corrected_loss, label_epsilon,
-                                   make_corrected_classification_loss, randomized_response, rr_keep_probability,
-                                   rr_noise_parameter, rr_transition_matrix)
+                                   randomized_response, rr_keep_probability, rr_noise_parameter, rr_transition_matrix)
 from dpft.privacy.ldp import LDPError, local_epsilon_composed
 from dpft.privacy.randomness import Randomness
 

@@ -199,19 +199,29 @@ def test_unknown_method_and_duplicates_are_clear_errors(tiny_model_dir, sst_like
         register_method(Other)
 
 
-def test_the_schema_imports_no_method_and_the_registry_installs_its_hook():
-    """Issue 34 item 5: config.py validates ``methods:`` through the hook the registry installs
-    (``dpft.config.recipe.set_methods_schema``), never by importing ``dpft.methods``; a recipe loaded through
-    ``dpft.config.recipe`` alone (a fresh interpreter) still gets the registry's clear error."""
+def test_the_schema_imports_no_method_and_is_handed_the_registry():
+    """Issue 34 item 5, issue 46 item 6: config.py validates ``methods:`` through the registry its callers
+    hand it (``dpft.config.recipe.set_methods_schema``; importing ``dpft.methods`` does), never by importing
+    ``dpft.methods`` nor by loading it by name. In a fresh interpreter, ``dpft.config.recipe`` alone loads a
+    recipe that names no method, refuses one that does naming the fix, and knows the methods once
+    ``dpft.methods`` is imported; ``dpft.load_recipe`` hands the registry itself."""
     mods = {".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
             for p in SRC.rglob("*.py")}
     for f in ("config/recipe.py", "config/base.py", "config/tune.py", "config/__init__.py"):
         name = "dpft." + f.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
         deps = _imports(SRC / f, mods, name)
         assert not {d for d in deps if d.startswith("dpft.methods")}, f"{f} imports {deps}"
+        assert "import_module" not in (SRC / f).read_text(), f"{f} imports a module by name"
     code = ("import sys\n"
             "from dpft.config.recipe import RecipeError, load_recipe\n"
-            "assert 'dpft.methods.base' not in sys.modules\n"
+            "print(load_recipe(None, {'privacy.target_epsilon': 3}).methods)\n"
+            "for bad in ({'methods': [{'name': 'rmt'}]}, {'denoise.method': 'rmt'}):\n"
+            "    try:\n"
+            "        load_recipe(None, bad)\n"
+            "    except RecipeError as e:\n"
+            "        print('REFUSED', str(e).replace(chr(10), ' '))\n"
+            "assert not any(m.startswith('dpft.methods') for m in sys.modules), 'the schema loaded a method'\n"
+            "import dpft.methods\n"
             "try:\n"
             "    load_recipe(None, {'methods': [{'name': 'rmx'}]})\n"
             "except RecipeError as e:\n"
@@ -220,11 +230,19 @@ def test_the_schema_imports_no_method_and_the_registry_installs_its_hook():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(SRC.parent)})
+    env = {**__import__("os").environ, "PYTHONPATH": str(SRC.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "[]"
+    refused = [ln for ln in lines if ln.startswith("REFUSED")]
+    assert len(refused) == 2 and all("import dpft.methods" in ln for ln in refused), refused
+    assert "methods" in refused[0] and "denoise" in refused[1]
     assert "unknown method 'rmx'; did you mean 'rmt'?" in out.stdout and "registered: " in out.stdout
-    assert out.stdout.strip().endswith("DenoiseCfg")
+    assert lines[-1] == "DenoiseCfg"
+    code = "import dpft\nprint(type(dpft.load_recipe(None, {'denoise.method': 'rmt'}).methods[0]).__name__)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "DenoiseCfg", out.stderr
 
 
 def test_the_schema_asks_the_installed_registry():

@@ -11,6 +11,7 @@ import torch
 from dpft.config.recipe import load_recipe
 from dpft.methods.selft import SelFTCfg, run_selft, select_units
 from dpft.models.units import resolve_units
+from dpft.run.loop import train_phase
 
 
 def _recipe(tiny_model_dir, files, tmp_path, **over):
@@ -33,7 +34,8 @@ def test_selft_end_to_end(tiny_model_dir, sst_like_files, tmp_path):
     r = _recipe(tiny_model_dir, sst_like_files, tmp_path, **{"privacy.noise_multiplier": 1.5})
     cfg = SelFTCfg(epsilon_syn=0.5, encoder=str(tiny_model_dir), top_k=1, score_steps=2, score_batch_size=8,
                    n_select=12, cache_dir=str(tmp_path / "cache"))
-    rep = run_selft(r, cfg, tmp_path / "run", candidates=CANDS, progress=False, log=lambda m: None)
+    rep = run_selft(r, cfg, tmp_path / "run", candidates=CANDS, progress=False, log=lambda m: None,
+                    train_phase=train_phase)
     units = rep["selft"]["selected_units"]
     assert len(units) == 1 and units[0] != "head"
     phases = [e["phase"] for e in rep["privacy"]["ledger"]]

@@ -148,13 +148,15 @@ def test_ldp_with_batch_schedule_is_refused(tiny_model_dir, sst_like_files, tmp_
 
 def test_selft_with_reproduce_paper_is_not_certified_and_keeps_every_phase(tiny_model_dir, sst_like_files, tmp_path):
     from dpft.methods.selft import SelFTCfg, run_selft
+    from dpft.run.loop import train_phase
 
     cands = [f"a {w} movie {i}" for i, w in enumerate(["good", "bad", "great", "awful"] * 4)]
     rec = _recipe(tiny_model_dir, sst_like_files, **{
         "adam_ac.reproduce_paper": True, "batch.expected_batch_size": 16, "batch.max_physical_batch_size": 16})
     cfg = SelFTCfg(epsilon_syn=0.5, encoder=str(tiny_model_dir), top_k=1, score_steps=1, score_batch_size=8,
                    n_select=8)
-    rep = run_selft(rec, cfg, tmp_path / "s", candidates=cands, progress=False, log=lambda m: None)
+    rep = run_selft(rec, cfg, tmp_path / "s", candidates=cands, progress=False, log=lambda m: None,
+                    train_phase=train_phase)
     assert rep["privacy"]["guarantee"] == "NOT CERTIFIED" and rep["privacy"]["epsilon"] is None
     led = json.loads((tmp_path / "s" / "ledger.json").read_text())
     assert led["certified"] is False

@@ -58,9 +58,17 @@ def _with_time_budget(overrides: dict[str, Any] | None, time_budget: Any) -> dic
     return {**(overrides or {}), "schedule.time_budget": time_budget, "schedule.steps": "auto", "schedule.epochs": None}
 
 
+def _hand_method_registry() -> None:
+    """Hand the recipe schema the method registry (importing ``dpft.methods`` does; the schema
+    imports no method): deferred so that ``import dpft`` stays light."""
+    import dpft.methods  # noqa: F401
+
+
 def _recipe_of(recipe: Any, overrides: dict[str, Any] | None):
     """A :class:`Recipe` from a Recipe, a dict of keys or a YAML path, with ``overrides`` applied."""
     from dpft.config.recipe import Recipe, apply_overrides, load_recipe
+
+    _hand_method_registry()
 
     if isinstance(recipe, Recipe):
         return recipe if not overrides else load_recipe(None, apply_overrides(recipe.model_dump(mode="json"),
@@ -70,7 +78,13 @@ def _recipe_of(recipe: Any, overrides: dict[str, Any] | None):
     return load_recipe(recipe, overrides)
 
 
+#: Names whose use loads a recipe: the recipe schema is handed the method registry first.
+_RECIPE_NAMES = {"Recipe", "load_recipe"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _RECIPE_NAMES:
+        _hand_method_registry()
     if name in _NAMES:
         return getattr(importlib.import_module(_NAMES[name]), name)
     raise AttributeError(f"module 'dpft' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from dpft.outputs.report import epsilon_line, reprint
 from dpft.run.errors import TrainingError
 from dpft.run.tune import tune as run_tune
 from dpft.run.tune_report import summary
-import dpft.methods.base  # noqa: F401,E402 (the method registry installs the recipe schema's methods hook)
+import dpft.methods  # noqa: F401,E402 (hands the recipe schema the method registry: the CLI is its caller)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Differentially private fine-tuning of language models.")

@@ -8,57 +8,16 @@ flags of ``dpft train``).
 from __future__ import annotations
 
 import difflib
-import importlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional, get_args
+from typing import Annotated, Any, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from dpft.config.base import EvalCfg, LogCfg, OutputCfg, PerfCfg, PluginConfig
+from dpft.config.methods_hook import (NO_REGISTRY, MethodsSchema, handed_schema, methods_schema,  # noqa: F401
+                                     set_methods_schema)  # public here: dpft.config.recipe.set_methods_schema
 from dpft.config.tune import Duration, TuneCfg, time_budget_steps
-
-@dataclass(frozen=True)
-class MethodsSchema:
-    """What the recipe schema asks of the method registry, installed by the registry itself
-    (:func:`set_methods_schema`; ``dpft.methods.base`` does on import), so that the schema
-    imports no method (issue 34: the house has one direction, methods → config).
-
-    Attributes:
-        legacy_sections: ``() -> {section: method name}``, the built-ins' historical top-level
-            sections (``subspace:`` → ``dpsft``, …), moved into ``methods:``.
-        config_model: ``name -> pydantic model`` of a registered method; raises a ``ValueError``
-            naming the registered methods (and the closest one) when ``name`` is unknown.
-        name_of: ``validated config -> its method's registered name`` (for the YAML dump).
-    """
-
-    legacy_sections: Callable[[], dict[str, str]]
-    config_model: Callable[[str], type[BaseModel]]
-    name_of: Callable[[BaseModel], str]
-
-
-_METHODS_SCHEMA: Optional[MethodsSchema] = None
-#: The built-in registry, loaded by name when no registry has installed itself yet (a registry
-#: lookup, as the built-in methods and the driver's phase runner are: not a static import).
-METHODS_REGISTRY_MODULE = "dpft.methods.base"
-
-
-def set_methods_schema(schema: MethodsSchema) -> None:
-    """Install the method registry's side of the schema (the registry calls this on import)."""
-    global _METHODS_SCHEMA
-    _METHODS_SCHEMA = schema
-
-
-def methods_schema() -> MethodsSchema:
-    """The installed :class:`MethodsSchema`; loads :data:`METHODS_REGISTRY_MODULE` by name first
-    when none is installed (a recipe loaded through ``dpft.config.recipe`` alone still knows the methods)."""
-    if _METHODS_SCHEMA is None:
-        importlib.import_module(METHODS_REGISTRY_MODULE)  # installs itself on import
-    if _METHODS_SCHEMA is None:
-        raise RuntimeError(f"no method registry installed ({METHODS_REGISTRY_MODULE} did not call "
-                           "dpft.config.recipe.set_methods_schema)")
-    return _METHODS_SCHEMA
 
 
 #: ``auto``: chosen by accounting/budget.py (issue 35) before the run is planned.
@@ -295,7 +254,7 @@ class BatchCfg(_Strict):
     #: Largest micro-batch run through the model at once (memory bound).
     max_physical_batch_size: int = Field(32, ge=1)
     #: Variable sampling rate: ``[[from_step, expected_batch_size], ...]`` (steps 0-based,
-    #: first entry at step 0). Each step's own q goes in the ledger (data/schedule.py).
+    #: first entry at step 0). Each step's own q goes in the ledger (step/sample.py ``ScheduledPoissonSampler``).
     schedule: Optional[list[tuple[int, int]]] = None
     #: Truncated Poisson: at most this many examples per logical batch (a uniformly random subset
     #: when more are drawn), accounted by ``TruncatedSubsampledGaussianDpEvent``; micro-batches
@@ -348,6 +307,11 @@ class Recipe(_Strict):
             return data
         data = dict(data)
         methods = list(data.get("methods") or [])
+        if handed_schema() is None:  # no registry handed: a recipe that names no method still validates
+            named = [k for k in _LEGACY_ATTRS if data.get(k) is not None] + (["methods"] if methods else [])
+            if named:
+                raise ValueError(f"{', '.join(named)}: {NO_REGISTRY}")
+            return data
         for section, name in methods_schema().legacy_sections().items():
             if section in data:
                 body = data.pop(section)
@@ -388,6 +352,8 @@ class Recipe(_Strict):
     @field_validator("methods", mode="before")
     @classmethod
     def _validate_methods(cls, v: Any) -> list[Any]:
+        if not v:
+            return []
         config_model = methods_schema().config_model
         out, seen = [], set()
         for i, item in enumerate(v or []):
@@ -406,6 +372,8 @@ class Recipe(_Strict):
 
     @field_serializer("methods")
     def _dump_methods(self, v: list[Any]) -> list[dict[str, Any]]:
+        if not v:
+            return []
         name_of = methods_schema().name_of
         return [{"name": name_of(c), **c.model_dump(mode="json")} for c in v]
 
@@ -459,9 +427,9 @@ def recipe_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
         sub = _model_in(info.annotation)
         if sub is not None:
             keys.extend(recipe_keys(sub, key + "."))
-    if model is Recipe and not prefix:
+    schema = handed_schema()
+    if model is Recipe and not prefix and schema is not None:
         # the built-in methods' sections (subspace., ldp., adam_ac., denoise.) from their configs
-        schema = methods_schema()
         for section, name in schema.legacy_sections().items():
             keys.append(section)
             keys.extend(recipe_keys(schema.config_model(name), section + "."))

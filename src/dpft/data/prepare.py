@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 from dpft.accounting.calibrate import check_delta
+from dpft.data.tokenize import tokenize_task
 
 __all__ = ["TrainData", "is_causal", "load_rows", "build_train_data"]
 
@@ -100,8 +101,6 @@ def build_train_data(recipe, task, tokenizer, hide_counts: bool, progress: bool)
             task = load_text_task(r.task, tokenizer, r.model.max_length, seed=r.seed)
         train_tok, dev_tok = task.train, task.dev
     else:
-        from dpft.data.tokenize import tokenize_task
-
         # Dev truncation count goes in the report's notes; the training count is private.
         train_tok, dev_tok = tokenize_task(task, tokenizer, r.model.max_length, private=hide_counts)
         if hide_counts:

@@ -8,9 +8,11 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from dpft.placement import world as ddp
+
+from dpft.data.tokenize import collate
+from dpft.errors import TrainingError
+from dpft.eval.lm import lm_eval, seq2seq_eval
 from dpft.models.losses import model_inputs
-from dpft.run.errors import TrainingError
 
 if TYPE_CHECKING:
     import datasets
@@ -24,16 +26,21 @@ class DevEvaluator:
     Args:
         data: the run's :class:`~dpft.data.prepare.TrainData`.
         placement: its :class:`~dpft.placement.device.Placement` (device, autocast).
-        world: the DDP world: each rank evaluates every K-th dev row and the sums are all-reduced.
+        world: the DDP world (``rank``, ``world_size``, ``distributed``): each rank evaluates every
+            K-th dev row.
         eval_cfg: the recipe's ``eval`` section (batch size, ``save_predictions``).
+        all_sum: ``values -> values``, the element-wise sum of a list of floats over the world's
+            ranks (``functools.partial(dpft.placement.world.all_sum, world)``; the caller's
+            capability, so that evaluation imports no placement); called under DDP only.
 
     Attributes:
         dev_predictions: the latest classifier evaluation's ``[{"index", "prediction", "correct"}]``
             when ``eval.save_predictions`` (one process only), else None.
     """
 
-    def __init__(self, data, placement, world, eval_cfg):
+    def __init__(self, data, placement, world, eval_cfg, all_sum: Callable[[list[float]], list[float]]):
         self.data, self.placement, self.world, self.cfg = data, placement, world, eval_cfg
+        self.all_sum = all_sum
         self.dev_predictions: Optional[list[dict]] = None
 
     @torch.no_grad()
@@ -44,18 +51,14 @@ class DevEvaluator:
         return self._classifier(model)
 
     def _lm(self, model) -> dict[str, float]:
-        from dpft.eval.lm import lm_eval
-
         w = self.world
         if getattr(self.data, "seq2seq", False):  # encoder-decoder: target tokens (data/seq2seq.py)
-            from dpft.eval.lm import seq2seq_eval
-
             out = seq2seq_eval(model, list(self.data.dev_tok)[w.rank::w.world_size], self.data.pad_id,
                                self.cfg.batch_size)
         else:
             out = lm_eval(model, list(self.data.dev_tok)[w.rank::w.world_size], self.data.pad_id, self.cfg.batch_size)
         if w.distributed:
-            total, count = ddp.all_sum(w, [out["dev_loss"] * out["dev_tokens"], out["dev_tokens"]])
+            total, count = self.all_sum([out["dev_loss"] * out["dev_tokens"], out["dev_tokens"]])
             loss = total / max(count, 1)
             out = {"dev_loss": loss, "dev_perplexity": math.exp(min(loss, 50.0)), "dev_tokens": int(count)}
         return out
@@ -79,7 +82,7 @@ class DevEvaluator:
             self.dev_predictions = [{"index": int(i), "prediction": int(p), "correct": bool(h)}
                                     for i, p, h in sorted(zip(order, pred.tolist(), hit.tolist()))]
         if w.distributed:  # DDP: the world's sums, the same on every rank
-            c, loss, m = ddp.all_sum(w, [correct, loss, n])
+            c, loss, m = self.all_sum([correct, loss, n])
             correct, n = int(c), int(m)
         return {"dev_accuracy": correct / n, "dev_loss": loss / n}
 
@@ -98,8 +101,6 @@ def classify(model, rows: datasets.Dataset, pad_id: int, with_token_types: bool,
     import contextlib
 
     from tqdm.auto import tqdm
-
-    from dpft.data.tokenize import collate
 
     was = model.training
     model.eval()

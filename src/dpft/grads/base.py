@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from dpft.grads.contrib import full_precision
-from dpft.placement.device import FP32, Precision
-from dpft.step.clip import ClipPolicy, check_finite_norms
+from dpft.grads.precision import FP32, Precision
+from dpft.grads.clip import ClipPolicy, check_finite_norms
 from dpft.grads.groups import group_sum, n_groups
 
 #: ``loss_fn(forward, batch) -> (B,)`` per-example losses (nats). ``forward(**inputs)`` runs the
@@ -68,11 +68,11 @@ class PerExampleEngine(ABC):
     Args:
         model: the network; its trainable parameters are those with ``requires_grad``.
         loss_fn: per-example loss, see :data:`PerExampleLoss`.
-        clip: the clip policy (``step/clip.py``).
+        clip: the clip policy (``grads/clip.py``).
 
     Attributes:
         precision: autocast dtype and static loss scale of the forward/backward
-            (:class:`dpft.placement.device.Precision`; fp32 by default). Engines that apply it declare
+            (:class:`dpft.grads.precision.Precision`; fp32 by default). Engines that apply it declare
             ``supports_precision = True``; the trainer refuses bf16/fp16 with any other.
     """
 

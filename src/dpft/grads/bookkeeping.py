@@ -19,7 +19,7 @@ One step on a micro-batch of ``B`` examples:
    or factors ``(G, A)`` of a 2-D weight (``_hooks.py``);
 3. squared norms ``(B, G)`` per trainable parameter: ghost norms ``<A_i A_i^T, G_i G_i^T>`` or
    per-layer instantiation, whichever is cheaper, with exact cross terms for tied parameters;
-4. clip factors from the policy (``step/clip.py``; flat, per-layer and automatic are
+4. clip factors from the policy (``grads/clip.py``; flat, per-layer and automatic are
    orthogonal to all of the above);
 5. clipped sum per parameter as one matrix product ``(c * G)^T A`` (or ``index_add_`` for an
    embedding) -- no second backward pass.
@@ -37,7 +37,7 @@ place (those inputs are then copied).
 Activation checkpointing (Hugging Face ``gradient_checkpointing_enable``, reentrant or not, and
 plain ``torch.utils.checkpoint``) is supported: forwards re-run inside the backward are told
 apart from the original calls (``_hooks.Capture``), so each module call is recorded once. Mixed
-precision (``engine.precision``, :class:`dpft.placement.device.Precision`): the forward runs under autocast,
+precision (``engine.precision``, :class:`dpft.grads.precision.Precision`): the forward runs under autocast,
 the backward outside it, and norms, clip factors and the clipped sum are computed in fp32 from
 the captured (bf16/fp16) factors; under fp16 a static loss scale is divided out before the
 norms and an example that overflows contributes 0.
@@ -64,7 +64,7 @@ from dpft.grads.groups import group_contributions, n_groups, split_groups
 from dpft.grads.registry import KINDS as _KINDS_VIEW
 from dpft.grads.lora import check_adapter_layers
 from dpft.grads.registry import register_layer, rule_for, rules_for
-from dpft.step.clip import ClipPolicy, check_finite_norms
+from dpft.grads.clip import ClipPolicy, check_finite_norms
 
 
 #: The layer rules: a live view of the registry (it was a closed tuple before

@@ -388,3 +388,8 @@ class Capture:
         self.leaves.clear()
         self.records.clear()
         self.versions.clear()
+
+
+def uses_activation_checkpointing(model: nn.Module) -> bool:
+    """Whether Hugging Face checkpointing is switched on in any module of ``model``."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

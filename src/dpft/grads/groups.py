@@ -30,7 +30,7 @@ from typing import Mapping, Optional
 import torch
 
 from dpft.grads.contrib import Contribution, Outer, PerExample
-from dpft.step.clip import ClipPolicy
+from dpft.grads.clip import ClipPolicy
 
 #: Batch key of the ``(B,)`` int64 local group (user) id of each row.
 GROUP_KEY = "privacy_unit"

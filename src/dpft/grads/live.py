@@ -53,10 +53,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from dpft.grads.capture import Capture
+from dpft.grads.capture import Capture, uses_activation_checkpointing
 from dpft.grads.base import ClippedBatch
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.placement.device import uses_activation_checkpointing
 
 
 class DoubleCaptureError(RuntimeError):

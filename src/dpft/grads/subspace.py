@@ -47,8 +47,8 @@ from dpft.grads.capture import Capture
 from dpft.grads.contrib import Contribution, Outer, PerExample, full_precision, merge
 from dpft.grads.base import ClippedBatch, PerExampleEngine, PerExampleLoss, trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine, _batch_size
-from dpft.step.clip import ClipPolicy, check_finite_norms
-from dpft.transforms.subspace import SubspaceBasis, SubspaceError
+from dpft.grads.clip import ClipPolicy, check_finite_norms
+from dpft.grads.basis import SubspaceBasis, SubspaceError
 
 #: Per-example gradients of one layer are instantiated a tile of rows at a time, at most this
 #: many floats (4 MiB: about a core's L2/L3 share), and projected at once.
@@ -99,7 +99,7 @@ class SubspaceEngine(PerExampleEngine):
         loss_fn: per-example loss ``(B,)`` (nats).
         clip: clip policy applied to ``‖s_i‖`` in R^k (flat or automatic; per-layer has one
             group here and equals flat).
-        basis: the basis ``P`` (``transforms/subspace.py``).
+        basis: the basis ``P`` (``grads/basis.py``).
 
     ``clipped_sum(batch)`` returns a :class:`ClippedBatch` whose ``grad_sum`` has one entry,
     ``COORDS`` -> ``Σ_i c_i s_i`` of shape ``(k,)``; ``sq_norms``/``scales`` are ``(B, 1)``.

@@ -25,7 +25,7 @@ private phase passes the run's ledger and phase name, so every phase appends to 
 ledger. ``on_step(done, params)`` is called after each completed step (e.g. to snapshot Θ_t).
 A pipeline outside a run (DP-SelFT's selection, then fine-tuning) receives the same runner from
 its caller, or :func:`phase_runner` (the driver registered with :func:`register_phase_runner`).
-Methods never import the driver (``run/``).
+Methods never import the driver (``run/``), nor load it by name.
 
 A method declares what the driver checks: ``supports_ddp`` (runs under torchrun as it does
 alone), ``supports_fsdp`` / ``sharded_refusal`` (runs on FSDP2 shards), ``supports_device``
@@ -35,7 +35,9 @@ the model card's lines where the method changes them (the driver names no method
 A recipe names its methods in ``methods:`` (a list of ``{name: ..., <config keys>}``; the
 ``name`` picks the registered config model: a discriminated union over an open registry). The
 built-ins also keep their historical top-level sections (``subspace:``, ``ldp:``, ``adam_ac:``,
-``denoise:``), which the recipe loader moves into ``methods:``.
+``denoise:``), which the recipe loader moves into ``methods:``. The recipe schema asks this registry
+through :func:`recipe_schema`, handed to it by the package ``dpft.methods``; the built-ins register
+through the loader that package hands (:func:`set_builtin_loader`): the registry imports no method.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol
 import dp_accounting as dpa
 from pydantic import BaseModel
 
-from dpft.config.recipe import MethodsSchema, set_methods_schema
+from dpft.config.methods_hook import MethodsSchema
 
 if TYPE_CHECKING:
     from dpft.accounting.ledger import PrivacyLedger
@@ -233,23 +235,24 @@ def get_method(name: str) -> type[Method]:
     return reg[name]
 
 
-_BUILTINS_LOADED = False
-#: Modules of the built-in methods (each registers its Method class on import).
-BUILTIN_METHODS = ("dpft.methods.dpsft.method", "dpft.methods.ewft.method", "dpft.methods.dp_adam_ac", "dpft.methods.rmt",
-                   "dpft.methods.lpft")
+#: ``() -> None``: registers the built-in methods (each file registers its class on import), handed
+#: by the package ``dpft.methods`` (:func:`set_builtin_loader`); the registry imports no method file.
+_BUILTIN_LOADER: Optional[Callable[[], None]] = None
+
+
+def set_builtin_loader(load: Callable[[], None]) -> None:
+    """Hand the registry the loader of the built-in methods, run once when the registry is first read
+    (the built-ins register like any plug-in; loading them when first needed keeps ``dpft --help``
+    free of the model libraries they import)."""
+    global _BUILTIN_LOADER
+    _BUILTIN_LOADER = load
 
 
 def _load_builtins() -> None:
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    _BUILTINS_LOADED = True
-    import importlib
-
-    # The built-ins register themselves like any plug-in, when first needed (a registry
-    # lookup, not a static import: the method files import the trainer, which imports this).
-    for mod in BUILTIN_METHODS:
-        importlib.import_module(mod)
+    global _BUILTIN_LOADER
+    load, _BUILTIN_LOADER = _BUILTIN_LOADER, None
+    if load is not None:
+        load()
 
 
 class TrainPhase(Protocol):
@@ -277,8 +280,6 @@ class TrainPhase(Protocol):
 PhaseRunner = Callable[..., TrainPhase]
 
 _PHASE_RUNNER: Optional[PhaseRunner] = None
-#: Module of the built-in driver; it registers its phase runner when imported.
-DRIVER_MODULE = "dpft.run.loop"
 
 
 def register_phase_runner(runner: PhaseRunner) -> None:
@@ -289,16 +290,15 @@ def register_phase_runner(runner: PhaseRunner) -> None:
 
 def phase_runner() -> PhaseRunner:
     """The driver's phase runner, for a pipeline that is not inside a run (inside one, use
-    ``run.train_phase``). A registry lookup like the built-in methods' (:data:`BUILTIN_METHODS`):
-    the built-in driver is imported by name when none has registered yet, so no method file
-    imports the driver."""
-    if _PHASE_RUNNER is None:
-        import importlib
+    ``run.train_phase``): the one the driver registered (``dpft.run.loop`` does on import). No
+    method file imports the driver, and none is loaded by name: the caller hands it.
 
-        importlib.import_module(DRIVER_MODULE)  # registers on import
+    Raises:
+        MethodError: no driver registered one (the message names the fix).
+    """
     if _PHASE_RUNNER is None:
-        raise MethodError(f"no phase runner registered ({DRIVER_MODULE} did not register one); "
-                          "pass train_phase= explicitly")
+        raise MethodError("no phase runner registered: pass train_phase=dpft.run.loop.train_phase (the driver's "
+                          "phase runner; importing dpft.run.loop also registers it)")
     return _PHASE_RUNNER
 
 
@@ -385,6 +385,9 @@ def _legacy_sections() -> dict[str, str]:
     return dict(LEGACY_SECTIONS)
 
 
-# The schema (config.py) validates ``methods:`` through this registry without importing it.
-set_methods_schema(MethodsSchema(legacy_sections=_legacy_sections, config_model=lambda name: get_method(name).config,
-                                 name_of=method_name))
+def recipe_schema() -> MethodsSchema:
+    """This registry's side of the recipe schema, which the registry's callers hand to the schema
+    (``dpft.config.recipe.set_methods_schema``; the package ``dpft.methods`` does on import): it
+    validates ``methods:`` through this registry without importing it."""
+    return MethodsSchema(legacy_sections=_legacy_sections, config_model=lambda name: get_method(name).config,
+                         name_of=method_name)

@@ -205,7 +205,8 @@ def run_selft(recipe: Any, cfg: SelFTCfg, run_dir: str | Path, candidates: Optio
               progress: bool = True, log=print, train_phase: Optional[PhaseRunner] = None) -> dict[str, Any]:
     """Algorithm 1 end to end, as two phases on one ledger: selection (:func:`select_units`),
     then fine-tuning of the selected units through the driver's phase runner ``train_phase``
-    (default: :func:`~dpft.methods.base.phase_runner`). Writes the usual run report plus a
+    (``dpft.run.loop.train_phase``, which the CLI hands; default: the one the driver registered,
+    :func:`~dpft.methods.base.phase_runner`). Writes the usual run report plus a
     ``selft`` section.
 
     Raises:
@@ -215,6 +216,7 @@ def run_selft(recipe: Any, cfg: SelFTCfg, run_dir: str | Path, candidates: Optio
 
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ValueError(DDP_REFUSAL)
+    train_phase = train_phase or phase_runner()  # before the selection: no runner is refused at once
     # One secret source for the whole run: the histograms (stream synth) and training.
     rng = Randomness(recipe.seed if recipe.privacy.reproducible else None)
     sel = select_units(recipe, cfg, candidates, log=log, rng=rng)
@@ -223,7 +225,6 @@ def run_selft(recipe: Any, cfg: SelFTCfg, run_dir: str | Path, candidates: Optio
     r2 = recipe.model_copy(update={"trainable": tr})
     log(f"selected units ({cfg.selector}): {sel['units']}")
     # The fine-tuning phase continues the selection ledger (appends; NOT CERTIFIED marks survive).
-    train_phase = train_phase or phase_runner()
     trainer = train_phase(r2, run_dir, progress=progress, ledger=sel["ledger"], rng=rng)
     if abs(trainer.sigma - sel["sigma"]) > 1e-9 * max(1.0, sel["sigma"]):
         raise RuntimeError("σ of the training phase differs from the σ used for ρ_Λ; report this as a bug")

@@ -7,6 +7,8 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from dpft.privacy.label_rr import forward_corrected_loss
+
 #: Keys of a batch that are model inputs (everything else, e.g. ``labels``, is a target).
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
@@ -69,3 +71,16 @@ def seq2seq_lm_loss(forward: Callable[..., object], batch: Mapping[str, torch.Te
     keep = labels != -100
     tok = F.cross_entropy(logits.float().transpose(1, 2), labels.clamp(min=0), reduction="none")
     return (tok * keep.to(tok.dtype)).sum(dim=1)
+
+
+def make_corrected_classification_loss(transition: torch.Tensor) -> Callable:
+    """A drop-in for :func:`classification_loss` (``loss_fn(forward, batch) → (B,)`` nats) for labels
+    released by K-ary randomized response: the forward-corrected loss
+    (:func:`dpft.privacy.label_rr.forward_corrected_loss`) with the RR transition matrix ``transition``
+    ``(K, K)`` applied to ``batch["labels"]`` ``(B,)`` int64 (the noisy labels)."""
+    def corrected_classification_loss(forward: Callable[..., object], batch: Mapping[str, torch.Tensor]):
+        out = forward(**model_inputs(batch))
+        logits = out.logits if hasattr(out, "logits") else out
+        return forward_corrected_loss(logits, batch["labels"], transition)
+
+    return corrected_classification_loss

@@ -9,7 +9,7 @@ change where and in which number format the same computation runs:
   the noise and the optimizer state live there; the noise is drawn there from the run's secret
   generator (``step/noise.py``: a ``torch.Generator`` of that device seeded from the secret
   key; no host round trip).
-* **precision** (:class:`Precision`): ``fp32``, ``bf16`` or ``fp16`` autocast around the
+* **precision** (:class:`Precision`, grads/precision.py: the per-example engine applies it): ``fp32``, ``bf16`` or ``fp16`` autocast around the
   *forward* only (PyTorch's recommendation; the backward runs each op in the dtype autocast
   chose for it). Parameters, and so the optimizer state, stay fp32 (master weights). What
   decides privacy is computed in fp32 whatever the autocast dtype: per-example norms, clip
@@ -39,14 +39,15 @@ like the clip count; it is not released. bf16 has fp32's exponent range and need
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
-from typing import ContextManager, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
-from dpft.run.errors import TrainingError
+from dpft.errors import TrainingError
+from dpft.grads.capture import uses_activation_checkpointing  # noqa: F401 (public here)
+from dpft.grads.precision import DTYPES, FP32, Precision  # noqa: F401 (public here)
 
 __all__ = ["DeviceError", "Precision", "FP32", "DTYPES", "DEFAULT_FP16_LOSS_SCALE", "resolve_device",
            "check_dtype_on", "enable_activation_checkpointing", "uses_activation_checkpointing", "COMPILE_REFUSAL",
@@ -57,8 +58,6 @@ __all__ = ["DeviceError", "Precision", "FP32", "DTYPES", "DEFAULT_FP16_LOSS_SCAL
 #: gradients of ~1e-7 above fp16's subnormal range and keeps ~1 well below its 65504 maximum.
 DEFAULT_FP16_LOSS_SCALE = 1024.0
 
-#: Recipe names of the autocast dtypes.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: Why ``perf.compile`` is refused with a private engine (measured on torch 2.13, tiny BERT,
 #: ``backend="aot_eager"``: 30–44 graphs, a graph break at every hooked layer, and the
@@ -124,60 +123,6 @@ def resolve_device(spec: Union[str, torch.device, None] = "auto", local_rank: Op
     return torch.device("cuda", idx)
 
 
-@dataclass(frozen=True)
-class Precision:
-    """Autocast dtype and static loss scale of the forward/backward (see the module docstring).
-
-    Attributes:
-        dtype: ``fp32`` (no autocast), ``bf16`` or ``fp16``.
-        loss_scale: static factor S on the loss before the backward (fp16 only; 1 otherwise).
-            Gradients reach the per-example engine multiplied by S and are divided by S in
-            fp32 before norms are taken, so the clip sees each example's own gradient.
-        device_type: ``cpu`` or ``cuda``: which autocast to enter.
-
-    Raises:
-        ValueError: unknown dtype; ``loss_scale`` ≤ 0 or not finite, or ≠ 1 without fp16.
-    """
-
-    dtype: str = "fp32"
-    loss_scale: float = 1.0
-    device_type: str = "cpu"
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"precision dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        s = float(self.loss_scale)
-        if not (s > 0 and s != float("inf")):
-            raise ValueError(f"loss_scale must be a finite number > 0, got {self.loss_scale!r}")
-        if self.dtype != "fp16" and s != 1.0:
-            raise ValueError(f"loss_scale = {s:g} applies to fp16 only ({self.dtype} needs no loss scaling)")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def mixed(self) -> bool:
-        """Autocast is on (bf16 or fp16)."""
-        return self.dtype != "fp32"
-
-    @property
-    def zero_nonfinite(self) -> bool:
-        """An example whose loss or gradient overflowed contributes 0 instead of stopping the
-        run (fp16: overflow is an expected event of the number format, see module docstring)."""
-        return self.dtype == "fp16"
-
-    def autocast(self) -> ContextManager:
-        """``torch.autocast`` for the forward (a null context for fp32)."""
-        if not self.mixed:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.torch_dtype)
-
-
-#: Full precision, no autocast, no scaling.
-FP32 = Precision()
-
-
 def check_dtype_on(dtype: str, device: torch.device) -> None:
     """Refuse an autocast dtype the device cannot run.
 
@@ -232,11 +177,6 @@ def enable_activation_checkpointing(model: nn.Module, use_reentrant: bool = Fals
     cfg = getattr(hf, "config", None)
     if cfg is not None and getattr(cfg, "use_cache", False):
         cfg.use_cache = False  # a KV cache is of no use in training and is refused under checkpointing
-
-
-def uses_activation_checkpointing(model: nn.Module) -> bool:
-    """Whether Hugging Face checkpointing is switched on in any module of ``model``."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 @dataclass(frozen=True)

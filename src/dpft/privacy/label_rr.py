@@ -22,7 +22,7 @@ only under replace-one); they are *not* recorded in a run's add/remove ledger.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import dp_accounting as dpa
 import torch
@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpft.privacy.ldp import LDPError, local_epsilon_composed
-from dpft.models.losses import model_inputs
 from dpft.privacy.randomness import Randomness
 
 
@@ -129,17 +128,6 @@ def forward_corrected_loss(logits: torch.Tensor, noisy_labels: torch.Tensor, tra
     # log Σ_i p(y=i|x) T[i, j], in log space for stability: (B, K, 1) + (1, K, K) → (B, K)
     log_noisy = torch.logsumexp(logp.unsqueeze(-1) + log_t.unsqueeze(0), dim=1)
     return -log_noisy.gather(1, noisy_labels.long().view(-1, 1)).squeeze(1)
-
-
-def make_corrected_classification_loss(transition: torch.Tensor) -> Callable:
-    """A drop-in for ``models.losses.classification_loss`` (``loss_fn(forward, batch) → (B,)``)
-    that applies :func:`forward_corrected_loss` with ``transition`` to ``batch["labels"]``."""
-    def corrected_classification_loss(forward: Callable[..., object], batch: Mapping[str, torch.Tensor]):
-        out = forward(**model_inputs(batch))
-        logits = out.logits if hasattr(out, "logits") else out
-        return forward_corrected_loss(logits, batch["labels"], transition)
-
-    return corrected_classification_loss
 
 
 def _replace_one_pld() -> pld_privacy_accountant.PLDAccountant:

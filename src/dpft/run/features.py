@@ -284,8 +284,8 @@ class FeatureDevEvaluator(DevEvaluator):
     """Dev accuracy and loss from cached dev features when the model evaluated is the run's own
     (any other model: the token path). Same metrics as :class:`DevEvaluator`."""
 
-    def __init__(self, data, placement, world, eval_cfg, cache: FeatureCache):
-        super().__init__(data, placement, world, eval_cfg)
+    def __init__(self, data, placement, world, eval_cfg, all_sum, cache: FeatureCache):
+        super().__init__(data, placement, world, eval_cfg, all_sum)
         self.cache = cache
 
     def _classifier(self, model) -> dict[str, float]:

@@ -25,6 +25,7 @@ evaluation, checkpoints, release, report). In order::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -186,7 +187,8 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     total_steps = planned_steps(unit.n, r.batch.expected_batch_size, s.steps or None, s.epochs)
 
     ddp.check_methods(world, methods, registry=registered())  # DDP: only methods correct across ranks
-    evaluator = DevEvaluator(data, placement, world, r.eval)
+    world_sum = functools.partial(ddp.all_sum, world)  # the evaluator's sum over ranks
+    evaluator = DevEvaluator(data, placement, world, r.eval, world_sum)
     ctx = Run(recipe=r, run_dir=run_dir, resume=resume, progress=progress, private=private, rng=rng, ledger=ledger,
               live_ledger_path=live, task=data.task, tokenizer=tokenizer, model=model,
               loss_fn=(seq2seq_lm_loss if data.seq2seq else causal_lm_loss if data.causal else classification_loss),
@@ -210,7 +212,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                                reuse=features, progress=progress)
         if cache is not None:
             prefix = cache.split
-            evaluator = FeatureDevEvaluator(data, placement, world, r.eval, cache)
+            evaluator = FeatureDevEvaluator(data, placement, world, r.eval, world_sum, cache)
     step_loss = cache.loss(ctx.loss_fn) if cache is not None else ctx.loss_fn
 
     p = r.privacy

@@ -26,6 +26,7 @@ from dpft.data.tasks import (REGISTRY, DataError, _check_missing_labels, _col, _
 from dpft.data.stop import generation_stop_ids, identical_generations
 from dpft.eval.dev import classify
 from dpft.config.recipe import load_recipe
+import dpft.methods  # noqa: F401 (hands the recipe schema the method registry: a saved recipe may name methods)
 from dpft.data.tokenize import tokenize_split
 from dpft.eval.generate import generate_ids
 

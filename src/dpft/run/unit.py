@@ -10,11 +10,10 @@ gradient is clipped to C. The ledger, σ calibration, the δ check and epochs al
 
 from __future__ import annotations
 
-from dpft.data.schedule import ScheduledPoissonSampler
 from dpft.data.tasks import USER_COLUMN, DataError, _col
 from dpft.errors import TrainingError
 from dpft.step.mechanisms import Mechanism
-from dpft.step.sample import UserPoissonSampler, user_index
+from dpft.step.sample import ScheduledPoissonSampler, UserPoissonSampler, user_index
 from dpft.step.unit import PrivacyUnit
 
 __all__ = ["check_user_level", "build_unit"]

@@ -25,7 +25,8 @@ from dpft.methods.base import Method, register_method
 
 from dpft.accounting.calibrate import check_delta
 from dpft.accounting.ewpba import SIGMA_FLOOR, NoiseSchedule, make_schedule, schedule_epsilon
-from dpft.privacy.label_rr import make_corrected_classification_loss, rr_transition_matrix
+from dpft.models.losses import make_corrected_classification_loss
+from dpft.privacy.label_rr import rr_transition_matrix
 from dpft.privacy.ldp import (GaussianLDP, LDPError, SplitClassifier, StackedAutoencoder, local_epsilon,
                               local_epsilon_composed, parse_position, pretrain_autoencoder)
 
