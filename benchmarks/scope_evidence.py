@@ -41,6 +41,8 @@ ARMS = {
     # the private search over the probe (recipes/tune-probe-minilm.yaml), the whole search charged; its
     # released model scored once on the task's dev file
     "tune": ("recipes/tune-probe-minilm.yaml", {}),
+    # the same search on the stronger encoder (its lr and C chosen privately for mpnet's features)
+    "tune_mpnet": ("recipes/tune-probe-minilm.yaml", {"model.name": "mpnet"}),
 }
 #: IMDB: 256 tokens, its 25,000-row test split (its dev) cut to the first 2,000 rows to keep a run affordable
 TASKS = {"sst2": {}, "sst5": {}, "qnli": {}, "imdb": {"model.max_length": 256, "task.max_dev_examples": 2000}}
@@ -67,15 +69,16 @@ def run_one(task: str, arm: str, eps: float | None, seed: int, rows: int, work: 
         over["privacy.target_epsilon"] = eps
     out = work / f"{task}-{arm}-{'np' if eps is None else eps}-{seed}{'' if rows == 5000 else f'-n{rows}'}"
     t0 = time.time()
-    if arm == "tune":
-        return _run_tune(task, eps, seed, rows, out, over, t0)
+    if arm.startswith("tune"):
+        return _run_tune(task, arm, eps, seed, rows, out, over, t0)
     rep = dpft.train(str(ROOT / recipe), out, progress=False, overrides=over)
     return {"task": task, "arm": arm, "eps": eps, "seed": seed, "rows": rep.get("data", {}).get("n_train", rows),
             "dev_accuracy": rep["metrics"]["dev_accuracy"], "epsilon": rep["privacy"].get("epsilon"),
             "seconds": round(time.time() - t0, 1)}
 
 
-def _run_tune(task: str, eps: float | None, seed: int, rows: int, out: Path, over: dict, t0: float) -> dict:
+def _run_tune(task: str, arm: str, eps: float | None, seed: int, rows: int, out: Path, over: dict,
+              t0: float) -> dict:
     """``dpft tune`` over the probe (every trial, its noisy score and the selection charged to ``eps``),
     the released model scored once on the task's dev file (benchmarks/tune_evidence.py's scorer)."""
     import shutil
@@ -92,10 +95,10 @@ def _run_tune(task: str, eps: float | None, seed: int, rows: int, out: Path, ove
     if over.get("task.max_train_examples"):  # 5,000 rows in the file the search splits into fit / score
         over["batch.expected_batch_size"] = round(0.9 * over["task.max_train_examples"] / 4)
     shutil.rmtree(out, ignore_errors=True)
-    rep = dpft.tune(str(ROOT / ARMS["tune"][0]), out, progress=False, overrides=over)
+    rep = dpft.tune(str(ROOT / ARMS[arm][0]), out, progress=False, overrides=over)
     dev = str(data_dir() / REGISTRY[task].dev_file)
     k = json.loads((out / "tune_private" / "state.json").read_text())["k"]
-    return {"task": task, "arm": "tune", "eps": eps, "seed": seed, "rows": rows,
+    return {"task": task, "arm": arm, "eps": eps, "seed": seed, "rows": rows,
             "dev_accuracy": _test_accuracy(out, dev), "epsilon": rep.get("epsilon"), "k": k,
             "seconds": round(time.time() - t0, 1)}
 

@@ -17,11 +17,14 @@ def test_the_rule_by_n(n, scope):
     assert choose_scope(n, 8.0)[0] == scope
 
 
-def test_pairs_train_the_top_blocks_at_any_n():
-    assert choose_scope(4000, 8.0, pair=True)[0] == "last_k"
+def test_pairs_follow_n_and_say_what_was_measured():
+    """QNLI at 4,000 rows, ε = 8: the probe 0.542, the top 2 blocks 0.514 (scope_evidence.md): no scope learns
+    the pair task at this size, so the cheap one, with the expectation said."""
+    assert choose_scope(4000, 8.0, pair=True)[0] == "head"
+    assert choose_scope(67_349, 8.0, pair=True)[0] == "last_k"
     r, msg = resolve_auto(load_recipe(None, dict(CLASSIFICATION, **{"task.name": "qnli"})), 4000, num_labels=2,
                           n_dev=100)
-    assert r.trainable.mode == "last_k" and "pair task" in msg
+    assert r.trainable.mode == "head" and "rows of two texts" in msg and "above chance" in msg
 
 
 def test_auto_resolves_to_the_probe_bundle_and_keeps_what_the_user_set():

@@ -55,10 +55,12 @@ def has_auto_scope(recipe) -> bool:
 
 def choose_scope(n: int, epsilon: Optional[float], pair: bool = False) -> tuple[str, str]:
     """(scope, why) for N training rows at target ε (None: non-private); ``pair``: rows of two texts."""
-    if pair:
-        return "last_k", ("rows of two texts (a pair task): one mean-pooled embedding of the joined pair does not "
-                          "carry how the texts relate — the DP probe on QNLI (4,000 rows) stayed near chance "
-                          "(0.52–0.53 at ε = 1, benchmarks/results/scope_evidence.md), so the top blocks train")
+    if pair and n <= HEAD_MAX_ROWS:
+        return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}, rows of two texts: at this size neither scope learned the pair "
+                        "task measured (QNLI, 4,000 rows, ε = 8: the probe 0.542 ± 0.007 over 3 seeds, the top 2 "
+                        "blocks 0.514 in one 21-minute run; chance 0.50; benchmarks/results/scope_evidence.md), so "
+                        "the probe, at a thirtieth of the compute — expect little above chance: more rows, a "
+                        "larger ε or a stronger encoder")
     if n <= HEAD_MAX_ROWS:
         return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}: at this size a DP linear probe on the frozen features is at or "
                         "above fine-tuning the top blocks (5,000 rows, ε = 8, 3 seeds: SST-2 0.796 ± 0.002 against "
