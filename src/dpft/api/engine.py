@@ -26,6 +26,7 @@ from dpft.step.guard import ReleaseGuard
 from dpft.step.pipeline import DPStep
 from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.step.unit import build_user_unit
+from dpft.session import session_world
 
 
 
@@ -46,9 +47,9 @@ class PrivacyEngine:
     """
 
     def __init__(self, *, reproducible_seed: Optional[int] = None, hardened_noise: bool = True):
-        self._rng = Randomness(reproducible_seed)
+        self._rng: Optional[Randomness] = None  # the session's key: made by the first make_private's world
         self._seed = reproducible_seed
-        self._shared = False  # the key is the world's (torch.distributed: rank 0's, broadcast)
+        self._key_world: Optional[ddp.World] = None  # the world the key was made in
         #: this process's place under torch.distributed (set by make_private; one process alone).
         self.world: Optional[ddp.World] = None
         self.reproducible = reproducible_seed is not None
@@ -350,11 +351,13 @@ class PrivacyEngine:
             user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
             user_ids=user_ids, methods=meths, lr_scheduler=lr_scheduler)
         sharded = _check_sharded(module, meths)
-        world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
+        # an initialised group, or torchrun's environment (the group is made); the engine's key, the world's
+        world, self._rng = session_world(self._seed, self._rng, made_for=self._key_world, where="make_private")
+        self._key_world = world
         dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
                                                                     num_workers, collate_fn)
         calls = self._calls + 1
-        rng = self._world_randomness(world).child(f"make_private:{calls}")
+        rng = self._rng.child(f"make_private:{calls}")
         unit = _user_unit(dataset, user_ids, n, expected_batch_size, max_rows_per_user, rng, user_clipping)
         n_units = unit.n if unit is not None else n
         _check_same_on_every_rank(world, (
@@ -417,18 +420,6 @@ class PrivacyEngine:
         per_example = PerExampleCriterion(criterion)
         per_example._session = session
         return module, dp_opt, per_example, loader
-
-    def _world_randomness(self, world) -> Randomness:
-        """The engine's secret key; under torch.distributed rank 0's, broadcast (reproducible:
-        derived from the seed), checked to be the same on every rank."""
-        if world.distributed and not self._shared:
-            if self._calls:
-                raise ddp.DistributedError("make_private: this PrivacyEngine already made a private loop in "
-                                           "one process; make a new PrivacyEngine under torch.distributed")
-            self._rng = ddp.shared_randomness(world, self._seed)
-            self._shared = True
-        ddp.check_same_randomness(world, self._rng)
-        return self._rng
 
 
 def _check_sharded(module, meths) -> bool:

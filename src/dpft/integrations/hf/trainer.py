@@ -123,6 +123,7 @@ from dpft.integrations.hf.fsdp import (accelerate_fsdp_off, check_sharded_model,
                                        refuse_sharded_methods, shard_requested, sharded_trainer_step, sharded_training_step)
 from dpft.integrations.hf.loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
+from dpft.session import session_world
 
 __all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
 
@@ -219,8 +220,10 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         self.dp_args = dp_args
         check_trainer(self, loss_fn, DPTrainer)
         #: This process's place in the world (``torchrun`` / ``accelerate launch``; one process
-        #: alone): the process group accelerate created, joined through dpft.placement.world.
-        self.world = ddp.init_from_env()
+        #: alone): the process group accelerate created, joined through dpft.placement.world; and
+        #: the run's one secret randomness source (each training loop draws from its own child):
+        #: under DDP rank 0 draws the key and broadcasts it (reproducible: every rank derives it).
+        self.world, self.rng = session_world(dp_args.reproducible_seed)
         if self.world.world_size != int(getattr(self.args, "world_size", 1) or 1):
             _refuse(f"torch.distributed has {self.world.world_size} processes but TrainingArguments.world_size = "
                     f"{self.args.world_size}; launch with torchrun or accelerate launch and let Trainer join that world")
@@ -252,10 +255,6 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         # (else the all-reduce would add unlike sums, or hang).
         ddp.check_same_recipe(self.world, self._world_config())
 
-        #: The run's one secret randomness source; each training loop draws from its own child.
-        #: DDP: rank 0 draws the key and broadcasts it (reproducible: every rank derives it).
-        self.rng = ddp.shared_randomness(self.world, dp_args.reproducible_seed)
-        ddp.check_same_randomness(self.world, self.rng)
         if self.rng.reproducible and self.world.is_main:
             warnings.warn("DPArguments.reproducible_seed is set: batches and noise can be regenerated from it, "
                           "so ε holds only while that seed stays secret", stacklevel=2)
