@@ -16,7 +16,7 @@ from dpft.api.clipping import api_clip_and_engine
 from dpft.api.criterion import PerExampleCriterion
 from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
-from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model, sharded_step
+from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
 from dpft.placement.fsdp_methods import refusal_message
@@ -26,7 +26,7 @@ from dpft.step.guard import ReleaseGuard
 from dpft.step.pipeline import DPStep
 from dpft.step.plan import build_privacy_plan, planned_steps
 from dpft.step.unit import build_user_unit
-from dpft.session import session_world
+from dpft.session import session_world, step_for
 
 
 
@@ -394,13 +394,11 @@ class PrivacyEngine:
         batches = (ShardedMicroBatches if sharded else _PoissonMicroBatches)(
             plan.sampler, max(1, math.ceil(n_units / expected_batch_size)), max_physical_batch_size, planned,
             world=world, groups=group)
-        if sharded:  # one FSDP2 model for the world: nothing to broadcast
-            dp_step = sharded_step(plan, self.ledger, n_units, world, self._on_release)
-            dp_opt = ShardedDPOptimizer(optimizer, dp_step, planned, world, batches, methods=pm if pm else None)
-        else:
+        if not sharded:  # one FSDP2 model for the world: nothing to broadcast
             ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
-            dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
-            dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world, methods=pm if pm else None)
+        dp_step = step_for(plan, world, self.ledger, n_units, sharded=sharded, on_release=self._on_release)
+        dp_opt = ShardedDPOptimizer(optimizer, dp_step, planned, world, batches, methods=pm if pm else None) \
+            if sharded else DPOptimizer(optimizer, dp_step, planned, world=world, methods=pm if pm else None)
         if plan.spec.mechanism is not None:  # every step of the user's optimizer = one release of dp_step
             dp_opt.release_guard = dp_step.guard = ReleaseGuard("make_private", _GUARD_FIX)
             dp_opt.release_guard.attach(optimizer)

@@ -215,6 +215,9 @@ class BandedMFMechanism(GaussianMechanism):
         ValueError: ‖c‖₂ > 1 + 1e-9 or c₀ ≤ 0; (from :meth:`add_noise`) a step out of order.
     """
 
+    #: its buffers and the sampler's partition are secret state beyond the key (saved, restored)
+    stateful = True
+
     def __init__(self, sigma: float, sensitivity: float, rng: "Randomness", coeffs, partition_rate: float,
                  hardened: bool = True):
         super().__init__(sigma, sensitivity, rng, hardened=hardened)

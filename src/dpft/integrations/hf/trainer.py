@@ -105,7 +105,6 @@ from dpft.accounting.calibrate import check_delta
 from dpft.api import UnclippedParameterError, prediction_summary
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.base import PerExampleEngine, PerExampleLoss
-from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.build import make_engine
@@ -120,10 +119,11 @@ from dpft.integrations.hf.state import DP_STATE_NAME, LEDGER_NAME, CapStop, Priv
 from dpft.integrations.hf.checks import check_trainer, check_training_arguments, check_training_path
 from dpft.integrations.hf.guard import GuardedTraining
 from dpft.integrations.hf.fsdp import (accelerate_fsdp_off, check_sharded_model, check_still_sharded,
-                                       refuse_sharded_methods, shard_requested, sharded_trainer_step, sharded_training_step)
+                                       refuse_sharded_methods, shard_requested, sharded_training_step,
+                                       trainer_placeholder)
 from dpft.integrations.hf.loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
-from dpft.session import session_world
+from dpft.session import session_world, step_for
 
 __all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
 
@@ -306,9 +306,9 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         if self.user_level and dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups", False):
             _refuse(f"user_clipping='group' needs an engine that clips a user's rows as one ({type(self.engine).__name__} "
                     "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
-        self.mechanism = spec.mechanism
-        self.dp_step = sharded_trainer_step(self, spec) if self.sharded else DPStep(
-            spec, self.ledger, self.n, on_release=self._save_live_ledger, world_group=self.world.group)
+        self.dp_step = step_for(self.plan, self.world, self.ledger, self.n, sharded=self.sharded,
+                                on_release=self._save_live_ledger, dummy_batch=trainer_placeholder(self))
+        self.mechanism = self.dp_step.spec.mechanism  # FSDP2: the step's sharded copy releases (integrations/hf/fsdp.py)
         self._init_release_guard()  # every optimizer update = one release of dp_step (hf_guard.py)
         self._live_written = False
         self._params_checked = False
