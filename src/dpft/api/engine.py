@@ -236,7 +236,8 @@ class PrivacyEngine:
                                    where="make_private")  # the world and the engine's one key (session/world.py)
         self._rng, self.world = sess.rng, sess.world
         dataset, n, eb, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size, num_workers, collate_fn)
-        s, calls, names = api_settings(a, mech, eb, self.hardened_noise), self._calls + 1, check_optimizer(module, optimizer)
+        s, calls = api_settings(a, mech, eb, self.hardened_noise), self._calls + 1
+        names = check_optimizer(module, optimizer)
         per_k = user_ids is not None and user_clipping != "group"  # each row clipped to C/k
         plan = sess.plan(
             s, rows=dataset, n_rows=n, rng=sess.rng.child(f"make_private:{calls}"), optimizer=optimizer,

@@ -121,7 +121,7 @@ class LoopState:
             raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
                              "micro-batch)")
         world = engine.world if engine.world is not None else ddp.World()
-        state = secret_state(mech)  # the one versioned format; FSDP2: every rank's buffer slices gathered (a collective)
+        state = secret_state(mech)  # the one versioned format; FSDP2: every rank's slices gathered (a collective)
         if not world.is_main:
             engine._live_path = live_record_path(path)
             return False

@@ -67,7 +67,8 @@ class SessionSettings:
         """What every rank of a world must agree on (the mechanism by its name and settings)."""
         m = self.mechanism
         return (self.max_grad_norm, self.expected_batch_size, m.name,
-                tuple(sorted((k, v) for k, v in vars(m).items() if k != "names")), self.steps, self.epochs, self.noise_multiplier,
+                tuple(sorted((k, v) for k, v in vars(m).items() if k != "names")), self.steps, self.epochs,
+                self.noise_multiplier,
                 self.target_epsilon, self.target_delta, self.clipping, self.max_rows_per_user, self.user_clipping,
                 self.phase)
 
@@ -143,13 +144,13 @@ class PrivateSession:
         """The privacy plan of one loop (step/plan.py ``build_privacy_plan``, the one plan builder).
 
         In order: the privacy unit (``users``: user level; or ``user_sampler``, a user-level sampler
-        the way in built, with ``n_units``) and N units; the same settings on every rank (``same`` added to them); the planned steps
-        (``total_steps``, else from ``steps``/``epochs``); the methods (``methods(n, rng, user_level)``
-        returns the way in's prepared plug-ins, offering ``hooks`` and ``on_sigma``; their earlier
-        releases enter the ledger before σ is calibrated after them; ``method_list`` is checked to run
-        across ranks); σ calibrated by rank 0 on the events this loop records after those the ledger
-        holds; the methods' ``build`` hooks; the mechanism's install. The spec's clip is then the
-        engine's (a method may swap it).
+        the way in built, with ``n_units``) and N units; the same settings on every rank (``same``
+        added to them); the planned steps (``total_steps``, else from ``steps``/``epochs``); the
+        methods (``methods(n, rng, user_level)`` returns the way in's plug-ins, offering ``prepare``,
+        ``hooks`` and ``on_sigma``; their earlier releases enter the ledger before σ is calibrated
+        after them; ``method_list`` is checked to run across ranks); σ calibrated by rank 0 on the
+        events this loop records after those the ledger holds; the methods' ``build`` hooks; the
+        mechanism's install. The spec's clip is then the engine's (a method may swap it).
 
         Args:
             rows: the training rows the sampler indexes (a stateful mechanism fingerprints them);

@@ -68,7 +68,8 @@ __all__ = ["banded_coefficients", "strategy_matrix", "square_root_coefficients",
            "inverse_coefficients", "CyclicPoissonSampler",
            "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "save_noise_state", "load_noise_state",
            "resume_noise_state", "write_secret", "secret_state", "check_secret_state",
-           "SECRET_STATE_FORMAT", "SECRET_STATE_VERSION", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES", "MAX_BUFFER_BYTES"]
+           "SECRET_STATE_FORMAT", "SECRET_STATE_VERSION", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES",
+           "MAX_BUFFER_BYTES"]
 
 #: Secret noise state of a banded-MF run: ``run_dir/NOISE_STATE_FILE``, mode 0600, outside the
 #: release set (never in checkpoint/, never pushed).

@@ -324,7 +324,7 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
                     "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
         self.dp_step = self.session.step(self.plan, sharded=self.sharded, on_release=self._save_live_ledger,
                                          dummy_batch=trainer_placeholder(self))
-        self.mechanism = self.dp_step.spec.mechanism  # FSDP2: the step's sharded copy releases (integrations/hf/fsdp.py)
+        self.mechanism = self.dp_step.spec.mechanism  # FSDP2: the step's sharded copy releases (hf/fsdp.py)
         self._init_release_guard()  # every optimizer update = one release of dp_step (hf_guard.py)
         self._live_written = False
         self._params_checked = False
