@@ -56,11 +56,11 @@ def test_each_planted_bug_fails_its_check(name, target):
 
 
 def test_planted_patches_are_undone():
-    from dpft.integrations.hf import trainer as hf
+    from dpft.session import core as session_core  # the one plan call of every way in (dpft/session/core.py)
     from dpft.step.sample import UserPoissonSampler
 
-    groups, plan = UserPoissonSampler.groups, hf.build_privacy_plan
+    groups, plan = UserPoissonSampler.groups, session_core.build_privacy_plan
     for name in PLANTED:
         with planted_bug(name):
             pass
-    assert UserPoissonSampler.groups is groups and hf.build_privacy_plan is plan
+    assert UserPoissonSampler.groups is groups and session_core.build_privacy_plan is plan

@@ -244,7 +244,7 @@ def test_fsdp_ewft_audit_checks_pass_and_catch_the_planted_bugs():
 
 def test_fsdp_train_pre_one_process_equals_unsharded(tiny_model_dir, sst_like_files, tmp_path):
     """``ldp.train_pre`` with ``perf.sharding: fsdp`` in one process runs methods/ewft/fsdp.py's step (picked by
-    dpft/placement/fsdp_plain.py ``make_step`` from the engine's ``fsdp_step``); nothing is sharded, so it is the
+    dpft/session/step.py ``step_for`` from the engine's ``fsdp_step``); nothing is sharded, so it is the
     one-process run draw for draw: the same ledger and weights as ``perf.sharding: none``, and pre(·) trained."""
     from dpft.methods.ewft.fsdp import TrainPreFSDPStep
 
@@ -267,17 +267,16 @@ def test_fsdp_train_pre_one_process_equals_unsharded(tiny_model_dir, sst_like_fi
     assert not torch.allclose(wf[f"model.safetensors:{pre}"], init[pre])
 
 
-def test_fsdp_plain_make_step_picks_the_engines_own_step():
-    """dpft/placement/fsdp_plain.py ``make_step``: the engine's ``fsdp_step`` when set (whatever ``plan.private``); a
+def test_step_for_picks_the_engines_own_sharded_step():
+    """dpft/session/step.py ``step_for``: the engine's ``fsdp_step`` when set (whatever ``private``); a
     non-private plan with a mechanism and no such step is refused (naming the fix), never run without noise."""
-    from dpft.placement import fsdp_plain
     from dpft.placement.fsdp import FSDPError
+    from dpft.session import step_for
 
     seen = []
     eng = SimpleNamespace(fsdp_step=lambda spec, ledger, n, world, on_release: seen.append((spec, n)) or "own")
-    plan = SimpleNamespace(spec=SimpleNamespace(engine=eng, mechanism=object()), private=False,
-                           unit=SimpleNamespace(n=7), world=None)
-    assert fsdp_plain.make_step(plan, None, None, None) == "own" and seen == [(plan.spec, 7)]
+    plan = SimpleNamespace(spec=SimpleNamespace(engine=eng, mechanism=object()))
+    assert step_for(plan, None, None, 7, sharded=True, private=False) == "own" and seen == [(plan.spec, 7)]
     plan.spec.engine = SimpleNamespace()
     with pytest.raises(FSDPError, match="has no sharded step.*perf.sharding: ddp"):
-        fsdp_plain.make_step(plan, None, None, None)
+        step_for(plan, None, None, 7, sharded=True, private=False)

@@ -6,7 +6,7 @@ same ledger and the same weights (float tolerance) from ``dpft train``, ``make_p
 The ways in name their randomness differently (``make_private``'s loop draws from the child
 ``make_private:1`` of its seed, ``DPTrainer``'s first ``train()`` from ``hf-train-loop-1``, ``dpft train`` from the
 root). The comparison hands ``dpft train``'s ``Trainer`` the way in's stream as its ``rng`` (the
-driver's own argument for sub-runs, distributed.py ``build_world``), so all three draw the same
+driver's own argument for sub-runs, session/world.py ``session_world``), so all three draw the same
 Poisson batches, the same count noise (stream ``count``) and the same gradient noise (``noise``):
 what differs is only the way in's code — the front end, the plan's hooks and ``after_update``. (The 54
 rows all tokenise to 7 tokens, so no way in pads and the sums run in one order: the weights came out

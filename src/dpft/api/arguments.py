@@ -18,8 +18,9 @@ from dpft.api.loader import DPDataLoader
 from dpft.api.optimizer import DPOptimizer
 from dpft.errors import PlanError
 from dpft.step.mechanisms import Mechanism, mechanism_of
+from dpft.session import SessionSettings
 
-__all__ = ["check_arguments", "adapt_data", "check_optimizer", "user_values", "LOADER_KEYS"]
+__all__ = ["check_arguments", "adapt_data", "check_optimizer", "user_values", "api_settings", "LOADER_KEYS"]
 
 LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                "multiprocessing_context", "persistent_workers", "pin_memory_device")
@@ -28,8 +29,9 @@ LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_ini
 def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_generator, clipping, steps, epochs,
                     target_epsilon, target_delta, noise_multiplier, max_physical_batch_size, max_rows_per_user,
                     user_clipping, mechanism, bands, max_batch_size, user_ids, methods=(),
-                    lr_scheduler=None) -> Mechanism:
-    """Refuse what ``make_private`` cannot certify or cannot tell apart, before any work.
+                    lr_scheduler=None, **_others) -> Mechanism:
+    """Refuse what ``make_private`` cannot certify or cannot tell apart, before any work (``_others``:
+    make_private's other arguments, checked where they are used).
 
     Returns:
         The mechanism asked for (step/mechanisms.py).
@@ -232,3 +234,13 @@ def user_values(dataset, user_ids: Any, n: int) -> tuple[list, str]:
             v = v.item()
         out.append(v)
     return out, column
+
+
+def api_settings(a: dict, mech: Mechanism, expected_batch_size: int, hardened: bool) -> SessionSettings:
+    """make_private's arguments ``a`` (checked by :func:`check_arguments`) as the session's typed
+    privacy settings (session/core.py); ``expected_batch_size``: from :func:`adapt_data`."""
+    return SessionSettings(
+        max_grad_norm=float(a["max_grad_norm"]), expected_batch_size=int(expected_batch_size), mechanism=mech,
+        steps=a["steps"], epochs=a["epochs"], noise_multiplier=a["noise_multiplier"],
+        target_epsilon=a["target_epsilon"], target_delta=a["target_delta"], clipping=a["clipping"], hardened=hardened,
+        max_rows_per_user=a["max_rows_per_user"], user_clipping=a["user_clipping"])

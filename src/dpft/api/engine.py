@@ -11,12 +11,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpft.placement import world as ddp
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.api.arguments import adapt_data, check_arguments, check_optimizer, user_values
+from dpft.api.arguments import adapt_data, api_settings, check_arguments, check_optimizer, user_values
 from dpft.api.clipping import api_clip_and_engine
 from dpft.api.criterion import PerExampleCriterion
 from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
 from dpft.api.optimizer import DPOptimizer
-from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model, sharded_step
+from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches, check_fsdp2_model, is_fsdp2_model
 from dpft.api.state import LoopState, write_live_record
 from dpft.grads.live import LiveBookKeeping
 from dpft.placement.fsdp_methods import refusal_message
@@ -24,8 +24,7 @@ from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.privacy.randomness import Randomness
 from dpft.step.guard import ReleaseGuard
 from dpft.step.pipeline import DPStep
-from dpft.step.plan import build_privacy_plan, planned_steps
-from dpft.step.unit import build_user_unit
+from dpft.session import PrivateSession
 
 
 
@@ -46,9 +45,8 @@ class PrivacyEngine:
     """
 
     def __init__(self, *, reproducible_seed: Optional[int] = None, hardened_noise: bool = True):
-        self._rng = Randomness(reproducible_seed)
+        self._rng: Optional[Randomness] = None  # the session's key: made by the first make_private's world
         self._seed = reproducible_seed
-        self._shared = False  # the key is the world's (torch.distributed: rank 0's, broadcast)
         #: this process's place under torch.distributed (set by make_private; one process alone).
         self.world: Optional[ddp.World] = None
         self.reproducible = reproducible_seed is not None
@@ -199,205 +197,74 @@ class PrivacyEngine:
         methods: Optional[list] = None,
         lr_scheduler: Any = None,
     ):
-        """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam).
+        """Make ``module``, ``optimizer``, ``criterion`` and the data private (DP-SGD / DP-Adam) on the
+        private session every way in shares (dpft/session/). The manual: docs/make_private.md.
 
         Args:
-            module: any ``nn.Module``; its trainable parameters are those with ``requires_grad``.
-                Hooks are added to it (it is returned, not wrapped). Every hooked layer must see
-                the example dimension first (``batch_first``).
-            optimizer: any ``torch.optim.Optimizer`` over (a subset of) ``module``'s parameters.
-            max_grad_norm: C > 0, the L2 bound of each example's clipped gradient (the
-                sensitivity of the clipped sum under add/remove-one).
-            criterion: a torch.nn loss with ``reduction`` 'mean', 'sum' (or 'batchmean'); its
-                per-example version is returned. None: return Opacus' 3-tuple and take the
-                user's loss as a batch ``loss_reduction`` of per-example losses.
-            data_loader: a map-style ``DataLoader`` with the default sampler (sequential or
-                shuffled); its dataset, collate function and worker settings are kept, its
-                sampling replaced by Poisson sampling. Or give ``dataset`` (+
-                ``expected_batch_size``, ``collate_fn``, ``num_workers``).
-            expected_batch_size: qN, the expected logical batch (default: the loader's
-                ``batch_size``).
-            target_epsilon, target_delta: the (ε, δ) target; σ is calibrated on the events the
-                run records (``dpft.accounting.calibrate.calibrate_sigma``, PLD), composed after
-                what this engine's ledger already holds. Needs ``epochs`` or ``steps``.
-            epochs: passes of ``N // expected batch`` logical steps each, fractional allowed
-                (``1.5``: ``ceil(1.5 · N // batch)`` steps; the last pass stops early); or
-                ``steps``: logical steps in all (not both).
-            noise_multiplier: σ instead of a target ε (``0`` for tests; its ε is infinite).
-            clipping: ``"flat"`` (Abadi et al. 2016), ``"per_layer"`` (C/√G per parameter
-                tensor), ``"automatic"`` (AUTO-S, Bu et al. 2022), ``"head_body"`` (the task head
-                clipped to C·√f and the rest to C·√(1−f), ``f = head_fraction``; as the CLI) or
-                ``"per_group"`` (each optimizer param group clipped to C·√f_g, ``f_g`` = the
-                group's ``"clip_fraction"`` key; groups without one share what is left of 1
-                equally). Every style keeps one example's clipped gradient within C.
-            head_fraction: f of ``head_body`` (share of C² for the head), in (0, 1).
-            head_parameters: ``head_body``: the head's parameters (tensors or names); default:
-                parameters whose name has a ``classifier``/``score``/``pooler``/``lm_head``
-                component (``dpft.models.load.is_head_param``).
-            max_physical_batch_size: largest micro-batch the loader yields (None: whole logical
-                batches). A performance setting: it never changes the guarantee.
-            loss_reduction: 'mean' | 'sum', used only for losses not made by the returned
-                criterion (Opacus' argument).
-            poisson_sampling, batch_first: Opacus' arguments; only True is accepted.
-            noise_generator: refused (the randomness is the engine's secret source; use
-                ``PrivacyEngine(reproducible_seed=...)``). ``grad_sample_mode``: ignored (dpft
-                always uses the book-keeping engine).
-            norm_mode: book-keeping norm route ``"auto"`` | ``"ghost"`` | ``"instantiate"``.
-            user_ids: user-level DP (the privacy unit is a user, add/remove-one *user*): a
-                sequence of one user id per dataset row (any hashable values; a tensor or array
-                of ints), or the name of a field of the dataset's rows (a ``datasets.Dataset``
-                column or a key of dict rows). Then, as ``dpft train``'s ``task.user_column``
-                (step/unit.py, step/sample.py ``UserPoissonSampler``, grads/groups.py): every one
-                of the U users joins a logical batch with q = expected batch / U (the loader's
-                ``batch_size`` or ``expected_batch_size`` counts *users*), a sampled user
-                contributes a fresh random subset of at most ``max_rows_per_user`` of its rows,
-                a micro-batch holds whole users, and the user's summed gradient is clipped to C;
-                the ledger, σ calibration, δ < 1/U, ``epochs`` (U // expected users steps) and
-                the division by qU count users (Chua et al. 2024, "Mind the Privacy Unit!").
-                None (default): example level.
-            max_rows_per_user: k, the most rows of one sampled user per step (user level).
-            user_clipping: ``"group"`` (exact: each user's summed gradient clipped to C, its
-                norm from the book-keeping factors with every cross term) or
-                ``"per_example_over_k"`` (each row clipped to C/k; k rows sum to ≤ C).
-
-        Distributed (``torchrun --nproc_per_node=K``, one process per GPU or CPU slot): call
-        ``make_private`` on every rank with the same arguments (after
-        ``torch.distributed.init_process_group``, or without it: torchrun's environment is
-        detected and the group is created, gloo on CPU and NCCL for CUDA tensors). Pass the
-        *unwrapped* module — not ``DistributedDataParallel(model)`` (refused: its buckets
-        all-reduce unclipped gradients). The world runs one DP-SGD, the mechanism of one process
-        (``dpft.placement.world``, as ``dpft train`` under torchrun): rank 0 draws the secret key and
-        broadcasts it (reproducible mode: every rank derives it from the seed); every rank draws
-        the same Poisson logical batch for the world and its data loader yields only this rank's
-        share (``distributed.shard``: every K-th example; at user level whole users,
-        ``distributed.shard_units``), in micro-batches; each rank clips its examples (users), and
-        at the last micro-batch ``optimizer.step()`` all-reduces the clipped sums once, adds the
-        same noise draw on every rank (streams of the shared key) and applies the same update,
-        checked at every step (``distributed.check_step_digest``: same logical batch, same
-        weights, else :class:`~dpft.placement.world.DistributedError` before the step is used). The
-        module's weights are rank 0's from ``make_private`` on (broadcast). Every rank holds the
-        same ledger, so ``get_epsilon`` is the same everywhere; :meth:`save_ledger` writes on
-        rank 0 only (make_private itself writes no file). ``optimizer.step()`` is a collective
-        at the last micro-batch of each logical batch: call it after every micro-batch on every
-        rank (a rank whose share of a logical batch is empty joins it when its loader moves on).
-        Dropout masks come from each rank's own torch generator (not a DP mechanism): seed the
-        ranks differently. A checkpoint resumed from must come from the same number of ranks.
-            max_batch_size: truncated Poisson (docs/mechanisms.md): at most this many examples per
-                logical batch, a uniformly random subset when more are drawn; the ledger records
-                ``TruncatedSubsampledGaussianDpEvent`` and σ is calibrated on it. The batch
-                shapes stay your collate function's (no padding here; ``dpft train`` pads).
-            mechanism: ``"gaussian"`` (default: DP-SGD, independent noise) or ``"banded_mf"``:
-                banded matrix factorization (docs/mechanisms.md; Choquette-Choo et al. 2023,
-                step/correlated.py), as ``dpft train``'s ``privacy.mechanism``. Each example gets
-                a secret partition in {0..b−1}; step t Poisson-samples partition t mod b at rate
-                p = b·B/N; step t's noise is row t of C⁻¹Z (C b-banded Toeplitz, optimised for
-                the planned steps); the ledger records PoissonSampled(p, Gaussian(σ)) at steps
-                t ≡ 0 (mod b) and NoOp at the others, and σ is calibrated on those events. Needs
-                ``epochs`` or ``steps``; steps must run in order (a logical batch left without
-                ``optimizer.step()`` stops the run). The secret noise state ((b − 1) × the
-                trainable parameters in fp32) is never in ``optimizer.state_dict()``: save it with
-                :meth:`save_noise_state` (an owner-only file; never release it) and restore it
-                with :meth:`load_noise_state` to continue; without it a loop cannot be resumed.
-            bands: b ≥ 1 of ``banded_mf`` (default 4; b = 1 is DP-SGD).
-            lr_scheduler: a ``torch.optim.lr_scheduler`` over ``optimizer``, stepped by the DP optimizer
-                after every noisy update — including those of empty Poisson batches, which release
-                noise without reaching your loop (so ``if optimizer.step(): scheduler.step()`` would
-                leave the schedule behind). Do not call its ``step()`` yourself.
-            methods: the recipe's method plug-ins, as ``dpft train``'s ``methods:`` list (``[{"name":
-                "rmt", "method": "rmt", "kappa": 1.05}]``): their ``build`` changes this loop's step
-                through the same plan (methods/python.py) and their ``after_update`` runs after every
-                noisy update (``optimizer.method_stats``: what they released). Runs here: ``rmt``;
-                ``dp_adam_ac`` with ``adaptive_clip`` (C follows a private quantile estimate: a noisy
-                count released with each step, σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) on the gradient, one
-                event per step for both, as ``dpft train``); ``dpsft`` with ``source: file`` (a
-                saved basis; its recorded releases are appended to this ledger before σ is
-                calibrated; the trainable parameters must be those the basis spans) or ``none``
-                with ``paper_noise_placement``. A method that needs ``dpft train``'s driver
-                (earlier phases such as a subspace estimated privately, the recipe's optimizer,
-                the run folder) refuses with its reason.
+            module, optimizer: the user's ``nn.Module`` (hooked, not wrapped; example dimension first)
+                and a plain ``torch.optim.Optimizer`` over its trainable parameters.
+            max_grad_norm: C > 0, the L2 bound of one unit's clipped gradient.
+            criterion: a torch.nn loss ('mean'/'sum'), returned per-example; None: Opacus' 3-tuple.
+            data_loader | dataset (+ expected_batch_size, collate_fn, num_workers): the rows, map-style;
+                expected_batch_size: qN (units), default the loader's ``batch_size``.
+            target_epsilon + target_delta (σ calibrated, PLD, after the engine's ledger) | noise_multiplier σ;
+                epochs | steps: the planned length (step/plan.py ``planned_steps``).
+            clipping, head_fraction, head_parameters, norm_mode: the clip style and book-keeping route.
+            max_physical_batch_size: largest micro-batch (performance only); loss_reduction: 'mean' | 'sum'.
+            poisson_sampling, batch_first (True only), noise_generator (refused), grad_sample_mode (ignored):
+                Opacus' arguments.
+            user_ids, max_rows_per_user, user_clipping: user-level DP (ids per row, or a field name).
+            max_batch_size: truncated Poisson; mechanism: ``"gaussian"`` | ``"banded_mf"`` with ``bands`` b.
+            methods: method plug-ins (``[{"name": ..., "method": ..., ...}]``); lr_scheduler: stepped at
+                every noisy update.
 
         Returns:
-            ``(module, optimizer, criterion, data_loader)`` (Opacus' shape with a criterion),
-            or ``(module, optimizer, data_loader)`` when ``criterion`` is None. ``optimizer`` is
-            a :class:`DPOptimizer`, ``criterion`` a :class:`PerExampleCriterion`,
-            ``data_loader`` a :class:`DPDataLoader`.
+            ``(module, optimizer, criterion, data_loader)``, or ``(module, optimizer, data_loader)``
+            without a criterion (a :class:`DPOptimizer`, :class:`PerExampleCriterion`, :class:`DPDataLoader`).
 
         Raises:
-            ValueError: anything that cannot be certified or is ambiguous: both or neither of
-                ``data_loader``/``dataset``; an iterable dataset; a loader with a custom
-                sampler or batch sampler (its population is not the dataset); both ``steps``
-                and ``epochs``; both or neither of ``target_epsilon``/``noise_multiplier``; a
-                target ε without δ or without a length; a criterion that cannot be made
-                per-example; BatchNorm (it mixes the examples of a batch); optimizer parameters
-                that are not trainable parameters of ``module``; an unknown clipping style;
-                ``banded_mf`` with ``user_ids`` or ``max_batch_size`` (no certified event), with
-                b < 1, with b·B > N (p > 1), without ``epochs``/``steps``, or with noise buffers
-                above 16 GiB.
-            dpft.accounting.calibrate.CalibrationError: the target cannot be met (δ ≥ 1/N, or
-                unreachable with this q and number of steps), with the reason.
-            dpft.placement.world.DistributedError: a module wrapped in ``DistributedDataParallel``
-                (pass ``model.module``); a second world for an engine whose key is already in use;
-                ranks with different secret randomness.
-            dpft.grads.bookkeeping.UnattributedUseError: (first training micro-batch) a
-                trainable parameter used outside the forward of the module that owns it.
+            ValueError: anything that cannot be certified or is ambiguous (naming the fix);
+                dpft.accounting.calibrate.CalibrationError: the target cannot be met;
+                dpft.placement.world.DistributedError: a DDP-wrapped module, ranks that disagree, a key
+                asked for in a world of another size; dpft.grads.bookkeeping.UnattributedUseError.
         """
+        a = {k: v for k, v in locals().items() if k != "self"}  # the arguments, as given
         meths = python_methods(methods, "make_private")
-        mech = check_arguments(
-            module=module, optimizer=optimizer, poisson_sampling=poisson_sampling, batch_first=batch_first,
-            noise_generator=noise_generator, clipping=clipping, steps=steps, epochs=epochs,
-            target_epsilon=target_epsilon, target_delta=target_delta, noise_multiplier=noise_multiplier,
-            max_physical_batch_size=max_physical_batch_size, max_rows_per_user=max_rows_per_user,
-            user_clipping=user_clipping, mechanism=mechanism, bands=bands, max_batch_size=max_batch_size,
-            user_ids=user_ids, methods=meths, lr_scheduler=lr_scheduler)
+        mech = check_arguments(**{**a, "methods": meths})  # refusals before any work (api/arguments.py)
         sharded = _check_sharded(module, meths)
-        world = ddp.init_from_env()  # an initialised group, or torchrun's environment (the group is made)
-        dataset, n, expected_batch_size, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size,
-                                                                    num_workers, collate_fn)
-        calls = self._calls + 1
-        rng = self._world_randomness(world).child(f"make_private:{calls}")
-        unit = _user_unit(dataset, user_ids, n, expected_batch_size, max_rows_per_user, rng, user_clipping)
-        n_units = unit.n if unit is not None else n
-        _check_same_on_every_rank(world, (
-            n, n_units, expected_batch_size, steps, epochs, noise_multiplier, target_epsilon, target_delta,
-            float(max_grad_norm), clipping, user_clipping if unit else None, max_rows_per_user if unit else None,
-            mechanism, bands, max_batch_size))
-        planned = None if steps is None and epochs is None else planned_steps(n_units, expected_batch_size, steps,
-                                                                                epochs)
+        sess = PrivateSession.open(self._seed, rng=self._rng, ledger=self.ledger, made_for=self.world,
+                                   where="make_private")  # the world and the engine's one key (session/world.py)
+        self._rng, self.world = sess.rng, sess.world
+        dataset, n, eb, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size, num_workers, collate_fn)
+        s, calls = api_settings(a, mech, eb, self.hardened_noise), self._calls + 1
         names = check_optimizer(module, optimizer)
-        group = unit is not None and user_clipping == "group"
-        # The methods over what this loop knows (methods/python.py); their earlier releases (a
-        # privately built basis from a file) enter the ledger before σ is calibrated after them.
-        ddp.check_methods(world, meths)
-        pm = PythonMethods(meths, model=module, n=n_units, ledger=self.ledger, rng=rng, where="make_private",
-                           recipe=PythonRecipe(max_grad_norm=max_grad_norm, clipping=clipping,
-                                               expected_batch_size=expected_batch_size,
-                                               hardened_noise=self.hardened_noise, methods=meths),
-                           user_level=unit is not None)
-        pm.prepare()
+        per_k = user_ids is not None and user_clipping != "group"  # each row clipped to C/k
+        plan = sess.plan(
+            s, rows=dataset, n_rows=n, rng=sess.rng.child(f"make_private:{calls}"), optimizer=optimizer,
+            users=None if user_ids is None else user_values(dataset, user_ids, n), method_list=meths,
+            methods=lambda units, rng, user: PythonMethods(meths, model=module, n=units, ledger=self.ledger, rng=rng,
+                                                           where="make_private", recipe=PythonRecipe(
+                max_grad_norm=max_grad_norm, clipping=clipping, expected_batch_size=eb,
+                hardened_noise=self.hardened_noise, methods=meths), user_level=user),
+            parts=lambda sampler: api_clip_and_engine(module, optimizer, clipping, max_grad_norm, head_fraction,
+                                                      head_parameters, norm_mode, sampler.k if per_k else None))
+        self._calls, self.noise_multiplier = calls, plan.sigma
+        return self._private_loop(sess, plan, s, a, sharded, names, dataset, n, loader_kwargs)
 
-        def parts(sampler):  # per_example_over_k (user level): each row clipped to C/k
-            return api_clip_and_engine(module, optimizer, clipping, max_grad_norm, head_fraction, head_parameters,
-                                       norm_mode, sampler.k if unit is not None and not group else None)
-
-        # DDP: rank 0 calibrates σ (on the events this loop records, after those the ledger holds).
-        plan = build_privacy_plan(
-            n=n_units, expected_batch_size=expected_batch_size, steps=planned or 0, mechanism=mech, rng=rng,
-            parts=parts, optimizer=optimizer, noise_multiplier=None if target_epsilon is not None else noise_multiplier,
-            target_epsilon=target_epsilon, delta=target_delta, prior=self.ledger.events(),
-            calibrate=lambda f: ddp.on_rank0(world, f), sampler=unit.sampler if unit is not None else None,
-            hardened=self.hardened_noise, rows=dataset, hooks=pm.hooks, on_sigma=pm.on_sigma)
-        plan.spec.engine.clip = plan.spec.clip  # the spec's clip is in force (a method may swap it; as DPStep.run)
-        self._calls = calls
+    def _private_loop(self, sess: PrivateSession, plan, s, a: dict, sharded: bool, names: dict, dataset, n: int,
+                      loader_kwargs: dict):
+        """make_private's front end over the session's plan: the micro-batches, the step for this
+        world, the DP optimizer with its release guard, the live book-keeping, the data loader and
+        the per-example criterion (see :meth:`make_private`)."""
+        world, optimizer, pm = sess.world, a["optimizer"], sess.methods
         batches = (ShardedMicroBatches if sharded else _PoissonMicroBatches)(
-            plan.sampler, max(1, math.ceil(n_units / expected_batch_size)), max_physical_batch_size, planned,
-            world=world, groups=group)
-        if sharded:  # one FSDP2 model for the world: nothing to broadcast
-            dp_step = sharded_step(plan, self.ledger, n_units, world, self._on_release)
-            dp_opt = ShardedDPOptimizer(optimizer, dp_step, planned, world, batches, methods=pm if pm else None)
-        else:
-            ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
-            dp_step = DPStep(plan.spec, self.ledger, n_units, world_group=world.group, on_release=self._on_release)
-            dp_opt = DPOptimizer(optimizer, dp_step, planned, world=world, methods=pm if pm else None)
+            plan.sampler, max(1, math.ceil(sess.n / s.expected_batch_size)), a["max_physical_batch_size"],
+            sess.planned, world=world, groups=sess.user_level and s.user_clipping == "group")
+        if not sharded:  # one FSDP2 model for the world: nothing to broadcast
+            ddp.broadcast_module(world, a["module"])  # DDP: the world starts from rank 0's weights
+        dp_step = sess.step(plan, sharded=sharded, on_release=self._on_release)
+        dp_opt = ShardedDPOptimizer(optimizer, dp_step, sess.planned, world, batches, methods=pm if pm else None) \
+            if sharded else DPOptimizer(optimizer, dp_step, sess.planned, world=world, methods=pm if pm else None)
         if plan.spec.mechanism is not None:  # every step of the user's optimizer = one release of dp_step
             dp_opt.release_guard = dp_step.guard = ReleaseGuard("make_private", _GUARD_FIX)
             dp_opt.release_guard.attach(optimizer)
@@ -405,30 +272,17 @@ class PrivacyEngine:
         # An engine that runs its own forward (a method's, e.g. DP-SFT's subspace engine) offers the
         # view that the user's forward and backward drive.
         live = plan.engine.live_view() if hasattr(plan.engine, "live_view") else plan.engine
-        session = LiveBookKeeping(live, dp_opt._on_result, loss_reduction=loss_reduction)
-        dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, lr_scheduler
-        module.__dict__["_dpft_private"] = True
+        session = LiveBookKeeping(live, dp_opt._on_result, loss_reduction=a["loss_reduction"])
+        dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, a["lr_scheduler"]
+        a["module"].__dict__["_dpft_private"] = True
         self._sessions.append(session)
-        self.world, self.noise_multiplier = world, plan.sigma
         loader = DPDataLoader(dataset, batches, dp_opt, **loader_kwargs)
         self._loop = LoopState(plan, dp_opt, batches, n)
-        if criterion is None:
-            return module, dp_opt, loader
-        per_example = PerExampleCriterion(criterion)
+        if a["criterion"] is None:
+            return a["module"], dp_opt, loader
+        per_example = PerExampleCriterion(a["criterion"])
         per_example._session = session
-        return module, dp_opt, per_example, loader
-
-    def _world_randomness(self, world) -> Randomness:
-        """The engine's secret key; under torch.distributed rank 0's, broadcast (reproducible:
-        derived from the seed), checked to be the same on every rank."""
-        if world.distributed and not self._shared:
-            if self._calls:
-                raise ddp.DistributedError("make_private: this PrivacyEngine already made a private loop in "
-                                           "one process; make a new PrivacyEngine under torch.distributed")
-            self._rng = ddp.shared_randomness(world, self._seed)
-            self._shared = True
-        ddp.check_same_randomness(world, self._rng)
-        return self._rng
+        return a["module"], dp_opt, per_example, loader
 
 
 def _check_sharded(module, meths) -> bool:
@@ -445,33 +299,6 @@ def _check_sharded(module, meths) -> bool:
     if why:
         raise ValueError(why)
     return True
-
-
-def _user_unit(dataset, user_ids, n: int, expected_batch_size: int, max_rows_per_user, rng, user_clipping):
-    """The user-level privacy unit (``user_ids`` given) or None (example level).
-
-    Raises:
-        ValueError: what ``build_user_unit`` refuses, prefixed with the user column."""
-    if user_ids is None:
-        return None
-    values, column = user_values(dataset, user_ids, n)
-    try:
-        return build_user_unit(values, expected_batch_size, max_rows_per_user, rng, user_clipping, column)
-    except ValueError as exc:
-        raise ValueError(f"make_private (user level, user_ids={column!r}): {exc}") from None
-
-
-def _check_same_on_every_rank(world, mine: tuple) -> None:
-    """Under torch.distributed every rank must describe the same mechanism over the same data.
-
-    Raises:
-        DistributedError: a rank's (N, users, B, steps/epochs, σ or target, C, clipping, mechanism)
-            differs from rank 0's."""
-    if world.distributed and ddp.any_rank(world, mine != ddp.broadcast_object(world, mine)):
-        raise ddp.DistributedError(
-            "make_private: the ranks passed different datasets or privacy arguments (N rows, N users, batch size, "
-            "steps/epochs, σ or target, C, clipping); call make_private with the same data and arguments on every "
-            "rank")
 
 
 #: What a make_private user whose loop trips the release guard should do instead.

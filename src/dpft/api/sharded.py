@@ -46,7 +46,7 @@ from dpft.api.optimizer import DPOptimizer
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError
 
-__all__ = ["is_fsdp2_model", "check_fsdp2_model", "ShardedMicroBatches", "ShardedDPOptimizer", "sharded_step"]
+__all__ = ["is_fsdp2_model", "check_fsdp2_model", "ShardedMicroBatches", "ShardedDPOptimizer"]
 
 
 def is_fsdp2_model(module) -> bool:
@@ -188,13 +188,3 @@ class ShardedDPOptimizer(DPOptimizer):
         if self._agg is not None and self._agg_step is not None and self._agg_step > self._released_upto:
             for n, buf in self._agg.sum.items():
                 buf.add_(res.grad_sum[n].float())
-
-
-def sharded_step(plan, ledger, n: int, world, on_release) -> "fsdp.FSDPStep":
-    """The :class:`~dpft.placement.fsdp.FSDPStep` of a make_private plan (no driver: the user's loop runs the
-    forwards; the step's own ``run`` is not used)."""
-
-    def no_driver():  # pragma: no cover - FSDPStep.run is dpft train's; make_private never calls it
-        raise RuntimeError("make_private's sharded step is driven by the user's loop")
-
-    return fsdp.FSDPStep(plan.spec, ledger, n, world, no_driver, on_release=on_release)

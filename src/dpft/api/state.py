@@ -44,11 +44,10 @@ import torch
 from dpft.placement import world as ddp
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.outputs.lock import RunLock
-from dpft.step.correlated import write_secret
+from dpft.step.correlated import check_secret_state, secret_state, write_secret
 
 __all__ = ["LoopState", "live_record_path", "write_live_record", "check_fresh"]
 
-_FORMAT = "dpft-make_private-banded-noise-state"
 
 
 def live_record_path(path) -> Path:
@@ -122,14 +121,14 @@ class LoopState:
             raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
                              "micro-batch)")
         world = engine.world if engine.world is not None else ddp.World()
-        state = mech.state()  # FSDP2: every rank's buffer slices gathered (a collective)
+        state = secret_state(mech)  # the one versioned format; FSDP2: every rank's slices gathered (a collective)
         if not world.is_main:
             engine._live_path = live_record_path(path)
             return False
         own_state_path(engine, path)
         engine._live_path = live_record_path(path)  # every later release rewrites the record
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_secret(path, {"format": _FORMAT, **state, "sigma": self.plan.sigma, "n": self.n,
+        write_secret(path, {**state, "sigma": self.plan.sigma, "n": self.n,
                             "ledger": engine.ledger.to_json()})
         write_live_record(engine._live_path, engine.ledger, world)
         return True
@@ -154,7 +153,8 @@ class LoopState:
         if world.is_main:
             own_state_path(engine, path)
         st, live = ddp.on_rank0(world, read)
-        if st.get("format") != _FORMAT:
+        check_secret_state(st, "load_noise_state")  # the one format (or make_private's before it)
+        if not all(k in st for k in ("n", "sigma", "ledger", "buffers")):
             raise ValueError(f"load_noise_state: {path} is not a make_private banded_mf noise state")
         sigma = self.plan.sigma
         if int(st["n"]) != self.n or not math.isclose(float(st["sigma"]), sigma, rel_tol=1e-9, abs_tol=1e-12):

@@ -41,9 +41,9 @@ from dpft.audit.checks_api import C, TOL, _no_dropout, _released_sum
 from dpft.audit.checks_trl import _gc_frozen, tiny_llama, tiny_tokenizer
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
-from dpft.integrations.hf import trainer as hf
 from dpft.integrations.hf.trainer import DPArguments
 from dpft.integrations.trl.trainer import DPDPOTrainer
+from dpft.session import core as session_core
 from dpft.step.sample import UserPoissonSampler
 
 __all__ = ["PLANTED", "dpo_user_checks"]
@@ -76,7 +76,9 @@ def _counts_pairs(real):
 planted_bug = bug_planter(PLANTED, {
     "dpo_user_pair_groups": lambda p: p.set(UserPoissonSampler, "groups",
                                             lambda self, micro: torch.arange(len(micro))),
-    "dpo_user_ledger_counts_pairs": lambda p: p.set(hf, "build_privacy_plan", _counts_pairs(hf.build_privacy_plan)),
+    # the session builds every way in's plan (dpft/session/core.py): the bug planted there reaches DPDPOTrainer
+    "dpo_user_ledger_counts_pairs": lambda p: p.set(session_core, "build_privacy_plan",
+                                                    _counts_pairs(session_core.build_privacy_plan)),
 })
 
 

@@ -173,7 +173,7 @@ def make_private_banded() -> list[Check]:
                {"min_gap": gap})
     # secret state: never in the optimizer's state dict; the file owner-only; a fresh engine restores it
     sd = opt.state_dict()
-    bufs = [v for b in getattr(mech, "buffers", []) for v in b.values()]
+    bufs = [v for b in (mech.buffers if mech.stateful else []) for v in b.values()]
     leaked = _holds_any(sd, bufs)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "noise.secret.pt"
@@ -295,7 +295,7 @@ def trainer_banded() -> list[Check]:
                                          steps, bands)
         secret = Path(d) / "noise_state.secret.pt"
         mode = os.stat(secret).st_mode & 0o777 if secret.is_file() else None
-        bufs = [v for b in getattr(tr.mechanism, "buffers", []) for v in b.values()]
+        bufs = [v for b in (tr.mechanism.buffers if tr.mechanism.stateful else []) for v in b.values()]
         in_ckpt = []
         for ck in Path(d).glob("checkpoint-*"):
             for f in ck.iterdir():

@@ -139,7 +139,7 @@ def audit_mode(trainer):
     dp.spec = dp.spec.replace(optimizer=torch.optim.SGD(params, lr=0.0))
     set_dropout(t.model, 0.0)
     mech = dp.spec.mechanism
-    banded = hasattr(mech, "buffers")
+    banded = mech is not None and mech.stateful
     if banded:  # banded_mf: the audit replays step 0; each replay starts from empty noise buffers
         state = (mech.buffers, mech.next_step)
         orig_add = type(mech).add_noise.__get__(mech)

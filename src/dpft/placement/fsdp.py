@@ -590,9 +590,3 @@ class FSDPStep(DPStep):
 def _trained(eng) -> Mapping[str, torch.Tensor]:
     """The model parameters the engine's pass must leave without ``.grad`` (DP-SFT: the spanned ones)."""
     return getattr(eng, "model_params", eng.params)
-
-
-# -- the driver's hooks (run/loop.py) ------------------------------------------------------------
-def make_step(plan, ledger, on_release, dummy_batch) -> FSDPStep:
-    """The :class:`FSDPStep` of a plan built with ``perf.sharding: fsdp``."""
-    return FSDPStep(plan.spec, ledger, plan.unit.n, plan.world, dummy_batch, on_release=on_release)

@@ -31,13 +31,13 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from dpft.placement.fsdp import FSDPError, FSDPStep, ReduceScatter, local, make_step as make_private_step
+from dpft.placement.fsdp import FSDPError, FSDPStep, ReduceScatter, local
 from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError
 from dpft.step.pipeline import StepOutput
 
-__all__ = ["PlainFSDPStep", "make_step"]
+__all__ = ["PlainFSDPStep"]
 
 
 class PlainFSDPStep(FSDPStep):
@@ -100,22 +100,3 @@ class PlainFSDPStep(FSDPStep):
             raise NonFiniteGradientError("non-finite training loss (on this or another rank); lower optimizer.lr "
                                          "or check the data")
         return self.release_and_update(step, agg, t0)
-
-
-def make_step(plan, ledger, on_release, dummy_batch) -> FSDPStep:
-    """The sharded step of a plan built with ``perf.sharding: fsdp``: the engine's own sharded step when it
-    has one (``engine.fsdp_step``: a method whose engine releases through its own mechanism, e.g.
-    ``ldp.train_pre`` in a ``privacy.enabled: false`` recipe, methods/ewft/fsdp.py), :class:`PlainFSDPStep`
-    for a non-private run (``plan.private`` False), else :func:`dpft.placement.fsdp.make_step` (the DP step).
-
-    Raises:
-        FSDPError: a non-private plan whose spec carries a mechanism but whose engine has no sharded step."""
-    own = getattr(plan.spec.engine, "fsdp_step", None)
-    if own is not None:  # a capability handed by the method's engine: this layer names no method
-        return own(plan.spec, ledger, plan.unit.n, plan.world, on_release)
-    if not plan.private and plan.spec.mechanism is not None:
-        raise FSDPError(f"perf.sharding: fsdp: the step's mechanism {type(plan.spec.mechanism).__name__} has no "
-                        "sharded step (its engine sets no fsdp_step); use perf.sharding: ddp")
-    if plan.private:
-        return make_private_step(plan, ledger, on_release, dummy_batch)
-    return PlainFSDPStep(plan.spec, ledger, plan.unit.n, plan.world, dummy_batch, on_release=on_release)

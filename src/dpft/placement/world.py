@@ -579,21 +579,3 @@ def check_methods(world: World, methods: list, keep_norms: bool = False,
         raise DistributedError("the paper's percentile clipping (raw per-example norms, NOT CERTIFIED) cannot "
                                "run across processes; use the method's private adaptive clipping instead of its "
                                "reproduce_paper option, or run one process")
-
-
-def build_world(recipe_json: dict, seed: Optional[int], rng: Optional[Randomness] = None) -> tuple[World, Randomness]:
-    """The run's world and its one secret randomness (a plan part, run/plan.py).
-
-    Joins torchrun's world (a 1-process world without one), checks that every rank runs the same
-    recipe, and gives the run's randomness: ``rng`` when a caller passes one (a sub-run such as
-    DP-SFT's stage 1), else drawn by rank 0 from the OS CSPRNG (``seed`` None) or derived from the
-    recorded seed (reproducible mode) and broadcast, so the world draws one logical batch.
-
-    Raises:
-        DistributedError: the ranks disagree on the recipe or on the randomness.
-    """
-    world = init_from_env()
-    check_same_recipe(world, recipe_json)
-    rng = rng if rng is not None else shared_randomness(world, seed)
-    check_same_randomness(world, rng)  # a caller's rng must be the world's
-    return world, rng

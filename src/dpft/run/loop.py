@@ -27,12 +27,11 @@ from dpft.grads.groups import GROUP_KEY
 from dpft.privacy.randomness import Randomness
 from dpft.placement import world as ddp
 from dpft.placement import fsdp
-from dpft.placement import fsdp_plain
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
 from dpft.run.checkpoint import cap_resumed_run, check_world_size, load_checkpoint, release_checkpoints, save_checkpoint
 from dpft.run.plan import build_plan, evaluate_with_methods
 from dpft.outputs.release import DiagnosticsLog, split_row
-from dpft.step import DPStep
+from dpft.session import step_for
 from dpft.step.clip import NonFiniteGradientError
 from dpft.step.postprocess import Transform  # noqa: F401 (Transform: public type)
 from dpft.step.sample import PoissonSampler
@@ -97,14 +96,11 @@ class Trainer:
         #: The recipe's methods (methods/base.py), composed in order; the driver names none.
         self.methods, self.ctx = p.methods, p.ctx
         self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
-        if p.sharded:  # FSDP2 (dpft/placement/fsdp.py): a rank short of micro-batches runs a placeholder one
-
-            self.dp_step = fsdp_plain.make_step(p, self.ledger, self.save_live_ledger, lambda: collate(
-                list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id, self.with_token_types,
-                device=self.device))
-        else:
-            self.dp_step = DPStep(p.spec, self.ledger, self.n, on_release=self.save_live_ledger,
-                                  world_group=self.world.group)
+        # the step for this world (session/step.py); FSDP2: a rank short of micro-batches runs a placeholder one
+        self.dp_step = step_for(p, self.world, self.ledger, self.n, sharded=p.sharded, private=p.private,
+                                on_release=self.save_live_ledger, dummy_batch=lambda: collate(
+                                    list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id,
+                                    self.with_token_types, device=self.device))
         #: Checkpoint at every release (config ``checkpoint_every_release``): cheap when the trainable
         #: part is small, and a crash then leaves nothing to replay (issue 36 item 3).
         self.release_checkpoints = release_checkpoints(recipe, self.private, p.sharded, self.params)
@@ -148,6 +144,11 @@ class Trainer:
     def mechanism(self):
         """The Gaussian mechanism (None for a non-private run)."""
         return self.dp_step.spec.mechanism
+
+    @property
+    def _stateful(self) -> bool:
+        """The mechanism carries secret state beyond the key (banded_mf's noise buffers)."""
+        return self.mechanism is not None and self.mechanism.stateful
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -270,7 +271,7 @@ class Trainer:
             return
         save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
                         scheduler=self.scheduler, ledger_json=self.ledger.to_json(), state=self._state())
-        if hasattr(self.mechanism, "buffers"):  # banded_mf: secret noise state, outside the release set
+        if self._stateful:  # banded_mf: secret noise state, outside the release set
 
             save_noise_state(self.run_dir, self.mechanism, step)
 
@@ -286,7 +287,7 @@ class Trainer:
         def read():  # DDP: rank 0 reads checkpoint and live ledger; every rank gets them
             ck = load_checkpoint(self.run_dir)
             ck["live_ledger"] = PrivacyLedger.load(live).to_json() if live.is_file() else None
-            if hasattr(self.mechanism, "buffers"):  # banded_mf: the secret noise buffers (or refuse)
+            if self._stateful:  # banded_mf: the secret noise buffers (or refuse)
 
                 try:
                     ck["noise_state"] = load_noise_state(self.run_dir)
@@ -330,7 +331,7 @@ class Trainer:
         # steps again, and the report says so (normally none: an interrupt checkpoints its step).
         extra = (sum(e.count for e in self.ledger.entries if e.phase == self.phase)
                  - sum(e.count for e in ck_ledger.entries if e.phase == self.phase))
-        if hasattr(self.mechanism, "buffers"):
+        if self._stateful:
             resume_noise_state(self.mechanism, ck.get("noise_state"), st["step"], extra, self.params)
         if extra > 0 and self.private:
             self.replays.append({"from_step": st["step"] + 1, "to_step": min(st["step"] + extra, self.total_steps),

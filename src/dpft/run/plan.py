@@ -5,7 +5,7 @@
 and returns a frozen :class:`RunPlan`; :class:`~dpft.run.loop.Trainer` is the loop over it (steps,
 evaluation, checkpoints, release, report). In order::
 
-    world, rng      distributed.py       build_world          torchrun world; the one secret key
+    world, rng      session/world.py     session_world        torchrun world; the one secret key
     ledger          run/checkpoint.py    continue_ledger      appended to, never replaced
     placement       perf.py              build_placement      device, precision (refusals first)
     rows            data/prepare.py      load_rows            classification rows; δ < 1/N
@@ -43,6 +43,7 @@ from dpft.placement.device import Placement, build_placement, place_model
 from dpft.privacy.randomness import Randomness
 from dpft.placement import world as ddp
 from dpft.run.auto import has_auto
+from dpft.session import session_world
 from dpft.run.features import FeatureDevEvaluator, build_for_plan, prefix_of
 from dpft.run.checkpoint import continue_ledger
 from dpft.errors import PlanError, TrainingError
@@ -156,7 +157,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                             "dpft.run.auto.resolve_auto(recipe) before building the plan")
     run_dir = Path(run_dir)
     private = r.privacy.enabled
-    world, rng = ddp.build_world(r.model_dump(mode="json"), r.seed if r.privacy.reproducible else None, rng)
+    world, rng = session_world(r.seed if r.privacy.reproducible else None, rng, same=r.model_dump(mode="json"))
     if world.distributed and r.perf.sharding == "none":
         raise ddp.DistributedError(f"perf.sharding: none but this run has {world.world_size} processes; run "
                                    "without torchrun, or set perf.sharding: ddp or fsdp")

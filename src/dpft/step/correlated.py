@@ -67,11 +67,19 @@ if TYPE_CHECKING:
 __all__ = ["banded_coefficients", "strategy_matrix", "square_root_coefficients", "prefix_sum_loss",
            "inverse_coefficients", "CyclicPoissonSampler",
            "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "save_noise_state", "load_noise_state",
-           "resume_noise_state", "write_secret", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES", "MAX_BUFFER_BYTES"]
+           "resume_noise_state", "write_secret", "secret_state", "check_secret_state",
+           "SECRET_STATE_FORMAT", "SECRET_STATE_VERSION", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES",
+           "MAX_BUFFER_BYTES"]
 
 #: Secret noise state of a banded-MF run: ``run_dir/NOISE_STATE_FILE``, mode 0600, outside the
 #: release set (never in checkpoint/, never pushed).
 NOISE_STATE_FILE = "noise_state.secret.pt"
+#: The one format of the secret state beyond the key, written by every way in (dpft train, DPTrainer and
+#: TRL here, make_private in api/state.py; session/core.py ``PrivateSession.secret_state``), and its version.
+SECRET_STATE_FORMAT = "dpft-secret-state"
+SECRET_STATE_VERSION = 1
+#: make_private's own format before version 1 (read, never written)
+_LEGACY_FORMATS = ("dpft-make_private-banded-noise-state",)
 #: Noise buffers above this size warn; above :data:`MAX_BUFFER_BYTES` they are refused.
 WARN_BUFFER_BYTES = 2 * 2**30
 MAX_BUFFER_BYTES = 16 * 2**30
@@ -215,6 +223,9 @@ class BandedMFMechanism(GaussianMechanism):
         ValueError: ‖c‖₂ > 1 + 1e-9 or c₀ ≤ 0; (from :meth:`add_noise`) a step out of order.
     """
 
+    #: its buffers and the sampler's partition are secret state beyond the key (saved, restored)
+    stateful = True
+
     def __init__(self, sigma: float, sensitivity: float, rng: "Randomness", coeffs, partition_rate: float,
                  hardened: bool = True):
         super().__init__(sigma, sensitivity, rng, hardened=hardened)
@@ -329,6 +340,30 @@ def check_buffer_memory(params: dict[str, torch.Tensor], bands: int) -> int:
     return nbytes
 
 
+def secret_state(mechanism) -> dict:
+    """The secret state of ``mechanism`` beyond the key, in the one versioned format: its ``state()``
+    (banded MF: buffers, next step, coefficients, partition, rows' fingerprint; a collective for a
+    sharded copy) when it is ``stateful``, else nothing beyond the format. **Secret**: never released."""
+    st = mechanism.state() if mechanism is not None and mechanism.stateful else {}
+    return {"format": SECRET_STATE_FORMAT, "version": SECRET_STATE_VERSION, "stateful": bool(st), **st}
+
+
+def check_secret_state(st: dict, where: str = "resume") -> dict:
+    """``st`` if it is a secret state dpft can restore: the one format at its version, or a file written
+    before it (dpft train's and DPTrainer's bare banded-MF state; make_private's own format).
+
+    Raises:
+        ValueError: another format or version, naming the fix."""
+    fmt = st.get("format")
+    if (fmt is None and "buffers" in st) or fmt in _LEGACY_FORMATS:
+        return st
+    if fmt != SECRET_STATE_FORMAT or st.get("version") != SECRET_STATE_VERSION:
+        raise ValueError(f"{where}: not a {SECRET_STATE_FORMAT} v{SECRET_STATE_VERSION} secret state (format "
+                         f"{fmt!r}, version {st.get('version')!r}); restore it with the dpft version that saved it, "
+                         "or start a new run (the ledger keeps what was spent)")
+    return st
+
+
 def save_noise_state(run_dir, mechanism: BandedMFMechanism, step: int, write: bool = True) -> Optional[Path]:
     """Write the secret noise state to ``run_dir/NOISE_STATE_FILE`` (mode 0600, atomically),
     outside the release set. ``step``: the checkpoint's step (must equal the buffers' step).
@@ -339,7 +374,7 @@ def save_noise_state(run_dir, mechanism: BandedMFMechanism, step: int, write: bo
     other ranks waiting in it. Returns the path written, or None."""
     if mechanism.next_step != int(step):
         raise ValueError(f"noise buffers at step {mechanism.next_step}, checkpoint at step {step}")
-    state = mechanism.state()
+    state = secret_state(mechanism)  # the one versioned format
     return write_secret(Path(run_dir) / NOISE_STATE_FILE, state) if write else None
 
 
@@ -358,13 +393,17 @@ def write_secret(path, obj) -> Path:
 
 
 def load_noise_state(run_dir, where: str = "--resume", fresh: str = "--output-dir") -> dict:
-    """Read the secret noise state. Raises FileNotFoundError naming the file and the fix
-    (``where``: the way in's resume option; ``fresh``: what to start anew)."""
+    """Read the secret noise state (:func:`check_secret_state`). Raises FileNotFoundError naming the file
+    and the fix (``where``: the way in's resume option; ``fresh``: what to start anew); TrainingError: a
+    file of another format or version."""
     path = Path(run_dir) / NOISE_STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{where}: {path} (the secret noise buffers of this banded_mf run) is missing; "
                                 f"the correlated noise cannot continue without it — start a new {fresh}")
-    return torch.load(path, weights_only=True, map_location="cpu")
+    try:
+        return check_secret_state(torch.load(path, weights_only=True, map_location="cpu"), where)
+    except ValueError as exc:
+        raise TrainingError(str(exc)) from None
 
 
 def resume_noise_state(mechanism: BandedMFMechanism, state: Optional[dict], step: int, replayed: int,

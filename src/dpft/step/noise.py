@@ -30,9 +30,15 @@ class GaussianMechanism:
         accounted_sigma: σ recorded in the ledger when it differs from the noise σ (adaptive
             clipping).
 
+    Attributes:
+        stateful: carries secret state beyond the key, saved and restored on resume (False here;
+            :class:`~dpft.step.correlated.BandedMFMechanism`'s noise buffers: True).
+
     Raises:
         ValueError: σ < 0.
     """
+
+    stateful = False
 
     def __init__(self, sigma: float, sensitivity: float, rng: Randomness, hardened: bool = True,
                  accounted_sigma: float | None = None):

@@ -8,6 +8,7 @@ from typing import Optional
 
 from dpft.errors import PlanError
 from dpft.methods.python import python_methods
+from dpft.session import SessionSettings
 from dpft.step.clip import make_clip_policy
 from dpft.step.mechanisms import Mechanism, mechanism_of
 
@@ -153,3 +154,12 @@ class DPArguments:
         Raises:
             PlanError: as :func:`~dpft.step.mechanisms.mechanism_of`."""
         return mechanism_of(self.mechanism, self.bands, self.max_batch_size)
+
+    def session_settings(self, steps: int) -> SessionSettings:
+        """These settings as the private session's (session/core.py), for ``steps`` logical steps."""
+        return SessionSettings(
+            max_grad_norm=float(self.max_grad_norm), expected_batch_size=int(self.expected_batch_size),
+            mechanism=self.mechanism_part(), steps=int(steps), noise_multiplier=self.noise_multiplier,
+            target_epsilon=self.target_epsilon, target_delta=self.target_delta, clipping=self.clipping,
+            hardened=self.hardened_noise, max_rows_per_user=int(self.max_rows_per_user),
+            user_clipping=self.user_clipping)

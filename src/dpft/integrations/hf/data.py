@@ -13,9 +13,9 @@ from transformers import TrainingArguments
 from dpft.placement import world as ddp
 from dpft.api import check_unpacked_batch
 from dpft.grads.groups import GROUP_KEY
-from dpft.step.sample import PoissonSampler
+from dpft.step.sample import PoissonSampler, user_index
 
-__all__ = ["PoissonData", "LogicalSteps", "TOKEN"]
+__all__ = ["PoissonData", "LogicalSteps", "TOKEN", "user_ids"]
 
 #: Key of the placeholder batches the replaced train dataloader yields (one per logical step).
 TOKEN = "dpft_logical_step"
@@ -129,3 +129,33 @@ class PoissonData:
             if self.user_level and self.dp_args.user_clipping == "group":
                 batch[GROUP_KEY] = self.sampler.groups(micro)
             yield self._prepare_inputs(batch)
+
+
+def user_ids(ds, column: str) -> torch.Tensor:
+    """``(N_rows,)`` int64 user index 0..U-1 of every row of ``ds[column]``
+    (:func:`~dpft.step.sample.user_index`).
+
+    Raises:
+        ValueError: the column is missing or a row has no user id."""
+    cols = getattr(ds, "column_names", None)
+    try:
+        if cols is not None:
+            if column not in cols:
+                raise ValueError(f"DPTrainer: DPArguments.user_column {column!r} is not a column of train_dataset "
+                                 f"(columns: {', '.join(cols)}); add a user id per row, or set user_column=None for "
+                                 "example level")
+            values = list(ds[column])
+        else:
+            values = []
+            for i in range(len(ds)):
+                row = ds[i]
+                if not isinstance(row, Mapping) or column not in row:
+                    raise ValueError(f"DPTrainer: DPArguments.user_column {column!r}: row {i} of train_dataset has "
+                                     "no such key; every row needs a user id")
+                values.append(row[column])
+        users, _ = user_index(values)
+    except ValueError as exc:
+        if str(exc).startswith("DPTrainer:"):
+            raise
+        raise ValueError(f"DPTrainer: user_column {column!r}: {exc}") from None
+    return users

@@ -66,7 +66,7 @@ from dpft.placement.fsdp_methods import refusal_message
 from dpft.methods.python import python_methods
 
 __all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
-           "sharded_trainer_step", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
+           "trainer_placeholder", "sharded_training_step", "fsdp_requested", "fsdp_settings", "shard_requested",
            "accelerate_fsdp_off", "full_model_state", "full_optimizer_state", "load_full_checkpoint",
            "load_full_into_shards", "load_full_optimizer"]
 
@@ -300,16 +300,16 @@ def refuse_sharded_methods(where: str, methods: list) -> None:
         raise ValueError(why)
 
 
-def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
-    """The :class:`~dpft.placement.fsdp.FSDPStep` of a DPTrainer whose model is FSDP2-sharded; its placeholder
-    micro-batch is the trainer's own first physical batch of training row 0 (the trainer's
-    ``_micro_batches``: its collator, DPO's pairs with their reference log-probabilities, user
+def trainer_placeholder(trainer):
+    """The placeholder micro-batch of a DPTrainer whose model is FSDP2-sharded (session/step.py ``step_for``:
+    the :class:`~dpft.placement.fsdp.FSDPStep`): the trainer's own first physical batch of training row 0 (the
+    trainer's ``_micro_batches``: its collator, DPO's pairs with their reference log-probabilities, user
     groups), built on every rank alike (the rank's share taken as the whole one-row batch).
 
-    Sets ``trainer.mechanism`` to the step's sharded copy of the plan's mechanism
-    (:func:`dpft.placement.fsdp.shard_mechanism` copies its attributes): that copy releases, so it is the one whose
-    ``rng`` each training loop renews (hf_data.py), whose banded-MF buffers (this rank's slices) the
-    checkpoint gathers and the resume restores (hf_state.py)."""
+    The step releases through its sharded copy of the plan's mechanism (:func:`dpft.placement.fsdp.shard_mechanism`
+    copies its attributes): DPTrainer's ``mechanism`` is that copy (``dp_step.spec.mechanism``), whose ``rng``
+    each training loop renews (hf_data.py), whose banded-MF buffers (this rank's slices) the checkpoint
+    gathers and the resume restores (hf_state.py)."""
 
     def placeholder():
         own = trainer.__dict__.get("_share")
@@ -322,10 +322,7 @@ def sharded_trainer_step(trainer, spec) -> "fsdp.FSDPStep":
             else:
                 trainer._share = own
 
-    step = fsdp.FSDPStep(spec, trainer.ledger, trainer.n, trainer.world, placeholder,
-                         on_release=trainer._save_live_ledger)
-    trainer.mechanism = step.spec.mechanism
-    return step
+    return placeholder
 
 
 def sharded_training_step(trainer, t: int, idx: torch.Tensor) -> torch.Tensor:

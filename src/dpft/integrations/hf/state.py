@@ -323,7 +323,8 @@ class PrivateState:
     @property
     def _banded(self) -> bool:
         """A banded_mf run (secret noise state beyond the key)."""
-        return hasattr(getattr(self, "mechanism", None), "buffers")
+        mech = getattr(self, "mechanism", None)  # set at the end of DPTrainer.__init__
+        return mech is not None and mech.stateful
 
     def _resume_noise_state(self, state: Optional[dict], step: int, replayed: int) -> None:
         """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``, with the

@@ -105,28 +105,54 @@ from dpft.accounting.calibrate import check_delta
 from dpft.api import UnclippedParameterError, prediction_summary
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.base import PerExampleEngine, PerExampleLoss
-from dpft.step import DPStep
 from dpft.step.aggregate import Aggregator
 from dpft.step.clip import NonFiniteGradientError, make_clip_policy
 from dpft.step.build import make_engine
 from dpft.step.postprocess import Transform
 from dpft.grads.groups import PerExampleOverK
-from dpft.step.sample import UserPoissonSampler, user_index
-from dpft.step.plan import build_privacy_plan, planned_steps
+from dpft.step.sample import UserPoissonSampler
+from dpft.step.plan import planned_steps
 from dpft.integrations.hf.args import DPArguments
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
-from dpft.integrations.hf.data import TOKEN, PoissonData
+from dpft.integrations.hf.data import TOKEN, PoissonData, user_ids
 from dpft.integrations.hf.state import DP_STATE_NAME, LEDGER_NAME, CapStop, PrivateState
 from dpft.integrations.hf.checks import check_trainer, check_training_arguments, check_training_path
 from dpft.integrations.hf.guard import GuardedTraining
 from dpft.integrations.hf.fsdp import (accelerate_fsdp_off, check_sharded_model, check_still_sharded,
-                                       refuse_sharded_methods, shard_requested, sharded_trainer_step, sharded_training_step)
+                                       refuse_sharded_methods, shard_requested, sharded_training_step,
+                                       trainer_placeholder)
 from dpft.integrations.hf.loss import hf_per_example_loss, is_causal_lm as _is_causal_lm, is_seq2seq
 from dpft.models.load import is_head_param
+from dpft.session import PrivateSession
 
 __all__ = ["DPArguments", "DPTrainer", "hf_per_example_loss", "LEDGER_NAME", "DP_STATE_NAME"]
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _dp_training_arguments(model, args: Optional[TrainingArguments], where: str, methods):
+    """The model and a copy of ``args`` as DPTrainer runs them (the caller's object is left as it was),
+    whether FSDP was asked through them and whether the step is sharded.
+
+    ``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin: dpft shards the model itself (integrations/hf/fsdp.py),
+    before Trainer (and TRL) prepare anything; an FSDP2 root (``fully_shard``) runs the sharded step.
+    ``max_grad_norm = 0``: HF's global clipping of the averaged gradient is off. ``average_tokens_across_devices
+    = False``: Trainer's compute_loss multiplies a loss by the number of processes when this is on (its batch loss
+    is then divided by the world's token count); DPTrainer's training never uses it, and for a model whose loss
+    ignores num_items_in_batch (sequence classifiers) it doubled eval_loss under 2 processes (transformers 5.24).
+    Off: evaluation is per batch as in one process.
+
+    Raises:
+        ValueError: what ``check_training_arguments`` / ``check_sharded_model`` refuse."""
+    if args is None:
+        args = TrainingArguments(output_dir="trainer_output")
+    model, args, fsdp_asked = shard_requested(model, args, where, methods)
+    check_training_arguments(args)
+    sharded = check_sharded_model(model, where, methods) or fsdp_asked
+    args = copy.copy(args)
+    args.max_grad_norm = 0.0
+    args.average_tokens_across_devices = False
+    return model, args, fsdp_asked, sharded
 
 
 class _TrainerStepsOptimizer:
@@ -197,42 +223,73 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         if not isinstance(dp_args, DPArguments):
             raise TypeError("DPTrainer needs dp_args=DPArguments(target_epsilon=..., target_delta=..., "
                             "max_grad_norm=..., expected_batch_size=...)")
-        check_training_path(type(self), type(self).__name__)  # its own training loop: before any loading
-        if args is None:
-            args = TrainingArguments(output_dir="trainer_output")
-        # TrainingArguments.fsdp / accelerate's FSDP2 plugin: dpft shards the model itself (hf_fsdp.py)
         where = type(self).__name__
-        model, args, fsdp_asked = shard_requested(model, args, where, dp_args.methods)
-        check_training_arguments(args)
-        # before Trainer (and TRL) prepare anything; FSDP2 (fully_shard on the root): the sharded step
-        self.sharded = check_sharded_model(model, where, dp_args.methods) or fsdp_asked
-        args = copy.copy(args)  # the caller's object is left as it was
-        args.max_grad_norm = 0.0  # HF's global clipping of the averaged gradient: off
-        # Trainer's compute_loss multiplies a loss by the number of processes when this is on (its
-        # batch loss is then divided by the world's token count); DPTrainer's training never uses
-        # it, and for a model whose loss ignores num_items_in_batch (sequence classifiers) it
-        # doubled eval_loss under 2 processes (transformers 5.24). Off: evaluation is per batch as
-        # in one process.
-        args.average_tokens_across_devices = False
+        check_training_path(type(self), where)  # its own training loop: before any loading
+        model, args, fsdp_asked, self.sharded = _dp_training_arguments(model, args, where, dp_args.methods)
         with accelerate_fsdp_off(fsdp_asked):  # accelerate must not build its FSDP plugin from the environment
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self.dp_args = dp_args
         check_trainer(self, loss_fn, DPTrainer)
-        #: This process's place in the world (``torchrun`` / ``accelerate launch``; one process
-        #: alone): the process group accelerate created, joined through dpft.placement.world.
-        self.world = ddp.init_from_env()
+        #: The private session (dpft/session/): this process's world (the process group accelerate
+        #: created; one process alone), the run's one secret key (DDP: rank 0's, broadcast; each
+        #: training loop draws from its own child), the ledger, the unit, the methods, the plan, the step.
+        self.session = PrivateSession.open(dp_args.reproducible_seed, ledger=ledger, where=where)
+        self.world, self.rng, self.ledger = self.session.world, self.session.rng, self.session.ledger
+        users = self._privacy_units()  # N units, the steps; every rank the same settings (before any collective)
+        if self.rng.reproducible and self.world.is_main:
+            warnings.warn("DPArguments.reproducible_seed is set: batches and noise can be regenerated from it, "
+                          "so ε holds only while that seed stays secret", stacklevel=2)
+        self._run_rng, self._loops = self.rng.child("hf-train-loop-0"), 0
+        if not self.sharded:  # FSDP2 holds one weight per parameter for the world
+            ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
+        self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(
+            _is_causal_lm(self.model), tuple(self.label_names or ()), seq2seq=is_seq2seq(self.model))
+        meths = python_methods(dp_args.methods, "DPArguments")
+        if self.sharded:
+            refuse_sharded_methods(where, meths)
+        self.plan = self.session.plan(
+            dp_args.session_settings(self.total_steps), rows=self.train_dataset, n_rows=len(self.train_dataset),
+            rng=self._run_rng, optimizer=_TrainerStepsOptimizer(), n_units=self.n, method_list=meths,
+            user_sampler=UserPoissonSampler(users, int(dp_args.expected_batch_size), int(dp_args.max_rows_per_user),
+                                            self._run_rng) if self.user_level else None,
+            methods=self._methods_for(meths), parts=lambda sampler: (self._set_clip(), self._make_engine()),
+            transforms=list(transforms or []), head_mask=lambda names: [is_head_param(n) for n in names])
+        self._after_plan()
+
+    def _methods_for(self, meths: list):
+        """The session's factory of ``DPArguments.methods`` over what DPTrainer knows (methods/python.py;
+        their ``after_update`` runs after ``Trainer``'s optimizer step)."""
+        dp = self.dp_args
+        recipe = PythonRecipe(max_grad_norm=dp.max_grad_norm, clipping=dp.clipping,
+                              expected_batch_size=int(dp.expected_batch_size), hardened_noise=dp.hardened_noise,
+                              methods=meths)
+        return lambda n, rng, user_level: PythonMethods(
+            meths, model=self.model, n=n, ledger=self.ledger, rng=rng, where="DPTrainer", recipe=recipe,
+            loss_fn=self.loss_fn, user_level=user_level)
+
+    def _set_clip(self):
+        self.clip = self._make_clip()
+        return self.clip
+
+    def _privacy_units(self) -> Optional[torch.Tensor]:
+        """N privacy units (rows, or users), the planned steps and the physical batch size, checked
+        to be the same on every rank. Returns the ``(N_rows,)`` user index of every row at user
+        level, else None.
+
+        Raises:
+            ValueError: more expected units than units, δ ≥ 1/N, a missing user id, or
+                TrainingArguments.world_size unlike torch.distributed's."""
+        dp_args, ds = self.dp_args, self.train_dataset
         if self.world.world_size != int(getattr(self.args, "world_size", 1) or 1):
             _refuse(f"torch.distributed has {self.world.world_size} processes but TrainingArguments.world_size = "
                     f"{self.args.world_size}; launch with torchrun or accelerate launch and let Trainer join that world")
         check_still_sharded(self.model, self.sharded, self.world, type(self).__name__)  # after TRL's peft_config
-
-        ds = self.train_dataset
         eb = int(dp_args.expected_batch_size)
         #: Row-level (None) or user-level: the privacy unit's sampler over the rows.
         self.user_level = dp_args.user_column is not None
         users = None
         if self.user_level:
-            users = self._user_ids(ds, dp_args.user_column)
+            users = user_ids(ds, dp_args.user_column)
             self.n = int(users.max()) + 1  # U: the privacy units (ledger q, δ, epochs count users)
             if eb > self.n:
                 _refuse(f"dp_args.expected_batch_size = {eb} exceeds the number of users U = {self.n} in column "
@@ -251,65 +308,23 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         # DDP: every rank must run the same privacy settings over the same rows and parameters
         # (else the all-reduce would add unlike sums, or hang).
         ddp.check_same_recipe(self.world, self._world_config())
+        return users
 
-        #: The run's one secret randomness source; each training loop draws from its own child.
-        #: DDP: rank 0 draws the key and broadcasts it (reproducible: every rank derives it).
-        self.rng = ddp.shared_randomness(self.world, dp_args.reproducible_seed)
-        ddp.check_same_randomness(self.world, self.rng)
-        if self.rng.reproducible and self.world.is_main:
-            warnings.warn("DPArguments.reproducible_seed is set: batches and noise can be regenerated from it, "
-                          "so ε holds only while that seed stays secret", stacklevel=2)
-        self._run_rng = self.rng.child("hf-train-loop-0")
-        self._loops = 0
-        if not self.sharded:  # FSDP2 holds one weight per parameter for the world
-            ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
-        self.ledger = ledger if ledger is not None else PrivacyLedger()
-        causal = _is_causal_lm(self.model)
-        self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(
-            causal, tuple(self.label_names or ()), seq2seq=is_seq2seq(self.model))
-
-        def parts(sampler):
-            self.clip = self._make_clip()
-            return self.clip, self._make_engine()
-
-        # The methods over what DPTrainer knows (methods/python.py); their earlier releases (a
-        # privately built basis from a file) enter the ledger before σ is calibrated after them.
-        meths = python_methods(dp_args.methods, "DPArguments")
-        if self.sharded:
-            refuse_sharded_methods(type(self).__name__, meths)
-        ddp.check_methods(self.world, meths)
+    def _after_plan(self) -> None:
+        """The plan's parts on the trainer, the step for this world (session/step.py), the release
+        guard and the callbacks."""
         #: The method plug-ins of ``DPArguments.methods``; ``method_stats``: what they released at
         #: the last update (privatised statistics only, e.g. DP-Adam-AC's C and clip rate).
-        self.methods = PythonMethods(
-            meths, model=self.model, n=self.n, ledger=self.ledger, rng=self._run_rng, where="DPTrainer",
-            recipe=PythonRecipe(max_grad_norm=dp_args.max_grad_norm, clipping=dp_args.clipping,
-                                expected_batch_size=eb, hardened_noise=dp_args.hardened_noise, methods=meths),
-            loss_fn=self.loss_fn, user_level=self.user_level)
-        self.methods.prepare()
-        self.method_stats: dict[str, Any] = {}
-        self._pending_update = None
-
-        # The one plan builder of every way in (step/plan.py); DDP: rank 0 calibrates σ on the
-        # events this run records and every rank gets it.
-        self.plan = build_privacy_plan(
-            n=self.n, expected_batch_size=eb, steps=self.total_steps, mechanism=dp_args.mechanism_part(),
-            rng=self._run_rng, parts=parts, optimizer=_TrainerStepsOptimizer(),
-            noise_multiplier=dp_args.noise_multiplier, target_epsilon=dp_args.target_epsilon,
-            delta=dp_args.target_delta, prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(self.world, f),
-            sampler=(UserPoissonSampler(users, eb, int(dp_args.max_rows_per_user), self._run_rng)
-                     if self.user_level else None),
-            hardened=dp_args.hardened_noise, transforms=list(transforms or []),
-            head_mask=lambda names: [is_head_param(n) for n in names], rows=ds, phase="train",
-            hooks=self.methods.hooks, on_sigma=self.methods.on_sigma)
+        self.methods, self.method_stats, self._pending_update = self.session.methods, {}, None
         self.sigma, self.q, self.sampler = self.plan.sigma, self.plan.q, self.plan.sampler
-        self.engine, spec = self.plan.engine, self.plan.spec
-        self.engine.clip = self.clip = spec.clip  # the spec's clip is in force (a method may swap it)
-        if self.user_level and dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups", False):
+        self.engine, self.clip = self.plan.engine, self.plan.spec.clip  # the spec's clip (a method may swap it)
+        if self.user_level and self.dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups",
+                                                                                     False):
             _refuse(f"user_clipping='group' needs an engine that clips a user's rows as one ({type(self.engine).__name__} "
                     "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
-        self.mechanism = spec.mechanism
-        self.dp_step = sharded_trainer_step(self, spec) if self.sharded else DPStep(
-            spec, self.ledger, self.n, on_release=self._save_live_ledger, world_group=self.world.group)
+        self.dp_step = self.session.step(self.plan, sharded=self.sharded, on_release=self._save_live_ledger,
+                                         dummy_batch=trainer_placeholder(self))
+        self.mechanism = self.dp_step.spec.mechanism  # FSDP2: the step's sharded copy releases (hf/fsdp.py)
         self._init_release_guard()  # every optimizer update = one release of dp_step (hf_guard.py)
         self._live_written = False
         self._params_checked = False
@@ -331,35 +346,6 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
             return PerExampleOverK(make_clip_policy(dp.clipping, dp.max_grad_norm / k, dp.clipping_gamma,
                                                     dp.head_fraction), k)
         return make_clip_policy(dp.clipping, dp.max_grad_norm, dp.clipping_gamma, dp.head_fraction)
-
-    @staticmethod
-    def _user_ids(ds, column: str) -> torch.Tensor:
-        """``(N_rows,)`` int64 user index 0..U-1 of every row of ``ds[column]``
-        (:func:`~dpft.step.sample.user_index`).
-
-        Raises:
-            ValueError: the column is missing or a row has no user id."""
-        cols = getattr(ds, "column_names", None)
-        try:
-            if cols is not None:
-                if column not in cols:
-                    _refuse(f"DPArguments.user_column {column!r} is not a column of train_dataset (columns: "
-                            f"{', '.join(cols)}); add a user id per row, or set user_column=None for example level")
-                values = list(ds[column])
-            else:
-                values = []
-                for i in range(len(ds)):
-                    row = ds[i]
-                    if not isinstance(row, Mapping) or column not in row:
-                        _refuse(f"DPArguments.user_column {column!r}: row {i} of train_dataset has no such key; "
-                                "every row needs a user id")
-                    values.append(row[column])
-            users, _ = user_index(values)
-        except ValueError as exc:
-            if str(exc).startswith("DPTrainer:"):
-                raise
-            raise ValueError(f"DPTrainer: user_column {column!r}: {exc}") from None
-        return users
 
     def _world_config(self) -> dict[str, Any]:
         """What every rank of a DDP world must agree on (compared by digest across ranks)."""

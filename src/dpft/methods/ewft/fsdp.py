@@ -227,5 +227,5 @@ class TrainPreFSDPStep(FSDPStep):
 
 
 def make_step(spec, ledger, n, world, on_release=None) -> TrainPreFSDPStep:
-    """The engine's FSDP2 step factory (``TrainPreEngine.fsdp_step``; dpft/placement/fsdp_plain.py ``make_step``)."""
+    """The engine's FSDP2 step factory (``TrainPreEngine.fsdp_step``; dpft/session/step.py ``step_for``)."""
     return TrainPreFSDPStep(spec, ledger, n, world, on_release=on_release)

@@ -442,7 +442,7 @@ class ForwardLDP(Method):
         eng = TrainPreEngine(self.ldp.split, run.loss_fn, clip, self.ldp.first_block, tp.embeddings, tp.engine)
         mech = TrainPreMechanism(self.ldp.schedule.sigmas[0], self.ldp.sigma_grad, clip.sensitivity, run.rng,
                                  eng.pre_names)
-        eng.fsdp_step = ldp_fsdp.make_step  # perf.sharding: fsdp (dpft/placement/fsdp_plain.py make_step)
+        eng.fsdp_step = ldp_fsdp.make_step  # perf.sharding: fsdp (dpft/session/step.py step_for)
         return spec.replace(engine=eng, clip=clip, mechanism=mech, phase=PHASE_TRAIN_PRE)
 
     def before_step(self, step, run) -> None:

@@ -190,7 +190,7 @@ class TrainPreEngine(PerExampleEngine):
     """
 
     #: Under FSDP2 the driver runs the step this factory builds (``(spec, ledger, n, world, on_release)``;
-    #: dpft/placement/fsdp_plain.py ``make_step``): methods/ewft/method.py sets methods/ewft/fsdp.py ``make_step``.
+    #: dpft/session/step.py ``step_for``): methods/ewft/method.py sets methods/ewft/fsdp.py ``make_step``.
     fsdp_step = None
 
     def __init__(self, split, loss_fn, clip, first_block: int, embeddings: bool = False,
@@ -263,6 +263,8 @@ class TrainPreMechanism:
     ``noise``, (step, name)); post(·)'s sums pass unchanged (post-processing of the released
     codes); returns ``PoissonSampled(q, Gaussian(σ_eff))`` for both releases of the step.
     """
+
+    stateful = False  # no secret state beyond the key (step/noise.py)
 
     def __init__(self, sigma_rep: float, sigma_grad: float, sensitivity: float, rng, pre_names):
         self.sigma_rep = float(sigma_rep)
