@@ -300,3 +300,31 @@ def test_guard_optimizer_subclass_calling_super_step_is_one_update():
     with pytest.raises(UpdateWithoutReleaseError, match=r"gradient of \['p'\] changed.*inside the optimizer's step"):
         opt.step()
     assert torch.equal(p.detach(), before)  # nothing applied
+
+
+def test_restoring_an_optimizer_state_is_not_an_update():
+    """torch's ``set_optimizer_state_dict`` initialises an empty state by one step at lr 0 on zero gradients
+    (``_init_optim_state``; the FSDP2 resume of DPTrainer does this): inside ``restoring_optimizer_state`` the
+    guard lets it through uncounted; the same step outside is refused; a step that moves the weights inside
+    the block is a violation."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from dpft.step.guard import restoring_optimizer_state
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)
+    guard = ReleaseGuard("test", "fix")
+    guard.attach(opt)
+    with restoring_optimizer_state(opt):
+        _init_optim_state(opt)
+    assert guard.updates == 0 and guard.violation is None and len(opt.state) == 2
+    opt2 = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ReleaseGuard("test", "fix").attach(opt2)
+    with pytest.raises(UpdateWithoutReleaseError, match="without a pending DP release"):
+        _init_optim_state(opt2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(UpdateWithoutReleaseError, match="weights changed while the optimizer state"):
+        with restoring_optimizer_state(opt):
+            opt.step()  # a real update smuggled into a restore
+    assert guard.violation is not None

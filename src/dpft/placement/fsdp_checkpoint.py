@@ -49,6 +49,7 @@ import torch
 from dpft.placement import world as ddp
 from dpft.placement.fsdp import FSDPError, is_sharded, local, local_range
 from dpft.step.correlated import NOISE_STATE_FILE, BandedMFMechanism, write_secret
+from dpft.step.guard import restoring_optimizer_state
 
 __all__ = ["SHARDS_DIR", "SECRET_SHARDS_DIR", "save_checkpoint", "load_checkpoint", "read_trainable"]
 
@@ -255,7 +256,8 @@ def load_checkpoint(trainer, ck: Mapping[str, Any]) -> None:
     state = {"model": {n: p.detach() for n, p in trainer.params.items()}, "optim": _optim_state(trainer)}
     with torch.no_grad():  # DCP copies into the destinations: the parameters' own shards
         _dcp_load(world, state, run / st["sharded_checkpoint"], "the trainable weights and optimizer state")
-    set_optimizer_state_dict(_optim_owner(trainer), trainer.optimizer, optim_state_dict=state["optim"])
+    with restoring_optimizer_state(trainer.optimizer):  # torch's state initialisation: a step at lr 0
+        set_optimizer_state_dict(_optim_owner(trainer), trainer.optimizer, optim_state_dict=state["optim"])
     noise = ck.get("noise_state")
     if noise is not None and noise.get("buffers_dcp"):
         bufs = {"buffers": _empty_buffers(int(noise["buffers_count"]), trainer.params)}
@@ -284,8 +286,9 @@ def _load_gathered(trainer, ck: Mapping[str, Any]) -> None:
     if any(is_sharded(p) for p in trainer.params.values()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=ck["optim"]["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
+        with restoring_optimizer_state(trainer.optimizer):  # torch's state initialisation: a step at lr 0
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, optim_state_dict=ck["optim"]["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
     else:  # one process: the optimizer's own state dict
         trainer.optimizer.load_state_dict(ck["optim"]["optimizer"])
 

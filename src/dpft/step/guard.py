@@ -31,6 +31,7 @@ mechanism) grants nothing, and no way in attaches a guard to it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import weakref
@@ -38,7 +39,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["ReleaseGuard", "UpdateWithoutReleaseError", "real_optimizer", "weights_digest", "train_releases"]
+__all__ = ["ReleaseGuard", "UpdateWithoutReleaseError", "real_optimizer", "weights_digest", "train_releases",
+           "restoring_optimizer_state"]
 
 
 class UpdateWithoutReleaseError(RuntimeError):
@@ -106,6 +108,7 @@ class ReleaseGuard:
         #: ``super().step()`` calls re-run the hooks inside that frame (:meth:`_nested`).
         self._outer: Optional[tuple] = None
         self._hooks: dict[int, tuple] = {}
+        self._restoring = 0  # > 0 inside :func:`restoring_optimizer_state`
 
     # -- the DP step's side --------------------------------------------------------------
     def grant(self, params: dict[str, torch.Tensor]) -> None:
@@ -175,6 +178,8 @@ class ReleaseGuard:
         return False
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        if self._restoring:  # torch initialising an empty state (lr 0, zero gradients): checked by the caller
+            return
         caller = sys._getframe(1)  # torch's step wrapper of this call
         if self._pending is None and self._nested(optimizer, caller):
             bad = self._changed(self._outer[2])[:5]
@@ -223,6 +228,34 @@ class ReleaseGuard:
         if self.violation is not None:
             raise UpdateWithoutReleaseError(f"{self.violation} [{what} refused: the weights are not covered by "
                                             "the ledger's ε]")
+
+
+@contextlib.contextmanager
+def restoring_optimizer_state(optimizer: Any):
+    """Around ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` on a guarded optimizer.
+
+    torch initialises an optimizer whose state is empty by ONE ``optimizer.step()`` with zero gradients
+    and every group's lr set to 0 (``_init_optim_state``), then loads the saved state into it: not an
+    update, and no release pays for it. The guard lets the steps inside this block through without
+    counting them, and checks the parameters did not move (:func:`weights_digest` before and after).
+
+    Raises:
+        UpdateWithoutReleaseError: the parameters changed inside the block (kept in the guard's violation)."""
+    opt = real_optimizer(optimizer)
+    guard = opt.__dict__.get("_dpft_release_guard")
+    if guard is None:
+        yield
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    before = weights_digest(params)
+    guard._restoring += 1
+    try:
+        yield
+    finally:
+        guard._restoring -= 1
+    if not _same(before, weights_digest(params)):
+        guard._fail("the weights changed while the optimizer state was restored (torch's state initialisation "
+                    "must be a step at lr 0 on zero gradients); ε covers no such update")
 
 
 def _same(a: tuple, b: tuple) -> bool:

@@ -63,6 +63,7 @@ from dpft.placement import world as ddp
 from dpft.placement import fsdp
 from dpft.api.sharded import check_fsdp2_model, is_fsdp2_model
 from dpft.placement.fsdp_methods import refusal_message
+from dpft.step.guard import restoring_optimizer_state
 from dpft.methods.python import python_methods
 
 __all__ = ["is_fsdp2_model", "check_fsdp2_model", "check_sharded_model", "check_still_sharded", "refuse_sharded_methods",
@@ -516,5 +517,6 @@ def load_full_optimizer(model, optimizer, ckpt: str) -> None:
 
     full = _read_on_rank0(lambda: torch.load(os.path.join(ckpt, OPTIMIZER_NAME), map_location="cpu",
                                              weights_only=True), ckpt)
-    set_optimizer_state_dict(model, optimizer, full,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with restoring_optimizer_state(optimizer):  # torch's state initialisation is a step at lr 0, not an update
+        set_optimizer_state_dict(model, optimizer, full,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
