@@ -39,6 +39,7 @@ from scipy import stats
 from dpft.audit.whitebox import LEVEL, Check
 from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.step.plan import planned_steps
 
 #: Planted bug of this module: the audit's plan computed over rows for a user-level recipe
 #: (the calibration ``dpft audit`` used before it walked the Trainer).
@@ -66,7 +67,7 @@ def row_level_plan(trainer) -> dict:
     n = len(trainer.train_tok)
     b = r.batch.expected_batch_size
     q = b / n
-    steps = r.schedule.steps or max(1, math.ceil(r.schedule.epochs * n / b))
+    steps = planned_steps(n, b, r.schedule.steps, r.schedule.epochs)
     p = r.privacy
     sigma = float(p.noise_multiplier) if p.noise_multiplier is not None else calibrate_sigma(
         p.target_epsilon, p.delta, q, steps)

@@ -28,7 +28,6 @@ driver, its basis built once on rank 0 from the full snapshots and broadcast (me
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from dpft.methods.dpsft.stage1 import Snapshots, share_basis, world_basis
 from dpft.models.losses import classification_loss
 from dpft.step.clip import FlatClip
 from dpft.step.noise import GaussianMechanism
+from dpft.step.plan import planned_steps
 from dpft.transforms.subspace import SubspaceBasis, SubspaceError, format_bytes, snapshot_schedule
 
 #: Ledger phase of a private stage 1.
@@ -130,7 +130,7 @@ def stage1_recipe(r: Any, n_train: int) -> tuple[Any, list[int]]:
     cfg = r.subspace
     m = cfg.snapshots or cfg.k
     b1 = cfg.expected_batch_size or r.batch.expected_batch_size
-    raw = cfg.steps or math.ceil(cfg.epochs * n_train / b1)
+    raw = planned_steps(n_train, b1, cfg.steps, cfg.epochs)  # the one steps rule (step/plan.py)
     t1, after = snapshot_schedule(raw, m)
     d = r.model_dump(mode="json")
     d["name"] = f"{r.name}-stage1"
