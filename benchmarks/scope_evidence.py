@@ -10,8 +10,10 @@ Each run is ``dpft.train`` on the recipe of its arm (recipes/probe-minilm.yaml, 
 recipes/sst2-minilm.yaml with the 5k-row schedule of the former no-recipe default: 100 steps of B = 256),
 the task's first ``--rows`` training rows (``task.max_train_examples``; QNLI: the 4,000/1,463 split of its
 GLUE dev set, data/tasks.py), dev accuracy on the task's dev split (IMDB: its test split), every run with a
-fresh secret key. The seed is the public seed (head initialisation); the DP noise differs between runs, so
-the paired test pairs runs by seed only. The frozen features are computed once per run (run/features.py).
+fresh secret key. The seed is the public seed: it picks the training subset (``task.max_train_examples`` is a
+seeded random subset) and initialises the head; the DP noise differs between runs, so the paired test pairs
+runs by seed (same rows). The frozen features are computed once per run (run/features.py), or once per seed
+with ``--cache-dir`` (kept and reused: public benchmark data only).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ ARMS = {
     "demo": ("recipes/sst2-minilm.yaml", {}),
     # the probe on the optional stronger encoder (issue 45 item 5; --model mpnet), the MiniLM recipe unchanged
     "probe_mpnet": ("recipes/probe-minilm.yaml", {"model.name": "mpnet"}),
+    # the top-2-block fine-tune on the stronger encoder (its non-private reference)
+    "last_k_mpnet": ("recipes/sst2-minilm.yaml", {"model.name": "mpnet", "schedule.steps": 100,
+                                                  "batch.expected_batch_size": 256, "eval.every_steps": 50,
+                                                  "checkpoint_every": 50}),
     # the private search over the probe (recipes/tune-probe-minilm.yaml), the whole search charged; its
     # released model scored once on the task's dev file
     "tune": ("recipes/tune-probe-minilm.yaml", {}),
@@ -121,9 +127,16 @@ def table(runs: list[dict]) -> str:
              "run a fresh secret key), δ = 1e-5. Arms: `probe` = recipes/probe-minilm.yaml (head on frozen features, "
              "q = 1/4, 25 epochs: what `trainable.mode: auto` picks at N ≤ 20,000); `lpft` = recipes/lpft-minilm.yaml "
              "(probe on 0.3 of ε, then the top 2 blocks from that head); `last_k` = the former no-recipe default "
-             "(top 2 blocks + head, 100 steps of B = 256). ε = ∞: the same recipe without DP. p: paired t-test "
-             "against `last_k` at the same ε, pairs by seed. Command: `python benchmarks/scope_evidence.py " +
-             " ".join(sys.argv[1:]) + "`", "",
+             "(top 2 blocks + head, 100 steps of B = 256); `demo` = recipes/sst2-minilm.yaml as it is (150 steps of "
+             "B = 512); `tune` = `dpft tune recipes/tune-probe-minilm.yaml` (lr and C searched over the probe, every "
+             "trial, its noisy score and the selection charged to ε; its released model scored once on dev); "
+             "`probe_mpnet`, `tune_mpnet`, `last_k_mpnet` = the same on all-mpnet-base-v2 (`--model mpnet`), the "
+             "MiniLM recipe unchanged. ε = ∞: the same recipe without DP. N: the requested training rows (a "
+             "seeded random subset: the seed picks the subset and the head's initialisation, so pairs by seed "
+             "share their rows; QNLI's N is 4,000, the split of its GLUE dev set, whatever is requested). p: "
+             "paired t-test against `last_k` at the same ε and N, pairs by seed. Command: "
+             "`python benchmarks/scope_evidence.py --cache-dir DIR --tasks … --arms … --eps …` (DIR keeps the "
+             "frozen features across runs of one seed: public data only)", "",
              "| task | N | ε | arm | dev accuracy | runs | s/run | p vs last_k |", "|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["task"], r["rows"], r["eps"] if r["eps"] is not None else math.inf, r["arm"]) for r in runs})
     for task, rows, eps, arm in keys:
@@ -139,10 +152,12 @@ def table(runs: list[dict]) -> str:
         lines.append(f"| {task} | {sel[0]['rows']} | {'∞' if eps == math.inf else f'{eps:g}'} | {arm} | "
                      f"{statistics.mean(acc):.4f} ± {sd:.4f} | {len(acc)} | "
                      f"{statistics.mean(r['seconds'] for r in sel):.0f} | {'—' if math.isnan(p) else f'{p:.3g}'} |")
-    lines += ["", "What this table does not show: the search (`dpft tune`) arm and the hand recipes of "
-              "benchmarks/results/tune_evidence_*.md were not rerun here (a fine-tuning trial costs minutes even "
-              "with the cache); runs differ in their secret noise, so pairing by seed pairs only the public seed; "
-              "one machine, shared, so seconds are noisy."]
+    lines += ["", "What this table does not show: a fresh draw of dev rows (one dev set per task: the p-values "
+              "reflect noise, initialisation and the training subset, not the test distribution); cells with 1 run "
+              "(no sd, no test: read them as indications); the non-private *best* of a base model (ε = ∞ rows are "
+              "one recipe each, not a search); s/run on one machine shared with other sessions (load 4–8 on 2 "
+              "cores: noisy, and runs that reused kept features skip the feature pass); IMDB and SST-2 beyond 20k "
+              "rows where no row is listed."]
     return "\n".join(lines) + "\n"
 
 
