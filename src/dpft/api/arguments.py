@@ -16,11 +16,13 @@ from dpft.placement import world as ddp
 from dpft.api.clipping import CLIPPING_STYLES
 from dpft.api.loader import DPDataLoader
 from dpft.api.optimizer import DPOptimizer
+from dpft.config.refusals import refuse
 from dpft.errors import PlanError
 from dpft.step.mechanisms import Mechanism, mechanism_of
 from dpft.session import SessionSettings
 
-__all__ = ["check_arguments", "adapt_data", "check_optimizer", "user_values", "api_settings", "LOADER_KEYS"]
+__all__ = ["check_arguments", "batchnorm_modules", "adapt_data", "check_optimizer", "user_values", "api_settings",
+           "LOADER_KEYS"]
 
 LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                "multiprocessing_context", "persistent_workers", "pin_memory_device")
@@ -47,9 +49,7 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
     if module.__dict__.get("_dpft_private"):
         raise ValueError("make_private: this module is already private (PrivacyEngine.detach() first)")
     if not poisson_sampling:
-        raise ValueError("make_private: poisson_sampling=False is refused: the accountant assumes "
-                         "Poisson sampling (PoissonSampledDpEvent), and shuffled fixed-size batches "
-                         "would not be what is certified")
+        raise refuse("poisson_sampling:not_poisson", "make_private", got=poisson_sampling)
     if not batch_first:
         raise ValueError("make_private: batch_first=False is not supported; put the example "
                          "dimension first")
@@ -57,33 +57,36 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
         raise ValueError("make_private: noise_generator is refused; the noise comes from the "
                          "engine's secret randomness (PrivacyEngine(reproducible_seed=...) for tests)")
     if clipping not in CLIPPING_STYLES:
-        raise ValueError(f"make_private: clipping must be one of {CLIPPING_STYLES}, got {clipping!r}")
+        raise refuse("privacy.clipping.style:unknown", "make_private", allowed=CLIPPING_STYLES, got=clipping)
     if steps is not None and epochs is not None:
-        raise ValueError("make_private: give epochs or steps, not both")
+        raise refuse("schedule.steps:both_lengths", "make_private")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"make_private: steps must be a positive integer, got {steps!r}")
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
                                or not (epochs > 0 and math.isfinite(epochs))):
         raise ValueError(f"make_private: epochs must be a positive number (1.5 allowed), got {epochs!r}")
     if (target_epsilon is None) == (noise_multiplier is None):
-        raise ValueError("make_private: give exactly one of target_epsilon (with target_delta and "
-                         "epochs or steps) and noise_multiplier")
+        raise refuse("privacy.noise_multiplier:both_or_neither", "make_private")
     if target_epsilon is not None:
+        if not target_epsilon > 0:
+            raise refuse("privacy.target_epsilon:range", "make_private", got=target_epsilon)
         if target_delta is None:
-            raise ValueError("make_private: target_epsilon needs target_delta")
+            raise refuse("privacy.delta:missing", "make_private")
         if steps is None and epochs is None:
-            raise ValueError("make_private: target_epsilon needs epochs or steps (σ is calibrated "
-                             "for that number of noisy steps)")
+            raise refuse("schedule.steps:no_length", "make_private", why="target_epsilon")
+    if target_delta is not None and not 0 < target_delta < 1:
+        raise refuse("privacy.delta:range", "make_private", got=target_delta)
     if noise_multiplier is not None and not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-        raise ValueError(f"make_private: noise_multiplier must be finite and ≥ 0, got {noise_multiplier}")
-    if max_physical_batch_size is not None and max_physical_batch_size < 1:
-        raise ValueError("make_private: max_physical_batch_size must be ≥ 1")
+        raise refuse("privacy.noise_multiplier:range", "make_private", got=noise_multiplier)
+    if max_physical_batch_size is not None and (isinstance(max_physical_batch_size, bool)
+                                                or int(max_physical_batch_size) != max_physical_batch_size
+                                                or max_physical_batch_size < 1):
+        raise refuse("batch.max_physical_batch_size:range", "make_private", got=max_physical_batch_size)
     ddp.refuse_ddp_wrapper(module, "make_private")
     if max_rows_per_user is not None and (isinstance(max_rows_per_user, bool) or int(max_rows_per_user) < 1):
-        raise ValueError(f"make_private: max_rows_per_user must be ≥ 1, got {max_rows_per_user!r}")
+        raise refuse("task.max_rows_per_user:range", "make_private", got=max_rows_per_user)
     if user_clipping not in ("group", "per_example_over_k"):
-        raise ValueError(f"make_private: user_clipping must be 'group' or 'per_example_over_k', got "
-                         f"{user_clipping!r}")
+        raise refuse("task.user_clipping:unknown", "make_private", got=user_clipping)
 
     if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", None) is not optimizer:
         raise ValueError("make_private: lr_scheduler must be a torch.optim.lr_scheduler made over the optimizer you "
@@ -96,13 +99,16 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
     if why:
         raise PlanError("make_private: " + "; ".join(why))
     if mech.stateful and steps is None and epochs is None:
-        raise ValueError(f"make_private: mechanism={mechanism!r} needs epochs or steps (its coefficients are "
-                         "optimised for that number of steps)")
-    bn = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        raise refuse("schedule.steps:no_length", "make_private", why=f"mechanism={mechanism!r}")
+    bn = batchnorm_modules(module)
     if bn:
-        raise ValueError(f"make_private: BatchNorm mixes the examples of a batch, so per-example "
-                         f"gradients are not per example: {bn[:3]}; use LayerNorm or GroupNorm")
+        raise refuse("model.name:batchnorm", "make_private", modules=bn[:3])
     return mech
+
+
+def batchnorm_modules(module: nn.Module) -> list[str]:
+    """Names of ``module``'s BatchNorm layers (refused by every Python way in: they mix a batch's examples)."""
+    return [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def adapt_data(data_loader, dataset, expected_batch_size: Optional[int], num_workers: int, collate_fn):

@@ -8,6 +8,7 @@ flags of ``dpft train``).
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, get_args
 
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from dpft.config.base import EvalCfg, LogCfg, OutputCfg, PerfCfg, PluginConfig
+from dpft.config.refusals import refuse
 from dpft.config.methods_hook import (NO_REGISTRY, MethodsSchema, handed_schema, methods_schema,  # noqa: F401
                                      set_methods_schema)  # public here: dpft.config.recipe.set_methods_schema
 from dpft.config.tune import Duration, TuneCfg, time_budget_steps
@@ -184,10 +186,12 @@ class ClippingCfg(_Strict):
 class PrivacyCfg(_Strict):
     #: False = non-private reference run (no clipping, no noise, no guarantee).
     enabled: bool = True
-    target_epsilon: Optional[float] = Field(8.0, gt=0)
-    delta: float = Field(1e-5, gt=0, lt=1)
-    #: Fix σ instead of calibrating it from target_epsilon.
-    noise_multiplier: Optional[float] = Field(None, ge=0)
+    #: ε to calibrate σ for (> 0); give this or ``noise_multiplier``.
+    target_epsilon: Optional[float] = 8.0
+    #: δ of the guarantee, in (0, 1) and below 1/N.
+    delta: float = 1e-5
+    #: Fix σ (finite, ≥ 0) instead of calibrating it from target_epsilon.
+    noise_multiplier: Optional[float] = None
     clipping: ClippingCfg = ClippingCfg()
     #: Per-example engine: bookkeeping (fast, one backward) or reference (torch.func).
     engine: Literal["auto", "bookkeeping", "reference"] = "auto"
@@ -207,10 +211,33 @@ class PrivacyCfg(_Strict):
     #: Bands b of ``banded_mf`` (b = 1 is DP-SGD); memory: b − 1 noise buffers of the trainable size.
     bands: int = Field(4, ge=1)
 
+    # the ranges and the σ source are the shared refusals (config/refusals.py), worded as in every way in
+    @field_validator("target_epsilon")
+    @classmethod
+    def _epsilon_range(cls, v):
+        if v is not None and not v > 0:
+            raise refuse("privacy.target_epsilon:range", "recipe", got=v)
+        return v
+
+    @field_validator("delta")
+    @classmethod
+    def _delta_range(cls, v):
+        if not 0 < v < 1:
+            raise refuse("privacy.delta:range", "recipe", got=v)
+        return v
+
+    @field_validator("noise_multiplier")
+    @classmethod
+    def _sigma_range(cls, v):
+        if v is not None and not (v >= 0 and math.isfinite(v)):
+            raise refuse("privacy.noise_multiplier:range", "recipe", got=v)
+        return v
+
     @model_validator(mode="after")
     def _target_or_sigma(self):
+        # a recipe's target_epsilon has a default (8), so a given noise_multiplier wins over it: only "neither"
         if self.enabled and self.target_epsilon is None and self.noise_multiplier is None:
-            raise ValueError("privacy: set target_epsilon (σ is calibrated) or noise_multiplier")
+            raise refuse("privacy.noise_multiplier:both_or_neither", "recipe")
         return self
 
 
@@ -244,7 +271,9 @@ class ScheduleCfg(_Strict):
     @model_validator(mode="after")
     def _one_of(self):
         if self.steps is None and self.epochs is None:
-            raise ValueError("schedule: set steps or epochs")
+            raise refuse("schedule.steps:no_length", "recipe", why="a run")
+        if self.steps is not None and self.epochs is not None:
+            raise refuse("schedule.steps:both_lengths", "recipe")
         return self
 
 

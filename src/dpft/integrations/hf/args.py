@@ -3,9 +3,11 @@ trainers (checked when made; the mechanism part is step/mechanisms.py's, as in e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
+from dpft.config.refusals import refuse
 from dpft.errors import PlanError
 from dpft.methods.python import python_methods
 from dpft.session import SessionSettings
@@ -106,21 +108,20 @@ class DPArguments:
 
     def __post_init__(self) -> None:
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError("DPArguments: set exactly one of target_epsilon (σ is calibrated for it) "
-                             "and noise_multiplier (σ fixed)")
+            raise refuse("privacy.noise_multiplier:both_or_neither", "DPTrainer")
         if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ValueError(f"DPArguments.target_epsilon must be > 0, got {self.target_epsilon}")
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
-            raise ValueError(f"DPArguments.noise_multiplier must be ≥ 0, got {self.noise_multiplier}")
+            raise refuse("privacy.target_epsilon:range", "DPTrainer", got=self.target_epsilon)
+        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise refuse("privacy.noise_multiplier:range", "DPTrainer", got=self.noise_multiplier)
         if not 0 < self.target_delta < 1:
-            raise ValueError(f"DPArguments.target_delta must be in (0, 1), got {self.target_delta}")
+            raise refuse("privacy.delta:range", "DPTrainer", got=self.target_delta)
         if int(self.expected_batch_size) != self.expected_batch_size or self.expected_batch_size < 1:
             raise ValueError(f"DPArguments.expected_batch_size must be a positive integer, got {self.expected_batch_size}")
-        if self.max_physical_batch_size is not None and self.max_physical_batch_size < 1:
-            raise ValueError(f"DPArguments.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
+        mpb = self.max_physical_batch_size
+        if mpb is not None and (isinstance(mpb, bool) or int(mpb) != mpb or mpb < 1):
+            raise refuse("batch.max_physical_batch_size:range", "DPTrainer", got=mpb)
         if self.clipping not in _CLIP_STYLES:
-            raise ValueError(f"DPArguments.clipping must be one of flat, per_layer, automatic, head_body; "
-                             f"got {self.clipping!r}")
+            raise refuse("privacy.clipping.style:unknown", "DPTrainer", allowed=_CLIP_STYLES, got=self.clipping)
         if self.head_learning_rate is not None and not self.head_learning_rate > 0:
             raise ValueError(f"DPArguments.head_learning_rate must be > 0, got {self.head_learning_rate}")
         if self.engine not in ("bookkeeping", "reference"):
@@ -129,10 +130,9 @@ class DPArguments:
         if self.user_column is not None and (not isinstance(self.user_column, str) or not self.user_column):
             raise ValueError(f"DPArguments.user_column must be a column name, got {self.user_column!r}")
         if int(self.max_rows_per_user) != self.max_rows_per_user or self.max_rows_per_user < 1:
-            raise ValueError(f"DPArguments.max_rows_per_user must be a positive integer, got {self.max_rows_per_user}")
+            raise refuse("task.max_rows_per_user:range", "DPTrainer", got=self.max_rows_per_user)
         if self.user_clipping not in ("group", "per_example_over_k"):
-            raise ValueError(f"DPArguments.user_clipping must be 'group' or 'per_example_over_k', "
-                             f"got {self.user_clipping!r}")
+            raise refuse("task.user_clipping:unknown", "DPTrainer", got=self.user_clipping)
         if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool)
                                                 or int(self.max_batch_size) != self.max_batch_size
                                                 or self.max_batch_size < 1):

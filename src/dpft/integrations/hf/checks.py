@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 
+from torch import nn
 from torch.utils.data import IterableDataset
 from transformers import TrainingArguments
 
+from dpft.api.arguments import batchnorm_modules
+from dpft.config.refusals import refuse as refuse_shared
 from dpft.placement import world as ddp
 
 __all__ = ["check_training_arguments", "check_trainer", "check_training_path", "refuse", "LOOP_METHODS"]
@@ -46,9 +49,8 @@ def check_training_arguments(args: TrainingArguments) -> None:
                "TrainingArguments.max_grad_norm at its default (DPTrainer switches it off)")
     strategy = getattr(args, "train_sampling_strategy", "random")
     if strategy not in (None, "random") or getattr(args, "group_by_length", False):
-        refuse(f"train_sampling_strategy = {strategy!r}: DPTrainer draws every logical batch by Poisson "
-               "sampling (each example independently with q = expected_batch_size / N), which its ε "
-               "assumes; remove train_sampling_strategy / group_by_length")
+        raise refuse_shared("poisson_sampling:not_poisson", "DPTrainer",
+                            got="group_by_length" if strategy in (None, "random") else strategy)
     tokens = getattr(args, "include_num_input_tokens_seen", "no")
     if tokens not in (None, False, "no"):
         refuse("include_num_input_tokens_seen counts the tokens of the private sampled batches (not "
@@ -147,6 +149,9 @@ def check_trainer(self, loss_fn, base) -> None:
     if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
         refuse("DeepSpeed and FSDP are not supported (accelerate's plugin shards the model and reduces the "
                f"unclipped gradient); train on one device per process, or {ddp.SHARDED_FIX}")
+    bn = batchnorm_modules(self.model) if isinstance(self.model, nn.Module) else []
+    if bn:
+        raise refuse_shared("model.name:batchnorm", "DPTrainer", modules=bn[:3])
     ds = self.train_dataset
     if ds is None:
         refuse("train_dataset is required")
