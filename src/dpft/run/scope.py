@@ -106,6 +106,10 @@ def scope_overrides(recipe, scope: str, n: int) -> dict[str, Any]:
             out[k] = v
     if "schedule.epochs" in out and _get(recipe, "schedule.steps") == "auto":
         out["schedule.steps"] = None  # the scope's epochs replace the accountant's T
+    length = [k for k in ("schedule.steps", "schedule.epochs") if k in bundle]
+    if any(k not in out for k in length):  # the recipe's own length is kept whole: steps or epochs, never both
+        for k in length:
+            out.pop(k, None)
     return out
 
 
