@@ -79,16 +79,20 @@ CASES = {
         "recipe": lambda: _recipe(privacy__delta=1.5)},
     "privacy.clipping.style:unknown": {
         "make_private": lambda: _make_private(clipping="bogus"),
-        "DPTrainer": lambda: _dp_arguments(clipping="bogus")},
+        "DPTrainer": lambda: _dp_arguments(clipping="bogus"),
+        "recipe": lambda: _recipe(privacy__clipping__style="bogus")},
     "task.user_clipping:unknown": {
         "make_private": lambda: _make_private(user_clipping="bogus"),
-        "DPTrainer": lambda: _dp_arguments(user_clipping="bogus")},
+        "DPTrainer": lambda: _dp_arguments(user_clipping="bogus"),
+        "recipe": lambda: _recipe(task__user_clipping="bogus")},
     "task.max_rows_per_user:range": {
         "make_private": lambda: _make_private(max_rows_per_user=0),
-        "DPTrainer": lambda: _dp_arguments(max_rows_per_user=0)},
+        "DPTrainer": lambda: _dp_arguments(max_rows_per_user=0),
+        "recipe": lambda: _recipe(task__max_rows_per_user=0)},
     "batch.max_physical_batch_size:range": {
         "make_private": lambda: _make_private(max_physical_batch_size=0),
-        "DPTrainer": lambda: _dp_arguments(max_physical_batch_size=0)},
+        "DPTrainer": lambda: _dp_arguments(max_physical_batch_size=0),
+        "recipe": lambda: _recipe(batch__max_physical_batch_size=0)},
     "model.name:batchnorm": {
         "make_private": lambda: _make_private(module=nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))),
         "DPTrainer": _dptrainer_batchnorm},

@@ -31,6 +31,11 @@ _PosInt = Annotated[int, Field(ge=1)]
 _Strict = PluginConfig
 
 
+def _below_one(v) -> bool:
+    """A number below 1 (the shared refusal, config/refusals.py); other types are left to pydantic."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1
+
+
 class AdapterCfg(_Strict):
     """Bottleneck adapters (Houlsby et al. 2019; models/adapters.py): the Adapter-DP baseline."""
 
@@ -113,6 +118,21 @@ class TaskCfg(_Strict):
     #: ``group``: the user's summed gradient clipped to C exactly (group norm from book-keeping
     #: quantities); ``per_example_over_k``: each row clipped to C/k, then summed (conservative).
     user_clipping: Literal["group", "per_example_over_k"] = "group"
+
+    @field_validator("max_rows_per_user", mode="before")
+    @classmethod
+    def _rows_per_user(cls, v):
+        if _below_one(v):
+            raise refuse("task.max_rows_per_user:range", "recipe", got=v)
+        return v
+
+    @field_validator("user_clipping", mode="before")
+    @classmethod
+    def _user_clipping(cls, v):
+        if isinstance(v, str) and v not in ("group", "per_example_over_k"):
+            raise refuse("task.user_clipping:unknown", "recipe", got=v)
+        return v
+
     # ---- ``instruct`` task (issue 17; data/instruct.py): prompt/completion or chat rows, loss on
     # the completion / assistant tokens only. Columns not named here are kept (e.g. a user id).
     #: Prompt and completion columns (used when the file has no ``messages_column``).
@@ -181,6 +201,14 @@ class ClippingCfg(_Strict):
     max_norm: float = Field(1.0, gt=0)
     #: AUTO-S stability constant (automatic style only).
     gamma: float = Field(0.01, gt=0)
+
+    @field_validator("style", mode="before")
+    @classmethod
+    def _style(cls, v):
+        styles = ("flat", "per_layer", "automatic", "head_body")
+        if isinstance(v, str) and v not in styles:
+            raise refuse("privacy.clipping.style:unknown", "recipe", allowed=styles, got=v)
+        return v
 
 
 class PrivacyCfg(_Strict):
@@ -282,6 +310,14 @@ class BatchCfg(_Strict):
     expected_batch_size: _PosInt | Auto = 256
     #: Largest micro-batch run through the model at once (memory bound).
     max_physical_batch_size: int = Field(32, ge=1)
+
+    @field_validator("max_physical_batch_size", mode="before")
+    @classmethod
+    def _physical(cls, v):
+        if _below_one(v):
+            raise refuse("batch.max_physical_batch_size:range", "recipe", got=v)
+        return v
+
     #: Variable sampling rate: ``[[from_step, expected_batch_size], ...]`` (steps 0-based,
     #: first entry at step 0). Each step's own q goes in the ledger (step/sample.py ``ScheduledPoissonSampler``).
     schedule: Optional[list[tuple[int, int]]] = None
