@@ -90,12 +90,17 @@ def test_chosen_sigma_is_the_typed_in_calibration():
     ({"batch.expected_batch_size": {"choice": [64, 256]}}, {}, "auto and searched in tune.space"),
     ({"schedule.steps": {"choice": [10, 20]}}, {}, "remove schedule.steps/epochs"),
     ({}, {"schedule": {"steps": None, "time_budget": "1h"}}, "auto with a time budget is not supported"),
-    ({}, {"batch": {"expected_batch_size": 64}, "schedule": {"epochs": 2}}, "keep one"),
 ])
 def test_auto_refusals_before_loading(space, sections, match):
     r = _recipe(space, **sections)
     with pytest.raises(T.TuneError, match=match):
         T.check_tune_recipe(r)
+
+
+def test_steps_auto_beside_epochs_is_refused_by_the_recipe():
+    """The recipe itself refuses a length given twice (config/refusals.py ``schedule.steps:both_lengths``)."""
+    with pytest.raises(ValueError, match="not both: the number of noisy steps has one rule"):
+        _recipe({}, batch={"expected_batch_size": 64}, schedule={"epochs": 2})
 
 
 def test_auto_accepted_forms():

@@ -91,9 +91,13 @@ def _get(r, key: str) -> Any:
     return obj
 
 
-def scope_overrides(recipe, scope: str, n: int) -> dict[str, Any]:
+def scope_overrides(recipe, scope: str, n: int, keep_length: bool = True) -> dict[str, Any]:
     """The keys of ``scope``'s bundle that the recipe left at the default classification recipe's value (or
-    ``auto``: the scope's own batch and schedule are the tuned choice for it)."""
+    ``auto``: the scope's own batch and schedule are the tuned choice for it).
+
+    The length (``schedule.steps`` / ``schedule.epochs``) moves whole, never one of the two (a recipe refuses
+    both): where the recipe set its own, ``keep_length`` keeps it (``dpft train``'s auto scope), else the
+    scope's length replaces it (a scope in ``tune.space`` runs, and is accounted with, its own schedule)."""
     base = _baseline()
     out = {}
     bundle = SCOPES[scope][0](n)
@@ -107,9 +111,12 @@ def scope_overrides(recipe, scope: str, n: int) -> dict[str, Any]:
     if "schedule.epochs" in out and _get(recipe, "schedule.steps") == "auto":
         out["schedule.steps"] = None  # the scope's epochs replace the accountant's T
     length = [k for k in ("schedule.steps", "schedule.epochs") if k in bundle]
-    if any(k not in out for k in length):  # the recipe's own length is kept whole: steps or epochs, never both
+    if any(k not in out for k in length):
         for k in length:
-            out.pop(k, None)
+            if keep_length:
+                out.pop(k, None)
+            else:
+                out[k] = bundle[k]
     return out
 
 

@@ -147,7 +147,7 @@ def _with_scope(r: Recipe, combo: dict, n: int) -> dict:
     scope = combo.get("trainable.mode")
     if scope is None:
         return combo
-    return {**{k: v for k, v in scope_overrides(r, scope, n).items()
+    return {**{k: v for k, v in scope_overrides(r, scope, n, keep_length=False).items()
                if k in ("batch.expected_batch_size", "schedule.steps", "schedule.epochs")}, **combo}
 
 
@@ -209,7 +209,7 @@ def _trial_recipe(r: Recipe, hp: dict, sigma: float, fit: Path, score: Path, pai
                   label_names: list[str], n: Optional[int] = None) -> Recipe:
     d = r.model_dump(mode="json")
     if "trainable.mode" in hp:  # the scope's own bundle first (run/scope.py), the sampled values on top
-        d = apply_overrides(d, scope_overrides(r, hp["trainable.mode"], n))
+        d = apply_overrides(d, scope_overrides(r, hp["trainable.mode"], n, keep_length=False))
     d["tune"] = None
     d["output_dir"] = None
     # A trial has no outputs of its own (issue 44 item 1): no tracker, no periodic or test evaluation
