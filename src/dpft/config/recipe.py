@@ -31,9 +31,18 @@ _PosInt = Annotated[int, Field(ge=1)]
 _Strict = PluginConfig
 
 
-def _below_one(v) -> bool:
-    """A number below 1 (the shared refusal, config/refusals.py); other types are left to pydantic."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v < 1
+def _refuses(key: str, way: str, bad, field: str, mode: str = "after", **values):
+    """A validator of ``field`` raising the shared refusal ``key`` (config/refusals.py, worded as in every way
+    in) where ``bad(value)``; None, booleans and (before validation) non-scalars are left to pydantic."""
+    def check(cls, v):
+        if v is not None and not isinstance(v, bool) and (mode == "after" or isinstance(v, (int, float, str))) and bad(v):
+            raise refuse(key, way, got=v, **values)
+        return v
+    return field_validator(field, mode=mode)(classmethod(check))
+
+
+_CLIP_STYLES = ("flat", "per_layer", "automatic", "head_body")
+_below_one = lambda v: not isinstance(v, str) and v < 1  # noqa: E731  (a string is pydantic's to parse)
 
 
 class AdapterCfg(_Strict):
@@ -118,20 +127,9 @@ class TaskCfg(_Strict):
     #: ``group``: the user's summed gradient clipped to C exactly (group norm from book-keeping
     #: quantities); ``per_example_over_k``: each row clipped to C/k, then summed (conservative).
     user_clipping: Literal["group", "per_example_over_k"] = "group"
-
-    @field_validator("max_rows_per_user", mode="before")
-    @classmethod
-    def _rows_per_user(cls, v):
-        if _below_one(v):
-            raise refuse("task.max_rows_per_user:range", "recipe", got=v)
-        return v
-
-    @field_validator("user_clipping", mode="before")
-    @classmethod
-    def _user_clipping(cls, v):
-        if isinstance(v, str) and v not in ("group", "per_example_over_k"):
-            raise refuse("task.user_clipping:unknown", "recipe", got=v)
-        return v
+    _k = _refuses("task.max_rows_per_user:range", "recipe", _below_one, "max_rows_per_user", "before")
+    _user_clip = _refuses("task.user_clipping:unknown", "recipe", lambda v: v not in ("group", "per_example_over_k"),
+                          "user_clipping", "before")
 
     # ---- ``instruct`` task (issue 17; data/instruct.py): prompt/completion or chat rows, loss on
     # the completion / assistant tokens only. Columns not named here are kept (e.g. a user id).
@@ -201,22 +199,14 @@ class ClippingCfg(_Strict):
     max_norm: float = Field(1.0, gt=0)
     #: AUTO-S stability constant (automatic style only).
     gamma: float = Field(0.01, gt=0)
-
-    @field_validator("style", mode="before")
-    @classmethod
-    def _style(cls, v):
-        styles = ("flat", "per_layer", "automatic", "head_body")
-        if isinstance(v, str) and v not in styles:
-            raise refuse("privacy.clipping.style:unknown", "recipe", allowed=styles, got=v)
-        return v
+    _style = _refuses("privacy.clipping.style:unknown", "recipe", lambda v: v not in _CLIP_STYLES, "style", "before",
+                      allowed=_CLIP_STYLES)
 
 
 class PrivacyCfg(_Strict):
     #: False = non-private reference run (no clipping, no noise, no guarantee).
     enabled: bool = True
-    #: ε to calibrate σ for (> 0); give this or ``noise_multiplier``.
     target_epsilon: Optional[float] = 8.0
-    #: δ of the guarantee, in (0, 1) and below 1/N.
     delta: float = 1e-5
     #: Fix σ (finite, ≥ 0) instead of calibrating it from target_epsilon.
     noise_multiplier: Optional[float] = None
@@ -239,27 +229,10 @@ class PrivacyCfg(_Strict):
     #: Bands b of ``banded_mf`` (b = 1 is DP-SGD); memory: b − 1 noise buffers of the trainable size.
     bands: int = Field(4, ge=1)
 
-    # the ranges and the σ source are the shared refusals (config/refusals.py), worded as in every way in
-    @field_validator("target_epsilon")
-    @classmethod
-    def _epsilon_range(cls, v):
-        if v is not None and not v > 0:
-            raise refuse("privacy.target_epsilon:range", "recipe", got=v)
-        return v
-
-    @field_validator("delta")
-    @classmethod
-    def _delta_range(cls, v):
-        if not 0 < v < 1:
-            raise refuse("privacy.delta:range", "recipe", got=v)
-        return v
-
-    @field_validator("noise_multiplier")
-    @classmethod
-    def _sigma_range(cls, v):
-        if v is not None and not (v >= 0 and math.isfinite(v)):
-            raise refuse("privacy.noise_multiplier:range", "recipe", got=v)
-        return v
+    _eps = _refuses("privacy.target_epsilon:range", "recipe", lambda v: not v > 0, "target_epsilon")
+    _delta = _refuses("privacy.delta:range", "recipe", lambda v: not 0 < v < 1, "delta")
+    _sigma = _refuses("privacy.noise_multiplier:range", "recipe", lambda v: not (v >= 0 and math.isfinite(v)),
+                      "noise_multiplier")
 
     @model_validator(mode="after")
     def _target_or_sigma(self):
@@ -310,13 +283,8 @@ class BatchCfg(_Strict):
     expected_batch_size: _PosInt | Auto = 256
     #: Largest micro-batch run through the model at once (memory bound).
     max_physical_batch_size: int = Field(32, ge=1)
-
-    @field_validator("max_physical_batch_size", mode="before")
-    @classmethod
-    def _physical(cls, v):
-        if _below_one(v):
-            raise refuse("batch.max_physical_batch_size:range", "recipe", got=v)
-        return v
+    _physical = _refuses("batch.max_physical_batch_size:range", "recipe", _below_one, "max_physical_batch_size",
+                         "before")
 
     #: Variable sampling rate: ``[[from_step, expected_batch_size], ...]`` (steps 0-based,
     #: first entry at step 0). Each step's own q goes in the ledger (step/sample.py ``ScheduledPoissonSampler``).
