@@ -125,7 +125,7 @@ def table(runs: list[dict]) -> str:
     lines = ["# Which trainable scope at about 5,000 rows (issue 45 item 7)", "",
              "all-MiniLM-L6-v2, CPU (2 cores shared with other sessions), dev accuracy, mean ± sd over seeds (each "
              "run a fresh secret key), δ = 1e-5. Arms: `probe` = recipes/probe-minilm.yaml (head on frozen features, "
-             "q = 1/4, 25 epochs: what `trainable.mode: auto` picks at N ≤ 20,000); `lpft` = recipes/lpft-minilm.yaml "
+             "q = 1/4, 25 epochs: what `trainable.mode: auto` picks at N ≤ 10,000); `lpft` = recipes/lpft-minilm.yaml "
              "(probe on 0.3 of ε, then the top 2 blocks from that head); `last_k` = the former no-recipe default "
              "(top 2 blocks + head, 100 steps of B = 256); `demo` = recipes/sst2-minilm.yaml as it is (150 steps of "
              "B = 512); `tune` = `dpft tune recipes/tune-probe-minilm.yaml` (lr and C searched over the probe, every "

@@ -30,7 +30,7 @@ def test_data_flags_only_give_the_tuned_classification_recipe(tmp_path, sst_like
     rec = captured["recipe"]
     # trainable.mode: auto (issue 45 item 4): 60 rows is a probe's size (run/scope.py), said on the screen
     out = " ".join(r.output.split())
-    assert "trainable scope (auto): head" in out and "N = 54 ≤ 20000" in out  # 60 rows, 10% held out for dev
+    assert "trainable scope (auto): head" in out and "N = 54 ≤ 10000" in out  # 60 rows, 10% held out for dev
     assert rec.trainable.mode == "head" and rec.privacy.clipping.style == "flat"
     assert rec.batch.expected_batch_size == 14 and rec.schedule.epochs == 25 and rec.schedule.steps is None
     assert rec.optimizer.lr == 0.02 and rec.optimizer.head_lr is None

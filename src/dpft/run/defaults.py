@@ -21,7 +21,7 @@ __all__ = ["CLASSIFICATION", "GENERATION_TASKS", "default_overrides", "lora_targ
 #: recipes/sst2-minilm.yaml minus its task, data and budget (README "On a real model").
 CLASSIFICATION: dict[str, Any] = {
     "model.pooling": "mean", "model.dropout": 0.0,
-    "trainable.mode": "auto", "trainable.last_k": 2,  # auto: the probe at N ≤ 20k, else last_k (run/scope.py)
+    "trainable.mode": "auto", "trainable.last_k": 2,  # auto: the probe at N ≤ 10k, else last_k (run/scope.py)
     "privacy.clipping.style": "head_body", "privacy.clipping.head_fraction": 0.5,
     "optimizer.name": "adamw", "optimizer.lr": 3e-4, "optimizer.head_lr": 1e-2,
     "schedule.steps": 100, "schedule.warmup_steps": 2, "schedule.decay": "linear",  # steps: the schema's default
