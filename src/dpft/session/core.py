@@ -17,7 +17,7 @@ same way for every way in::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from dpft.accounting.ledger import PrivacyLedger
@@ -93,7 +93,6 @@ class PrivateSession:
     n: Optional[int] = None
     planned: Optional[int] = None
     methods: Any = None
-    plans: list = field(default_factory=list)
 
     @classmethod
     def open(cls, seed: Optional[int] = None, *, rng: Optional[Randomness] = None,
@@ -184,7 +183,6 @@ class PrivateSession:
             hooks=self.methods.hooks if self.methods is not None else (),
             on_sigma=self.methods.on_sigma if self.methods is not None else None)
         plan.spec.engine.clip = plan.spec.clip  # the spec's clip is in force (a method may swap it; as DPStep.run)
-        self.plans.append(plan)
         return plan
 
     # ------------------------------------------------------------------ the step
