@@ -11,7 +11,7 @@ import torch
 
 from dpft.grads.base import trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.step.clip import ClipSettings, GroupClip, build_clip_policy  # noqa: F401 (GroupClip: public in dpft.api)
+from dpft.step.clip import ClipSettings, build_clip_policy
 
 
 CLIPPING_STYLES = ("flat", "per_layer", "automatic", "head_body", "per_group")

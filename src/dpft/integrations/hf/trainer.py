@@ -270,8 +270,9 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         return methods
 
     def _privacy_units(self) -> Optional[torch.Tensor]:
-        """N privacy units (rows, or users), the planned steps and the physical batch size, checked
-        Returns the ``(N_rows,)`` user index of every row at user level, else None.
+        """N privacy units (rows, or users), the planned steps and the physical batch size (every rank's
+        are compared by the session's plan). Returns the ``(N_rows,)`` user index of every row at user
+        level, else None.
 
         Raises:
             ValueError: more expected units than units, δ ≥ 1/N, a missing user id, or
