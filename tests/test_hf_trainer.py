@@ -223,6 +223,31 @@ def test_reproducible_seed(tmp_path):
     assert not all(torch.equal(a[n], c[n]) for n in a)  # secret randomness differs
 
 
+def test_one_rank_check_and_the_user_unit_through_the_session(tmp_path, monkeypatch):
+    """Issue 46: DPTrainer's settings are compared across ranks once, by the session (``same``: the digest
+    of what the trainer adds to its settings: every DPArguments field but memory-only ones, rows, units,
+    steps, the trainable shapes), and the user unit is the session's (step/unit.py), not one of its own."""
+    from dpft.placement import world as ddp
+    from dpft.session import PrivateSession
+    from dpft.step.sample import UserPoissonSampler
+
+    seen = []
+    monkeypatch.setattr(PrivateSession, "check_same", lambda self, what: seen.append(what))
+    monkeypatch.setattr(ddp, "check_same_recipe", lambda *a: pytest.fail("a second rank check"))
+    rows = random_rows().add_column("who", [f"u{i % 7}" for i in range(40)])
+    dp = DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=3, user_column="who",
+                     max_rows_per_user=2, user_clipping="per_example_over_k")
+    tr = DPTrainer(model=tiny_classifier("bert").train(), args=targs(tmp_path / "out", max_steps=1),
+                   train_dataset=rows, data_collator=default_data_collator, dp_args=dp)
+    assert len(seen) == 1 and seen[0][:2] == (40, 7) and seen[0][-1] == ddp.recipe_digest(tr._world_config())
+    cfg = tr._world_config()
+    assert cfg["dp_args"]["user_column"] == "who" and cfg["trainable"] and "max_physical_batch_size" not in cfg["dp_args"]
+    unit = tr.session.unit
+    assert isinstance(tr.sampler, UserPoissonSampler) and tr.sampler is unit.sampler
+    assert tr.n == unit.n == 7 and tr.q == pytest.approx(3 / 7) and unit.info["column"] == "who"
+    assert tr.clip.sensitivity == pytest.approx(1.0) and tr.clip.inner.max_norm == pytest.approx(0.5)  # C/k
+
+
 def _nullcontext():
     import contextlib
 

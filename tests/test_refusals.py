@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import dpft.methods  # noqa: F401  (hands the recipe schema the method registry)
-from dpft.api.arguments import check_arguments
+from dpft.api.arguments import PerformanceArguments, PrivacyArguments, check_arguments
 from dpft.config import RecipeError, load_recipe
 from dpft.config.refusals import REFUSALS, SETTINGS, WAYS, refuse
 from dpft.integrations.hf import DPArguments, DPTrainer
@@ -24,12 +24,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dpft"
 
 def _make_private(**kw):
     module = kw.pop("module", None) or nn.Linear(2, 2)
-    args = dict(module=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1), poisson_sampling=True,
-                batch_first=True, noise_generator=None, clipping="flat", steps=3, epochs=None, target_epsilon=None,
-                target_delta=None, noise_multiplier=1.0, max_physical_batch_size=None, max_rows_per_user=None,
-                user_clipping="group", mechanism="gaussian", bands=None, max_batch_size=None, user_ids=None)
-    args.update(kw)
-    check_arguments(**args)
+    perf = PerformanceArguments(max_physical_batch_size=kw.pop("max_physical_batch_size", None))
+    p = PrivacyArguments(**{"max_grad_norm": 1.0, "steps": 3, "noise_multiplier": 1.0, **kw})
+    check_arguments(module, torch.optim.SGD(module.parameters(), lr=0.1), p, perf)
 
 
 def _dp_arguments(**kw):

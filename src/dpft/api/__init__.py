@@ -90,11 +90,12 @@ docs/make_private_distributed.md.
 
 Files: ``engine.py`` (:class:`PrivacyEngine`), ``loader.py`` (:class:`DPDataLoader`),
 ``criterion.py`` (:class:`PerExampleCriterion`), ``optimizer.py`` (:class:`DPOptimizer`),
-``clipping.py`` (``head_body`` by names, ``per_group``), ``guards.py`` (packing, unclipped
+``clipping.py`` (``head_body`` by parameters or names, ``per_group``: make_private's keywords for the
+one clip builder, step/clip.py), ``guards.py`` (packing, unclipped
 parameters, one-class predictions).
 """
 
-from dpft.api.clipping import CLIPPING_STYLES, GroupClip
+from dpft.api.clipping import CLIPPING_STYLES
 from dpft.api.criterion import PerExampleCriterion
 from dpft.api.engine import PrivacyEngine
 from dpft.api.guards import (
@@ -107,6 +108,7 @@ from dpft.api.guards import (
 from dpft.api.loader import DPDataLoader
 from dpft.api.optimizer import DPOptimizer
 from dpft.grads.live import DoubleCaptureError
+from dpft.step.clip import GroupClip
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DPDataLoader", "PerExampleCriterion", "GroupClip",
            "PackedBatchError", "DoubleCaptureError", "UnclippedParameterError", "prediction_summary",

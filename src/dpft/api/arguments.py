@@ -1,11 +1,13 @@
-"""The front end of ``make_private``: its arguments checked (each refusal names the fix) and the
-user's data loader adapted to Poisson sampling. The privacy plan itself is step/plan.py's, as in
-every way in."""
+"""The front end of ``make_private``: its keywords as typed privacy and performance settings
+(:class:`PrivacyArguments` → the session's ``SessionSettings``; :class:`PerformanceArguments`, which never
+change the guarantee), checked (each refusal names the fix), and the user's data loader adapted to
+Poisson sampling. The privacy plan itself is the session's, as in every way in."""
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -21,19 +23,76 @@ from dpft.errors import PlanError
 from dpft.step.mechanisms import Mechanism, mechanism_of
 from dpft.session import SessionSettings
 
-__all__ = ["check_arguments", "batchnorm_modules", "adapt_data", "check_optimizer", "user_values", "api_settings",
-           "LOADER_KEYS"]
+__all__ = ["PrivacyArguments", "PerformanceArguments", "check_arguments", "batchnorm_modules", "adapt_data",
+           "check_optimizer", "user_values", "LOADER_KEYS"]
 
 LOADER_KEYS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
                "multiprocessing_context", "persistent_workers", "pin_memory_device")
 
 
-def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_generator, clipping, steps, epochs,
-                    target_epsilon, target_delta, noise_multiplier, max_physical_batch_size, max_rows_per_user,
-                    user_clipping, mechanism, bands, max_batch_size, user_ids, methods=(),
-                    lr_scheduler=None, **_others) -> Mechanism:
-    """Refuse what ``make_private`` cannot certify or cannot tell apart, before any work (``_others``:
-    make_private's other arguments, checked where they are used).
+@dataclass(frozen=True)
+class PrivacyArguments:
+    """``make_private``'s keywords that define the guarantee, as given (checked by :func:`check_arguments`;
+    docs/make_private.md). The expected batch size comes with the data (:func:`adapt_data`).
+
+    Attributes:
+        max_grad_norm: C; clipping, head_fraction: the clip style and head_body's share of C².
+        target_epsilon, target_delta | noise_multiplier: what σ is calibrated to, or σ.
+        steps | epochs: the planned length.
+        user_ids, max_rows_per_user, user_clipping: user level (ids per row, or a field name).
+        mechanism, bands, max_batch_size: the mechanism (banded MF with b bands; truncated Poisson).
+        poisson_sampling: Opacus' flag (only True: fixed-size batches are refused).
+    """
+
+    max_grad_norm: float
+    target_epsilon: Optional[float] = None
+    target_delta: Optional[float] = None
+    epochs: Optional[float] = None
+    steps: Optional[int] = None
+    noise_multiplier: Optional[float] = None
+    clipping: str = "flat"
+    head_fraction: float = 0.5
+    user_ids: Any = None
+    max_rows_per_user: int = 4
+    user_clipping: str = "group"
+    max_batch_size: Optional[int] = None
+    mechanism: str = "gaussian"
+    bands: Optional[int] = None
+    poisson_sampling: bool = True
+
+    @property
+    def over_k(self) -> Optional[int]:
+        """k when each row is clipped to C/k (user level, ``user_clipping='per_example_over_k'``), else None."""
+        return int(self.max_rows_per_user) if self.user_ids is not None and self.user_clipping != "group" else None
+
+    def session_settings(self, mech: Mechanism, expected_batch_size: int, hardened: bool) -> SessionSettings:
+        """These settings as the session's typed privacy settings (session/core.py); ``mech``: from
+        :func:`check_arguments`, ``expected_batch_size``: from :func:`adapt_data`."""
+        return SessionSettings(
+            max_grad_norm=float(self.max_grad_norm), expected_batch_size=int(expected_batch_size), mechanism=mech,
+            steps=self.steps, epochs=self.epochs, noise_multiplier=self.noise_multiplier,
+            target_epsilon=self.target_epsilon, target_delta=self.target_delta, clipping=self.clipping,
+            hardened=hardened, max_rows_per_user=self.max_rows_per_user, user_clipping=self.user_clipping)
+
+
+@dataclass(frozen=True)
+class PerformanceArguments:
+    """``make_private``'s keywords that change speed and memory only, never the guarantee (DESIGN.md
+    "Performance settings are not privacy settings").
+
+    Attributes:
+        max_physical_batch_size: the largest micro-batch (None: the whole logical batch).
+        norm_mode: the book-keeping engine's route to per-example norms (grads/bookkeeping.py; exact either way).
+    """
+
+    max_physical_batch_size: Optional[int] = None
+    norm_mode: str = "auto"
+
+
+def check_arguments(module, optimizer, p: PrivacyArguments, perf: PerformanceArguments, *, batch_first: bool = True,
+                    noise_generator: Any = None, methods=(), lr_scheduler=None) -> Mechanism:
+    """Refuse what ``make_private`` cannot certify or cannot tell apart, before any work (its other
+    arguments are checked where they are used).
 
     Returns:
         The mechanism asked for (step/mechanisms.py).
@@ -42,14 +101,17 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
         ValueError: naming the argument and the fix (see ``make_private``).
         dpft.placement.world.DistributedError: a module wrapped in DistributedDataParallel.
     """
+    clipping, steps, epochs, user_clipping = p.clipping, p.steps, p.epochs, p.user_clipping
+    target_epsilon, target_delta, noise_multiplier = p.target_epsilon, p.target_delta, p.noise_multiplier
+    max_physical_batch_size, max_rows_per_user = perf.max_physical_batch_size, p.max_rows_per_user
     if not isinstance(module, nn.Module):
         raise ValueError(f"make_private: module must be an nn.Module, got {type(module).__name__}")
     if isinstance(optimizer, DPOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError("make_private: optimizer must be a plain torch.optim.Optimizer (not yet private)")
     if module.__dict__.get("_dpft_private"):
         raise ValueError("make_private: this module is already private (PrivacyEngine.detach() first)")
-    if not poisson_sampling:
-        raise refuse("poisson_sampling:not_poisson", "make_private", got=poisson_sampling)
+    if not p.poisson_sampling:
+        raise refuse("poisson_sampling:not_poisson", "make_private", got=p.poisson_sampling)
     if not batch_first:
         raise ValueError("make_private: batch_first=False is not supported; put the example "
                          "dimension first")
@@ -92,14 +154,14 @@ def check_arguments(*, module, optimizer, poisson_sampling, batch_first, noise_g
         raise ValueError("make_private: lr_scheduler must be a torch.optim.lr_scheduler made over the optimizer you "
                          "pass (the DP optimizer steps it once per noisy update)")
     try:
-        mech = mechanism_of(mechanism, bands, max_batch_size)
+        mech = mechanism_of(p.mechanism, p.bands, p.max_batch_size)
     except PlanError as exc:
         raise PlanError(f"make_private: {exc}") from None
-    why = mech.refusals(user_level=user_ids is not None, methods=[m.name for m in methods])
+    why = mech.refusals(user_level=p.user_ids is not None, methods=[m.name for m in methods])
     if why:
         raise PlanError("make_private: " + "; ".join(why))
     if mech.stateful and steps is None and epochs is None:
-        raise refuse("schedule.steps:no_length", "make_private", why=f"mechanism={mechanism!r}")
+        raise refuse("schedule.steps:no_length", "make_private", why=f"mechanism={p.mechanism!r}")
     bn = batchnorm_modules(module)
     if bn:
         raise refuse("model.name:batchnorm", "make_private", modules=bn[:3])
@@ -240,13 +302,3 @@ def user_values(dataset, user_ids: Any, n: int) -> tuple[list, str]:
             v = v.item()
         out.append(v)
     return out, column
-
-
-def api_settings(a: dict, mech: Mechanism, expected_batch_size: int, hardened: bool) -> SessionSettings:
-    """make_private's arguments ``a`` (checked by :func:`check_arguments`) as the session's typed
-    privacy settings (session/core.py); ``expected_batch_size``: from :func:`adapt_data`."""
-    return SessionSettings(
-        max_grad_norm=float(a["max_grad_norm"]), expected_batch_size=int(expected_batch_size), mechanism=mech,
-        steps=a["steps"], epochs=a["epochs"], noise_multiplier=a["noise_multiplier"],
-        target_epsilon=a["target_epsilon"], target_delta=a["target_delta"], clipping=a["clipping"], hardened=hardened,
-        max_rows_per_user=a["max_rows_per_user"], user_clipping=a["user_clipping"])

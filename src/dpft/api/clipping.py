@@ -1,56 +1,17 @@
-"""Clip policies as PyTorch users express them: ``head_body`` with the head named by parameter
-names, and ``per_group`` — one share of C per optimizer param group."""
+"""``make_private``'s clip keywords translated for the one clip builder (step/clip.py
+``build_clip_policy``): ``head_body`` with the head given by parameters or names, and ``per_group``
+— one share of C per optimizer param group."""
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
 
+from dpft.grads.base import trainable_parameters
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.grads.groups import PerExampleOverK
-from dpft.step.clip import EPS, ClipPolicy, make_clip_policy
-
-
-class GroupClip(ClipPolicy):
-    """Flat clipping per group of parameters: group ``g`` is clipped to ``C·√f_g`` with
-    ``Σ_g f_g ≤ 1``, so one example's whole clipped gradient stays within ``C`` (sensitivity
-    ``C``, add/remove-one; per-layer clipping of McMahan et al. 2018 with chosen groups).
-    ``head_body`` is the two-group case.
-
-    Args:
-        max_norm: C.
-        group_of: ``(G,)`` group index of each engine parameter (engine order).
-        fractions: ``f_g`` per group index, each > 0, summing to ≤ 1.
-
-    Raises:
-        ValueError: C not positive, a fraction ≤ 0, or fractions summing above 1.
-    """
-
-    def __init__(self, max_norm: float, group_of, fractions):
-        if not (max_norm > 0 and math.isfinite(max_norm)):
-            raise ValueError(f"clipping norm C must be a positive finite number, got {max_norm}")
-        fr = [float(f) for f in fractions]
-        if any(not f > 0 for f in fr) or sum(fr) > 1 + 1e-9:
-            raise ValueError(f"per-group clip fractions must be > 0 and sum to ≤ 1, got {fr}")
-        self.max_norm = float(max_norm)
-        self.group_of = torch.as_tensor(group_of, dtype=torch.long)
-        self.fractions = fr
-
-    def scales(self, sq_norms: torch.Tensor) -> torch.Tensor:
-        if self.group_of.numel() != sq_norms.shape[1]:
-            raise ValueError("GroupClip: one group index per trainable parameter is needed")
-        gid = self.group_of.to(sq_norms.device)
-        out = torch.ones_like(sq_norms)
-        for g, f in enumerate(self.fractions):
-            sel = gid == g
-            if sel.any():
-                norms = sq_norms[:, sel].sum(dim=1).clamp_min(0).sqrt()
-                c = (self.max_norm * math.sqrt(f) / (norms + EPS)).clamp(max=1.0)
-                out[:, sel] = c[:, None]
-        return out
+from dpft.step.clip import ClipSettings, build_clip_policy
 
 
 CLIPPING_STYLES = ("flat", "per_layer", "automatic", "head_body", "per_group")
@@ -82,8 +43,10 @@ def _head_mask(params: "OrderedDict[str, torch.Tensor] | dict", head_parameters:
     return mask
 
 
-def _group_clip(c: float, params: dict, optimizer: torch.optim.Optimizer) -> GroupClip:
-    """``per_group``: one clip group per optimizer param group, C·√f_g each."""
+def _groups(params: dict, optimizer: torch.optim.Optimizer) -> tuple[list[int], list[float]]:
+    """``per_group``: the group index of each engine parameter (one group per optimizer param group
+    that holds one) and each group's fraction f_g (its ``clip_fraction``, or an equal share of what
+    the others leave)."""
     where = {}
     for gi, g in enumerate(optimizer.param_groups):
         for p in g["params"]:
@@ -102,7 +65,7 @@ def _group_clip(c: float, params: dict, optimizer: torch.optim.Optimizer) -> Gro
     share = (1.0 - fixed) / len(free) if free else 0.0
     index = {g: k for k, g in enumerate(used)}
     fractions = [float(given[g]) if given[g] is not None else share for g in used]
-    return GroupClip(c, [index[where[id(p)]] for p in params.values()], fractions)
+    return [index[where[id(p)]] for p in params.values()], fractions
 
 
 def _not_called(forward, batch):  # pragma: no cover - the user's loop computes the loss
@@ -111,7 +74,8 @@ def _not_called(forward, batch):  # pragma: no cover - the user's loop computes 
 
 def api_clip_and_engine(module, optimizer: torch.optim.Optimizer, clipping: str, max_grad_norm: float,
                         head_fraction: float, head_parameters, norm_mode: str, over_k: Optional[int] = None):
-    """``make_private``'s clip policy and book-keeping engine (the plan's ``parts``).
+    """``make_private``'s clip policy (its keywords translated for step/clip.py ``build_clip_policy``,
+    the one clip builder) and book-keeping engine (the plan's ``parts``).
 
     Args:
         clipping: one of :data:`CLIPPING_STYLES`; max_grad_norm: C.
@@ -122,15 +86,8 @@ def api_clip_and_engine(module, optimizer: torch.optim.Optimizer, clipping: str,
 
     Raises:
         ValueError: a head_body split without head or body; a parameter in no param group."""
-    c_row = max_grad_norm / over_k if over_k else max_grad_norm
-    clip = (make_clip_policy(clipping, c_row, head_fraction=head_fraction)
-            if clipping != "per_group" else GroupClip(c_row, [0], [1.0]))
-    engine = BookKeepingEngine(module, _not_called, clip, norm_mode=norm_mode)
-    if clipping == "head_body":
-        clip.set_head_mask(_head_mask(engine.params, head_parameters))
-    elif clipping == "per_group":
-        clip = _group_clip(c_row, engine.params, optimizer)
-    if over_k:
-        clip = PerExampleOverK(clip, over_k)
-    engine.clip = clip
-    return clip, engine
+    params = trainable_parameters(module)  # the engine's parameters, in its order
+    clip = build_clip_policy(ClipSettings(clipping, max_grad_norm, head_fraction=head_fraction, over_k=over_k),
+                             head_mask=_head_mask(params, head_parameters) if clipping == "head_body" else None,
+                             groups=_groups(params, optimizer) if clipping == "per_group" else None)
+    return clip, BookKeepingEngine(module, _not_called, clip, norm_mode=norm_mode)

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpft.placement import world as ddp
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.api.arguments import adapt_data, api_settings, check_arguments, check_optimizer, user_values
+from dpft.api.arguments import (PerformanceArguments, PrivacyArguments, adapt_data, check_arguments, check_optimizer,
+                                user_values)
 from dpft.api.clipping import api_clip_and_engine
 from dpft.api.criterion import PerExampleCriterion
 from dpft.api.loader import DPDataLoader, _PoissonMicroBatches
@@ -228,40 +229,55 @@ class PrivacyEngine:
                 dpft.placement.world.DistributedError: a DDP-wrapped module, ranks that disagree, a key
                 asked for in a world of another size; dpft.grads.bookkeeping.UnattributedUseError.
         """
-        a = {k: v for k, v in locals().items() if k != "self"}  # the arguments, as given
+        p = PrivacyArguments(
+            max_grad_norm=max_grad_norm, target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+            steps=steps, noise_multiplier=noise_multiplier, clipping=clipping, head_fraction=head_fraction,
+            user_ids=user_ids, max_rows_per_user=max_rows_per_user, user_clipping=user_clipping,
+            max_batch_size=max_batch_size, mechanism=mechanism, bands=bands, poisson_sampling=poisson_sampling)
+        perf = PerformanceArguments(max_physical_batch_size=max_physical_batch_size, norm_mode=norm_mode)
         meths = python_methods(methods, "make_private")
-        mech = check_arguments(**{**a, "methods": meths})  # refusals before any work (api/arguments.py)
+        mech = check_arguments(module, optimizer, p, perf, batch_first=batch_first, noise_generator=noise_generator,
+                               methods=meths, lr_scheduler=lr_scheduler)  # refusals before any work (api/arguments.py)
         sharded = _check_sharded(module, meths)
         sess = PrivateSession.open(self._seed, rng=self._rng, ledger=self.ledger, made_for=self.world,
                                    where="make_private")  # the world and the engine's one key (session/world.py)
         self._rng, self.world = sess.rng, sess.world
         dataset, n, eb, loader_kwargs = adapt_data(data_loader, dataset, expected_batch_size, num_workers, collate_fn)
-        s, calls = api_settings(a, mech, eb, self.hardened_noise), self._calls + 1
+        s, calls = p.session_settings(mech, eb, self.hardened_noise), self._calls + 1
         names = check_optimizer(module, optimizer)
-        per_k = user_ids is not None and user_clipping != "group"  # each row clipped to C/k
         plan = sess.plan(
             s, rows=dataset, n_rows=n, rng=sess.rng.child(f"make_private:{calls}"), optimizer=optimizer,
             users=None if user_ids is None else user_values(dataset, user_ids, n), method_list=meths,
-            methods=lambda units, rng, user: PythonMethods(meths, model=module, n=units, ledger=self.ledger, rng=rng,
-                                                           where="make_private", recipe=PythonRecipe(
-                max_grad_norm=max_grad_norm, clipping=clipping, expected_batch_size=eb,
-                hardened_noise=self.hardened_noise, methods=meths), user_level=user),
-            parts=lambda sampler: api_clip_and_engine(module, optimizer, clipping, max_grad_norm, head_fraction,
-                                                      head_parameters, norm_mode, sampler.k if per_k else None))
+            methods=self._methods_for(meths, module, p, eb),
+            parts=lambda sampler: api_clip_and_engine(module, optimizer, p.clipping, p.max_grad_norm, p.head_fraction,
+                                                      head_parameters, perf.norm_mode, p.over_k))
         self._calls, self.noise_multiplier = calls, plan.sigma
-        return self._private_loop(sess, plan, s, a, sharded, names, dataset, n, loader_kwargs)
+        return self._private_loop(sess, plan, s, perf, sharded, names, dataset, n, loader_kwargs, module=module,
+                                  optimizer=optimizer, criterion=criterion, lr_scheduler=lr_scheduler,
+                                  loss_reduction=loss_reduction)
 
-    def _private_loop(self, sess: PrivateSession, plan, s, a: dict, sharded: bool, names: dict, dataset, n: int,
-                      loader_kwargs: dict):
+    def _methods_for(self, meths: list, module: nn.Module, p: PrivacyArguments, expected_batch_size: int):
+        """The session's factory of make_private's method plug-ins (methods/python.py) over ``module``."""
+        def methods(units: int, rng: Randomness, user_level: bool) -> PythonMethods:
+            recipe = PythonRecipe(max_grad_norm=p.max_grad_norm, clipping=p.clipping,
+                                  expected_batch_size=expected_batch_size, hardened_noise=self.hardened_noise,
+                                  methods=meths)
+            return PythonMethods(meths, model=module, n=units, ledger=self.ledger, rng=rng, where="make_private",
+                                 recipe=recipe, user_level=user_level)
+        return methods
+
+    def _private_loop(self, sess: PrivateSession, plan, s, perf: PerformanceArguments, sharded: bool, names: dict,
+                      dataset, n: int, loader_kwargs: dict, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                      criterion: Optional[nn.Module], lr_scheduler: Any, loss_reduction: str):
         """make_private's front end over the session's plan: the micro-batches, the step for this
         world, the DP optimizer with its release guard, the live book-keeping, the data loader and
         the per-example criterion (see :meth:`make_private`)."""
-        world, optimizer, pm = sess.world, a["optimizer"], sess.methods
+        world, pm = sess.world, sess.methods
         batches = (ShardedMicroBatches if sharded else _PoissonMicroBatches)(
-            plan.sampler, max(1, math.ceil(sess.n / s.expected_batch_size)), a["max_physical_batch_size"],
+            plan.sampler, max(1, math.ceil(sess.n / s.expected_batch_size)), perf.max_physical_batch_size,
             sess.planned, world=world, groups=sess.user_level and s.user_clipping == "group")
         if not sharded:  # one FSDP2 model for the world: nothing to broadcast
-            ddp.broadcast_module(world, a["module"])  # DDP: the world starts from rank 0's weights
+            ddp.broadcast_module(world, module)  # DDP: the world starts from rank 0's weights
         dp_step = sess.step(plan, sharded=sharded, on_release=self._on_release)
         dp_opt = ShardedDPOptimizer(optimizer, dp_step, sess.planned, world, batches, methods=pm if pm else None) \
             if sharded else DPOptimizer(optimizer, dp_step, sess.planned, world=world, methods=pm if pm else None)
@@ -272,17 +288,17 @@ class PrivacyEngine:
         # An engine that runs its own forward (a method's, e.g. DP-SFT's subspace engine) offers the
         # view that the user's forward and backward drive.
         live = plan.engine.live_view() if hasattr(plan.engine, "live_view") else plan.engine
-        session = LiveBookKeeping(live, dp_opt._on_result, loss_reduction=a["loss_reduction"])
-        dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, a["lr_scheduler"]
-        a["module"].__dict__["_dpft_private"] = True
+        session = LiveBookKeeping(live, dp_opt._on_result, loss_reduction=loss_reduction)
+        dp_opt.session, dp_opt.param_names, dp_opt.lr_scheduler = session, names, lr_scheduler
+        module.__dict__["_dpft_private"] = True
         self._sessions.append(session)
         loader = DPDataLoader(dataset, batches, dp_opt, **loader_kwargs)
         self._loop = LoopState(plan, dp_opt, batches, n)
-        if a["criterion"] is None:
-            return a["module"], dp_opt, loader
-        per_example = PerExampleCriterion(a["criterion"])
+        if criterion is None:
+            return module, dp_opt, loader
+        per_example = PerExampleCriterion(criterion)
         per_example._session = session
-        return a["module"], dp_opt, per_example, loader
+        return module, dp_opt, per_example, loader
 
 
 def _check_sharded(module, meths) -> bool:

@@ -10,9 +10,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from dpft.accounting.calibrate import calibrate_sigma, check_delta
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.grads.groups import PerExampleOverK
 from dpft.grads.reference import ReferenceEngine
-from dpft.step.clip import make_clip_policy
+from dpft.step.clip import ClipSettings, build_clip_policy
 from dpft.step.noise import GaussianMechanism
 from dpft.step.pipeline import StepSpec
 
@@ -77,11 +76,10 @@ def build_step_spec(*, engine, clip, sigma: Optional[float], rng, sampler, optim
 
 
 def build_clip(privacy_cfg, user_clipping: Optional[str] = None, max_rows_per_user: int = 1):
-    """The recipe's clip policy (step/clip.py ``make_clip_policy``: flat, per-layer, head/body,
-    automatic, adaptive). At user level with ``per_example_over_k`` each row is clipped to C/k:
-    at most k rows per sampled user, so a user's contribution stays ≤ C (grads/groups.py)."""
+    """The recipe's clip policy: ``privacy.clipping`` (style, max_norm, gamma, head_fraction) and, at
+    user level, ``task.user_clipping`` / ``task.max_rows_per_user`` translated into the one clip
+    builder (step/clip.py :func:`~dpft.step.clip.build_clip_policy`, as ``make_private`` and
+    ``DPTrainer`` call it). With ``per_example_over_k`` each row is clipped to C/k."""
     c = privacy_cfg.clipping
-    if user_clipping == "per_example_over_k":
-        k = max_rows_per_user
-        return PerExampleOverK(make_clip_policy(c.style, c.max_norm / k, c.gamma, c.head_fraction), k)
-    return make_clip_policy(c.style, c.max_norm, c.gamma, c.head_fraction)
+    return build_clip_policy(ClipSettings(c.style, c.max_norm, c.gamma, c.head_fraction,
+                                          max_rows_per_user if user_clipping == "per_example_over_k" else None))

@@ -1,7 +1,8 @@
 """The step's clip stage: the clip policies (grads/clip.py: per-example norms → clip factors,
-re-exported here) and the policies whose norm C follows the data, which release a statistic of
-their own: adaptive quantile clipping (a noisy count, folded into the step's one Gaussian) and the
-DP-Adam-AC paper's percentile rule (NOT CERTIFIED).
+re-exported here), per-group clipping, the ONE clip builder every way in calls
+(:func:`build_clip_policy` from :class:`ClipSettings`), and the policies whose norm C follows the
+data, which release a statistic of their own: adaptive quantile clipping (a noisy count, folded
+into the step's one Gaussian) and the DP-Adam-AC paper's percentile rule (NOT CERTIFIED).
 
 Every policy guarantees that the clipped contribution of one example, ``c_i * g_i`` taken over
 all groups together, has L2 norm at most ``C`` (the sensitivity of the clipped sum under
@@ -11,12 +12,110 @@ add/remove-one neighbouring datasets is therefore ``C``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
 from dpft.grads.clip import (EPS, AutoClip, ClipPolicy, FlatClip, HeadBodyClip, NoClip,  # noqa: F401 (public here)
                              NonFiniteGradientError, PerLayerClip, check_finite_norms, make_clip_policy)
+from dpft.grads.groups import PerExampleOverK
 from dpft.privacy.randomness import Randomness
+
+
+# --------------------------------------------------------------------------- the one clip builder
+
+
+class GroupClip(ClipPolicy):
+    """Flat clipping per group of parameters: group ``g`` is clipped to ``C·√f_g`` with
+    ``Σ_g f_g ≤ 1``, so one example's whole clipped gradient stays within ``C`` (sensitivity
+    ``C``, add/remove-one; per-layer clipping of McMahan et al. 2018 with chosen groups).
+    ``head_body`` is the two-group case.
+
+    Args:
+        max_norm: C.
+        group_of: ``(G,)`` group index of each engine parameter (engine order).
+        fractions: ``f_g`` per group index, each > 0, summing to ≤ 1.
+
+    Raises:
+        ValueError: C not positive, a fraction ≤ 0, or fractions summing above 1.
+    """
+
+    def __init__(self, max_norm: float, group_of, fractions):
+        if not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"clipping norm C must be a positive finite number, got {max_norm}")
+        fr = [float(f) for f in fractions]
+        if any(not f > 0 for f in fr) or sum(fr) > 1 + 1e-9:
+            raise ValueError(f"per-group clip fractions must be > 0 and sum to ≤ 1, got {fr}")
+        self.max_norm = float(max_norm)
+        self.group_of = torch.as_tensor(group_of, dtype=torch.long)
+        self.fractions = fr
+
+    def scales(self, sq_norms: torch.Tensor) -> torch.Tensor:
+        if self.group_of.numel() != sq_norms.shape[1]:
+            raise ValueError("GroupClip: one group index per trainable parameter is needed")
+        gid = self.group_of.to(sq_norms.device)
+        out = torch.ones_like(sq_norms)
+        for g, f in enumerate(self.fractions):
+            sel = gid == g
+            if sel.any():
+                norms = sq_norms[:, sel].sum(dim=1).clamp_min(0).sqrt()
+                c = (self.max_norm * math.sqrt(f) / (norms + EPS)).clamp(max=1.0)
+                out[:, sel] = c[:, None]
+        return out
+
+
+@dataclass(frozen=True)
+class ClipSettings:
+    """How one privacy unit's gradient is clipped, as each way in translates its own keys
+    (``dpft train``: ``privacy.clipping.*``, ``task.user_clipping``/``task.max_rows_per_user``;
+    ``make_private``: ``clipping``, ``max_grad_norm``, ``head_fraction``, ``user_clipping``;
+    ``DPArguments``: ``clipping``, ``max_grad_norm``, ``clipping_gamma``, ``head_fraction``, ...).
+
+    Attributes:
+        style: ``flat`` | ``per_layer`` | ``automatic`` (``auto``, ``auto_s``) | ``head_body`` |
+            ``per_group`` (make_private: one share of C per optimizer param group).
+        max_norm: C > 0, the L2 bound of one unit's clipped contribution (its sensitivity, add/remove-one).
+        gamma: AUTO-S stability constant (``automatic``).
+        head_fraction: f ∈ (0, 1), the head's share of C² (``head_body``).
+        over_k: k at user level with ``per_example_over_k``: each row clipped to C/k, so a user's at
+            most k rows sum to ≤ C (grads/groups.py ``PerExampleOverK``); None: each unit clipped to C
+            (a row, or a user's summed rows with ``group`` clipping).
+    """
+
+    style: str
+    max_norm: float
+    gamma: float = 0.01
+    head_fraction: float = 0.5
+    over_k: Optional[int] = None
+
+
+def build_clip_policy(s: ClipSettings, *, head_mask: Optional[Sequence[bool]] = None,
+                      groups: Optional[tuple[Sequence[int], Sequence[float]]] = None) -> ClipPolicy:
+    """The clip policy of ``s`` — the one clip builder of ``dpft train``, ``make_private`` and
+    ``DPTrainer`` (and the TRL trainers): :func:`make_clip_policy` (or :class:`GroupClip`) at C, or at
+    C/k wrapped in :class:`~dpft.grads.groups.PerExampleOverK` (sensitivity k · C/k = C).
+
+    Args:
+        head_mask: ``(G,)`` head flags in engine parameter order, set on a ``head_body`` policy now
+            (a way in that knows them only later gives them to the step spec: step/build.py).
+        groups: ``per_group`` only: ``(group index of each engine parameter, fraction f_g per group)``.
+
+    Raises:
+        ValueError: an unknown style, C not positive and finite, f outside (0, 1), γ ≤ 0, k < 1,
+            ``per_group`` without ``groups`` or with fractions summing above 1.
+    """
+    c = s.max_norm / s.over_k if s.over_k is not None else s.max_norm
+    if s.style == "per_group":
+        if groups is None:
+            raise ValueError("clipping 'per_group' needs the parameter groups (one share of C per optimizer "
+                             "param group: make_private only)")
+        clip: ClipPolicy = GroupClip(c, *groups)
+    else:
+        clip = make_clip_policy(s.style, c, s.gamma, s.head_fraction)
+    if head_mask is not None and hasattr(clip, "set_head_mask"):
+        clip.set_head_mask(head_mask)
+    return PerExampleOverK(clip, s.over_k) if s.over_k is not None else clip
 
 
 # --------------------------------------------------------------------------- adaptive clipping

@@ -11,7 +11,7 @@ from dpft.config.refusals import refuse
 from dpft.errors import PlanError
 from dpft.methods.python import python_methods
 from dpft.session import SessionSettings
-from dpft.step.clip import make_clip_policy
+from dpft.step.clip import ClipSettings, build_clip_policy
 from dpft.step.mechanisms import Mechanism, mechanism_of
 
 __all__ = ["DPArguments"]
@@ -126,13 +126,13 @@ class DPArguments:
             raise ValueError(f"DPArguments.head_learning_rate must be > 0, got {self.head_learning_rate}")
         if self.engine not in ("bookkeeping", "reference"):
             raise ValueError(f"DPArguments.engine must be 'bookkeeping' or 'reference', got {self.engine!r}")
-        make_clip_policy(self.clipping, self.max_grad_norm, self.clipping_gamma, self.head_fraction)  # checks C
         if self.user_column is not None and (not isinstance(self.user_column, str) or not self.user_column):
             raise ValueError(f"DPArguments.user_column must be a column name, got {self.user_column!r}")
         if int(self.max_rows_per_user) != self.max_rows_per_user or self.max_rows_per_user < 1:
             raise refuse("task.max_rows_per_user:range", "DPTrainer", got=self.max_rows_per_user)
         if self.user_clipping not in ("group", "per_example_over_k"):
             raise refuse("task.user_clipping:unknown", "DPTrainer", got=self.user_clipping)
+        build_clip_policy(self.clip_settings())  # checks C, f, γ
         if self.max_batch_size is not None and (isinstance(self.max_batch_size, bool)
                                                 or int(self.max_batch_size) != self.max_batch_size
                                                 or self.max_batch_size < 1):
@@ -154,6 +154,13 @@ class DPArguments:
         Raises:
             PlanError: as :func:`~dpft.step.mechanisms.mechanism_of`."""
         return mechanism_of(self.mechanism, self.bands, self.max_batch_size)
+
+    def clip_settings(self) -> ClipSettings:
+        """These settings' clip, for the one clip builder (step/clip.py ``build_clip_policy``): at user
+        level with ``per_example_over_k`` each row is clipped to ``max_grad_norm / max_rows_per_user``."""
+        over_k = self.user_column is not None and self.user_clipping == "per_example_over_k"
+        return ClipSettings(self.clipping, self.max_grad_norm, self.clipping_gamma, self.head_fraction,
+                            int(self.max_rows_per_user) if over_k else None)
 
     def session_settings(self, steps: int) -> SessionSettings:
         """These settings as the private session's (session/core.py), for ``steps`` logical steps."""

@@ -106,11 +106,9 @@ from dpft.api import UnclippedParameterError, prediction_summary
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.grads.base import PerExampleEngine, PerExampleLoss
 from dpft.step.aggregate import Aggregator
-from dpft.step.clip import NonFiniteGradientError, make_clip_policy
+from dpft.step.clip import ClipPolicy, NonFiniteGradientError, build_clip_policy
 from dpft.step.build import make_engine
 from dpft.step.postprocess import Transform
-from dpft.grads.groups import PerExampleOverK
-from dpft.step.sample import UserPoissonSampler
 from dpft.step.plan import planned_steps
 from dpft.integrations.hf.args import DPArguments
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
@@ -235,45 +233,45 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         #: training loop draws from its own child), the ledger, the unit, the methods, the plan, the step.
         self.session = PrivateSession.open(dp_args.reproducible_seed, ledger=ledger, where=where)
         self.world, self.rng, self.ledger = self.session.world, self.session.rng, self.session.ledger
-        users = self._privacy_units()  # N units, the steps; every rank the same settings (before any collective)
+        users = self._privacy_units()  # N units (rows, or users: one index per row) and the steps
         if self.rng.reproducible and self.world.is_main:
             warnings.warn("DPArguments.reproducible_seed is set: batches and noise can be regenerated from it, "
                           "so ε holds only while that seed stays secret", stacklevel=2)
         self._run_rng, self._loops = self.rng.child("hf-train-loop-0"), 0
-        if not self.sharded:  # FSDP2 holds one weight per parameter for the world
-            ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
         self.loss_fn = loss_fn if loss_fn is not None else hf_per_example_loss(
             _is_causal_lm(self.model), tuple(self.label_names or ()), seq2seq=is_seq2seq(self.model))
         meths = python_methods(dp_args.methods, "DPArguments")
         if self.sharded:
             refuse_sharded_methods(where, meths)
-        self.plan = self.session.plan(
+        self.plan = self.session.plan(  # the session checks that every rank runs the same (``same``: what else)
             dp_args.session_settings(self.total_steps), rows=self.train_dataset, n_rows=len(self.train_dataset),
-            rng=self._run_rng, optimizer=_TrainerStepsOptimizer(), n_units=self.n, method_list=meths,
-            user_sampler=UserPoissonSampler(users, int(dp_args.expected_batch_size), int(dp_args.max_rows_per_user),
-                                            self._run_rng) if self.user_level else None,
-            methods=self._methods_for(meths), parts=lambda sampler: (self._set_clip(), self._make_engine()),
+            rng=self._run_rng, optimizer=_TrainerStepsOptimizer(), method_list=meths,
+            users=None if users is None else (users.tolist(), dp_args.user_column),
+            same=ddp.recipe_digest(self._world_config()), methods=self._methods_for(meths),
+            parts=lambda sampler: self._clip_and_engine(build_clip_policy(dp_args.clip_settings())),
             transforms=list(transforms or []), head_mask=lambda names: [is_head_param(n) for n in names])
         self._after_plan()
 
     def _methods_for(self, meths: list):
         """The session's factory of ``DPArguments.methods`` over what DPTrainer knows (methods/python.py;
-        their ``after_update`` runs after ``Trainer``'s optimizer step)."""
+        their ``after_update`` runs after ``Trainer``'s optimizer step). The session calls it once every
+        rank runs the same settings, before the methods prepare: under DDP the world first takes rank 0's
+        weights (an FSDP2 model holds one weight per parameter for the world)."""
         dp = self.dp_args
         recipe = PythonRecipe(max_grad_norm=dp.max_grad_norm, clipping=dp.clipping,
                               expected_batch_size=int(dp.expected_batch_size), hardened_noise=dp.hardened_noise,
                               methods=meths)
-        return lambda n, rng, user_level: PythonMethods(
-            meths, model=self.model, n=n, ledger=self.ledger, rng=rng, where="DPTrainer", recipe=recipe,
-            loss_fn=self.loss_fn, user_level=user_level)
 
-    def _set_clip(self):
-        self.clip = self._make_clip()
-        return self.clip
+        def methods(n: int, rng, user_level: bool) -> PythonMethods:
+            if not self.sharded:
+                ddp.broadcast_module(self.world, self.model)  # DDP: the world starts from rank 0's weights
+            return PythonMethods(meths, model=self.model, n=n, ledger=self.ledger, rng=rng, where="DPTrainer",
+                                 recipe=recipe, loss_fn=self.loss_fn, user_level=user_level)
+        return methods
 
     def _privacy_units(self) -> Optional[torch.Tensor]:
-        """N privacy units (rows, or users), the planned steps and the physical batch size, checked
-        to be the same on every rank. Returns the ``(N_rows,)`` user index of every row at user
+        """N privacy units (rows, or users), the planned steps and the physical batch size (every rank's
+        are compared by the session's plan). Returns the ``(N_rows,)`` user index of every row at user
         level, else None.
 
         Raises:
@@ -305,9 +303,6 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         self.total_steps = planned_steps(self.n, eb, max_steps, self.args.num_train_epochs)
         self.args.max_steps = self.total_steps
         self.physical_batch_size = int(dp_args.max_physical_batch_size or self.args.per_device_train_batch_size)
-        # DDP: every rank must run the same privacy settings over the same rows and parameters
-        # (else the all-reduce would add unlike sums, or hang).
-        ddp.check_same_recipe(self.world, self._world_config())
         return users
 
     def _after_plan(self) -> None:
@@ -337,25 +332,17 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         #: Un-noised statistics of the last logical step (never logged; for the data holder).
         self.last_private_stats: dict[str, Any] = {}
 
-    def _make_clip(self):
-        """The clip policy; at user level with ``per_example_over_k`` each row is clipped to C/k
-        (a user's ≤ k rows then sum to ≤ C; step/build.py ``build_clip`` does the same)."""
-        dp = self.dp_args
-        if self.user_level and dp.user_clipping == "per_example_over_k":
-            k = int(dp.max_rows_per_user)
-            return PerExampleOverK(make_clip_policy(dp.clipping, dp.max_grad_norm / k, dp.clipping_gamma,
-                                                    dp.head_fraction), k)
-        return make_clip_policy(dp.clipping, dp.max_grad_norm, dp.clipping_gamma, dp.head_fraction)
-
     def _world_config(self) -> dict[str, Any]:
-        """What every rank of a DDP world must agree on (compared by digest across ranks)."""
+        """What every rank of a DDP world must agree on beyond the session's settings (its digest is
+        the session's ``same``): else the all-reduce would add unlike sums, or hang."""
         dp = asdict(self.dp_args)
         dp.pop("max_physical_batch_size", None)  # memory only: ranks may differ
         dp.pop("log_private_train_loss", None)
         return {"dp_args": dp, "rows": len(self.train_dataset), "units": self.n, "total_steps": self.total_steps,
                 "trainable": [[n, list(p.shape)] for n, p in self.model.named_parameters() if p.requires_grad]}
 
-    def _make_engine(self) -> PerExampleEngine:
+    def _clip_and_engine(self, clip: ClipPolicy) -> tuple[ClipPolicy, PerExampleEngine]:
+        """The plan's parts: ``clip`` (from the one clip builder) and the per-example engine over it."""
         from dpft.placement.device import Precision
 
         ckpt = bool(getattr(self.args, "activation_checkpointing", False) or getattr(self.args, "gradient_checkpointing", False))
@@ -363,13 +350,13 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
             _refuse("activation (gradient) checkpointing needs DPArguments.engine='bookkeeping': the reference "
                     "engine's torch.func transforms cannot run Hugging Face's checkpointing hooks")
         engine = make_engine("reference" if self.dp_args.engine == "reference" else "bookkeeping", self.model,
-                             self.loss_fn, self.clip)
+                             self.loss_fn, clip)
         if getattr(self.args, "bf16", False):
             # bf16 autocast around the forward (accelerate also wraps the model's forward; nested
             # autocast of one dtype is the same). Norms, clipped sums, noise and the optimizer
             # state stay fp32 (dpft/placement/device.py).
             engine.precision = Precision("bf16", device_type=self.args.device.type)
-        return engine
+        return clip, engine
 
     def _check_params(self) -> None:
         """The engine's parameters must still be the model's trainable parameters (checked at every

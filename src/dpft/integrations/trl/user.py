@@ -13,7 +13,7 @@ rejected: :func:`~dpft.integrations.trl.trainer.pair_rows`), so
   chosen and rejected rows to C (grads/groups.py). Add/remove one user changes the clipped sum
   by at most C.
 * ``user_clipping='per_example_over_k'``: each pair stays its own group, clipped to C/k
-  (``DPTrainer._make_clip``); a user's at most k pairs sum to at most C.
+  (``DPArguments.clip_settings``, step/clip.py ``build_clip_policy``); a user's at most k pairs sum to at most C.
 
 Sources: Chua et al. 2024, "Mind the Privacy Unit! User-Level Differential Privacy for Language
 Model Fine-Tuning" (user-level DP-SGD, Poisson over users); Charles et al. 2024, "Fine-Tuning
