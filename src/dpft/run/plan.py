@@ -8,8 +8,8 @@ report). In order::
 
     refusals        run/refuse.py        refuse_unresolved    `auto` resolved first
     world, key      session/core.py      PrivateSession.open  torchrun world; the one secret key; same recipe
-    ledger          run/checkpoint.py    continue_ledger      appended to, never replaced
     refusals        run/refuse.py        refuse_and_place     what needs no data; device and precision
+    ledger          run/checkpoint.py    continue_ledger      appended to, never replaced
     data, model     run/load.py          load_run_data        rows (δ < 1/N), tokenizer, model, tokenised rows
     unit            run/unit.py          build_unit           privacy unit, its sampler, N, q
     settings, Run   run/session_args.py  recipe_settings, run_context   the session's settings; the methods' view
@@ -143,9 +143,9 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     session = PrivateSession.open(r.seed if r.privacy.reproducible else None, rng=rng, ledger=ledger,
                                   same=r.model_dump(mode="json"), where="dpft train")
     world, progress = session.world, progress and session.world.is_main
+    placement, mechanism = refuse_and_place(r, world, methods, resume, progress)  # before any loading
     live = Path(live_ledger_path) if live_ledger_path else run_dir / "ledger.json"
     session.ledger, ledger_notes = continue_ledger(world, run_dir, live, resume, session.ledger)
-    placement, mechanism = refuse_and_place(r, world, methods, resume, progress)  # before any loading
     data, tokenizer, model = load_run_data(r, placement, methods, progress, extra_rows)
     unit = build_unit(r, data.train_tok, data.task.notes, session.rng, private, mechanism)
     settings = recipe_settings(r, mechanism, phase)
