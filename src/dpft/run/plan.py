@@ -124,7 +124,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
                extra_rows: Optional[Callable[[Any, TrainData, Any], TrainData]] = None,
                features: Any = None) -> RunPlan:
     """Resolve ``recipe`` into a :class:`RunPlan` through the private session (see the module
-    docstring for the order; the manual: docs/cli.md).
+    docstring for the order; the manual: docs/cli_plan.md).
 
     Args: as :class:`~dpft.run.loop.Trainer`; ``train_phase``: the driver's phase runner, given
     to the methods as ``Run.train_phase`` (a method's earlier training phase runs through it and
