@@ -2,7 +2,7 @@
 sampler, the methods' preparation, the privacy plan, the step for this world, and the secret state
 beyond the key (DESIGN.md "Layout": session; issue 46 item 1).
 
-A way in (``make_private``, ``DPTrainer``) translates its own arguments into one
+A way in (``dpft train``, ``make_private``, ``DPTrainer``) translates its own arguments into one
 :class:`SessionSettings` and hands the session what only it knows: the rows, the clip and engine
 (``parts(sampler) -> (clip, engine)``), the optimizer, and a factory of its prepared methods (the
 session sits below ``methods/`` and never imports them). Everything else is built here, once, the
@@ -110,7 +110,7 @@ class PrivateSession:
     methods: Any = None
     #: The unit's sampler (the way in's, or the user-level one); None: the mechanism's own (step/plan.py).
     unit_sampler: Any = None
-    #: The settings :meth:`prepare` ran for (:meth:`plan` prepares them itself otherwise).
+    #: The settings :meth:`prepare` ran for, until the next :meth:`plan` (which prepares itself otherwise).
     prepared: Optional[SessionSettings] = field(default=None, repr=False)
 
     @classmethod
@@ -223,6 +223,7 @@ class PrivateSession:
         if self.prepared is not s:
             self.prepare(s, n_rows=n_rows, rng=rng, unit=unit, users=users, user_sampler=user_sampler,
                          n_units=n_units, methods=methods, method_list=method_list, same=same)
+        self.prepared = None  # one preparation per plan: a later plan prepares anew
         self.planned = total_steps if total_steps is not None else s.planned(self.n)
         w, m = self.world, self.methods
         plan = build_privacy_plan(
