@@ -147,10 +147,10 @@ def test_sharding_refusals(lm_dirs, tmp_path, monkeypatch):
     from dpft.placement import world as ddp
     from dpft.placement.fsdp import FSDPError
     from dpft.privacy.randomness import Randomness
-    from dpft.run import plan as run_plan
+    from dpft.session import core as session_core
 
     assert load_recipe(None, {}).perf.sharding == "ddp"  # today's recipes: DDP under torchrun
-    monkeypatch.setattr(run_plan, "session_world", lambda *a, **k: (ddp.World(rank=0, world_size=2), Randomness(0)))
+    monkeypatch.setattr(session_core, "session_world", lambda *a, **k: (ddp.World(rank=0, world_size=2), Randomness(0)))
     with pytest.raises(ddp.DistributedError, match="perf.sharding: none"):
         Trainer(load_recipe(None, fsdp_recipe(lm_dirs, "gpt2", **{"perf.sharding": "none"})), tmp_path / "a")
     monkeypatch.undo()

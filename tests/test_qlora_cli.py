@@ -97,7 +97,7 @@ def test_quantization_with_another_trainable_mode_is_refused_before_loading(tiny
         raise AssertionError("the model was loaded before the refusal")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
-    monkeypatch.setattr("dpft.run.plan.load_rows", never)
+    monkeypatch.setattr("dpft.run.load.load_rows", never)
     monkeypatch.chdir(ROOT)
     args = _args(tiny_dir, tmp_path / "run", "--set", "model.quantization=nf4")
     args[args.index("--trainable") + 1] = "full"

@@ -81,9 +81,9 @@ def sharded_entry(i: int, cfg: dict, port: int) -> None:
             {"nf4": rows, "local_bytes": local_bytes, "full_bytes": full_bytes}))
         return out
 
-    import dpft.run.plan as run_plan
+    import dpft.run.step_model as step_model
 
-    fsdp.shard_model = run_plan.shard_model = spy  # the driver calls the name it imported (run/plan.py)
+    fsdp.shard_model = step_model.shard_model = spy  # the driver calls the name it imported (run/step_model.py)
     ddp_worker.forked_entry(i, cfg, port)
 
 

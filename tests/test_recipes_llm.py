@@ -35,15 +35,15 @@ def eight_gpu_overrides(path: Path) -> dict:
 
 
 def before_loading(r, world_size: int) -> None:
-    """What ``dpft train`` refuses from the recipe alone (run/plan.py build_plan, before any loading)."""
+    """What ``dpft train`` refuses from the recipe alone (run/refuse.py, before any loading)."""
     from dpft.models.quant import check_recipe as quant
-    from dpft.run.plan import _recipe_mechanism
+    from dpft.run.refuse import recipe_mechanism
     from dpft.run.unit import check_user_level
 
     quant(r)
     if r.task.user_column:
         check_user_level(r, [])
-    _recipe_mechanism(r, True, [])
+    recipe_mechanism(r, True, [])
     if r.perf.sharding == "fsdp":
         from dpft.placement.fsdp import check_recipe
 

@@ -3,6 +3,8 @@ make_private and DPTrainer, its step choice, its world builder and its versioned
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -157,3 +159,62 @@ def test_step_for_one_process_is_the_dp_step():
     sess, plan = _session_plan({})
     step = step_for(plan, sess.world, sess.ledger, plan.n)
     assert isinstance(step, DPStep) and step.ledger is sess.ledger and step.spec is plan.spec
+
+
+def _banded_after(steps: int):
+    eng, module, opt, crit, loader, _ = _make_private(MECHS["banded_mf"])
+    while opt.logical_steps < steps:
+        for x, y in loader:
+            crit(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if opt.logical_steps >= steps:
+                break
+    return opt.dp_step
+
+
+def test_secret_state_resume_refusals_and_the_format_before_v1():
+    """The one restore path's refusals (what dpft train's --resume and DPTrainer's
+    resume_from_checkpoint ask of it): releases after the checkpoint, a state of another step, a
+    state at another step than the checkpoint's when saved, no state at all; and a state written
+    before the versioned format (dpft train / DPTrainer's bare banded state) still restores."""
+    step = _banded_after(2)
+    with pytest.raises(ValueError, match="checkpoint at step 3"):
+        PrivateSession.secret_state(step, at=3)
+    state = PrivateSession.secret_state(step, at=2)
+    restored = _make_private(MECHS["banded_mf"])[2].dp_step  # each refusal leaves it untouched
+    with pytest.raises(ValueError, match=r"--resume: 1 release\(s\) .* after the checkpoint at step 2.*new --output-dir"):
+        PrivateSession.restore_secret_state(restored, state, "--resume", at=2, replayed=1, fresh="--output-dir")
+    with pytest.raises(ValueError, match="state is at step 2, the checkpoint at step 4"):
+        PrivateSession.restore_secret_state(restored, state, "--resume", at=4)
+    with pytest.raises(ValueError, match="no secret state"):
+        PrivateSession.restore_secret_state(restored, None, "--resume", at=2)
+    assert restored.spec.mechanism.next_step == 0
+    PrivateSession.restore_secret_state(_make_private(MECHS["gaussian"])[2].dp_step, None)  # stateless: nothing
+    bare = {k: v for k, v in state.items() if k not in ("format", "version", "stateful")}  # before v1
+    PrivateSession.restore_secret_state(restored, bare, "--resume", at=2)
+    assert restored.spec.mechanism.next_step == 2
+    for k, v in step.spec.mechanism.buffers[0].items():
+        assert torch.equal(restored.spec.mechanism.buffers[0][k], v)
+
+
+def test_dpft_train_plans_through_the_session(tiny_model_dir, sst_like_files, tmp_path):
+    """dpft train's plan comes from the private session (run/plan.py build_plan): the session's
+    world, key and ledger are the run's, its N and planned steps the run's, the step is the
+    session's (the only ledger writer); --no-dp is a session plan without a mechanism."""
+    from conftest import files_recipe
+    from dpft.run.loop import Trainer
+
+    r = files_recipe(tiny_model_dir, sst_like_files, **{"privacy.reproducible": True, "schedule.epochs": 1.1,
+                                                         "schedule.steps": None})
+    tr = Trainer(r, tmp_path / "a", progress=False)
+    sess = tr.plan.session
+    assert isinstance(sess, PrivateSession) and sess.where == "dpft train"
+    assert sess.rng is tr.rng and sess.ledger is tr.ledger and tr.dp_step.ledger is sess.ledger
+    assert sess.n == tr.n and sess.planned == tr.total_steps == tr.plan.privacy.steps
+    assert tr.total_steps == math.ceil(1.1 * tr.n / 8 - 1e-9)  # the one steps rule (step/plan.py)
+    assert tr.dp_step.spec is tr.plan.privacy.spec and tr.plan.privacy.private and tr.sigma > 0
+    off = Trainer(files_recipe(tiny_model_dir, sst_like_files, **{"privacy.enabled": False}), tmp_path / "b",
+                  progress=False)
+    assert not off.plan.privacy.private and off.plan.privacy.sigma is None and off.sigma == 0.0
+    assert off.dp_step.spec.mechanism is None and off.plan.session.methods.methods == []

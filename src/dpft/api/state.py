@@ -44,7 +44,8 @@ import torch
 from dpft.placement import world as ddp
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.outputs.lock import RunLock
-from dpft.step.correlated import check_secret_state, secret_state, write_secret
+from dpft.session import PrivateSession
+from dpft.step.correlated import check_secret_state, write_secret
 
 __all__ = ["LoopState", "live_record_path", "write_live_record", "check_fresh"]
 
@@ -116,12 +117,13 @@ class LoopState:
         """See ``PrivacyEngine.save_noise_state``; a collective under torch.distributed (every
         rank calls it; the FSDP2 buffers are gathered, module docstring). Returns whether this
         process wrote the file."""
-        opt, mech = self.optimizer, self.mechanism
+        opt = self.optimizer
         if opt._agg is not None and opt._agg_step is not None and opt._agg_step > opt._released_upto:
             raise ValueError("save_noise_state: a logical batch is open (call it after optimizer.step() of its last "
                              "micro-batch)")
         world = engine.world if engine.world is not None else ddp.World()
-        state = secret_state(mech)  # the one versioned format; FSDP2: every rank's slices gathered (a collective)
+        # the session's one versioned format; FSDP2: every rank's slices gathered (a collective)
+        state = PrivateSession.secret_state(opt.dp_step)
         if not world.is_main:
             engine._live_path = live_record_path(path)
             return False
@@ -169,10 +171,7 @@ class LoopState:
                              "saved) is missing, so a state older than the last release cannot be told apart; keep "
                              f"the record beside the state, or {fix}")
         check_fresh(PrivacyLedger.from_json(live).steps, saved.steps, record.name, fix)
-        try:
-            mech.load_state(st, dict(opt.dp_step.params))
-        except ValueError as exc:
-            raise ValueError(f"load_noise_state: {exc}") from None
+        PrivateSession.restore_secret_state(opt.dp_step, st, "load_noise_state")  # the session's one restore path
         held, want = _flat(engine.ledger), _flat(saved)
         if want[:len(held)] != held:
             raise ValueError("load_noise_state: this PrivacyEngine's ledger holds releases that the saved state's "

@@ -29,9 +29,10 @@ from dpft.placement import world as ddp
 from dpft.placement import fsdp
 from dpft.run.interrupt import StopOnSignal, TrainingInterrupted, _Abandon, _HardStop  # noqa: F401 (re-exported)
 from dpft.run.checkpoint import cap_resumed_run, check_world_size, load_checkpoint, release_checkpoints, save_checkpoint
-from dpft.run.plan import build_plan, evaluate_with_methods
+from dpft.run.plan import build_plan
+from dpft.run.session_args import evaluate_with_methods
 from dpft.outputs.release import DiagnosticsLog, split_row
-from dpft.session import step_for
+from dpft.session import PrivateSession
 from dpft.step.clip import NonFiniteGradientError
 from dpft.step.postprocess import Transform  # noqa: F401 (Transform: public type)
 from dpft.step.sample import PoissonSampler
@@ -45,7 +46,7 @@ from dpft.outputs.report import write_report
 from dpft.outputs.model import after_report, save_run_model
 from dpft.run.predict import evaluate_test_file
 from dpft.run.tracking import Trackers, public_config
-from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
+from dpft.step.correlated import load_noise_state, write_noise_state
 from dpft.step.truncated import fixed_micro_batches, fixed_shape_batches
 
 
@@ -96,11 +97,12 @@ class Trainer:
         #: The recipe's methods (methods/base.py), composed in order; the driver names none.
         self.methods, self.ctx = p.methods, p.ctx
         self.params, self.optimizer, self.scheduler = p.params, p.optimizer, p.scheduler
-        # the step for this world (session/step.py); FSDP2: a rank short of micro-batches runs a placeholder one
-        self.dp_step = step_for(p, self.world, self.ledger, self.n, sharded=p.sharded, private=p.private,
-                                on_release=self.save_live_ledger, dummy_batch=lambda: collate(
-                                    list(self.train_tok.select(range(min(2, len(self.train_tok))))), self.pad_id,
-                                    self.with_token_types, device=self.device))
+        # the session's step for this world (session/step.py); FSDP2: a rank short of micro-batches runs a
+        # placeholder one
+        self.dp_step = p.session.step(p.privacy, sharded=p.sharded, on_release=self.save_live_ledger,
+                                      dummy_batch=lambda: collate(
+                                          list(self.train_tok.select(range(min(2, len(self.train_tok))))),
+                                          self.pad_id, self.with_token_types, device=self.device))
         #: Checkpoint at every release (config ``checkpoint_every_release``): cheap when the trainable
         #: part is small, and a crash then leaves nothing to replay (issue 36 item 3).
         self.release_checkpoints = release_checkpoints(recipe, self.private, p.sharded, self.params)
@@ -271,9 +273,8 @@ class Trainer:
             return
         save_checkpoint(self.run_dir, step=step, params=self.params, optimizer=self.optimizer,
                         scheduler=self.scheduler, ledger_json=self.ledger.to_json(), state=self._state())
-        if self._stateful:  # banded_mf: secret noise state, outside the release set
-
-            save_noise_state(self.run_dir, self.mechanism, step)
+        if self._stateful:  # banded_mf: secret noise state (the session's one format), outside the release set
+            write_noise_state(self.run_dir, PrivateSession.secret_state(self.dp_step, at=step))
 
     def _comparable(self, d: dict) -> dict:
         d = json.loads(json.dumps(d))
@@ -331,8 +332,12 @@ class Trainer:
         # steps again, and the report says so (normally none: an interrupt checkpoints its step).
         extra = (sum(e.count for e in self.ledger.entries if e.phase == self.phase)
                  - sum(e.count for e in ck_ledger.entries if e.phase == self.phase))
-        if self._stateful:
-            resume_noise_state(self.mechanism, ck.get("noise_state"), st["step"], extra, self.params)
+        if self._stateful:  # the session's one restore path (refuses replays, another step, other rows)
+            try:
+                PrivateSession.restore_secret_state(self.dp_step, ck.get("noise_state"), "--resume", at=st["step"],
+                                                    replayed=extra, fresh="--output-dir")
+            except ValueError as exc:
+                raise TrainingError(str(exc)) from None
         if extra > 0 and self.private:
             self.replays.append({"from_step": st["step"] + 1, "to_step": min(st["step"] + extra, self.total_steps),
                                  "releases": extra})

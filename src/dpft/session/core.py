@@ -2,7 +2,7 @@
 sampler, the methods' preparation, the privacy plan, the step for this world, and the secret state
 beyond the key (DESIGN.md "Layout": session; issue 46 item 1).
 
-A way in (``make_private``, ``DPTrainer``) translates its own arguments into one
+A way in (``dpft train``, ``make_private``, ``DPTrainer``) translates its own arguments into one
 :class:`SessionSettings` and hands the session what only it knows: the rows, the clip and engine
 (``parts(sampler) -> (clip, engine)``), the optimizer, and a factory of its prepared methods (the
 session sits below ``methods/`` and never imports them). Everything else is built here, once, the
@@ -13,11 +13,15 @@ same way for every way in::
                         optimizer=optimizer, users=(user ids, column) or None, methods=factory)
     step = session.step(plan, sharded=False, on_release=...)              # session/step.py
     state = session.secret_state(step)                                    # versioned; restore_secret_state
+
+A way in that readies its model between the methods' preparation and the plan (``dpft train``,
+run/plan.py: rank 0's weights, FSDP2 shards, frozen features) calls :meth:`PrivateSession.prepare`
+first; :meth:`PrivateSession.plan` then continues from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from dpft.accounting.ledger import PrivacyLedger
@@ -42,11 +46,14 @@ class SessionSettings:
         expected_batch_size: B, the expected logical batch in units (rows, or users).
         mechanism: the mechanism part (step/mechanisms.py ``mechanism_of``).
         steps / epochs: the planned length (step/plan.py ``planned_steps``; None: neither, σ given).
-        noise_multiplier: σ, or target_epsilon + target_delta: the (ε, δ) σ is calibrated to.
+        noise_multiplier: σ, or target_epsilon + target_delta: the (ε, δ) σ is calibrated to (a σ
+            given wins; δ < 1/N is checked whenever δ is given).
         clipping: the clip style's name (compared across ranks; the clip itself is the way in's).
         hardened: hardened noise draws (privacy/randomness.py).
         max_rows_per_user, user_clipping: user level (``users`` given to :meth:`PrivateSession.plan`).
         phase: the ledger phase of the loop's releases.
+        private: False for a loop without a mechanism (``dpft train --no-dp``: σ None, nothing
+            recorded; a truncated sampler still masks padded rows).
     """
 
     max_grad_norm: float
@@ -62,6 +69,14 @@ class SessionSettings:
     max_rows_per_user: int = 4
     user_clipping: str = "group"
     phase: str = "train"
+    private: bool = True
+
+    def planned(self, n: int) -> Optional[int]:
+        """The planned logical steps over ``n`` units: ``steps``, else ⌈epochs · N / B⌉ (step/plan.py
+        ``planned_steps``, the one rule of every way in); None when neither is set."""
+        if self.steps is None and self.epochs is None:
+            return None
+        return planned_steps(n, self.expected_batch_size, self.steps, self.epochs)
 
     def same_on_every_rank(self) -> tuple:
         """What every rank of a world must agree on (the mechanism by its name and settings)."""
@@ -70,18 +85,18 @@ class SessionSettings:
                 tuple(sorted((k, v) for k, v in vars(m).items() if k != "names")), self.steps, self.epochs,
                 self.noise_multiplier,
                 self.target_epsilon, self.target_delta, self.clipping, self.max_rows_per_user, self.user_clipping,
-                self.phase)
+                self.phase, self.private)
 
 
 @dataclass
 class PrivateSession:
     """One private session: this process's world and the run's secret key, one ledger, and what
-    :meth:`plan` and :meth:`step` build for it (see the module docstring).
+    :meth:`prepare`, :meth:`plan` and :meth:`step` build for it (see the module docstring).
 
-    Construct with :meth:`open`. Attributes set by :meth:`plan`: ``unit`` (user level:
-    :class:`~dpft.step.unit.PrivacyUnit` built from ``users``; None at example level), ``user_level``,
-    ``n`` (N units), ``planned``
-    (logical steps, or None), ``methods`` (what the way in's factory returned, prepared).
+    Construct with :meth:`open`. Attributes set by :meth:`prepare` (which :meth:`plan` calls):
+    ``unit`` (the way in's unit, or the user-level :class:`~dpft.step.unit.PrivacyUnit` built from
+    ``users``; None at example level), ``user_level``, ``n`` (N units), ``methods`` (what the way
+    in's factory returned, prepared); by :meth:`plan`: ``planned`` (logical steps, or None).
     """
 
     world: ddp.World
@@ -93,18 +108,23 @@ class PrivateSession:
     n: Optional[int] = None
     planned: Optional[int] = None
     methods: Any = None
+    #: The unit's sampler (the way in's, or the user-level one); None: the mechanism's own (step/plan.py).
+    unit_sampler: Any = None
+    #: The settings :meth:`prepare` ran for, until the next :meth:`plan` (which prepares itself otherwise).
+    prepared: Optional[SessionSettings] = field(default=None, repr=False)
 
     @classmethod
     def open(cls, seed: Optional[int] = None, *, rng: Optional[Randomness] = None,
              ledger: Optional[PrivacyLedger] = None, made_for: Optional[ddp.World] = None,
-             where: str = "dpft") -> "PrivateSession":
+             same: Optional[Any] = None, where: str = "dpft") -> "PrivateSession":
         """Join the world and take the run's secret key (:func:`~dpft.session.world.session_world`:
         rank 0 draws it and broadcasts it, or it derives from ``seed``; ``rng``: the key the caller's
-        earlier session holds, made in ``made_for``).
+        earlier session holds, made in ``made_for``; ``same``: a JSON-able recipe every rank must
+        hold, checked before the key is drawn).
 
         Raises:
             DistributedError: as ``session_world``."""
-        world, key = session_world(seed, rng, made_for=made_for, where=where)
+        world, key = session_world(seed, rng, same=same, made_for=made_for, where=where)
         return cls(world, key, ledger if ledger is not None else PrivacyLedger(), where)
 
     # ------------------------------------------------------------------ the unit
@@ -134,88 +154,161 @@ class PrivateSession:
                 f"size, steps/epochs, σ or target, C, clipping, mechanism); call {self.where} with the same data "
                 "and arguments on every rank")
 
+    # ------------------------------------------------------------------ the methods' preparation
+    def prepare(self, s: SessionSettings, *, n_rows: int, rng: Randomness, unit: Optional[PrivacyUnit] = None,
+                users: Optional[tuple[Sequence, str]] = None, user_sampler: Any = None,
+                n_units: Optional[int] = None, methods: Optional[Callable[[int, Randomness, bool], Any]] = None,
+                method_list: Sequence = (), method_registry: Optional[dict] = None, same: Any = None) -> None:
+        """Everything before the plan, in order: the privacy unit and N units; the same settings on
+        every rank (``same`` added to them); the methods run across ranks; the methods prepared.
+
+        Args:
+            n_rows: N rows; rng: this loop's randomness (a child of :attr:`rng`).
+            unit: the way in's own privacy unit (``dpft train``'s run/unit.py: example level, user
+                level or a batch schedule: its sampler and N); or ``users``: user level over
+                ``(one id per row, column)``; or ``user_sampler``, a user-level sampler the way in
+                built, with ``n_units``; none: example level over the rows.
+            methods: ``methods(n, rng, user_level)`` returns the way in's plug-ins, offering
+                ``prepare``, ``hooks`` and ``on_sigma``; their earlier releases enter the ledger here,
+                before σ is calibrated after them.
+            method_list: checked to run across ranks (``method_registry``: name → class, for the
+                message; placement/world.py ``check_methods``).
+
+        Raises:
+            ValueError, PlanError, DistributedError: naming the fix."""
+        self.unit = unit if unit is not None else self.user_unit(s, users, rng)
+        if unit is not None:
+            self.unit_sampler, n, self.user_level = unit.sampler, unit.n, unit.user_level
+        else:
+            self.unit_sampler = user_sampler if user_sampler is not None else (
+                self.unit.sampler if self.unit is not None else None)
+            n = n_units if n_units is not None else (self.unit.n if self.unit is not None else n_rows)
+            self.user_level = self.unit_sampler is not None
+        self.check_same((n_rows, n, *s.same_on_every_rank(), same))
+        self.n = n
+        ddp.check_methods(self.world, list(method_list), registry=method_registry)
+        self.methods = methods(n, rng, self.user_level) if methods is not None else None
+        if self.methods is not None:
+            self.methods.prepare()
+        self.prepared = s
+
     # ------------------------------------------------------------------ the plan
     def plan(self, s: SessionSettings, *, rows: Any, n_rows: int, rng: Randomness,
-             parts: Callable[[Any], tuple[Any, Any]], optimizer: Any, users: Optional[tuple[Sequence, str]] = None,
-             user_sampler: Any = None, n_units: Optional[int] = None, total_steps: Optional[int] = None,
-             methods: Optional[Callable[[int, Randomness, bool], Any]] = None, method_list: Sequence = (),
-             same: Any = None, transforms: Sequence = (), head_mask=None) -> PrivacyPlan:
+             parts: Callable[[Any], tuple[Any, Any]], optimizer: Any = None,
+             optimizer_factory: Optional[Callable[[dict], Any]] = None, users: Optional[tuple[Sequence, str]] = None,
+             user_sampler: Any = None, n_units: Optional[int] = None, unit: Optional[PrivacyUnit] = None,
+             total_steps: Optional[int] = None, methods: Optional[Callable[[int, Randomness, bool], Any]] = None,
+             method_list: Sequence = (), same: Any = None, transforms: Sequence = (), head_mask=None,
+             padded: bool = False) -> PrivacyPlan:
         """The privacy plan of one loop (step/plan.py ``build_privacy_plan``, the one plan builder).
 
-        In order: the privacy unit (``users``: user level; or ``user_sampler``, a user-level sampler
-        the way in built, with ``n_units``) and N units; the same settings on every rank (``same``
-        added to them); the planned steps (``total_steps``, else from ``steps``/``epochs``); the
-        methods (``methods(n, rng, user_level)`` returns the way in's plug-ins, offering ``prepare``,
-        ``hooks`` and ``on_sigma``; their earlier releases enter the ledger before σ is calibrated
-        after them; ``method_list`` is checked to run across ranks); σ calibrated by rank 0 on the
-        events this loop records after those the ledger holds; the methods' ``build`` hooks; the
-        mechanism's install. The spec's clip is then the engine's (a method may swap it).
+        In order: :meth:`prepare` (unless it ran for ``s``: then its unit and methods stand, and
+        ``users``, ``user_sampler``, ``n_units``, ``unit``, ``methods``, ``method_list`` and ``same``
+        are its, not read here); the planned steps (``total_steps``, else ``s.planned(N)``); σ
+        calibrated by rank 0 on the events this loop records after those the ledger holds (the
+        methods' ``on_sigma`` told); the methods' ``build`` hooks; the mechanism's install. The spec's
+        clip is then the engine's (a method may swap it); raw per-example norms (``keep_norms``) are
+        refused across ranks.
 
         Args:
             rows: the training rows the sampler indexes (a stateful mechanism fingerprints them);
-                n_rows: N rows.
+                n_rows: N rows; padded: the rows are padded to fixed shapes (truncated Poisson masks
+                the padding).
             rng: this loop's randomness (a child of :attr:`rng`).
-            parts: ``sampler -> (clip, engine)``; optimizer: the step's optimizer (or a stand-in).
+            parts: ``sampler -> (clip, engine)``; optimizer: the step's optimizer (or a stand-in), or
+                ``optimizer_factory``: ``engine.params -> optimizer``.
 
         Raises:
             ValueError, PlanError, CalibrationError, DistributedError: naming the fix."""
-        self.unit = self.user_unit(s, users, rng)
-        sampler = user_sampler if user_sampler is not None else (self.unit.sampler if self.unit is not None else None)
-        n = n_units if n_units is not None else (self.unit.n if self.unit is not None else n_rows)
-        user_level = self.user_level = sampler is not None
-        self.check_same((n_rows, n, *s.same_on_every_rank(), same))
-        self.n = n
-        self.planned = total_steps if total_steps is not None else (
-            None if s.steps is None and s.epochs is None else planned_steps(n, s.expected_batch_size, s.steps,
-                                                                            s.epochs))
-        ddp.check_methods(self.world, list(method_list))
-        self.methods = methods(n, rng, user_level) if methods is not None else None
-        if self.methods is not None:
-            self.methods.prepare()
-        w = self.world
+        if self.prepared is not s:
+            self.prepare(s, n_rows=n_rows, rng=rng, unit=unit, users=users, user_sampler=user_sampler,
+                         n_units=n_units, methods=methods, method_list=method_list, same=same)
+        self.prepared = None  # one preparation per plan: a later plan prepares anew
+        self.planned = total_steps if total_steps is not None else s.planned(self.n)
+        w, m = self.world, self.methods
         plan = build_privacy_plan(
-            n=n, expected_batch_size=s.expected_batch_size, steps=self.planned or 0, mechanism=s.mechanism, rng=rng,
-            parts=parts, optimizer=optimizer,
-            noise_multiplier=None if s.target_epsilon is not None else s.noise_multiplier,
-            target_epsilon=s.target_epsilon, delta=s.target_delta, prior=self.ledger.events(),
-            calibrate=lambda f: ddp.on_rank0(w, f), sampler=sampler,
-            hardened=s.hardened, rows=rows, transforms=list(transforms), head_mask=head_mask, phase=s.phase,
-            hooks=self.methods.hooks if self.methods is not None else (),
-            on_sigma=self.methods.on_sigma if self.methods is not None else None)
+            n=self.n, expected_batch_size=s.expected_batch_size, steps=self.planned or 0, mechanism=s.mechanism,
+            rng=rng, parts=parts, optimizer=optimizer, optimizer_factory=optimizer_factory,
+            noise_multiplier=s.noise_multiplier, target_epsilon=s.target_epsilon, delta=s.target_delta,
+            prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(w, f), sampler=self.unit_sampler,
+            private=s.private, hardened=s.hardened, rows=rows, padded=padded, transforms=list(transforms),
+            head_mask=head_mask, phase=s.phase, hooks=m.hooks if m is not None else (),
+            on_sigma=m.on_sigma if m is not None else None)
         plan.spec.engine.clip = plan.spec.clip  # the spec's clip is in force (a method may swap it; as DPStep.run)
+        ddp.check_methods(w, [], keep_norms=plan.spec.keep_norms)  # no raw per-example norms across ranks
         return plan
 
     # ------------------------------------------------------------------ the step
     def step(self, plan: PrivacyPlan, *, sharded: bool = False, on_release: Optional[Callable[[], None]] = None,
              dummy_batch: Optional[Callable[[], Any]] = None):
         """The DP step of ``plan`` for this world (session/step.py ``step_for``): ``DPStep`` in one
-        process and under DDP, ``FSDPStep`` over an FSDP2 model; it is the only writer of :attr:`ledger`."""
-        return step_for(plan, self.world, self.ledger, plan.n, sharded=sharded, on_release=on_release,
-                        dummy_batch=dummy_batch)
+        process and under DDP, ``FSDPStep`` over an FSDP2 model (the plain sharded step for a plan
+        that is not private); it is the only writer of :attr:`ledger`. ``dummy_batch``: the sharded
+        step's placeholder micro-batch (``dpft train``; None: a loop the user drives)."""
+        return step_for(plan, self.world, self.ledger, plan.n, sharded=sharded, private=plan.private,
+                        on_release=on_release, dummy_batch=dummy_batch)
 
     # ------------------------------------------------------------------ secret state beyond the key
     @staticmethod
-    def secret_state(step) -> dict:
+    def secret_state(step, at: Optional[int] = None) -> dict:
         """The secret state of ``step``'s mechanism in the one versioned format every way in writes
-        (step/correlated.py ``secret_state``; a collective under FSDP2: each rank's buffer slices are
-        gathered): nothing beyond the format for a mechanism that is not ``stateful`` (the key alone,
-        never written). **Secret**: never in a release set."""
-        return secret_state(step.spec.mechanism)
+        (``dpft-secret-state`` v1, step/correlated.py ``secret_state``; a collective under FSDP2: each
+        rank's buffer slices are gathered): nothing beyond the format for a mechanism that is not
+        ``stateful`` (the key alone, never written). **Secret**: never in a release set.
 
-    @staticmethod
-    def restore_secret_state(step, state: dict, where: str = "resume") -> None:
-        """Restore what :meth:`secret_state` gave into ``step``'s mechanism (before its first step).
+        Args:
+            at: the step of the checkpoint the state goes with: a stateful mechanism must be at it
+                (checked on every rank before the FSDP2 gather, so a mismatch raises everywhere).
 
         Raises:
-            ValueError: another format or version, a stateful state for a stateless mechanism (or
-                the other way round), or what the mechanism's ``load_state`` refuses (other
-                coefficients, rows or partition), naming the fix."""
-        check_secret_state(state, where)
+            ValueError: the mechanism's state is at another step than ``at``."""
+        mech = step.spec.mechanism
+        if at is not None and mech is not None and mech.stateful and mech.next_step != int(at):
+            raise ValueError(f"noise buffers at step {mech.next_step}, checkpoint at step {at}")
+        return secret_state(mech)
+
+    @staticmethod
+    def restore_secret_state(step, state: Optional[dict], where: str = "resume", *, at: Optional[int] = None,
+                             replayed: int = 0, fresh: str = "run") -> None:
+        """Restore what :meth:`secret_state` gave into ``step``'s mechanism (before its first step),
+        or a state written before the format (step/correlated.py ``check_secret_state``). The
+        refusals of every way in's resume (``where``: its resume option; ``fresh``: what to start
+        anew, e.g. ``--output-dir``):
+
+        Args:
+            at: the checkpoint's step: a stateful state must be at it (the file holds the newest
+                checkpoint's state: resume from the last checkpoint).
+            replayed: releases made after the checkpoint (a crash between checkpoints): refused for
+                a stateful mechanism — releasing those steps again would reuse earlier batches under
+                fresh correlated noise, which its accounting does not cover.
+
+        Raises:
+            ValueError: another format or version; a stateful state for a stateless mechanism (or
+                the other way round, or missing); releases after the checkpoint; a state of another
+                step; what the mechanism's ``load_state`` refuses (other coefficients, rows or
+                partition) — each prefixed with ``where`` and naming the fix."""
         mech = step.spec.mechanism
         stateful = mech is not None and mech.stateful
+        if stateful and replayed > 0:
+            raise ValueError(f"{where}: {replayed} release(s) of the stateful {type(mech).__name__} were made after "
+                             f"the checkpoint at step {at}; replaying them is not covered by its accounting (banded_mf: "
+                             f"correlated noise). Start a new {fresh} (the ledger of this directory keeps what was "
+                             "spent)")
+        if state is None and stateful:
+            raise ValueError(f"{where}: no secret state for the stateful {type(mech).__name__}; start a new {fresh}")
+        if state is None:
+            return
+        check_secret_state(state, where)
         if bool(state.get("stateful", "buffers" in state)) != stateful:
             raise ValueError(f"{where}: the secret state is {'' if not stateful else 'not '}of a stateful mechanism "
                              f"and this step's ({type(mech).__name__}) is {'' if stateful else 'not '}stateful; "
                              "resume with the settings that saved it")
-        if stateful:
+        if not stateful:
+            return
+        if at is not None and int(state["next_step"]) != int(at):
+            raise ValueError(f"{where}: the secret noise state is at step {state['next_step']}, the checkpoint at step "
+                             f"{at}; start a new {fresh}")
+        try:
             mech.load_state(state, dict(step.params))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None

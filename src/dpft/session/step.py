@@ -3,8 +3,8 @@
 model (squared norms all-reduced, clipped sums reduce-scattered, sharded noise), the engine's own sharded
 step (a method's engine that releases through its own mechanism) or the non-private FSDP2 step
 (:class:`~dpft.placement.fsdp_plain.PlainFSDPStep`). ``dpft train`` (run/loop.py), ``make_private``
-(api/engine.py) and ``DPTrainer`` (integrations/hf/trainer.py) all call :func:`step_for`
-(Opacus' one table of optimizer classes; DESIGN.md "Distributed").
+(api/engine.py) and ``DPTrainer`` (integrations/hf/trainer.py) all reach :func:`step_for` through
+``PrivateSession.step`` (session/core.py; Opacus' one table of optimizer classes; DESIGN.md "Distributed").
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ def _driven_by_the_users_loop():  # pragma: no cover - FSDPStep.run is dpft trai
 def step_for(plan, world: World, ledger: PrivacyLedger, n: int, *, sharded: bool = False, private: bool = True,
              on_release: Optional[Callable[[], None]] = None,
              dummy_batch: Optional[Callable[[], Mapping[str, torch.Tensor]]] = None) -> DPStep:
-    """The step of ``plan`` (anything with a ``spec``: step/plan.py's ``PrivacyPlan``, run/plan.py's
-    ``RunPlan``) for this world.
+    """The step of ``plan`` (anything with a ``spec``: step/plan.py's ``PrivacyPlan``) for this world.
 
     Args:
         world: this process's world (``session_world``); its group all-reduces the clipped sums.

@@ -1,8 +1,8 @@
 """The one world builder of every way in: this process's place in the world and the run's secret key.
 
 ``dpft train`` (run/plan.py), ``make_private`` (api/engine.py) and ``DPTrainer``
-(integrations/hf/trainer.py) all call :func:`session_world`; DESIGN.md "Randomness" and
-"Distributed". The collectives it runs are placement/world.py's.
+(integrations/hf/trainer.py) all reach it through ``PrivateSession.open`` (session/core.py);
+DESIGN.md "Randomness" and "Distributed". The collectives it runs are placement/world.py's.
 """
 
 from __future__ import annotations

@@ -66,16 +66,17 @@ if TYPE_CHECKING:
 
 __all__ = ["banded_coefficients", "strategy_matrix", "square_root_coefficients", "prefix_sum_loss",
            "inverse_coefficients", "CyclicPoissonSampler",
-           "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "save_noise_state", "load_noise_state",
-           "resume_noise_state", "write_secret", "secret_state", "check_secret_state",
+           "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "write_noise_state", "load_noise_state",
+           "write_secret", "secret_state", "check_secret_state",
            "SECRET_STATE_FORMAT", "SECRET_STATE_VERSION", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES",
            "MAX_BUFFER_BYTES"]
 
 #: Secret noise state of a banded-MF run: ``run_dir/NOISE_STATE_FILE``, mode 0600, outside the
 #: release set (never in checkpoint/, never pushed).
 NOISE_STATE_FILE = "noise_state.secret.pt"
-#: The one format of the secret state beyond the key, written by every way in (dpft train, DPTrainer and
-#: TRL here, make_private in api/state.py; session/core.py ``PrivateSession.secret_state``), and its version.
+#: The one format of the secret state beyond the key, and its version: every way in (dpft train, DPTrainer
+#: and TRL, make_private in api/state.py) reads and writes it through session/core.py
+#: ``PrivateSession.secret_state`` / ``restore_secret_state``.
 SECRET_STATE_FORMAT = "dpft-secret-state"
 SECRET_STATE_VERSION = 1
 #: make_private's own format before version 1 (read, never written)
@@ -364,18 +365,11 @@ def check_secret_state(st: dict, where: str = "resume") -> dict:
     return st
 
 
-def save_noise_state(run_dir, mechanism: BandedMFMechanism, step: int, write: bool = True) -> Optional[Path]:
-    """Write the secret noise state to ``run_dir/NOISE_STATE_FILE`` (mode 0600, atomically),
-    outside the release set. ``step``: the checkpoint's step (must equal the buffers' step).
-
-    With a sharded mechanism (FSDP2: ``ShardedBandedMFMechanism``, whose ``state()`` gathers every
-    rank's buffer slices) every rank calls this and only rank 0 passes ``write=True``: the step is
-    checked on every rank before the gather, so a mismatch raises everywhere instead of leaving the
-    other ranks waiting in it. Returns the path written, or None."""
-    if mechanism.next_step != int(step):
-        raise ValueError(f"noise buffers at step {mechanism.next_step}, checkpoint at step {step}")
-    state = secret_state(mechanism)  # the one versioned format
-    return write_secret(Path(run_dir) / NOISE_STATE_FILE, state) if write else None
+def write_noise_state(run_dir, state: dict) -> Path:
+    """Write a run's secret state (session/core.py ``PrivateSession.secret_state``: the one versioned
+    format) to ``run_dir/NOISE_STATE_FILE``, mode 0600, atomically, outside the release set (never in
+    ``checkpoint/``, never pushed): ``dpft train``'s and ``DPTrainer``'s checkpoints. Returns the path."""
+    return write_secret(Path(run_dir) / NOISE_STATE_FILE, state)
 
 
 def write_secret(path, obj) -> Path:
@@ -404,27 +398,3 @@ def load_noise_state(run_dir, where: str = "--resume", fresh: str = "--output-di
         return check_secret_state(torch.load(path, weights_only=True, map_location="cpu"), where)
     except ValueError as exc:
         raise TrainingError(str(exc)) from None
-
-
-def resume_noise_state(mechanism: BandedMFMechanism, state: Optional[dict], step: int, replayed: int,
-                       params: dict[str, torch.Tensor], where: str = "--resume", fresh: str = "--output-dir") -> None:
-    """Restore the buffers (and the sampler's partition) for a resume at checkpoint ``step``;
-    ``where`` / ``fresh`` name the way in's resume option and what to start anew (``dpft train``:
-    ``--resume`` / ``--output-dir``; DPTrainer: ``resume_from_checkpoint`` / ``output_dir``).
-
-    Raises:
-        TrainingError: releases were made past the checkpoint (``replayed`` > 0: a crash between
-            checkpoints — releasing those steps again would reuse earlier batches under fresh noise,
-            which Theorem 4's accounting does not cover), the state is of another step, or of
-            other coefficients / another partition."""
-    if replayed > 0:
-        raise TrainingError(f"{where}: {replayed} banded_mf release(s) were made after the checkpoint at step "
-                            f"{step}; replaying them is not covered by the banded-MF accounting. Start a new "
-                            f"{fresh} (the ledger of this directory keeps what was spent)")
-    if state is None or int(state["next_step"]) != int(step):
-        raise TrainingError(f"{where}: the secret noise state is at step {None if state is None else state['next_step']}"
-                            f", the checkpoint at step {step}; start a new {fresh}")
-    try:
-        mechanism.load_state(state, params)
-    except ValueError as exc:
-        raise TrainingError(f"{where}: {exc}") from None

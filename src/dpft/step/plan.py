@@ -53,6 +53,7 @@ class PrivacyPlan:
         clip, engine: the clip policy and per-example engine; spec: the step's parts (after the
             methods' hooks and the mechanism's install); phase: the ledger phase.
         phase_event: ``σ -> DpEvent`` σ was calibrated on (None: ``steps`` × PoissonSampled(q, G(σ))).
+        private: False for a phase without a mechanism (``dpft train --no-dp``; σ None).
     """
 
     mechanism: Mechanism
@@ -66,6 +67,7 @@ class PrivacyPlan:
     spec: Any
     phase: str
     phase_event: Optional[Callable[[float], Any]] = None
+    private: bool = True
 
     @property
     def params(self) -> dict:
@@ -137,4 +139,5 @@ def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanis
     # Non-private too: truncated Poisson still masks padded rows (a banded install needs noise).
     spec = mechanism.install(spec, n=n, sampler=sampler, rng=rng, sigma=sigma, steps=steps, rows=rows, padded=padded)
     return PrivacyPlan(mechanism=mechanism, sampler=sampler, n=int(n), q=q, steps=int(steps), sigma=sigma,
-                       clip=spec.clip, engine=spec.engine, spec=spec, phase=phase, phase_event=event)
+                       clip=spec.clip, engine=spec.engine, spec=spec, phase=phase, phase_event=event,
+                       private=bool(private))

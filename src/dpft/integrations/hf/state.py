@@ -2,7 +2,7 @@
 (a mixin): the live ledger after every release, the secret noise state of a stateful mechanism
 outside ``checkpoint-*`` (FSDP2: gathered from every rank's shard slices, as make_private's,
 api/state.py), and a resume that continues the ledger and refuses what would replay
-releases, other settings or other rows (the plan's state path, step/correlated.py)."""
+releases, other settings or other rows (the session's one secret-state path, session/core.py)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ from dpft.placement import world as ddp
 from dpft.accounting.io import atomic_write_text
 from dpft.accounting.cap import ledger_resume_cap
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.errors import TrainingError
 from dpft.integrations.hf.card import write_trainer_card
 from dpft.integrations.hf.checks import refuse as _refuse
 from dpft.integrations.hf.fsdp import (full_model_state, full_optimizer_state, is_fsdp2_model, load_full_checkpoint,
                                        load_full_optimizer)
 from dpft.outputs.lock import RunLock
-from dpft.step.correlated import load_noise_state, resume_noise_state, save_noise_state
+from dpft.session import PrivateSession
+from dpft.step.correlated import load_noise_state, write_noise_state
 
 __all__ = ["PrivateState", "CapStop", "LEDGER_NAME", "DP_STATE_NAME"]
 
@@ -117,13 +117,15 @@ class PrivateState:
             ddp.check_in_sync(self.world, self.dp_step.params)  # what the step updates (DP-SFT: not the k coordinates)
         super()._save_checkpoint(model, trial)
         if self._banded:
-            # banded_mf: the secret noise buffers and partition, owner-only, outside checkpoint-*/
-            # (the release set): output_dir/noise_state.secret.pt, at this checkpoint's step. FSDP2:
-            # each rank holds its shards' slices; ShardedBandedMFMechanism.state() gathers them (a
-            # collective, every rank), so rank 0 writes the file one process writes (api/state.py).
+            # banded_mf: the secret noise buffers and partition (the session's one versioned format),
+            # owner-only, outside checkpoint-*/ (the release set): output_dir/noise_state.secret.pt, at
+            # this checkpoint's step. FSDP2: each rank holds its shards' slices; the session's
+            # secret_state gathers them (a collective, every rank), so rank 0 writes the file one
+            # process writes (api/state.py).
             if self.world.is_main or self.sharded:
-                save_noise_state(self.args.output_dir, self.mechanism, int(self.state.global_step),
-                                 write=self.world.is_main)
+                state = PrivateSession.secret_state(self.dp_step, at=int(self.state.global_step))
+                if self.world.is_main:
+                    write_noise_state(self.args.output_dir, state)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """``Trainer``'s, with an FSDP2 model's optimizer state gathered (every rank: a collective) and
@@ -327,12 +329,14 @@ class PrivateState:
         return mech is not None and mech.stateful
 
     def _resume_noise_state(self, state: Optional[dict], step: int, replayed: int) -> None:
-        """Restore the banded-MF buffers and partition for a resume at checkpoint ``step``, with the
-        CLI's refusals (step/correlated.py ``resume_noise_state``): releases after the checkpoint,
-        a state of another step (resume from the last checkpoint: the file holds the newest one's
-        state), other coefficients or another N. ``state`` is rank 0's read, broadcast to every rank;
-        FSDP2: each rank keeps its shards' slices (``ShardedBandedMFMechanism.load_state``)."""
+        """Restore the banded-MF buffers and partition for a resume at checkpoint ``step`` through the
+        session's one restore path (session/core.py ``PrivateSession.restore_secret_state``, the CLI's
+        refusals): releases after the checkpoint, a state of another step (resume from the last
+        checkpoint: the file holds the newest one's state), other coefficients or another N. ``state``
+        is rank 0's read, broadcast to every rank; FSDP2: each rank keeps its shards' slices
+        (``ShardedBandedMFMechanism.load_state``)."""
         try:
-            resume_noise_state(self.mechanism, state, step, replayed, self.engine.params, *_RESUME_WORDS)
-        except TrainingError as exc:
+            PrivateSession.restore_secret_state(self.dp_step, state, _RESUME_WORDS[0], at=step, replayed=replayed,
+                                                fresh=_RESUME_WORDS[1])
+        except ValueError as exc:
             _refuse(str(exc))
