@@ -156,8 +156,8 @@ class PrivateSession:
 
     # ------------------------------------------------------------------ the methods' preparation
     def prepare(self, s: SessionSettings, *, n_rows: int, rng: Randomness, unit: Optional[PrivacyUnit] = None,
-                users: Optional[tuple[Sequence, str]] = None, user_sampler: Any = None,
-                n_units: Optional[int] = None, methods: Optional[Callable[[int, Randomness, bool], Any]] = None,
+                users: Optional[tuple[Sequence, str]] = None,
+                methods: Optional[Callable[[int, Randomness, bool], Any]] = None,
                 method_list: Sequence = (), method_registry: Optional[dict] = None, same: Any = None) -> None:
         """Everything before the plan, in order: the privacy unit and N units; the same settings on
         every rank (``same`` added to them); the methods run across ranks; the methods prepared.
@@ -166,8 +166,8 @@ class PrivateSession:
             n_rows: N rows; rng: this loop's randomness (a child of :attr:`rng`).
             unit: the way in's own privacy unit (``dpft train``'s run/unit.py: example level, user
                 level or a batch schedule: its sampler and N); or ``users``: user level over
-                ``(one id per row, column)``; or ``user_sampler``, a user-level sampler the way in
-                built, with ``n_units``; none: example level over the rows.
+                ``(one id per row, column)`` (step/unit.py ``build_user_unit``); none: example level
+                over the rows.
             methods: ``methods(n, rng, user_level)`` returns the way in's plug-ins, offering
                 ``prepare``, ``hooks`` and ``on_sigma``; their earlier releases enter the ledger here,
                 before σ is calibrated after them.
@@ -180,9 +180,8 @@ class PrivateSession:
         if unit is not None:
             self.unit_sampler, n, self.user_level = unit.sampler, unit.n, unit.user_level
         else:
-            self.unit_sampler = user_sampler if user_sampler is not None else (
-                self.unit.sampler if self.unit is not None else None)
-            n = n_units if n_units is not None else (self.unit.n if self.unit is not None else n_rows)
+            self.unit_sampler = self.unit.sampler if self.unit is not None else None
+            n = self.unit.n if self.unit is not None else n_rows
             self.user_level = self.unit_sampler is not None
         self.check_same((n_rows, n, *s.same_on_every_rank(), same))
         self.n = n
@@ -196,14 +195,14 @@ class PrivateSession:
     def plan(self, s: SessionSettings, *, rows: Any, n_rows: int, rng: Randomness,
              parts: Callable[[Any], tuple[Any, Any]], optimizer: Any = None,
              optimizer_factory: Optional[Callable[[dict], Any]] = None, users: Optional[tuple[Sequence, str]] = None,
-             user_sampler: Any = None, n_units: Optional[int] = None, unit: Optional[PrivacyUnit] = None,
+             unit: Optional[PrivacyUnit] = None,
              total_steps: Optional[int] = None, methods: Optional[Callable[[int, Randomness, bool], Any]] = None,
              method_list: Sequence = (), same: Any = None, transforms: Sequence = (), head_mask=None,
              padded: bool = False) -> PrivacyPlan:
         """The privacy plan of one loop (step/plan.py ``build_privacy_plan``, the one plan builder).
 
         In order: :meth:`prepare` (unless it ran for ``s``: then its unit and methods stand, and
-        ``users``, ``user_sampler``, ``n_units``, ``unit``, ``methods``, ``method_list`` and ``same``
+        ``users``, ``unit``, ``methods``, ``method_list`` and ``same``
         are its, not read here); the planned steps (``total_steps``, else ``s.planned(N)``); σ
         calibrated by rank 0 on the events this loop records after those the ledger holds (the
         methods' ``on_sigma`` told); the methods' ``build`` hooks; the mechanism's install. The spec's
@@ -221,8 +220,8 @@ class PrivateSession:
         Raises:
             ValueError, PlanError, CalibrationError, DistributedError: naming the fix."""
         if self.prepared is not s:
-            self.prepare(s, n_rows=n_rows, rng=rng, unit=unit, users=users, user_sampler=user_sampler,
-                         n_units=n_units, methods=methods, method_list=method_list, same=same)
+            self.prepare(s, n_rows=n_rows, rng=rng, unit=unit, users=users, methods=methods,
+                         method_list=method_list, same=same)
         self.prepared = None  # one preparation per plan: a later plan prepares anew
         self.planned = total_steps if total_steps is not None else s.planned(self.n)
         w, m = self.world, self.methods
