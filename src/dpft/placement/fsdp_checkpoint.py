@@ -48,7 +48,8 @@ import torch
 
 from dpft.placement import world as ddp
 from dpft.placement.fsdp import FSDPError, is_sharded, local, local_range
-from dpft.step.correlated import NOISE_STATE_FILE, BandedMFMechanism, write_secret
+from dpft.step.correlated import (NOISE_STATE_FILE, SECRET_STATE_FORMAT, SECRET_STATE_VERSION, BandedMFMechanism,
+                                  write_secret)
 from dpft.step.guard import restoring_optimizer_state
 
 __all__ = ["SHARDS_DIR", "SECRET_SHARDS_DIR", "save_checkpoint", "load_checkpoint", "read_trainable"]
@@ -215,7 +216,9 @@ def save_checkpoint(trainer, step: int, write: Callable[..., Any]) -> None:
         _fresh_dir(world, secret, secret=True)
         _dcp_save(world, {"buffers": _buffer_tensors(mech, trainer.params)}, secret)
         _owner_only(secret)
-        small = BandedMFMechanism.state(mech)  # next step, coefficients, partition, rows' fingerprint
+        # next step, coefficients, partition, rows' fingerprint, in the one versioned secret-state format
+        small = {"format": SECRET_STATE_FORMAT, "version": SECRET_STATE_VERSION, "stateful": True,
+                 **BandedMFMechanism.state(mech)}
         small.update(buffers=[], buffers_dcp=f"{SECRET_SHARDS_DIR}/{name}", buffers_count=len(mech.buffers))
     ddp.barrier(world)  # every rank's files are written before the checkpoint names them
     trainer._last_checkpoint = step
@@ -240,8 +243,8 @@ def load_checkpoint(trainer, ck: Mapping[str, Any]) -> None:
     """Resume a sharded run from ``ck`` (the driver's ``run/checkpoint.load_checkpoint``, read by
     rank 0 and broadcast): a DCP checkpoint (``state.json`` names ``sharded_checkpoint``) is loaded
     by every rank from the shard folder into its own shards, for any number of ranks; banded MF's
-    buffers are loaded likewise from the secret folder and handed to the driver's
-    ``resume_noise_state`` as this rank's slices (``local_buffers``). An old checkpoint (gathered
+    buffers are loaded likewise from the secret folder and handed to the session's
+    ``restore_secret_state`` (session/core.py) as this rank's slices (``local_buffers``). An old checkpoint (gathered
     ``trainable.safetensors``) is sliced per rank. A collective: every rank calls it.
 
     Raises:
