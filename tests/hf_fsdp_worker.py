@@ -51,7 +51,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
             from trl import SFTConfig
 
             from dpft.audit import checks_hf_ddp as hd
-            from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+            from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
             from dpft.integrations.trl.trainer import DPSFTTrainer
 
             tok = tiny_tokenizer()

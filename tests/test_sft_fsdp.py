@@ -206,7 +206,7 @@ def test_dpsfttrainer_user_level_in_one_process_counts_users(tmp_path):
     through TRL's dataset preparation, and the step moves the weights."""
     from trl import SFTConfig
 
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.trl.trainer import DPSFTTrainer
 
     tok = tiny_tokenizer()

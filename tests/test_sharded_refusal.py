@@ -123,7 +123,7 @@ def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_pa
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.trl.trainer import DPSFTTrainer
 
     def boom(*a, **k):

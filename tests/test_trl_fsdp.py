@@ -143,7 +143,7 @@ def test_hashable_sharded_restores_trl_hash_module():
 def _lora_llama():
     from peft import LoraConfig, get_peft_model
 
-    from dpft.audit.checks_trl import tiny_llama
+    from dpft.audit.ways_in_trl import tiny_llama
 
     return get_peft_model(tiny_llama(40), LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, lora_dropout=0.0,
                                                      init_lora_weights=False, target_modules=["q_proj", "v_proj"]))
@@ -175,7 +175,7 @@ def test_dpo_refuses_a_caller_sharded_peft_policy_without_reference_adapter(tmp_
     from trl import DPOConfig
 
     from dpft.audit.checks_hf_ddp import trl_rows
-    from dpft.audit.checks_trl import tiny_tokenizer
+    from dpft.audit.ways_in_trl import tiny_tokenizer
     from dpft.integrations.hf.trainer import DPArguments
     from dpft.integrations.trl.trainer import DPDPOTrainer
 

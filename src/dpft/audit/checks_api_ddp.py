@@ -3,7 +3,7 @@
 The checks run the real API in a world of 2 CPU processes (``torch.distributed``, gloo), forked
 from a fork server with the environment ``torchrun`` sets; each step is one logical step of
 ``make_private`` on a tiny model with ``q = 1`` (every unit sampled), plain SGD at learning rate
-1, and the released sum read back as ``S = −Δθ · qN`` (as audit/checks_api.py does in one
+1, and the released sum read back as ``S = −Δθ · qN`` (as audit/ways_in.py does in one
 process):
 
 * **2-process leave-one-out** — ``max_i ‖S(D) − S(D∖i)‖ ≤ C(1 + tol)`` over the world, on an
@@ -45,7 +45,7 @@ import torch
 from dpft.audit.whitebox import Check
 from dpft import PrivacyEngine
 from dpft.placement import world as ddp
-from dpft.audit.checks_api import _mp_data, _Net, _released_sum
+from dpft.audit.ways_in import TinyNet, mp_data, released_sum
 from dpft.placement.world import DistributedError
 from dpft.step import plan as step_plan
 
@@ -96,7 +96,7 @@ def _world_step(rows: list[dict], *, user_level: bool, sigma: float = 0.0, c: fl
     from torch.utils.data import DataLoader
 
     torch.manual_seed(0)
-    model = _Net()
+    model = TinyNet()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     units = len({r["u"] for r in rows}) if user_level else len(rows)
     engine = PrivacyEngine(reproducible_seed=0)
@@ -113,7 +113,7 @@ def _world_step(rows: list[dict], *, user_level: bool, sigma: float = 0.0, c: fl
                 opt.step()
         finally:
             engine.detach()
-    return _released_sum(model, before, units)
+    return released_sum(model, before, units)
 
 
 def _same_on_every_rank(s: torch.Tensor) -> bool:
@@ -126,7 +126,7 @@ def _same_on_every_rank(s: torch.Tensor) -> bool:
 
 
 def _rows(user_level: bool) -> list[dict]:
-    x, y = _mp_data(6)
+    x, y = mp_data(6)
     if user_level:  # user 0: two rows with one large gradient; users 1-3 ordinary
         x[1], y[1] = x[0], y[0]
         users = [0, 0, 1, 2, 2, 3]
@@ -176,8 +176,8 @@ def _ddp_wrapper() -> Check:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, TensorDataset
 
-    x, y = _mp_data(4)
-    model = DistributedDataParallel(_Net())
+    x, y = mp_data(4)
+    model = DistributedDataParallel(TinyNet())
     name = "api-ddp: make_private refuses a DistributedDataParallel-wrapped model"
     try:
         PrivacyEngine(reproducible_seed=0).make_private(

@@ -50,7 +50,7 @@ from dpft.accounting.ledger import PrivacyLedger
 from dpft.models.quant import bnb_config
 from dpft.audit.checks_fsdp import watch_trainer
 from dpft.audit.checks_hf_ddp import trl_rows
-from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.placement.world import World

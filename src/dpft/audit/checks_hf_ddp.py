@@ -126,7 +126,7 @@ def trl_rows(job: dict):
     the tiny tokenizer's words with a fixed generator (the same rows in every process)."""
     import datasets
 
-    from dpft.audit.checks_trl import _WORDS
+    from dpft.audit.ways_in_trl import WORDS as _WORDS
 
     g = torch.Generator().manual_seed(int(job.get("data_seed", 5)))
 
@@ -204,7 +204,7 @@ def run_job(job: dict) -> dict:
         if kind == "hf":
             model = tiny_model()
         else:
-            from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+            from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
 
             tok = tiny_tokenizer()
             model = tiny_llama(len(tok))

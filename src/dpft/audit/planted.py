@@ -13,11 +13,11 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
 * The Trainer's path (``audit/trainer_walk.py``): ``row_level_user_recipe`` (the audit's plan
   calibrated over rows for a user-level recipe), ``user_clipping_broken``.
 * Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
-* The Python ways in (``audit/checks_api.py``, when installed): ``double_capture``,
+* The Python ways in (``audit/ways_in.py``): ``double_capture``,
   ``unfrozen_param``, ``packing_collator``.
 * make_private across processes and at user level (``audit/checks_api_ddp.py``, planted in its
   2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
-* TRL (``audit/checks_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
+* TRL (``audit/ways_in_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
 * Every update a DP release (``audit/checks_guard.py``, issue 44): ``trainer_step_skips_release``,
   ``custom_loop_accepted``, ``raw_update_accepted``, ``weights_moved_unreleased``.
 """
@@ -45,7 +45,7 @@ ALL = ALL + API_DDP_PLANTED
 # in DDP, each rank clipping the whole logical batch, a user's rows clipped one by one.
 HF_DDP_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
 ALL = ALL + HF_DDP_PLANTED
-# TRL (audit/checks_trl.py, when trl is installed): DPSFTTrainer accepting packed batches, DPDPOTrainer
+# TRL (audit/ways_in_trl.py, when trl is installed): DPSFTTrainer accepting packed batches, DPDPOTrainer
 # clipping a pair's two rows separately.
 TRL_PLANTED = ("sft_packing_accepted", "dpo_pair_split")
 ALL = ALL + TRL_PLANTED
@@ -255,7 +255,7 @@ ALL = ALL + METHODS_API_PLANTED
 # them): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
 FSDP_TRL_PLANTED = ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept", "fsdp_plain_dummy_counted")
 ALL = ALL + FSDP_TRL_PLANTED
-# issue 38: DPDPOTrainer at user level (audit/checks_dpo_user.py plants them, when trl is installed): each pair its
+# issue 38: DPDPOTrainer at user level (audit/ways_in_trl.py plants them, when trl is installed): each pair its
 # own clipping group instead of the user's pairs together; the plan (N, q) built over pairs instead of users.
 DPO_USER_PLANTED = ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")
 ALL = ALL + DPO_USER_PLANTED

@@ -4,7 +4,8 @@ train`` would build, its plan, the checks through its own step, then :func:`run_
 plan's σ, C, q).
 
 Checks written in other modules join the suite when they are installed
-(:data:`OPTIONAL_CHECKS`: ``checks_randomness.randomness_checks``, ``checks_api.api_checks``);
+(:data:`OPTIONAL_CHECKS`: ``checks_randomness.randomness_checks``, ``ways_in.api_checks``: the checks every
+way in passes, over its adapters);
 a missing one is skipped with a note in the report, never counted as passed.
 
 Sizes: ``quick`` (CI: seconds to a minute on one core) or the default (more trials, every
@@ -101,14 +102,15 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 #: is ``f(planted: str | None = None) -> list[Check]``.
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
-    ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+    # the properties every way in must show, written once over the ways in's adapters (issue 46 item 4)
+    ("dpft.audit.ways_in", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
     # make_private across processes and at user level (issue 26)
     ("dpft.audit.checks_api_ddp", "api_ddp_checks", ("ddp_batch_on_every_rank", "ddp_user_rows_split",
                                                       "ddp_noise_per_rank")),
     # DPTrainer under torchrun and at user level (issue 26)
     ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
     # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
-    ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
+    ("dpft.audit.ways_in_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
     ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
                                                "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
                                                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent",
@@ -150,7 +152,7 @@ OPTIONAL_CHECKS = (
      ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
       "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
     # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
-    ("dpft.audit.checks_dpo_user", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
+    ("dpft.audit.ways_in_trl", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
     # issue 44 item 5: no data error quotes a label value (a planted label driven through every refusal)
     ("dpft.audit.checks_data", "data_checks", ("label_quoted",)),
     # issue 45 item 3: LP-FT's two phases in the one ledger, ending at the target ε
