@@ -233,7 +233,7 @@ ALL = ALL + SEQ2SEQ_PLANTED
 # un-noised clipped sum; the two releases of a step recorded as two separately sampled events.
 EWFT_PLANTED = ("train_pre_without_noise", "train_pre_sampled_twice")
 ALL = ALL + EWFT_PLANTED
-# issue 28: mechanisms in make_private / DPTrainer (audit/checks_mechanisms_api.py plants them):
+# issue 28: mechanisms in make_private / DPTrainer (audit/ways_in_mechanisms.py plants them):
 # make_private's cyclic sampler ignoring the partitions, the banded noise buffers in the DP
 # optimizer's state_dict, DPTrainer recording plain Poisson events under max_batch_size.
 MECHANISMS_API_PLANTED = ("api_banded_every_partition", "api_noise_state_in_optimizer",
@@ -246,7 +246,7 @@ ALL = ALL + RESUME_PLANTED
 # issue 37: the final-model audit's calibration (audit/final_model.py FINAL_MODEL_PLANTED)
 DUPLICATE_PLANTED = ("counted twice",)
 ALL = ALL + DUPLICATE_PLANTED
-# issue 34 item 4: methods through the Python ways in (audit/checks_methods_api.py plants them): the
+# issue 34 item 4: methods through the Python ways in (audit/ways_in_mechanisms.py plants them): the
 # adaptive clip's gradient noised at σ instead of σ_Δ, DPTrainer's count noise reused across train()
 # loops, DP-SFT's live projection unclipped.
 METHODS_API_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")

@@ -130,12 +130,12 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows", "relative_table_batch_summed")),
     ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
     # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
-    ("dpft.audit.checks_mechanisms_api", "mechanisms_api_checks",
+    ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks",
      ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
     # issue 34: the one state/resume path (the review's two reproductions, every way in)
     ("dpft.audit.checks_resume", "resume_checks", ("resume_rows_by_index", "api_stale_state_accepted")),
     # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
-    ("dpft.audit.checks_methods_api", "methods_api_checks",
+    ("dpft.audit.ways_in_mechanisms", "methods_api_checks",
      ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
     # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
     ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
