@@ -377,18 +377,19 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_hf_fsdp_audit_checks_pass_and_catch_planted_bugs():
-    """The audit's DPTrainer-under-FSDP checks (audit/checks_fsdp.py hf_fsdp_checks, registered in
-    audit/suite.py): pass as shipped; each planted bug (plugin arguments handed to accelerate, accelerate's
-    FSDP environment left on) makes a check fail."""
-    from dpft.audit import planted, suite
-    from dpft.audit.checks_fsdp import TRAINER_PLANTED, hf_fsdp_checks
+    """The audit's DPTrainer-under-FSDP ways in (audit/ways_in_fsdp.py hf_fsdp_checks, registered in
+    audit/suite.py): pass as shipped; each planted bug of DPTrainer's two ways in (plugin arguments handed to
+    accelerate, accelerate's FSDP environment left on) makes a check fail. The QLoRA and DPO ways in of the
+    same table: tests/test_trl_fsdp.py."""
+    from dpft.audit import planted, suite, ways_in_fsdp
 
-    assert set(TRAINER_PLANTED) <= set(planted.ALL)
-    assert ("dpft.audit.checks_fsdp", "hf_fsdp_checks", TRAINER_PLANTED) in suite.OPTIONAL_CHECKS
-    honest = hf_fsdp_checks()
+    trainer_planted = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
+    assert set(ways_in_fsdp.PLANTED) <= set(planted.ALL)
+    assert ("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ways_in_fsdp.PLANTED) in suite.OPTIONAL_CHECKS
+    honest = ways_in_fsdp.run_ways(ways_in_fsdp.WAYS[:2])
     assert len(honest) == 6 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
-    for name in TRAINER_PLANTED:
-        failed = [c for c in hf_fsdp_checks(name) if not c.passed]
+    for name in trainer_planted:
+        failed = [c for c in ways_in_fsdp.hf_fsdp_checks(name) if not c.passed]
         assert [c.name.split(": ")[1] for c in failed] == ["accelerate is never handed FSDP"], name
 
 

@@ -211,7 +211,7 @@ FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_who
                 "fsdp_api_no_placeholder", "fsdp_api_dummy_sent", "fsdp_api_banded_restart",
                 "fsdp_api_banded_slice_saved")
 ALL = ALL + FSDP_PLANTED
-# DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin (issue 38; audit/checks_fsdp.py plants them)
+# DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin (issue 38; audit/ways_in_fsdp.py plants them)
 HF_FSDP_PLANTED = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
 ALL = ALL + HF_FSDP_PLANTED
 # methods on FSDP2 shards (issue 38; audit/checks_fsdp_methods.py plants them): RMT denoising each rank's rows;
@@ -251,8 +251,8 @@ ALL = ALL + DUPLICATE_PLANTED
 # loops, DP-SFT's live projection unclipped.
 METHODS_API_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
 ALL = ALL + METHODS_API_PLANTED
-# issue 38: DPDPOTrainer / QLoRA DPTrainer under fsdp and the --no-dp FSDP step (audit/checks_fsdp_trl.py plants
-# them): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
+# issue 38: DPDPOTrainer / QLoRA DPTrainer under fsdp (audit/ways_in_fsdp.py plants them) and the --no-dp FSDP
+# step (audit/checks_fsdp.py): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
 FSDP_TRL_PLANTED = ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept", "fsdp_plain_dummy_counted")
 ALL = ALL + FSDP_TRL_PLANTED
 # issue 38: DPDPOTrainer at user level (audit/ways_in_trl.py plants them, when trl is installed): each pair its

@@ -114,7 +114,8 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
                                                "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
                                                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent",
-                                               "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved")),
+                                               "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved",
+                                               "fsdp_plain_dummy_counted")),
     ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
@@ -137,11 +138,10 @@ OPTIONAL_CHECKS = (
     # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
     ("dpft.audit.ways_in_mechanisms", "methods_api_checks",
      ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
-    # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
-    ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
-    # issue 38: DPDPOTrainer and QLoRA under fsdp, the non-private FSDP step (skipped where trl is absent)
-    ("dpft.audit.checks_fsdp_trl", "fsdp_trl_checks", ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept",
-                                                       "fsdp_plain_dummy_counted")),
+    # issue 38: the ways in asked for FSDP (DPTrainer by its arguments and by accelerate's plugin, QLoRA,
+    # DPDPOTrainer; a way in whose package is absent left out) reach FSDPStep unchanged
+    ("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept", "qlora_fsdp_env_kept",
+                                                   "dpo_fsdp_args_kept")),
     # issue 38: method plug-ins on FSDP2 shards (RMT's whole-matrix SVD on the gathered rows; DP-SFT's
     # all-reduced coordinates, noised once for the world; coords: each rank's rows of Θ_start + P z; stage 1: one
     # basis for the world, built on rank 0 from the gathered snapshots and broadcast)
