@@ -231,7 +231,7 @@ def test_trl_trainers_train_an_fsdp2_model_through_the_sharded_step(kind, tmp_pa
     from torch.distributed.fsdp import fully_shard
     from trl import DPOConfig, SFTConfig
 
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.audit import ways_in_trl
     from dpft.placement.fsdp import FSDPStep
     from dpft.integrations.hf.trainer import DPArguments

@@ -253,7 +253,7 @@ def test_fsdp_settings_map_what_dpft_shards_with(tmp_path, monkeypatch):
 def test_dptrainer_fsdp_activation_checkpointing_maps_to_gradient_checkpointing(tmp_path):
     """fsdp_config['activation_checkpointing'] becomes Hugging Face's gradient checkpointing (which the
     book-keeping engine runs); one process: the sharded step on the plain model."""
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.placement.fsdp import FSDPStep
     from dpft.integrations.hf.trainer import DPTrainer
 
@@ -298,7 +298,7 @@ def test_dptrainer_fsdp_refuses_unknown_block_class_and_a_presharded_model(tmp_p
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.integrations.hf.trainer import DPTrainer
 
     args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": "Nope"})
@@ -328,7 +328,7 @@ def test_dptrainer_fsdp_banded_mf_releases_through_the_sharded_mechanism(tmp_pat
     """banded MF under fsdp is no longer refused: the trainer's mechanism is the step's sharded copy
     (the one that releases, whose rng each training loop renews and whose buffers the checkpoint
     gathers), not the plan's unsharded one."""
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.placement.fsdp import ShardedBandedMFMechanism
     from dpft.integrations.hf.trainer import DPTrainer
 
@@ -348,7 +348,7 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path, monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.integrations.hf.trainer import DPTrainer
     from dpft.methods.dpsft.method import DPSFT
 

@@ -174,7 +174,7 @@ def test_dpo_refuses_a_caller_sharded_peft_policy_without_reference_adapter(tmp_
     from torch.distributed.fsdp import fully_shard
     from trl import DPOConfig
 
-    from dpft.audit.checks_hf_ddp import trl_rows
+    from dpft.audit.ways_in_ddp import trl_rows
     from dpft.audit.ways_in_trl import tiny_tokenizer
     from dpft.integrations.hf.trainer import DPArguments
     from dpft.integrations.trl.trainer import DPDPOTrainer

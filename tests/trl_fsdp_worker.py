@@ -30,7 +30,7 @@ from _launch import gloo_entry
 def _dpo(job: dict, common: dict):
     from trl import DPOConfig
 
-    from dpft.audit.checks_hf_ddp import trl_rows
+    from dpft.audit.ways_in_ddp import trl_rows
     from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.hf.trainer import DPArguments
     from dpft.integrations.trl.trainer import DPDPOTrainer

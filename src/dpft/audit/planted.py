@@ -15,7 +15,7 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
 * Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
 * The Python ways in (``audit/ways_in.py``): ``double_capture``,
   ``unfrozen_param``, ``packing_collator``.
-* make_private across processes and at user level (``audit/checks_api_ddp.py``, planted in its
+* make_private across processes and at user level (``audit/ways_in_ddp.py``, planted in its
   2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
 * TRL (``audit/ways_in_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
 * Every update a DP release (``audit/checks_guard.py``, issue 44): ``trainer_step_skips_release``,
@@ -38,10 +38,10 @@ MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "
 RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
 API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
-# make_private across processes / at user level (audit/checks_api_ddp.py; planted in its workers)
+# make_private across processes / at user level (audit/ways_in_ddp.py; planted in its 2-process jobs)
 API_DDP_PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")
 ALL = ALL + API_DDP_PLANTED
-# DPTrainer under torchrun and at user level (audit/checks_hf_ddp.py, issue 26): the model wrapped
+# DPTrainer under torchrun and at user level (audit/ways_in_ddp.py, issue 26): the model wrapped
 # in DDP, each rank clipping the whole logical batch, a user's rows clipped one by one.
 HF_DDP_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
 ALL = ALL + HF_DDP_PLANTED

@@ -104,11 +104,9 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     # the properties every way in must show, written once over the ways in's adapters (issue 46 item 4)
     ("dpft.audit.ways_in", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
-    # make_private across processes and at user level (issue 26)
-    ("dpft.audit.checks_api_ddp", "api_ddp_checks", ("ddp_batch_on_every_rank", "ddp_user_rows_split",
-                                                      "ddp_noise_per_rank")),
-    # DPTrainer under torchrun and at user level (issue 26)
-    ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
+    # make_private and DPTrainer across processes and at user level (issue 26), one table of the ways in
+    ("dpft.audit.ways_in_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone",
+                                                 "ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")),
     # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
     ("dpft.audit.ways_in_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
     ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model, trl_rows
+from dpft.audit.ways_in_ddp import make_rows, pad_collate, tiny_model, trl_rows
 from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.grads.groups import GROUP_KEY
