@@ -321,11 +321,11 @@ def test_api_checks_pass_on_the_real_code():
     from dpft.audit.ways_in import api_checks
 
     rows = api_checks()
-    assert len(rows) == 6 and all(c.passed for c in rows), [c.message for c in rows if not c.passed]
+    assert len(rows) == 9 and all(c.passed for c in rows), [c.message for c in rows if not c.passed]
 
 
 @pytest.mark.parametrize("planted, route", [("double_capture", "make_private"), ("unfrozen_param", "both"),
-                                            ("packing_collator", "dp_trainer")])
+                                            ("packing_collator", "dp_trainer"), ("session_steps_rule", "both")])
 def test_api_checks_catch_each_planted_bug(planted, route):
     from dpft.audit.ways_in import api_checks, audit_dp_trainer, audit_make_private
 

@@ -14,7 +14,7 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
   calibrated over rows for a user-level recipe), ``user_clipping_broken``.
 * Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
 * The Python ways in (``audit/ways_in.py``): ``double_capture``,
-  ``unfrozen_param``, ``packing_collator``.
+  ``unfrozen_param``, ``packing_collator``; the session they plan through: ``session_steps_rule``.
 * make_private across processes and at user level (``audit/ways_in_ddp.py``, planted in its
   2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
 * TRL (``audit/ways_in_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
@@ -36,7 +36,7 @@ KNOWN_SEED = 1234
 MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "clip at 2C",
                      "same noise every step", "no subsampling", "known seed")
 RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
-API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
+API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
 # make_private across processes / at user level (audit/ways_in_ddp.py; planted in its 2-process jobs)
 API_DDP_PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")

@@ -103,7 +103,7 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
     # the properties every way in must show, written once over the ways in's adapters (issue 46 item 4)
-    ("dpft.audit.ways_in", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
+    ("dpft.audit.ways_in", "api_checks", ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")),
     # make_private and DPTrainer across processes and at user level (issue 26), one table of the ways in
     ("dpft.audit.ways_in_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone",
                                                  "ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")),

@@ -5,6 +5,8 @@ Each adapter builds a tiny random Llama and a word-level tokenizer with a ChatML
 and runs one logical step (``q = 1``, SGD at learning rate 1; TRL's dataset preparation, collator and
 default gradient checkpointing included). The properties are audit/ways_in.py's, over TRL's units:
 
+* **DPSFTTrainer reaches the session unchanged** (audit/ways_in.py ``session_check``: one session plan with
+  the given settings, the same N, q, T, σ as make_private's);
 * **DPSFTTrainer leave-one-conversation-out** (prompt/completion rows, completion-only loss on: a long
   completion, a one-token one);
 * **DPSFTTrainer LoRA via peft_config** — one row: ``‖S‖ ≤ C`` over every parameter that moved, only
@@ -41,8 +43,8 @@ from trl import DPOConfig, SFTConfig  # these checks need TRL; an ImportError sk
 
 from dpft.api import PackedBatchError
 from dpft.audit.planted import bug_planter
-from dpft.audit.ways_in import (C, WayIn, gc_frozen, leave_one_out, no_dropout, one_clipped_per_row,
-                                one_unit_bounded, released_sum, yours)
+from dpft.audit.ways_in import (C, SESSION_SETTINGS, SESSION_WAYS, WayIn, gc_frozen, leave_one_out, no_dropout,
+                                one_clipped_per_row, one_unit_bounded, released_sum, session_check, yours)
 from dpft.audit.whitebox import Check
 from dpft.grads import bookkeeping
 from dpft.grads.groups import GROUP_KEY
@@ -282,11 +284,29 @@ def dpo_checks() -> list[Check]:
     return [leave_one_out(dpo_way(tiny_llama(len(tok)), tok), "trl")]
 
 
+def _session_sft():
+    """DPSFTTrainer built with audit/ways_in.py's :data:`~dpft.audit.ways_in.SESSION_SETTINGS` (its DP step)."""
+    st = SESSION_SETTINGS
+    tok = tiny_tokenizer()
+    rows = datasets.Dataset.from_list([{"prompt": _PAIRS[i % 3][0], "completion": _PAIRS[i % 3][1]}
+                                       for i in range(st["n"])])
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = SFTConfig(**{**_common(out, 8), "max_steps": -1, "num_train_epochs": st["epochs"]}, bf16=False,
+                         max_length=64)
+        dp = DPArguments(target_epsilon=st["epsilon"], target_delta=st["delta"], expected_batch_size=st["batch"],
+                         max_grad_norm=st["c"])
+        return dtrl.DPSFTTrainer(model=tiny_llama(len(tok)), args=args, train_dataset=rows, processing_class=tok,
+                                 dp_args=dp).dp_step
+
+
 def trl_checks(planted: Optional[str] = None) -> list[Check]:
-    """Every DPSFTTrainer / DPDPOTrainer (row level) check, with ``planted`` (one of :data:`TRL_PLANTED`).
+    """Every DPSFTTrainer / DPDPOTrainer (row level) check, with ``planted`` (one of :data:`TRL_PLANTED`):
+    DPSFTTrainer reaches the session unchanged (its plan the same as make_private's), then the four checks
+    of the module docstring.
 
     Returns:
-        Four :class:`Check` rows; with nothing planted all pass, with a planted bug one fails.
+        Seven :class:`Check` rows; with nothing planted all pass, with a planted bug one fails.
 
     Raises:
         ValueError: an unknown planted bug.
@@ -294,7 +314,7 @@ def trl_checks(planted: Optional[str] = None) -> list[Check]:
     if planted is not None and planted not in TRL_PLANTED:
         raise ValueError(f"unknown planted bug {planted!r}; known: {', '.join(TRL_PLANTED)}")
     with planted_bug(planted):
-        return sft_checks() + dpo_checks()
+        return session_check((SESSION_WAYS[0], ("DPSFTTrainer", _session_sft))) + sft_checks() + dpo_checks()
 
 
 def ledger_check(model=None, tok=None) -> Check:
