@@ -11,8 +11,11 @@
 * :mod:`dpft.audit.suite` — :func:`audit_recipe` (what ``dpft audit RECIPE`` runs) and
   :func:`run_audit`; the check modules ``checks_randomness`` and ``ways_in`` join when installed.
 * :mod:`dpft.audit.ways_in` — the checks every way in passes, written once over the ways in's
-  adapters (``make_private``, ``DPTrainer``; the TRL trainers in :mod:`dpft.audit.ways_in_trl`), and
-  :func:`audit_make_private` / :func:`audit_dp_trainer` on your own model.
+  adapters (``make_private``, ``DPTrainer``; the TRL trainers in :mod:`dpft.audit.ways_in_trl`): each
+  reaches the private session unchanged, leave-one-unit-out, the loop variants; and
+  :func:`audit_make_private` / :func:`audit_dp_trainer` on your own model. The same table across
+  processes (:mod:`dpft.audit.ways_in_ddp`), under FSDP (:mod:`dpft.audit.ways_in_fsdp`) and for the
+  plan's mechanisms and methods (:mod:`dpft.audit.ways_in_mechanisms`).
 * :mod:`dpft.audit.planted` — the planted bugs of the auditor's self-test (``--plant NAME``).
 * :mod:`dpft.audit.cli` — ``dpft audit RECIPE``.
 * :mod:`dpft.audit.final_model` — ``dpft audit RECIPE --final-model`` (issue 37): the recipe
