@@ -1,6 +1,6 @@
 """DPTrainer under torchrun (2 CPU processes, gloo) and at user level (issue 26, items 1 and 4).
 
-One ``torchrun --nproc_per_node=2`` launch (dpft.audit.ways_in_ddp.launch: the launcher the
+One ``torchrun --nproc_per_node=2`` launch (dpft.audit.ddp_jobs.launch: the launcher the
 audit uses) runs, one after the other in the same two processes: a reproducible example-level
 run (4 steps, checkpoints), a reproducible user-level run, a resume of a 1-process checkpoint
 (refused), and the audit's one-step jobs honest and with each planted DDP bug. The same runs in
