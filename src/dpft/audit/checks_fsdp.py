@@ -53,6 +53,7 @@ from dpft.placement import fsdp, fsdp_plain
 from dpft.api import sharded
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.placement.world import World
 from dpft.grads.bookkeeping import BookKeepingEngine
@@ -73,65 +74,42 @@ PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_whole_st
            "fsdp_api_no_placeholder", "fsdp_api_dummy_sent", "fsdp_plain_dummy_counted")
 
 
-@contextlib.contextmanager
-def _planted(name: Optional[str]) -> Iterator[None]:
+def _same_stream(real):
+    def same_stream(mech, step, tname, numel, offset, count, device):
+        # every rank starts at block 0 of its own shard: the same streams on each rank
+        return real(mech, step, tname, count, 0, count, device)
 
-    saved = []
-    try:
-        if name == "fsdp_same_shard_stream":
-            real = fsdp.shard_noise
+    return same_stream
 
-            def same_stream(mech, step, tname, numel, offset, count, device):
-                # every rank starts at block 0 of its own shard: the same streams on each rank
-                return real(mech, step, tname, count, 0, count, device)
 
-            saved.append((fsdp, "shard_noise", real))
-            fsdp.shard_noise = same_stream
-        elif name == "fsdp_dummy_counted":
-            real_start = fsdp.ReduceScatter.start
-            saved.append((fsdp.ReduceScatter, "start", real_start))
-            fsdp.ReduceScatter.start = lambda self, dummy: real_start(self, False)
-        elif name == "fsdp_banded_whole_stream":
+def _truncation_dropped(real_init):
+    def drop(self, base, layout):
+        real_init(self, base, layout)
+        self.truncation = None
 
-            real = fsdp._ShardedNoise.noise_stream
-            saved.append((fsdp._ShardedNoise, "noise_stream", real))
-            fsdp._ShardedNoise.noise_stream = GaussianMechanism.noise_stream
-        elif name == "fsdp_truncation_dropped":
-            real_init = fsdp._ShardedNoise.__init__
+    return drop
 
-            def drop(self, base, layout):
-                real_init(self, base, layout)
-                self.truncation = None
 
-            saved.append((fsdp._ShardedNoise, "__init__", real_init))
-            fsdp._ShardedNoise.__init__ = drop
-        elif name == "fsdp_api_no_placeholder":
+def _own_count(self, idx):
+    """Planted: each rank counts only its own micro-batches (no placeholders)."""
+    mine = self.share(idx)
+    return len(self.sampler.micro_batches(mine, self.max_physical)) if len(mine) else 0
 
-            real_count = sharded.ShardedMicroBatches._count
 
-            def own(self, idx):
-                mine = self.share(idx)
-                return len(self.sampler.micro_batches(mine, self.max_physical)) if len(mine) else 0
+def _dummy_as_real(real_begin):
+    def as_real(self, *a, **k):
+        self.batches.dummies = type(self.batches.dummies)(False for _ in self.batches.dummies)
+        return real_begin(self, *a, **k)
 
-            saved.append((sharded.ShardedMicroBatches, "_count", real_count))
-            sharded.ShardedMicroBatches._count = own
-        elif name == "fsdp_api_dummy_sent":
+    return as_real
 
-            real_begin = sharded.ShardedDPOptimizer._begin_micro_batch
 
-            def as_real(self, *a, **k):
-                self.batches.dummies = type(self.batches.dummies)(False for _ in self.batches.dummies)
-                return real_begin(self, *a, **k)
+def _restart(real_load):
+    def restart(self, st, device_of=None):
+        real_load(self, st, device_of)
+        self.buffers = []  # the stream starts over on every rank
 
-            saved.append((sharded.ShardedDPOptimizer, "_begin_micro_batch", real_begin))
-            sharded.ShardedDPOptimizer._begin_micro_batch = as_real
-        elif name == "fsdp_plain_dummy_counted":
-            saved.append((fsdp_plain.PlainFSDPStep, "DUMMY_WEIGHT", fsdp_plain.PlainFSDPStep.DUMMY_WEIGHT))
-            fsdp_plain.PlainFSDPStep.DUMMY_WEIGHT = 1.0
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
+    return restart
 
 
 def _noise_check(sigma: float = 0.7, c: float = 2.0) -> list[Check]:
@@ -342,10 +320,9 @@ def _plain_check() -> list[Check]:
 
 def _step_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (see the module docstring)."""
-    with _planted(planted):
-        # the norm check exercises no planted bug (it builds a model: skipped when planting)
-        return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check() + _plain_check()
-                + (_norm_check() if planted is None else []))
+    # the norm check exercises no planted bug (it builds a model: skipped when planting)
+    return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check() + _plain_check()
+            + (_norm_check() if planted is None else []))
 
 
 # -- make_private + banded MF under FSDP2: the sharded secret state (issue 38; helper i38-api-dcp) --------------
@@ -365,27 +342,22 @@ API_BANDED_PLANTED = ("fsdp_api_banded_restart", "fsdp_api_banded_slice_saved")
 PLANTED = PLANTED + API_BANDED_PLANTED
 
 
-@contextlib.contextmanager
-def _planted_api_banded(name: Optional[str]) -> Iterator[None]:
-    saved = []
-    try:
-        if name == "fsdp_api_banded_restart":
-            real_load = fsdp.ShardedBandedMFMechanism.load_state
-
-            def restart(self, st, device_of=None):
-                real_load(self, st, device_of)
-                self.buffers = []  # the stream starts over on every rank
-
-            saved.append((fsdp.ShardedBandedMFMechanism, "load_state", real_load))
-            fsdp.ShardedBandedMFMechanism.load_state = restart
-        elif name == "fsdp_api_banded_slice_saved":
-            real_state = fsdp.ShardedBandedMFMechanism.state
-            saved.append((fsdp.ShardedBandedMFMechanism, "state", real_state))
-            fsdp.ShardedBandedMFMechanism.state = BandedMFMechanism.state  # this rank's slices, not gathered
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
+planted_bug = bug_planter(PLANTED, {
+    "fsdp_same_shard_stream": lambda p: p.set(fsdp, "shard_noise", _same_stream(fsdp.shard_noise)),
+    "fsdp_dummy_counted": lambda p: p.set(fsdp.ReduceScatter, "start",
+                                          lambda self, dummy, real=fsdp.ReduceScatter.start: real(self, False)),
+    "fsdp_banded_whole_stream": lambda p: p.set(fsdp._ShardedNoise, "noise_stream", GaussianMechanism.noise_stream),
+    "fsdp_truncation_dropped": lambda p: p.set(fsdp._ShardedNoise, "__init__",
+                                               _truncation_dropped(fsdp._ShardedNoise.__init__)),
+    "fsdp_api_no_placeholder": lambda p: p.set(sharded.ShardedMicroBatches, "_count", _own_count),
+    "fsdp_api_dummy_sent": lambda p: p.set(sharded.ShardedDPOptimizer, "_begin_micro_batch",
+                                           _dummy_as_real(sharded.ShardedDPOptimizer._begin_micro_batch)),
+    "fsdp_plain_dummy_counted": lambda p: p.set(fsdp_plain.PlainFSDPStep, "DUMMY_WEIGHT", 1.0),
+    "fsdp_api_banded_restart": lambda p: p.set(fsdp.ShardedBandedMFMechanism, "load_state",
+                                               _restart(fsdp.ShardedBandedMFMechanism.load_state)),
+    # this rank's slices, not gathered
+    "fsdp_api_banded_slice_saved": lambda p: p.set(fsdp.ShardedBandedMFMechanism, "state", BandedMFMechanism.state),
+})
 
 
 @contextlib.contextmanager
@@ -484,5 +456,5 @@ def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> lis
 def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (module docstring and the blocks after it); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
-    with _planted_api_banded(planted):
+    with planted_bug(planted):
         return _step_checks(planted) + _api_banded_check()
