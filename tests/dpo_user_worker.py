@@ -21,8 +21,8 @@ def run_job(job: dict, out_dir: Path) -> dict:
     from hf_fsdp_worker import _train
     from trl import DPOConfig
 
-    from dpft.audit.checks_hf_ddp import trl_rows
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_ddp import trl_rows
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.trl.trainer import DPDPOTrainer
 
     tok = tiny_tokenizer()

@@ -62,7 +62,7 @@ def run_trainer_job(job: dict, out_dir: Path) -> dict:
     from transformers import PrinterCallback, TrainerCallback, TrainingArguments
     import torch.distributed as dist
 
-    from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
+    from dpft.audit.ways_in_ddp import make_rows, pad_collate, tiny_model
     from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     model = tiny_model()

@@ -50,8 +50,8 @@ def run_job(job: dict, out_dir: Path) -> dict:
         if job.get("sft"):  # DPSFTTrainer (TRL) on a tiny Llama: FSDP units = its decoder layers + the root
             from trl import SFTConfig
 
-            from dpft.audit import checks_hf_ddp as hd
-            from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+            from dpft.audit import ways_in_ddp as hd
+            from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
             from dpft.integrations.trl.trainer import DPSFTTrainer
 
             tok = tiny_tokenizer()
@@ -78,7 +78,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
 def _hf_trainer(job: dict, common: dict, users):
     from transformers import TrainingArguments
 
-    from dpft.audit.checks_hf_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
+    from dpft.audit.ways_in_ddp import USER_COLUMN, make_rows, pad_collate, tiny_model
     from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     args = TrainingArguments(label_names=["labels"], bf16=job.get("bf16", False), **common)
@@ -101,7 +101,7 @@ def _train(tr, job: dict, out_dir: Path) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from transformers import PrinterCallback
 
-    from dpft.audit.checks_hf_ddp import record_shares
+    from dpft.audit.ways_in_ddp import record_shares
     from dpft.placement.fsdp import FSDPStep
 
     tr.remove_callback(PrinterCallback)
@@ -150,7 +150,7 @@ def _saved(folder: Path, lora: bool = False) -> dict:
     if lora:
         from peft import PeftModel
 
-        from dpft.audit.checks_hf_ddp import tiny_model
+        from dpft.audit.ways_in_ddp import tiny_model
 
         loaded = PeftModel.from_pretrained(tiny_model(), str(folder))
     else:

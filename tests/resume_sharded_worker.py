@@ -34,7 +34,7 @@ def run_job(job: dict, out_dir: Path) -> dict:
     from hf_fsdp_worker import _train
     from transformers import TrainingArguments
 
-    from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
+    from dpft.audit.ways_in_ddp import make_rows, pad_collate, tiny_model
     from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 
     args = TrainingArguments(output_dir=str(out_dir), max_steps=4, learning_rate=0.5, lr_scheduler_type="constant",

@@ -26,7 +26,7 @@ USERS = [0, 0, 1, 2, 2, 2, 3, 3, 3, 3, 4, 1]
 
 
 def _rows(user_level: bool):
-    from dpft.audit.checks_hf_ddp import trl_rows
+    from dpft.audit.ways_in_ddp import trl_rows
 
     ds = trl_rows({"trainer": "sft", "rows": len(USERS)})
     return ds.add_column("user", [f"u{u}" for u in USERS]) if user_level else ds
@@ -57,8 +57,8 @@ def run_job(job: dict, out_dir: Path) -> dict:
     from hf_fsdp_worker import _train
     from trl import DPOConfig, SFTConfig
 
-    from dpft.audit.checks_hf_ddp import trl_rows
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_ddp import trl_rows
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.trl.trainer import DPDPOTrainer, DPSFTTrainer
 
     tok = tiny_tokenizer()

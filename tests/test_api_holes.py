@@ -318,16 +318,16 @@ def test_dp_trainer_head_learning_rate_and_constant_classifier_warning(tmp_path)
 
 
 def test_api_checks_pass_on_the_real_code():
-    from dpft.audit.checks_api import api_checks
+    from dpft.audit.ways_in import api_checks
 
     rows = api_checks()
-    assert len(rows) == 6 and all(c.passed for c in rows), [c.message for c in rows if not c.passed]
+    assert len(rows) == 9 and all(c.passed for c in rows), [c.message for c in rows if not c.passed]
 
 
 @pytest.mark.parametrize("planted, route", [("double_capture", "make_private"), ("unfrozen_param", "both"),
-                                            ("packing_collator", "dp_trainer")])
+                                            ("packing_collator", "dp_trainer"), ("session_steps_rule", "both")])
 def test_api_checks_catch_each_planted_bug(planted, route):
-    from dpft.audit.checks_api import api_checks, audit_dp_trainer, audit_make_private
+    from dpft.audit.ways_in import api_checks, audit_dp_trainer, audit_make_private
 
     run = {"make_private": audit_make_private, "dp_trainer": audit_dp_trainer, "both": api_checks}[route]
     rows = run(planted=planted)

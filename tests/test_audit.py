@@ -106,7 +106,7 @@ def test_cli_registers_audit():
 
 
 def test_optional_check_modules_are_routed_or_skipped_with_a_note(monkeypatch):
-    """checks_randomness / checks_api join the suite when installed (the planted name routed to
+    """checks_randomness / ways_in join the suite when installed (the planted name routed to
     the module that plants it); when absent they are skipped with a note, never a passing row."""
     import sys
     import types

@@ -1,4 +1,4 @@
-"""audit/checks_dpo_user.py: DPDPOTrainer at user level in ``dpft audit`` (issue 38) — the checks pass as
+"""audit/ways_in_trl.py: DPDPOTrainer at user level in ``dpft audit`` (issue 38) — the checks pass as
 shipped, each planted bug makes the check it targets fail, and the module is registered in the suite."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ pytest.importorskip("trl")
 pytest.importorskip("dp_accounting")
 
 from dpft.audit import planted, suite  # noqa: E402
-from dpft.audit.checks_dpo_user import PLANTED, dpo_user_checks, planted_bug  # noqa: E402
+from dpft.audit.ways_in_trl import DPO_USER_PLANTED as PLANTED, dpo_user_checks, planted_bug  # noqa: E402
 
 NAMES = {"louo": "trl user level: DPDPOTrainer leave-one-user-out",
          "ledger": "trl user level: DPDPOTrainer's ledger counts users"}
@@ -28,7 +28,7 @@ def _fast_gc():
 
 def test_registered_in_the_suite_and_the_planted_list():
     assert set(PLANTED) <= set(planted.ALL)
-    assert ("dpft.audit.checks_dpo_user", "dpo_user_checks", PLANTED) in suite.OPTIONAL_CHECKS
+    assert ("dpft.audit.ways_in_trl", "dpo_user_checks", PLANTED) in suite.OPTIONAL_CHECKS
     with pytest.raises(ValueError, match="unknown planted bug"):
         with planted_bug("no_such_bug"):
             pass

@@ -97,3 +97,16 @@ def test_cli_plant_row_level_user_recipe_fails_and_says_planted(user_recipe, tmp
     assert d["planted"] == "row_level_user_recipe" and d["verdict"] == "FAIL" and d["seconds"] > 0
     res = CliRunner().invoke(app, ["audit", str(y), "--quick", "--out", str(out), "--plant", "no-such-bug"])
     assert res.exit_code == 2 and "unknown planted bug" in res.output
+
+
+def test_dpft_train_plans_like_the_session(tiny_model_dir, tmp_path):
+    """issue 46: `dpft train` and the session make_private asks plan alike from epochs (1.1 · 60 / 6: T = 11), the
+    same q and σ (the session's planted steps rule: tests/test_audit_ways_in.py)."""
+    train, dev = _user_files(tmp_path)
+    t = tw.build_trainer(_recipe(tiny_model_dir, train, dev, **{
+        "task.user_column": None, "batch.expected_batch_size": 6, "schedule.steps": None, "schedule.epochs": 1.1}))
+    plan = tw.trainer_plan(t)
+    (ok,) = tw.session_plan_check(t, plan)
+    assert ok.passed and plan["steps"] == ok.stats["session_steps"] == 11, ok.row()
+    assert ok.stats["sigma"] == ok.stats["session_sigma"]
+    assert tw.session_plan_check(tw.build_trainer(_recipe(tiny_model_dir, train, dev)), plan | {"unit": "user"}) == []

@@ -177,20 +177,21 @@ def test_user_ids_as_field_sequence_or_tensor_agree_and_errors():
 
 
 def test_audit_walks_the_distributed_user_path_and_catches_each_planted_bug():
-    """audit/checks_api_ddp.py: the honest code passes every check; each planted bug fails the
-    check that names its hole (one 2-process launch runs all four configurations)."""
+    """audit/ways_in_ddp.py, make_private's row of its table of ways in: the honest code passes every check;
+    each planted bug fails the check that names its hole (one 2-process launch per configuration)."""
     from dpft.audit import planted, suite
-    from dpft.audit.checks_api_ddp import PLANTED, run_world
+    from dpft.audit.ways_in_ddp import API_PLANTED, PLANTED, WAYS, ddp_way_checks
 
-    assert set(PLANTED) <= set(planted.ALL) and any(m == "dpft.audit.checks_api_ddp" for m, _, _ in suite.OPTIONAL_CHECKS)
-    res = run_world([None, *PLANTED])
-    honest = res["None"]
-    assert len(honest) == 4 and all(c.passed for c in honest), [c.row() for c in honest]
-    failed = {p: [c.name for c in res[p] if not c.passed] for p in PLANTED}
+    mp = (WAYS[1],)
+    assert WAYS[1].name == "make_private" and set(PLANTED) <= set(planted.ALL)
+    assert ("dpft.audit.ways_in_ddp", "hf_ddp_checks", PLANTED) in suite.OPTIONAL_CHECKS
+    honest = ddp_way_checks(None, ways=mp)
+    assert len(honest) == 6 and all(c.passed for c in honest), [c.row() for c in honest]
+    failed = {p: [c for c in ddp_way_checks(p, ways=mp) if not c.passed] for p in API_PLANTED}
+    names = {p: [c.name for c in cs] for p, cs in failed.items()}
     # every rank clipping the whole batch breaks both levels (shard_units shards the users with shard)
-    assert failed == {"ddp_batch_on_every_rank": ["api-ddp: make_private 2-process leave-one-out",
-                                                  "api-ddp: make_private 2-process user-level leave-one-user-out"],
-                      "ddp_user_rows_split": ["api-ddp: make_private 2-process user-level leave-one-user-out"],
-                      "ddp_noise_per_rank": ["api-ddp: make_private noise once for the world"]}, res
-    loo = {c.name: c.stats["loo_over_C"] for p in PLANTED for c in res[p] if "loo_over_C" in c.stats and not c.passed}
-    assert all(v > 1.5 for v in loo.values()), loo  # an example (a user) counted twice: ~2C
+    assert "api-ddp: make_private leave-one-out under 2 processes" in names["ddp_batch_on_every_rank"], names
+    assert "api-ddp: make_private leave-one-user-out under 2 processes" in names["ddp_user_rows_split"], names
+    assert "api-ddp: make_private noise once for the world" in names["ddp_noise_per_rank"], names
+    loo = {c.name: c.stats["loo_over_C"] for cs in failed.values() for c in cs if "loo_over_C" in c.stats}
+    assert loo and all(v > 1.5 for v in loo.values()), loo  # an example (a user) counted twice: ~2C

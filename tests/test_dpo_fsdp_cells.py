@@ -108,7 +108,7 @@ def test_dpo_user_level_fsdp2_two_processes_equal_one(one_and_two, job):
 
 def _initial_weights() -> dict:
     """The tiny Llama's initial weights (seeded: what every worker's policy starts from), flat."""
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
 
     return {n: p.detach().flatten() for n, p in tiny_llama(len(tiny_tokenizer())).named_parameters()}
 

@@ -231,8 +231,8 @@ def test_trl_trainers_train_an_fsdp2_model_through_the_sharded_step(kind, tmp_pa
     from torch.distributed.fsdp import fully_shard
     from trl import DPOConfig, SFTConfig
 
-    from dpft.audit import checks_hf_ddp as hd
-    from dpft.audit import checks_trl
+    from dpft.audit import ways_in_ddp as hd
+    from dpft.audit import ways_in_trl
     from dpft.placement.fsdp import FSDPStep
     from dpft.integrations.hf.trainer import DPArguments
     from dpft.integrations.trl.trainer import DPDPOTrainer, DPSFTTrainer
@@ -241,8 +241,8 @@ def test_trl_trainers_train_an_fsdp2_model_through_the_sharded_step(kind, tmp_pa
         pytest.skip("a process group is already initialised")
     _one_process_group()
     try:
-        tok = checks_trl.tiny_tokenizer()
-        model = checks_trl.tiny_llama(len(tok))
+        tok = ways_in_trl.tiny_tokenizer()
+        model = ways_in_trl.tiny_llama(len(tok))
         mesh = init_device_mesh("cpu", (1,))
         for m in model.modules():
             if type(m).__name__ == "LlamaDecoderLayer":
@@ -257,7 +257,7 @@ def test_trl_trainers_train_an_fsdp2_model_through_the_sharded_step(kind, tmp_pa
             tr = DPSFTTrainer(model=model, args=SFTConfig(max_length=64, dataset_num_proc=None, **common),
                               train_dataset=rows, processing_class=tok, dp_args=dp)
         else:
-            tr = DPDPOTrainer(model=model, ref_model=checks_trl.tiny_llama(len(tok)), args=DPOConfig(beta=0.5, **common),
+            tr = DPDPOTrainer(model=model, ref_model=ways_in_trl.tiny_llama(len(tok)), args=DPOConfig(beta=0.5, **common),
                               train_dataset=rows, processing_class=tok, dp_args=dp)
         before = {n: p.full_tensor().clone() for n, p in tr.engine.params.items()}
         tr.train()

@@ -266,7 +266,7 @@ def api_one_and_two(tmp_path_factory):
         pytest.skip("a process group is already initialised")
     from ddp_api_worker import _model
 
-    from dpft.audit.checks_hf_ddp import tiny_model
+    from dpft.audit.ways_in_ddp import tiny_model
 
     root = tmp_path_factory.mktemp("fsdp_dpsft_api")
     init = {n: p.detach().flatten().tolist() for n, p in _model(0).named_parameters()}  # make_private's start

@@ -1,6 +1,6 @@
 """DPTrainer under torchrun (2 CPU processes, gloo) and at user level (issue 26, items 1 and 4).
 
-One ``torchrun --nproc_per_node=2`` launch (dpft.audit.checks_hf_ddp.launch: the launcher the
+One ``torchrun --nproc_per_node=2`` launch (dpft.audit.ddp_jobs.launch: the launcher the
 audit uses) runs, one after the other in the same two processes: a reproducible example-level
 run (4 steps, checkpoints), a reproducible user-level run, a resume of a 1-process checkpoint
 (refused), and the audit's one-step jobs honest and with each planted DDP bug. The same runs in
@@ -32,7 +32,7 @@ pytest.importorskip("datasets")
 
 from dpft.placement import world as ddp  # noqa: E402
 from dpft.accounting.ledger import PrivacyLedger  # noqa: E402
-from dpft.audit import checks_hf_ddp as hd  # noqa: E402
+from dpft.audit import ways_in_ddp as hd  # noqa: E402
 
 try:
     import trl  # noqa: F401

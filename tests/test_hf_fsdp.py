@@ -253,7 +253,7 @@ def test_fsdp_settings_map_what_dpft_shards_with(tmp_path, monkeypatch):
 def test_dptrainer_fsdp_activation_checkpointing_maps_to_gradient_checkpointing(tmp_path):
     """fsdp_config['activation_checkpointing'] becomes Hugging Face's gradient checkpointing (which the
     book-keeping engine runs); one process: the sharded step on the plain model."""
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.placement.fsdp import FSDPStep
     from dpft.integrations.hf.trainer import DPTrainer
 
@@ -298,7 +298,7 @@ def test_dptrainer_fsdp_refuses_unknown_block_class_and_a_presharded_model(tmp_p
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.integrations.hf.trainer import DPTrainer
 
     args = _args(tmp_path, fsdp="full_shard", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": "Nope"})
@@ -328,7 +328,7 @@ def test_dptrainer_fsdp_banded_mf_releases_through_the_sharded_mechanism(tmp_pat
     """banded MF under fsdp is no longer refused: the trainer's mechanism is the step's sharded copy
     (the one that releases, whose rng each training loop renews and whose buffers the checkpoint
     gathers), not the plan's unsharded one."""
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.placement.fsdp import ShardedBandedMFMechanism
     from dpft.integrations.hf.trainer import DPTrainer
 
@@ -348,7 +348,7 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path, monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.integrations.hf.trainer import DPTrainer
     from dpft.methods.dpsft.method import DPSFT
 
@@ -377,18 +377,19 @@ def test_dptrainer_refuses_methods_with_an_fsdp2_model(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_hf_fsdp_audit_checks_pass_and_catch_planted_bugs():
-    """The audit's DPTrainer-under-FSDP checks (audit/checks_fsdp.py hf_fsdp_checks, registered in
-    audit/suite.py): pass as shipped; each planted bug (plugin arguments handed to accelerate, accelerate's
-    FSDP environment left on) makes a check fail."""
-    from dpft.audit import planted, suite
-    from dpft.audit.checks_fsdp import TRAINER_PLANTED, hf_fsdp_checks
+    """The audit's DPTrainer-under-FSDP ways in (audit/ways_in_fsdp.py hf_fsdp_checks, registered in
+    audit/suite.py): pass as shipped; each planted bug of DPTrainer's two ways in (plugin arguments handed to
+    accelerate, accelerate's FSDP environment left on) makes a check fail. The QLoRA and DPO ways in of the
+    same table: tests/test_trl_fsdp.py."""
+    from dpft.audit import planted, suite, ways_in_fsdp
 
-    assert set(TRAINER_PLANTED) <= set(planted.ALL)
-    assert ("dpft.audit.checks_fsdp", "hf_fsdp_checks", TRAINER_PLANTED) in suite.OPTIONAL_CHECKS
-    honest = hf_fsdp_checks()
+    trainer_planted = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
+    assert set(ways_in_fsdp.PLANTED) <= set(planted.ALL)
+    assert ("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ways_in_fsdp.PLANTED) in suite.OPTIONAL_CHECKS
+    honest = ways_in_fsdp.run_ways(ways_in_fsdp.WAYS[:2])
     assert len(honest) == 6 and all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
-    for name in TRAINER_PLANTED:
-        failed = [c for c in hf_fsdp_checks(name) if not c.passed]
+    for name in trainer_planted:
+        failed = [c for c in ways_in_fsdp.hf_fsdp_checks(name) if not c.passed]
         assert [c.name.split(": ")[1] for c in failed] == ["accelerate is never handed FSDP"], name
 
 

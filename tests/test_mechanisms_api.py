@@ -1,6 +1,6 @@
 """Issue 28 in the Python ways in: banded matrix factorization and truncated Poisson through
 ``PrivacyEngine.make_private`` and ``DPTrainer`` (events and ε, the noise C⁻¹Z, the secret noise
-state, resume, refusals) and their audit checks (audit/checks_mechanisms_api.py)."""
+state, resume, refusals) and their audit checks (audit/ways_in_mechanisms.py)."""
 
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ def test_dptrainer_banded_checkpoint_resume_noise_and_refusals(tmp_path):
 
 def test_dptrainer_truncated_calibrates_on_the_truncated_event(tmp_path):
     """σ is calibrated on 3 × TruncatedSubsampledGaussian(N, q, B_max, σ) and the mechanism records
-    that event (a training run's batches and ledger: audit/checks_mechanisms_api.trainer_truncated,
+    that event (a training run's batches and ledger: audit/ways_in_mechanisms.truncated_check,
     run by tests/test_audit.py and by the planted-bug test below)."""
     from dpft.step.truncated import TruncatedPoissonSampler
 
@@ -324,14 +324,16 @@ def test_dpt_arguments_refusals(tmp_path):
 def test_mechanisms_api_audit_catches_planted_bugs(planted):
     """Each planted bug fails the part of the checks it breaks (the honest checks run, and must
     pass, in tests/test_audit.py::test_honest_step_passes with the other optional modules)."""
-    from dpft.audit import checks_mechanisms_api as cm
+    from dpft.audit import ways_in_mechanisms as cm
     from dpft.audit.planted import ALL
     from dpft.audit.suite import OPTIONAL_CHECKS
 
-    assert set(cm.PLANTED) <= set(ALL) and any(m == "dpft.audit.checks_mechanisms_api" for m, _, _ in OPTIONAL_CHECKS)
-    part = {"api_banded_every_partition": cm.make_private_banded, "api_noise_state_in_optimizer": cm.make_private_banded,
-            "trainer_truncation_not_recorded": cm.trainer_truncated}[planted]
+    assert set(cm.PLANTED) <= set(ALL)
+    assert ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks", cm.MECHANISMS_PLANTED) in OPTIONAL_CHECKS
+    loops = dict(cm.LOOPS)
+    part = {"api_banded_every_partition": lambda: cm.banded_checks("make_private", loops["make_private"]),
+            "api_noise_state_in_optimizer": lambda: cm.banded_checks("make_private", loops["make_private"]),
+            "trainer_truncation_not_recorded": lambda: [cm.truncated_check("DPTrainer", loops["DPTrainer"])]}[planted]
     with cm.planted_bug(planted):
         checks = part()
-    checks = checks if isinstance(checks, list) else [checks]
     assert any(not c.passed for c in checks), planted

@@ -318,7 +318,7 @@ def test_dptrainer_card_names_the_methods_and_their_released_settings(tmp_path):
 
 
 def test_audit_checks_of_the_methods_through_the_python_ways_in_pass():
-    from dpft.audit import checks_methods_api as cm
+    from dpft.audit import ways_in_mechanisms as cm
 
     checks = cm.methods_api_checks(None)
     assert len(checks) == 3 and all(c.passed for c in checks), [c.message for c in checks if not c.passed]
@@ -328,7 +328,7 @@ def test_audit_checks_of_the_methods_through_the_python_ways_in_pass():
                                         ("trainer_count_stream_reused", "_trainer_count_streams"),
                                         ("api_subspace_unclipped", "_subspace_leave_one_out")])
 def test_audit_catches_each_planted_methods_bug(bug, check):
-    from dpft.audit import checks_methods_api as cm
+    from dpft.audit import ways_in_mechanisms as cm
     from dpft.audit.planted import ALL
     from dpft.audit.suite import OPTIONAL_CHECKS
 

@@ -170,7 +170,7 @@ def test_resume_of_a_model_the_caller_sharded_equals_the_uninterrupted_run(tmp_p
     tests/test_resume_sharded.py. A checkpoint without the model's trainable weights is refused."""
     import resume_sharded_worker  # tests/resume_sharded_worker.py
 
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.integrations.hf.fsdp import load_full_into_shards
 
     if dist.is_initialized():  # pragma: no cover - another test left one
@@ -206,7 +206,7 @@ def test_dpsfttrainer_user_level_in_one_process_counts_users(tmp_path):
     through TRL's dataset preparation, and the step moves the weights."""
     from trl import SFTConfig
 
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.trl.trainer import DPSFTTrainer
 
     tok = tiny_tokenizer()
@@ -218,7 +218,7 @@ def test_dpsfttrainer_user_level_in_one_process_counts_users(tmp_path):
     assert tr.user_level and type(tr.dp_step).__name__ != "FSDPStep"
     before = {n: p.detach().clone() for n, p in tr.engine.params.items()}
     log: dict = {"batches": {}, "shares": {}}
-    from dpft.audit.checks_hf_ddp import record_shares
+    from dpft.audit.ways_in_ddp import record_shares
 
     record_shares(tr, log)
     tr.train()

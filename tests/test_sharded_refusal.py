@@ -102,7 +102,7 @@ def _dp():
 
 def test_dptrainer_refuses_a_sharded_submodule_only_and_takes_a_sharded_root(gloo_group, tmp_path):
     pytest.importorskip("transformers")
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.integrations.hf.trainer import DPTrainer
 
     model = hd.tiny_model()
@@ -123,7 +123,7 @@ def test_dpsfttrainer_refuses_fsdp2_model_before_trl_prepares(gloo_group, tmp_pa
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.trl.trainer import DPSFTTrainer
 
     def boom(*a, **k):
@@ -142,7 +142,7 @@ def test_dptrainer_refuses_fsdp1_arguments_fsdp1_plugin_and_deepspeed(tmp_path, 
     """FSDP2 through TrainingArguments.fsdp / accelerate's plugin runs (tests/test_hf_fsdp.py); FSDP1
     (flat parameters) and DeepSpeed stay refused, naming the fix."""
     pytest.importorskip("transformers")
-    from dpft.audit import checks_hf_ddp as hd
+    from dpft.audit import ways_in_ddp as hd
     from dpft.integrations.hf.trainer import DPTrainer
 
     def build(args):

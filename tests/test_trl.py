@@ -416,9 +416,9 @@ def test_layout_probe_allows_mixing_within_a_group_only():
 
 def test_trl_audit_checks_pass_and_catch_the_planted_bug():
     """The honest run of every TRL check is tests/test_audit.py::test_honest_step_passes (the suite's
-    optional checks include checks_trl); here each planted bug through the check that catches it,
+    optional checks include ways_in_trl.trl_checks); here each planted bug through the check that catches it,
     and the same check passing without it."""
-    from dpft.audit.checks_trl import dpo_checks, packing_check, planted_bug
+    from dpft.audit.ways_in_trl import dpo_checks, packing_check, planted_bug
 
     assert packing_check().passed
     with planted_bug("sft_packing_accepted"):

@@ -143,7 +143,7 @@ def test_hashable_sharded_restores_trl_hash_module():
 def _lora_llama():
     from peft import LoraConfig, get_peft_model
 
-    from dpft.audit.checks_trl import tiny_llama
+    from dpft.audit.ways_in_trl import tiny_llama
 
     return get_peft_model(tiny_llama(40), LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, lora_dropout=0.0,
                                                      init_lora_weights=False, target_modules=["q_proj", "v_proj"]))
@@ -174,8 +174,8 @@ def test_dpo_refuses_a_caller_sharded_peft_policy_without_reference_adapter(tmp_
     from torch.distributed.fsdp import fully_shard
     from trl import DPOConfig
 
-    from dpft.audit.checks_hf_ddp import trl_rows
-    from dpft.audit.checks_trl import tiny_tokenizer
+    from dpft.audit.ways_in_ddp import trl_rows
+    from dpft.audit.ways_in_trl import tiny_tokenizer
     from dpft.integrations.hf.trainer import DPArguments
     from dpft.integrations.trl.trainer import DPDPOTrainer
 
@@ -196,23 +196,25 @@ def test_dpo_refuses_a_caller_sharded_peft_policy_without_reference_adapter(tmp_
 
 @pytest.mark.slow  # about 30 s: the honest checks, then each planted bug's
 def test_fsdp_trl_audit_checks_pass_and_catch_planted_bugs():
-    """audit/checks_fsdp_trl.py, registered in audit/suite.py: passes as shipped; each planted bug makes the
-    check of its way in fail."""
-    from dpft.audit import planted, suite
-    from dpft.audit.checks_fsdp_trl import PLANTED, fsdp_trl_checks
+    """audit/ways_in_fsdp.py's QLoRA and DPDPOTrainer ways in and audit/checks_fsdp.py's --no-dp step, registered
+    in audit/suite.py: pass as shipped; each planted bug makes the check of its way in fail."""
+    from dpft.audit import checks_fsdp, planted, suite, ways_in_fsdp
 
-    assert set(PLANTED) <= set(planted.ALL)
-    assert ("dpft.audit.checks_fsdp_trl", "fsdp_trl_checks", PLANTED) in suite.OPTIONAL_CHECKS
-    honest = fsdp_trl_checks()
-    assert len(honest) == (7 if importlib_ok("bitsandbytes") else 5)
+    names = ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept", "fsdp_plain_dummy_counted")
+    assert set(names) <= set(planted.ALL) and "fsdp_plain_dummy_counted" in checks_fsdp.PLANTED
+    assert ("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ways_in_fsdp.PLANTED) in suite.OPTIONAL_CHECKS
+    honest = ways_in_fsdp.run_ways(ways_in_fsdp.WAYS[2:])
+    assert len(honest) == (9 if importlib_ok("bitsandbytes") else 5)
     assert all(c.passed for c in honest), [c.row() for c in honest if not c.passed]
-    expect = {"dpo_fsdp_args_kept": "fsdp DPDPOTrainer: no unclipped gradient, accelerate never handed FSDP",
-              "qlora_fsdp_env_kept": "fsdp QLoRA DPTrainer (accelerate's FSDP2 plugin): accelerate is never handed FSDP",
-              "fsdp_plain_dummy_counted": "fsdp --no-dp step: a placeholder micro-batch adds nothing"}
-    for name in PLANTED:
+    expect = {"dpo_fsdp_args_kept": "fsdp DPDPOTrainer: accelerate is never handed FSDP",
+              "qlora_fsdp_env_kept": "fsdp QLoRA DPTrainer (accelerate's FSDP2 plugin): accelerate is never handed FSDP"}
+    for name in expect:
         if name.startswith("qlora") and not importlib_ok("bitsandbytes"):  # pragma: no cover
             continue
-        assert [c.name for c in fsdp_trl_checks(name) if not c.passed] == [expect[name]], name
+        assert [c.name for c in ways_in_fsdp.hf_fsdp_checks(name) if not c.passed] == [expect[name]], name
+    plain = "fsdp --no-dp step: a placeholder micro-batch adds nothing"
+    assert [c.passed for c in checks_fsdp._plain_check()] == [True]
+    assert plain in [c.name for c in checks_fsdp.fsdp_checks("fsdp_plain_dummy_counted") if not c.passed]
 
 
 def test_cpu_offload_stays_refused_with_the_reason(tmp_path):

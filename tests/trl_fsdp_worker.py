@@ -30,8 +30,8 @@ from _launch import gloo_entry
 def _dpo(job: dict, common: dict):
     from trl import DPOConfig
 
-    from dpft.audit.checks_hf_ddp import trl_rows
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_ddp import trl_rows
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.hf.trainer import DPArguments
     from dpft.integrations.trl.trainer import DPDPOTrainer
 
@@ -205,7 +205,7 @@ def refused_checkpoints(out_dir: Path) -> dict:
     from safetensors.torch import save_file
     from sft_fsdp_worker import _caller_shard
 
-    from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+    from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
     from dpft.integrations.hf.fsdp import load_full_into_shards
 
     model = tiny_llama(len(tiny_tokenizer()))

@@ -9,7 +9,13 @@
 * :mod:`dpft.audit.trainer_walk` — the checks through the Trainer's own step (``dpft train``'s
   code: its plan, micro-batching, privacy unit, sampler, clip policy and mechanism).
 * :mod:`dpft.audit.suite` — :func:`audit_recipe` (what ``dpft audit RECIPE`` runs) and
-  :func:`run_audit`; the check modules ``checks_randomness`` and ``checks_api`` join when installed.
+  :func:`run_audit`; the check modules ``checks_randomness`` and ``ways_in`` join when installed.
+* :mod:`dpft.audit.ways_in` — the checks every way in passes, written once over the ways in's
+  adapters (``make_private``, ``DPTrainer``; the TRL trainers in :mod:`dpft.audit.ways_in_trl`): each
+  reaches the private session unchanged, leave-one-unit-out, the loop variants; and
+  :func:`audit_make_private` / :func:`audit_dp_trainer` on your own model. The same table across
+  processes (:mod:`dpft.audit.ways_in_ddp`), under FSDP (:mod:`dpft.audit.ways_in_fsdp`) and for the
+  plan's mechanisms and methods (:mod:`dpft.audit.ways_in_mechanisms`).
 * :mod:`dpft.audit.planted` — the planted bugs of the auditor's self-test (``--plant NAME``).
 * :mod:`dpft.audit.cli` — ``dpft audit RECIPE``.
 * :mod:`dpft.audit.final_model` — ``dpft audit RECIPE --final-model`` (issue 37): the recipe
@@ -25,7 +31,13 @@ largest ε̂ its trial count could have certified.
 from dpft.audit.stats import clopper_pearson_upper, eps_from_error_rates, one_run_epsilon  # noqa: F401
 from dpft.audit.suite import audit_recipe, run_audit  # noqa: F401,E402
 
-try:  # the user-facing audits of a make_private loop and a DPTrainer (audit/checks_api.py)
-    from dpft.audit.checks_api import audit_dp_trainer, audit_make_private  # noqa: F401
-except ImportError:
-    pass
+
+
+def __getattr__(name: str):
+    """``audit_make_private`` / ``audit_dp_trainer`` (audit/ways_in.py), loaded on first use: they need
+    transformers, which ``import dpft.audit`` (and ``dpft --help``) does not load."""
+    if name in ("audit_make_private", "audit_dp_trainer"):
+        from dpft.audit import ways_in  # deferred: a heavy load (transformers)
+
+        return getattr(ways_in, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

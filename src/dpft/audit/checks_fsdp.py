@@ -27,18 +27,12 @@ White-box, in one process (no process group needed), on the real classes of dpft
   ``fsdp_api_no_placeholder`` (each rank counts only its own micro-batches) and
   ``fsdp_api_dummy_sent`` (the optimizer opens a placeholder as a real micro-batch: dataset row 0 is
   added again on that rank — sensitivity above C).
-* **DPTrainer under ``TrainingArguments.fsdp`` / accelerate's FSDP2 plugin** (integrations/hf/fsdp.py;
-  :func:`hf_fsdp_checks`, its own entry point) —
-  a tiny BERT DPTrainer, each way in, in one process: ``Trainer`` builds its accelerator with ``fsdp``
-  cleared and ``ACCELERATE_USE_FSDP`` off (so accelerate's ``fsdp2_prepare_model`` never shards the
-  model with its reduce-scatter hooks) and no FSDP plugin in its state, the step is dpft's
-  :class:`~dpft.placement.fsdp.FSDPStep` (two logical steps through its ``run``, one ledger event each), and
-  autograd accumulates no gradient on any trainable parameter during training (the engine's pass
-  switches ``requires_grad`` off: only the noisy release writes ``.grad``; a raw gradient is what
-  FSDP's hooks would reduce-scatter before clipping). Planted ``hf_fsdp_args_kept`` (DPTrainer clears
-  ``fsdp`` but hands ``Trainer`` accelerate's plugin arguments, ``fsdp_plugin_args``: accelerate builds
-  its FSDP plugin and would wrap the model) and
-  ``hf_fsdp_env_kept`` (accelerate's FSDP environment left on while ``Trainer`` builds its accelerator).
+* **the non-private FSDP step adds nothing for a placeholder** — :class:`~dpft.placement.fsdp_plain.PlainFSDPStep`
+  on a short rank (one real micro-batch, the world's count two: a placeholder runs) updates the weights
+  exactly as the unsharded ``--no-dp`` step (``DPStep`` with ``NonPrivateEngine``) on the real one, and
+  records no ledger event. Planted ``fsdp_plain_dummy_counted``: the placeholder's loss is not zeroed
+  (row 0 counted again on that rank).
+* The ways in asked for FSDP (DPTrainer, QLoRA, DPDPOTrainer) are audit/ways_in_fsdp.py's.
 * **norms are complete on each rank** — on a tiny GPT-2 LM (tied embeddings), the book-keeping clipped
   sums of two simulated ranks' halves of a batch, summed and cut into FSDP shards, equal the shards of
   one process's clipped sum over the whole batch, and every example's contribution is ≤ C (each rank
@@ -55,87 +49,67 @@ from typing import Iterator, Optional
 
 import torch
 
-from dpft.placement import fsdp
+from dpft.placement import fsdp, fsdp_plain
 from dpft.api import sharded
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
-from dpft.audit.checks_hf_ddp import make_rows, pad_collate, tiny_model
+from dpft.accounting.ledger import PrivacyLedger
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.placement.world import World
 from dpft.grads.bookkeeping import BookKeepingEngine
-from dpft.integrations.hf import trainer as hf
-from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+from dpft.grads.base import NonPrivateEngine
 from dpft.models.losses import causal_lm_loss
 from dpft.privacy.randomness import Randomness
+from dpft.step import DPStep
+from dpft.step.build import build_step_spec
 from dpft.step.clip import make_clip_policy
 from dpft.step.correlated import BandedMFMechanism, banded_coefficients, write_secret
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler
 
-__all__ = ["PLANTED", "TRAINER_PLANTED", "fsdp_checks", "hf_fsdp_checks"]
+__all__ = ["PLANTED", "fsdp_checks"]
 
 #: Planted bugs :func:`fsdp_checks` must catch.
 PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
-           "fsdp_api_no_placeholder", "fsdp_api_dummy_sent")
-#: Planted bugs of DPTrainer's FSDP way in, which :func:`hf_fsdp_checks` must catch.
-TRAINER_PLANTED = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
+           "fsdp_api_no_placeholder", "fsdp_api_dummy_sent", "fsdp_plain_dummy_counted")
 
 
-@contextlib.contextmanager
-def _planted(name: Optional[str]) -> Iterator[None]:
+def _same_stream(real):
+    def same_stream(mech, step, tname, numel, offset, count, device):
+        # every rank starts at block 0 of its own shard: the same streams on each rank
+        return real(mech, step, tname, count, 0, count, device)
 
-    saved = []
-    try:
-        if name == "fsdp_same_shard_stream":
-            real = fsdp.shard_noise
+    return same_stream
 
-            def same_stream(mech, step, tname, numel, offset, count, device):
-                # every rank starts at block 0 of its own shard: the same streams on each rank
-                return real(mech, step, tname, count, 0, count, device)
 
-            saved.append((fsdp, "shard_noise", real))
-            fsdp.shard_noise = same_stream
-        elif name == "fsdp_dummy_counted":
-            real_start = fsdp.ReduceScatter.start
-            saved.append((fsdp.ReduceScatter, "start", real_start))
-            fsdp.ReduceScatter.start = lambda self, dummy: real_start(self, False)
-        elif name == "fsdp_banded_whole_stream":
+def _truncation_dropped(real_init):
+    def drop(self, base, layout):
+        real_init(self, base, layout)
+        self.truncation = None
 
-            real = fsdp._ShardedNoise.noise_stream
-            saved.append((fsdp._ShardedNoise, "noise_stream", real))
-            fsdp._ShardedNoise.noise_stream = GaussianMechanism.noise_stream
-        elif name == "fsdp_truncation_dropped":
-            real_init = fsdp._ShardedNoise.__init__
+    return drop
 
-            def drop(self, base, layout):
-                real_init(self, base, layout)
-                self.truncation = None
 
-            saved.append((fsdp._ShardedNoise, "__init__", real_init))
-            fsdp._ShardedNoise.__init__ = drop
-        elif name == "fsdp_api_no_placeholder":
+def _own_count(self, idx):
+    """Planted: each rank counts only its own micro-batches (no placeholders)."""
+    mine = self.share(idx)
+    return len(self.sampler.micro_batches(mine, self.max_physical)) if len(mine) else 0
 
-            real_count = sharded.ShardedMicroBatches._count
 
-            def own(self, idx):
-                mine = self.share(idx)
-                return len(self.sampler.micro_batches(mine, self.max_physical)) if len(mine) else 0
+def _dummy_as_real(real_begin):
+    def as_real(self, *a, **k):
+        self.batches.dummies = type(self.batches.dummies)(False for _ in self.batches.dummies)
+        return real_begin(self, *a, **k)
 
-            saved.append((sharded.ShardedMicroBatches, "_count", real_count))
-            sharded.ShardedMicroBatches._count = own
-        elif name == "fsdp_api_dummy_sent":
+    return as_real
 
-            real_begin = sharded.ShardedDPOptimizer._begin_micro_batch
 
-            def as_real(self, *a, **k):
-                self.batches.dummies = type(self.batches.dummies)(False for _ in self.batches.dummies)
-                return real_begin(self, *a, **k)
+def _restart(real_load):
+    def restart(self, st, device_of=None):
+        real_load(self, st, device_of)
+        self.buffers = []  # the stream starts over on every rank
 
-            saved.append((sharded.ShardedDPOptimizer, "_begin_micro_batch", real_begin))
-            sharded.ShardedDPOptimizer._begin_micro_batch = as_real
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
+    return restart
 
 
 def _noise_check(sigma: float = 0.7, c: float = 2.0) -> list[Check]:
@@ -312,145 +286,43 @@ def _norm_check(c: float = 0.05) -> list[Check]:
                   f"largest single-example norm {max(norms):.4g} vs C = {c}", {"max_norm": max(norms)})]
 
 
-@contextlib.contextmanager
-def _trainer_planted(name: Optional[str]) -> Iterator[None]:
-    """Plant one of :data:`TRAINER_PLANTED` in the names integrations/hf/trainer.py imported."""
+def _plain_check() -> list[Check]:
+    """PlainFSDPStep with a placeholder (a short rank) = the unsharded --no-dp step on the real batch."""
+    def run(step_cls, force_placeholder: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        loss = lambda fwd, b: ((fwd(input=b["x"]) - b["y"]) ** 2).sum(dim=1)  # noqa: E731
+        eng = NonPrivateEngine(model, loss, make_clip_policy("flat", 1.0))
+        spec = build_step_spec(engine=eng, clip=eng.clip, sigma=None, rng=None, sampler=None,
+                               optimizer=torch.optim.SGD(list(eng.params.values()), lr=0.5))
+        spec.sampler = type("Q", (), {"q": 0.5})()
+        g = torch.Generator().manual_seed(1)
+        real = {"x": torch.randn(3, 4, generator=g), "y": torch.randn(3, 3, generator=g)}
+        dummy = {"x": torch.randn(1, 4, generator=g) * 5, "y": torch.zeros(1, 3)}
+        ledger = PrivacyLedger()
+        if step_cls is DPStep:
+            step = DPStep(spec, ledger, 8)
+        else:
+            step = step_cls(spec, ledger, 8, World(0, 1), lambda: dummy)
+            if force_placeholder:
+                step._count = lambda n: n + 1  # the world's most micro-batches: one more than this rank's
+        step.run(0, [real])
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), len(ledger.entries)
 
-    saved = []
-    try:
-        if name == "hf_fsdp_args_kept":
-            real = hf.shard_requested
-
-            def keep_args(model, args, *a, **k):
-                model, cleared, asked = real(model, args, *a, **k)
-                # fsdp cleared but accelerate's plugin arguments handed on: Trainer builds an FSDP plugin
-                cleared.fsdp_plugin_args = getattr(args, "fsdp_plugin_args", None)
-                return model, cleared, asked
-
-            saved.append((hf, "shard_requested", real))
-            hf.shard_requested = keep_args
-        elif name == "hf_fsdp_env_kept":
-            saved.append((hf, "accelerate_fsdp_off", hf.accelerate_fsdp_off))
-            hf.accelerate_fsdp_off = lambda requested: contextlib.nullcontext()
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
-
-
-@contextlib.contextmanager
-def watch_trainer(seen: dict, env: Optional[dict] = None):
-    """Record what ``Trainer`` hands accelerate as it builds its accelerator, count FSDPStep runs; set
-    ``env`` meanwhile. Everything restored afterwards (accelerate's global state reset)."""
-    import transformers
-    from accelerate.state import AcceleratorState
-
-    env = env or {}
-    real_create = transformers.Trainer.create_accelerator_and_postprocess
-    real_run = fsdp.FSDPStep.run
-
-    def create(self):
-        seen["fsdp_args"] = bool(getattr(self.args, "fsdp", None)) or self.args.fsdp_plugin_args is not None
-        seen["fsdp_env"] = str(os.environ.get("ACCELERATE_USE_FSDP", "")).lower() == "true"
-        real_create(self)
-        seen["fsdp_plugin"] = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
-
-    def run(self, *a, **k):
-        seen["runs"] = seen.get("runs", 0) + 1
-        return real_run(self, *a, **k)
-
-    saved = {k: os.environ.get(k) for k in {**env, "ACCELERATE_USE_FSDP": ""}}
-    transformers.Trainer.create_accelerator_and_postprocess = create
-    fsdp.FSDPStep.run = run
-    os.environ.update(env)
-    try:
-        yield seen
-    finally:
-        transformers.Trainer.create_accelerator_and_postprocess = real_create
-        fsdp.FSDPStep.run = real_run
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        AcceleratorState._reset_state(True)
-
-
-def _trainer_run(way: str, tmp: str) -> dict:
-    """One DPTrainer under FSDP asked through ``way`` (``"args"``: TrainingArguments.fsdp; ``"env"``:
-    accelerate's FSDP2 environment), two logical steps: what ``Trainer`` built its accelerator with,
-    the step class, how many FSDPStep runs and ledger events, and the raw gradients autograd wrote."""
-    from transformers import PrinterCallback, TrainingArguments
-
-    seen: dict = {"error": None, "runs": 0, "raw_grads": 0}
-    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-           "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer"} if way == "env" else {}
-    fsdp_kw = {} if way == "env" else {"fsdp": True, "fsdp_config": {"fsdp_version": 2,
-                                                                        "transformer_layer_cls_to_wrap": ["BertLayer"]}}
-    with watch_trainer(seen, env):
-        try:
-            args = TrainingArguments(output_dir=tmp, max_steps=2, learning_rate=0.5, optim="sgd", use_cpu=True,
-                                     per_device_train_batch_size=2, report_to=[], save_strategy="no",
-                                     logging_strategy="no", disable_tqdm=True, label_names=["labels"], **fsdp_kw)
-            tr = DPTrainer(model=tiny_model(), args=args, train_dataset=make_rows(20), data_collator=pad_collate,
-                           dp_args=DPArguments(target_delta=1e-3, noise_multiplier=1.0, max_grad_norm=0.5,
-                                               expected_batch_size=6, max_physical_batch_size=2))
-            tr.remove_callback(PrinterCallback)
-
-            def raw(_p):
-                seen["raw_grads"] += 1
-
-            hooks = [p.register_post_accumulate_grad_hook(raw) for p in tr.model.parameters() if p.requires_grad]
-            seen["step"] = type(tr.dp_step).__name__
-            tr.train()
-            for h in hooks:
-                h.remove()
-            seen["events"] = sum(e["count"] for e in tr.ledger.to_json()["entries"])
-        except Exception as exc:  # noqa: BLE001 - a planted bug may break Trainer; the record above decides
-            seen["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-    return seen
-
-
-def hf_fsdp_checks(planted: Optional[str] = None) -> list[Check]:
-    """DPTrainer under ``TrainingArguments.fsdp`` and accelerate's FSDP2 plugin (module docstring;
-    ``audit/suite.py`` ``OPTIONAL_CHECKS``); ``planted``: one of :data:`TRAINER_PLANTED` (only the way in
-    it breaks is run; the checks must then fail)."""
-    import tempfile
-
-    ways = (("args", "TrainingArguments.fsdp"), ("env", "accelerate's FSDP2 plugin"))
-    if planted is not None:
-        ways = tuple(w for w in ways if w[0] == {"hf_fsdp_args_kept": "args", "hf_fsdp_env_kept": "env"}[planted])
-    out = []
-    with _trainer_planted(planted), tempfile.TemporaryDirectory() as tmp:
-        for way, what in ways:
-            s = _trainer_run(way, f"{tmp}/{way}")
-            built = "fsdp_args" in s
-            handed = not built or s["fsdp_args"] or s["fsdp_env"] or s.get("fsdp_plugin", True)
-            out.append(Check(f"fsdp DPTrainer ({what}): accelerate is never handed FSDP", not handed,
-                             "Trainer built its accelerator with fsdp cleared, ACCELERATE_USE_FSDP off, no FSDP plugin"
-                             if not handed else f"DPTrainer stopped before Trainer built its accelerator: {s['error']}"
-                             if not built else
-                             f"accelerate got FSDP (arguments: {s.get('fsdp_args')}, environment: {s.get('fsdp_env')}, "
-                             f"plugin: {s.get('fsdp_plugin')}): its fsdp2_prepare_model would shard the model with hooks "
-                             "that reduce-scatter unclipped gradients" + (f"; {s['error']}" if s["error"] else "")))
-            ok = s["error"] is None and s.get("step") == "FSDPStep" and s["runs"] == 2 == s.get("events")
-            out.append(Check(f"fsdp DPTrainer ({what}): dpft's FSDPStep runs every step", ok,
-                             f"{s.get('step')}: {s['runs']} runs, {s.get('events')} ledger events"
-                             + (f"; {s['error']}" if s["error"] else "")))
-            clean = s["error"] is None and s["raw_grads"] == 0
-            out.append(Check(f"fsdp DPTrainer ({what}): no unclipped gradient reaches a parameter", clean,
-                             "autograd accumulated no gradient on a trainable parameter (only the noisy release "
-                             "writes .grad)" if clean else f"{s['raw_grads']} raw gradient accumulation(s)"
-                             + (f"; {s['error']}" if s["error"] else "")))
-    return out
+    ref, _ = run(DPStep, False)
+    got, events = run(fsdp_plain.PlainFSDPStep, True)
+    diff = float((got - ref).abs().max())
+    ok = diff <= 1e-6 and events == 0
+    return [Check("fsdp --no-dp step: a placeholder micro-batch adds nothing", ok,
+                  f"max |Δw| against the unsharded --no-dp step {diff:.2e}, {events} ledger events"
+                  + ("" if ok else ": the placeholder's gradient entered the update"), {"max_diff": diff})]
 
 
 def _step_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (see the module docstring)."""
-    with _planted(planted):
-        # the norm check exercises no planted bug (it builds a model: skipped when planting)
-        return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check()
-                + (_norm_check() if planted is None else []))
+    # the norm check exercises no planted bug (it builds a model: skipped when planting)
+    return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check() + _plain_check()
+            + (_norm_check() if planted is None else []))
 
 
 # -- make_private + banded MF under FSDP2: the sharded secret state (issue 38; helper i38-api-dcp) --------------
@@ -470,27 +342,22 @@ API_BANDED_PLANTED = ("fsdp_api_banded_restart", "fsdp_api_banded_slice_saved")
 PLANTED = PLANTED + API_BANDED_PLANTED
 
 
-@contextlib.contextmanager
-def _planted_api_banded(name: Optional[str]) -> Iterator[None]:
-    saved = []
-    try:
-        if name == "fsdp_api_banded_restart":
-            real_load = fsdp.ShardedBandedMFMechanism.load_state
-
-            def restart(self, st, device_of=None):
-                real_load(self, st, device_of)
-                self.buffers = []  # the stream starts over on every rank
-
-            saved.append((fsdp.ShardedBandedMFMechanism, "load_state", real_load))
-            fsdp.ShardedBandedMFMechanism.load_state = restart
-        elif name == "fsdp_api_banded_slice_saved":
-            real_state = fsdp.ShardedBandedMFMechanism.state
-            saved.append((fsdp.ShardedBandedMFMechanism, "state", real_state))
-            fsdp.ShardedBandedMFMechanism.state = BandedMFMechanism.state  # this rank's slices, not gathered
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
+planted_bug = bug_planter(PLANTED, {
+    "fsdp_same_shard_stream": lambda p: p.set(fsdp, "shard_noise", _same_stream(fsdp.shard_noise)),
+    "fsdp_dummy_counted": lambda p: p.set(fsdp.ReduceScatter, "start",
+                                          lambda self, dummy, real=fsdp.ReduceScatter.start: real(self, False)),
+    "fsdp_banded_whole_stream": lambda p: p.set(fsdp._ShardedNoise, "noise_stream", GaussianMechanism.noise_stream),
+    "fsdp_truncation_dropped": lambda p: p.set(fsdp._ShardedNoise, "__init__",
+                                               _truncation_dropped(fsdp._ShardedNoise.__init__)),
+    "fsdp_api_no_placeholder": lambda p: p.set(sharded.ShardedMicroBatches, "_count", _own_count),
+    "fsdp_api_dummy_sent": lambda p: p.set(sharded.ShardedDPOptimizer, "_begin_micro_batch",
+                                           _dummy_as_real(sharded.ShardedDPOptimizer._begin_micro_batch)),
+    "fsdp_plain_dummy_counted": lambda p: p.set(fsdp_plain.PlainFSDPStep, "DUMMY_WEIGHT", 1.0),
+    "fsdp_api_banded_restart": lambda p: p.set(fsdp.ShardedBandedMFMechanism, "load_state",
+                                               _restart(fsdp.ShardedBandedMFMechanism.load_state)),
+    # this rank's slices, not gathered
+    "fsdp_api_banded_slice_saved": lambda p: p.set(fsdp.ShardedBandedMFMechanism, "state", BandedMFMechanism.state),
+})
 
 
 @contextlib.contextmanager
@@ -589,5 +456,5 @@ def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> lis
 def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (module docstring and the blocks after it); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
-    with _planted_api_banded(planted):
+    with planted_bug(planted):
         return _step_checks(planted) + _api_banded_check()

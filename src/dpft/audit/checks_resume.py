@@ -1,12 +1,12 @@
 """Audit checks of the one state/resume path (issue 34): the independent review's two
-reproductions must be refused in every way in.
+reproductions must be refused in every way in (one check over :data:`WAYS`, issue 46 item 4).
 
 * **rows by content** — a banded-MF run resumed with the same training rows in another order
   (a dataset shuffled without a seed, a re-exported file) would put examples into other secret
   partitions, so they could participate fewer than b steps apart and the recorded
   participations would no longer bound ε. The saved state carries a keyed fingerprint of the
-  rows' content (step/fingerprint.py); ``make_private`` + ``load_noise_state`` and ``DPTrainer``
-  resume must refuse, the same rows in order must resume (planted ``resume_rows_by_index``: the
+  rows' content (step/fingerprint.py); every way in (``make_private`` + ``load_noise_state``,
+  ``DPTrainer`` from its checkpoint) must refuse, and resume the same rows in order (planted ``resume_rows_by_index``: the
   fingerprint check skipped, so only N is compared — the reviewed behaviour).
 * **no stale state** — ``make_private`` saved at step 2, released steps 2–3, then a fresh engine
   loads the step-2 state: it must refuse (the live release record holds 4 releases, the state 2);
@@ -29,6 +29,7 @@ from dpft.audit.whitebox import Check
 from dpft import PrivacyEngine
 from dpft.api import state
 from dpft.audit.planted import bug_planter
+from dpft.integrations.hf.trainer import DPArguments, DPTrainer
 from dpft.step import correlated
 
 __all__ = ["PLANTED", "resume_checks", "planted_bug"]
@@ -82,39 +83,26 @@ def _refused(fn) -> tuple[bool, str]:
     return False, "accepted"
 
 
-def resume_checks(planted: Optional[str] = None) -> list[Check]:
-    """The two reproductions through make_private (reordered rows, stale state) and DPTrainer
-    (reordered rows); ``planted`` one of :data:`PLANTED` (or None)."""
-    with planted_bug(planted), tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "noise.secret.pt"
+def _make_private_resume(d: Path, reordered: bool) -> tuple[bool, str]:
+    """make_private: 3 steps saved, then a fresh engine loads the state over the rows (reordered or not)."""
+    path = d / "noise.secret.pt"
+    if not path.is_file():
         _loop(_data(), 3, save=(3, path))
-        perm = torch.randperm(_N, generator=torch.Generator().manual_seed(1))
-        ref_mp, why_mp = _refused(lambda: _loop(_data(perm), _STEPS, load=path))
-        same_ok, _ = _refused(lambda: _loop(_data(), _STEPS, load=path))
-        stale = Path(d) / "stale.secret.pt"
-        _loop(_data(), 4, save=(2, stale))
-        ref_stale, why_stale = _refused(lambda: _loop(_data(), _STEPS, load=stale))
-        ref_tr, why_tr = _trainer_reordered(Path(d) / "hf")
-    return [
-        Check("resume: make_private refuses the same rows reordered (banded_mf)", ref_mp and not same_ok,
-              f"reordered: {why_mp}; same order: {'refused' if same_ok else 'resumed'}", {"refused": ref_mp}),
-        Check("resume: make_private refuses a noise state older than its last release", ref_stale,
-              f"saved at step 2, 4 released: {why_stale}", {"refused": ref_stale}),
-        Check("resume: DPTrainer refuses the same rows reordered (banded_mf)", ref_tr, why_tr, {"refused": ref_tr}),
-    ]
+    order = torch.randperm(_N, generator=torch.Generator().manual_seed(1)) if reordered else None
+    return _refused(lambda: _loop(_data(order), _STEPS, load=path))
 
 
-def _trainer_reordered(out: Path) -> tuple[bool, str]:
+def _trainer_resume(d: Path, reordered: bool) -> tuple[bool, str]:
+    """DPTrainer: 2 steps with a checkpoint, then resumed from it over the rows (shuffled or not)."""
     import datasets
-    from transformers import (BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments,
-                              default_data_collator)
-
-    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+    from transformers import BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments, \
+        default_data_collator
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 64, (24, 5), generator=g)
     ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(24, 5).long().tolist(),
                                      "labels": torch.randint(0, 2, (24,), generator=g).tolist()})
+    out = d / ("hf-reordered" if reordered else "hf-same")
 
     class StopAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -135,4 +123,28 @@ def _trainer_reordered(out: Path) -> tuple[bool, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer(ds, [StopAt()]).train()
-        return _refused(lambda: trainer(ds.shuffle(seed=3)).train(resume_from_checkpoint=str(out / "checkpoint-2")))
+        rows = ds.shuffle(seed=3) if reordered else ds
+        return _refused(lambda: trainer(rows).train(resume_from_checkpoint=str(out / "checkpoint-2")))
+
+
+#: The ways in of the resume check: ``(name, resume(tmp_dir, reordered) -> (refused, why))``.
+WAYS = (("make_private", _make_private_resume), ("DPTrainer", _trainer_resume))
+
+
+def resume_checks(planted: Optional[str] = None) -> list[Check]:
+    """Every way in of :data:`WAYS` refuses the same rows reordered and resumes them in order (banded_mf);
+    make_private refuses a stale state. ``planted``: one of :data:`PLANTED` (or None)."""
+    out = []
+    with planted_bug(planted), tempfile.TemporaryDirectory() as d:
+        for name, resume in WAYS:
+            ref, why = resume(Path(d), True)
+            same, why_same = resume(Path(d), False)
+            out.append(Check(f"resume: {name} refuses the same rows reordered (banded_mf)", ref and not same,
+                             f"reordered: {why}; same order: {'refused: ' + why_same if same else 'resumed'}",
+                             {"refused": ref}))
+        stale = Path(d) / "stale.secret.pt"
+        _loop(_data(), 4, save=(2, stale))
+        ref_stale, why_stale = _refused(lambda: _loop(_data(), _STEPS, load=stale))
+    out.append(Check("resume: make_private refuses a noise state older than its last release", ref_stale,
+                     f"saved at step 2, 4 released: {why_stale}", {"refused": ref_stale}))
+    return out

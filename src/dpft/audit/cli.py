@@ -7,7 +7,7 @@ ledger event and the unit's sampling rate are checked through :meth:`Trainer.ste
 (``audit/trainer_walk.py``). The white-box sweep of every clip style and engine runs on a tiny
 random model of the recipe's architecture family (BERT / RoBERTa / GPT-2), the canary audits on
 the slot model of ``audit/harness.py`` at the plan's σ and q; the check modules
-``checks_randomness`` and ``checks_api`` join when installed (skipped with a note otherwise).
+``checks_randomness`` and ``ways_in`` join when installed (skipped with a note otherwise).
 A reproducible recipe (``privacy.reproducible``) is audited with the seed given to the auditor,
 who regenerates and subtracts the noise: its ε holds only while the seed is secret, and the
 audit says so by failing. ``--plant NAME`` (hidden) is the auditor's self-test

@@ -13,11 +13,11 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
 * The Trainer's path (``audit/trainer_walk.py``): ``row_level_user_recipe`` (the audit's plan
   calibrated over rows for a user-level recipe), ``user_clipping_broken``.
 * Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
-* The Python ways in (``audit/checks_api.py``, when installed): ``double_capture``,
-  ``unfrozen_param``, ``packing_collator``.
-* make_private across processes and at user level (``audit/checks_api_ddp.py``, planted in its
+* The Python ways in (``audit/ways_in.py``): ``double_capture``,
+  ``unfrozen_param``, ``packing_collator``; the session they plan through: ``session_steps_rule``.
+* make_private across processes and at user level (``audit/ways_in_ddp.py``, planted in its
   2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
-* TRL (``audit/checks_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
+* TRL (``audit/ways_in_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
 * Every update a DP release (``audit/checks_guard.py``, issue 44): ``trainer_step_skips_release``,
   ``custom_loop_accepted``, ``raw_update_accepted``, ``weights_moved_unreleased``.
 """
@@ -36,16 +36,16 @@ KNOWN_SEED = 1234
 MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "clip at 2C",
                      "same noise every step", "no subsampling", "known seed")
 RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
-API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator")
+API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
-# make_private across processes / at user level (audit/checks_api_ddp.py; planted in its workers)
+# make_private across processes / at user level (audit/ways_in_ddp.py; planted in its 2-process jobs)
 API_DDP_PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")
 ALL = ALL + API_DDP_PLANTED
-# DPTrainer under torchrun and at user level (audit/checks_hf_ddp.py, issue 26): the model wrapped
+# DPTrainer under torchrun and at user level (audit/ways_in_ddp.py, issue 26): the model wrapped
 # in DDP, each rank clipping the whole logical batch, a user's rows clipped one by one.
 HF_DDP_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
 ALL = ALL + HF_DDP_PLANTED
-# TRL (audit/checks_trl.py, when trl is installed): DPSFTTrainer accepting packed batches, DPDPOTrainer
+# TRL (audit/ways_in_trl.py, when trl is installed): DPSFTTrainer accepting packed batches, DPDPOTrainer
 # clipping a pair's two rows separately.
 TRL_PLANTED = ("sft_packing_accepted", "dpo_pair_split")
 ALL = ALL + TRL_PLANTED
@@ -211,7 +211,7 @@ FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_who
                 "fsdp_api_no_placeholder", "fsdp_api_dummy_sent", "fsdp_api_banded_restart",
                 "fsdp_api_banded_slice_saved")
 ALL = ALL + FSDP_PLANTED
-# DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin (issue 38; audit/checks_fsdp.py plants them)
+# DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin (issue 38; audit/ways_in_fsdp.py plants them)
 HF_FSDP_PLANTED = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
 ALL = ALL + HF_FSDP_PLANTED
 # methods on FSDP2 shards (issue 38; audit/checks_fsdp_methods.py plants them): RMT denoising each rank's rows;
@@ -233,7 +233,7 @@ ALL = ALL + SEQ2SEQ_PLANTED
 # un-noised clipped sum; the two releases of a step recorded as two separately sampled events.
 EWFT_PLANTED = ("train_pre_without_noise", "train_pre_sampled_twice")
 ALL = ALL + EWFT_PLANTED
-# issue 28: mechanisms in make_private / DPTrainer (audit/checks_mechanisms_api.py plants them):
+# issue 28: mechanisms in make_private / DPTrainer (audit/ways_in_mechanisms.py plants them):
 # make_private's cyclic sampler ignoring the partitions, the banded noise buffers in the DP
 # optimizer's state_dict, DPTrainer recording plain Poisson events under max_batch_size.
 MECHANISMS_API_PLANTED = ("api_banded_every_partition", "api_noise_state_in_optimizer",
@@ -246,16 +246,16 @@ ALL = ALL + RESUME_PLANTED
 # issue 37: the final-model audit's calibration (audit/final_model.py FINAL_MODEL_PLANTED)
 DUPLICATE_PLANTED = ("counted twice",)
 ALL = ALL + DUPLICATE_PLANTED
-# issue 34 item 4: methods through the Python ways in (audit/checks_methods_api.py plants them): the
+# issue 34 item 4: methods through the Python ways in (audit/ways_in_mechanisms.py plants them): the
 # adaptive clip's gradient noised at σ instead of σ_Δ, DPTrainer's count noise reused across train()
 # loops, DP-SFT's live projection unclipped.
 METHODS_API_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
 ALL = ALL + METHODS_API_PLANTED
-# issue 38: DPDPOTrainer / QLoRA DPTrainer under fsdp and the --no-dp FSDP step (audit/checks_fsdp_trl.py plants
-# them): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
+# issue 38: DPDPOTrainer / QLoRA DPTrainer under fsdp (audit/ways_in_fsdp.py plants them) and the --no-dp FSDP
+# step (audit/checks_fsdp.py): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
 FSDP_TRL_PLANTED = ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept", "fsdp_plain_dummy_counted")
 ALL = ALL + FSDP_TRL_PLANTED
-# issue 38: DPDPOTrainer at user level (audit/checks_dpo_user.py plants them, when trl is installed): each pair its
+# issue 38: DPDPOTrainer at user level (audit/ways_in_trl.py plants them, when trl is installed): each pair its
 # own clipping group instead of the user's pairs together; the plan (N, q) built over pairs instead of users.
 DPO_USER_PLANTED = ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")
 ALL = ALL + DPO_USER_PLANTED

@@ -4,7 +4,8 @@ train`` would build, its plan, the checks through its own step, then :func:`run_
 plan's σ, C, q).
 
 Checks written in other modules join the suite when they are installed
-(:data:`OPTIONAL_CHECKS`: ``checks_randomness.randomness_checks``, ``checks_api.api_checks``);
+(:data:`OPTIONAL_CHECKS`: ``checks_randomness.randomness_checks``, ``ways_in.api_checks``: the checks every
+way in passes, over its adapters);
 a missing one is skipped with a note in the report, never counted as passed.
 
 Sizes: ``quick`` (CI: seconds to a minute on one core) or the default (more trials, every
@@ -101,18 +102,18 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
 #: is ``f(planted: str | None = None) -> list[Check]``.
 OPTIONAL_CHECKS = (
     ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
-    ("dpft.audit.checks_api", "api_checks", ("double_capture", "unfrozen_param", "packing_collator")),
-    # make_private across processes and at user level (issue 26)
-    ("dpft.audit.checks_api_ddp", "api_ddp_checks", ("ddp_batch_on_every_rank", "ddp_user_rows_split",
-                                                      "ddp_noise_per_rank")),
-    # DPTrainer under torchrun and at user level (issue 26)
-    ("dpft.audit.checks_hf_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")),
+    # the properties every way in must show, written once over the ways in's adapters (issue 46 item 4)
+    ("dpft.audit.ways_in", "api_checks", ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")),
+    # make_private and DPTrainer across processes and at user level (issue 26), one table of the ways in
+    ("dpft.audit.ways_in_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone",
+                                                 "ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")),
     # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
-    ("dpft.audit.checks_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
+    ("dpft.audit.ways_in_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
     ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
                                                "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
                                                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent",
-                                               "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved")),
+                                               "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved",
+                                               "fsdp_plain_dummy_counted")),
     ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
@@ -128,18 +129,17 @@ OPTIONAL_CHECKS = (
     ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows", "relative_table_batch_summed")),
     ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
     # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
-    ("dpft.audit.checks_mechanisms_api", "mechanisms_api_checks",
+    ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks",
      ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
     # issue 34: the one state/resume path (the review's two reproductions, every way in)
     ("dpft.audit.checks_resume", "resume_checks", ("resume_rows_by_index", "api_stale_state_accepted")),
     # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
-    ("dpft.audit.checks_methods_api", "methods_api_checks",
+    ("dpft.audit.ways_in_mechanisms", "methods_api_checks",
      ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
-    # issue 38: DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin
-    ("dpft.audit.checks_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept")),
-    # issue 38: DPDPOTrainer and QLoRA under fsdp, the non-private FSDP step (skipped where trl is absent)
-    ("dpft.audit.checks_fsdp_trl", "fsdp_trl_checks", ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept",
-                                                       "fsdp_plain_dummy_counted")),
+    # issue 38: the ways in asked for FSDP (DPTrainer by its arguments and by accelerate's plugin, QLoRA,
+    # DPDPOTrainer; a way in whose package is absent left out) reach FSDPStep unchanged
+    ("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept", "qlora_fsdp_env_kept",
+                                                   "dpo_fsdp_args_kept")),
     # issue 38: method plug-ins on FSDP2 shards (RMT's whole-matrix SVD on the gathered rows; DP-SFT's
     # all-reduced coordinates, noised once for the world; coords: each rank's rows of Θ_start + P z; stage 1: one
     # basis for the world, built on rank 0 from the gathered snapshots and broadcast)
@@ -150,7 +150,7 @@ OPTIONAL_CHECKS = (
      ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
       "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
     # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
-    ("dpft.audit.checks_dpo_user", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
+    ("dpft.audit.ways_in_trl", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
     # issue 44 item 5: no data error quotes a label value (a planted label driven through every refusal)
     ("dpft.audit.checks_data", "data_checks", ("label_quoted",)),
     # issue 45 item 3: LP-FT's two phases in the one ledger, ending at the target ε

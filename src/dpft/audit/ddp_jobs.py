@@ -1,30 +1,11 @@
-"""Audit checks of ``DPTrainer`` across processes and at user level (issue 26, items 1 and 4).
+"""One run of a Python way in from a JSON job description (:func:`run_job`: ``make_private``, ``DPTrainer``,
+``DPSFTTrainer``, ``DPDPOTrainer`` on tiny in-process models), in a process of a ``torchrun`` world, and its
+launcher (:func:`launch`; issue 26, issue 46 item 4).
 
-Each check runs tiny ``DPTrainer`` jobs (a random BERT, rows of several lengths, one
-mislabelled: large gradients) for one logical step with ``σ = 0``, ``q = 1`` (every unit
-sampled) and SGD at learning rate 1, and reads the released clipped sum back from the weights:
-``S = −Δθ · qN`` (add/remove-one; Abadi et al. 2016, Alg. 1). The 2-process jobs run under
-``torchrun --nproc_per_node=2`` (gloo, CPU; :func:`launch`) from a subprocess:
-
-* **2 processes = 1 process** — ``‖S₂ − S₁‖ ≤ 1e-4·C`` (only the order of float sums differs):
-  one Poisson batch for the world, disjoint shares, one all-reduce of clipped sums;
-* **leave-one-out under 2 processes** — ``max_i ‖S₂(D) − S₂(D∖i)‖ ≤ C(1 + tol)``: an example
-  clipped on two ranks (a share that is not disjoint) would move ``S`` by up to 2C;
-* **no DistributedDataParallel** — under 2 processes neither ``trainer.model_wrapped`` nor the
-  model holds a ``DistributedDataParallel`` wrapper (accelerate adds one unless told not to;
-  its buckets all-reduce the unclipped gradient of every backward);
-* **user level, 2 processes = 1 process** — the same with ``DPArguments(user_column=...)``;
-* **leave-one-user-out (1 process)** — ``max_u ‖S(D) − S(D∖u)‖ ≤ C(1 + tol)`` with users of
-  3 and 2 rows (k = 3): a user's rows clipped one by one would move ``S`` by up to 3C.
-
-Planted bugs (:data:`PLANTED`): ``hf_ddp_wrapped`` (the DDP guard off: accelerate wraps the
-model), ``hf_ddp_unsharded`` (each rank clips the whole logical batch instead of its share),
-``hf_user_rows_clipped_alone`` (a user's rows clipped one by one: the group ids never reach
-the engine). Each makes at least one check fail.
-
-:func:`run_job` is one ``DPTrainer`` run from a JSON description (tests/test_hf_ddp.py drives
-it too, with longer runs); ``python -m dpft.audit.checks_hf_ddp CONFIG.json OUT_DIR`` runs a
-list of jobs on every rank of a ``torchrun`` world.
+The audit's 2-process checks (audit/ways_in_ddp.py) and the distributed tests (tests/test_hf_ddp.py, the FSDP
+workers) describe runs as jobs; ``python -m dpft.audit.ddp_jobs CONFIG.json OUT_DIR`` runs a list of them on
+every rank of a ``torchrun --standalone`` world (gloo on CPU) and writes each rank's results. A job's
+``planted`` names a bug of :data:`PLANTED` (audit/ways_in_ddp.py's module docstring) applied for that run.
 """
 
 from __future__ import annotations
@@ -36,18 +17,25 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
-import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 
-from dpft.audit.whitebox import Check, tiny_classifier
+from dpft import PrivacyEngine
 from dpft.audit.planted import planting
+from dpft.audit.ways_in import TinyNet, mp_data
+from dpft.audit.whitebox import tiny_classifier
 from dpft.grads.groups import GROUP_KEY
+from dpft.integrations.hf import trainer as hf
+from dpft.placement import world as ddp
+from dpft.step import plan as step_plan
 
-PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
+#: The planted bugs a job applies (audit/ways_in_ddp.py's module docstring says what each breaks).
+HF_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
+API_PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")
+PLANTED = HF_PLANTED + API_PLANTED
 #: The clip norm of the checks (small: every row of the tiny model is clipped).
 C = 0.05
 #: Relative slack on ``≤ C`` (fp32 sums and the 1e-6 in the clip factor's denominator).
@@ -66,13 +54,26 @@ def planted_bug(name: Optional[str]) -> Iterator[None]:
     with planting(name, PLANTED) as p:
         from transformers import Trainer
 
-        from dpft.integrations.hf import trainer as hf
-
         if name == "hf_ddp_wrapped":
             p.set(hf.DPTrainer, "create_accelerator_and_postprocess", Trainer.create_accelerator_and_postprocess)
             p.set(hf.DPTrainer, "_check_not_ddp", lambda self, model: None)
         elif name == "hf_ddp_unsharded":
             p.set(hf.DPTrainer, "_share", lambda self, idx: idx)
+        elif name == "ddp_batch_on_every_rank":
+            p.set(ddp, "shard", lambda idx, world: idx)
+        elif name == "ddp_user_rows_split":
+            p.set(ddp, "shard_units", lambda idx, units, world, real=ddp.shard: real(idx, world))
+        elif name == "ddp_noise_per_rank":
+            real_build = step_plan.build_step_spec  # the one plan builder's (every way in)
+
+            def build(**kw):
+                spec = real_build(**kw)
+                if spec.mechanism is not None:
+                    spec.mechanism.rng = kw["rng"].child(f"rank{os.environ.get('RANK', '0')}")
+                return spec
+
+            p.set(step_plan, "build_step_spec", build)
+            p.set(ddp, "check_step_digest", lambda *a, **k: None)
         elif name == "hf_user_rows_clipped_alone":
             real = hf.DPTrainer._micro_batches
 
@@ -126,7 +127,7 @@ def trl_rows(job: dict):
     the tiny tokenizer's words with a fixed generator (the same rows in every process)."""
     import datasets
 
-    from dpft.audit.checks_trl import _WORDS
+    from dpft.audit.ways_in_trl import WORDS as _WORDS
 
     g = torch.Generator().manual_seed(int(job.get("data_seed", 5)))
 
@@ -168,10 +169,67 @@ def record_shares(tr, log: dict) -> None:
 
     tr._share = share
 
+
+def _digest(params: dict) -> str:
+    """The trainable weights ``params`` (name → tensor), bit for bit."""
+    h = hashlib.sha256()
+    for n, p in sorted(params.items()):
+        h.update(n.encode() + p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _make_private_job(job: dict, out: dict) -> dict:
+    """:func:`run_job` of ``trainer: make_private``: one step of ``make_private`` on :class:`TinyNet` over
+    :func:`~dpft.audit.ways_in.mp_data` rows (at user level row 1 repeats row 0: user 0's two rows share one
+    large gradient), q = 1, physical batches of 1; ``wrap_ddp``: the model handed over in
+    ``DistributedDataParallel`` (the way in must refuse)."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    users = job.get("users")
+    x, y = mp_data(int(job["rows"]))
+    if users is not None:
+        x[1], y[1] = x[0], y[0]
+    drop = set(job.get("drop") or [])
+    rows = [{"x": x[i], "y": y[i], "u": users[i] if users else i} for i in range(len(x))
+            if (users[i] if users else i) not in drop]
+    units = len({r["u"] for r in rows})
+    torch.manual_seed(0)
+    model = TinyNet()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    world = ddp.init_from_env()
+    eng = PrivacyEngine(reproducible_seed=int(job.get("seed", 0)))
+    with planted_bug(job.get("planted")), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            module, opt, crit, loader = eng.make_private(
+                module=DistributedDataParallel(model) if job.get("wrap_ddp") else model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=float(job.get("lr", 1.0))),
+                criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(rows, batch_size=units),
+                noise_multiplier=float(job.get("sigma", 0.0)), max_grad_norm=float(job.get("C", C)), steps=1,
+                max_physical_batch_size=1, user_ids="u" if users else None, max_rows_per_user=int(job.get("k", 2)))
+            for b in loader:
+                opt.zero_grad()
+                crit(module(b["x"]), b["y"]).backward()
+                opt.step()
+        except Exception as exc:  # noqa: BLE001 - recorded for the caller, which decides
+            out["error"] = f"{type(exc).__name__}: {exc}"
+            return out
+        finally:
+            eng.detach()
+    params = dict(model.named_parameters())
+    out.update(world_size=world.world_size, rank=world.rank, ddp=False, wrapped=type(model).__name__,
+               delta=torch.cat([(p.detach() - before[n]).flatten().double() for n, p in sorted(params.items())]).tolist(),
+               digest=_digest(params), ledger=eng.ledger.to_json(), epsilon=None, q=1.0, n=units,
+               sigma=float(job.get("sigma", 0.0)))
+    return out
+
+
 def run_job(job: dict) -> dict:
-    """One ``DPTrainer`` run described by ``job`` in this process (a rank of the world under
-    ``torchrun``). Keys: ``name``; ``trainer`` (``hf``: ``DPTrainer`` on the tiny BERT, the
-    default; ``sft``: ``DPSFTTrainer`` on a tiny Llama with prompt/completion rows; ``dpo``:
+    """One run described by ``job`` in this process (a rank of the world under ``torchrun``). Keys:
+    ``name``; ``trainer`` (``hf``: ``DPTrainer`` on the tiny BERT, the default; ``make_private``:
+    :func:`_make_private_job`; ``sft``: ``DPSFTTrainer`` on a tiny Llama with prompt/completion rows; ``dpo``:
     ``DPDPOTrainer`` on preference pairs; :func:`trl_rows`); ``rows`` (N) and ``users`` (a user id per row: user level,
     ``k`` rows per user); ``drop``; ``steps``, ``eb`` (expected batch), ``physical``, ``sigma``,
     ``C``, ``lr`` (SGD, constant), ``seed`` (reproducible seed); ``out`` (output_dir),
@@ -187,9 +245,11 @@ def run_job(job: dict) -> dict:
     """
     from transformers import PrinterCallback, TrainingArguments
 
-    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
+    DPArguments, DPTrainer = hf.DPArguments, hf.DPTrainer
 
     out: dict[str, Any] = {"name": job["name"], "batches": {}, "shares": {}}
+    if job.get("trainer") == "make_private":
+        return _make_private_job(job, out)
     users = job.get("users")
     with planted_bug(job.get("planted")), contextlib.ExitStack() as stack:
         if job.get("accelerate_wraps"):
@@ -204,7 +264,7 @@ def run_job(job: dict) -> dict:
         if kind == "hf":
             model = tiny_model()
         else:
-            from dpft.audit.checks_trl import tiny_llama, tiny_tokenizer
+            from dpft.audit.ways_in_trl import tiny_llama, tiny_tokenizer
 
             tok = tiny_tokenizer()
             model = tiny_llama(len(tok))
@@ -261,10 +321,7 @@ def run_job(job: dict) -> dict:
     out["ddp"] = any(isinstance(m, DistributedDataParallel) for m in (tr.model_wrapped, tr.model)) or any(
         isinstance(m, DistributedDataParallel) for m in tr.model.modules())
     out["wrapped"] = type(tr.model_wrapped).__name__
-    h = hashlib.sha256()
-    for n, p in sorted(tr.engine.params.items()):
-        h.update(n.encode() + p.detach().float().cpu().contiguous().numpy().tobytes())
-    out["digest"] = h.hexdigest()  # the final trainable weights, bit for bit
+    out["digest"] = _digest(tr.engine.params)  # the final trainable weights, bit for bit
     out["ledger"] = tr.ledger.to_json()
     out["epsilon"] = tr.get_epsilon() if tr.ledger.certified else None
     out["q"], out["n"], out["sigma"] = tr.q, tr.n, tr.sigma
@@ -313,7 +370,7 @@ def launch(jobs: list[dict], nprocs: int = 2, cwds: Optional[list[str]] = None, 
         cwds = cwds or [str(Path(tmp) / f"rank{r}") for r in range(nprocs)]
         cfg.write_text(json.dumps({"jobs": jobs, "cwds": cwds}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
-               "-m", "dpft.audit.checks_hf_ddp", str(cfg), tmp]
+               "-m", "dpft.audit.ddp_jobs", str(cfg), tmp]
         try:
             proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
             text = proc.stdout + proc.stderr
@@ -351,126 +408,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------- the checks
-
-#: Rows of the example-level checks; users (one id per row) of the user-level ones.
-N_ROWS = 4
-USERS = [0, 0, 0, 1, 1]  # 2 users with 3 and 2 rows (k = 3)
-
-
-def audit_jobs(planted: Optional[str] = None) -> list[dict]:
-    """The 2-process jobs of :func:`hf_ddp_checks` (q = 1, σ = 0, one step, SGD lr 1)."""
-    base = {"steps": 1, "sigma": 0.0, "lr": 1.0, "C": C, "physical": 2, "planted": planted, "perturb_rank1": True}
-    jobs = [{**base, "name": "ex", "rows": N_ROWS, "eb": N_ROWS}]
-    jobs += [{**base, "name": f"ex-{i}", "rows": N_ROWS, "eb": N_ROWS - 1, "drop": [i]} for i in range(N_ROWS)]
-    jobs.append({**base, "name": "user", "rows": len(USERS), "users": USERS, "eb": len(set(USERS)), "k": 3})
-    return jobs
-
-
-def _one_process(job: dict) -> dict:
-    with tempfile.TemporaryDirectory(prefix="dpft-hf-audit-") as tmp:
-        res = run_job({**job, "perturb_rank1": False, "out": str(Path(tmp) / "out")})
-    if "error" in res:
-        raise RuntimeError(f"DPTrainer audit job {job['name']} failed in one process: {res['error']}")
-    return res
-
-
-def _loo(results: dict[str, dict], prefix: str, keys: list, eb_full: int, eb_drop: int) -> float:
-    full = released_sum(results[prefix], eb_full)
-    return max(float((full - released_sum(results[f"{prefix}-{k}"], eb_drop)).norm()) for k in keys)
-
-
-def user_loo_check(planted: Optional[str] = None) -> Check:
-    """Leave-one-user-out ≤ C in one process (users of 3 and 2 rows, k = 3, group clipping)."""
-    t0 = time.perf_counter()
-    u = sorted(set(USERS))
-    base = {"steps": 1, "sigma": 0.0, "lr": 1.0, "C": C, "physical": 2, "planted": planted, "k": 3,
-            "rows": len(USERS), "users": USERS}
-    res = {"user": _one_process({**base, "name": "user", "eb": len(u)})}
-    for v in u:
-        res[f"user-{v}"] = _one_process({**base, "name": f"user-{v}", "eb": len(u) - 1, "drop": [v]})
-    worst = _loo(res, "user", u, len(u), len(u) - 1)
-    ok = worst <= C * (1 + TOL)
-    return Check("hf-ddp: DPTrainer user-level leave-one-user-out", ok,
-                 f"max_u ‖S(D) − S(D∖u)‖ = {worst:.4g} vs C = {C:g} (U = {len(u)} users of 2–3 rows, k = 3, q = 1, "
-                 "σ = 0)" + ("" if ok else " — a user moves the release by more than C (rows clipped one by one?)"),
-                 {"loo_over_C": worst / C, "seconds": round(time.perf_counter() - t0, 2)})
-
-
-def ddp_checks(one: dict[str, dict], ranks: list[list[dict]]) -> list[Check]:
-    """The 2-process checks from the results of :func:`audit_jobs` on every rank (``ranks``)
-    and the 1-process results ``one`` (job name → :func:`run_job` result of ``ex`` and
-    ``user``). A check whose jobs were not run is left out (a planted-bug test runs only the
-    jobs it needs); a job that failed on any rank fails every check."""
-    by_rank = [{r["name"]: r for r in rs} for rs in ranks]
-    errors = sorted({f"{name}: {res['error']}" for b in by_rank for name, res in b.items() if "error" in res})
-    names = ["hf-ddp: DPTrainer 2 processes = 1 process", "hf-ddp: DPTrainer leave-one-out under 2 processes",
-             "hf-ddp: DPTrainer no DistributedDataParallel wrapper", "hf-ddp: DPTrainer user level, 2 processes = 1"]
-    if errors:
-        msg = "a 2-process DPTrainer job failed: " + textwrap.shorten("; ".join(errors), 300, placeholder="…")
-        return [Check(n, False, msg, {"errors": errors}) for n in names]
-    r0 = by_rank[0]
-    out = []
-    for name, job, what in ((names[0], "ex", f"N = {N_ROWS} rows"), (names[3], "user", f"U = {len(set(USERS))} users")):
-        if job not in r0 or job not in one:
-            continue
-        eb = int(round(one[job]["q"] * one[job]["n"]))
-        s1 = released_sum(one[job], eb)
-        s2 = [released_sum(b[job], eb) for b in by_rank]
-        diff = float((s2[0] - s1).norm())
-        same_ranks = all(torch.equal(s, s2[0]) for s in s2)
-        same_ledger = all(b[job]["ledger"] == one[job]["ledger"] for b in by_rank)
-        ok = diff <= EQ_TOL * C and same_ranks and same_ledger
-        out.append(Check(name, ok, f"‖S₂ − S₁‖ = {diff:.3g} vs {EQ_TOL:g}·C ({what}, q = 1, σ = 0); ranks identical: "
-                         f"{same_ranks}; ledger as one process: {same_ledger}"
-                         + ("" if ok else " — the world does not release what one process releases"),
-                         {"diff_over_C": diff / C, "ranks_identical": same_ranks, "same_ledger": same_ledger}))
-    if all(f"ex-{i}" in r0 for i in range(N_ROWS)) and "ex" in r0:
-        worst = _loo(r0, "ex", list(range(N_ROWS)), N_ROWS, N_ROWS - 1)
-        ok = worst <= C * (1 + TOL)
-        out.append(Check(names[1], ok, f"max_i ‖S₂(D) − S₂(D∖i)‖ = {worst:.4g} vs C = {C:g} (N = {N_ROWS}, q = 1, "
-                         "σ = 0)" + ("" if ok else " — one example moves the world's release by more than C "
-                                                    "(clipped on two ranks?)"), {"loo_over_C": worst / C}))
-    wrapped = sorted({f"rank {b[j]['rank']}: {b[j]['wrapped']}" for b in by_rank for j in b if b[j]["ddp"]})
-    out.append(Check(names[2], not wrapped,
-                     "no rank's model is wrapped in DistributedDataParallel" if not wrapped else
-                     f"DistributedDataParallel found ({', '.join(wrapped)}): its buckets all-reduce unclipped "
-                     "gradients", {"wrapped": wrapped}))
-    return out
-
-
-def hf_ddp_checks(planted: Optional[str] = None, nprocs: int = 2) -> list[Check]:
-    """Every check of this module (one ``torchrun`` launch of :func:`audit_jobs` and the
-    1-process jobs), with ``planted`` (one of :data:`PLANTED`) re-opened.
-
-    Returns:
-        Five :class:`Check` rows; with no planted bug all pass, with one at least one fails.
-
-    Raises:
-        ValueError: an unknown planted bug.
-    """
-    if planted is not None and planted not in PLANTED:
-        raise ValueError(f"unknown planted bug {planted!r}; known: {', '.join(PLANTED)}")
-    t0 = time.perf_counter()
-    jobs = audit_jobs(planted)
-    try:
-        ranks = launch(jobs, nprocs=nprocs)
-    except (RuntimeError, OSError) as exc:
-        ranks = None
-        failure = str(exc)
-    one = {j["name"]: _one_process(j) for j in jobs if j["name"] in ("ex", "user")}
-    if ranks is None:
-        checks = [Check("hf-ddp: DPTrainer under torchrun (2 processes)", False,
-                        "the 2-process launch failed: " + textwrap.shorten(failure, 400, placeholder="…"))]
-    else:
-        checks = ddp_checks(one, ranks)
-        for c in checks:
-            c.stats.setdefault("seconds", round(time.perf_counter() - t0, 2))
-    return checks + [user_loo_check(planted)]
-
-
-__all__ = ["hf_ddp_checks", "ddp_checks", "user_loo_check", "audit_jobs", "run_job", "launch", "released_sum",
-           "record_shares", "planted_bug", "PLANTED"]
+__all__ = ["run_job", "launch", "released_sum", "record_shares", "make_rows", "trl_rows", "pad_collate", "tiny_model",
+           "planted_bug", "PLANTED", "HF_PLANTED", "API_PLANTED", "C", "TOL", "EQ_TOL", "USER_COLUMN"]
 
 if __name__ == "__main__":
     main()
