@@ -53,7 +53,7 @@ class PlainFSDPStep(FSDPStep):
     """
 
     #: The placeholder micro-batch's loss weight: 0, so a short rank adds exact zeros to the reduced gradient
-    #: (the audit plants 1.0: audit/checks_fsdp_trl.py ``fsdp_plain_dummy_counted``).
+    #: (the audit plants 1.0: audit/checks_fsdp.py ``fsdp_plain_dummy_counted``).
     DUMMY_WEIGHT = 0.0
 
     def __init__(self, spec, ledger, n, world, dummy_batch: Callable[[], Mapping[str, torch.Tensor]],
