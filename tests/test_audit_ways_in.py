@@ -49,3 +49,21 @@ def test_one_property_many_ways_in():
                                 "t")
     assert ok.name == "t: toy leave-one-user-out" and ok.passed
     assert not bad.passed and "one user moves the release by more than C" in bad.message
+
+
+def test_a_way_in_whose_package_is_missing_is_a_note_not_a_pass(monkeypatch):
+    pytest.importorskip("torch.distributed.fsdp")
+    from dpft.audit import ways_in_fsdp
+
+    way = ways_in_fsdp.FSDPWay("NoSuchTrainer", build=lambda tmp, seen: None, planted=("hf_fsdp_args_kept",),
+                               needs="dpft_no_such_package")
+    monkeypatch.setattr(ways_in_fsdp, "WAYS", (way,))
+    got = ways_in_fsdp.hf_fsdp_checks()
+    assert list(got) == [] and len(got.notes) == 1
+    assert "NoSuchTrainer needs dpft_no_such_package" in got.notes[0] and "not passed" in got.notes[0]
+    # the suite passes the note on to the report
+    monkeypatch.setattr(suite, "OPTIONAL_CHECKS", (("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ()),))
+    checks, notes = suite.optional_checks()
+    assert checks == [] and notes == got.notes
+    with pytest.raises(ValueError, match="needs dpft_no_such_package"):  # nothing to plant: refused
+        ways_in_fsdp.hf_fsdp_checks(planted="hf_fsdp_args_kept")

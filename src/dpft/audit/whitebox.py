@@ -44,6 +44,15 @@ class Check:
         return {"check": self.name, "verdict": "pass" if self.passed else "FAIL", "message": self.message, **self.stats}
 
 
+class Checks(list):
+    """A list of :class:`Check` with ``notes``: what was skipped, and why (the suite reports each note;
+    a skipped check is never counted as passed)."""
+
+    def __init__(self, checks=(), notes=()):
+        super().__init__(checks)
+        self.notes: list[str] = list(notes)
+
+
 # --------------------------------------------------------------------------- tiny models
 
 
