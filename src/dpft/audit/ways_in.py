@@ -450,7 +450,7 @@ SESSION_WAYS: tuple = (("make_private", _session_make_private), ("DPTrainer", _s
 
 def session_check(ways: Sequence = SESSION_WAYS) -> list[Check]:
     """Each way in, given :data:`SESSION_SETTINGS`, asks the private session for exactly one plan, with those
-    settings (C, B, ε, δ; the length as epochs, or as the steps it counted), and steps with that plan's parts;
+    settings (C, B, ε, δ; the length as epochs, which the session counts into steps), and steps with that plan's parts;
     and the plans agree with step/plan.py's one steps rule and with one another (N, q, T, σ): the way in
     reaches the session unchanged. Planted ``session_steps_rule``: the session counts steps by a rule of its
     own."""

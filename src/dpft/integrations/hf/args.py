@@ -162,11 +162,13 @@ class DPArguments:
         return ClipSettings(self.clipping, self.max_grad_norm, self.clipping_gamma, self.head_fraction,
                             int(self.max_rows_per_user) if over_k else None)
 
-    def session_settings(self, steps: int) -> SessionSettings:
-        """These settings as the private session's (session/core.py), for ``steps`` logical steps."""
+    def session_settings(self, steps: Optional[int], epochs: Optional[float]) -> SessionSettings:
+        """These settings as the private session's (session/core.py), for ``steps`` logical steps, else
+        ``epochs`` over the units (the session counts them: step/plan.py ``planned_steps``)."""
         return SessionSettings(
             max_grad_norm=float(self.max_grad_norm), expected_batch_size=int(self.expected_batch_size),
-            mechanism=self.mechanism_part(), steps=int(steps), noise_multiplier=self.noise_multiplier,
+            mechanism=self.mechanism_part(), steps=None if steps is None else int(steps),
+            epochs=None if steps is not None else float(epochs), noise_multiplier=self.noise_multiplier,
             target_epsilon=self.target_epsilon, target_delta=self.target_delta, clipping=self.clipping,
             hardened=self.hardened_noise, max_rows_per_user=int(self.max_rows_per_user),
             user_clipping=self.user_clipping)

@@ -109,7 +109,6 @@ from dpft.step.aggregate import Aggregator
 from dpft.step.clip import ClipPolicy, NonFiniteGradientError, build_clip_policy
 from dpft.step.build import make_engine
 from dpft.step.postprocess import Transform
-from dpft.step.plan import planned_steps
 from dpft.integrations.hf.args import DPArguments
 from dpft.methods.python import PythonMethods, PythonRecipe, python_methods
 from dpft.integrations.hf.data import TOKEN, PoissonData, user_ids
@@ -244,7 +243,7 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         if self.sharded:
             refuse_sharded_methods(where, meths)
         self.plan = self.session.plan(  # the session checks that every rank runs the same (``same``: what else)
-            dp_args.session_settings(self.total_steps), rows=self.train_dataset, n_rows=len(self.train_dataset),
+            dp_args.session_settings(*self._length), rows=self.train_dataset, n_rows=len(self.train_dataset),
             rng=self._run_rng, optimizer=_TrainerStepsOptimizer(), method_list=meths,
             users=None if users is None else (users.tolist(), dp_args.user_column),
             same=ddp.recipe_digest(self._world_config()), methods=self._methods_for(meths),
@@ -300,8 +299,8 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         check_delta(dp_args.target_delta, self.n)
         self.steps_per_epoch = max(1, math.ceil(self.n / eb))
         max_steps = self.args.max_steps if self.args.max_steps is not None and self.args.max_steps > 0 else None
-        self.total_steps = planned_steps(self.n, eb, max_steps, self.args.num_train_epochs)
-        self.args.max_steps = self.total_steps
+        #: (max_steps, or None and num_train_epochs): the session counts the logical steps (one rule)
+        self._length = (max_steps, self.args.num_train_epochs)
         self.physical_batch_size = int(dp_args.max_physical_batch_size or self.args.per_device_train_batch_size)
         return users
 
@@ -312,6 +311,8 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         #: the last update (privatised statistics only, e.g. DP-Adam-AC's C and clip rate).
         self.methods, self.method_stats, self._pending_update = self.session.methods, {}, None
         self.sigma, self.q, self.sampler = self.plan.sigma, self.plan.q, self.plan.sampler
+        # the session's count of logical steps (a method's prepare may change it); Trainer's loop runs that many
+        self.total_steps = self.args.max_steps = self.session.planned
         self.engine, self.clip = self.plan.engine, self.plan.spec.clip  # the spec's clip (a method may swap it)
         if self.user_level and self.dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups",
                                                                                      False):
@@ -338,7 +339,7 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         dp = asdict(self.dp_args)
         dp.pop("max_physical_batch_size", None)  # memory only: ranks may differ
         dp.pop("log_private_train_loss", None)
-        return {"dp_args": dp, "rows": len(self.train_dataset), "units": self.n, "total_steps": self.total_steps,
+        return {"dp_args": dp, "rows": len(self.train_dataset), "units": self.n, "length": list(self._length),
                 "trainable": [[n, list(p.shape)] for n, p in self.model.named_parameters() if p.requires_grad]}
 
     def _clip_and_engine(self, clip: ClipPolicy) -> tuple[ClipPolicy, PerExampleEngine]:
