@@ -259,18 +259,24 @@ def _two_passes(module, optimizer, criterion, batch) -> None:
     optimizer.step()
 
 
+def _fresh_copy(model: nn.Module, freeze: Optional[str]) -> tuple[nn.Module, dict, dict]:
+    """A copy of ``model`` with dropout off, ``freeze`` (a parameter name, or None) frozen, and its
+    parameters and their values before the step: ``(copy, name → parameter, name → value)``."""
+    model = copy.deepcopy(model)
+    no_dropout(model)
+    params = dict(model.named_parameters())
+    if freeze:
+        params[freeze].requires_grad_(False)
+    return model, params, {n: p.detach().clone() for n, p in params.items()}
+
+
 def make_private_step(model: nn.Module, dataset, criterion: nn.Module, train_step: Callable = _default_step, *,
                       c: float = C, sigma: float = 0.0, freeze: Optional[str] = None,
                       collate_fn: Optional[Callable] = None, **make_private_kwargs) -> tuple[torch.Tensor, Any]:
     """One logical step of make_private on a copy of ``model`` (dropout off) over all of ``dataset``
     (q = 1, SGD lr 1, noise multiplier ``sigma``); ``(S, optimizer)``. ``freeze``: a parameter frozen
     when make_private is called and unfrozen right after."""
-    model = copy.deepcopy(model)
-    no_dropout(model)
-    params = dict(model.named_parameters())
-    if freeze:
-        params[freeze].requires_grad_(False)
-    before = {n: p.detach().clone() for n, p in params.items()}
+    model, params, before = _fresh_copy(model, freeze)
     engine = PrivacyEngine(reproducible_seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -329,12 +335,7 @@ def trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=None
     optimizer over every parameter."""
     from transformers import TrainingArguments, default_data_collator
 
-    model = copy.deepcopy(model)
-    no_dropout(model)
-    params = dict(model.named_parameters())
-    if freeze:
-        params[freeze].requires_grad_(False)
-    before = {n: p.detach().clone() for n, p in params.items()}
+    model, params, before = _fresh_copy(model, freeze)
     n = len(rows)
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
