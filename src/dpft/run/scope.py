@@ -59,7 +59,7 @@ def choose_scope(n: int, epsilon: Optional[float], pair: bool = False) -> tuple[
     if pair and n <= HEAD_MAX_ROWS:
         return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}, rows of two texts: at this size neither scope learned the pair "
                         "task measured (QNLI, 4,000 rows, ε = 8: the probe 0.542 ± 0.007 over 3 seeds, the top 2 "
-                        "blocks 0.514 in one 21-minute run; chance 0.50; without DP the top 2 blocks reach 0.734 on "
+                        "blocks 0.514 in one 21-minute run; chance 0.50; without DP the top 2 blocks reach 0.734 (one run) on "
                         "the same rows: the noise, not the data, is the limit; benchmarks/results/scope_evidence.md), "
                         "so the probe, at a thirtieth of the compute — expect little above chance: more rows, a "
                         "larger ε or a stronger encoder")
