@@ -17,6 +17,7 @@ Usage::
 
     python benchmarks/feature_cache_speed.py --rows 5000 --steps 6 --threads 2
     python benchmarks/feature_cache_speed.py --scopes head --rows 5000 --steps 20 --batch 1250
+    python benchmarks/feature_cache_speed.py --scopes last_k2 --steps 4 --interleave 10   # ratio in one run
 
 Writes ``benchmarks/results/feature_cache_speed.md`` (``--out``) and prints it.
 """
@@ -40,21 +41,25 @@ SCOPES = {"head": {"trainable.mode": "head"},
           "last_k2": {"trainable.mode": "last_k", "trainable.last_k": 2}}
 
 
-def run_one(scope: str, cache: str, args) -> dict:
+def _trainer(scope: str, cache: str, args, steps: int | None = None):
+    """The ``dpft train`` Trainer of ``scope`` with the feature cache ``cache`` (built, not run)."""
     from dpft.config.recipe import load_recipe
     from dpft.run.loop import Trainer
 
     root = Path(__file__).resolve().parents[1]
-    ov = {"task.max_train_examples": args.rows, "schedule.steps": args.steps, "privacy.reproducible": True,
+    ov = {"task.max_train_examples": args.rows, "schedule.steps": steps or args.steps, "privacy.reproducible": True,
           "batch.expected_batch_size": args.batch, "batch.max_physical_batch_size": args.physical,
           "eval.every_steps": args.eval_every, "checkpoint_every": 10 ** 6, "perf.feature_cache": cache,
           "optimizer.head_lr": None, **SCOPES[scope]}
     if scope == "head":
         ov["privacy.clipping.style"] = "flat"
     rec = load_recipe(str(root / "recipes" / "sst2-minilm.yaml"), ov)
-    out = Path(tempfile.mkdtemp(prefix=f"fcs-{scope}-{cache}-"))
+    return Trainer(rec, Path(tempfile.mkdtemp(prefix=f"fcs-{scope}-{cache}-")) / "run", progress=False)
+
+
+def run_one(scope: str, cache: str, args) -> dict:
     t0 = time.perf_counter()
-    tr = Trainer(rec, out / "run", progress=False)
+    tr = _trainer(scope, cache, args)
     setup = time.perf_counter() - t0
     times: list[float] = []
     inner = tr.step
@@ -77,6 +82,21 @@ def run_one(scope: str, cache: str, args) -> dict:
             "cache_line": tr.plan.features.describe() if tr.plan.features is not None else ""}
 
 
+def interleaved(scope: str, args) -> dict:
+    """Both Trainers built, then their steps alternate (off, on, off, on, …) so that a change of the machine's
+    load hits both alike: the median of the paired ratios off / on over the steps after the first."""
+    off, on = (_trainer(scope, c, args, max(args.steps, args.interleave)) for c in ("off", "on"))
+    t_off, t_on = [], []
+    for i in range(args.interleave):
+        for tr, times in ((off, t_off), (on, t_on)):
+            t0 = time.perf_counter()
+            tr.step(i)
+            times.append(time.perf_counter() - t0)
+    pairs = [a / b for a, b in zip(t_off[1:], t_on[1:])]
+    return {"scope": scope, "pairs": len(pairs), "ratio": statistics.median(pairs),
+            "off": statistics.median(t_off[1:]), "on": statistics.median(t_on[1:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scopes", nargs="+", default=list(SCOPES), choices=list(SCOPES))
@@ -86,6 +106,8 @@ def main() -> None:
     ap.add_argument("--physical", type=int, default=64)
     ap.add_argument("--eval-every", type=int, default=10 ** 6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="also alternate N steps of the two Trainers and report the median paired ratio")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "feature_cache_speed.md"))
     args = ap.parse_args()
     import torch
@@ -115,6 +137,10 @@ def main() -> None:
         lines.append(f"- {scope}: s/step {off['step']:.3f} → {on['step']:.3f} "
                      f"({off['step'] / max(on['step'], 1e-9):.1f}× faster); run {off['run']:.1f} → {on['run']:.1f} s; "
                      f"setup {off['setup']:.1f} → {on['setup']:.1f} s (the one feature pass). {on['cache_line']}")
+    for scope in args.scopes if args.interleave > 1 else ():
+        r = interleaved(scope, args)
+        lines.append(f"- {scope}, interleaved ({r['pairs']} paired steps, off then on): median paired ratio "
+                     f"**{r['ratio']:.2f}×** (median s/step {r['off']:.3f} off, {r['on']:.3f} on)")
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
