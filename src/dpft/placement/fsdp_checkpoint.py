@@ -48,8 +48,7 @@ import torch
 
 from dpft.placement import world as ddp
 from dpft.placement.fsdp import FSDPError, is_sharded, local, local_range
-from dpft.step.correlated import (NOISE_STATE_FILE, SECRET_STATE_FORMAT, SECRET_STATE_VERSION, BandedMFMechanism,
-                                  write_secret)
+from dpft.step.correlated import NOISE_STATE_FILE, BandedMFMechanism, in_secret_format, write_secret
 from dpft.step.guard import restoring_optimizer_state
 
 __all__ = ["SHARDS_DIR", "SECRET_SHARDS_DIR", "save_checkpoint", "load_checkpoint", "read_trainable"]
@@ -217,8 +216,7 @@ def save_checkpoint(trainer, step: int, write: Callable[..., Any]) -> None:
         _dcp_save(world, {"buffers": _buffer_tensors(mech, trainer.params)}, secret)
         _owner_only(secret)
         # next step, coefficients, partition, rows' fingerprint, in the one versioned secret-state format
-        small = {"format": SECRET_STATE_FORMAT, "version": SECRET_STATE_VERSION, "stateful": True,
-                 **BandedMFMechanism.state(mech)}
+        small = in_secret_format(BandedMFMechanism.state(mech))
         small.update(buffers=[], buffers_dcp=f"{SECRET_SHARDS_DIR}/{name}", buffers_count=len(mech.buffers))
     ddp.barrier(world)  # every rank's files are written before the checkpoint names them
     trainer._last_checkpoint = step

@@ -2,7 +2,7 @@
 the typed :class:`~dpft.session.SessionSettings`, the methods' view of the run
 (:class:`~dpft.methods.base.Run`) and the recipe's methods as the session prepares them
 (:class:`RecipeMethods`: ``prepare``, ``hooks``, ``on_sigma``) — as ``make_private``
-(api/arguments.py ``api_settings``, methods/python.py ``PythonMethods``) and ``DPTrainer``
+(api/arguments.py ``PrivacyArguments.session_settings``, methods/python.py ``PythonMethods``) and ``DPTrainer``
 (integrations/hf/args.py) translate theirs.
 """
 

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["banded_coefficients", "strategy_matrix", "square_root_coefficients", "prefix_sum_loss",
            "inverse_coefficients", "CyclicPoissonSampler",
            "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "write_noise_state", "load_noise_state",
-           "write_secret", "secret_state", "check_secret_state",
+           "write_secret", "secret_state", "in_secret_format", "check_secret_state",
            "SECRET_STATE_FORMAT", "SECRET_STATE_VERSION", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES",
            "MAX_BUFFER_BYTES"]
 
@@ -345,7 +345,13 @@ def secret_state(mechanism) -> dict:
     """The secret state of ``mechanism`` beyond the key, in the one versioned format: its ``state()``
     (banded MF: buffers, next step, coefficients, partition, rows' fingerprint; a collective for a
     sharded copy) when it is ``stateful``, else nothing beyond the format. **Secret**: never released."""
-    st = mechanism.state() if mechanism is not None and mechanism.stateful else {}
+    return in_secret_format(mechanism.state() if mechanism is not None and mechanism.stateful else {})
+
+
+def in_secret_format(st: dict) -> dict:
+    """A mechanism's state dict ``st`` (empty: stateless) under the one format's header (format, version,
+    ``stateful``): :func:`secret_state`'s, and the FSDP2 checkpoint's small part (placement/fsdp_checkpoint.py,
+    whose buffers go to DCP beside it)."""
     return {"format": SECRET_STATE_FORMAT, "version": SECRET_STATE_VERSION, "stateful": bool(st), **st}
 
 
