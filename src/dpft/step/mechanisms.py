@@ -24,8 +24,8 @@ import dp_accounting as dpa
 from dpft.errors import PlanError
 from dpft.step.correlated import (BandedMFMechanism, CyclicPoissonSampler, banded_coefficients, banded_phase_event,
                                   check_buffer_memory)
-from dpft.step.sample import PoissonSampler
-from dpft.step.truncated import MaskedEngine, TruncatedPoissonSampler, truncated_event
+from dpft.step.sample import PoissonSampler, check_batch
+from dpft.step.truncated import MaskedEngine, TruncatedPoissonSampler, check_max_batch, truncated_event
 
 __all__ = ["Mechanism", "TruncatedPoisson", "BandedMF", "mechanism_of", "mechanism_of_recipe", "RECIPE_NAMES", "KWARG_NAMES",
            "sampler_phase_event", "make_banded_mechanism"]
@@ -56,14 +56,33 @@ class Mechanism:
         """Why this mechanism cannot be certified with these settings ([] when it can)."""
         return []
 
+    def settings(self) -> dict:
+        """Its parameters in simple types (step/plan.py ``PlanSettings``; :func:`mechanism_of`'s
+        ``kind``, ``bands``, ``max_batch_size``)."""
+        return {"mechanism": self.name}
+
+    def check(self, n: int, expected_batch_size: int) -> None:
+        """Raise what :meth:`sampler` would raise for N, B — nothing drawn (the plan checks its
+        settings before σ is calibrated).
+
+        Raises:
+            ValueError, PlanError: naming the fix."""
+        check_batch(n, expected_batch_size)
+
     def sampler(self, n: int, expected_batch_size: int, rng) -> PoissonSampler:
         """The logical-batch sampler over N units (raises ValueError naming the fix)."""
         return PoissonSampler(n, expected_batch_size, rng)
 
-    def phase_event(self, sampler, n: int, q: float, steps: int) -> Optional[Callable[[float], Any]]:
-        """``σ -> DpEvent`` of ``steps`` steps when they are not ``steps`` × PoissonSampled(q,
-        Gaussian(σ)); None for plain Poisson (the calibration's default event)."""
+    def event_of(self, n: int, q: float, steps: int, partition_rate: Optional[float] = None
+                 ) -> Optional[Callable[[float], Any]]:
+        """``σ -> DpEvent`` of ``steps`` steps at rate q over N units (``partition_rate``: p of
+        banded MF's cyclic sampler) when they are not ``steps`` × PoissonSampled(q, Gaussian(σ));
+        None for plain Poisson (the calibration's default event). Pure: simple values only."""
         return None
+
+    def phase_event(self, sampler, n: int, q: float, steps: int) -> Optional[Callable[[float], Any]]:
+        """:meth:`event_of` for the rates of ``sampler``."""
+        return self.event_of(n, q, steps)
 
     def install(self, spec, *, n: int, sampler, rng, sigma: float, steps: int, rows: Any = None,
                 padded: bool = False):
@@ -98,18 +117,31 @@ class TruncatedPoisson(Mechanism):
                        f"mechanism (no {nm['max_batch_size']})")
         return why
 
+    def settings(self):
+        return {"mechanism": self.name, "max_batch_size": self.max_batch_size}
+
+    def check(self, n, expected_batch_size):
+        super().check(n, expected_batch_size)
+        check_max_batch(self.max_batch_size)
+
     def sampler(self, n, expected_batch_size, rng):
         return TruncatedPoissonSampler(n, expected_batch_size, rng, self.max_batch_size)
 
-    def phase_event(self, sampler, n, q, steps):
+    def event_of(self, n, q, steps, partition_rate=None):
         b = self.max_batch_size
         return lambda sigma: dpa.SelfComposedDpEvent(truncated_event(n, q, b, sigma), int(steps))
 
     def install(self, spec, *, n, sampler, rng, sigma, steps, rows=None, padded=False):
-        """Truncation recorded by the Gaussian mechanism; padded fixed-shape rows (``dpft train``)
-        masked out of the clipped sum by the engine."""
+        """Truncation recorded by the Gaussian mechanism (the sampler's ``truncation``, (N, B_max));
+        padded fixed-shape rows (``dpft train``) masked out of the clipped sum by the engine.
+
+        Raises:
+            PlanError: ``sampler`` does not truncate (its batches would not match the events)."""
         if spec.mechanism is not None:
-            spec.mechanism.truncation = (int(n), self.max_batch_size)
+            if not isinstance(sampler, TruncatedPoissonSampler):
+                raise PlanError(f"truncated Poisson ({self.names['max_batch_size']}) needs its own sampler, "
+                                f"got {type(sampler).__name__}; drop {self.names['max_batch_size']} or the sampler")
+            spec.mechanism.truncation = sampler.truncation
         return spec.replace(engine=MaskedEngine(spec.engine)) if padded else spec
 
     def info(self, sampler, steps):
@@ -144,17 +176,35 @@ class BandedMF(Mechanism):
                        f"mechanism ({nm['mechanism']}: gaussian)")
         return why
 
-    def sampler(self, n, expected_batch_size, rng):
+    def settings(self):
+        return {"mechanism": self.name, "bands": self.bands}
+
+    def partition_rate(self, n: int, expected_batch_size: int) -> float:
+        """p = b·B/N, the Poisson rate within a partition (as :class:`CyclicPoissonSampler`'s).
+
+        Raises:
+            PlanError: p > 1, naming the fix."""
         p = self.bands * expected_batch_size / n
         if p > 1:
             nm = self.names
             raise PlanError(f"banded_mf with bands = {self.bands} samples each of {self.bands} partitions of N = {n} "
                              f"at rate p = b·B/N = {p:.3g} > 1; lower {nm['bands']} or {nm['batch']}")
+        return p
+
+    def check(self, n, expected_batch_size):
+        self.partition_rate(n, expected_batch_size)
+        super().check(n, expected_batch_size)
+
+    def sampler(self, n, expected_batch_size, rng):
+        self.partition_rate(n, expected_batch_size)
         return CyclicPoissonSampler(n, expected_batch_size, rng, self.bands)
 
-    def phase_event(self, sampler, n, q, steps):
-        p, b = sampler.partition_rate, self.bands
+    def event_of(self, n, q, steps, partition_rate=None):
+        p, b = partition_rate, self.bands
         return lambda sigma: banded_phase_event(sigma, p, steps, b)
+
+    def phase_event(self, sampler, n, q, steps):
+        return self.event_of(n, q, steps, sampler.partition_rate)
 
     def install(self, spec, *, n, sampler, rng, sigma, steps, rows=None, padded=False):
         """The banded-MF mechanism for ``steps`` steps (after the buffer-memory check); its state

@@ -1,14 +1,23 @@
-"""The one privacy-plan builder: typed inputs -> a frozen :class:`PrivacyPlan` (jax_privacy's
-``DPExecutionPlan`` idea). Every way in — ``dpft train``'s ``RunPlan`` (run/plan.py),
-``make_private`` (api/engine.py), ``DPTrainer`` and the TRL trainers (integrations/) — builds its
-privacy through :func:`build_privacy_plan`; their own code adapts only the front end (arguments,
-data loader, Trainer hooks). In order::
+"""The one privacy plan: a value in simple types, then σ, then the live step (jax_privacy's
+``DPExecutionPlan``: config → ``calibrate(ε, δ)`` → ``make(performance)``). Every way in —
+``dpft train``'s ``RunPlan`` (run/plan.py), ``make_private`` (api/engine.py), ``DPTrainer`` and the
+TRL trainers (integrations/), all through session/core.py — builds its privacy through
+:func:`build_privacy_plan`, which is exactly::
 
-    sampler     the mechanism's batch selection over the N units (or the unit's own sampler:
-                user level, a batch schedule)
+    PlanSettings.of(mechanism, sampler, ...)   simple types (report.json can carry ``to_dict()``)
+      .calibrate(prior, calibrate)            -> CalibratedPlan: σ, pure (nothing live, nothing drawn)
+      .make(rng, parts, optimizer, hooks, ...) -> PrivacyPlan: the live parts
+
+In order::
+
+    settings    N, B, steps, the mechanism's name and parameters, σ or (ε, δ), phase, private;
+                the unit's own sampler (user level, a batch schedule) enters only as its rates
     steps       the planned logical steps: ``steps``, or ⌈epochs · N / B⌉ (one rule everywhere)
     σ           explicit, or calibrated (PLD) on the events this phase will record, composed
-                after ``prior`` (the ledger's earlier events); δ < 1/N checked
+                after ``prior`` (the ledger's earlier events); δ < 1/N checked; what the sampler
+                would refuse (B > N, banded p > 1) is refused first
+    sampler     the mechanism's batch selection over the N units (or the unit's own sampler,
+                whose rates must be the settings')
     clip,engine the front end's (built from the sampler: user level clips to C/k)
     spec        Gaussian mechanism N(0, σ²C²I) from the run's secret randomness (step/noise.py)
     hooks       the methods' ``build`` (each returns a changed copy of the spec)
@@ -17,14 +26,15 @@ data loader, Trainer hooks). In order::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from dpft.step.build import build_step_spec, resolve_sigma
-from dpft.step.mechanisms import Mechanism
+from dpft.step.mechanisms import KWARG_NAMES, Mechanism, mechanism_of
 
-__all__ = ["PrivacyPlan", "build_privacy_plan", "planned_steps"]
+__all__ = ["PlanSettings", "CalibratedPlan", "PrivacyPlan", "build_privacy_plan", "planned_steps"]
 
 
 def planned_steps(n: int, expected_batch_size: int, steps: Optional[int] = None,
@@ -54,6 +64,7 @@ class PrivacyPlan:
             methods' hooks and the mechanism's install); phase: the ledger phase.
         phase_event: ``σ -> DpEvent`` σ was calibrated on (None: ``steps`` × PoissonSampled(q, G(σ))).
         private: False for a phase without a mechanism (``dpft train --no-dp``; σ None).
+        calibrated: the value it was made from (:class:`CalibratedPlan`: settings and σ).
     """
 
     mechanism: Mechanism
@@ -68,6 +79,7 @@ class PrivacyPlan:
     phase: str
     phase_event: Optional[Callable[[float], Any]] = None
     private: bool = True
+    calibrated: Optional["CalibratedPlan"] = None
 
     @property
     def params(self) -> dict:
@@ -82,6 +94,177 @@ class PrivacyPlan:
     def info(self) -> dict:
         """The report's public description of the mechanism (no realised counts)."""
         return self.mechanism.info(self.sampler, self.steps) if self.sigma is not None else {}
+
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The privacy settings of one phase in simple types (JSON: :meth:`to_dict`), before σ.
+
+    Attributes:
+        n: N privacy units (rows, or users); expected_batch_size: B (units); steps: planned
+            logical steps (:func:`planned_steps`).
+        mechanism: ``gaussian`` | ``banded_mf``; bands: b of banded MF; max_batch_size: B_max of
+            truncated Poisson (:func:`~dpft.step.mechanisms.mechanism_of`'s settings).
+        noise_multiplier: σ (wins when a target is given too); target_epsilon, delta: the (ε, δ)
+            σ is calibrated to (δ < 1/N checked whenever given).
+        phase: the ledger phase; private: False for a phase without a mechanism (σ None);
+            hardened: hardened noise draws (privacy/randomness.py).
+        q: the sampling rate of the unit's own sampler (user level, a batch schedule); None: B/N,
+            the mechanism's sampler. partition_rate: p of the own cyclic sampler (banded MF);
+            None: b·B/N.
+        names: ``(setting, spelling)`` pairs of the way in's refusals (() : keyword spellings).
+    """
+
+    n: int
+    expected_batch_size: int
+    steps: int
+    mechanism: str = "gaussian"
+    bands: Optional[int] = None
+    max_batch_size: Optional[int] = None
+    noise_multiplier: Optional[float] = None
+    target_epsilon: Optional[float] = None
+    delta: Optional[float] = None
+    phase: str = "train"
+    private: bool = True
+    hardened: bool = True
+    q: Optional[float] = None
+    partition_rate: Optional[float] = None
+    names: tuple = ()
+
+    @classmethod
+    def of(cls, mechanism: Mechanism, *, n: int, expected_batch_size: int, steps: int, sampler: Any = None,
+           noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
+           delta: Optional[float] = None, phase: str = "train", private: bool = True,
+           hardened: bool = True) -> "PlanSettings":
+        """The settings of a live ``mechanism`` (and of the unit's own ``sampler``, read as its
+        rates: q, and banded MF's p when private)."""
+        part = mechanism.settings()
+        p = sampler.partition_rate if sampler is not None and private and part["mechanism"] == "banded_mf" else None
+        return cls(n=int(n), expected_batch_size=int(expected_batch_size), steps=int(steps), **part,
+                   noise_multiplier=_float(noise_multiplier), target_epsilon=_float(target_epsilon),
+                   delta=_float(delta), phase=str(phase), private=bool(private), hardened=bool(hardened),
+                   q=None if sampler is None else float(sampler.q), partition_rate=p,
+                   names=() if mechanism.names == KWARG_NAMES else tuple(mechanism.names.items()))
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable: simple values, ``names`` as a mapping (:meth:`from_dict` inverts)."""
+        return {**dataclasses.asdict(self), "names": dict(self.names)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PlanSettings":
+        """The settings :meth:`to_dict` wrote."""
+        return cls(**{**d, "names": tuple(dict(d.get("names") or {}).items())})
+
+    def mechanism_part(self) -> Mechanism:
+        """The live mechanism of these settings (raises PlanError naming the fix)."""
+        return mechanism_of(self.mechanism, self.bands, self.max_batch_size, dict(self.names) or None)
+
+    @property
+    def sampling_rate(self) -> float:
+        """q: the own sampler's, else B/N (as :class:`~dpft.step.sample.PoissonSampler` computes it)."""
+        return self.q if self.q is not None else self.expected_batch_size / self.n
+
+    def rates(self) -> tuple[float, Optional[float]]:
+        """``(q, p)``: the sampling rate and banded MF's partition rate (None otherwise).
+
+        Raises:
+            PlanError: banded p = b·B/N > 1."""
+        q, p = self.sampling_rate, self.partition_rate
+        if p is None and self.mechanism == "banded_mf":
+            p = self.mechanism_part().partition_rate(self.n, self.expected_batch_size)
+        return q, p
+
+    def phase_event(self) -> Optional[Callable[[float], Any]]:
+        """``σ -> DpEvent`` of the phase σ is calibrated on (None: ``steps`` × PoissonSampled(q,
+        Gaussian(σ)), or a phase that is not private)."""
+        if not self.private:
+            return None
+        q, p = self.rates()
+        return self.mechanism_part().event_of(self.n, q, self.steps, p)
+
+    def calibrate(self, prior: Sequence = (), calibrate: Optional[Callable] = None) -> "CalibratedPlan":
+        """The settings with σ: ``noise_multiplier``, else calibrated (PLD) so that ``prior`` (the
+        ledger's earlier events) composed with :meth:`phase_event` gives ``target_epsilon`` at
+        ``delta`` (step/build.py ``resolve_sigma``). Pure: nothing live is built, nothing drawn.
+
+        Args:
+            calibrate: runs the calibration (DDP: rank 0, the answer broadcast); default: here.
+
+        Raises:
+            ValueError, PlanError: what the mechanism's sampler would refuse (B > N, banded
+                p > 1), first; CalibrationError: δ ≥ 1/N or the target cannot be met.
+        """
+        if self.q is None:
+            self.mechanism_part().check(self.n, self.expected_batch_size)
+        sigma = None
+        if self.private:
+            sigma = resolve_sigma(noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon,
+                                  delta=self.delta, q=self.sampling_rate, steps=self.steps, n=self.n, prior=prior,
+                                  calibrate=calibrate, phase_event=self.phase_event())
+        return CalibratedPlan(self, sigma)
+
+
+@dataclass(frozen=True)
+class CalibratedPlan:
+    """:class:`PlanSettings` with σ (None: not private); :meth:`make` builds the live plan."""
+
+    settings: PlanSettings
+    sigma: Optional[float]
+
+    def to_dict(self) -> dict:
+        """The settings' :meth:`~PlanSettings.to_dict` and ``sigma`` (JSON-serialisable)."""
+        return {**self.settings.to_dict(), "sigma": self.sigma}
+
+    def make(self, *, rng, parts: Callable[[Any], tuple[Any, Any]], optimizer=None,
+             optimizer_factory: Optional[Callable[[dict], Any]] = None, sampler: Any = None,
+             transforms: Sequence = (), head_mask: Optional[Callable[[list[str]], list[bool]]] = None,
+             hooks: Sequence[Callable[[Any], Any]] = (), rows: Any = None, padded: bool = False,
+             mechanism: Optional[Mechanism] = None) -> PrivacyPlan:
+        """The live plan: sampler, clip and engine, spec, the methods' hooks, the mechanism's install.
+
+        Args:
+            rng: the phase's secret randomness (``privacy/randomness.py``).
+            parts: ``sampler -> (clip, engine)``, the front end's clip policy and per-example engine.
+            optimizer: the step's optimizer (or a stand-in whose step the front end drives); or
+                optimizer_factory: ``engine.params -> optimizer``.
+            sampler: the unit's own sampler (its rates must be the settings'); default: the mechanism's.
+            hooks: ``spec -> spec`` (the methods' ``build``), applied before the mechanism's install.
+            rows: the training rows the sampler indexes (a stateful mechanism fingerprints them).
+            padded: rows are padded to fixed shapes (truncated Poisson masks the padding).
+            mechanism: the live mechanism (default: :meth:`PlanSettings.mechanism_part`).
+
+        Raises:
+            ValueError: the settings name an own sampler and none is given, or its rates are not
+                the settings'; PlanError: the mechanism's noise buffers are too large.
+        """
+        s, sigma = self.settings, self.sigma
+        mech = mechanism if mechanism is not None else s.mechanism_part()
+        if sampler is None:
+            if s.q is not None:
+                raise ValueError(f"the plan was calibrated for the unit's own sampler (q = {s.q}); pass it as sampler")
+            sampler = mech.sampler(s.n, s.expected_batch_size, rng)
+        q = float(sampler.q)
+        if q != s.sampling_rate or (s.partition_rate is not None and sampler.partition_rate != s.partition_rate):
+            raise ValueError(f"the sampler's rate q = {q} is not the q = {s.sampling_rate} σ was calibrated on")
+        clip, engine = parts(sampler)
+        if optimizer_factory is not None:
+            optimizer = optimizer_factory(engine.params)
+        spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
+                               head_mask=head_mask, hardened=s.hardened, transforms=list(transforms), phase=s.phase)
+        for hook in hooks:
+            spec = hook(spec)
+        # Non-private too: truncated Poisson still masks padded rows (a banded install needs noise).
+        spec = mech.install(spec, n=s.n, sampler=sampler, rng=rng, sigma=sigma, steps=s.steps, rows=rows,
+                            padded=padded)
+        return PrivacyPlan(mechanism=mech, sampler=sampler, n=s.n, q=q, steps=s.steps, sigma=sigma,
+                           clip=spec.clip, engine=spec.engine, spec=spec, phase=s.phase,
+                           phase_event=s.phase_event(), private=s.private, calibrated=self)
+
+
+def _float(x: Optional[float]) -> Optional[float]:
+    return None if x is None else float(x)
+
 
 
 def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanism: Mechanism, rng,
@@ -120,24 +303,12 @@ def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanis
         PlanError: the mechanism's sampler refuses (e.g. banded p > 1), its noise buffers are too
             large; CalibrationError: δ ≥ 1/N or the target cannot be met.
     """
-    sampler = sampler if sampler is not None else mechanism.sampler(n, expected_batch_size, rng)
-    q = float(sampler.q)
-    event = mechanism.phase_event(sampler, n, q, steps) if private else None
-    sigma = None
-    if private:
-        sigma = resolve_sigma(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, delta=delta, q=q, steps=steps, n=n, prior=prior,
-                              calibrate=calibrate, phase_event=event)
+    settings = PlanSettings.of(mechanism, n=n, expected_batch_size=expected_batch_size, steps=steps,
+                               sampler=sampler, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+                               delta=delta, phase=phase, private=private, hardened=hardened)
+    calibrated = settings.calibrate(prior, calibrate)
     if on_sigma is not None:
-        on_sigma(sigma)
-    clip, engine = parts(sampler)
-    if optimizer_factory is not None:
-        optimizer = optimizer_factory(engine.params)
-    spec = build_step_spec(engine=engine, clip=clip, sigma=sigma, rng=rng, sampler=sampler, optimizer=optimizer,
-                           head_mask=head_mask, hardened=hardened, transforms=list(transforms), phase=phase)
-    for hook in hooks:
-        spec = hook(spec)
-    # Non-private too: truncated Poisson still masks padded rows (a banded install needs noise).
-    spec = mechanism.install(spec, n=n, sampler=sampler, rng=rng, sigma=sigma, steps=steps, rows=rows, padded=padded)
-    return PrivacyPlan(mechanism=mechanism, sampler=sampler, n=int(n), q=q, steps=int(steps), sigma=sigma,
-                       clip=spec.clip, engine=spec.engine, spec=spec, phase=phase, phase_event=event,
-                       private=bool(private))
+        on_sigma(calibrated.sigma)
+    return calibrated.make(rng=rng, parts=parts, optimizer=optimizer, optimizer_factory=optimizer_factory,
+                           sampler=sampler, transforms=transforms, head_mask=head_mask, hooks=hooks, rows=rows,
+                           padded=padded, mechanism=mechanism)

@@ -24,6 +24,20 @@ if TYPE_CHECKING:
     from dpft.privacy.randomness import Randomness
 
 
+def check_batch(n: int, expected_batch_size: int) -> None:
+    """What :class:`PoissonSampler` refuses, nothing drawn.
+
+    Raises:
+        ValueError: N < 1, or B outside [1, N] (naming ``batch.expected_batch_size``)."""
+    if n < 1:
+        raise ValueError("cannot sample from an empty training set")
+    if not 1 <= expected_batch_size <= n:
+        raise ValueError(
+            f"expected batch size {expected_batch_size} must be between 1 and N = {n}; "
+            "lower batch.expected_batch_size"
+        )
+
+
 class PoissonSampler:
     """Args:
         n: dataset size N (≥ 1).
@@ -35,13 +49,7 @@ class PoissonSampler:
     """
 
     def __init__(self, n: int, expected_batch_size: int, rng: "Randomness"):
-        if n < 1:
-            raise ValueError("cannot sample from an empty training set")
-        if not 1 <= expected_batch_size <= n:
-            raise ValueError(
-                f"expected batch size {expected_batch_size} must be between 1 and N = {n}; "
-                "lower batch.expected_batch_size"
-            )
+        check_batch(n, expected_batch_size)
         self.n = n
         self.expected_batch_size = expected_batch_size
         self.q = expected_batch_size / n

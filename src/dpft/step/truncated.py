@@ -33,7 +33,7 @@ from dpft.step.sample import PoissonSampler
 if TYPE_CHECKING:
     from dpft.privacy.randomness import Randomness
 
-__all__ = ["EXAMPLE_MASK", "TruncatedPoissonSampler", "truncation_probability", "truncated_event",
+__all__ = ["EXAMPLE_MASK", "TruncatedPoissonSampler", "check_max_batch", "truncation_probability", "truncated_event",
            "fixed_micro_batches", "fixed_shape_batches", "pad_to_length", "MaskedEngine", "MaskedClip"]
 
 #: Key of the ``(B,)`` bool tensor in a micro-batch that flags real rows (False = padding).
@@ -55,6 +55,15 @@ def truncated_event(n: int, q: float, max_batch_size: int, sigma: float) -> dpa.
                                                   noise_multiplier=float(sigma))
 
 
+def check_max_batch(max_batch_size: int) -> None:
+    """What :class:`TruncatedPoissonSampler` refuses of B_max, nothing drawn.
+
+    Raises:
+        ValueError: B_max < 1."""
+    if int(max_batch_size) < 1:
+        raise ValueError(f"batch.max_batch_size must be ≥ 1, got {max_batch_size}")
+
+
 class TruncatedPoissonSampler(PoissonSampler):
     """Poisson sampling at rate q, truncated to a uniformly random subset of at most ``B_max``.
 
@@ -68,8 +77,7 @@ class TruncatedPoissonSampler(PoissonSampler):
 
     def __init__(self, n: int, expected_batch_size: int, rng: "Randomness", max_batch_size: int):
         super().__init__(n, expected_batch_size, rng)
-        if int(max_batch_size) < 1:
-            raise ValueError(f"batch.max_batch_size must be ≥ 1, got {max_batch_size}")
+        check_max_batch(max_batch_size)
         self.max_batch_size = int(max_batch_size)
 
     def indices(self, step: int) -> torch.Tensor:
@@ -84,6 +92,12 @@ class TruncatedPoissonSampler(PoissonSampler):
         key = self.rng.stream("truncate", int(step)).uniform((len(idx),))  # float64, 53 secret bits each
         keep = torch.argsort(key)[: self.max_batch_size]
         return idx[keep].sort().values
+
+    @property
+    def truncation(self) -> tuple[int, int]:
+        """``(N, B_max)``: what the ledger's ``TruncatedSubsampledGaussianDpEvent`` needs besides q
+        and σ (the release reads it from here: step/mechanisms.py ``TruncatedPoisson.install``)."""
+        return int(self.n), self.max_batch_size
 
     @property
     def truncation_probability(self) -> float:
