@@ -16,6 +16,7 @@ from conftest import files_recipe
 from dpft.cli.commands import app
 from dpft.config.recipe import load_recipe
 from dpft.run.loop import Trainer
+from dpft.step.plan import PlanSettings
 
 
 def tiny_recipe(model_dir, files, **extra):
@@ -105,6 +106,12 @@ def test_model_card_states_the_guarantee(tiny_model_dir, labelled_files, tmp_pat
     assert "| clipping norm C | 1 (flat) |" in text and "PLD" in text and "dp-accounting" in text
     assert "What it does not cover" in text and "(dp-accounting) (dp-accounting)" not in text and "NOT covered by ε" in text  # own dev split
     assert "trust_remote_code=True" in text  # how to load the mean-pooling head without dpft (issue 36)
+    # the plan as a value (step/plan.py): its settings and σ in simple types, and they rebuild the same σ
+    plan = json.loads((tmp_path / "run" / "report.json").read_text())["dp"]["plan"]
+    assert plan["sigma"] == dp["noise_multiplier"] and plan["steps"] == dp["steps"] and plan["mechanism"] == "gaussian"
+    assert plan["n"] == rep["task"]["n_train"] and plan["target_epsilon"] == dp["target_epsilon"]
+    settings = PlanSettings.from_dict({k: v for k, v in plan.items() if k != "sigma"})
+    assert settings.calibrate().sigma == pytest.approx(plan["sigma"], rel=1e-9)
 
 
 def test_nodp_card_says_no_guarantee(tiny_model_dir, labelled_files, tmp_path):

@@ -540,11 +540,16 @@ def _last_eval(d: Path, state_file: Optional[Path]) -> dict[str, Any]:
 
 def mechanism_section(trainer) -> dict:
     """``{"mechanism": …}`` for truncated Poisson or banded_mf runs (public parameters; the
-    truncation probability from N, q and the bound), else {}."""
+    truncation probability from N, q and the bound), and ``{"plan": …}``: the privacy plan's settings
+    and σ in simple types (step/plan.py ``CalibratedPlan.to_dict``; public: N, B, T, σ, the target)."""
     privacy = getattr(getattr(trainer, "plan", None), "privacy", None)
     info = privacy.mechanism.info(privacy.sampler, trainer.total_steps) if privacy is not None and trainer.private \
         else {}
-    return {"mechanism": info} if info else {}
+    out = {"mechanism": info} if info else {}
+    calibrated = getattr(privacy, "calibrated", None)
+    if calibrated is not None:  # the plan as a value (step/plan.py): settings in simple types and σ
+        out["plan"] = calibrated.to_dict()
+    return out
 
 
 def mechanism_lines(dp: dict) -> list[str]:
