@@ -4,6 +4,8 @@ make_private and DPTrainer, its step choice, its world builder and its versioned
 from __future__ import annotations
 
 import math
+import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,11 +13,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpft import PrivacyEngine
+from dpft.errors import TrainingError
 from dpft.api.clipping import api_clip_and_engine
+from dpft.placement import fsdp_checkpoint
 from dpft.placement import world as ddp
 from dpft.privacy.randomness import Randomness
 from dpft.session import PrivateSession, SessionSettings, session_world, step_for
-from dpft.step import DPStep
+from dpft.step import DPStep, correlated
 from dpft.step.mechanisms import mechanism_of
 
 SEED = 11
@@ -162,15 +166,7 @@ def test_step_for_one_process_is_the_dp_step():
 
 
 def _banded_after(steps: int):
-    eng, module, opt, crit, loader, _ = _make_private(MECHS["banded_mf"])
-    while opt.logical_steps < steps:
-        for x, y in loader:
-            crit(module(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if opt.logical_steps >= steps:
-                break
-    return opt.dp_step
+    return _banded_engine_after(steps)[1]
 
 
 def test_secret_state_resume_refusals_and_the_format_before_v1():
@@ -196,6 +192,65 @@ def test_secret_state_resume_refusals_and_the_format_before_v1():
     assert restored.spec.mechanism.next_step == 2
     for k, v in step.spec.mechanism.buffers[0].items():
         assert torch.equal(restored.spec.mechanism.buffers[0][k], v)
+
+
+def _banded_engine_after(steps: int):
+    eng, module, opt, crit, loader, _ = _make_private(MECHS["banded_mf"])
+    while opt.logical_steps < steps:
+        for x, y in loader:
+            crit(module(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if opt.logical_steps >= steps:
+                break
+    return eng, opt.dp_step
+
+
+def test_a_secret_state_is_checked_once_per_load(tmp_path, monkeypatch):
+    """Issue 46 item 3: the format check (step/correlated.py ``check_secret_state``) runs once per load.
+    The readers (dpft train's and DPTrainer's ``load_noise_state``; make_private's) return a ``SecretState``
+    that the session's restore does not check again (it survives DDP's pickled broadcast); a plain dict
+    handed to the restore is still checked there, and a file of another version is refused by the reader."""
+    calls = []
+    real = correlated._check_format
+    monkeypatch.setattr(correlated, "_check_format", lambda st, where: calls.append(where) or real(st, where))
+    eng, step = _banded_engine_after(2)
+    state = PrivateSession.secret_state(step, at=2)
+    # dpft train / DPTrainer: the checkpoint's file read (checked once), then restored (not again)
+    correlated.write_noise_state(tmp_path, state)
+    read = correlated.load_noise_state(tmp_path)
+    assert isinstance(read, correlated.SecretState) and calls == ["--resume"]
+    assert type(pickle.loads(pickle.dumps(read))) is correlated.SecretState  # on_rank0's broadcast keeps it
+    restored = _make_private(MECHS["banded_mf"])[2].dp_step
+    PrivateSession.restore_secret_state(restored, read, "--resume", at=2)
+    assert calls == ["--resume"] and restored.spec.mechanism.next_step == 2
+    # a state no reader checked: the restore checks it
+    PrivateSession.restore_secret_state(_make_private(MECHS["banded_mf"])[2].dp_step, dict(state), "here", at=2)
+    assert calls == ["--resume", "here"]
+    correlated.write_noise_state(tmp_path, {**state, "version": 0})
+    with pytest.raises(TrainingError, match="--resume: not a dpft-secret-state v1"):
+        correlated.load_noise_state(tmp_path)
+    # make_private: save_noise_state, then a fresh engine's load_noise_state checks the file once
+    path = tmp_path / "mp" / "state.pt"
+    assert eng.save_noise_state(path)
+    calls.clear()
+    fresh = _make_private(MECHS["banded_mf"])[0]
+    fresh.load_noise_state(path)
+    assert calls == ["load_noise_state"] and fresh._loop.mechanism.next_step == 2
+
+
+def test_the_fsdp2_checkpoint_makes_the_sessions_one_step_check():
+    """Issue 46 item 3: the FSDP2 checkpoint's save refuses noise buffers at another step than the
+    checkpoint with the check ``PrivateSession.secret_state(at=)`` makes (step/correlated.py
+    ``check_state_step``), before any collective or file."""
+    step = _banded_after(2)
+    with pytest.raises(ValueError) as by_session:
+        PrivateSession.secret_state(step, at=3)
+    trainer = SimpleNamespace(world=ddp.World(), mechanism=step.spec.mechanism)
+    with pytest.raises(ValueError) as by_checkpoint:
+        fsdp_checkpoint.save_checkpoint(trainer, 3, lambda *a, **k: pytest.fail("written"))
+    assert str(by_checkpoint.value) == str(by_session.value) == "noise buffers at step 2, checkpoint at step 3"
+    assert fsdp_checkpoint.check_state_step is correlated.check_state_step
 
 
 def test_dpft_train_plans_through_the_session(tiny_model_dir, sst_like_files, tmp_path):

@@ -155,7 +155,7 @@ class LoopState:
         if world.is_main:
             own_state_path(engine, path)
         st, live = ddp.on_rank0(world, read)
-        check_secret_state(st, "load_noise_state")  # the one format (or make_private's before it)
+        st = check_secret_state(st, "load_noise_state")  # the one format (or make_private's); restore trusts it
         if not all(k in st for k in ("n", "sigma", "ledger", "buffers")):
             raise ValueError(f"load_noise_state: {path} is not a make_private banded_mf noise state")
         sigma = self.plan.sigma

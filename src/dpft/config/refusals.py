@@ -9,6 +9,10 @@ keyword of ``make_private`` and the argument of ``DPTrainer`` (``DPArguments`` /
     raise refuse("privacy.noise_multiplier:both_or_neither", way="make_private")
     # ValueError: make_private: set exactly one of target_epsilon (recipe privacy.target_epsilon; ...
 
+A rule that needs the built step is checked once where every way in meets it: user-level group
+clipping on an engine without groups by the private session (session/core.py
+``PrivateSession.check_groups``, raising for the session's way in, :func:`way_of`).
+
 Rules that only one way in has stay with it (e.g. ``TrainingArguments.fp16`` in
 integrations/hf/checks.py); the mechanism's refusals (``banded_mf`` with user level or truncated
 Poisson, bands < 1, b·B > N) are worded once in step/mechanisms.py with each way in's names.
@@ -20,10 +24,23 @@ from dataclasses import dataclass, field
 from string import Formatter
 from typing import Optional
 
-__all__ = ["Setting", "Refusal", "SETTINGS", "REFUSALS", "WAYS", "refuse", "setting_name"]
+from dpft.errors import PlanError
+
+__all__ = ["Setting", "Refusal", "SETTINGS", "REFUSALS", "WAYS", "refuse", "setting_name", "way_of"]
 
 #: The ways in, as their messages begin (the recipe's messages are placed by the recipe loader).
 WAYS = ("make_private", "DPTrainer", "recipe")
+
+
+def way_of(where: str) -> str:
+    """The registry's way in for a private session's ``where`` (session/core.py ``PrivateSession.open``):
+    ``make_private``; ``dpft train`` (and the session's default ``dpft``) is the recipe's; any other
+    is ``DPTrainer`` or one of its subclasses (the TRL trainers), which take ``DPArguments``."""
+    if where == "make_private":
+        return "make_private"
+    if where in ("dpft train", "dpft"):
+        return "recipe"
+    return "DPTrainer"
 
 
 @dataclass(frozen=True)
@@ -43,8 +60,10 @@ class Setting:
         if way == "recipe":
             kw = self.make_private or self.dptrainer
             return f"{own} (keyword {kw})" if kw and kw != own else str(own or kw)
-        if own is None:
-            own = self.make_private or self.dptrainer
+        if own is None:  # a setting this way in does not have: the others' names, and that it has none
+            named = [n for n in (self.make_private, self.dptrainer) if n] + (
+                [f"recipe key {self.recipe}"] if self.recipe else [])
+            return f"{' or '.join(named)}, not a {way} setting"
         return f"{own} (recipe key {self.recipe})" if self.recipe else str(own)
 
 
@@ -63,6 +82,7 @@ SETTINGS: dict[str, Setting] = {
     "max_physical_batch_size": Setting("batch.max_physical_batch_size", "max_physical_batch_size",
                                        "DPArguments.max_physical_batch_size"),
     "module": Setting("model.name", "module", "model"),
+    "engine": Setting("privacy.engine", None, "DPArguments.engine"),
 }
 
 
@@ -121,6 +141,18 @@ _R = [
     Refusal("module", "batchnorm",
             "BatchNorm mixes the examples of a batch, so per-example gradients are not per example "
             "({modules}); use LayerNorm or GroupNorm in {module}", ("make_private", "DPTrainer")),
+    # Checked once, by the private session on the plan's engine (after the methods' build, which may
+    # swap it): session/core.py PrivateSession.plan.
+    Refusal("user_clipping", "group_engine",
+            "{user_clipping} = 'group' clips all of a user's rows as one, which the per-example engine {got} "
+            "cannot (it would clip each row to C alone, so one user could move the sum by k·C); keep an engine "
+            "that clips groups ({engine}: 'bookkeeping' or 'reference') with no method that replaces it, or set "
+            "{user_clipping} to 'per_example_over_k'", WAYS, errors={w: PlanError for w in WAYS}),
+    # DPDPOTrainer (integrations/trl/trainer.py): a preference pair is the unit at example level too.
+    Refusal("engine", "pair_groups",
+            "a preference pair's chosen and rejected rows are clipped as one group, which the per-example "
+            "engine {got} cannot (each row clipped alone, a pair could move the sum by 2C); keep an engine that "
+            "clips groups ({engine}: 'bookkeeping' or 'reference')", ("DPTrainer",), errors={"DPTrainer": PlanError}),
 ]
 #: The registry, keyed by ``<recipe key or keyword>:<condition>`` (e.g. ``privacy.noise_multiplier:range``).
 REFUSALS: dict[str, Refusal] = {r.key: r for r in _R}

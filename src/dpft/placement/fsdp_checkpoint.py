@@ -48,7 +48,8 @@ import torch
 
 from dpft.placement import world as ddp
 from dpft.placement.fsdp import FSDPError, is_sharded, local, local_range
-from dpft.step.correlated import NOISE_STATE_FILE, BandedMFMechanism, in_secret_format, write_secret
+from dpft.step.correlated import (NOISE_STATE_FILE, BandedMFMechanism, check_state_step, in_secret_format,
+                                  write_secret)
 from dpft.step.guard import restoring_optimizer_state
 
 __all__ = ["SHARDS_DIR", "SECRET_SHARDS_DIR", "save_checkpoint", "load_checkpoint", "read_trainable"]
@@ -199,11 +200,11 @@ def save_checkpoint(trainer, step: int, write: Callable[..., Any]) -> None:
     every rank calls it.
 
     Raises:
-        FSDPError: banded MF's buffers at another step than the checkpoint."""
+        ValueError: banded MF's buffers at another step than the checkpoint (step/correlated.py
+            ``check_state_step``, the session's ``secret_state(at=)`` check)."""
     world, mech = trainer.world, trainer.mechanism
     banded = isinstance(mech, BandedMFMechanism)
-    if banded and mech.next_step != int(step):
-        raise FSDPError(f"noise buffers at step {mech.next_step}, checkpoint at step {step}")
+    check_state_step(mech, step)  # the one check every way in's save makes
     run, name = Path(trainer.run_dir), _step_name(world, step)
     shards = run / SHARDS_DIR / name
     _fresh_dir(world, shards, secret=False)

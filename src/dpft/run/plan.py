@@ -163,7 +163,7 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
         parts=step_model.parts(ctx, unit.user_level), padded=True, transforms=list(transforms or []),
         optimizer_factory=lambda params: build_optimizer(r.optimizer, params),
         head_mask=lambda names: [is_head_param(n) for n in names])
-    step_model.fit(privacy.spec, unit.user_level)
+    step_model.fit(privacy.spec)
     spec = privacy.spec
     return RunPlan(recipe=r, run_dir=run_dir, phase=phase, private=private, progress=progress, world=world,
                    rng=session.rng, ledger=session.ledger, ledger_notes=ledger_notes, live_ledger_path=live,

@@ -1,7 +1,7 @@
 """The model as ``dpft train``'s DP step runs it: readied once the methods prepared it (the world
 starts from rank 0's weights; FSDP2 shards; the frozen features computed once, run/features.py),
 the clip and per-example engine over it (the session's ``parts``), and the engine's fit to the
-placement (autocast, group clipping).
+placement (autocast).
 
 run/plan.py ``build_plan`` hands :meth:`StepModel.parts` to the private session (session/core.py);
 everything here is the driver's, around the session: the session never sees the recipe's model
@@ -91,18 +91,15 @@ class StepModel:
 
         return parts
 
-    def fit(self, spec, user_level: bool) -> None:
+    def fit(self, spec) -> None:
         """Set the placement's precision on the step's engine (after the methods' ``build``, which may
-        swap the engine), refusing an engine that cannot honour it or the recipe's user clipping.
+        swap the engine), refusing an engine that cannot honour it. (User-level group clipping on an
+        engine without groups is the session's refusal, session/core.py ``PrivateSession.check_groups``.)
 
         Raises:
-            TrainingError: mixed precision on an engine without autocast; user-level group clipping
-                on an engine without groups — each naming the fix."""
-        r, precision = self.recipe, self.placement.precision
+            TrainingError: mixed precision on an engine without autocast, naming the fix."""
+        precision = self.placement.precision
         if precision.mixed and not getattr(spec.engine, "supports_precision", False):
             raise TrainingError(f"perf.dtype {precision.dtype}: the {type(spec.engine).__name__} of this "
                                 "recipe does not apply autocast; use perf.dtype: fp32")
         spec.engine.precision = precision
-        if user_level and r.task.user_clipping == "group" and not getattr(spec.engine, "supports_groups", False):
-            raise TrainingError(f"user-level group clipping needs privacy.engine: bookkeeping or reference "
-                                f"(got {type(spec.engine).__name__}); or set task.user_clipping: per_example_over_k")

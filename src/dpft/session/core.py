@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.config.refusals import refuse, way_of
 from dpft.placement import world as ddp
 from dpft.privacy.randomness import Randomness
 from dpft.session.step import step_for
@@ -206,8 +207,9 @@ class PrivateSession:
         are its, not read here); the planned steps (``total_steps``, else ``s.planned(N)``); σ
         calibrated by rank 0 on the events this loop records after those the ledger holds (the
         methods' ``on_sigma`` told); the methods' ``build`` hooks; the mechanism's install. The spec's
-        clip is then the engine's (a method may swap it); raw per-example norms (``keep_norms``) are
-        refused across ranks.
+        clip is then the engine's (a method may swap it); user-level group clipping on an engine that
+        cannot clip groups is refused (:meth:`check_groups`, the same words for every way in); raw
+        per-example norms (``keep_norms``) are refused across ranks.
 
         Args:
             rows: the training rows the sampler indexes (a stateful mechanism fingerprints them);
@@ -234,8 +236,24 @@ class PrivateSession:
             head_mask=head_mask, phase=s.phase, hooks=m.hooks if m is not None else (),
             on_sigma=m.on_sigma if m is not None else None)
         plan.spec.engine.clip = plan.spec.clip  # the spec's clip is in force (a method may swap it; as DPStep.run)
+        self.check_groups(s, plan.spec.engine)
         ddp.check_methods(w, [], keep_norms=plan.spec.keep_norms)  # no raw per-example norms across ranks
         return plan
+
+    @property
+    def way(self) -> str:
+        """This session's way in as the refusal registry names it (config/refusals.py ``way_of``)."""
+        return way_of(self.where)
+
+    def check_groups(self, s: SessionSettings, engine: Any) -> None:
+        """At user level with ``user_clipping='group'`` the engine must clip a user's rows as one group
+        (``supports_groups``); checked on the plan's engine, after the methods' ``build`` (which may swap it).
+
+        Raises:
+            PlanError: registry refusal ``task.user_clipping:group_engine``, worded for this way in."""
+        if self.user_level and s.user_clipping == "group" and not getattr(engine, "supports_groups", False):
+            named = getattr(engine, "inner", engine)  # truncated Poisson's MaskedEngine: the engine it wraps
+            raise refuse("task.user_clipping:group_engine", self.way, got=type(named).__name__)
 
     # ------------------------------------------------------------------ the step
     def step(self, plan: PrivacyPlan, *, sharded: bool = False, on_release: Optional[Callable[[], None]] = None,
@@ -261,16 +279,14 @@ class PrivateSession:
 
         Raises:
             ValueError: the mechanism's state is at another step than ``at``."""
-        mech = step.spec.mechanism
-        if at is not None and mech is not None and mech.stateful and mech.next_step != int(at):
-            raise ValueError(f"noise buffers at step {mech.next_step}, checkpoint at step {at}")
-        return secret_state(mech)
+        return secret_state(step.spec.mechanism, at)  # the one step check (step/correlated.py check_state_step)
 
     @staticmethod
     def restore_secret_state(step, state: Optional[dict], where: str = "resume", *, at: Optional[int] = None,
                              replayed: int = 0, fresh: str = "run") -> None:
         """Restore what :meth:`secret_state` gave into ``step``'s mechanism (before its first step),
-        or a state written before the format (step/correlated.py ``check_secret_state``). The
+        or a state written before the format (step/correlated.py ``check_secret_state``: once per load, a
+        state a reader already checked, a ``SecretState``, is not checked again). The
         refusals of every way in's resume (``where``: its resume option; ``fresh``: what to start
         anew, e.g. ``--output-dir``):
 

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["banded_coefficients", "strategy_matrix", "square_root_coefficients", "prefix_sum_loss",
            "inverse_coefficients", "CyclicPoissonSampler",
            "BandedMFMechanism", "banded_phase_event", "NOISE_STATE_FILE", "write_noise_state", "load_noise_state",
-           "write_secret", "secret_state", "in_secret_format", "check_secret_state",
+           "write_secret", "secret_state", "in_secret_format", "check_secret_state", "SecretState", "check_state_step",
            "SECRET_STATE_FORMAT", "SECRET_STATE_VERSION", "buffer_bytes", "check_buffer_memory", "WARN_BUFFER_BYTES",
            "MAX_BUFFER_BYTES"]
 
@@ -341,11 +341,30 @@ def check_buffer_memory(params: dict[str, torch.Tensor], bands: int) -> int:
     return nbytes
 
 
-def secret_state(mechanism) -> dict:
+def secret_state(mechanism, at: Optional[int] = None) -> dict:
     """The secret state of ``mechanism`` beyond the key, in the one versioned format: its ``state()``
     (banded MF: buffers, next step, coefficients, partition, rows' fingerprint; a collective for a
-    sharded copy) when it is ``stateful``, else nothing beyond the format. **Secret**: never released."""
+    sharded copy) when it is ``stateful``, else nothing beyond the format. **Secret**: never released.
+
+    Args:
+        at: the step of the checkpoint the state goes with (:func:`check_state_step`, before any gather).
+
+    Raises:
+        ValueError: a stateful mechanism at another step than ``at``."""
+    if at is not None:
+        check_state_step(mechanism, at)
     return in_secret_format(mechanism.state() if mechanism is not None and mechanism.stateful else {})
+
+
+def check_state_step(mechanism, at: int) -> None:
+    """The one check that a stateful mechanism's state goes with the checkpoint of step ``at`` (its next
+    step is ``at``): :func:`secret_state` (every way in's save, session/core.py) and the FSDP2 checkpoint's
+    per-rank buffers (placement/fsdp_checkpoint.py). Nothing to check for a stateless mechanism.
+
+    Raises:
+        ValueError: the mechanism's state is at another step than ``at``."""
+    if mechanism is not None and mechanism.stateful and mechanism.next_step != int(at):
+        raise ValueError(f"noise buffers at step {mechanism.next_step}, checkpoint at step {at}")
 
 
 def in_secret_format(st: dict) -> dict:
@@ -355,20 +374,35 @@ def in_secret_format(st: dict) -> dict:
     return {"format": SECRET_STATE_FORMAT, "version": SECRET_STATE_VERSION, "stateful": bool(st), **st}
 
 
-def check_secret_state(st: dict, where: str = "resume") -> dict:
-    """``st`` if it is a secret state dpft can restore: the one format at its version, or a file written
-    before it (dpft train's and DPTrainer's bare banded-MF state; make_private's own format).
+class SecretState(dict):
+    """A secret state that :func:`check_secret_state` accepted: what every reader returns (``dpft train``'s
+    and DPTrainer's :func:`load_noise_state`, make_private's api/state.py), so that the restore which
+    follows (session/core.py ``PrivateSession.restore_secret_state``) does not check the same load twice.
+    A plain dict handed to the restore is checked there. Pickles as a dict subclass (DDP broadcasts it)."""
+
+
+def check_secret_state(st: dict, where: str = "resume") -> SecretState:
+    """``st`` as a :class:`SecretState` if it is a secret state dpft can restore: the one format at its
+    version, or a file written before it (dpft train's and DPTrainer's bare banded-MF state; make_private's
+    own format). A :class:`SecretState` was checked when it was read and is returned as it is: one check per load.
 
     Raises:
         ValueError: another format or version, naming the fix."""
+    if isinstance(st, SecretState):
+        return st
+    _check_format(st, where)
+    return SecretState(st)
+
+
+def _check_format(st: dict, where: str) -> None:
+    """The format check itself (:func:`check_secret_state`), run once per load."""
     fmt = st.get("format")
     if (fmt is None and "buffers" in st) or fmt in _LEGACY_FORMATS:
-        return st
+        return
     if fmt != SECRET_STATE_FORMAT or st.get("version") != SECRET_STATE_VERSION:
         raise ValueError(f"{where}: not a {SECRET_STATE_FORMAT} v{SECRET_STATE_VERSION} secret state (format "
                          f"{fmt!r}, version {st.get('version')!r}); restore it with the dpft version that saved it, "
                          "or start a new run (the ledger keeps what was spent)")
-    return st
 
 
 def write_noise_state(run_dir, state: dict) -> Path:

@@ -314,10 +314,6 @@ class DPTrainer(PoissonData, PrivateState, GuardedTraining, Trainer):
         # the session's count of logical steps (a method's prepare may change it); Trainer's loop runs that many
         self.total_steps = self.args.max_steps = self.session.planned
         self.engine, self.clip = self.plan.engine, self.plan.spec.clip  # the spec's clip (a method may swap it)
-        if self.user_level and self.dp_args.user_clipping == "group" and not getattr(self.engine, "supports_groups",
-                                                                                     False):
-            _refuse(f"user_clipping='group' needs an engine that clips a user's rows as one ({type(self.engine).__name__} "
-                    "does not); use engine='bookkeeping' or user_clipping='per_example_over_k'")
         self.dp_step = self.session.step(self.plan, sharded=self.sharded, on_release=self._save_live_ledger,
                                          dummy_batch=trainer_placeholder(self))
         self.mechanism = self.dp_step.spec.mechanism  # FSDP2: the step's sharded copy releases (hf/fsdp.py)

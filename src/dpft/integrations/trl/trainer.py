@@ -86,6 +86,7 @@ from dpft.integrations.trl.user import user_pair_chunks
 from dpft.integrations.trl.fsdp import (add_reference_adapter, check_reference_adapter, hashable_sharded,
                                        reference_adapter_kept, score_all_ranks, scored_by_every_rank)
 from dpft.api.sharded import is_fsdp2_model
+from dpft.config.refusals import refuse
 
 __all__ = ["DPSFTTrainer", "sft_per_example_loss", "check_sft_config", "DPDPOTrainer", "dpo_per_pair_loss",
            "pair_rows", "check_dpo_config"]
@@ -419,7 +420,8 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
 
     Raises:
         TypeError: no ``dp_args``.
-        ValueError: a setting that is not per pair (:func:`check_dpo_config`), a non-group engine.
+        ValueError: a setting that is not per pair (:func:`check_dpo_config`); a non-group engine
+            (config/refusals.py ``privacy.engine:pair_groups``, a ``PlanError``).
     """
 
     def __init__(self, model, ref_model=None, args: Optional[Any] = None, data_collator=None, train_dataset=None,
@@ -451,9 +453,8 @@ class DPDPOTrainer(DPTrainer, _DPOArgs):
             super().__init__(model, args, ref_model=ref_model, data_collator=data_collator,
                              train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                              dp_args=dp_args, loss_fn=loss_fn, ledger=ledger, transforms=transforms, **dpo_kwargs)
-        if not getattr(self.engine, "supports_groups", False):
-            raise ValueError("DPDPOTrainer: the per-example engine must clip a pair's two rows as one group; use "
-                             "DPArguments(engine='bookkeeping') or 'reference'")
+        if not getattr(self.engine, "supports_groups", False):  # a pair is one group at example level too
+            raise refuse("privacy.engine:pair_groups", "DPTrainer", got=type(self.engine).__name__)
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """The reference log-probabilities of every pair, as columns ``ref_chosen_logps`` /
