@@ -19,12 +19,12 @@ Entry point :func:`device_checks` (wired into ``dpft audit`` through ``audit/sui
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.methods.ewft import parts as ewft_parts
 from dpft.methods.ewft.method import ldp_stream
@@ -47,15 +47,9 @@ class _RunStub:
     device: torch.device = torch.device("cpu")
 
 
-@contextmanager
-def _planted(planted: Optional[str]):
-    real = ewft_parts.rank_parts
-    if planted == "shared_rank_ldp_noise":
-        ewft_parts.rank_parts = lambda run: ()  # every rank draws the same stream
-    try:
-        yield
-    finally:
-        ewft_parts.rank_parts = real
+#: every rank draws the same stream
+_planted = bug_planter(PLANTED, {
+    "shared_rank_ldp_noise": lambda p: p.set(ewft_parts, "rank_parts", lambda run: ())})
 
 
 def _release(run: _RunStub, step: int, h: torch.Tensor) -> torch.Tensor:

@@ -44,15 +44,15 @@ records one event per step (methods/ewft/method.py). White-box, in one process (
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from types import SimpleNamespace
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.config.recipe import load_recipe
 from dpft.placement.fsdp import block_classes
@@ -77,30 +77,16 @@ TRAIN_PRE = {"ldp.train_pre.enabled": True, "ldp.train_pre.max_grad_norm": 0.5, 
 _T, _VOCAB, _N = 8, 64, 40
 
 
-@contextlib.contextmanager
-def _planted(name: Optional[str]) -> Iterator[None]:
-    saved = []
-
-    def patch(obj, attr, val):
-        saved.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, val)
-
-    try:
-        if name == "ewft_fsdp_pre_cache_kept":
-            patch(ewft, "pre_cache_allowed", lambda run: True)
-        elif name == "ewft_fsdp_shared_stream":
-            real = ewft_parts.rank_parts
-            patch(ewft_parts, "rank_parts", lambda run: () if ewft_parts.fsdp_world(run) else real(run))
-        elif name == "ewft_fsdp_eval_live_layer":
-            patch(ForwardLDP, "_eval_layer", lambda self, run: self.ldp.layer)
-        elif name == "ewft_fsdp_train_pre_noise_offset":
-            patch(ldp_fsdp, "shard_slice", lambda full, layout, shape: full.reshape(-1)[:layout[2]].reshape(shape))
-        elif name == "ewft_fsdp_train_pre_layer_unsynced":
-            patch(ldp_fsdp, "sync_layer", lambda plain, live: plain.train(live.training))
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
+_planted = bug_planter(PLANTED, {
+    "ewft_fsdp_pre_cache_kept": lambda p: p.set(ewft, "pre_cache_allowed", lambda run: True),
+    "ewft_fsdp_shared_stream": lambda p: p.set(ewft_parts, "rank_parts", lambda run, real=ewft_parts.rank_parts: (
+        () if ewft_parts.fsdp_world(run) else real(run))),
+    "ewft_fsdp_eval_live_layer": lambda p: p.set(ForwardLDP, "_eval_layer", lambda self, run: self.ldp.layer),
+    "ewft_fsdp_train_pre_noise_offset": lambda p: p.set(ldp_fsdp, "shard_slice", lambda full, layout, shape: (
+        full.reshape(-1)[:layout[2]].reshape(shape))),
+    "ewft_fsdp_train_pre_layer_unsynced": lambda p: p.set(ldp_fsdp, "sync_layer",
+                                                          lambda plain, live: plain.train(live.training)),
+})
 
 
 def _tiny_bert():

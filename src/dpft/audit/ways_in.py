@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from dpft import PrivacyEngine, api
 from dpft.api import DoubleCaptureError, PackedBatchError, UnclippedParameterError
-from dpft.audit.planted import bug_planter
+from dpft.audit.planted import bug_planter, patched
 from dpft.audit.whitebox import Check, tiny_classifier
 from dpft.grads import live
 from dpft.integrations.hf import data as hf_data
@@ -395,18 +395,13 @@ SESSION_SETTINGS = dict(n=100, batch=10, epochs=1.1, epsilon=3.0, delta=1e-3, c=
 def session_plans() -> Iterator[list]:
     """Record every ``(settings, plan)`` the private session builds (dpft/session/core.py) meanwhile."""
     seen: list = []
-    real = session_core.PrivateSession.plan
 
-    def plan(self, s, **kw):
-        out = real(self, s, **kw)
-        seen.append((s, out))
-        return out
+    def plan(self, s, real=session_core.PrivateSession.plan, **kw):
+        seen.append((s, real(self, s, **kw)))
+        return seen[-1][1]
 
-    session_core.PrivateSession.plan = plan
-    try:
+    with patched((session_core.PrivateSession, "plan", plan)):
         yield seen
-    finally:
-        session_core.PrivateSession.plan = real
 
 
 def _session_make_private() -> Any:
