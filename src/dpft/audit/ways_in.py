@@ -326,6 +326,35 @@ def _bert_rows(model, n: int = 4):
                                        "labels": labels.tolist()})
 
 
+def one_step_args(out: str, n: int) -> dict:
+    """``TrainingArguments`` keywords of one logical step in physical batches of ``n`` rows: SGD at learning rate
+    1, constant, no weight decay, nothing saved or logged (every Trainer-based way in's adapter)."""
+    return dict(output_dir=out, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant", optim="sgd",
+                weight_decay=0.0, per_device_train_batch_size=n, report_to=[], use_cpu=not torch.cuda.is_available(),
+                save_strategy="no", logging_strategy="no", disable_tqdm=True)
+
+
+def hf_one_step(build: Callable[[nn.Module, str], Any], model: nn.Module, eb: int, *, freeze: Optional[str] = None,
+                every_row: bool = False) -> tuple[torch.Tensor, Any]:
+    """One logical step of a Trainer-based way in on a copy of ``model`` (dropout off): ``build(copy,
+    output_dir)`` returns the trainer (q = 1: ``eb`` its expected batch, or ``every_row`` draws every row);
+    ``(S, trainer)``, ``S = −Δθ · eb`` over the parameters of ``trainer.model`` trainable after the step
+    (adapters a trainer adds included). ``freeze``: a parameter frozen while the trainer is built and
+    unfrozen right after."""
+    model, params, _ = _fresh_copy(model, freeze)
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = build(model, out)
+        if freeze:
+            params[freeze].requires_grad_(True)  # unfrozen after the trainer was built
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        if every_row:
+            trainer.sampler.indices = lambda step: torch.arange(trainer.n)  # q = 1 exactly
+        with gc_frozen():
+            trainer.train()
+    return released_sum(trainer.model, before, eb), trainer
+
+
 def trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=None, optimizer_all: bool = False,
                  freeze: Optional[str] = None, physical: Optional[int] = None, dp_kwargs: Optional[dict] = None,
                  training_args: Optional[dict] = None, trainer_kwargs: Optional[dict] = None):
@@ -335,28 +364,22 @@ def trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=None
     optimizer over every parameter."""
     from transformers import TrainingArguments, default_data_collator
 
-    model, params, before = _fresh_copy(model, freeze)
     n = len(rows)
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+
+    def build(model, out):
         # label_names keeps a `labels` column that a model's forward does not take (e.g. dpft's
         # mean-pooling classifier): the Trainer would drop it as an unused column otherwise.
-        args = TrainingArguments(**{"label_names": ["labels"], **(training_args or {}), "output_dir": out,
-                                    "max_steps": 1, "learning_rate": 1.0, "lr_scheduler_type": "constant",
-                                    "optim": "sgd", "weight_decay": 0.0, "per_device_train_batch_size": physical or n,
-                                    "report_to": [], "use_cpu": not torch.cuda.is_available(),
-                                    "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True})
+        args = TrainingArguments(**{"label_names": ["labels"], **(training_args or {}),
+                                    **one_step_args(out, physical or n)})
         dp = hf.DPArguments(**{"target_delta": 1.0 / (10 * n), **(dp_kwargs or {}), "noise_multiplier": sigma,
                                "max_grad_norm": c, "expected_batch_size": n, "reproducible_seed": 0})
         kw = {"data_collator": collator or default_data_collator, **(trainer_kwargs or {})}
         if optimizer_all:
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             kw["optimizers"] = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
-        trainer = hf.DPTrainer(model=model, args=args, train_dataset=rows, dp_args=dp, **kw)
-        if freeze:
-            params[freeze].requires_grad_(True)  # unfrozen after DPTrainer was built
-        trainer.train()
-    return released_sum(model, before, n), trainer
+        return hf.DPTrainer(model=model, args=args, train_dataset=rows, dp_args=dp, **kw)
+
+    return hf_one_step(build, model, n, freeze=freeze)
 
 
 def dp_trainer_way(model=None, train_dataset=None, *, rows: Optional[int] = None, c: float = C,
@@ -582,5 +605,5 @@ def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_
 
 
 __all__ = ["WayIn", "leave_one_out", "noise_std", "one_unit_bounded", "one_clipped_per_row", "make_private_way",
-           "dp_trainer_way", "make_private_step", "trainer_step", "api_checks", "audit_make_private",
-           "audit_dp_trainer", "planted_bug", "PLANTED", "C", "TOL"]
+           "dp_trainer_way", "make_private_step", "trainer_step", "hf_one_step", "one_step_args", "api_checks",
+           "audit_make_private", "audit_dp_trainer", "planted_bug", "PLANTED", "C", "TOL"]
