@@ -12,14 +12,8 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
   The one-step mechanism game does not look for it.
 * The Trainer's path (``audit/trainer_walk.py``): ``row_level_user_recipe`` (the audit's plan
   calibrated over rows for a user-level recipe), ``user_clipping_broken``.
-* Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
-* The Python ways in (``audit/ways_in.py``): ``double_capture``,
-  ``unfrozen_param``, ``packing_collator``; the session they plan through: ``session_steps_rule``.
-* make_private across processes and at user level (``audit/ways_in_ddp.py``, planted in its
-  2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
-* TRL (``audit/ways_in_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
-* Every update a DP release (``audit/checks_guard.py``, issue 44): ``trainer_step_skips_release``,
-  ``custom_loop_accepted``, ``raw_update_accepted``, ``weights_moved_unreleased``.
+* The check modules' own (randomness, the ways in, DDP, FSDP2, TRL, mechanisms, methods, tune, data, guard,
+  ...): planted by the module that checks them, each listed once with its module in :data:`OPTIONAL_CHECKS`.
 """
 
 from __future__ import annotations
@@ -35,8 +29,6 @@ KNOWN_SEED = 1234
 
 MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "clip at 2C",
                      "same noise every step", "no subsampling", "known seed")
-RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
-API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")
 # issue 37: the final-model audit's calibration (audit/final_model.py FINAL_MODEL_PLANTED)
 DUPLICATE_PLANTED = ("counted twice",)
 
@@ -105,6 +97,8 @@ OPTIONAL_CHECKS = (
                                                        "features_key_ignores_weights")),
 )
 
+RANDOMNESS_PLANTED = next(names for _, fn, names in OPTIONAL_CHECKS if fn == "randomness_checks")
+API_PLANTED = next(names for _, fn, names in OPTIONAL_CHECKS if fn == "api_checks")
 #: Every planted bug: those :func:`apply` plants (the mechanism's parts, the Trainer's path, the final-model
 #: calibration) and those of :data:`OPTIONAL_CHECKS` (each planted by its check module): the one list.
 ALL = MECHANISM_PLANTED + TRAINER_PLANTED + DUPLICATE_PLANTED + tuple(n for _, _, names in OPTIONAL_CHECKS
