@@ -5,7 +5,7 @@ Each adapter builds a tiny random Llama and a word-level tokenizer with a ChatML
 and runs one logical step (``q = 1``, SGD at learning rate 1; TRL's dataset preparation, collator and
 default gradient checkpointing included). The properties are audit/ways_in.py's, over TRL's units:
 
-* **DPSFTTrainer reaches the session unchanged** (audit/ways_in.py ``session_check``: one session plan with
+* **DPSFTTrainer reaches the session unchanged** (audit/ways_in_session.py ``session_check``: one session plan with
   the given settings, the same N, q, T, σ as make_private's);
 * **DPSFTTrainer leave-one-conversation-out** (prompt/completion rows, completion-only loss on: a long
   completion, a one-token one);
@@ -43,8 +43,9 @@ from trl import DPOConfig, SFTConfig  # these checks need TRL; an ImportError sk
 
 from dpft.api import PackedBatchError
 from dpft.audit.planted import bug_planter
-from dpft.audit.ways_in import (C, SESSION_SETTINGS, SESSION_WAYS, WayIn, gc_frozen, hf_one_step, leave_one_out,
-                                one_clipped_per_row, one_step_args, one_unit_bounded, session_check, yours)
+from dpft.audit.ways_in import (C, WayIn, gc_frozen, hf_one_step, leave_one_out, one_clipped_per_row,
+                                one_step_args, one_unit_bounded, yours)
+from dpft.audit.ways_in_session import SESSION_SETTINGS, SESSION_WAYS, session_check
 from dpft.audit.whitebox import Check
 from dpft.grads import bookkeeping
 from dpft.grads.groups import GROUP_KEY
@@ -262,7 +263,7 @@ def dpo_checks() -> list[Check]:
 
 
 def _session_sft():
-    """DPSFTTrainer built with audit/ways_in.py's :data:`~dpft.audit.ways_in.SESSION_SETTINGS` (its DP step)."""
+    """DPSFTTrainer built with :data:`~dpft.audit.ways_in_session.SESSION_SETTINGS` (its DP step)."""
     st = SESSION_SETTINGS
     tok = tiny_tokenizer()
     rows = datasets.Dataset.from_list([{"prompt": _PAIRS[i % 3][0], "completion": _PAIRS[i % 3][1]}
