@@ -4,11 +4,11 @@
   releases the rows of its share of the logical batch. Each release must carry its own noise:
   two ranks releasing the same clean matrix at the same step must send different noisy
   matrices (else anyone who sees both releases subtracts them and learns the difference of the
-  clean inputs exactly). Runs the real stream choice of ``methods/ewft/method.py`` (:func:`ldp_stream`)
-  and the real noise layer (:class:`~dpft.privacy.ldp.GaussianLDP`) for ranks 0 and 1 of a
-  2-process world, and checks that one process alone keeps its stream names (so a 1-process run
-  is unchanged). Planted ``"shared_rank_ldp_noise"``: the stream without the rank, i.e. the same
-  draw on every rank.
+  clean inputs exactly). The one check of this property (audit/checks_fsdp_ewft.py
+  :func:`~dpft.audit.checks_fsdp_ewft.rank_stream_check`, there under FSDP2 and DDP), here for the DDP
+  ranks 0 and 1 of a 2-process world through a real ``LDPRun`` and its noise layer, and one process alone
+  keeping its stream names (so a 1-process run is unchanged). Planted ``"shared_rank_ldp_noise"``: the
+  stream without the rank, i.e. the same draw on every rank.
 * **noise drawn on the model's device** — the forward-LDP stream is asked for on the device of
   the model (checked with a stand-in device, ``meta``, on a CPU-only machine), so no host round
   trip or host-only draw can sit between the clean matrix and its noise.
@@ -19,16 +19,16 @@ Entry point :func:`device_checks` (wired into ``dpft audit`` through ``audit/sui
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from dpft.audit.checks_fsdp_ewft import rank_stream_check
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.methods.ewft import parts as ewft_parts
 from dpft.methods.ewft.method import ldp_stream
-from dpft.privacy.ldp import GaussianLDP
 from dpft.privacy.randomness import Randomness
 
 __all__ = ["PLANTED", "device_checks"]
@@ -47,38 +47,9 @@ class _RunStub:
     device: torch.device = torch.device("cpu")
 
 
-@contextmanager
-def _planted(planted: Optional[str]):
-    real = ewft_parts.rank_parts
-    if planted == "shared_rank_ldp_noise":
-        ewft_parts.rank_parts = lambda run: ()  # every rank draws the same stream
-    try:
-        yield
-    finally:
-        ewft_parts.rank_parts = real
-
-
-def _release(run: _RunStub, step: int, h: torch.Tensor) -> torch.Tensor:
-    layer = GaussianLDP(max_norm=1.0, sigma=1.0, generator=ldp_stream(run, step))
-    return layer.release(h)
-
-
-def _ranks(planted: Optional[str]) -> Check:
-    key = Randomness()  # one secret key, as every rank holds after distributed.shared_randomness
-    h = torch.zeros(2, 4, 8)  # the same clean matrices on both ranks: any difference is the noise
-    with _planted(planted):
-        z0 = _release(_RunStub(key, 0, 2), 3, h)
-        z1 = _release(_RunStub(key, 1, 2), 3, h)
-        alone = _release(_RunStub(key, 0, 1), 3, h)
-    same_across = bool(torch.equal(z0, z1))
-    # one process: the stream is ("ldp", step), as before DDP support (reproducible runs unchanged)
-    unchanged = bool(torch.equal(alone, key.stream("ldp", 3).normal(tuple(h.shape)) * 2.0))
-    ok = not same_across and unchanged
-    msg = ("ranks 0 and 1 release the same clean matrix with different noise; one process keeps stream (ldp, t)"
-           if ok else
-           ("ranks 0 and 1 added the SAME noise to their releases: their difference is the difference of the clean "
-            "inputs" if same_across else "the 1-process stream changed (reproducible runs would differ)"))
-    return Check("device: forward-LDP noise is independent across DDP ranks", ok, msg)
+#: every rank draws the same stream
+_planted = bug_planter(PLANTED, {
+    "shared_rank_ldp_noise": lambda p: p.set(ewft_parts, "rank_parts", lambda run: ())})
 
 
 def _on_device() -> Check:
@@ -96,7 +67,7 @@ def _on_device() -> Check:
 
 
 def device_checks(planted: Optional[str] = None) -> list[Check]:
-    """Run the device/DDP checks (well under a second on a CPU).
+    """Run the device/DDP checks (a few seconds on a CPU: tiny random BERTs).
 
     Args:
         planted: None (the real code) or ``"shared_rank_ldp_noise"``.
@@ -104,6 +75,6 @@ def device_checks(planted: Optional[str] = None) -> list[Check]:
     Raises:
         ValueError: an unknown planted bug.
     """
-    if planted is not None and planted not in PLANTED:
-        raise ValueError(f"unknown planted device bug {planted!r}; known: {PLANTED}")
-    return [_ranks(planted), _on_device()]
+    with _planted(planted):
+        ranks = rank_stream_check(("ddp",), "device: forward-LDP noise is independent across DDP ranks")
+    return [ranks, _on_device()]

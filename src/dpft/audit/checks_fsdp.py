@@ -43,17 +43,20 @@ White-box, in one process (no process group needed), on the real classes of dpft
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterator, Optional
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from dpft.placement import fsdp, fsdp_plain
 from dpft.api import sharded
 from dpft.api.sharded import ShardedDPOptimizer, ShardedMicroBatches
 from dpft.accounting.ledger import PrivacyLedger
-from dpft.audit.planted import bug_planter
+from dpft.audit.planted import bug_planter, patched
 from dpft.audit.whitebox import Check
 from dpft.placement.world import World
 from dpft.grads.bookkeeping import BookKeepingEngine
@@ -214,9 +217,6 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
 
 
 def _api_check() -> list[Check]:
-    from types import SimpleNamespace
-
-
     sampler = PoissonSampler(40, 8, Randomness(5))
     runs = []
     for r in range(2):
@@ -257,7 +257,6 @@ def _api_check() -> list[Check]:
 
 def _norm_check(c: float = 0.05) -> list[Check]:
     from transformers import GPT2Config, GPT2LMHeadModel
-
 
     torch.manual_seed(0)
     m = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=16, vocab_size=32,
@@ -360,14 +359,10 @@ planted_bug = bug_planter(PLANTED, {
 })
 
 
-@contextlib.contextmanager
-def _simulated_all_gather(mechs: list) -> Iterator[None]:
+def _simulated_all_gather(mechs: list):
     """``torch.distributed.all_gather_object`` as K simulated ranks (``mechs[r]``) see it during one
     rank's :meth:`~dpft.placement.fsdp.ShardedBandedMFMechanism.state`: its j-th call gathers every rank's flat
-    slices of buffer j, in rank order (what the real collective returns when every rank calls it)."""
-    import torch.distributed as dist
-
-    real = dist.all_gather_object
+    slices of buffer j, in rank order (what the real collective returns when every rank calls it); for a ``with``."""
     calls = {"j": 0}
 
     def gather(parts, obj, group=None):
@@ -376,11 +371,7 @@ def _simulated_all_gather(mechs: list) -> Iterator[None]:
         for r, m in enumerate(mechs):
             parts[r] = {n: t.detach().float().cpu().reshape(-1) for n, t in m.buffers[j].items()}
 
-    dist.all_gather_object = gather
-    try:
-        yield
-    finally:
-        dist.all_gather_object = real
+    return patched((dist, "all_gather_object", gather))
 
 
 def _api_banded_world(k: int, shapes: dict, make) -> list:
@@ -409,10 +400,6 @@ def _api_banded_steps(mechs: list, steps, c: float) -> list[dict[str, torch.Tens
 
 
 def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> list[Check]:
-    import os
-    import tempfile
-    from pathlib import Path
-
     shapes = {"w": (7, 4), "b": (3,)}
 
     def make():

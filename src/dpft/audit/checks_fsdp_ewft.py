@@ -44,15 +44,15 @@ records one event per step (methods/ewft/method.py). White-box, in one process (
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from types import SimpleNamespace
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.audit.planted import bug_planter
 from dpft.audit.whitebox import Check
 from dpft.config.recipe import load_recipe
 from dpft.placement.fsdp import block_classes
@@ -66,7 +66,7 @@ from dpft.privacy.randomness import Randomness
 from dpft.placement.shards import chunk_rows
 from dpft.step.clip import make_clip_policy
 
-__all__ = ["PLANTED", "fsdp_ewft_checks", "ldp_run"]
+__all__ = ["PLANTED", "fsdp_ewft_checks", "ldp_run", "rank_stream_check"]
 
 #: Planted bugs :func:`fsdp_ewft_checks` must catch.
 PLANTED = ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
@@ -77,30 +77,16 @@ TRAIN_PRE = {"ldp.train_pre.enabled": True, "ldp.train_pre.max_grad_norm": 0.5, 
 _T, _VOCAB, _N = 8, 64, 40
 
 
-@contextlib.contextmanager
-def _planted(name: Optional[str]) -> Iterator[None]:
-    saved = []
-
-    def patch(obj, attr, val):
-        saved.append((obj, attr, getattr(obj, attr)))
-        setattr(obj, attr, val)
-
-    try:
-        if name == "ewft_fsdp_pre_cache_kept":
-            patch(ewft, "pre_cache_allowed", lambda run: True)
-        elif name == "ewft_fsdp_shared_stream":
-            real = ewft_parts.rank_parts
-            patch(ewft_parts, "rank_parts", lambda run: () if ewft_parts.fsdp_world(run) else real(run))
-        elif name == "ewft_fsdp_eval_live_layer":
-            patch(ForwardLDP, "_eval_layer", lambda self, run: self.ldp.layer)
-        elif name == "ewft_fsdp_train_pre_noise_offset":
-            patch(ldp_fsdp, "shard_slice", lambda full, layout, shape: full.reshape(-1)[:layout[2]].reshape(shape))
-        elif name == "ewft_fsdp_train_pre_layer_unsynced":
-            patch(ldp_fsdp, "sync_layer", lambda plain, live: plain.train(live.training))
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
+_planted = bug_planter(PLANTED, {
+    "ewft_fsdp_pre_cache_kept": lambda p: p.set(ewft, "pre_cache_allowed", lambda run: True),
+    "ewft_fsdp_shared_stream": lambda p: p.set(ewft_parts, "rank_parts", lambda run, real=ewft_parts.rank_parts: (
+        () if ewft_parts.fsdp_world(run) else real(run))),
+    "ewft_fsdp_eval_live_layer": lambda p: p.set(ForwardLDP, "_eval_layer", lambda self, run: self.ldp.layer),
+    "ewft_fsdp_train_pre_noise_offset": lambda p: p.set(ldp_fsdp, "shard_slice", lambda full, layout, shape: (
+        full.reshape(-1)[:layout[2]].reshape(shape))),
+    "ewft_fsdp_train_pre_layer_unsynced": lambda p: p.set(ldp_fsdp, "sync_layer",
+                                                          lambda plain, live: plain.train(live.training)),
+})
 
 
 def _tiny_bert():
@@ -172,29 +158,36 @@ def _units_check() -> Check:
     return Check("ewft fsdp: every rank's forward enters the same FSDP2 units, whatever it released before", ok, why)
 
 
-def _stream_check() -> Check:
-    """Rank r's release noise at step t = the stream (ldp, t, rank, r) = DDP rank r's; ranks differ."""
+def rank_stream_check(shardings: tuple = ("fsdp", "ddp"), name: str = "ewft fsdp: each rank's release noise is its "
+                      "own stream (ldp, t, rank), as DDP's rank") -> Check:
+    """The one check of forward LDP's release noise across processes (this module's FSDP2 ranks and
+    audit/checks_device.py's DDP ranks): through a real :class:`LDPRun`, rank r's noise at step t is exactly
+    the stream (ldp, t, rank, r), the same under every sharding of ``shardings``, with std σ·2C; ranks 0 and
+    1 draw independent noise (the same draw on two ranks lets anyone who sees both releases subtract it);
+    one process keeps the stream (ldp, t) (a 1-process run unchanged)."""
     t, shape = 3, (3, _T, 4)
-    draws, ok, why = {}, True, ""
-    for sharding in ("fsdp", "ddp"):
-        for rank in (0, 1):
-            ldp, tr = ldp_run(rank, sharding=sharding)
-            ldp.before_step(t)
-            lay = ldp.layer
-            got = lay.noise_like(torch.zeros(shape))
-            want = tr.rng.stream("ldp", t, "rank", rank).normal(shape, dtype=torch.float32)
-            want = want * lay.sigma * lay.sensitivity  # std σ·2C
-            draws[sharding, rank] = got
-            if not torch.equal(got, want):
-                ok, why = False, f"{sharding} rank {rank}: its noise is not the stream (ldp, {t}, rank, {rank})"
-    if ok and not all(torch.equal(draws["fsdp", r], draws["ddp", r]) for r in (0, 1)):
-        ok, why = False, "an FSDP2 rank draws other noise than the DDP rank of the same number"
-    corr = float(torch.corrcoef(torch.stack([draws["fsdp", 0].flatten(), draws["fsdp", 1].flatten()]))[0, 1])
-    if torch.equal(draws["fsdp", 0], draws["fsdp", 1]) or abs(corr) > 0.3:
-        ok, why = False, f"ranks 0 and 1 add the same (correlated: {corr:.3f}) noise to different examples"
-    std = float(draws["fsdp", 0].std())
-    return Check("ewft fsdp: each rank's release noise is its own stream (ldp, t, rank), as DDP's rank", ok,
-                 why or f"ranks' draws = DDP ranks' draws, independent (corr {corr:.3f}), std {std:.3f}")
+    draws, why = {}, []
+    for sharding, rank, world in [(s, r, 2) for s in shardings for r in (0, 1)] + [(shardings[-1], 0, 1)]:
+        ldp, tr = ldp_run(rank, world, sharding=sharding)
+        ldp.before_step(t)
+        lay = ldp.layer
+        got = lay.noise_like(torch.zeros(shape))
+        parts = ("rank", rank) if world > 1 else ()
+        want = tr.rng.stream("ldp", t, *parts).normal(shape, dtype=torch.float32) * lay.sigma * lay.sensitivity
+        draws[sharding, rank, world] = got
+        if not torch.equal(got, want):
+            why.append(f"{sharding} rank {rank} of {world}: its noise is not the stream (ldp, {t}{', rank, ' * (world > 1)}"
+                       f"{rank if world > 1 else ''})")
+    first = shardings[0]
+    if not all(torch.equal(draws[s, r, 2], draws[first, r, 2]) for s in shardings for r in (0, 1)):
+        why.append(f"the ranks of {' and '.join(shardings)} draw other noise at the same rank number")
+    corr = float(torch.corrcoef(torch.stack([draws[first, 0, 2].flatten(), draws[first, 1, 2].flatten()]))[0, 1])
+    if torch.equal(draws[first, 0, 2], draws[first, 1, 2]) or abs(corr) > 0.3:
+        why.insert(0, f"ranks 0 and 1 added the SAME noise (correlation {corr:.3f}) to different examples: the "
+                      "difference of their releases is the difference of the clean inputs")
+    std = float(draws[first, 0, 2].std())
+    return Check(name, not why, "; ".join(why) or f"ranks' draws are the streams (ldp, t, rank, r) under "
+                 f"{' and '.join(shardings)}, independent (corr {corr:.3f}), std {std:.3f}; one process (ldp, t)")
 
 
 def _eval_copy_check() -> Check:
@@ -293,4 +286,4 @@ def fsdp_ewft_checks(planted: Optional[str] = None) -> list[Check]:
     """The white-box checks of EW-FT under FSDP2 (module docstring); ``planted``: one of :data:`PLANTED`
     (a check must then fail)."""
     with _planted(planted):
-        return [_units_check(), _stream_check(), _eval_copy_check(), _train_pre_noise_check(), _train_pre_copy_check()]
+        return [_units_check(), rank_stream_check(), _eval_copy_check(), _train_pre_noise_check(), _train_pre_copy_check()]

@@ -49,17 +49,18 @@ White-box, in one process (no process group), on the real classes:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from types import SimpleNamespace
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dpft.placement import fsdp
 from dpft.placement import fsdp_methods
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.audit.planted import bug_planter, patched
 from dpft.audit.whitebox import Check
 from dpft.placement.world import World, shard
 from dpft.grads.subspace import COORDS
@@ -83,45 +84,32 @@ PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_no
            "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")
 
 
-@contextlib.contextmanager
-def _planted(name: Optional[str]) -> Iterator[None]:
-    saved = []
-    try:
-        if name == "fsdp_rmt_local_rows":
-            real = fsdp_methods.WholeTensors.__call__
-            saved.append((fsdp_methods.WholeTensors, "__call__", real))
-            fsdp_methods.WholeTensors.__call__ = lambda self, grads, ctx: self.tf(grads, ctx)  # no gather
-        elif name == "fsdp_dpsft_local_coords":
-            saved.append((fsdp_methods.ReplicatedSum, "finish", fsdp_methods.ReplicatedSum.finish))
-            fsdp_methods.ReplicatedSum.finish = lambda self, agg: None  # a rank's own sum is noised
-        elif name == "fsdp_dpsft_rank_noise":
-            saved.append((fsdp._ShardedNoise, "noise_stream", fsdp._ShardedNoise.noise_stream))
-            fsdp._ShardedNoise.noise_stream = lambda self, step, n, device: fsdp._ShardStream(
-                self, step, f"{n}@rank{self.world.rank}", self.layout[n])  # each rank its own stream
-        elif name == "fsdp_dpsft_coords_rows_offset":
-            saved.append((dpsft.CoordsSync, "write", dpsft.CoordsSync.write))
+@torch.no_grad()
+def _write_unshifted(self):  # fsdp_dpsft_coords_rows_offset: P z's first rows, whatever rows the rank holds
+    full = self.unproject.basis.unproject(self.z.detach())
+    for n, p in self.params.items():
+        dst = dpsft.held(p)
+        dst.copy_(self.start[n] + full[n][:dst.shape[0]].to(dst.dtype))
+    self.seen = self.z.detach().clone()
 
-            @torch.no_grad()
-            def write(self):  # P z's first rows, whatever rows the rank holds
-                full = self.unproject.basis.unproject(self.z.detach())
-                for n, p in self.params.items():
-                    dst = dpsft.held(p)
-                    dst.copy_(self.start[n] + full[n][:dst.shape[0]].to(dst.dtype))
-                self.seen = self.z.detach().clone()
 
-            dpsft.CoordsSync.write = write
-        elif name == "fsdp_dpsft_coords_stale":
-            saved.append((dpsft.CoordsSync, "attach", dpsft.CoordsSync.attach))
-            dpsft.CoordsSync.attach = lambda self, optimizer: self  # written at the next forward only
-        elif name == "dpsft_stage1_rank_basis":  # each rank its own rows, its own basis
-            saved += [(dpsft_stage1, "gather_on_rank0", dpsft_stage1.gather_on_rank0),
-                      (dpsft_stage1, "share_basis", dpsft_stage1.share_basis)]
-            dpsft_stage1.gather_on_rank0 = lambda params, world: {n: p.detach() for n, p in params.items()}
-            dpsft_stage1.share_basis = lambda world, build, device: build()
-        yield
-    finally:
-        for obj, attr, val in reversed(saved):
-            setattr(obj, attr, val)
+_planted = bug_planter(PLANTED, {
+    # no gather: each rank denoises its own rows
+    "fsdp_rmt_local_rows": lambda p: p.set(fsdp_methods.WholeTensors, "__call__",
+                                           lambda self, grads, ctx: self.tf(grads, ctx)),
+    # a rank's own sum is noised
+    "fsdp_dpsft_local_coords": lambda p: p.set(fsdp_methods.ReplicatedSum, "finish", lambda self, agg: None),
+    # each rank its own stream
+    "fsdp_dpsft_rank_noise": lambda p: p.set(fsdp._ShardedNoise, "noise_stream", lambda self, step, n, device: (
+        fsdp._ShardStream(self, step, f"{n}@rank{self.world.rank}", self.layout[n]))),
+    "fsdp_dpsft_coords_rows_offset": lambda p: p.set(dpsft.CoordsSync, "write", _write_unshifted),
+    # written at the next forward only
+    "fsdp_dpsft_coords_stale": lambda p: p.set(dpsft.CoordsSync, "attach", lambda self, optimizer: self),
+    # each rank its own rows, its own basis
+    "dpsft_stage1_rank_basis": lambda p: (
+        p.set(dpsft_stage1, "gather_on_rank0", lambda params, world: {n: q.detach() for n, q in params.items()}),
+        p.set(dpsft_stage1, "share_basis", lambda world, build, device: build())),
+})
 
 
 def _model() -> nn.Module:
@@ -252,15 +240,9 @@ def _dpsft_rank(model, basis, loss, world: World):
     return fsdp.FSDPStep(spec, PrivacyLedger(), _N, world, lambda: None), model
 
 
-@contextlib.contextmanager
-def _rows_of(rank: int, k: int) -> Iterator[None]:
-    """``dpsft.local_rows`` as on rank ``rank`` of ``k`` (FSDP2's dim-0 chunk of every parameter)."""
-    real = dpsft.local_rows
-    dpsft.local_rows = lambda p: chunk_rows(p.shape[0], rank, k) if k > 1 else None
-    try:
-        yield
-    finally:
-        dpsft.local_rows = real
+def _rows_of(rank: int, k: int):
+    """``dpsft.local_rows`` as on rank ``rank`` of ``k`` (FSDP2's dim-0 chunk of every parameter), for a ``with``."""
+    return patched((dpsft, "local_rows", lambda p: chunk_rows(p.shape[0], rank, k) if k > 1 else None))
 
 
 def _dpsft_world(k: int):
@@ -330,17 +312,12 @@ def _dpsft_check() -> list[Check]:
     return out
 
 
-@contextlib.contextmanager
-def _held_rows(rank: int, k: int) -> Iterator[None]:
+def _held_rows(rank: int, k: int):
     """``dpsft.local_rows``/``dpsft.held`` as on rank ``rank`` of ``k``: the rank's dim-0 chunk of every
-    parameter, a row view of its (whole) model copy, so writes land in those rows only."""
-    real = dpsft.held
-    dpsft.held = (lambda p: p.detach()[slice(*chunk_rows(p.shape[0], rank, k))]) if k > 1 else real
-    try:
-        with _rows_of(rank, k):
-            yield
-    finally:
-        dpsft.held = real
+    parameter, a row view of its (whole) model copy, so writes land in those rows only (for a ``with``)."""
+    return patched((dpsft, "local_rows", lambda p: chunk_rows(p.shape[0], rank, k) if k > 1 else None),
+                   (dpsft, "held", (lambda p: p.detach()[slice(*chunk_rows(p.shape[0], rank, k))]) if k > 1
+                    else dpsft.held))
 
 
 def _coords_world(k: int):
@@ -411,13 +388,10 @@ def _trajectory(m: int = 4):
     return traj
 
 
-@contextlib.contextmanager
-def _sim_collectives(rank: int, sent: list) -> Iterator[None]:
+def _sim_collectives(rank: int, sent: list):
     """``full_on_rank0`` and the broadcasts of ``share_basis`` as on rank ``rank``: a simulated shard carries its
     full tensor (``_full``, what the gather would assemble); rank 0 records what it broadcasts in ``sent``,
-    the other ranks receive it in order."""
-    import torch.distributed as dist
-
+    the other ranks receive it in order (for a ``with``)."""
     got = iter(list(sent))
 
     def obj(world, o):
@@ -432,15 +406,8 @@ def _sim_collectives(rank: int, sent: list) -> Iterator[None]:
         else:
             buf.copy_(next(got))
 
-    saved = [(dpsft_stage1, "full_on_rank0", dpsft_stage1.full_on_rank0),
-             (dpsft_stage1, "broadcast_object", dpsft_stage1.broadcast_object), (dist, "broadcast", dist.broadcast)]
-    dpsft_stage1.full_on_rank0 = lambda ts: {n: ts[n]._full for n in sorted(ts)} if rank == 0 else None
-    dpsft_stage1.broadcast_object, dist.broadcast = obj, bcast
-    try:
-        yield
-    finally:
-        for o, a, v in saved:
-            setattr(o, a, v)
+    return patched((dpsft_stage1, "full_on_rank0", lambda ts: {n: ts[n]._full for n in sorted(ts)} if rank == 0
+                    else None), (dpsft_stage1, "broadcast_object", obj), (dist, "broadcast", bcast))
 
 
 def _stage1_check() -> list[Check]:

@@ -10,7 +10,6 @@ every rank of a ``torchrun --standalone`` world (gloo on CPU) and writes each ra
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -19,12 +18,16 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from dpft import PrivacyEngine
-from dpft.audit.planted import planting
+from dpft.audit.planted import bug_planter
 from dpft.audit.ways_in import TinyNet, mp_data
 from dpft.audit.whitebox import tiny_classifier
 from dpft.grads.groups import GROUP_KEY
@@ -45,45 +48,38 @@ EQ_TOL = 1e-4
 USER_COLUMN = "user_id"
 
 
-@contextlib.contextmanager
-def planted_bug(name: Optional[str]) -> Iterator[None]:
-    """Re-open one hole for the duration (``None``: nothing planted).
+def _rank_noise(real=step_plan.build_step_spec):
+    def build(**kw):  # ddp_noise_per_rank: each rank its own noise stream (the one plan builder's: every way in)
+        spec = real(**kw)
+        if spec.mechanism is not None:
+            spec.mechanism.rng = kw["rng"].child(f"rank{os.environ.get('RANK', '0')}")
+        return spec
 
-    Raises:
-        ValueError: an unknown name."""
-    with planting(name, PLANTED) as p:
-        from transformers import Trainer
+    return build
 
-        if name == "hf_ddp_wrapped":
-            p.set(hf.DPTrainer, "create_accelerator_and_postprocess", Trainer.create_accelerator_and_postprocess)
-            p.set(hf.DPTrainer, "_check_not_ddp", lambda self, model: None)
-        elif name == "hf_ddp_unsharded":
-            p.set(hf.DPTrainer, "_share", lambda self, idx: idx)
-        elif name == "ddp_batch_on_every_rank":
-            p.set(ddp, "shard", lambda idx, world: idx)
-        elif name == "ddp_user_rows_split":
-            p.set(ddp, "shard_units", lambda idx, units, world, real=ddp.shard: real(idx, world))
-        elif name == "ddp_noise_per_rank":
-            real_build = step_plan.build_step_spec  # the one plan builder's (every way in)
 
-            def build(**kw):
-                spec = real_build(**kw)
-                if spec.mechanism is not None:
-                    spec.mechanism.rng = kw["rng"].child(f"rank{os.environ.get('RANK', '0')}")
-                return spec
+def _groups_dropped(real):
+    def micro_batches(self, idx):  # hf_user_rows_clipped_alone: the group ids never reach the engine
+        for batch in real(self, idx):
+            batch.pop(GROUP_KEY, None)
+            yield batch
 
-            p.set(step_plan, "build_step_spec", build)
-            p.set(ddp, "check_step_digest", lambda *a, **k: None)
-        elif name == "hf_user_rows_clipped_alone":
-            real = hf.DPTrainer._micro_batches
+    return micro_batches
 
-            def micro_batches(self, idx):
-                for batch in real(self, idx):
-                    batch.pop(GROUP_KEY, None)
-                    yield batch
 
-            p.set(hf.DPTrainer, "_micro_batches", micro_batches)
-        yield
+#: Re-open one hole for the duration (``None``: nothing planted; ValueError: an unknown name).
+planted_bug = bug_planter(PLANTED, {
+    "hf_ddp_wrapped": lambda p: (p.set(hf.DPTrainer, "create_accelerator_and_postprocess",
+                                       Trainer.create_accelerator_and_postprocess),
+                                 p.set(hf.DPTrainer, "_check_not_ddp", lambda self, model: None)),
+    "hf_ddp_unsharded": lambda p: p.set(hf.DPTrainer, "_share", lambda self, idx: idx),
+    "ddp_batch_on_every_rank": lambda p: p.set(ddp, "shard", lambda idx, world: idx),
+    "ddp_user_rows_split": lambda p: p.set(ddp, "shard_units", lambda idx, units, world, real=ddp.shard: real(idx, world)),
+    "ddp_noise_per_rank": lambda p: (p.set(step_plan, "build_step_spec", _rank_noise()),
+                                     p.set(ddp, "check_step_digest", lambda *a, **k: None)),
+    "hf_user_rows_clipped_alone": lambda p: p.set(hf.DPTrainer, "_micro_batches",
+                                                  _groups_dropped(hf.DPTrainer._micro_batches)),
+})
 
 
 # --------------------------------------------------------------------------- one job
@@ -183,9 +179,6 @@ def _make_private_job(job: dict, out: dict) -> dict:
     :func:`~dpft.audit.ways_in.mp_data` rows (at user level row 1 repeats row 0: user 0's two rows share one
     large gradient), q = 1, physical batches of 1; ``wrap_ddp``: the model handed over in
     ``DistributedDataParallel`` (the way in must refuse)."""
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
 
     users = job.get("users")
     x, y = mp_data(int(job["rows"]))
@@ -243,21 +236,15 @@ def run_job(job: dict) -> dict:
     and this rank's share; ``delta`` (Δθ of the trainable weights, flat); ``ddp`` (whether a
     DistributedDataParallel wrapper was found); the ledger; ε; or ``error``.
     """
-    from transformers import PrinterCallback, TrainingArguments
-
     DPArguments, DPTrainer = hf.DPArguments, hf.DPTrainer
 
     out: dict[str, Any] = {"name": job["name"], "batches": {}, "shares": {}}
     if job.get("trainer") == "make_private":
         return _make_private_job(job, out)
     users = job.get("users")
-    with planted_bug(job.get("planted")), contextlib.ExitStack() as stack:
+    with planted_bug(job.get("planted")) as patches:
         if job.get("accelerate_wraps"):
-            from transformers import Trainer
-
-            real = DPTrainer.__dict__["create_accelerator_and_postprocess"]
-            DPTrainer.create_accelerator_and_postprocess = Trainer.create_accelerator_and_postprocess
-            stack.callback(setattr, DPTrainer, "create_accelerator_and_postprocess", real)
+            patches.set(DPTrainer, "create_accelerator_and_postprocess", Trainer.create_accelerator_and_postprocess)
         kind = job.get("trainer", "hf")
         if kind not in ("hf", "sft", "dpo"):
             raise ValueError(f"run_job: trainer must be 'hf', 'sft' or 'dpo', got {kind!r}")
@@ -312,7 +299,6 @@ def run_job(job: dict) -> dict:
         except Exception as exc:  # noqa: BLE001 - recorded for the caller, which decides
             out["error"] = f"{type(exc).__name__}: {exc}"
             return out
-    from torch.nn.parallel import DistributedDataParallel
 
     out["world_size"] = tr.world.world_size
     out["rank"] = tr.world.rank

@@ -12,14 +12,8 @@ run says so in its headline: it is a test of the auditor, never an audit of the 
   The one-step mechanism game does not look for it.
 * The Trainer's path (``audit/trainer_walk.py``): ``row_level_user_recipe`` (the audit's plan
   calibrated over rows for a user-level recipe), ``user_clipping_broken``.
-* Randomness (``audit/checks_randomness.py``, when installed): ``seed32``, ``shared_device_noise``.
-* The Python ways in (``audit/ways_in.py``): ``double_capture``,
-  ``unfrozen_param``, ``packing_collator``; the session they plan through: ``session_steps_rule``.
-* make_private across processes and at user level (``audit/ways_in_ddp.py``, planted in its
-  2-process workers): ``ddp_batch_on_every_rank``, ``ddp_user_rows_split``, ``ddp_noise_per_rank``.
-* TRL (``audit/ways_in_trl.py``, when trl is installed): ``sft_packing_accepted``, ``dpo_pair_split``.
-* Every update a DP release (``audit/checks_guard.py``, issue 44): ``trainer_step_skips_release``,
-  ``custom_loop_accepted``, ``raw_update_accepted``, ``weights_moved_unreleased``.
+* The check modules' own (randomness, the ways in, DDP, FSDP2, TRL, mechanisms, methods, tune, data, guard,
+  ...): planted by the module that checks them, each listed once with its module in :data:`OPTIONAL_CHECKS`.
 """
 
 from __future__ import annotations
@@ -35,34 +29,80 @@ KNOWN_SEED = 1234
 
 MECHANISM_PLANTED = ("noise/4", "clipping off", "per-layer without 1/sqrt(G)", "clip at 2C",
                      "same noise every step", "no subsampling", "known seed")
-RANDOMNESS_PLANTED = ("seed32", "shared_device_noise")
-API_PLANTED = ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")
-ALL = MECHANISM_PLANTED + TRAINER_PLANTED + RANDOMNESS_PLANTED + API_PLANTED
-# make_private across processes / at user level (audit/ways_in_ddp.py; planted in its 2-process jobs)
-API_DDP_PLANTED = ("ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")
-ALL = ALL + API_DDP_PLANTED
-# DPTrainer under torchrun and at user level (audit/ways_in_ddp.py, issue 26): the model wrapped
-# in DDP, each rank clipping the whole logical batch, a user's rows clipped one by one.
-HF_DDP_PLANTED = ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone")
-ALL = ALL + HF_DDP_PLANTED
-# TRL (audit/ways_in_trl.py, when trl is installed): DPSFTTrainer accepting packed batches, DPDPOTrainer
-# clipping a pair's two rows separately.
-TRL_PLANTED = ("sft_packing_accepted", "dpo_pair_split")
-ALL = ALL + TRL_PLANTED
-# methods on the device / across processes (issue 26 item 5; audit/checks_device.py)
-DEVICE_PLANTED = ("shared_rank_ldp_noise",)
-ALL = ALL + DEVICE_PLANTED
-# issue 28 (mechanisms beyond the independent Gaussian): planted by audit/checks_mechanisms.py
-MECHANISMS_PLANTED = ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger",
-                      "no_min_separation", "banded_buffers_reset", "banded_unnormalised")
-ALL = ALL + MECHANISMS_PLANTED
-# issue 35 (private hyperparameter search): planted by audit/checks_tune.py
-TUNE_PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
-                "uncovered_trial_hidden", "auto_single_run_sigma",
-                # issue 44: what a search lets out, and its folder (audit/checks_tune_release.py)
-                "trial_publishes", "search_skips_lock", "ledger_entry_replaced", "score_redrawn_on_resume",
-                "trial_prints")
-ALL = ALL + TUNE_PLANTED
+# issue 37: the final-model audit's calibration (audit/final_model.py FINAL_MODEL_PLANTED)
+DUPLICATE_PLANTED = ("counted twice",)
+
+#: (module, function, the planted bugs it plants): checks other modules provide. Each function
+#: is ``f(planted: str | None = None) -> list[Check]``.
+OPTIONAL_CHECKS = (
+    ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
+    # the properties every way in must show, written once over the ways in's adapters (issue 46 item 4)
+    ("dpft.audit.ways_in", "api_checks", ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")),
+    # make_private and DPTrainer across processes and at user level (issue 26), one table of the ways in
+    ("dpft.audit.ways_in_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone",
+                                                 "ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")),
+    # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
+    ("dpft.audit.ways_in_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
+    ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
+                                               "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
+                                               "fsdp_api_no_placeholder", "fsdp_api_dummy_sent",
+                                               "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved",
+                                               "fsdp_plain_dummy_counted")),
+    ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
+    # issue 35: private hyperparameter search (dpft tune)
+    ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
+                                               "profile_ratio_dropped", "uncovered_trial_hidden",
+                                               "auto_single_run_sigma",
+                                               # issue 44 (audit/checks_tune_release.py)
+                                               "trial_publishes", "search_skips_lock", "ledger_entry_replaced",
+                                               "score_redrawn_on_resume", "trial_prints")),
+    # issue 28: truncated Poisson and banded matrix factorization
+    ("dpft.audit.checks_mechanisms", "mechanism_checks",
+     ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
+      "banded_buffers_reset", "banded_unnormalised")),
+    ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows", "relative_table_batch_summed")),
+    ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
+    # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
+    ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks",
+     ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
+    # issue 34: the one state/resume path (the review's two reproductions, every way in)
+    ("dpft.audit.checks_resume", "resume_checks", ("resume_rows_by_index", "api_stale_state_accepted")),
+    # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
+    ("dpft.audit.ways_in_mechanisms", "methods_api_checks",
+     ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
+    # issue 38: the ways in asked for FSDP (DPTrainer by its arguments and by accelerate's plugin, QLoRA,
+    # DPDPOTrainer; a way in whose package is absent left out) reach FSDPStep unchanged
+    ("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept", "qlora_fsdp_env_kept",
+                                                   "dpo_fsdp_args_kept")),
+    # issue 38: method plug-ins on FSDP2 shards (RMT's whole-matrix SVD on the gathered rows; DP-SFT's
+    # all-reduced coordinates, noised once for the world; coords: each rank's rows of Θ_start + P z; stage 1: one
+    # basis for the world, built on rank 0 from the gathered snapshots and broadcast)
+    ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords",
+                                                               "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
+                                                               "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")),
+    ("dpft.audit.checks_fsdp_ewft", "fsdp_ewft_checks",
+     ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
+      "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
+    # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
+    ("dpft.audit.ways_in_trl", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
+    # issue 44 item 5: no data error quotes a label value (a planted label driven through every refusal)
+    ("dpft.audit.checks_data", "data_checks", ("label_quoted",)),
+    # issue 45 item 3: LP-FT's two phases in the one ledger, ending at the target ε
+    ("dpft.audit.checks_lpft", "lpft_checks", ("lpft_probe_own_ledger",)),
+    # issue 44 item 2: every update of the weights is a DP release (custom loops refused, the optimizer guard)
+    ("dpft.audit.checks_guard", "guard_checks", ("trainer_step_skips_release", "custom_loop_accepted",
+                                                 "raw_update_accepted", "weights_moved_unreleased")),
+    # issue 45: frozen features computed once (exact, private at rest, keyed to the frozen weights)
+    ("dpft.audit.checks_features", "features_checks", ("features_prefix_train_mode", "features_cache_in_run_dir",
+                                                       "features_key_ignores_weights")),
+)
+
+RANDOMNESS_PLANTED = next(names for _, fn, names in OPTIONAL_CHECKS if fn == "randomness_checks")
+API_PLANTED = next(names for _, fn, names in OPTIONAL_CHECKS if fn == "api_checks")
+#: Every planted bug: those :func:`apply` plants (the mechanism's parts, the Trainer's path, the final-model
+#: calibration) and those of :data:`OPTIONAL_CHECKS` (each planted by its check module): the one list.
+ALL = MECHANISM_PLANTED + TRAINER_PLANTED + DUPLICATE_PLANTED + tuple(n for _, _, names in OPTIONAL_CHECKS
+                                                                        for n in names)
 
 
 class _Patches:
@@ -86,20 +126,32 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
+def patched(*patches: tuple) -> Iterator[_Patches]:
+    """Each ``(obj, attr, value)`` of ``patches`` set for the duration of the block, and whatever the block
+    adds with the yielded :class:`_Patches`' ``set(obj, attr, value)``: all undone on exit (the class or
+    module attribute restored, an inherited one removed again). The one patch-and-restore of the audit
+    (planted bugs, simulated ranks' collectives, recorders wrapped around the session)."""
+    p = _Patches()
+    try:
+        for obj, attr, value in patches:
+            p.set(obj, attr, value)
+        yield p
+    finally:
+        p.undo()
+
+
+@contextlib.contextmanager
 def planting(name: Optional[str], known: tuple[str, ...]) -> Iterator[_Patches]:
     """The frame of a check module's ``planted_bug(name)``: yields a :class:`_Patches` whose
-    ``set(obj, attr, value)`` calls are undone on exit (the class or module attribute restored,
-    an inherited one removed again). ``name`` None: nothing is planted (the caller sets nothing).
+    ``set(obj, attr, value)`` calls are undone on exit (:func:`patched`). ``name`` None: nothing is
+    planted (the caller sets nothing).
 
     Raises:
         ValueError: ``name`` is not one of ``known`` (they are listed)."""
     if name is not None and name not in known:
         raise ValueError(f"unknown planted bug {name!r}; known: {', '.join(known)}")
-    p = _Patches()
-    try:
+    with patched() as p:
         yield p
-    finally:
-        p.undo()
 
 
 def bug_planter(known: tuple[str, ...], plants: dict[str, Callable[[_Patches], None]]):
@@ -199,81 +251,5 @@ def apply(name: Optional[str], set_attr: Callable[[object, str, object], None]) 
 @contextlib.contextmanager
 def plant(name: Optional[str]) -> Iterator[dict]:
     """:func:`apply` for the duration of the block (undone on exit)."""
-    p = _Patches()
-    try:
+    with patched() as p:
         yield apply(name, p.set)
-    finally:
-        p.undo()
-
-
-# -- FSDP2 (issue 26 item 3; audit/checks_fsdp.py plants them itself) --------------------------
-FSDP_PLANTED = ("fsdp_same_shard_stream", "fsdp_dummy_counted", "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
-                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent", "fsdp_api_banded_restart",
-                "fsdp_api_banded_slice_saved")
-ALL = ALL + FSDP_PLANTED
-# DPTrainer under TrainingArguments.fsdp / accelerate's FSDP2 plugin (issue 38; audit/ways_in_fsdp.py plants them)
-HF_FSDP_PLANTED = ("hf_fsdp_args_kept", "hf_fsdp_env_kept")
-ALL = ALL + HF_FSDP_PLANTED
-# methods on FSDP2 shards (issue 38; audit/checks_fsdp_methods.py plants them): RMT denoising each rank's rows;
-# DP-SFT noising a rank's own coordinate sum (no all-reduce), each rank drawing its own noise for z; coords: a rank
-# writing P z's rows without its offset, nothing written after the step (stale Θ); stage 1: each rank building
-# the basis from its own rows of the snapshots
-FSDP_METHODS_PLANTED = ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords", "fsdp_dpsft_rank_noise",
-                        "fsdp_dpsft_coords_rows_offset", "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")
-ALL = ALL + FSDP_METHODS_PLANTED
-# EW-FT under FSDP2 (issue 38; audit/checks_fsdp_ewft.py plants them)
-ALL = ALL + ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
-             "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")
-# ---- seq2seq task (issue 27 item 4; audit/checks_seq2seq.py, when installed): each source
-# collated with the next row's target; relative-position table rules (issue 36) giving every example the
-# batch-summed gradient of the shared table.
-SEQ2SEQ_PLANTED = ("seq2seq_targets_across_rows", "relative_table_batch_summed")
-ALL = ALL + SEQ2SEQ_PLANTED
-# EW-FT ldp.train_pre (issue 29; audit/checks_ewft.py plants them): pre(·) updated from the
-# un-noised clipped sum; the two releases of a step recorded as two separately sampled events.
-EWFT_PLANTED = ("train_pre_without_noise", "train_pre_sampled_twice")
-ALL = ALL + EWFT_PLANTED
-# issue 28: mechanisms in make_private / DPTrainer (audit/ways_in_mechanisms.py plants them):
-# make_private's cyclic sampler ignoring the partitions, the banded noise buffers in the DP
-# optimizer's state_dict, DPTrainer recording plain Poisson events under max_batch_size.
-MECHANISMS_API_PLANTED = ("api_banded_every_partition", "api_noise_state_in_optimizer",
-                          "trainer_truncation_not_recorded")
-ALL = ALL + MECHANISMS_API_PLANTED
-# issue 34: the one resume path (audit/checks_resume.py plants them): the banded state restored by
-# row index without the rows' fingerprint; make_private loading a state older than its last release.
-RESUME_PLANTED = ("resume_rows_by_index", "api_stale_state_accepted")
-ALL = ALL + RESUME_PLANTED
-# issue 37: the final-model audit's calibration (audit/final_model.py FINAL_MODEL_PLANTED)
-DUPLICATE_PLANTED = ("counted twice",)
-ALL = ALL + DUPLICATE_PLANTED
-# issue 34 item 4: methods through the Python ways in (audit/ways_in_mechanisms.py plants them): the
-# adaptive clip's gradient noised at σ instead of σ_Δ, DPTrainer's count noise reused across train()
-# loops, DP-SFT's live projection unclipped.
-METHODS_API_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
-ALL = ALL + METHODS_API_PLANTED
-# issue 38: DPDPOTrainer / QLoRA DPTrainer under fsdp (audit/ways_in_fsdp.py plants them) and the --no-dp FSDP
-# step (audit/checks_fsdp.py): accelerate handed FSDP plugin arguments (DPO) or environment (QLoRA); the placeholder's loss not zeroed.
-FSDP_TRL_PLANTED = ("dpo_fsdp_args_kept", "qlora_fsdp_env_kept", "fsdp_plain_dummy_counted")
-ALL = ALL + FSDP_TRL_PLANTED
-# issue 38: DPDPOTrainer at user level (audit/ways_in_trl.py plants them, when trl is installed): each pair its
-# own clipping group instead of the user's pairs together; the plan (N, q) built over pairs instead of users.
-DPO_USER_PLANTED = ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")
-ALL = ALL + DPO_USER_PLANTED
-# issue 44 item 5: no data error quotes a label value (audit/checks_data.py plants it): the helper that describes an
-# offending label quotes its value
-DATA_PLANTED = ("label_quoted",)
-ALL = ALL + DATA_PLANTED
-# issue 44 item 2 (audit/checks_guard.py plants them): DPTrainer's step falling back to a stock backward (a Trainer
-# path that updates without the DP step), the custom-loop refusal off, the optimizer's release hook off, the
-# end-of-training check (weights moved with no release) off.
-GUARD_PLANTED = ("trainer_step_skips_release", "custom_loop_accepted", "raw_update_accepted",
-                 "weights_moved_unreleased")
-ALL = ALL + GUARD_PLANTED
-# issue 45: frozen features computed once (audit/checks_features.py plants them): the cache computed with
-# the frozen part in train mode (dropout), the memmap written inside the run folder and kept, the key
-# blind to the frozen weights.
-FEATURES_PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_key_ignores_weights")
-ALL = ALL + FEATURES_PLANTED
-# issue 45 item 3 (audit/checks_lpft.py plants it): LP-FT's probe phase records its releases in a ledger of its own
-LPFT_PLANTED = ("lpft_probe_own_ledger",)
-ALL = ALL + LPFT_PLANTED

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dpft.audit import planted as pl, trainer_walk as tw, whitebox as wb
+from dpft.audit.planted import OPTIONAL_CHECKS  # noqa: F401 - the one table, with the planted names
 from dpft.audit.blackbox import CanarySetup, multi_step_game, one_run_audit, one_step_game
 from dpft.privacy.randomness import Randomness
 
@@ -96,72 +97,6 @@ def run_audit(sigma: float, c: float = 1.0, q: float = 0.01, delta: float = 1e-5
         qa, t = multi_step_plan(sigma, q)
         rep.results.append(multi_step_game(s, qa, t, sz["ms_rounds"], progress))
     return rep
-
-
-#: (module, function, the planted bugs it plants): checks other modules provide. Each function
-#: is ``f(planted: str | None = None) -> list[Check]``.
-OPTIONAL_CHECKS = (
-    ("dpft.audit.checks_randomness", "randomness_checks", ("seed32", "shared_device_noise")),
-    # the properties every way in must show, written once over the ways in's adapters (issue 46 item 4)
-    ("dpft.audit.ways_in", "api_checks", ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")),
-    # make_private and DPTrainer across processes and at user level (issue 26), one table of the ways in
-    ("dpft.audit.ways_in_ddp", "hf_ddp_checks", ("hf_ddp_wrapped", "hf_ddp_unsharded", "hf_user_rows_clipped_alone",
-                                                 "ddp_batch_on_every_rank", "ddp_user_rows_split", "ddp_noise_per_rank")),
-    # DPSFTTrainer (TRL), issue 26 item 2: skipped with a note where trl is not installed
-    ("dpft.audit.ways_in_trl", "trl_checks", ("sft_packing_accepted", "dpo_pair_split")),
-    ("dpft.audit.checks_fsdp", "fsdp_checks", ("fsdp_same_shard_stream", "fsdp_dummy_counted",
-                                               "fsdp_banded_whole_stream", "fsdp_truncation_dropped",
-                                               "fsdp_api_no_placeholder", "fsdp_api_dummy_sent",
-                                               "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved",
-                                               "fsdp_plain_dummy_counted")),
-    ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
-    # issue 35: private hyperparameter search (dpft tune)
-    ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
-                                               "profile_ratio_dropped", "uncovered_trial_hidden",
-                                               "auto_single_run_sigma",
-                                               # issue 44 (audit/checks_tune_release.py)
-                                               "trial_publishes", "search_skips_lock", "ledger_entry_replaced",
-                                               "score_redrawn_on_resume", "trial_prints")),
-    # issue 28: truncated Poisson and banded matrix factorization
-    ("dpft.audit.checks_mechanisms", "mechanism_checks",
-     ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
-      "banded_buffers_reset", "banded_unnormalised")),
-    ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows", "relative_table_batch_summed")),
-    ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
-    # issue 28: truncated Poisson and banded MF through make_private and DPTrainer
-    ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks",
-     ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")),
-    # issue 34: the one state/resume path (the review's two reproductions, every way in)
-    ("dpft.audit.checks_resume", "resume_checks", ("resume_rows_by_index", "api_stale_state_accepted")),
-    # issue 34 item 4: DP-Adam-AC's adaptive clipping and DP-SFT (given subspace) through the Python ways in
-    ("dpft.audit.ways_in_mechanisms", "methods_api_checks",
-     ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")),
-    # issue 38: the ways in asked for FSDP (DPTrainer by its arguments and by accelerate's plugin, QLoRA,
-    # DPDPOTrainer; a way in whose package is absent left out) reach FSDPStep unchanged
-    ("dpft.audit.ways_in_fsdp", "hf_fsdp_checks", ("hf_fsdp_args_kept", "hf_fsdp_env_kept", "qlora_fsdp_env_kept",
-                                                   "dpo_fsdp_args_kept")),
-    # issue 38: method plug-ins on FSDP2 shards (RMT's whole-matrix SVD on the gathered rows; DP-SFT's
-    # all-reduced coordinates, noised once for the world; coords: each rank's rows of Θ_start + P z; stage 1: one
-    # basis for the world, built on rank 0 from the gathered snapshots and broadcast)
-    ("dpft.audit.checks_fsdp_methods", "fsdp_methods_checks", ("fsdp_rmt_local_rows", "fsdp_dpsft_local_coords",
-                                                               "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
-                                                               "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")),
-    ("dpft.audit.checks_fsdp_ewft", "fsdp_ewft_checks",
-     ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
-      "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
-    # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
-    ("dpft.audit.ways_in_trl", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
-    # issue 44 item 5: no data error quotes a label value (a planted label driven through every refusal)
-    ("dpft.audit.checks_data", "data_checks", ("label_quoted",)),
-    # issue 45 item 3: LP-FT's two phases in the one ledger, ending at the target ε
-    ("dpft.audit.checks_lpft", "lpft_checks", ("lpft_probe_own_ledger",)),
-    # issue 44 item 2: every update of the weights is a DP release (custom loops refused, the optimizer guard)
-    ("dpft.audit.checks_guard", "guard_checks", ("trainer_step_skips_release", "custom_loop_accepted",
-                                                 "raw_update_accepted", "weights_moved_unreleased")),
-    # issue 45: frozen features computed once (exact, private at rest, keyed to the frozen weights)
-    ("dpft.audit.checks_features", "features_checks", ("features_prefix_train_mode", "features_cache_in_run_dir",
-                                                       "features_key_ignores_weights")),
-)
 
 
 def optional_checks(planted: Optional[str] = None) -> tuple[list, list[str]]:

@@ -39,7 +39,7 @@ import textwrap
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -48,12 +48,12 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from dpft import PrivacyEngine, api
 from dpft.api import DoubleCaptureError, PackedBatchError, UnclippedParameterError
 from dpft.audit.planted import bug_planter
+from dpft.audit.ways_in_session import session_check
 from dpft.audit.whitebox import Check, tiny_classifier
 from dpft.grads import live
 from dpft.integrations.hf import data as hf_data
 from dpft.integrations.hf import trainer as hf
 from dpft.session import core as session_core
-from dpft.step.plan import planned_steps
 
 PLANTED = ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")
 #: The clip norm of the built-in checks (small: every row of the tiny models is clipped).
@@ -326,6 +326,35 @@ def _bert_rows(model, n: int = 4):
                                        "labels": labels.tolist()})
 
 
+def one_step_args(out: str, n: int) -> dict:
+    """``TrainingArguments`` keywords of one logical step in physical batches of ``n`` rows: SGD at learning rate
+    1, constant, no weight decay, nothing saved or logged (every Trainer-based way in's adapter)."""
+    return dict(output_dir=out, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant", optim="sgd",
+                weight_decay=0.0, per_device_train_batch_size=n, report_to=[], use_cpu=not torch.cuda.is_available(),
+                save_strategy="no", logging_strategy="no", disable_tqdm=True)
+
+
+def hf_one_step(build: Callable[[nn.Module, str], Any], model: nn.Module, eb: int, *, freeze: Optional[str] = None,
+                every_row: bool = False) -> tuple[torch.Tensor, Any]:
+    """One logical step of a Trainer-based way in on a copy of ``model`` (dropout off): ``build(copy,
+    output_dir)`` returns the trainer (q = 1: ``eb`` its expected batch, or ``every_row`` draws every row);
+    ``(S, trainer)``, ``S = −Δθ · eb`` over the parameters of ``trainer.model`` trainable after the step
+    (adapters a trainer adds included). ``freeze``: a parameter frozen while the trainer is built and
+    unfrozen right after."""
+    model, params, _ = _fresh_copy(model, freeze)
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = build(model, out)
+        if freeze:
+            params[freeze].requires_grad_(True)  # unfrozen after the trainer was built
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        if every_row:
+            trainer.sampler.indices = lambda step: torch.arange(trainer.n)  # q = 1 exactly
+        with gc_frozen():
+            trainer.train()
+    return released_sum(trainer.model, before, eb), trainer
+
+
 def trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=None, optimizer_all: bool = False,
                  freeze: Optional[str] = None, physical: Optional[int] = None, dp_kwargs: Optional[dict] = None,
                  training_args: Optional[dict] = None, trainer_kwargs: Optional[dict] = None):
@@ -335,28 +364,22 @@ def trainer_step(model, rows, *, c: float = C, sigma: float = 0.0, collator=None
     optimizer over every parameter."""
     from transformers import TrainingArguments, default_data_collator
 
-    model, params, before = _fresh_copy(model, freeze)
     n = len(rows)
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+
+    def build(model, out):
         # label_names keeps a `labels` column that a model's forward does not take (e.g. dpft's
         # mean-pooling classifier): the Trainer would drop it as an unused column otherwise.
-        args = TrainingArguments(**{"label_names": ["labels"], **(training_args or {}), "output_dir": out,
-                                    "max_steps": 1, "learning_rate": 1.0, "lr_scheduler_type": "constant",
-                                    "optim": "sgd", "weight_decay": 0.0, "per_device_train_batch_size": physical or n,
-                                    "report_to": [], "use_cpu": not torch.cuda.is_available(),
-                                    "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True})
+        args = TrainingArguments(**{"label_names": ["labels"], **(training_args or {}),
+                                    **one_step_args(out, physical or n)})
         dp = hf.DPArguments(**{"target_delta": 1.0 / (10 * n), **(dp_kwargs or {}), "noise_multiplier": sigma,
                                "max_grad_norm": c, "expected_batch_size": n, "reproducible_seed": 0})
         kw = {"data_collator": collator or default_data_collator, **(trainer_kwargs or {})}
         if optimizer_all:
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
             kw["optimizers"] = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
-        trainer = hf.DPTrainer(model=model, args=args, train_dataset=rows, dp_args=dp, **kw)
-        if freeze:
-            params[freeze].requires_grad_(True)  # unfrozen after DPTrainer was built
-        trainer.train()
-    return released_sum(model, before, n), trainer
+        return hf.DPTrainer(model=model, args=args, train_dataset=rows, dp_args=dp, **kw)
+
+    return hf_one_step(build, model, n, freeze=freeze)
 
 
 def dp_trainer_way(model=None, train_dataset=None, *, rows: Optional[int] = None, c: float = C,
@@ -383,106 +406,6 @@ def _packing_run() -> tuple[Callable, int]:
     rows = datasets.Dataset.from_dict({"input_ids": [torch.randint(3, 64, (k,), generator=g).tolist()
                                                      for k in (5, 6, 7, 8)]})
     return lambda: trainer_step(model, rows, collator=DataCollatorWithFlattening(), physical=len(rows)), len(rows)
-
-
-# --------------------------------------------------------------------------- the session, unchanged
-
-#: The settings every way in is given (issue 46: epochs 1.1, N 100, B 10 is 11 steps by step/plan.py's rule).
-SESSION_SETTINGS = dict(n=100, batch=10, epochs=1.1, epsilon=3.0, delta=1e-3, c=1.0)
-
-
-@contextlib.contextmanager
-def session_plans() -> Iterator[list]:
-    """Record every ``(settings, plan)`` the private session builds (dpft/session/core.py) meanwhile."""
-    seen: list = []
-    real = session_core.PrivateSession.plan
-
-    def plan(self, s, **kw):
-        out = real(self, s, **kw)
-        seen.append((s, out))
-        return out
-
-    session_core.PrivateSession.plan = plan
-    try:
-        yield seen
-    finally:
-        session_core.PrivateSession.plan = real
-
-
-def _session_make_private() -> Any:
-    st = SESSION_SETTINGS
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(st["n"], 4, generator=g), torch.randint(0, 2, (st["n"],), generator=g))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = PrivacyEngine()
-        _, opt, _, _ = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                        criterion=nn.CrossEntropyLoss(), dataset=data, expected_batch_size=st["batch"],
-                                        max_grad_norm=st["c"], epochs=st["epochs"], target_epsilon=st["epsilon"],
-                                        target_delta=st["delta"])
-    eng.detach()
-    return opt.dp_step
-
-
-def _session_dp_trainer() -> Any:
-    import datasets
-    from transformers import TrainingArguments, default_data_collator
-
-    st = SESSION_SETTINGS
-    g = torch.Generator().manual_seed(0)
-    rows = datasets.Dataset.from_dict({"input_ids": torch.randint(3, 64, (st["n"], 4), generator=g).tolist(),
-                                       "labels": torch.randint(0, 2, (st["n"],), generator=g).tolist()})
-    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tr = hf.DPTrainer(model=tiny_classifier("bert", vocab=64, max_len=16), train_dataset=rows,
-                          args=TrainingArguments(output_dir=d, num_train_epochs=st["epochs"], report_to=[],
-                                                 use_cpu=True, label_names=["labels"]),
-                          data_collator=default_data_collator,
-                          dp_args=hf.DPArguments(target_epsilon=st["epsilon"], target_delta=st["delta"],
-                                                 expected_batch_size=st["batch"], max_grad_norm=st["c"]))
-    return tr.dp_step
-
-
-#: The ways in as the session check builds them: ``(name, build() -> the way in's DP step)``.
-SESSION_WAYS: tuple = (("make_private", _session_make_private), ("DPTrainer", _session_dp_trainer))
-
-
-def session_check(ways: Sequence = SESSION_WAYS) -> list[Check]:
-    """Each way in, given :data:`SESSION_SETTINGS`, asks the private session for exactly one plan, with those
-    settings (C, B, ε, δ; the length as epochs, which the session counts into steps), and steps with that plan's parts;
-    and the plans agree with step/plan.py's one steps rule and with one another (N, q, T, σ): the way in
-    reaches the session unchanged. Planted ``session_steps_rule``: the session counts steps by a rule of its
-    own."""
-    st, out, plans = SESSION_SETTINGS, [], {}
-    want_t = planned_steps(st["n"], st["batch"], None, st["epochs"])
-    for name, build in ways:
-        t0 = time.perf_counter()
-        with session_plans() as seen:
-            step = build()
-        problems = []
-        if len(seen) != 1:
-            problems.append(f"{len(seen)} session plans (one expected)")
-        else:
-            s, plan = seen[0]
-            plans[name] = (plan.n, plan.q, plan.steps, plan.sigma)
-            got = (s.max_grad_norm, s.expected_batch_size, s.target_epsilon, s.target_delta)
-            if got != (st["c"], st["batch"], st["epsilon"], st["delta"]):
-                problems.append(f"settings (C, B, ε, δ) = {got}")
-            if (plan.n, plan.steps) != (st["n"], want_t) or abs(plan.q - st["batch"] / st["n"]) > 1e-12:
-                problems.append(f"plan N = {plan.n}, q = {plan.q:.4g}, T = {plan.steps} (step/plan.py: T = {want_t})")
-            if step.spec is not plan.spec:
-                problems.append("the way in's step does not run the session plan's parts")
-        out.append(Check(f"session: {name} reaches the session unchanged", not problems,
-                         "; ".join(problems) or f"one session plan with the given settings: N = {st['n']}, q = "
-                         f"{st['batch'] / st['n']:g}, T = {want_t} (epochs {st['epochs']}), σ = "
-                         f"{plans[name][3]:.4g}; the step runs its parts", {"seconds": _seconds(t0)}))
-    same = len(set(plans.values())) <= 1 and len(plans) == len(ways)
-    out.append(Check("session: every way in gets the same plan (N, q, T, σ)", same,
-                     "; ".join(f"{k}: {v[0]}, {v[1]:g}, {v[2]}, {v[3]:.6g}" for k, v in plans.items())
-                     + ("" if same else " — the ways in do not plan alike"), {}))
-    return out
 
 
 # --------------------------------------------------------------------------- entry points
@@ -587,5 +510,5 @@ def audit_dp_trainer(model=None, train_dataset=None, *, rows: int = 4, max_grad_
 
 
 __all__ = ["WayIn", "leave_one_out", "noise_std", "one_unit_bounded", "one_clipped_per_row", "make_private_way",
-           "dp_trainer_way", "make_private_step", "trainer_step", "api_checks", "audit_make_private",
-           "audit_dp_trainer", "planted_bug", "PLANTED", "C", "TOL"]
+           "dp_trainer_way", "make_private_step", "trainer_step", "hf_one_step", "one_step_args", "api_checks",
+           "audit_make_private", "audit_dp_trainer", "planted_bug", "PLANTED", "C", "TOL"]

@@ -36,11 +36,12 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
+from unittest import mock
 
 import torch
 
 from dpft.audit.ways_in_ddp import make_rows, pad_collate, tiny_model, trl_rows
-from dpft.audit.planted import bug_planter
+from dpft.audit.planted import bug_planter, patched
 from dpft.audit.whitebox import Check, Checks
 from dpft.grads.groups import GROUP_KEY
 from dpft.integrations.hf import trainer as hf
@@ -89,34 +90,21 @@ def watch_trainer(seen: dict, env: Optional[dict] = None):
     import transformers
     from accelerate.state import AcceleratorState
 
-    env = env or {}
-    real_create = transformers.Trainer.create_accelerator_and_postprocess
-    real_run = fsdp.FSDPStep.run
-
-    def create(self):
+    def create(self, real=transformers.Trainer.create_accelerator_and_postprocess):
         seen["fsdp_args"] = bool(getattr(self.args, "fsdp", None)) or self.args.fsdp_plugin_args is not None
         seen["fsdp_env"] = str(os.environ.get("ACCELERATE_USE_FSDP", "")).lower() == "true"
-        real_create(self)
+        real(self)
         seen["fsdp_plugin"] = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
 
-    def run(self, *a, **k):
+    def run(self, *a, real=fsdp.FSDPStep.run, **k):
         seen["runs"] = seen.get("runs", 0) + 1
-        return real_run(self, *a, **k)
+        return real(self, *a, **k)
 
-    saved = {k: os.environ.get(k) for k in {**env, "ACCELERATE_USE_FSDP": ""}}
-    transformers.Trainer.create_accelerator_and_postprocess = create
-    fsdp.FSDPStep.run = run
-    os.environ.update(env)
     try:
-        yield seen
+        with patched((transformers.Trainer, "create_accelerator_and_postprocess", create), (fsdp.FSDPStep, "run", run)), \
+                mock.patch.dict(os.environ, env or {}):
+            yield seen
     finally:
-        transformers.Trainer.create_accelerator_and_postprocess = real_create
-        fsdp.FSDPStep.run = real_run
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         AcceleratorState._reset_state(True)
 
 

@@ -5,7 +5,7 @@ Each adapter builds a tiny random Llama and a word-level tokenizer with a ChatML
 and runs one logical step (``q = 1``, SGD at learning rate 1; TRL's dataset preparation, collator and
 default gradient checkpointing included). The properties are audit/ways_in.py's, over TRL's units:
 
-* **DPSFTTrainer reaches the session unchanged** (audit/ways_in.py ``session_check``: one session plan with
+* **DPSFTTrainer reaches the session unchanged** (audit/ways_in_session.py ``session_check``: one session plan with
   the given settings, the same N, q, T, σ as make_private's);
 * **DPSFTTrainer leave-one-conversation-out** (prompt/completion rows, completion-only loss on: a long
   completion, a one-token one);
@@ -43,8 +43,9 @@ from trl import DPOConfig, SFTConfig  # these checks need TRL; an ImportError sk
 
 from dpft.api import PackedBatchError
 from dpft.audit.planted import bug_planter
-from dpft.audit.ways_in import (C, SESSION_SETTINGS, SESSION_WAYS, WayIn, gc_frozen, leave_one_out, no_dropout,
-                                one_clipped_per_row, one_unit_bounded, released_sum, session_check, yours)
+from dpft.audit.ways_in import (C, WayIn, gc_frozen, hf_one_step, leave_one_out, one_clipped_per_row,
+                                one_step_args, one_unit_bounded, yours)
+from dpft.audit.ways_in_session import SESSION_SETTINGS, SESSION_WAYS, session_check
 from dpft.audit.whitebox import Check
 from dpft.grads import bookkeeping
 from dpft.grads.groups import GROUP_KEY
@@ -153,12 +154,6 @@ def _sft_rows(n: int = len(_PAIRS)):
     return datasets.Dataset.from_list([{"prompt": p, "completion": c} for p, c in _PAIRS[:n]])
 
 
-def _common(out: str, n: int) -> dict:
-    return dict(output_dir=out, max_steps=1, learning_rate=1.0, lr_scheduler_type="constant", optim="sgd",
-                weight_decay=0.0, per_device_train_batch_size=n, report_to=[], use_cpu=not torch.cuda.is_available(),
-                save_strategy="no", logging_strategy="no", disable_tqdm=True)
-
-
 # --------------------------------------------------------------------------- the adapters
 
 
@@ -167,44 +162,27 @@ def sft_step(model, rows, tokenizer, *, c: float = C, sigma: float = 0.0, config
     """One logical step of DPSFTTrainer on a copy of ``model`` (dropout off) over every row of
     ``rows`` (q = 1, SGD lr 1, noise multiplier ``sigma``); ``(S, trainer)``, ``S`` over the
     parameters trainable after the step (the adapters with ``peft_config``)."""
-    model = copy.deepcopy(model)
-    no_dropout(model)
     n = len(rows)
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = SFTConfig(**{"bf16": False, "max_length": 64, **(config or {}), **_common(out, n)})
-        dp = DPArguments(**{"target_delta": 1.0 / (10 * n), "expected_batch_size": n, **(dp_kwargs or {}),
-                            "noise_multiplier": sigma, "max_grad_norm": c, "reproducible_seed": 0})
-        trainer = dtrl.DPSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
-                                    dp_args=dp, **(trainer_kwargs or {}))
-        before = {nm: p.detach().clone() for nm, p in trainer.model.named_parameters()}
-        trainer.sampler.indices = lambda step: torch.arange(trainer.n)  # q = 1 exactly
-        with gc_frozen():
-            trainer.train()
+    dp = DPArguments(**{"target_delta": 1.0 / (10 * n), "expected_batch_size": n, **(dp_kwargs or {}),
+                        "noise_multiplier": sigma, "max_grad_norm": c, "reproducible_seed": 0})
     # the step divides the noisy sum by the expected batch size qN
-    return released_sum(trainer.model, before, dp.expected_batch_size), trainer
+    return hf_one_step(lambda m, out: dtrl.DPSFTTrainer(
+        model=m, args=SFTConfig(**{"bf16": False, "max_length": 64, **(config or {}), **one_step_args(out, n)}),
+        train_dataset=rows, processing_class=tokenizer, dp_args=dp, **(trainer_kwargs or {})),
+        model, dp.expected_batch_size, every_row=True)
 
 
 def dpo_step(model, rows, tokenizer, *, c: float = C, sigma: float = 0.0, user_column: Optional[str] = None):
     """One logical step of DPDPOTrainer on a copy of ``model`` (q = 1 over the pairs, or with
     ``user_column`` over the users with all their ≤ 2 pairs, group clipping; SGD lr 1); ``(S, trainer)``."""
-    model = copy.deepcopy(model)
-    no_dropout(model)
     units = len(set(rows[user_column])) if user_column else len(rows)
-    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = DPOConfig(**_common(out, len(rows)), bf16=False, beta=0.5,
-                         **({"gradient_checkpointing": False} if user_column else {}))
-        user = {"user_column": user_column, "max_rows_per_user": 2, "user_clipping": "group"} if user_column else {}
-        dp = DPArguments(target_delta=1.0 / (10 * len(rows)), expected_batch_size=units, noise_multiplier=sigma,
-                         max_grad_norm=c, reproducible_seed=0, **user)
-        trainer = dtrl.DPDPOTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, dp_args=dp)
-        before = {nm: p.detach().clone() for nm, p in trainer.model.named_parameters()}
-        if not user_column:
-            trainer.sampler.indices = lambda step: torch.arange(trainer.n)
-        with gc_frozen():
-            trainer.train()
-    return released_sum(trainer.model, before, units), trainer
+    user = {"user_column": user_column, "max_rows_per_user": 2, "user_clipping": "group"} if user_column else {}
+    dp = DPArguments(target_delta=1.0 / (10 * len(rows)), expected_batch_size=units, noise_multiplier=sigma,
+                     max_grad_norm=c, reproducible_seed=0, **user)
+    return hf_one_step(lambda m, out: dtrl.DPDPOTrainer(
+        model=m, args=DPOConfig(**one_step_args(out, len(rows)), bf16=False, beta=0.5,
+                                **({"gradient_checkpointing": False} if user_column else {})),
+        train_dataset=rows, processing_class=tokenizer, dp_args=dp), model, units, every_row=not user_column)
 
 
 def _completion_only(tr) -> Optional[str]:
@@ -285,14 +263,14 @@ def dpo_checks() -> list[Check]:
 
 
 def _session_sft():
-    """DPSFTTrainer built with audit/ways_in.py's :data:`~dpft.audit.ways_in.SESSION_SETTINGS` (its DP step)."""
+    """DPSFTTrainer built with :data:`~dpft.audit.ways_in_session.SESSION_SETTINGS` (its DP step)."""
     st = SESSION_SETTINGS
     tok = tiny_tokenizer()
     rows = datasets.Dataset.from_list([{"prompt": _PAIRS[i % 3][0], "completion": _PAIRS[i % 3][1]}
                                        for i in range(st["n"])])
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = SFTConfig(**{**_common(out, 8), "max_steps": -1, "num_train_epochs": st["epochs"]}, bf16=False,
+        args = SFTConfig(**{**one_step_args(out, 8), "max_steps": -1, "num_train_epochs": st["epochs"]}, bf16=False,
                          max_length=64)
         dp = DPArguments(target_epsilon=st["epsilon"], target_delta=st["delta"], expected_batch_size=st["batch"],
                          max_grad_norm=st["c"])
@@ -330,7 +308,7 @@ def ledger_check(model=None, tok=None) -> Check:
                          max_grad_norm=C, reproducible_seed=0, user_column="user", max_rows_per_user=2,
                          user_clipping="group")
         tr = dtrl.DPDPOTrainer(model=copy.deepcopy(model), args=DPOConfig(
-            **_common(out, len(rows)), bf16=False, beta=0.5, gradient_checkpointing=False), train_dataset=rows,
+            **one_step_args(out, len(rows)), bf16=False, beta=0.5, gradient_checkpointing=False), train_dataset=rows,
             processing_class=tok, dp_args=dp)
         tr.train()
     want = [("train", 1, dpa.PoissonSampledDpEvent(eb / u, dpa.GaussianDpEvent(tr.sigma)))]
