@@ -116,7 +116,11 @@ def test_build_privacy_plan_is_settings_calibrate_make_and_unchanged(m):
                         n=N, sampler=smp, rng=rng, sigma=sigma, steps=STEPS, rows=data)
     assert seen == [plan.sigma] and plan.sigma == sigma and (plan.n, plan.q, plan.steps) == (N, smp.q, STEPS)
     assert type(plan.release) is type(spec.mechanism) and plan.release.sigma == spec.mechanism.sigma
-    assert plan.release.truncation == spec.mechanism.truncation and plan.info() == mech.info(smp, STEPS)
+
+    def events(release):  # the ledger events of every step (banded MF's depend on the step)
+        return [release.event_at(t) if m.get("mechanism") else release.event(smp.q) for t in range(STEPS)]
+
+    assert events(plan.release) == events(spec.mechanism) and plan.info() == mech.info(smp, STEPS)
     assert plan.phase_event is None or plan.phase_event(0.9) == mech.phase_event(smp, N, smp.q, STEPS)(0.9)
     for t in range(STEPS):  # the same secret draws: batches and noise
         assert torch.equal(plan.sampler.indices(t), smp.indices(t))
@@ -136,7 +140,11 @@ def test_truncation_is_the_samplers_and_refusals_come_before_calibration():
     model, opt = _model()
     plan = _settings(MECHS[1], noise_multiplier=1.0).calibrate().make(rng=Randomness(SEED), parts=_parts(model, opt),
                                                                       optimizer=opt)
-    assert plan.release.truncation == plan.sampler.truncation == (N, 11)
+    assert plan.sampler.truncation == (N, 11) and not hasattr(plan.release, "truncation")
+    # the release records the sampler's event, read from the sampler (nothing copied onto it)
+    assert plan.release.step_event == plan.sampler.step_event
+    assert plan.release.event(plan.q) == plan.sampler.step_event(plan.q, plan.sigma) == truncated_event(
+        N, plan.q, 11, plan.sigma)
     with pytest.raises(PlanError, match="needs its own sampler"):
         _settings(MECHS[1], noise_multiplier=1.0).calibrate().make(
             rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt, mechanism=_mech(MECHS[1]),
