@@ -19,6 +19,7 @@ from dpft.step import sample
 from dpft.step.build import build_step_spec, resolve_sigma
 from dpft.step.correlated import CyclicPoissonSampler, banded_phase_event
 from dpft.step.mechanisms import RECIPE_NAMES, mechanism_of
+from dpft.step.noise import GaussianMechanism
 from dpft.step.plan import CalibratedPlan, PlanSettings, build_privacy_plan
 from dpft.step.sample import UserPoissonSampler
 from dpft.step.truncated import TruncatedPoissonSampler, truncated_event
@@ -149,6 +150,11 @@ def test_truncation_is_the_samplers_and_refusals_come_before_calibration():
         _settings(MECHS[1], noise_multiplier=1.0).calibrate().make(
             rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt, mechanism=_mech(MECHS[1]),
             sampler=sample.PoissonSampler(N, B, Randomness(SEED)))
+    # a release that is not the plain Gaussian mechanism (a method's own) is refused, not dropped
+    own = type("OwnRelease", (GaussianMechanism,), {})(1.0, 1.0, Randomness(SEED))
+    with pytest.raises(PlanError, match="records its event on the plain Gaussian mechanism, got OwnRelease"):
+        _mech(MECHS[1]).install(plan.spec.replace(mechanism=own), n=N, sampler=plan.sampler, rng=Randomness(SEED),
+                                sigma=1.0, steps=STEPS)
     # what the sampler refuses is refused first, as when the sampler was built before σ
     banded = PlanSettings.of(mechanism_of("banded_mf", 8), n=N, expected_batch_size=B, steps=STEPS, target_epsilon=1.0,
                              delta=0.5)
