@@ -17,6 +17,7 @@ import torch
 from dpft.config.recipe import load_recipe
 from dpft.placement.fsdp_checkpoint import SECRET_SHARDS_DIR, SHARDS_DIR, read_trainable
 from dpft.run.loop import Trainer
+from dpft.step.truncated import TruncatedPoissonSampler, truncated_event
 
 from test_ddp import launch_worker  # noqa: E402 (tests/ helpers)
 from test_fsdp import fsdp_recipe, lm_dirs  # noqa: F401 (module fixture)
@@ -314,10 +315,9 @@ def test_sharded_mechanism_noise_is_world_size_invariant(kind):
         rng = Randomness(7)
         if kind == "banded_mf":
             return BandedMFMechanism(2.0, 1.0, rng, banded_coefficients(6, 3), 0.3)
-        m = GaussianMechanism(2.0, 1.0, rng)
-        if kind == "truncated":
-            m.truncation = (100, 8)
-        return m
+        if kind == "truncated":  # the event is the sampler's, handed to the release
+            return GaussianMechanism(2.0, 1.0, rng, step_event=TruncatedPoissonSampler(100, 10, rng, 8).step_event)
+        return GaussianMechanism(2.0, 1.0, rng)
 
     shapes = {"w": (7, 3), "b": (5,)}
     one, m1 = _sharded_noise(make, shapes, 1, 4)
@@ -331,6 +331,8 @@ def test_sharded_mechanism_noise_is_world_size_invariant(kind):
         for t in range(4):
             ev = base.event_at(t) if kind == "banded_mf" else base.event(0.1)
             assert mk[0].event_at(t) == ev if kind == "banded_mf" else mk[0].event(0.1) == ev
+        if kind == "truncated":
+            assert base.event(0.1) == truncated_event(100, 0.1, 8, 2.0)
     if kind == "banded_mf":  # correlated: step 1's noise is not a fresh draw (y_1 depends on y_0)
         assert len(m1[0].buffers) == 2 and m1[0].buffers[0]["w"].shape == (21,)
         assert not torch.equal(one[1]["w"], one[0]["w"])

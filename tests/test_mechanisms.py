@@ -14,6 +14,7 @@ import torch
 
 from conftest import files_recipe
 from dpft.accounting.ledger import PrivacyLedger, epsilon_of
+from dpft.audit.trainer_walk import trainer_plan
 from dpft.privacy.randomness import Randomness
 from dpft.step.correlated import (NOISE_STATE_FILE, BandedMFMechanism, CyclicPoissonSampler, banded_coefficients,
                                   banded_phase_event, prefix_sum_loss)
@@ -71,6 +72,8 @@ def test_truncated_run_records_the_truncated_event_with_fixed_shapes(tiny_model_
     idx = tr.sampler.indices(0)
     shapes = {tuple(mb["input_ids"].shape) for mb in tr.micro_batches(torch.arange(5))}
     assert shapes == {(4, r.model.max_length)} and len(idx) <= 6
+    # the release records the sampler's event; the audit reads B_max off the sampler
+    assert tr.mechanism.step_event == tr.sampler.step_event and trainer_plan(tr)["max_batch_size"] == 6
     rep = tr.run()
     want = truncated_event(n, q, 6, 1.0)
     assert [(e.event, e.count) for e in tr.ledger.entries] == [(want, 3)]

@@ -293,7 +293,8 @@ def test_dptrainer_truncated_calibrates_on_the_truncated_event(tmp_path):
         warnings.simplefilter("ignore")
         tr = _trainer(tmp_path / "out", dp, 3)
     assert isinstance(tr.sampler, TruncatedPoissonSampler) and tr.sampler.max_batch_size == 11
-    assert tr.mechanism.truncation == (40, 11) and tr.mechanism.event(0.4) == truncated_event(40, 0.4, 11, tr.sigma)
+    assert tr.sampler.truncation == (40, 11) and tr.mechanism.step_event == tr.sampler.step_event
+    assert tr.mechanism.event(0.4) == truncated_event(40, 0.4, 11, tr.sigma)
     eps = epsilon_of([dpa.SelfComposedDpEvent(truncated_event(40, 0.4, 11, tr.sigma), 3)], 1e-3).epsilon
     assert eps <= 4.0 + 1e-6 and eps == pytest.approx(4.0, abs=0.03)
     assert max(len(tr.sampler.indices(t)) for t in range(20)) <= 11

@@ -19,6 +19,7 @@ from dpft.step import sample
 from dpft.step.build import build_step_spec, resolve_sigma
 from dpft.step.correlated import CyclicPoissonSampler, banded_phase_event
 from dpft.step.mechanisms import RECIPE_NAMES, mechanism_of
+from dpft.step.noise import GaussianMechanism
 from dpft.step.plan import CalibratedPlan, PlanSettings, build_privacy_plan
 from dpft.step.sample import UserPoissonSampler
 from dpft.step.truncated import TruncatedPoissonSampler, truncated_event
@@ -116,7 +117,11 @@ def test_build_privacy_plan_is_settings_calibrate_make_and_unchanged(m):
                         n=N, sampler=smp, rng=rng, sigma=sigma, steps=STEPS, rows=data)
     assert seen == [plan.sigma] and plan.sigma == sigma and (plan.n, plan.q, plan.steps) == (N, smp.q, STEPS)
     assert type(plan.release) is type(spec.mechanism) and plan.release.sigma == spec.mechanism.sigma
-    assert plan.release.truncation == spec.mechanism.truncation and plan.info() == mech.info(smp, STEPS)
+
+    def events(release):  # the ledger events of every step (banded MF's depend on the step)
+        return [release.event_at(t) if m.get("mechanism") else release.event(smp.q) for t in range(STEPS)]
+
+    assert events(plan.release) == events(spec.mechanism) and plan.info() == mech.info(smp, STEPS)
     assert plan.phase_event is None or plan.phase_event(0.9) == mech.phase_event(smp, N, smp.q, STEPS)(0.9)
     for t in range(STEPS):  # the same secret draws: batches and noise
         assert torch.equal(plan.sampler.indices(t), smp.indices(t))
@@ -136,11 +141,20 @@ def test_truncation_is_the_samplers_and_refusals_come_before_calibration():
     model, opt = _model()
     plan = _settings(MECHS[1], noise_multiplier=1.0).calibrate().make(rng=Randomness(SEED), parts=_parts(model, opt),
                                                                       optimizer=opt)
-    assert plan.release.truncation == plan.sampler.truncation == (N, 11)
+    assert plan.sampler.truncation == (N, 11) and not hasattr(plan.release, "truncation")
+    # the release records the sampler's event, read from the sampler (nothing copied onto it)
+    assert plan.release.step_event == plan.sampler.step_event
+    assert plan.release.event(plan.q) == plan.sampler.step_event(plan.q, plan.sigma) == truncated_event(
+        N, plan.q, 11, plan.sigma)
     with pytest.raises(PlanError, match="needs its own sampler"):
         _settings(MECHS[1], noise_multiplier=1.0).calibrate().make(
             rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt, mechanism=_mech(MECHS[1]),
             sampler=sample.PoissonSampler(N, B, Randomness(SEED)))
+    # a release that is not the plain Gaussian mechanism (a method's own) is refused, not dropped
+    own = type("OwnRelease", (GaussianMechanism,), {})(1.0, 1.0, Randomness(SEED))
+    with pytest.raises(PlanError, match="records its event on the plain Gaussian mechanism, got OwnRelease"):
+        _mech(MECHS[1]).install(plan.spec.replace(mechanism=own), n=N, sampler=plan.sampler, rng=Randomness(SEED),
+                                sigma=1.0, steps=STEPS)
     # what the sampler refuses is refused first, as when the sampler was built before σ
     banded = PlanSettings.of(mechanism_of("banded_mf", 8), n=N, expected_batch_size=B, steps=STEPS, target_epsilon=1.0,
                              delta=0.5)

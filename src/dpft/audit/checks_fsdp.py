@@ -69,6 +69,7 @@ from dpft.step.clip import make_clip_policy
 from dpft.step.correlated import BandedMFMechanism, banded_coefficients, write_secret
 from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler
+from dpft.step.truncated import TruncatedPoissonSampler
 
 __all__ = ["PLANTED", "fsdp_checks"]
 
@@ -88,7 +89,7 @@ def _same_stream(real):
 def _truncation_dropped(real_init):
     def drop(self, base, layout):
         real_init(self, base, layout)
-        self.truncation = None
+        self.step_event = None
 
     return drop
 
@@ -174,9 +175,8 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
     def make(kind):
         if kind == "banded_mf":
             return BandedMFMechanism(sigma, c, Randomness(11), banded_coefficients(steps, 3), 0.25)
-        m = GaussianMechanism(sigma, c, Randomness(11))
-        m.truncation = (200, 12)
-        return m
+        return GaussianMechanism(sigma, c, Randomness(11),
+                                 step_event=TruncatedPoissonSampler(200, 12, Randomness(12), 12).step_event)
 
     shapes = {"w": (7, 4), "b": (3,)}
 

@@ -126,8 +126,8 @@ def _padding_zero() -> Check:
 
 def _events() -> Check:
     n, q, b_max, sigma = 500, 0.1, 60, 1.3
-    mech = GaussianMechanism(sigma, 1.0, Randomness())
-    mech.truncation = (n, b_max)
+    mech = GaussianMechanism(sigma, 1.0, Randomness(),
+                             step_event=TruncatedPoissonSampler(n, int(q * n), Randomness(), b_max).step_event)
     _, ev = mech.release({"w": torch.zeros(3)}, 1.0, q, 0)
     want = truncated_event(n, q, b_max, sigma)
     ok_t = ev == want

@@ -41,6 +41,7 @@ from dpft.audit.whitebox import LEVEL, Check
 from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.step.plan import planned_steps
+from dpft.step.truncated import TruncatedPoissonSampler
 
 #: Planted bug of this module: the audit's plan computed over rows for a user-level recipe
 #: (the calibration ``dpft audit`` used before it walked the Trainer).
@@ -93,8 +94,8 @@ def trainer_plan(trainer) -> dict:
         extra = {"bands": int(mech.bands), "partition_rate": float(mech.partition_rate)}
     else:
         led.record(t.phase, mech.event(t.q), count=t.total_steps)
-    if getattr(mech, "truncation", None) is not None:  # truncated Poisson (step/truncated.py)
-        extra = {"max_batch_size": int(mech.truncation[1])}
+    if isinstance(t.sampler, TruncatedPoissonSampler):  # truncated Poisson (step/truncated.py)
+        extra = {"max_batch_size": int(t.sampler.truncation[1])}
     return {**extra, "unit": t.privacy_unit["unit"], "n": int(t.n), "q": float(t.q), "sigma": float(mech.accounted_sigma),
             "noise_sigma": float(mech.sigma), "steps": int(t.total_steps), "C": float(t.clip.sensitivity),
             "delta": float(t.recipe.privacy.delta), "epsilon": float(led.epsilon(t.recipe.privacy.delta).epsilon),

@@ -370,11 +370,12 @@ class _ShardStream:
 
 class _ShardedNoise:
     """Mixin: the mechanism's fresh Gaussian of tensor ``name`` is this shard's slice of the block
-    layout (:class:`_ShardStream`); everything else — σ, sensitivity, truncation, the ledger
-    event, banded MF's correlation over its (shard-sized) buffers — is the base mechanism's.
+    layout (:class:`_ShardStream`); everything else — σ, sensitivity, the ledger event (the
+    sampler's ``step_event`` under truncation), banded MF's correlation over its (shard-sized)
+    buffers — is the base mechanism's.
 
     Args:
-        base: the plan's mechanism (its attributes are copied: same σ, key, truncation, state).
+        base: the plan's mechanism (its attributes are copied: same σ, key, step event, state).
         layout: per tensor name, ``(numel, offset, count)``: its global element count and this
             shard's flat range (:func:`local_range`)."""
 
@@ -393,7 +394,8 @@ class ShardedGaussianMechanism(_ShardedNoise, GaussianMechanism):
     count and this shard's flat ``(offset, numel)``. Noise std σC per coordinate, drawn by
     :func:`shard_noise` — disjoint streams per block, so the shards of the world together get one
     N(0, σ²C²I) draw. The ledger event is the unsharded mechanism's (one per logical step;
-    truncated Poisson's ``TruncatedSubsampledGaussianDpEvent`` when the base has a truncation).
+    truncated Poisson's ``TruncatedSubsampledGaussianDpEvent`` when the base records its sampler's
+    ``step_event``).
     """
 
 

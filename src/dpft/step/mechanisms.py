@@ -24,6 +24,7 @@ import dp_accounting as dpa
 from dpft.errors import PlanError
 from dpft.step.correlated import (BandedMFMechanism, CyclicPoissonSampler, banded_coefficients, banded_phase_event,
                                   check_buffer_memory)
+from dpft.step.noise import GaussianMechanism
 from dpft.step.sample import PoissonSampler, check_batch
 from dpft.step.truncated import MaskedEngine, TruncatedPoissonSampler, check_max_batch, truncated_event
 
@@ -132,16 +133,25 @@ class TruncatedPoisson(Mechanism):
         return lambda sigma: dpa.SelfComposedDpEvent(truncated_event(n, q, b, sigma), int(steps))
 
     def install(self, spec, *, n, sampler, rng, sigma, steps, rows=None, padded=False):
-        """Truncation recorded by the Gaussian mechanism (the sampler's ``truncation``, (N, B_max));
-        padded fixed-shape rows (``dpft train``) masked out of the clipped sum by the engine.
+        """The spec's Gaussian mechanism rebuilt to record the sampler's event (its
+        ``step_event``: ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)`` from the sampler's
+        ``truncation``, read there at every step, never copied onto the mechanism); padded
+        fixed-shape rows (``dpft train``) masked out of the clipped sum by the engine.
 
         Raises:
-            PlanError: ``sampler`` does not truncate (its batches would not match the events)."""
+            PlanError: ``sampler`` does not truncate (its batches would not match the events), or
+                the spec's mechanism is not the plain Gaussian one (a method's own release)."""
         if spec.mechanism is not None:
             if not isinstance(sampler, TruncatedPoissonSampler):
                 raise PlanError(f"truncated Poisson ({self.names['max_batch_size']}) needs its own sampler, "
                                 f"got {type(sampler).__name__}; drop {self.names['max_batch_size']} or the sampler")
-            spec.mechanism.truncation = sampler.truncation
+            m = spec.mechanism
+            if type(m) is not GaussianMechanism:  # a method's own release would be lost here
+                raise PlanError(f"truncated Poisson ({self.names['max_batch_size']}) records its event on the plain "
+                                f"Gaussian mechanism, got {type(m).__name__}; drop {self.names['max_batch_size']}")
+            spec = spec.replace(mechanism=GaussianMechanism(m.sigma, m.sensitivity, m.rng, hardened=m.hardened,
+                                                            accounted_sigma=m.accounted_sigma,
+                                                            step_event=sampler.step_event))
         return spec.replace(engine=MaskedEngine(spec.engine)) if padded else spec
 
     def info(self, sampler, steps):

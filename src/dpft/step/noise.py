@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import dp_accounting as dpa
 import torch
 
 from dpft.privacy.randomness import Randomness, SecretStream
-from dpft.step.truncated import truncated_event
 
 
 class GaussianMechanism:
@@ -29,6 +30,10 @@ class GaussianMechanism:
             independent generators' normals / 2 (privacy/randomness.py states its entropy).
         accounted_sigma: σ recorded in the ledger when it differs from the noise σ (adaptive
             clipping).
+        step_event: ``(q, σ) -> DpEvent``, one step's ledger event as the sampler that draws the
+            batches defines it (truncated Poisson: :meth:`~dpft.step.truncated.TruncatedPoissonSampler.step_event`,
+            handed over by step/mechanisms.py ``TruncatedPoisson.install``); None: plain Poisson,
+            ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``.
 
     Attributes:
         stateful: carries secret state beyond the key, saved and restored on resume (False here;
@@ -41,7 +46,8 @@ class GaussianMechanism:
     stateful = False
 
     def __init__(self, sigma: float, sensitivity: float, rng: Randomness, hardened: bool = True,
-                 accounted_sigma: float | None = None):
+                 accounted_sigma: float | None = None,
+                 step_event: Callable[[float, float], dpa.DpEvent] | None = None):
         if sigma < 0:
             raise ValueError(f"noise multiplier σ must be ≥ 0, got {sigma}")
         self.sigma = float(sigma)
@@ -52,9 +58,9 @@ class GaussianMechanism:
         self.sensitivity = float(sensitivity)
         self.rng = rng
         self.hardened = hardened
-        #: ``(N, B_max)`` under truncated Poisson sampling (step/truncated.py): the ledger event
-        #: is then ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)``. None: plain Poisson.
-        self.truncation: tuple[int, int] | None = None
+        #: The sampler's ``(q, σ) -> DpEvent`` of one step (None: plain Poisson); the sampler's
+        #: property (e.g. truncation's (N, B_max)), read through it, never copied here.
+        self.step_event = step_event
 
     @property
     def std(self) -> float:
@@ -94,14 +100,15 @@ class GaussianMechanism:
             step: the logical step index (selects the secret noise stream).
 
         Returns:
-            ``(noisy sum, PoissonSampledDpEvent(q, GaussianDpEvent(σ)))``.
+            ``(noisy sum, event(q))``: :meth:`event`.
         """
         self.sensitivity = float(sensitivity)
         return self.add_noise(grad_sum, step), self.event(q)
 
     def event(self, q: float) -> dpa.DpEvent:
-        """The ledger event of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_accounted))``
-        (truncated Poisson: ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ_accounted)``)."""
-        if self.truncation is not None:
-            return truncated_event(self.truncation[0], q, self.truncation[1], self.accounted_sigma)
+        """The ledger event of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_accounted))``,
+        or the sampler's ``step_event(q, σ_accounted)`` when it was handed one (truncated Poisson:
+        ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ_accounted)``)."""
+        if self.step_event is not None:
+            return self.step_event(q, self.accounted_sigma)
         return dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.accounted_sigma))

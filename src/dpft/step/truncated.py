@@ -96,8 +96,16 @@ class TruncatedPoissonSampler(PoissonSampler):
     @property
     def truncation(self) -> tuple[int, int]:
         """``(N, B_max)``: what the ledger's ``TruncatedSubsampledGaussianDpEvent`` needs besides q
-        and σ (the release reads it from here: step/mechanisms.py ``TruncatedPoisson.install``)."""
+        and σ (read by :meth:`step_event`)."""
         return int(self.n), self.max_batch_size
+
+    def step_event(self, q: float, sigma: float) -> dpa.DpEvent:
+        """One step's ledger event at rate q and noise multiplier σ:
+        ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)`` (:func:`truncated_event` of
+        :attr:`truncation`). The release records it: step/mechanisms.py ``TruncatedPoisson.install``
+        hands this method to the Gaussian mechanism (step/noise.py ``step_event``)."""
+        n, b_max = self.truncation
+        return truncated_event(n, q, b_max, sigma)
 
     @property
     def truncation_probability(self) -> float:
