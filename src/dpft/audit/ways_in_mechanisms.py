@@ -22,7 +22,8 @@ the noise from the streams; :class:`Loop`: what it released and recorded):
 
 Then, thinly, per way in (:data:`LOOPS`: ``make_private``, ``DPTrainer``): its mechanism settings reach the
 session unchanged — one session plan per loop whose mechanism part is the one asked for, a step that runs
-that plan's parts, and a ledger holding the plan mechanism's events of steps 0…T−1 (N, q, T, b or B_max).
+that plan's parts, and a ledger holding the plan mechanism's events of steps 0…T−1, those σ was calibrated on
+(N, q, T, b or B_max).
 The secret state's save and restore through every way in is audit/checks_resume.py's.
 
 The methods (issue 34 item 4), each on the way in whose loop shows it:
@@ -291,14 +292,15 @@ def reaches_session_check(name: str, runs: dict[str, Loop]) -> Check:
             problems.append(f"{kind}: the session was asked for {s.mechanism.settings()}, not {asked}")
         if run.spec is not plan.spec:
             problems.append(f"{kind}: the loop's step does not run the session plan's parts")
-        rel = plan.spec.mechanism  # the step's own event at each step t (banded: the phase of t)
+        rel, got = plan.spec.mechanism, _flat_events(run.ledger)  # the step's event at step t (banded: t's phase)
         want = [rel.event_at(t) if hasattr(rel, "event_at") else rel.event(plan.q) for t in range(plan.steps)]
-        if _flat_events(run.ledger) != want:
+        cal = plan.phase_event(plan.sigma)  # SelfComposed(event, count): what σ was calibrated on
+        if got != want or [e for e in got if not isinstance(e, dpa.NoOpDpEvent)] != [cal.event] * cal.count:
             problems.append(f"{kind}: the ledger's {run.ledger.steps} steps are not the plan's {plan.steps} steps "
-                            "0…T−1 and their events")
+                            "0…T−1 with the events its σ was calibrated on")
     return Check(f"session: {name} reaches the session's mechanisms unchanged ({', '.join(runs)})", not problems,
                  "; ".join(problems) or "one session plan per setting, with the mechanism asked for; the step runs its "
-                 "parts; the ledger holds its events of steps 0…T−1", {})
+                 "parts; the ledger holds its events of steps 0…T−1, as calibrated", {})
 
 
 def mechanisms_api_checks(planted: Optional[str] = None) -> list[Check]:
