@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dpft.audit.whitebox import Check
+from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
 from dpft import PrivacyEngine
 from dpft.api import state
 from dpft.api.optimizer import DPOptimizer
@@ -142,30 +142,21 @@ def _make_private_resume(d: Path) -> tuple:
 
 def _trainer_resume(d: Path) -> tuple:
     """DPTrainer: 2 steps with a checkpoint, then resumed from it over the rows shuffled and in order."""
-    import datasets
-    from transformers import BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments, \
-        default_data_collator
+    from transformers import TrainerCallback, TrainingArguments, default_data_collator
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 64, (24, 5), generator=g)
-    ds = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(24, 5).long().tolist(),
-                                     "labels": torch.randint(0, 2, (24,), generator=g).tolist()})
-    out = d / "hf"
+    ds, out = tiny_rows(24, 5), d / "hf"
 
     class StopAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             control.should_training_stop = state.global_step >= 2
 
     def trainer(data, callbacks=None):
-        torch.manual_seed(0)
-        cfg = BertConfig(vocab_size=64, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=16, max_position_embeddings=16)
         args = TrainingArguments(output_dir=str(out), learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
                                  use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=3,
                                  save_strategy="steps", save_steps=2)
         dp = DPArguments(noise_multiplier=1.0, target_delta=1e-3, expected_batch_size=6, mechanism="banded_mf",
                          bands=2, reproducible_seed=_SEED)
-        return DPTrainer(model=BertForSequenceClassification(cfg).train(), args=args, train_dataset=data,
+        return DPTrainer(model=tiny_classifier("bert", max_len=16).train(), args=args, train_dataset=data,
                          data_collator=default_data_collator, dp_args=dp, callbacks=callbacks)
 
     with warnings.catch_warnings():

@@ -61,7 +61,7 @@ from dpft import PrivacyEngine
 from dpft.audit.planted import bug_planter
 from dpft.audit.ways_in import WayIn, leave_one_out
 from dpft.audit.ways_in_session import session_plans
-from dpft.audit.whitebox import Check, tiny_classifier
+from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
 from dpft.integrations.hf import data as hf_data
 from dpft.integrations.hf import trainer as hf
 from dpft.methods import dp_adam_ac
@@ -179,15 +179,6 @@ def _make_private(steps: int, sigma: float, c: float, batch: int, d: str, **mech
                 Randomness(SEED).child("make_private:1"), mech, opt.dp_step.spec, plans)
 
 
-def _rows(n: int, t: int = 6):
-    import datasets
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 64, (n, t), generator=g)
-    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(n, t, dtype=torch.long).tolist(),
-                                       "labels": torch.randint(0, 2, (n,), generator=g).tolist()})
-
-
 def _dp_trainer(steps: int, sigma: float, c: float, batch: int, d: str, **mech_kwargs) -> Loop:
     """DPTrainer's loop: a tiny BERT on N rows (its noise and batches not recorded: the plan's are checked once)."""
     from transformers import PrinterCallback, TrainingArguments, default_data_collator
@@ -198,7 +189,7 @@ def _dp_trainer(steps: int, sigma: float, c: float, batch: int, d: str, **mech_k
                              use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=steps, save_strategy="no")
     with warnings.catch_warnings(), session_plans() as plans:
         warnings.simplefilter("ignore")
-        tr = hf.DPTrainer(model=tiny_classifier("bert").train(), args=args, train_dataset=_rows(N),
+        tr = hf.DPTrainer(model=tiny_classifier("bert").train(), args=args, train_dataset=tiny_rows(N),
                           data_collator=default_data_collator, dp_args=dp)
         tr.remove_callback(PrinterCallback)  # the audit's output is its checks, not Trainer's logs
         tr.train()
@@ -373,8 +364,7 @@ def _adaptive_noise(steps: int = 40, n: int = 16) -> Check:
 
 
 def _trainer_count_streams() -> Check:
-    import datasets
-    from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
+    from transformers import TrainingArguments, default_data_collator
 
     drawn: list[list[float]] = []
     orig = clipmod.AdaptiveQuantileClip.noisy_unclipped_fraction
@@ -383,14 +373,7 @@ def _trainer_count_streams() -> Check:
         drawn[-1].append(float(self.rng.stream("count", step).normal((), dtype=torch.float64)))
         return orig(self, unclipped, batch_size, expected_batch, step)
 
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=16,
-                                                     max_position_embeddings=16))
-    g = torch.Generator().manual_seed(0)
-    ds = datasets.Dataset.from_dict({"input_ids": torch.randint(3, 40, (16, 4), generator=g).tolist(),
-                                     "attention_mask": [[1] * 4] * 16,
-                                     "labels": torch.randint(0, 2, (16,), generator=g).tolist()})
+    model, ds = tiny_classifier("bert").train(), tiny_rows(16, 4)
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = TrainingArguments(output_dir=d, max_steps=2, per_device_train_batch_size=8, report_to=[],
