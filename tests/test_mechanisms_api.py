@@ -319,7 +319,8 @@ def test_dpt_arguments_refusals(tmp_path):
 
 
 # ----------------------------------------------------------------------------- audit
-@pytest.mark.parametrize("planted", ["api_banded_every_partition", "trainer_truncation_not_recorded"])
+@pytest.mark.parametrize("planted", ["api_banded_every_partition", "no_min_separation",
+                                     "trainer_truncation_not_recorded"])
 def test_mechanisms_api_audit_catches_planted_bugs(planted):
     """Each planted bug fails the part of the checks it breaks: the session plan's parts on make_private's loops,
     and DPTrainer's thin check (the honest checks run, and must pass, in
@@ -333,6 +334,7 @@ def test_mechanisms_api_audit_catches_planted_bugs(planted):
     assert ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks", cm.MECHANISMS_PLANTED) in OPTIONAL_CHECKS
     loops = dict(cm.LOOPS)
     part = {"api_banded_every_partition": lambda: cm.plan_parts_checks(cm.run_loops(loops["make_private"])),
+            "no_min_separation": lambda: cm.plan_parts_checks(cm.run_loops(loops["make_private"])),
             "trainer_truncation_not_recorded": lambda: [cm.reaches_session_check(
                 "DPTrainer", cm.run_loops(loops["DPTrainer"]))]}[planted]
     with cm.planted_bug(planted):

@@ -14,7 +14,8 @@ the noise from the streams; :class:`Loop`: what it released and recorded):
 * **b-min-separation, events and calibration** — the examples each step trained on participate ≥ b steps
   apart; the ledger holds PoissonSampled(p, Gaussian(σ)) at t ≡ 0 (mod b) and NoOp otherwise, the
   composition σ is calibrated on (``banded_phase_event``) (planted ``api_banded_every_partition``: the
-  cyclic sampler ignores the partitions);
+  plan builds a cyclic sampler that ignores the partitions; ``no_min_separation``: the cyclic sampler
+  itself draws every example at every step);
 * **truncation** (``max_batch_size=B_max``) — every logical batch ≤ B_max and every step records
   ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)`` (planted ``trainer_truncation_not_recorded``: the
   truncated mechanism not installed, so the plain Poisson event is recorded, under-accounting the
@@ -77,7 +78,7 @@ from dpft.transforms.subspace import SubspaceBasis
 __all__ = ["PLANTED", "MECHANISMS_PLANTED", "METHODS_PLANTED", "mechanisms_api_checks", "methods_api_checks",
            "plan_parts_checks", "reaches_session_check", "run_loops", "planted_bug", "LOOPS"]
 
-MECHANISMS_PLANTED = ("api_banded_every_partition", "trainer_truncation_not_recorded")
+MECHANISMS_PLANTED = ("api_banded_every_partition", "no_min_separation", "trainer_truncation_not_recorded")
 METHODS_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
 PLANTED = MECHANISMS_PLANTED + METHODS_PLANTED
 SEED = 5
@@ -110,6 +111,7 @@ def _unclipped_reduce(orig):
 
 planted_bug = bug_planter(PLANTED, {
     "api_banded_every_partition": lambda p: p.set(mechanisms, "CyclicPoissonSampler", _EveryPartition),
+    "no_min_separation": lambda p: p.set(CyclicPoissonSampler, "indices", _EveryPartition.indices),
     "trainer_truncation_not_recorded": lambda p: p.set(TruncatedPoisson, "install", lambda self, spec, **kw: spec),
     "api_adaptive_noise_unadjusted": lambda p: p.set(dp_adam_ac, "effective_noise_multiplier",
                                                      lambda sigma, count_noise: float(sigma)),
