@@ -284,8 +284,8 @@ def test_dptrainer_banded_checkpoint_resume_noise_and_refusals(tmp_path):
 
 def test_dptrainer_truncated_calibrates_on_the_truncated_event(tmp_path):
     """σ is calibrated on 3 × TruncatedSubsampledGaussian(N, q, B_max, σ) and the mechanism records
-    that event (a training run's batches and ledger: audit/ways_in_mechanisms.truncated_check,
-    run by tests/test_audit.py and by the planted-bug test below)."""
+    that event (a training run's batches and ledger: audit/ways_in_mechanisms.plan_parts_checks and, per way in,
+    reaches_session_check, run by tests/test_audit.py and by the planted-bug test below)."""
     from dpft.step.truncated import TruncatedPoissonSampler
 
     dp = DPArguments(target_epsilon=4.0, target_delta=1e-3, expected_batch_size=16, max_batch_size=11)
@@ -320,11 +320,13 @@ def test_dpt_arguments_refusals(tmp_path):
 
 
 # ----------------------------------------------------------------------------- audit
-@pytest.mark.parametrize("planted", ["api_banded_every_partition", "api_noise_state_in_optimizer",
+@pytest.mark.parametrize("planted", ["api_banded_every_partition", "no_min_separation",
                                      "trainer_truncation_not_recorded"])
 def test_mechanisms_api_audit_catches_planted_bugs(planted):
-    """Each planted bug fails the part of the checks it breaks (the honest checks run, and must
-    pass, in tests/test_audit.py::test_honest_step_passes with the other optional modules)."""
+    """Each planted bug fails the part of the checks it breaks: the session plan's parts on make_private's loops,
+    and DPTrainer's thin check (the honest checks run, and must pass, in
+    tests/test_audit.py::test_honest_step_passes with the other optional modules; the secret state's planted
+    ``api_noise_state_in_optimizer`` is tests/test_plan.py's, audit/checks_resume.py)."""
     from dpft.audit import ways_in_mechanisms as cm
     from dpft.audit.planted import ALL
     from dpft.audit.suite import OPTIONAL_CHECKS
@@ -332,9 +334,10 @@ def test_mechanisms_api_audit_catches_planted_bugs(planted):
     assert set(cm.PLANTED) <= set(ALL)
     assert ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks", cm.MECHANISMS_PLANTED) in OPTIONAL_CHECKS
     loops = dict(cm.LOOPS)
-    part = {"api_banded_every_partition": lambda: cm.banded_checks("make_private", loops["make_private"]),
-            "api_noise_state_in_optimizer": lambda: cm.banded_checks("make_private", loops["make_private"]),
-            "trainer_truncation_not_recorded": lambda: [cm.truncated_check("DPTrainer", loops["DPTrainer"])]}[planted]
+    part = {"api_banded_every_partition": lambda: cm.plan_parts_checks(cm.run_loops(loops["make_private"])),
+            "no_min_separation": lambda: cm.plan_parts_checks(cm.run_loops(loops["make_private"])),
+            "trainer_truncation_not_recorded": lambda: [cm.reaches_session_check(
+                "DPTrainer", cm.run_loops(loops["DPTrainer"]))]}[planted]
     with cm.planted_bug(planted):
         checks = part()
     assert any(not c.passed for c in checks), planted

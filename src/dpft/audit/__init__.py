@@ -14,8 +14,9 @@
   adapters (``make_private``, ``DPTrainer``; the TRL trainers in :mod:`dpft.audit.ways_in_trl`): each
   reaches the private session unchanged (:mod:`dpft.audit.ways_in_session`), leave-one-unit-out, the loop variants; and
   :func:`audit_make_private` / :func:`audit_dp_trainer` on your own model. The same table across
-  processes (:mod:`dpft.audit.ways_in_ddp`), under FSDP (:mod:`dpft.audit.ways_in_fsdp`) and for the
-  plan's mechanisms and methods (:mod:`dpft.audit.ways_in_mechanisms`).
+  processes (:mod:`dpft.audit.ways_in_ddp`), under FSDP (:mod:`dpft.audit.ways_in_fsdp`), for the
+  plan's mechanisms and methods (:mod:`dpft.audit.ways_in_mechanisms`) and the secret state's save and
+  restore (:mod:`dpft.audit.checks_resume`).
 * :mod:`dpft.audit.planted` — the planted bugs of the auditor's self-test (``--plant NAME``).
 * :mod:`dpft.audit.cli` — ``dpft audit RECIPE``.
 * :mod:`dpft.audit.final_model` — ``dpft audit RECIPE --final-model`` (issue 37): the recipe

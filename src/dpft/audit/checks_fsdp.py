@@ -179,36 +179,19 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
                                  step_event=TruncatedPoissonSampler(200, 12, Randomness(12), 12).step_event)
 
     shapes = {"w": (7, 4), "b": (3,)}
-
-    def world(kind, k):
-        mechs = []
-        for r in range(k):
-            layout = {n: (int(torch.Size(s).numel()), *fsdp.chunk_range(s, r, k)) for n, s in shapes.items()}
-            mechs.append(fsdp.shard_mechanism(make(kind), layout))
-        noise, events = [], []
-        for t in range(steps):
-            parts = {n: [] for n in shapes}
-            for m in mechs:
-                noisy, ev = m.release({n: torch.zeros(m.layout[n][2]) for n in shapes}, c, 0.06, t)
-                for n in shapes:
-                    parts[n].append(noisy[n])
-            noise.append({n: torch.cat(v) for n, v in parts.items()})
-            events.append(ev)
-        return noise, events
-
     out = []
     for kind in ("truncated", "banded_mf"):
-        one, _ = world(kind, 1)
+        one, _ = _world_steps(_sharded_world(1, shapes, lambda: make(kind)), range(steps), c)
         same = True
         for k in (2, 3):
-            many, _ = world(kind, k)
+            many, _ = _world_steps(_sharded_world(k, shapes, lambda: make(kind)), range(steps), c)
             same &= all(torch.equal(many[t][n], one[t][n]) for t in range(steps) for n in shapes)
         out.append(Check(f"fsdp {kind}: 2 and 3 shards' noise over {steps} steps is the one-rank noise", same,
                          "each shard draws its slice of the block layout (banded: y_t from per-shard buffers)"
                          if same else "the shards' noise is not the one draw (streams repeated across ranks)"))
         base = make(kind)
         want = [base.event_at(t) if kind == "banded_mf" else base.event(0.06) for t in range(steps)]
-        _, got = world(kind, 2)
+        _, got = _world_steps(_sharded_world(2, shapes, lambda: make(kind)), range(steps), c)
         ok = got == want
         out.append(Check(f"fsdp {kind}: the sharded mechanism records the base mechanism's event", ok,
                          f"{type(want[0]).__name__} per step" if ok else
@@ -326,8 +309,8 @@ def _step_checks(planted: Optional[str] = None) -> list[Check]:
 
 # -- make_private + banded MF under FSDP2: the sharded secret state (issue 38; helper i38-api-dcp) --------------
 # * **banded MF's state round-trips across worlds** — K = 2 simulated ranks run the sharded banded
-#   mechanism (each keeping the buffers of its shard) for 3 steps; their noise put together equals one
-#   rank's. The state ``make_private``'s ``save_noise_state`` writes (``ShardedBandedMFMechanism.state``:
+#   mechanism (each keeping the buffers of its shard) for 3 steps (their noise put together is one rank's:
+#   ``_mechanism_check``). The state ``make_private``'s ``save_noise_state`` writes (``ShardedBandedMFMechanism.state``:
 #   every rank's buffer slices gathered, here through a simulated ``all_gather_object``) goes through
 #   the owner-only file (0600) and is loaded by 1 and by 3 fresh ranks (``load_state`` keeps each rank's
 #   slice): the next 3 steps' noise equals the uninterrupted one-rank noise. Planted
@@ -374,8 +357,8 @@ def _simulated_all_gather(mechs: list):
     return patched((dist, "all_gather_object", gather))
 
 
-def _api_banded_world(k: int, shapes: dict, make) -> list:
-    """K simulated ranks' sharded banded mechanisms (FSDP's dim-0 chunks), as an FSDPStep sets them up."""
+def _sharded_world(k: int, shapes: dict, make) -> list:
+    """K simulated ranks' sharded copies of ``make()`` (FSDP's dim-0 chunks), as an FSDPStep sets them up."""
     mechs = []
     for r in range(k):
         layout = {n: (int(torch.Size(s).numel()), *fsdp.chunk_range(s, r, k)) for n, s in shapes.items()}
@@ -387,31 +370,29 @@ def _api_banded_world(k: int, shapes: dict, make) -> list:
     return mechs
 
 
-def _api_banded_steps(mechs: list, steps, c: float) -> list[dict[str, torch.Tensor]]:
-    out = []
+def _world_steps(mechs: list, steps, c: float) -> tuple[list[dict[str, torch.Tensor]], list]:
+    """The simulated ranks' noise of zero gradients at each of ``steps``, put together, and the events recorded."""
+    out, events = [], []
     for t in steps:
         parts: dict[str, list] = {}
         for m in mechs:
-            noisy, _ = m.release({n: torch.zeros(m.shapes[n][1]) for n in m.shapes}, c, 0.1, t)
+            noisy, ev = m.release({n: torch.zeros(m.shapes[n][1]) for n in m.shapes}, c, 0.06, t)
             for n, v in noisy.items():
                 parts.setdefault(n, []).append(v.reshape(-1))
         out.append({n: torch.cat(v) for n, v in parts.items()})
-    return out
+        events.append(ev)
+    return out, events
 
 
-def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> list[Check]:
+def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> Check:
     shapes = {"w": (7, 4), "b": (3,)}
 
     def make():
         return BandedMFMechanism(sigma, c, Randomness(13), banded_coefficients(steps, 3), 0.25)
 
-    ref = _api_banded_steps(_api_banded_world(1, shapes, make), range(steps), c)
-    two = _api_banded_world(2, shapes, make)
-    first = _api_banded_steps(two, range(3), c)
-    same = all(torch.equal(first[t][n], ref[t][n]) for t in range(3) for n in shapes)
-    out = [Check("fsdp make_private banded: 2 shards' correlated noise is the one-rank noise", same,
-                 "each rank's y_t from its shard's buffers; together the one-process noise" if same else
-                 "the ranks' banded noise differs from one process's (streams or buffers misplaced)")]
+    ref, _ = _world_steps(_sharded_world(1, shapes, make), range(steps), c)
+    two = _sharded_world(2, shapes, make)  # their noise is the one-rank noise: _mechanism_check
+    _world_steps(two, range(3), c)
     try:
         states = []
         for r, m in enumerate(two):  # every rank calls state() (a collective); rank 0's is written
@@ -423,10 +404,10 @@ def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> lis
             st = torch.load(path, weights_only=True)
         resumed = {}
         for k in (1, 3):
-            mechs = _api_banded_world(k, shapes, make)
+            mechs = _sharded_world(k, shapes, make)
             for m in mechs:
                 m.load_state(st)
-            resumed[k] = _api_banded_steps(mechs, range(3, steps), c)
+            resumed[k] = _world_steps(mechs, range(3, steps), c)[0]
         ok = mode == 0o600 and all(torch.equal(resumed[k][i][n], ref[3 + i][n])
                                    for k in resumed for i in range(steps - 3) for n in shapes)
         why = (f"saved by 2 ranks (gathered, mode {oct(mode)}), resumed by 1 and by 3: steps 3–{steps - 1} equal the "
@@ -435,13 +416,11 @@ def _api_banded_check(sigma: float = 0.9, c: float = 1.5, steps: int = 6) -> lis
                "or buffers of other shards lost)")
     except (RuntimeError, ValueError, KeyError) as exc:  # a state that cannot be re-sliced: not gathered
         ok, why = False, f"the saved state does not round-trip to another world: {type(exc).__name__}: {exc}"
-    out.append(Check("fsdp make_private banded: the secret state round-trips across worlds (2 → 1, 2 → 3)", ok,
-                     why))
-    return out
+    return Check("fsdp make_private banded: the secret state round-trips across worlds (2 → 1, 2 → 3)", ok, why)
 
 
 def fsdp_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (module docstring and the blocks after it); ``planted``: one of
     :data:`PLANTED` (the checks must then fail)."""
     with planted_bug(planted):
-        return _step_checks(planted) + _api_banded_check()
+        return _step_checks(planted) + [_api_banded_check()]

@@ -12,8 +12,8 @@ White-box checks on the real classes:
 * **events** — a truncated step records ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)``
   and a banded run ⌈n/b⌉ × PoissonSampled(p, Gaussian(σ)), equal to the events σ is calibrated on
   (planted ``truncation_not_in_ledger``: plain Poisson events recorded);
-* **min-separation** — under cyclic Poisson every example's participations are ≥ b steps apart
-  (planted ``no_min_separation``: every example eligible every step);
+* **min-separation** — under cyclic Poisson every example's participations are ≥ b steps apart: checked
+  on the session plan's sampler (audit/ways_in_mechanisms.py, planted ``no_min_separation`` there);
 * **banded noise structure** — reproducible streams: C·Y = σC_clip·Z exactly (the released
   noises are C⁻¹Z) and the empirical covariance across steps matches σ²C_clip²·C⁻¹C⁻ᵀ
   (planted ``banded_buffers_reset``: the buffers cleared every step);
@@ -50,18 +50,14 @@ from dpft.step.truncated import EXAMPLE_MASK, MaskedEngine, TruncatedPoissonSamp
 __all__ = ["PLANTED", "mechanism_checks"]
 
 #: Planted bugs :func:`mechanism_checks` must catch.
-PLANTED = ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "no_min_separation",
-           "banded_buffers_reset", "banded_unnormalised")
+PLANTED = ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "banded_buffers_reset",
+           "banded_unnormalised")
 
 
 def _no_mask(self, batch, orig=truncated.MaskedEngine.clipped_sum):  # padding_contributes
     if truncated.EXAMPLE_MASK in batch:
         batch = {**batch, truncated.EXAMPLE_MASK: torch.ones_like(batch[truncated.EXAMPLE_MASK])}
     return orig(self, batch)
-
-
-def _unseparated(self, step):  # no_min_separation: every row drawn at every step
-    return torch.nonzero(self.rng.stream("sample", int(step)).bernoulli((self.n,), self.partition_rate)).flatten()
 
 
 def _reset(self, grad_sum, step, orig=correlated.BandedMFMechanism.add_noise):  # banded_buffers_reset
@@ -81,7 +77,6 @@ _planted = bug_planter(PLANTED, {
     "padding_contributes": lambda p: p.set(truncated.MaskedEngine, "clipped_sum", _no_mask),
     "truncation_not_in_ledger": lambda p: p.set(noise.GaussianMechanism, "event", lambda self, q: (
         dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.accounted_sigma)))),
-    "no_min_separation": lambda p: p.set(correlated.CyclicPoissonSampler, "indices", _unseparated),
     "banded_buffers_reset": lambda p: p.set(correlated.BandedMFMechanism, "add_noise", _reset),
     "banded_unnormalised": lambda p: p.set(correlated.BandedMFMechanism, "__init__", _unnormalised),
 })
@@ -148,22 +143,6 @@ def _events() -> Check:
 
 
 # ----------------------------------------------------------------------------- banded MF
-def _min_separation() -> Check:
-    n, bands, steps = 300, 4, 24
-    s = CyclicPoissonSampler(n, 30, Randomness(), bands)
-    last = {}
-    worst = steps
-    for t in range(steps):
-        for i in s.indices(t).tolist():
-            if i in last:
-                worst = min(worst, t - last[i])
-            last[i] = t
-    ok = worst >= bands
-    return Check("banded: b-min-separated participation", ok,
-                 f"cyclic Poisson, b = {bands}, p = {s.partition_rate:.2f}: smallest gap between two participations "
-                 f"of one example {worst} steps (must be ≥ {bands})", {"min_gap": worst})
-
-
 def _run_noise(coeffs, sigma, c_clip, steps, dim, rng, canary_step=None, canary=None):
     """Released noisy sums x̂_t (steps × dim) of zero gradients (plus a canary at one step)."""
     m = BandedMFMechanism(sigma, c_clip, rng, coeffs, 0.5)
@@ -231,5 +210,5 @@ def mechanism_checks(planted: str | None = None) -> list[Check]:
     Raises:
         ValueError: an unknown planted bug."""
     with _planted(planted):
-        return [_truncation_bound(), _padding_zero(), _events(), _min_separation(), _noise_structure(),
+        return [_truncation_bound(), _padding_zero(), _events(), _noise_structure(),
                 _canary_game()]

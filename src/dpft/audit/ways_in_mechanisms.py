@@ -1,28 +1,31 @@
-"""The plan's mechanisms and methods through the Python ways in, one check per property over the
-ways in's adapters (issues 28 and 34; issue 46 item 4).
+"""The plan's mechanisms, checked once on the session's plan, and the methods through the Python ways in
+(issues 28 and 34; issue 46 item 4).
 
-``audit/checks_mechanisms.py`` checks the mechanisms' classes and the CLI; here each Python way in
-(``make_private``, ``DPTrainer``: :data:`LOOPS`) runs a short loop of a tiny model with reproducible
-randomness (so the auditor recomputes the noise from the streams) and hands back what it released,
-recorded and wrote (:class:`Loop`). The same properties are then read off every way in:
+``audit/checks_mechanisms.py`` checks the mechanisms' classes and the CLI. Every way in gets its
+mechanism and sampler from the private session's plan (session/core.py ``PrivateSession.plan``;
+audit/ways_in_session.py checks that its step runs that plan's parts), so the plan's parts are checked
+once, on ``make_private``'s loop of a tiny model with reproducible randomness (the auditor recomputes
+the noise from the streams; :class:`Loop`: what it released and recorded):
 
 * **banded noise is C⁻¹Z** (``mechanism="banded_mf"``) — the noise each step released (released sum −
   clipped sum, read at the mechanism) satisfies C·Y = σC_clip·Z exactly, Z drawn independently from the
-  way in's streams and C built from ``banded_coefficients(n, b)`` (‖C[:, i]‖ ≤ 1: sensitivity C_clip per
+  loop's streams and C built from ``banded_coefficients(n, b)`` (‖C[:, i]‖ ≤ 1: sensitivity C_clip per
   participation), over more steps than bands (across the buffers);
 * **b-min-separation, events and calibration** — the examples each step trained on participate ≥ b steps
   apart; the ledger holds PoissonSampled(p, Gaussian(σ)) at t ≡ 0 (mod b) and NoOp otherwise, the
   composition σ is calibrated on (``banded_phase_event``) (planted ``api_banded_every_partition``: the
-  cyclic sampler ignores the partitions);
-* **secret state stays secret** — the optimizer's ``state_dict()`` holds no noise buffer and the secret file
-  is owner-only (0600); make_private: a fresh engine's ``load_noise_state`` restores buffers, partition and
-  ledger; DPTrainer: ``noise_state.secret.pt`` sits in ``output_dir``, nothing of it in ``checkpoint-*``
-  (planted ``api_noise_state_in_optimizer``: the buffers in the DP optimizer's state dict, which users save
-  and share with their checkpoints);
+  plan builds a cyclic sampler that ignores the partitions; ``no_min_separation``: the cyclic sampler
+  itself draws every example at every step);
 * **truncation** (``max_batch_size=B_max``) — every logical batch ≤ B_max and every step records
   ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)`` (planted ``trainer_truncation_not_recorded``: the
   truncated mechanism not installed, so the plain Poisson event is recorded, under-accounting the
   replace-one branch).
+
+Then, thinly, per way in (:data:`LOOPS`: ``make_private``, ``DPTrainer``): its mechanism settings reach the
+session unchanged — one session plan per loop whose mechanism part is the one asked for, a step that runs
+that plan's parts, and a ledger holding the plan mechanism's events of steps 0…T−1, those σ was calibrated on
+(N, q, T, b or B_max).
+The secret state's save and restore through every way in is audit/checks_resume.py's.
 
 The methods (issue 34 item 4), each on the way in whose loop shows it:
 
@@ -45,11 +48,9 @@ The methods (issue 34 item 4), each on the way in whose loop shows it:
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import dp_accounting as dpa
@@ -58,10 +59,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dpft import PrivacyEngine
-from dpft.api.optimizer import DPOptimizer
 from dpft.audit.planted import bug_planter
 from dpft.audit.ways_in import WayIn, leave_one_out
-from dpft.audit.whitebox import Check, tiny_classifier
+from dpft.audit.ways_in_session import session_plans
+from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
 from dpft.integrations.hf import data as hf_data
 from dpft.integrations.hf import trainer as hf
 from dpft.methods import dp_adam_ac
@@ -75,14 +76,17 @@ from dpft.step.truncated import truncated_event
 from dpft.transforms.subspace import SubspaceBasis
 
 __all__ = ["PLANTED", "MECHANISMS_PLANTED", "METHODS_PLANTED", "mechanisms_api_checks", "methods_api_checks",
-           "banded_checks", "truncated_check", "planted_bug", "LOOPS"]
+           "plan_parts_checks", "reaches_session_check", "run_loops", "planted_bug", "LOOPS"]
 
-MECHANISMS_PLANTED = ("api_banded_every_partition", "api_noise_state_in_optimizer", "trainer_truncation_not_recorded")
+MECHANISMS_PLANTED = ("api_banded_every_partition", "no_min_separation", "trainer_truncation_not_recorded")
 METHODS_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
 PLANTED = MECHANISMS_PLANTED + METHODS_PLANTED
 SEED = 5
 N = 40
 _SIGMA, _SIGMA_B, _ETA, _RHO = 1.0, 0.6, 0.2, 0.2
+#: The mechanism settings every loop is run with: ``kind -> (steps, σ, C, B, keywords)``.
+RUNS = {"banded_mf": (6, 0.9, 0.5, 4, {"mechanism": "banded_mf", "bands": 3}),
+        "max_batch_size": (3, 1.0, 1.0, 16, {"max_batch_size": 11})}
 
 
 class _EveryPartition(CyclicPoissonSampler):
@@ -91,11 +95,6 @@ class _EveryPartition(CyclicPoissonSampler):
     def indices(self, step):
         draw = self.rng.stream("sample", int(step)).bernoulli((self.n,), self.partition_rate)
         return torch.nonzero(draw).flatten()
-
-
-def _state_dict_with_noise(self):
-    """Planted: the optimizer's state_dict (a checkpoint file) carries the secret noise state."""
-    return {**self.original_optimizer.state_dict(), "dp_noise_state": self.dp_step.spec.mechanism.state()}
 
 
 def _unclipped_reduce(orig):
@@ -112,7 +111,7 @@ def _unclipped_reduce(orig):
 
 planted_bug = bug_planter(PLANTED, {
     "api_banded_every_partition": lambda p: p.set(mechanisms, "CyclicPoissonSampler", _EveryPartition),
-    "api_noise_state_in_optimizer": lambda p: p.set(DPOptimizer, "state_dict", _state_dict_with_noise),
+    "no_min_separation": lambda p: p.set(CyclicPoissonSampler, "indices", _EveryPartition.indices),
     "trainer_truncation_not_recorded": lambda p: p.set(TruncatedPoisson, "install", lambda self, spec, **kw: spec),
     "api_adaptive_noise_unadjusted": lambda p: p.set(dp_adam_ac, "effective_noise_multiplier",
                                                      lambda sigma, count_noise: float(sigma)),
@@ -129,8 +128,8 @@ planted_bug = bug_planter(PLANTED, {
 @dataclass
 class Loop:
     """What one way in's loop hands the checks: each step's released noise and trained-on examples, the
-    ledger, the sampling (or partition) rate, the loop's secret stream root, the mechanism, and the
-    secret-state findings ``(ok, what)`` (for a stateful mechanism)."""
+    ledger, the sampling (or partition) rate, the loop's secret stream root, the mechanism, the step's parts
+    and the ``(settings, plan)`` pairs the private session built meanwhile."""
 
     noises: list
     batches: dict
@@ -138,7 +137,8 @@ class Loop:
     p: float
     rng: Randomness
     mech: Any
-    secret: list = field(default_factory=list)
+    spec: Any
+    plans: list
 
 
 def _record_noise(mech) -> list[dict[str, torch.Tensor]]:
@@ -155,42 +155,19 @@ def _record_noise(mech) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _holds_any(obj, tensors) -> bool:
-    """Whether ``obj`` (nested dicts/lists) holds a tensor equal to one of ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        return any(obj.shape == t.shape and torch.equal(obj.detach().cpu(), t.detach().cpu()) for t in tensors)
-    if isinstance(obj, dict):
-        return any(_holds_any(v, tensors) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_any(v, tensors) for v in obj)
-    return False
-
-
-def _buffers(mech) -> list:
-    return [v for b in (mech.buffers if mech.stateful else []) for v in b.values()]
-
-
-def _mode(path: Path) -> Optional[int]:
-    return os.stat(path).st_mode & 0o777 if path.is_file() else None
-
-
 def _make_private(steps: int, sigma: float, c: float, batch: int, d: str, **mech_kwargs) -> Loop:
     """make_private's loop: a 2-layer net on N rows (their index the third column, to record batches)."""
-
-    def engine():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
-        eng = PrivacyEngine(reproducible_seed=SEED)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return (eng, *eng.make_private(
-                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-                dataset=data, expected_batch_size=batch, max_grad_norm=c, noise_multiplier=sigma, steps=steps,
-                max_physical_batch_size=3, **mech_kwargs))
-
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 5, generator=g) * 3, torch.randint(0, 2, (N,), generator=g), torch.arange(N))
-    eng, module, opt, crit, loader = engine()
+    eng = PrivacyEngine(reproducible_seed=SEED)
+    with warnings.catch_warnings(), session_plans() as plans:
+        warnings.simplefilter("ignore")
+        module, opt, crit, loader = eng.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+            dataset=data, expected_batch_size=batch, max_grad_norm=c, noise_multiplier=sigma, steps=steps,
+            max_physical_batch_size=3, **mech_kwargs)
     mech = opt.dp_step.spec.mechanism
     noises, batches = _record_noise(mech), {}
     while opt.logical_steps < steps:
@@ -199,81 +176,43 @@ def _make_private(steps: int, sigma: float, c: float, batch: int, d: str, **mech
             crit(module(x), y).backward()
             opt.step()
             opt.zero_grad()
-    out = Loop(noises, batches, eng.ledger, getattr(opt.dp_step.spec.sampler, "partition_rate", batch / N),
-               Randomness(SEED).child("make_private:1"), mech)
-    if mech.stateful:  # the optimizer's state dict, the 0600 file, a fresh engine's restore
-        path = Path(d) / "noise.secret.pt"
-        eng.save_noise_state(path)
-        eng2, _, opt2, _, _ = engine()
-        eng2.load_noise_state(path)
-        m2 = opt2.dp_step.spec.mechanism
-        restored = (m2.next_step == steps and eng2.ledger.steps == steps
-                    and torch.equal(m2.sampler.partition, mech.sampler.partition)
-                    and all(torch.equal(a[k], b[k]) for a, b in zip(m2.buffers, mech.buffers) for k in a))
-        leaked = _holds_any(opt.state_dict(), _buffers(mech))
-        out.secret = [(not leaked, f"optimizer.state_dict() {'HOLDS' if leaked else 'holds no'} noise buffer"),
-                      (_mode(path) == 0o600, f"save_noise_state mode {oct(_mode(path) or 0)} (0o600)"),
-                      (restored, f"a fresh engine restored buffers, partition and ledger: {restored}")]
-        eng2.detach()
     eng.detach()
-    return out
-
-
-def _rows(n: int, t: int = 6):
-    import datasets
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 64, (n, t), generator=g)
-    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(n, t, dtype=torch.long).tolist(),
-                                       "labels": torch.randint(0, 2, (n,), generator=g).tolist()})
+    return Loop(noises, batches, eng.ledger, getattr(opt.dp_step.spec.sampler, "partition_rate", batch / N),
+                Randomness(SEED).child("make_private:1"), mech, opt.dp_step.spec, plans)
 
 
 def _dp_trainer(steps: int, sigma: float, c: float, batch: int, d: str, **mech_kwargs) -> Loop:
-    """DPTrainer's loop: a tiny BERT on N rows, a checkpoint every 2 steps for a stateful mechanism."""
+    """DPTrainer's loop: a tiny BERT on N rows (its noise and batches not recorded: the plan's are checked once)."""
     from transformers import PrinterCallback, TrainingArguments, default_data_collator
 
-    save = mech_kwargs.get("mechanism") == "banded_mf"
     dp = hf.DPArguments(noise_multiplier=sigma, target_delta=1e-3, expected_batch_size=batch, max_grad_norm=c,
                         reproducible_seed=SEED, **mech_kwargs)
     args = TrainingArguments(output_dir=d, learning_rate=1e-2, per_device_train_batch_size=8, report_to=[],
-                             use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=steps,
-                             save_strategy="steps" if save else "no", save_steps=2)
-    with warnings.catch_warnings():
+                             use_cpu=True, logging_steps=100, disable_tqdm=True, max_steps=steps, save_strategy="no")
+    with warnings.catch_warnings(), session_plans() as plans:
         warnings.simplefilter("ignore")
-        tr = hf.DPTrainer(model=tiny_classifier("bert").train(), args=args, train_dataset=_rows(N),
+        tr = hf.DPTrainer(model=tiny_classifier("bert").train(), args=args, train_dataset=tiny_rows(N),
                           data_collator=default_data_collator, dp_args=dp)
         tr.remove_callback(PrinterCallback)  # the audit's output is its checks, not Trainer's logs
-        noises, batches, orig = _record_noise(tr.mechanism), {}, tr.dp_step.indices
-
-        def indices(step):
-            idx = orig(step)
-            batches[int(step)] = idx.tolist()
-            return idx
-
-        tr.dp_step.indices = indices
         tr.train()
-    out = Loop(noises, batches, tr.ledger, getattr(tr.sampler, "partition_rate", tr.q),
-               Randomness(SEED).child("hf-train-loop-1"), tr.mechanism)
-    if tr.mechanism.stateful:  # the 0600 file in output_dir; nothing of it in checkpoint-* or the optimizer
-        bufs, in_ckpt = _buffers(tr.mechanism), []
-        for ck in Path(d).glob("checkpoint-*"):
-            for f in ck.iterdir():
-                if "noise" in f.name or (f.suffix in (".pt", ".bin") and f.name != "training_args.bin"
-                                         and _holds_any(torch.load(f, weights_only=False, map_location="cpu"), bufs)):
-                    in_ckpt.append(f"{ck.name}/{f.name}")
-        leaked = _holds_any(tr.optimizer.state_dict(), bufs)
-        mode = _mode(Path(d) / "noise_state.secret.pt")
-        out.secret = [(not leaked, f"optimizer.state_dict() {'HOLDS' if leaked else 'holds no'} noise buffer"),
-                      (mode == 0o600, f"output_dir/noise_state.secret.pt mode {oct(mode) if mode else 'MISSING'}"),
-                      (not in_ckpt, f"noise state in checkpoint-*: {in_ckpt or 'none'}")]
-    return out
+    return Loop([], {}, tr.ledger, getattr(tr.sampler, "partition_rate", tr.q), Randomness(SEED).child("hf-train-loop-1"),
+                tr.mechanism, tr.dp_step.spec, plans)
 
 
 #: The ways in's loops: ``(name, loop(steps, sigma, c, batch, tmp_dir, **mechanism keywords) -> Loop)``.
 LOOPS: tuple[tuple[str, Callable[..., Loop]], ...] = (("make_private", _make_private), ("DPTrainer", _dp_trainer))
 
 
-# ----------------------------------------------------------------------------- the properties, once
+def run_loops(loop: Callable[..., Loop]) -> dict[str, Loop]:
+    """One way in's loop under each mechanism setting of :data:`RUNS`."""
+    out = {}
+    for kind, (steps, sigma, c, batch, kw) in RUNS.items():
+        with tempfile.TemporaryDirectory() as d:
+            out[kind] = loop(steps, sigma, c, batch, d, **kw)
+    return out
+
+
+# ----------------------------------------------------------------------------- the plan's parts, once
 
 
 def _min_gap(batches: dict[int, list[int]]) -> int:
@@ -290,12 +229,11 @@ def _flat_events(ledger) -> list:
     return [e.event for e in ledger.entries for _ in range(e.count)]
 
 
-def banded_checks(name: str, loop: Callable[..., Loop], bands: int = 3, steps: int = 6, sigma: float = 0.9,
-                  c: float = 0.5, batch: int = 4) -> list[Check]:
-    """``mechanism="banded_mf"`` through one way in's loop: noise C⁻¹Z, separation + events + calibration,
-    the secret state."""
-    with tempfile.TemporaryDirectory() as d:
-        run = loop(steps, sigma, c, batch, d, mechanism="banded_mf", bands=bands)
+def plan_parts_checks(runs: dict[str, Loop]) -> list[Check]:
+    """The session plan's mechanisms on one loop per setting of :data:`RUNS` (``run_loops``): banded noise
+    C⁻¹Z; b-min-separation, events and calibration; the truncation bound and events."""
+    steps, sigma, c, batch, kw = RUNS["banded_mf"]
+    bands, run = kw["bands"], runs["banded_mf"]
     cm = torch.from_numpy(strategy_matrix(banded_coefficients(steps, bands), len(run.noises)))
     worst, scale = 0.0, sigma * c
     for key, t in (run.noises[0].items() if run.noises else ()):
@@ -312,35 +250,55 @@ def banded_checks(name: str, loop: Callable[..., Loop], bands: int = 3, steps: i
     cal = banded_phase_event(sigma, run.p, steps, bands)
     recorded = [e for e in _flat_events(run.ledger) if not isinstance(e, dpa.NoOpDpEvent)]
     ok_cal = recorded == [cal.event] * cal.count
-    return [Check(f"{name} banded_mf: noise is C⁻¹Z", ok_noise,
+    t_steps, t_sigma, _, t_batch, t_kw = RUNS["max_batch_size"]
+    b_max, tr = t_kw["max_batch_size"], runs["max_batch_size"]
+    t_want, got = truncated_event(N, t_batch / N, b_max, t_sigma), _flat_events(tr.ledger)
+    biggest = max(len(v) for v in tr.batches.values())
+    return [Check("session plan banded_mf: noise is C⁻¹Z", ok_noise,
                   f"{len(run.noises)} steps, b = {bands}: max |C·Y − σC·Z| = {worst:.2e} (σC = {scale:.3g}; C from "
                   f"banded_coefficients, ‖c‖ = 1; {type(run.mech).__name__})", {"max_err": worst}),
-            Check(f"{name} banded_mf: b-min-separation, events, calibration", gap >= bands and ok_ev and ok_cal,
+            Check("session plan banded_mf: b-min-separation, events, calibration", gap >= bands and ok_ev and ok_cal,
                   f"smallest gap between two participations {gap} steps (≥ {bands}); ledger "
                   f"{'= PoissonSampled(p, σ) at t ≡ 0 mod b, NoOp else' if ok_ev else 'NOT the banded events'}; "
                   f"{len(recorded)} subsampled-Gaussian events {'=' if ok_cal else '≠'} the {cal.count} σ is "
                   "calibrated on", {"min_gap": gap}),
-            Check(f"{name} banded_mf: secret noise state", bool(run.secret) and all(ok for ok, _ in run.secret),
-                  "; ".join(what for _, what in run.secret) or "no secret state found", {})]
+            Check("session plan max_batch_size: bound and truncated events",
+                  biggest <= b_max and got == [t_want] * t_steps,
+                  f"{t_steps} steps at q·N = {t_batch}, B_max = {b_max}: largest logical batch {biggest}; ledger "
+                  f"{'= ' if got == [t_want] * t_steps else 'is NOT '}{t_steps} × TruncatedSubsampledGaussian",
+                  {"max_batch": biggest})]
 
 
-def truncated_check(name: str, loop: Callable[..., Loop], steps: int = 3, sigma: float = 1.0, batch: int = 16,
-                    b_max: int = 11) -> Check:
-    """``max_batch_size=B_max`` through one way in's loop: every logical batch ≤ B_max; the truncated event."""
-    with tempfile.TemporaryDirectory() as d:
-        run = loop(steps, sigma, 1.0, batch, d, max_batch_size=b_max)
-    want = truncated_event(N, batch / N, b_max, sigma)
-    got = _flat_events(run.ledger)
-    biggest = max(len(v) for v in run.batches.values())
-    ok = biggest <= b_max and got == [want] * steps
-    return Check(f"{name} max_batch_size: bound and truncated events", ok,
-                 f"{steps} steps at q·N = {batch}, B_max = {b_max}: largest logical batch {biggest}; ledger "
-                 f"{'= ' if got == [want] * steps else 'is NOT '}{steps} × TruncatedSubsampledGaussian",
-                 {"max_batch": biggest})
+def reaches_session_check(name: str, runs: dict[str, Loop]) -> Check:
+    """One way in's mechanism settings reach the session unchanged: per setting of :data:`RUNS`, one session
+    plan whose mechanism part is the one asked for, the loop's step runs that plan's parts, and its ledger holds
+    the plan's T steps and the events the plan's σ was calibrated on."""
+    problems = []
+    for kind, run in runs.items():
+        kw = dict(RUNS[kind][4])
+        asked = mechanisms.mechanism_of(kw.pop("mechanism", "gaussian"), **kw).settings()
+        if len(run.plans) != 1:
+            problems.append(f"{kind}: {len(run.plans)} session plans (one expected)")
+            continue
+        s, plan = run.plans[0]
+        if s.mechanism.settings() != asked:
+            problems.append(f"{kind}: the session was asked for {s.mechanism.settings()}, not {asked}")
+        if run.spec is not plan.spec:
+            problems.append(f"{kind}: the loop's step does not run the session plan's parts")
+        rel, got = plan.spec.mechanism, _flat_events(run.ledger)  # the step's event at step t (banded: t's phase)
+        want = [rel.event_at(t) if hasattr(rel, "event_at") else rel.event(plan.q) for t in range(plan.steps)]
+        cal = plan.phase_event(plan.sigma)  # SelfComposed(event, count): what σ was calibrated on
+        if got != want or [e for e in got if not isinstance(e, dpa.NoOpDpEvent)] != [cal.event] * cal.count:
+            problems.append(f"{kind}: the ledger's {run.ledger.steps} steps are not the plan's {plan.steps} steps "
+                            "0…T−1 with the events its σ was calibrated on")
+    return Check(f"session: {name} reaches the session's mechanisms unchanged ({', '.join(runs)})", not problems,
+                 "; ".join(problems) or "one session plan per setting, with the mechanism asked for; the step runs its "
+                 "parts; the ledger holds its events of steps 0…T−1, as calibrated", {})
 
 
 def mechanisms_api_checks(planted: Optional[str] = None) -> list[Check]:
-    """Banded MF and truncated Poisson through every way in of :data:`LOOPS`.
+    """The session plan's banded MF and truncated Poisson, once (on make_private's loops), and every way in of
+    :data:`LOOPS` reaching them unchanged.
 
     Args:
         planted: None (the real code) or one of :data:`MECHANISMS_PLANTED` (at least one check must fail).
@@ -350,7 +308,8 @@ def mechanisms_api_checks(planted: Optional[str] = None) -> list[Check]:
     if planted is not None and planted not in MECHANISMS_PLANTED:
         raise ValueError(f"unknown planted bug {planted!r}; known: {', '.join(MECHANISMS_PLANTED)}")
     with planted_bug(planted):
-        return [c for name, loop in LOOPS for c in [*banded_checks(name, loop), truncated_check(name, loop)]]
+        runs = {name: run_loops(loop) for name, loop in LOOPS}
+    return plan_parts_checks(runs[LOOPS[0][0]]) + [reaches_session_check(name, r) for name, r in runs.items()]
 
 
 # ----------------------------------------------------------------------------- the methods
@@ -407,8 +366,7 @@ def _adaptive_noise(steps: int = 40, n: int = 16) -> Check:
 
 
 def _trainer_count_streams() -> Check:
-    import datasets
-    from transformers import BertConfig, BertForSequenceClassification, TrainingArguments, default_data_collator
+    from transformers import TrainingArguments, default_data_collator
 
     drawn: list[list[float]] = []
     orig = clipmod.AdaptiveQuantileClip.noisy_unclipped_fraction
@@ -417,14 +375,7 @@ def _trainer_count_streams() -> Check:
         drawn[-1].append(float(self.rng.stream("count", step).normal((), dtype=torch.float64)))
         return orig(self, unclipped, batch_size, expected_batch, step)
 
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=16,
-                                                     max_position_embeddings=16))
-    g = torch.Generator().manual_seed(0)
-    ds = datasets.Dataset.from_dict({"input_ids": torch.randint(3, 40, (16, 4), generator=g).tolist(),
-                                     "attention_mask": [[1] * 4] * 16,
-                                     "labels": torch.randint(0, 2, (16,), generator=g).tolist()})
+    model, ds = tiny_classifier("bert").train(), tiny_rows(16, 4)
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = TrainingArguments(output_dir=d, max_steps=2, per_device_train_batch_size=8, report_to=[],

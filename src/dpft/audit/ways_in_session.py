@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 
 from dpft import PrivacyEngine
 from dpft.audit.planted import patched
-from dpft.audit.whitebox import Check, tiny_classifier
+from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
 from dpft.integrations.hf import trainer as hf
 from dpft.session import core as session_core
 from dpft.step.plan import planned_steps
@@ -65,13 +65,10 @@ def _session_make_private() -> Any:
 
 
 def _session_dp_trainer() -> Any:
-    import datasets
     from transformers import TrainingArguments, default_data_collator
 
     st = SESSION_SETTINGS
-    g = torch.Generator().manual_seed(0)
-    rows = datasets.Dataset.from_dict({"input_ids": torch.randint(3, 64, (st["n"], 4), generator=g).tolist(),
-                                       "labels": torch.randint(0, 2, (st["n"],), generator=g).tolist()})
+    rows = tiny_rows(st["n"], 4)
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tr = hf.DPTrainer(model=tiny_classifier("bert", vocab=64, max_len=16), train_dataset=rows,

@@ -80,6 +80,16 @@ def tiny_classifier(family: str = "bert", vocab: int = 64, max_len: int = 32, nu
     return m.eval()
 
 
+def tiny_rows(n: int, t: int = 6, vocab: int = 64):
+    """``n`` random token rows of length ``t`` with binary labels (a ``datasets.Dataset``, seed 0)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (n, t), generator=g)
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones(n, t, dtype=torch.long).tolist(),
+                                       "labels": torch.randint(0, 2, (n,), generator=g).tolist()})
+
+
 def adversarial_batch(model, family: str, vocab: int = 64, max_len: int = 32, seed: int = 0) -> dict:
     """Rows: a long repeated-token input, a random one, a mislabelled one (label = least likely
     class, so a large head gradient), a padding-only row, a short one."""
