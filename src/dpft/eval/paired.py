@@ -129,15 +129,3 @@ def compare_runs(run_a: str | Path, run_b: str | Path, n_boot: int = 10000, seed
     a, b = pair(load_correct(run_a), load_correct(run_b))
     return {"acc_a": sum(a) / len(a), "acc_b": sum(b) / len(b), "mcnemar": mcnemar_exact(a, b),
             "bootstrap": paired_bootstrap(a, b, n_boot=n_boot, seed=seed)}
-
-
-def pooled_mcnemar(pairs: Iterable[tuple[Sequence[bool], Sequence[bool]]]) -> dict[str, float]:
-    """McNemar's exact test on the discordant counts summed over several seed pairs (seed i of
-    arm A against seed i of arm B). Treats every (seed, example) pair as independent, which the
-    shared dev examples are not: read it as a screen, with the per-seed spread beside it."""
-    sa: list[bool] = []
-    sb: list[bool] = []
-    for a, b in pairs:
-        sa += list(a)
-        sb += list(b)
-    return mcnemar_exact(sa, sb)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from dpft.outputs.report import audited_lines, epsilon_line, mechanism_lines, unit_line
 from dpft.methods.base import get_method, registered
@@ -240,8 +240,3 @@ def write_model_cards(run_dir: str | Path, rep: dict[str, Any]) -> list[Path]:
             build_card(rep, d).save(d / "README.md")
             out.append(d / "README.md")
     return out
-
-
-def load_report(run_dir: str | Path) -> Optional[dict[str, Any]]:
-    f = Path(run_dir) / "report.json"
-    return json.loads(f.read_text()) if f.is_file() else None

@@ -316,10 +316,3 @@ class FeatureDevEvaluator(DevEvaluator):
                                     for i, (p, h) in enumerate(zip(pred.tolist(), hit.tolist()))]
         loss = float(F.cross_entropy(lg, y, reduction="sum")) if n else 0.0
         return {"dev_accuracy": int(hit.sum()) / max(n, 1), "dev_loss": loss / max(n, 1)}
-
-
-def describe_any(cache: Optional[FeatureCache]) -> Optional[str]:
-    """``cache.describe()`` or None (for callers holding an optional cache)."""
-    return None if cache is None else cache.describe()
-
-

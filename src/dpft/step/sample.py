@@ -116,19 +116,6 @@ class ScheduledPoissonSampler(PoissonSampler):
         return self.draw(step, self.q_at(step))
 
 
-def hash_seed(*parts: int) -> int:
-    """Mix integers into a 63-bit seed (SplitMix64 steps), so per-step seeds don't collide."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        x = z ^ (z >> 31)
-    return x & 0x7FFFFFFFFFFFFFFF
-
-
 class UserPoissonSampler:
     """Poisson sampling over *users* (user-level DP), at most ``k`` rows per sampled user.
 
