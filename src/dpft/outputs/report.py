@@ -70,7 +70,7 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
                "randomness": "reproducible (from the recorded seed)" if r.privacy.reproducible
                else "secret (OS CSPRNG key, never written)",
                # truncated Poisson / banded_mf (step/mechanisms.py): public parameters only
-               **mechanism_section(trainer)},
+               **mechanism_section(trainer), **plan_section(trainer)},
         "optimizer": r.optimizer.model_dump(mode="json"),
         "metrics": final_eval,
         "time_seconds": round(elapsed, 1),
@@ -540,16 +540,18 @@ def _last_eval(d: Path, state_file: Optional[Path]) -> dict[str, Any]:
 
 def mechanism_section(trainer) -> dict:
     """``{"mechanism": …}`` for truncated Poisson or banded_mf runs (public parameters; the
-    truncation probability from N, q and the bound), and ``{"plan": …}``: the privacy plan's settings
-    and σ in simple types (step/plan.py ``CalibratedPlan.to_dict``; public: N, B, T, σ, the target)."""
+    truncation probability from N, q and the bound), else {}."""
     privacy = getattr(getattr(trainer, "plan", None), "privacy", None)
     info = privacy.mechanism.info(privacy.sampler, trainer.total_steps) if privacy is not None and trainer.private \
         else {}
-    out = {"mechanism": info} if info else {}
-    calibrated = getattr(privacy, "calibrated", None)
-    if calibrated is not None:  # the plan as a value (step/plan.py): settings in simple types and σ
-        out["plan"] = calibrated.to_dict()
-    return out
+    return {"mechanism": info} if info else {}
+
+
+def plan_section(trainer) -> dict:
+    """``{"plan": …}``: the privacy plan as a value, its settings and σ in simple types (step/plan.py
+    ``CalibratedPlan.to_dict``; public: N, B, T, the mechanism, the target, σ), else {}."""
+    privacy = getattr(getattr(trainer, "plan", None), "privacy", None)
+    return {"plan": privacy.calibrated.to_dict()} if privacy is not None and privacy.calibrated is not None else {}
 
 
 def mechanism_lines(dp: dict) -> list[str]:
