@@ -30,52 +30,46 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results"
 LOG = OUT / "scope_evidence.jsonl"
 
+
+def _schedule(steps: int, batch: int, every: int | None = None) -> dict:
+    """``steps`` logical steps of expected batch size B = ``batch``, evaluated and checkpointed every
+    ``every`` steps (default: once, at the end)."""
+    every = every or steps
+    return {"schedule.steps": steps, "batch.expected_batch_size": batch, "eval.every_steps": every,
+            "checkpoint_every": every}
+
+
 ARMS = {
     "probe": ("recipes/probe-minilm.yaml", {}),
     "lpft": ("recipes/lpft-minilm.yaml", {}),
     # the former default (no recipe, before trainable.mode: auto): top 2 blocks, 100 steps of B = 256
-    "last_k": ("recipes/sst2-minilm.yaml", {"schedule.steps": 100, "batch.expected_batch_size": 256,
-                                            "eval.every_steps": 50, "checkpoint_every": 50}),
+    "last_k": ("recipes/sst2-minilm.yaml", _schedule(100, 256, every=50)),
     # the demo recipe as it is (150 steps of B = 512, top 2 blocks): the fine-tuning arm at 20k+ rows
     "demo": ("recipes/sst2-minilm.yaml", {}),
     # the probe on the optional stronger encoder (issue 45 item 5; --model mpnet), the MiniLM recipe unchanged
     "probe_mpnet": ("recipes/probe-minilm.yaml", {"model.name": "mpnet"}),
     # the top-2-block fine-tune on the stronger encoder (its non-private reference)
-    "last_k_mpnet": ("recipes/sst2-minilm.yaml", {"model.name": "mpnet", "schedule.steps": 100,
-                                                  "batch.expected_batch_size": 256, "eval.every_steps": 50,
-                                                  "checkpoint_every": 50}),
+    "last_k_mpnet": ("recipes/sst2-minilm.yaml", {"model.name": "mpnet", **_schedule(100, 256, every=50)}),
     # the non-private reference of the same base model: every block but the word embeddings, 470 steps of B = 32
     # (about 3 epochs of 5,000 rows), lr 5e-5 (the usual fine-tuning rate; run with ε = ∞ only)
     "full": ("recipes/sst2-minilm.yaml", {"trainable.mode": "full", "optimizer.lr": 5e-5, "optimizer.head_lr": 1e-3,
-                                          "schedule.steps": 470, "schedule.warmup_steps": 20,
-                                          "batch.expected_batch_size": 32, "batch.max_physical_batch_size": 32,
-                                          "eval.every_steps": 470, "checkpoint_every": 470}),
+                                          "schedule.warmup_steps": 20, "batch.max_physical_batch_size": 32,
+                                          **_schedule(470, 32)}),
     # DP fine-tuning of every block but the word embeddings at 5,000 rows: the demo's clipping and learning rates,
     # q = 1/8 (B = 625), 40 steps (5 epochs); an indication of what the full scope gives privately at this size
-    "full_dp": ("recipes/sst2-minilm.yaml", {"trainable.mode": "full", "schedule.steps": 40,
-                                             "batch.expected_batch_size": 625, "eval.every_steps": 40,
-                                             "checkpoint_every": 40}),
+    "full_dp": ("recipes/sst2-minilm.yaml", {"trainable.mode": "full", **_schedule(40, 625)}),
     # the same full scope with larger batches and fewer steps (noise per averaged gradient sigma/B at eps 8:
     # q = 1/8, T = 40: 1.35e-3; q = 1/2, T = 20: 6.2e-4; q = 1, T = 20: 5.4e-4), 2x / 4x the examples
-    "full_dp_q2": ("recipes/sst2-minilm.yaml", {"trainable.mode": "full", "schedule.steps": 20,
-                                                "batch.expected_batch_size": 2500, "eval.every_steps": 20,
-                                                "checkpoint_every": 20}),
-    "full_dp_q1": ("recipes/sst2-minilm.yaml", {"trainable.mode": "full", "schedule.steps": 20,
-                                                "batch.expected_batch_size": 5000, "eval.every_steps": 20,
-                                                "checkpoint_every": 20}),
+    "full_dp_q2": ("recipes/sst2-minilm.yaml", {"trainable.mode": "full", **_schedule(20, 2500)}),
+    "full_dp_q1": ("recipes/sst2-minilm.yaml", {"trainable.mode": "full", **_schedule(20, 5000)}),
     # fewer trained coordinates through every block (issue 45: what the full scope's noise norm costs at 5,000
     # rows): LoRA (r = 8 on each block's query/value) and BitFit (every bias), the full_dp schedule (q = 1/8,
     # 40 steps), head_body clipping; lrs set a priori from the DP-LoRA / DP-BitFit papers' ranges, not tuned here
-    "lora_dp": ("recipes/sst2-minilm.yaml", {"trainable.mode": "lora", "optimizer.lr": 1e-3, "schedule.steps": 40,
-                                             "batch.expected_batch_size": 625, "eval.every_steps": 40,
-                                             "checkpoint_every": 40}),
+    "lora_dp": ("recipes/sst2-minilm.yaml", {"trainable.mode": "lora", "optimizer.lr": 1e-3, **_schedule(40, 625)}),
     # LoRA at a 5x larger step: at lr 1e-3 its noise-free run of the same schedule reached only 0.812 (SST-2)
     "lora_dp_hi": ("recipes/sst2-minilm.yaml", {"trainable.mode": "lora", "optimizer.lr": 5e-3,
-                                                "schedule.steps": 40, "batch.expected_batch_size": 625,
-                                                "eval.every_steps": 40, "checkpoint_every": 40}),
-    "bias_dp": ("recipes/sst2-minilm.yaml", {"trainable.mode": "bias", "optimizer.lr": 3e-3, "schedule.steps": 40,
-                                             "batch.expected_batch_size": 625, "eval.every_steps": 40,
-                                             "checkpoint_every": 40}),
+                                                **_schedule(40, 625)}),
+    "bias_dp": ("recipes/sst2-minilm.yaml", {"trainable.mode": "bias", "optimizer.lr": 3e-3, **_schedule(40, 625)}),
     # the private search over the probe (recipes/tune-probe-minilm.yaml), the whole search charged; its
     # released model scored once on the task's dev file
     "tune": ("recipes/tune-probe-minilm.yaml", {}),
