@@ -70,6 +70,11 @@ ARMS = {
     "lora_dp_hi": ("recipes/sst2-minilm.yaml", {"trainable.mode": "lora", "optimizer.lr": 5e-3,
                                                 **_schedule(40, 625)}),
     "bias_dp": ("recipes/sst2-minilm.yaml", {"trainable.mode": "bias", "optimizer.lr": 3e-3, **_schedule(40, 625)}),
+    # sentence pairs read siamese (model.pair: siamese): each sentence encoded alone, the probe on
+    # [u, v, |u - v|, u * v] (Sentence-BERT's classification features); 128 tokens for the two sentences
+    "probe_pair": ("recipes/probe-minilm.yaml", {"model.pair": "siamese", "model.max_length": 128}),
+    "probe_pair_mpnet": ("recipes/probe-minilm.yaml", {"model.pair": "siamese", "model.max_length": 128,
+                                                       "model.name": "mpnet"}),
     # the private search over the probe (recipes/tune-probe-minilm.yaml), the whole search charged; its
     # released model scored once on the task's dev file
     "tune": ("recipes/tune-probe-minilm.yaml", {}),

@@ -65,6 +65,11 @@ class ModelCfg(_Strict):
     pooling: Literal["model", "mean"] = "model"
     #: Dropout before the head with ``pooling: mean``.
     head_dropout: float = Field(0.1, ge=0, lt=1)
+    #: How a sentence pair (``task.text_pair_column``, QNLI) reaches the head with ``pooling: mean``:
+    #: ``joint`` = one encoding of the pair; ``siamese`` = each sentence encoded alone and the head on
+    #: ``[u, v, |u − v|, u ⊙ v]`` of the two normalised embeddings (Sentence-BERT's classification
+    #: features; models/hf_mean_pool.py). ``siamese`` needs a frozen encoder (``trainable.mode: head``).
+    pair: Literal["joint", "siamese"] = "joint"
     #: Override every dropout probability of the model (``0`` disables dropout, which often
     #: helps under DP: the clipped, noisy gradient is regularised enough). None = as loaded.
     dropout: Optional[float] = Field(None, ge=0, lt=1)
@@ -409,6 +414,27 @@ class Recipe(_Strict):
             return []
         name_of = methods_schema().name_of
         return [{"name": name_of(c), **c.model_dump(mode="json")} for c in v]
+
+    @model_validator(mode="after")
+    def _siamese_reads_frozen_features(self):
+        """``model.pair: siamese`` runs the encoder on two rows per example: only the head may train."""
+        if self.model.pair != "siamese":
+            return self
+        fix = []
+        if self.model.pooling != "mean":
+            fix.append(f"model.pooling: mean (not {self.model.pooling})")
+        if self.trainable.mode not in ("head", "auto"):
+            fix.append(f"trainable.mode: head (not {self.trainable.mode}: the encoder would see two rows per "
+                       "example, so per-example gradients would be per sentence)")
+        if self.model.adapter is not None:
+            fix.append("no model.adapter (adapters train inside the encoder)")
+        if self.task.name == "files" and not self.task.text_pair_column:
+            fix.append("task.text_pair_column (the second sentence's column)")
+        if self.task.name in ("sst2", "sst5", "imdb", "text", "instruct", "seq2seq"):
+            fix.append(f"a sentence-pair task (task {self.task.name} has one text per row)")
+        if fix:
+            raise ValueError("model.pair: siamese needs " + "; ".join(fix) + ", or model.pair: joint")
+        return self
 
     def method_config(self, name: str) -> BaseModel:
         """The config of method ``name`` in this recipe, or its defaults when absent."""

@@ -44,7 +44,7 @@ def build_model(recipe, num_labels: int | None, device=None):
         tokenizer, model = load_causal_lm(r.model.name, seed=r.seed)
     else:
         tokenizer, model = load_classifier(r.model.name, num_labels, seed=r.seed, pooling=r.model.pooling,
-                                           head_dropout=r.model.head_dropout)
+                                           head_dropout=r.model.head_dropout, pair=r.model.pair)
     if r.model.dropout is not None:
         set_dropout(model, r.model.dropout)
     model = select_trainable(model, r.trainable)

@@ -9,7 +9,8 @@ i) — the prefix's output for a row never changes during a run. :func:`frozen_p
 engine, clip, noise and ledger see the same trainable parameters under the same names:
 
 - ``pooled`` (dpft's mean-pooling classifier, nothing in the encoder trains): the cached tensor
-  is the pooled sentence embedding ``(N, d)``; the suffix is dropout + the linear head.
+  is what the head reads, the pooled sentence embedding ``(N, d)`` (``(N, 4d)`` siamese pair
+  features with ``model.pair: siamese``); the suffix is dropout + the linear head.
 - ``hidden`` (any other prefix): the cached tensors are the hidden states entering block
   ``start`` ``(T_i, d)`` per row; the suffix runs the model's own forward with the embeddings
   replaced by the cached states and blocks ``< start`` left out (the model builds its attention
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from dpft.models.arch import _block_list
-from dpft.models.standard import MeanPoolClassifier, masked_mean
+from dpft.models.standard import MeanPoolClassifier
 
 __all__ = ["FrozenPrefix", "frozen_prefix"]
 
@@ -87,6 +88,8 @@ class FrozenPrefix:
     def describe(self) -> str:
         """``"embeddings + blocks 0–3"`` etc. (for the plan that ``dpft train`` prints)."""
         if self.kind == "pooled":
+            if getattr(_unwrap(self.model), "pair", "joint") == "siamese":
+                return f"encoder ({self.num_blocks} blocks) + mean pooling of each sentence (siamese pair features)"
             return f"encoder ({self.num_blocks} blocks) + mean pooling"
         if self.start == 0:
             return "the embeddings"
@@ -109,7 +112,8 @@ class FrozenPrefix:
         """SHA-256 of the split (kind, start, model class) and the frozen prefix's weights and
         buffers (bytes, names, shapes, dtypes): a changed model never reuses a cache."""
         h = hashlib.sha256()
-        h.update(f"{type(_unwrap(self.model)).__name__}|{self.kind}|{self.start}|{self.num_blocks}".encode())
+        pair = getattr(_unwrap(self.model), "pair", "joint")
+        h.update(f"{type(_unwrap(self.model)).__name__}|{self.kind}|{self.start}|{self.num_blocks}|{pair}".encode())
         for i, m in enumerate(self.prefix_modules()):
             for name, t in sorted(m.state_dict().items()):
                 h.update(f"{i}.{name}|{tuple(t.shape)}|{t.dtype}".encode())
@@ -139,9 +143,8 @@ class FrozenPrefix:
         pooled embeddings (``pooled``) or ``(B, T, d)`` hidden states entering block ``start``
         (``hidden``; rows padded to the batch's T, padding positions are never read)."""
         kw = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids", "position_ids") if k in batch}
-        if self.kind == "pooled":
-            h = self.base(**kw).last_hidden_state
-            return masked_mean(h, batch.get("attention_mask"))
+        if self.kind == "pooled":  # the classifier's own pooling (mean, or the siamese pair features)
+            return _unwrap(self.model).features(**kw)
         with self._patched(slice(0, self.start), None):
             return self.base(**kw).last_hidden_state
 

@@ -15,6 +15,12 @@ must load without it.
 
 Model: encoder + masked mean of the last hidden states (over positions with
 ``attention_mask == 1``) + dropout + linear head; ``input_ids (B, T)`` → ``logits (B, L)``.
+
+Sentence pairs (config ``pair: siamese``, issue 45): the tokenizer's joint pair encoding
+(``[CLS] a [SEP] b [SEP]``, or ``<s> a </s></s> b </s>``) is split back into its two sentences,
+each encoded alone (:func:`split_pair`), and the head reads ``[u, v, |u − v|, u ⊙ v]`` of the two
+L2-normalised mean embeddings (Reimers & Gurevych 2019, Sentence-BERT §3, the classification
+objective that sentence encoders such as all-MiniLM-L6-v2 were trained with): ``(B, 4H)``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 #: ``model_type`` of the mean-pooling classifier in ``config.json``.
 MODEL_TYPE = "dpft_mean_pool"
 
+#: How a sentence pair reaches the head: ``joint`` (one encoding of the pair, one mean) or
+#: ``siamese`` (each sentence encoded alone, :func:`siamese_features`).
+PAIR_MODES = ("joint", "siamese")
+
 
 
 def masked_mean(h: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -39,11 +49,82 @@ def masked_mean(h: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.T
     m = attention_mask.unsqueeze(-1).to(h.dtype)
     return (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
 
+def split_pair(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0):
+    """A batch of joint pair encodings → the two sentences as if each were tokenized alone.
+
+    Row ``[CLS] a… [SEP] b… [SEP]`` (BERT) or ``<s> a… </s></s> b… </s>`` (RoBERTa, MPNet): the
+    separator is the row's last real token; the first sentence runs to its first occurrence, the
+    second starts after it (and after a doubled separator), re-prefixed with the row's first token.
+    Positions that are not the sentence hold ``pad_id`` with mask 0, so position ids (BERT: by
+    index; RoBERTa: by non-pad count) are those of the sentence alone.
+
+    Args:
+        input_ids, attention_mask: ``(B, T)``, right-padded.
+    Returns:
+        ``(ids_a, mask_a, ids_b, mask_b)``, each ``(B, T)``.
+    Raises:
+        ValueError: a row holds one sentence (no second segment): this head classifies pairs.
+    """
+    B, T = input_ids.shape
+    mask = attention_mask.to(torch.long)
+    pos = torch.arange(T, device=input_ids.device).expand(B, T)
+    last = (mask.sum(1) - 1).clamp_min(0)
+    sep = input_ids.gather(1, last[:, None])                       # (B, 1): the row's separator id
+    is_sep = (input_ids == sep) & (mask > 0)
+    s1 = torch.where(is_sep, pos, T).min(1).values                # first separator: end of a
+    nxt = input_ids.gather(1, (s1 + 1).clamp(max=T - 1)[:, None])[:, 0]
+    b0 = s1 + 1 + (nxt == sep[:, 0]).long() * (s1 + 1 < last).long()  # skip a doubled separator
+    if bool((b0 >= last).any()):
+        raise ValueError("pair: siamese classifies sentence pairs, but a row holds one sentence; give text and "
+                         "text_pair (task.text_pair_column), or use a model saved with pair: joint")
+    keep_a = (pos <= s1[:, None]) & (mask > 0)
+    ids_a = torch.where(keep_a, input_ids, torch.full_like(input_ids, pad_id))
+    src = b0[:, None] - 1 + pos                                   # column j of b reads column b0-1+j
+    ok = (src < T) & mask.gather(1, src.clamp(max=T - 1)).bool()
+    ids_b = torch.where(ok, input_ids.gather(1, src.clamp(max=T - 1)), torch.full_like(input_ids, pad_id))
+    ids_b[:, 0] = input_ids[:, 0]
+    ok[:, 0] = True
+    return ids_a, keep_a.to(attention_mask.dtype), ids_b, ok.to(attention_mask.dtype)
+
+
+def siamese_features(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``(B, H)`` mean embeddings of the two sentences → ``(B, 4H)`` ``[u, v, |u − v|, u ⊙ v]`` of
+    their L2-normalised forms (Sentence-BERT's classification features; normalised as the
+    sentence encoders' own output, which also bounds each row's feature norm by √7)."""
+    u = nn.functional.normalize(u, dim=-1)
+    v = nn.functional.normalize(v, dim=-1)
+    return torch.cat([u, v, (u - v).abs(), u * v], dim=-1)
+
+
+def pair_width(pair: str) -> int:
+    """Head input width in units of the hidden size H: 1 (``joint``) or 4 (``siamese``)."""
+    if pair not in PAIR_MODES:
+        raise ValueError(f"pair must be one of {PAIR_MODES}, got {pair!r}")
+    return 4 if pair == "siamese" else 1
+
+
+def pooled_features(encoder: nn.Module, pair: str, input_ids=None, attention_mask=None, pad_id: int = 0,
+                    **kw) -> torch.Tensor:
+    """What the head reads: ``(B, H)`` masked mean of ``encoder``'s last hidden states
+    (``joint``), or ``(B, 4H)`` :func:`siamese_features` of the two sentences, encoded alone in
+    one ``(2B, T)`` batch (``siamese``: ``token_type_ids`` dropped, each sentence is segment 0)."""
+    if pair == "joint" or input_ids is None:
+        return masked_mean(encoder(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state,
+                           attention_mask)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    ids_a, mask_a, ids_b, mask_b = split_pair(input_ids, attention_mask, pad_id)
+    ids, mask = torch.cat([ids_a, ids_b]), torch.cat([mask_a, mask_b])
+    h = masked_mean(encoder(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+    return siamese_features(*h.split(input_ids.shape[0]))
+
+
 class DpftMeanPoolConfig(PretrainedConfig):
     """Config of :class:`DpftMeanPoolForSequenceClassification`.
 
     Keys (besides the usual ``id2label`` / ``label2id``): ``encoder`` (dict: the encoder's own
-    config, with its ``model_type``), ``head_dropout`` (float, dropout before the linear head).
+    config, with its ``model_type``), ``head_dropout`` (float, dropout before the linear head),
+    ``pair`` (``joint`` when absent, or ``siamese``: :data:`PAIR_MODES`).
     No custom ``__init__``: extra keys become attributes in transformers 4 and 5 alike.
     """
 
@@ -81,7 +162,8 @@ class DpftMeanPoolForSequenceClassification(PreTrainedModel):
         enc_cfg = config.encoder_config()
         self.encoder = _encoder_from_config(enc_cfg)
         self.dropout = nn.Dropout(float(getattr(config, "head_dropout", 0.0) or 0.0))
-        self.classifier = nn.Linear(enc_cfg.hidden_size, config.num_labels)
+        self.pair = str(getattr(config, "pair", None) or "joint")
+        self.classifier = nn.Linear(enc_cfg.hidden_size * pair_width(self.pair), config.num_labels)
         self.post_init()
 
     def _init_weights(self, module):  # only a fresh head is ever initialised here
@@ -99,8 +181,8 @@ class DpftMeanPoolForSequenceClassification(PreTrainedModel):
                 inputs_embeds=None, labels=None, return_dict=None, **_ignored):
         kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                                 ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
-        h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
-        pooled = masked_mean(h, attention_mask)
+        pad = getattr(self.encoder.config, "pad_token_id", None) or 0
+        pooled = pooled_features(self.encoder, self.pair, input_ids, pad_id=pad, **kw)  # (B, H) or (B, 4H)
         logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:
@@ -109,13 +191,13 @@ class DpftMeanPoolForSequenceClassification(PreTrainedModel):
 
     @classmethod
     def from_encoder(cls, name_or_path: str, labels: Sequence[str], head_dropout: float = 0.0,
-                     **kwargs) -> "DpftMeanPoolForSequenceClassification":
+                     pair: str = "joint", **kwargs) -> "DpftMeanPoolForSequenceClassification":
         """A pre-trained encoder (folder or hub id) with a fresh head for ``labels`` — the base a
         mean-pooling LoRA adapter is applied to."""
         from transformers.utils import logging as hf_logging
 
         enc_cfg = AutoConfig.from_pretrained(name_or_path)
-        model = cls(_config(enc_cfg, labels, head_dropout))
+        model = cls(_config(enc_cfg, labels, head_dropout, pair))
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the unused [CLS] pooler's weights are expected to be skipped
         try:
@@ -129,11 +211,13 @@ class DpftMeanPoolForSequenceClassification(PreTrainedModel):
         return model
 
 
-def _config(enc_cfg: PretrainedConfig, labels: Sequence[str], head_dropout: float) -> DpftMeanPoolConfig:
+def _config(enc_cfg: PretrainedConfig, labels: Sequence[str], head_dropout: float,
+            pair: str = "joint") -> DpftMeanPoolConfig:
     enc = enc_cfg.to_dict()
     for k in ("id2label", "label2id", "architectures", "_name_or_path", "transformers_version"):
         enc.pop(k, None)
-    return DpftMeanPoolConfig(encoder=enc, head_dropout=float(head_dropout), **label_maps(labels),
+    pair_width(pair)
+    return DpftMeanPoolConfig(encoder=enc, head_dropout=float(head_dropout), pair=pair, **label_maps(labels),
                               architectures=[DpftMeanPoolForSequenceClassification.__name__])
 
 

@@ -126,11 +126,13 @@ def set_dropout(model: nn.Module, p: float) -> int:
     return n
 
 
-def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "model", head_dropout: float = 0.1):
+def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "model", head_dropout: float = 0.1,
+                    pair: str = "joint"):
     """Tokenizer and a sequence classifier with a fresh head of ``num_labels``.
 
     ``pooling="model"``: ``AutoModelForSequenceClassification`` (the architecture's own head).
-    ``pooling="mean"``: :class:`MeanPoolClassifier` over ``AutoModel`` (no [CLS] pooler).
+    ``pooling="mean"``: :class:`MeanPoolClassifier` over ``AutoModel`` (no [CLS] pooler), reading
+    a sentence pair ``pair``-wise (``joint`` | ``siamese``: models/hf_mean_pool.py).
 
     Raises:
         ModelError: the name is neither a folder with a config nor a reachable hub id.
@@ -146,13 +148,13 @@ def load_classifier(name: str, num_labels: int, seed: int = 0, pooling: str = "m
         tok = AutoTokenizer.from_pretrained(path)
         exported = _exported_mean_pool(Path(path))
         if exported is not None:  # a dpft run's model/ (models/export.py): encoder and trained head
-            model = _from_exported(exported, num_labels, pooling, head_dropout)
+            model = _from_exported(exported, num_labels, pooling, head_dropout, pair)
         elif pooling == "mean":
             try:  # BERT-likes: skip the unused [CLS] pooler so no trainable weight is left gradient-free
                 encoder = AutoModel.from_pretrained(path, add_pooling_layer=False)
             except TypeError:
                 encoder = AutoModel.from_pretrained(path)
-            model = MeanPoolClassifier(encoder, num_labels, head_dropout)
+            model = MeanPoolClassifier(encoder, num_labels, head_dropout, pair)
             _load_saved_head(model, Path(path))
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
@@ -184,15 +186,15 @@ def _exported_mean_pool(path: Path):
     return DpftMeanPoolForSequenceClassification.from_pretrained(path)
 
 
-def _from_exported(exported, num_labels: int, pooling: str, head_dropout: float):
+def _from_exported(exported, num_labels: int, pooling: str, head_dropout: float, pair: str = "joint"):
     """Continue from a saved mean-pooling classifier: ``pooling="mean"`` keeps its head when it
-    has ``num_labels`` outputs (else a fresh one, as for any encoder); ``pooling="model"`` puts
-    its encoder under the architecture's own head (fresh)."""
+    has ``num_labels`` outputs and reads pairs the same way (else a fresh one, as for any
+    encoder); ``pooling="model"`` puts its encoder under the architecture's own head (fresh)."""
     from transformers import AutoModelForSequenceClassification
 
     if pooling == "mean":
-        model = MeanPoolClassifier(exported.encoder, num_labels, head_dropout)
-        if exported.classifier.out_features == num_labels:
+        model = MeanPoolClassifier(exported.encoder, num_labels, head_dropout, pair)
+        if exported.classifier.weight.shape == model.classifier.weight.shape:
             model.classifier.load_state_dict(exported.classifier.state_dict())
         return model
     model = AutoModelForSequenceClassification.from_config(exported.config.encoder_config(), num_labels=num_labels)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from dpft.models.hf_mean_pool import (MODEL_TYPE, DpftMeanPoolConfig,  # noqa: F401 (re-exported)
-                                      DpftMeanPoolForSequenceClassification, _config, label_maps, masked_mean)
+from dpft.models.hf_mean_pool import (MODEL_TYPE, PAIR_MODES, DpftMeanPoolConfig,  # noqa: F401 (re-exported)
+                                      DpftMeanPoolForSequenceClassification, _config, label_maps, masked_mean,
+                                      pair_width, pooled_features)
 
 #: Written beside a LoRA adapter: what dpft needs to rebuild its base (pooling, labels, base).
 ADAPTER_META = "dpft_adapter.json"
@@ -44,23 +46,44 @@ class MeanPoolClassifier(nn.Module):
     example's representation (and per-example gradients stay per-example). This is the pooling
     all-MiniLM-L6-v2 was trained with (sentence-transformers); BERT's [CLS] pooler of that
     checkpoint was not trained for it.
+
+    ``pair="siamese"`` (sentence pairs, hf_mean_pool.py :func:`pooled_features`): the two
+    sentences of each row are encoded alone and the head, ``Linear(4H, L)``, reads
+    ``[u, v, |u − v|, u ⊙ v]``. The encoder then runs on ``2B`` rows, two per example, so it must
+    stay frozen (``trainable.mode: head``): a per-example gradient engine would count the two
+    sentences as two examples.
     """
 
-    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1):
+    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1, pair: str = "joint"):
         super().__init__()
         self.encoder = encoder
         self.config = encoder.config
+        self.pair = pair
         self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
+        self.classifier = nn.Linear(encoder.config.hidden_size * pair_width(pair), num_labels)
+
+    def features(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                 inputs_embeds=None) -> "torch.Tensor":
+        """What the head reads: ``(B, H)`` pooled embeddings, ``(B, 4H)`` with ``pair="siamese"``.
+
+        Raises:
+            ValueError: ``pair="siamese"`` with a trainable encoder while gradients are on (two
+                encoder rows per example: per-example gradients would be per sentence).
+        """
+        kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                                ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
+        if self.pair == "siamese" and torch.is_grad_enabled() and \
+                any(p.requires_grad for p in self.encoder.parameters()):
+            raise ValueError("pair: siamese encodes each row's two sentences as two encoder rows, so only the head "
+                             "may train (trainable.mode: head); freeze the encoder or use pair: joint")
+        pad = getattr(self.config, "pad_token_id", None) or 0
+        return pooled_features(self.encoder, self.pair, input_ids, pad_id=pad, **kw)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, **_ignored):
         from transformers.modeling_outputs import SequenceClassifierOutput
 
-        kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
-                                ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
-        h = self.encoder(input_ids=input_ids, **kw).last_hidden_state  # (B, T, H)
-        pooled = masked_mean(h, attention_mask)
+        pooled = self.features(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
         return SequenceClassifierOutput(logits=self.classifier(self.dropout(pooled)))
 
     def save_pretrained(self, out, labels=None, **kwargs) -> None:
@@ -87,7 +110,7 @@ def to_standard(model: nn.Module, labels: Optional[Sequence[str]] = None) -> nn.
         names = list(labels) if labels is not None else [f"LABEL_{i}" for i in range(k)]
         if len(names) != k:
             raise ValueError(f"{len(names)} label names for a head of {k} outputs")
-        out = DpftMeanPoolForSequenceClassification(_config(model.encoder.config, names, model.dropout.p))
+        out = DpftMeanPoolForSequenceClassification(_config(model.encoder.config, names, model.dropout.p, model.pair))
         missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
         if missing or unexpected:
             raise ValueError(f"cannot map the mean-pooling classifier: missing {missing[:4]}, unexpected {unexpected[:4]}")

@@ -126,8 +126,13 @@ def resolve_scope(recipe, n: int) -> tuple[Any, str]:
     """``recipe`` with ``trainable.mode: auto`` resolved for N rows, and the lines to print."""
     eps = recipe.privacy.target_epsilon if recipe.privacy.enabled else None
     pair = bool(recipe.task.text_pair_column) or recipe.task.name == "qnli"
-    scope, why = choose_scope(n, eps, pair)
+    if recipe.model.pair == "siamese":
+        scope, why = "head", "model.pair: siamese reads frozen features: only the head trains"
+    else:
+        scope, why = choose_scope(n, eps, pair)
     ov = scope_overrides(recipe, scope, n)
+    if pair and scope == "head" and recipe.model.pooling == "mean":
+        ov["model.pair"] = "siamese"
     d = apply_overrides(recipe.model_dump(mode="json"), ov)
     kept = sorted(set(SCOPES[scope][0](n)) - set(ov))
     msg = f"trainable scope (auto): {scope} — {SCOPES[scope][1]}\n  why: {why}"

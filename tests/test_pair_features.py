@@ -1,0 +1,122 @@
+"""Siamese sentence-pair features (issue 45; models/hf_mean_pool.py): the joint pair encoding split back
+into its two sentences equals encoding each alone, the head reads ``[u, v, |u − v|, u ⊙ v]``, the saved
+model loads with the same outputs, and a trainable encoder is refused (tiny random BERT, built in-process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from dpft.config.recipe import TrainableCfg, load_recipe
+from dpft.models.features import frozen_prefix
+from dpft.models.hf_mean_pool import masked_mean, split_pair, siamese_features
+from dpft.models.load import select_trainable
+from dpft.models.standard import DpftMeanPoolForSequenceClassification, MeanPoolClassifier
+from dpft.run.scope import resolve_scope
+
+CLS, SEP, PAD = 2, 3, 0
+
+
+def _encoder():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32, pad_token_id=PAD)
+    return transformers.BertModel(cfg, add_pooling_layer=False).eval()
+
+
+def _rows(pairs, sep_twice=False):
+    """Joint encodings ``[CLS] a [SEP] b [SEP]`` (``[SEP][SEP]`` between with ``sep_twice``), right-padded."""
+    rows = [[CLS, *a, SEP, *([SEP] if sep_twice else []), *b, SEP] for a, b in pairs]
+    t = max(map(len, rows)) + 2
+    ids = torch.tensor([r + [PAD] * (t - len(r)) for r in rows])
+    return ids, (ids != PAD).long()
+
+
+def _alone(enc, toks):
+    ids = torch.tensor([[CLS, *toks, SEP]])
+    return masked_mean(enc(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state, None)[0]
+
+
+PAIRS = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13, 14]), ([15, 16], [17])]
+
+
+@pytest.mark.parametrize("sep_twice", [False, True])
+def test_split_pair_equals_each_sentence_encoded_alone(sep_twice):
+    enc = _encoder()
+    ids, mask = _rows(PAIRS, sep_twice)
+    ids_a, mask_a, ids_b, mask_b = split_pair(ids, mask, PAD)
+    for i, (a, b) in enumerate(PAIRS):
+        assert ids_a[i][mask_a[i].bool()].tolist() == [CLS, *a, SEP]
+        assert ids_b[i][mask_b[i].bool()].tolist() == [CLS, *b, SEP]
+    with torch.no_grad():
+        u = masked_mean(enc(input_ids=ids_a, attention_mask=mask_a).last_hidden_state, mask_a)
+        v = masked_mean(enc(input_ids=ids_b, attention_mask=mask_b).last_hidden_state, mask_b)
+        for i, (a, b) in enumerate(PAIRS):
+            torch.testing.assert_close(u[i], _alone(enc, a), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v[i], _alone(enc, b), rtol=1e-5, atol=1e-6)
+
+
+def test_one_sentence_rows_are_refused_by_name():
+    ids = torch.tensor([[CLS, 5, 6, SEP, PAD]])
+    with pytest.raises(ValueError, match="text_pair"):
+        split_pair(ids, (ids != PAD).long(), PAD)
+
+
+def test_head_reads_the_four_pair_features_and_the_saved_model_agrees(tmp_path):
+    m = MeanPoolClassifier(_encoder(), num_labels=2, dropout=0.0, pair="siamese").eval()
+    assert m.classifier.in_features == 4 * 16
+    ids, mask = _rows(PAIRS)
+    with torch.no_grad():
+        feats = m.features(input_ids=ids, attention_mask=mask)
+        u = torch.stack([_alone(m.encoder, a) for a, _ in PAIRS])
+        v = torch.stack([_alone(m.encoder, b) for _, b in PAIRS])
+        torch.testing.assert_close(feats, siamese_features(u, v), rtol=1e-5, atol=1e-6)
+        nu = u / u.norm(dim=-1, keepdim=True)
+        torch.testing.assert_close(feats[:, 16 * 3:], nu * (v / v.norm(dim=-1, keepdim=True)), rtol=1e-5, atol=1e-6)
+        logits = m(input_ids=ids, attention_mask=mask).logits
+    m.save_pretrained(tmp_path, labels=["yes", "no"])
+    back = DpftMeanPoolForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert back.pair == "siamese"
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids, attention_mask=mask).logits, logits, rtol=1e-5, atol=1e-6)
+
+
+def test_cached_features_are_the_pair_features():
+    m = select_trainable(MeanPoolClassifier(_encoder(), 2, 0.0, pair="siamese"), TrainableCfg(mode="head")).eval()
+    split, why = frozen_prefix(m)
+    assert split is not None and split.kind == "pooled", why
+    ids, mask = _rows(PAIRS)
+    feats = split.prefix({"input_ids": ids, "attention_mask": mask})
+    assert feats.shape == (3, 64)
+    torch.testing.assert_close(split.suffix_forward(feats).logits,
+                               m(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-6)
+    joint = select_trainable(MeanPoolClassifier(_encoder(), 2, 0.0), TrainableCfg(mode="head"))
+    assert frozen_prefix(joint)[0].fingerprint() != split.fingerprint()  # never one cache for both
+
+
+def test_a_trainable_encoder_is_refused():
+    m = MeanPoolClassifier(_encoder(), 2, 0.0, pair="siamese").train()  # everything trains
+    ids, mask = _rows(PAIRS)
+    with pytest.raises(ValueError, match="trainable.mode: head"):
+        m(input_ids=ids, attention_mask=mask)
+
+
+def test_the_recipe_refuses_what_siamese_cannot_do():
+    base = {"model.pooling": "mean", "model.pair": "siamese", "task.name": "qnli"}
+    load_recipe(None, {**base, "trainable.mode": "head"})
+    for bad, says in (({"trainable.mode": "last_k"}, "trainable.mode: head"),
+                      ({"trainable.mode": "head", "model.pooling": "model"}, "model.pooling: mean"),
+                      ({"trainable.mode": "head", "task.name": "sst2"}, "sentence-pair task"),
+                      ({"trainable.mode": "head", "task.name": "files", "task.train_file": "x.csv"},
+                       "text_pair_column")):
+        with pytest.raises(ValueError, match=says):
+            load_recipe(None, {**base, **bad})
+
+
+def test_auto_scope_reads_pairs_siamese():
+    r = load_recipe(None, {"model.pooling": "mean", "task.name": "qnli", "trainable.mode": "auto"})
+    resolved, msg = resolve_scope(r, 4000)
+    assert resolved.trainable.mode == "head" and resolved.model.pair == "siamese"
+    single, _ = resolve_scope(load_recipe(None, {"model.pooling": "mean", "trainable.mode": "auto"}), 4000)
+    assert single.model.pair == "joint"
