@@ -120,3 +120,35 @@ def test_auto_scope_reads_pairs_siamese():
     assert resolved.trainable.mode == "head" and resolved.model.pair == "siamese"
     single, _ = resolve_scope(load_recipe(None, {"model.pooling": "mean", "trainable.mode": "auto"}), 4000)
     assert single.model.pair == "joint"
+
+
+@pytest.mark.slow  # a Trainer end to end twice (about 30 s on 2 shared cores)
+def test_dpft_train_siamese_cache_on_equals_off(tiny_model_dir, tmp_path):
+    """Through ``dpft train`` on a two-text CSV: cached siamese features release the same ledger, dev
+    metrics and weights as the uncached run (reproducible mode), and the head is 4H wide."""
+    import pandas as pd
+
+    from conftest import files_recipe
+    from dpft.run.loop import Trainer
+
+    words = ["good", "bad", "great", "awful", "fine", "poor"]
+    pd.DataFrame([{"text": f"is film {i} {words[i % 6]}", "other": f"it was {words[(i * 5) % 6]} indeed",
+                   "label": int(i % 2 == 0)} for i in range(60)]).to_csv(tmp_path / "p.csv", index=False)
+    out = {}
+    for cache in ("on", "off"):
+        rec = files_recipe(tiny_model_dir, {"csv": tmp_path / "p.csv"}, **{
+            "task.text_pair_column": "other", "model.pooling": "mean", "model.pair": "siamese",
+            "trainable.mode": "head", "model.max_length": 24, "privacy.reproducible": True, "seed": 3,
+            "perf.feature_cache": cache, "schedule.steps": 4, "eval.every_steps": 2,
+            "batch.expected_batch_size": 16, "batch.max_physical_batch_size": 5})
+        t = Trainer(rec, tmp_path / cache, progress=False)
+        assert (t.plan.features is not None) == (cache == "on")
+        rep = t.run()
+        assert t.model.classifier.in_features == 4 * 16
+        out[cache] = (rep, {n: p.detach().clone() for n, p in t.params.items()},
+                      (tmp_path / cache / "ledger.json").read_text())
+    (rep_on, p_on, led_on), (rep_off, p_off, led_off) = out["on"], out["off"]
+    assert led_on == led_off
+    assert rep_on["metrics"]["dev_accuracy"] == rep_off["metrics"]["dev_accuracy"]
+    for n in p_on:
+        torch.testing.assert_close(p_on[n], p_off[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -95,6 +95,14 @@ class FrozenPrefix:
             return "the embeddings"
         return f"embeddings + blocks 0–{self.start - 1} of {self.num_blocks}"
 
+    @property
+    def width(self) -> int:
+        """d, the last dimension of a cached row: the head's input (``pooled``: H, or 4H for siamese
+        pair features) or the hidden size (``hidden``)."""
+        if self.kind == "pooled":
+            return int(_unwrap(self.model).classifier.in_features)
+        return int(self.base.config.hidden_size)
+
     def prefix_modules(self) -> list[nn.Module]:
         """The frozen modules that run before the trainable scope."""
         blocks = getattr(self.blocks_owner, self.blocks_attr)

@@ -210,7 +210,7 @@ def feature_cache(recipe, data, model, tokenizer, placement, *, run_dir: Optiona
         tr, dv = load_split(folder, "train"), load_split(folder, "dev")
         if tr is not None and dv is not None and len(tr) == len(data.train_tok) and len(dv) == len(data.dev_tok):
             return FeatureCache(split, FeatureStore(key, tr, dv, folder, keep=True, loaded=True)), ""
-    dim = int(getattr(split.base.config, "hidden_size"))
+    dim = split.width
     rows_tokens = sum(len(x) for x in data.train_tok["input_ids"]) + sum(len(x) for x in data.dev_tok["input_ids"])
     n_rows = len(data.train_tok) + len(data.dev_tok)
     est = 4 * dim * (n_rows if split.kind == "pooled" else rows_tokens)
