@@ -78,6 +78,8 @@ ARMS = {
     # the private search over the probe (recipes/tune-probe-minilm.yaml), the whole search charged; its
     # released model scored once on the task's dev file
     "tune": ("recipes/tune-probe-minilm.yaml", {}),
+    # the same search over the siamese pair features (their lr and C chosen privately: the features are normalised)
+    "tune_pair": ("recipes/tune-probe-minilm.yaml", {"model.pair": "siamese", "model.max_length": 128}),
     # the same search on the stronger encoder (its lr and C chosen privately for mpnet's features)
     "tune_mpnet": ("recipes/tune-probe-minilm.yaml", {"model.name": "mpnet"}),
 }
@@ -134,10 +136,28 @@ def _run_tune(task: str, arm: str, eps: float | None, seed: int, rows: int, out:
     shutil.rmtree(out, ignore_errors=True)
     rep = dpft.tune(str(ROOT / ARMS[arm][0]), out, progress=False, overrides=over)
     dev = str(data_dir() / REGISTRY[task].dev_file)
+    if REGISTRY[task].train_file is None:  # QNLI: trained on 4,000 rows of its dev file, scored on the rest only
+        dev = _held_out(task, seed, out.parent)
     k = json.loads((out / "tune_private" / "state.json").read_text())["k"]
     return {"task": task, "arm": arm, "eps": eps, "seed": seed, "rows": rows,
             "dev_accuracy": _test_accuracy(out, dev), "epsilon": rep.get("epsilon"), "k": k,
             "seconds": round(time.time() - t0, 1)}
+
+
+def _held_out(task: str, seed: int, where: Path) -> str:
+    """The rows of a dev-only task (QNLI) that its seed's run did not train on (data/tasks.py splits the dev
+    file 4,000 / rest with the recipe's seed), written as a file of the dev file's format."""
+    import datasets
+    import pandas as pd
+
+    from dpft.data.tasks import REGISTRY, data_dir
+
+    path = data_dir() / REGISTRY[task].dev_file
+    rows = datasets.Dataset.from_pandas(pd.read_csv(path, sep="\t", quoting=3, dtype=str, keep_default_na=False))
+    held = rows.train_test_split(train_size=4000, seed=seed, shuffle=True)["test"]
+    out = where / f"{task}-held-out-{seed}.tsv"
+    held.to_pandas().to_csv(out, sep="\t", index=False, quoting=3)
+    return str(out)
 
 
 def _paired_p(a: list[float], b: list[float]) -> float:

@@ -108,7 +108,9 @@ def pooled_features(encoder: nn.Module, pair: str, input_ids=None, attention_mas
     """What the head reads: ``(B, H)`` masked mean of ``encoder``'s last hidden states
     (``joint``), or ``(B, 4H)`` :func:`siamese_features` of the two sentences, encoded alone in
     one ``(2B, T)`` batch (``siamese``: ``token_type_ids`` dropped, each sentence is segment 0)."""
-    if pair == "joint" or input_ids is None:
+    if pair == "siamese" and input_ids is None:
+        raise ValueError("pair: siamese splits the token ids of each pair: give input_ids, not inputs_embeds")
+    if pair == "joint":
         return masked_mean(encoder(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state,
                            attention_mask)
     if attention_mask is None:
