@@ -57,12 +57,13 @@ def has_auto_scope(recipe) -> bool:
 def choose_scope(n: int, epsilon: Optional[float], pair: bool = False) -> tuple[str, str]:
     """(scope, why) for N training rows at target ε (None: non-private); ``pair``: rows of two texts."""
     if pair and n <= HEAD_MAX_ROWS:
-        return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}, rows of two texts: at this size neither scope learned the pair "
-                        "task measured (QNLI, 4,000 rows, ε = 8: the probe 0.542 ± 0.007 over 3 seeds, the top 2 "
-                        "blocks 0.514 in one 21-minute run; chance 0.50; without DP the top 2 blocks reach 0.734 (one run) on "
-                        "the same rows: the noise, not the data, is the limit; benchmarks/results/scope_evidence.md), "
-                        "so the probe, at a thirtieth of the compute — expect little above chance: more rows, a "
-                        "larger ε or a stronger encoder")
+        return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}, rows of two texts: the probe on siamese pair features (each "
+                        "text encoded alone, the head on [u, v, |u - v|, u * v]; model.pair: siamese) is the best "
+                        "private arm measured (QNLI, 4,000 rows, ε = 8: 0.664 ± 0.009 over 3 seeds, against the "
+                        "jointly encoded probe's 0.542 ± 0.007 and the top 2 blocks' 0.514 in one 21-minute run; "
+                        "chance 0.50; benchmarks/results/scope_evidence.md); without DP the top 2 blocks reach "
+                        "0.734 and every block 0.810 on the same rows (one run each): expect well under what the "
+                        "data allows at this size — more rows, a larger ε or a stronger encoder")
     if n <= HEAD_MAX_ROWS:
         return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}: at this size a DP linear probe on the frozen features is at or "
                         "above fine-tuning the top blocks (5,000 rows, ε = 8, 3 seeds: SST-2 0.796 ± 0.002 against "
