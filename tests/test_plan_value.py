@@ -181,3 +181,22 @@ def test_the_units_own_sampler_enters_as_its_rate():
                  sampler=UserPoissonSampler(users, 4, 2, Randomness(SEED)))
     plan = cal.make(rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt, sampler=own)
     assert plan.sampler is own and plan.q == 0.25 and plan.sigma == cal.sigma
+
+
+def test_make_private_saved_state_carries_the_plan_value(tmp_path):
+    """make_private's one written state (``save_noise_state``, banded MF) carries the plan value every way in
+    writes (outputs/report.py ``plan_section``), and it round-trips to the σ the loop runs with."""
+    from dpft import PrivacyEngine
+
+    model, opt = _model()
+    data = TensorDataset(torch.randn(N, 6), torch.randint(0, 3, (N,)))
+    eng = PrivacyEngine(reproducible_seed=SEED)
+    module, opt, crit, loader = eng.make_private(
+        module=model, optimizer=opt, criterion=nn.CrossEntropyLoss(), dataset=data, expected_batch_size=B,
+        max_grad_norm=1.0, steps=STEPS, target_epsilon=4.0, target_delta=1e-3, mechanism="banded_mf", bands=3)
+    assert eng.save_noise_state(tmp_path / "noise.pt")
+    saved = torch.load(tmp_path / "noise.pt", weights_only=True)["plan"]
+    want = _settings(MECHS[2], target_epsilon=4.0, delta=1e-3)
+    assert CalibratedPlan.from_dict(saved) == CalibratedPlan(want, eng.noise_multiplier)
+    assert saved["sigma"] == eng.noise_multiplier and (saved["n"], saved["steps"], saved["bands"]) == (N, STEPS, 3)
+    eng.detach()

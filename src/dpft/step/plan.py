@@ -216,6 +216,11 @@ class CalibratedPlan:
         """The settings' :meth:`~PlanSettings.to_dict` and ``sigma`` (JSON-serialisable)."""
         return {**self.settings.to_dict(), "sigma": self.sigma}
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "CalibratedPlan":
+        """The value :meth:`to_dict` wrote (report.json's ``dp.plan``, DPTrainer's ``dp_state.json`` ``plan``)."""
+        return cls(PlanSettings.from_dict({k: v for k, v in d.items() if k != "sigma"}), d["sigma"])
+
     def make(self, *, rng, parts: Callable[[Any], tuple[Any, Any]], optimizer=None,
              optimizer_factory: Optional[Callable[[dict], Any]] = None, sampler: Any = None,
              transforms: Sequence = (), head_mask: Optional[Callable[[list[str]], list[bool]]] = None,
