@@ -200,3 +200,18 @@ def test_make_private_saved_state_carries_the_plan_value(tmp_path):
     assert CalibratedPlan.from_dict(saved) == CalibratedPlan(want, eng.noise_multiplier)
     assert saved["sigma"] == eng.noise_multiplier and (saved["n"], saved["steps"], saved["bands"]) == (N, STEPS, 3)
     eng.detach()
+
+
+@pytest.mark.parametrize("m", MECHS, ids=["poisson", "truncated", "banded"])
+def test_the_phase_event_is_built_once(m, monkeypatch):
+    """calibrate builds the phase's ``σ -> DpEvent``; make hands the plan that same one (not a rebuilt one)."""
+    mech = _mech(m)
+    calls = []
+    real = type(mech).event_of
+    monkeypatch.setattr(type(mech), "event_of", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    model, opt = _model()
+    plan = build_privacy_plan(n=N, expected_batch_size=B, steps=STEPS, mechanism=mech, rng=Randomness(SEED),
+                              parts=_parts(model, opt), optimizer=opt, target_epsilon=4.0, delta=1e-3, prior=PRIOR)
+    assert len(calls) == 1 and plan.phase_event is plan.calibrated.settings.phase_event()
+    assert plan.calibrated.make(rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt).phase_event \
+        is plan.phase_event and len(calls) == 1

@@ -27,6 +27,7 @@ In order::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -177,7 +178,12 @@ class PlanSettings:
 
     def phase_event(self) -> Optional[Callable[[float], Any]]:
         """``σ -> DpEvent`` of the phase σ is calibrated on (None: ``steps`` × PoissonSampled(q,
-        Gaussian(σ)), or a phase that is not private)."""
+        Gaussian(σ)), or a phase that is not private). Built once per value: :meth:`calibrate` and
+        :meth:`CalibratedPlan.make` read the same one (the plan records it as ``phase_event``)."""
+        return self._phase_event
+
+    @functools.cached_property
+    def _phase_event(self) -> Optional[Callable[[float], Any]]:
         if not self.private:
             return None
         q, p = self.rates()
