@@ -48,13 +48,13 @@ def _today_sigma(m: dict, prior, **target) -> float:
     return resolve_sigma(q=q, steps=STEPS, n=N, prior=prior, phase_event=event, **target)
 
 
-def _settings(m: dict, **kw) -> PlanSettings:
-    return PlanSettings.of(_mech(m), n=N, expected_batch_size=B, steps=STEPS, **kw)
+def _settings(m: dict, steps: int = STEPS, **kw) -> PlanSettings:
+    return PlanSettings.of(_mech(m), n=N, expected_batch_size=B, steps=steps, **kw)
 
 
 @pytest.mark.parametrize("m", MECHS, ids=["poisson", "truncated", "banded"])
 def test_calibrate_is_pure_and_gives_todays_sigma(m, monkeypatch):
-    s = _settings(m, target_epsilon=4.0, delta=1e-3)
+    s = _settings(m, target_epsilon=4.0, target_delta=1e-3)
     want = _today_sigma(m, PRIOR, noise_multiplier=None, target_epsilon=4.0, delta=1e-3)
 
     def nothing_live(*a, **k):
@@ -71,14 +71,15 @@ def test_calibrate_is_pure_and_gives_todays_sigma(m, monkeypatch):
     # an explicit σ wins over the target; δ is still checked against N
     assert dataclasses.replace(s, noise_multiplier=0.7).calibrate(PRIOR).sigma == 0.7
     with pytest.raises(ValueError, match="1/N"):
-        dataclasses.replace(s, noise_multiplier=0.7, delta=0.5).calibrate()
+        dataclasses.replace(s, noise_multiplier=0.7, target_delta=0.5).calibrate()
     assert dataclasses.replace(s, private=False).calibrate().sigma is None
 
 
 def test_settings_round_trip_through_json():
     mech = mechanism_of("banded_mf", 3, names=RECIPE_NAMES)
-    for s in (_settings({}, noise_multiplier=1.1, phase="pre"), _settings(MECHS[1], target_epsilon=2.0, delta=1e-4),
-              PlanSettings.of(mech, n=N, expected_batch_size=B, steps=STEPS, target_epsilon=3, delta=1e-3)):
+    for s in (_settings({}, noise_multiplier=1.1, phase="pre"),
+              _settings(MECHS[1], target_epsilon=2.0, target_delta=1e-4),
+              PlanSettings.of(mech, n=N, expected_batch_size=B, steps=STEPS, target_epsilon=3, target_delta=1e-3)):
         text = json.dumps(s.to_dict())
         back = PlanSettings.from_dict(json.loads(text))
         assert back == s and back.mechanism_part().settings() == s.mechanism_part().settings()
@@ -106,7 +107,7 @@ def test_build_privacy_plan_is_settings_calibrate_make_and_unchanged(m):
     rng = Randomness(SEED).child("plan")
     seen = []
     kw = dict(n=N, expected_batch_size=B, steps=STEPS, rng=rng, parts=_parts(model, opt), optimizer=opt,
-              target_epsilon=4.0, delta=1e-3, prior=PRIOR, rows=data)
+              target_epsilon=4.0, target_delta=1e-3, prior=PRIOR, rows=data)
     plan = build_privacy_plan(mechanism=_mech(m), on_sigma=seen.append, **kw)
     # today's chain, by hand: the mechanism's sampler, σ on its events, the spec, the install
     mech = _mech(m)
@@ -129,7 +130,7 @@ def test_build_privacy_plan_is_settings_calibrate_make_and_unchanged(m):
         a, b = plan.release.add_noise(z, t), spec.mechanism.add_noise(z, t)
         assert all(torch.equal(a[k], b[k]) for k in a)
     # the value it was made from travels with the plan, and makes the same plan again
-    assert plan.calibrated == CalibratedPlan(_settings(m, target_epsilon=4.0, delta=1e-3), sigma)
+    assert plan.calibrated == CalibratedPlan(_settings(m, target_epsilon=4.0, target_delta=1e-3), sigma)
     again = plan.calibrated.make(rng=rng, parts=_parts(model, opt), optimizer=opt, rows=data)
     assert again.sigma == plan.sigma and type(again.mechanism) is type(plan.mechanism)
     assert torch.equal(again.sampler.indices(2), plan.sampler.indices(2))
@@ -157,7 +158,7 @@ def test_truncation_is_the_samplers_and_refusals_come_before_calibration():
                                 sigma=1.0, steps=STEPS)
     # what the sampler refuses is refused first, as when the sampler was built before σ
     banded = PlanSettings.of(mechanism_of("banded_mf", 8), n=N, expected_batch_size=B, steps=STEPS, target_epsilon=1.0,
-                             delta=0.5)
+                             target_delta=0.5)
     with pytest.raises(PlanError, match="p = b·B/N = 1.07 > 1; lower bands"):
         banded.calibrate()
     with pytest.raises(ValueError, match="between 1 and N = 60"):
@@ -168,7 +169,7 @@ def test_the_units_own_sampler_enters_as_its_rate():
     users = torch.arange(N) % 20
     own = UserPoissonSampler(users, 5, 2, Randomness(SEED))
     s = PlanSettings.of(mechanism_of(), n=own.n, expected_batch_size=5, steps=STEPS, sampler=own,
-                        target_epsilon=4.0, delta=1e-3)
+                        target_epsilon=4.0, target_delta=1e-3)
     assert s.q == own.q == 0.25 and json.loads(json.dumps(s.to_dict()))["q"] == 0.25
     cal = s.calibrate()
     assert cal.sigma == resolve_sigma(noise_multiplier=None, target_epsilon=4.0, delta=1e-3, q=0.25, steps=STEPS,
@@ -181,3 +182,63 @@ def test_the_units_own_sampler_enters_as_its_rate():
                  sampler=UserPoissonSampler(users, 4, 2, Randomness(SEED)))
     plan = cal.make(rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt, sampler=own)
     assert plan.sampler is own and plan.q == 0.25 and plan.sigma == cal.sigma
+
+
+def test_make_private_saved_state_carries_the_plan_value(tmp_path):
+    """make_private's one written state (``save_noise_state``, banded MF) carries the plan value every way in
+    writes (outputs/report.py ``plan_section``), and it round-trips to the σ the loop runs with."""
+    from dpft import PrivacyEngine
+
+    model, opt = _model()
+    data = TensorDataset(torch.randn(N, 6), torch.randint(0, 3, (N,)))
+    eng = PrivacyEngine(reproducible_seed=SEED)
+    module, opt, crit, loader = eng.make_private(
+        module=model, optimizer=opt, criterion=nn.CrossEntropyLoss(), dataset=data, expected_batch_size=B,
+        max_grad_norm=1.0, steps=STEPS, target_epsilon=4.0, target_delta=1e-3, mechanism="banded_mf", bands=3)
+    assert eng.save_noise_state(tmp_path / "noise.pt")
+    saved = torch.load(tmp_path / "noise.pt", weights_only=True)["plan"]
+    want = _settings(MECHS[2], target_epsilon=4.0, target_delta=1e-3)
+    assert CalibratedPlan.from_dict(saved) == CalibratedPlan(want, eng.noise_multiplier)
+    assert saved["sigma"] == eng.noise_multiplier and (saved["n"], saved["steps"], saved["bands"]) == (N, STEPS, 3)
+    eng.detach()
+
+
+@pytest.mark.parametrize("m", MECHS, ids=["poisson", "truncated", "banded"])
+def test_the_phase_event_is_built_once(m, monkeypatch):
+    """calibrate builds the phase's ``σ -> DpEvent``; make hands the plan that same one (not a rebuilt one)."""
+    mech = _mech(m)
+    calls = []
+    real = type(mech).event_of
+    monkeypatch.setattr(type(mech), "event_of", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    model, opt = _model()
+    plan = build_privacy_plan(n=N, expected_batch_size=B, steps=STEPS, mechanism=mech, rng=Randomness(SEED),
+                              parts=_parts(model, opt), optimizer=opt, target_epsilon=4.0, target_delta=1e-3,
+                              prior=PRIOR)
+    assert len(calls) == 1 and plan.phase_event is plan.calibrated.settings.phase_event()
+    assert plan.calibrated.make(rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt).phase_event \
+        is plan.phase_event and len(calls) == 1
+
+
+def test_the_privacy_fields_are_declared_once():
+    """SessionSettings (a way in's, before N and T) and PlanSettings (the plan's) share one declaration of
+    the privacy fields (PrivacySettings); the session's plan is built from ``plan_settings(N, T, sampler)``."""
+    from dpft.session import PrivateSession, SessionSettings
+    from dpft.step.plan import PrivacySettings
+
+    shared = {f.name for f in dataclasses.fields(PrivacySettings)}
+    own = lambda cls: {f.name for f in dataclasses.fields(cls)} - shared  # noqa: E731
+    assert issubclass(SessionSettings, PrivacySettings) and issubclass(PlanSettings, PrivacySettings)
+    # besides them only the mechanism (a live part; its name and settings) and T (or None; an int) meet
+    assert own(SessionSettings) & own(PlanSettings) == {"mechanism", "steps"}
+    s = SessionSettings(max_grad_norm=1.0, expected_batch_size=B, mechanism=_mech(MECHS[2]), epochs=1.1,
+                        target_epsilon=4, target_delta=1e-3, phase="train")
+    assert s.target_epsilon == 4.0 and type(s.target_epsilon) is float  # simple types, coerced once
+    assert s.privacy_settings() == {"expected_batch_size": B, "noise_multiplier": None, "target_epsilon": 4.0,
+                                    "target_delta": 1e-3, "phase": "train", "private": True, "hardened": True}
+    model, opt = _model()
+    data = TensorDataset(torch.randn(N, 6), torch.randint(0, 3, (N,)))
+    sess = PrivateSession.open(SEED)
+    plan = sess.plan(s, rows=data, n_rows=N, rng=sess.rng.child("loop"), parts=_parts(model, opt), optimizer=opt)
+    assert sess.planned == 9  # ⌈1.1 · 60 / 8⌉
+    assert plan.calibrated.settings == s.plan_settings(N, 9) == _settings(MECHS[2], target_epsilon=4.0,
+                                                                          target_delta=1e-3, steps=9)

@@ -44,6 +44,7 @@ import torch
 from dpft.placement import world as ddp
 from dpft.accounting.ledger import PrivacyLedger
 from dpft.outputs.lock import RunLock
+from dpft.outputs.report import plan_section
 from dpft.session import PrivateSession
 from dpft.step.correlated import check_secret_state, write_secret
 
@@ -130,8 +131,8 @@ class LoopState:
         own_state_path(engine, path)
         engine._live_path = live_record_path(path)  # every later release rewrites the record
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_secret(path, {**state, "sigma": self.plan.sigma, "n": self.n,
-                            "ledger": engine.ledger.to_json()})
+        write_secret(path, {**state, "sigma": self.plan.sigma, "n": self.n,  # the plan as a value, as every way in's
+                            "ledger": engine.ledger.to_json(), **plan_section(self.plan)})
         write_live_record(engine._live_path, engine.ledger, world)
         return True
 

@@ -70,7 +70,8 @@ def write_report(trainer, final_eval: dict[str, float], elapsed: float) -> dict[
                "randomness": "reproducible (from the recorded seed)" if r.privacy.reproducible
                else "secret (OS CSPRNG key, never written)",
                # truncated Poisson / banded_mf (step/mechanisms.py): public parameters only
-               **mechanism_section(trainer), **plan_section(trainer)},
+               **mechanism_section(trainer),
+               **plan_section(getattr(getattr(trainer, "plan", None), "privacy", None))},
         "optimizer": r.optimizer.model_dump(mode="json"),
         "metrics": final_eval,
         "time_seconds": round(elapsed, 1),
@@ -547,10 +548,11 @@ def mechanism_section(trainer) -> dict:
     return {"mechanism": info} if info else {}
 
 
-def plan_section(trainer) -> dict:
-    """``{"plan": …}``: the privacy plan as a value, its settings and σ in simple types (step/plan.py
-    ``CalibratedPlan.to_dict``; public: N, B, T, the mechanism, the target, σ), else {}."""
-    privacy = getattr(getattr(trainer, "plan", None), "privacy", None)
+def plan_section(privacy) -> dict:
+    """``{"plan": …}``: the privacy plan ``privacy`` (step/plan.py ``PrivacyPlan``, or None) as a value,
+    its settings and σ in simple types (``CalibratedPlan.to_dict``; public: N, B, T, the mechanism, the
+    target, σ), else {}. The one serializer of every way in: ``dpft train``'s report.json, DPTrainer's
+    ``dp_state.json`` and card report, ``make_private``'s saved state."""
     return {"plan": privacy.calibrated.to_dict()} if privacy is not None and privacy.calibrated is not None else {}
 
 

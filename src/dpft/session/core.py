@@ -21,7 +21,7 @@ first; :meth:`PrivateSession.plan` then continues from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence
 
 from dpft.accounting.ledger import PrivacyLedger
@@ -32,45 +32,34 @@ from dpft.session.step import step_for
 from dpft.session.world import session_world
 from dpft.step.correlated import check_secret_state, secret_state
 from dpft.step.mechanisms import Mechanism
-from dpft.step.plan import PrivacyPlan, build_privacy_plan, planned_steps
+from dpft.step.plan import PlanSettings, PrivacyPlan, PrivacySettings, build_privacy_plan, planned_steps
 from dpft.step.unit import PrivacyUnit, build_user_unit
 
 __all__ = ["SessionSettings", "PrivateSession"]
 
 
-@dataclass(frozen=True)
-class SessionSettings:
-    """The privacy settings of one private loop, as a way in translated its arguments.
+@dataclass(frozen=True, kw_only=True)
+class SessionSettings(PrivacySettings):
+    """The privacy settings of one private loop, as a way in translated its arguments: the
+    :class:`~dpft.step.plan.PrivacySettings` (B, σ or (ε, target_delta), phase, private, hardened;
+    declared once, shared with the plan's :class:`~dpft.step.plan.PlanSettings`) and what only the
+    session reads. N and T are not known yet: :meth:`plan_settings` is the plan's value once they are.
 
     Attributes:
         max_grad_norm: C > 0 (L2 bound of one unit's clipped gradient).
-        expected_batch_size: B, the expected logical batch in units (rows, or users).
         mechanism: the mechanism part (step/mechanisms.py ``mechanism_of``).
         steps / epochs: the planned length (step/plan.py ``planned_steps``; None: neither, σ given).
-        noise_multiplier: σ, or target_epsilon + target_delta: the (ε, δ) σ is calibrated to (a σ
-            given wins; δ < 1/N is checked whenever δ is given).
         clipping: the clip style's name (compared across ranks; the clip itself is the way in's).
-        hardened: hardened noise draws (privacy/randomness.py).
         max_rows_per_user, user_clipping: user level (``users`` given to :meth:`PrivateSession.plan`).
-        phase: the ledger phase of the loop's releases.
-        private: False for a loop without a mechanism (``dpft train --no-dp``: σ None, nothing
-            recorded; a truncated sampler still masks padded rows).
     """
 
     max_grad_norm: float
-    expected_batch_size: int
     mechanism: Mechanism
     steps: Optional[int] = None
     epochs: Optional[float] = None
-    noise_multiplier: Optional[float] = None
-    target_epsilon: Optional[float] = None
-    target_delta: Optional[float] = None
     clipping: str = "flat"
-    hardened: bool = True
     max_rows_per_user: int = 4
     user_clipping: str = "group"
-    phase: str = "train"
-    private: bool = True
 
     def planned(self, n: int) -> Optional[int]:
         """The planned logical steps over ``n`` units: ``steps``, else ⌈epochs · N / B⌉ (step/plan.py
@@ -79,14 +68,16 @@ class SessionSettings:
             return None
         return planned_steps(n, self.expected_batch_size, self.steps, self.epochs)
 
+    def plan_settings(self, n: int, steps: int, sampler: Any = None) -> PlanSettings:
+        """The plan's settings value over ``n`` units for ``steps`` steps (``sampler``: the unit's own),
+        what :meth:`PrivateSession.plan` has the plan built from (its ``calibrated.settings``)."""
+        return PlanSettings.of(self.mechanism, n=n, steps=steps, sampler=sampler, **self.privacy_settings())
+
     def same_on_every_rank(self) -> tuple:
-        """What every rank of a world must agree on (the mechanism by its name and settings)."""
+        """What every rank of a world must agree on: every setting (the mechanism by its name and settings)."""
         m = self.mechanism
-        return (self.max_grad_norm, self.expected_batch_size, m.name,
-                tuple(sorted((k, v) for k, v in vars(m).items() if k != "names")), self.steps, self.epochs,
-                self.noise_multiplier,
-                self.target_epsilon, self.target_delta, self.clipping, self.max_rows_per_user, self.user_clipping,
-                self.phase, self.private)
+        return (m.name, tuple(sorted((k, v) for k, v in vars(m).items() if k != "names")),
+                *((f.name, getattr(self, f.name)) for f in fields(self) if f.name != "mechanism"))
 
 
 @dataclass
@@ -228,12 +219,10 @@ class PrivateSession:
         self.planned = total_steps if total_steps is not None else s.planned(self.n)
         w, m = self.world, self.methods
         plan = build_privacy_plan(
-            n=self.n, expected_batch_size=s.expected_batch_size, steps=self.planned or 0, mechanism=s.mechanism,
-            rng=rng, parts=parts, optimizer=optimizer, optimizer_factory=optimizer_factory,
-            noise_multiplier=s.noise_multiplier, target_epsilon=s.target_epsilon, delta=s.target_delta,
-            prior=self.ledger.events(), calibrate=lambda f: ddp.on_rank0(w, f), sampler=self.unit_sampler,
-            private=s.private, hardened=s.hardened, rows=rows, padded=padded, transforms=list(transforms),
-            head_mask=head_mask, phase=s.phase, hooks=m.hooks if m is not None else (),
+            n=self.n, steps=self.planned or 0, mechanism=s.mechanism, **s.privacy_settings(), rng=rng, parts=parts,
+            optimizer=optimizer, optimizer_factory=optimizer_factory, prior=self.ledger.events(),
+            calibrate=lambda f: ddp.on_rank0(w, f), sampler=self.unit_sampler, rows=rows, padded=padded,
+            transforms=list(transforms), head_mask=head_mask, hooks=m.hooks if m is not None else (),
             on_sigma=m.on_sigma if m is not None else None)
         plan.spec.engine.clip = plan.spec.clip  # the spec's clip is in force (a method may swap it; as DPStep.run)
         self.check_groups(s, plan.spec.engine)

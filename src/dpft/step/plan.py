@@ -27,6 +27,7 @@ In order::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -34,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 from dpft.step.build import build_step_spec, resolve_sigma
 from dpft.step.mechanisms import KWARG_NAMES, Mechanism, mechanism_of
 
-__all__ = ["PlanSettings", "CalibratedPlan", "PrivacyPlan", "build_privacy_plan", "planned_steps"]
+__all__ = ["PrivacySettings", "PlanSettings", "CalibratedPlan", "PrivacyPlan", "build_privacy_plan", "planned_steps"]
 
 
 def planned_steps(n: int, expected_batch_size: int, steps: Optional[int] = None,
@@ -97,19 +98,52 @@ class PrivacyPlan:
 
 
 
-@dataclass(frozen=True)
-class PlanSettings:
-    """The privacy settings of one phase in simple types (JSON: :meth:`to_dict`), before σ.
+@dataclass(frozen=True, kw_only=True)
+class PrivacySettings:
+    """The privacy settings every phase states before its N units and T steps are known, declared
+    once: the session's :class:`~dpft.session.core.SessionSettings` (a way in's) and
+    :class:`PlanSettings` (the plan's, with N and T) are these plus their own. Simple types
+    (coerced on construction: B an int, σ, ε, δ floats or None).
 
     Attributes:
-        n: N privacy units (rows, or users); expected_batch_size: B (units); steps: planned
-            logical steps (:func:`planned_steps`).
+        expected_batch_size: B, the expected logical batch in units (rows, or users).
+        noise_multiplier: σ (wins when a target is given too); target_epsilon, target_delta: the
+            (ε, δ) σ is calibrated to (δ < 1/N checked whenever given).
+        phase: the ledger phase of the releases; private: False for a phase without a mechanism
+            (``dpft train --no-dp``: σ None, nothing recorded; a truncated sampler still masks padded
+            rows); hardened: hardened noise draws (privacy/randomness.py).
+    """
+
+    expected_batch_size: int
+    noise_multiplier: Optional[float] = None
+    target_epsilon: Optional[float] = None
+    target_delta: Optional[float] = None
+    phase: str = "train"
+    private: bool = True
+    hardened: bool = True
+
+    def __post_init__(self) -> None:
+        for name, kind in (("expected_batch_size", int), ("noise_multiplier", float), ("target_epsilon", float),
+                           ("target_delta", float), ("phase", str), ("private", bool), ("hardened", bool)):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, kind(v))
+
+    def privacy_settings(self) -> dict:
+        """These privacy fields by name: what a way in's settings hand the plan (:func:`build_privacy_plan`,
+        :meth:`PlanSettings.of`), the one translation."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(PrivacySettings)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings(PrivacySettings):
+    """The privacy settings of one phase in simple types (JSON: :meth:`to_dict`), before σ: the
+    :class:`PrivacySettings` and N, T and the mechanism's.
+
+    Attributes:
+        n: N privacy units (rows, or users); steps: planned logical steps (:func:`planned_steps`).
         mechanism: ``gaussian`` | ``banded_mf``; bands: b of banded MF; max_batch_size: B_max of
             truncated Poisson (:func:`~dpft.step.mechanisms.mechanism_of`'s settings).
-        noise_multiplier: σ (wins when a target is given too); target_epsilon, delta: the (ε, δ)
-            σ is calibrated to (δ < 1/N checked whenever given).
-        phase: the ledger phase; private: False for a phase without a mechanism (σ None);
-            hardened: hardened noise draws (privacy/randomness.py).
         q: the sampling rate of the unit's own sampler (user level, a batch schedule); None: B/N,
             the mechanism's sampler. partition_rate: p of the own cyclic sampler (banded MF);
             None: b·B/N.
@@ -117,34 +151,23 @@ class PlanSettings:
     """
 
     n: int
-    expected_batch_size: int
     steps: int
     mechanism: str = "gaussian"
     bands: Optional[int] = None
     max_batch_size: Optional[int] = None
-    noise_multiplier: Optional[float] = None
-    target_epsilon: Optional[float] = None
-    delta: Optional[float] = None
-    phase: str = "train"
-    private: bool = True
-    hardened: bool = True
     q: Optional[float] = None
     partition_rate: Optional[float] = None
     names: tuple = ()
 
     @classmethod
-    def of(cls, mechanism: Mechanism, *, n: int, expected_batch_size: int, steps: int, sampler: Any = None,
-           noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
-           delta: Optional[float] = None, phase: str = "train", private: bool = True,
-           hardened: bool = True) -> "PlanSettings":
+    def of(cls, mechanism: Mechanism, *, n: int, steps: int, sampler: Any = None, **privacy) -> "PlanSettings":
         """The settings of a live ``mechanism`` (and of the unit's own ``sampler``, read as its
-        rates: q, and banded MF's p when private)."""
+        rates: q, and banded MF's p when private); ``privacy``: the :class:`PrivacySettings` fields
+        by name (``expected_batch_size`` required)."""
         part = mechanism.settings()
-        p = sampler.partition_rate if sampler is not None and private and part["mechanism"] == "banded_mf" else None
-        return cls(n=int(n), expected_batch_size=int(expected_batch_size), steps=int(steps), **part,
-                   noise_multiplier=_float(noise_multiplier), target_epsilon=_float(target_epsilon),
-                   delta=_float(delta), phase=str(phase), private=bool(private), hardened=bool(hardened),
-                   q=None if sampler is None else float(sampler.q), partition_rate=p,
+        own_p = sampler is not None and privacy.get("private", True) and part["mechanism"] == "banded_mf"
+        return cls(n=int(n), steps=int(steps), **part, **privacy, q=None if sampler is None else float(sampler.q),
+                   partition_rate=sampler.partition_rate if own_p else None,
                    names=() if mechanism.names == KWARG_NAMES else tuple(mechanism.names.items()))
 
     def to_dict(self) -> dict:
@@ -177,7 +200,12 @@ class PlanSettings:
 
     def phase_event(self) -> Optional[Callable[[float], Any]]:
         """``σ -> DpEvent`` of the phase σ is calibrated on (None: ``steps`` × PoissonSampled(q,
-        Gaussian(σ)), or a phase that is not private)."""
+        Gaussian(σ)), or a phase that is not private). Built once per value: :meth:`calibrate` and
+        :meth:`CalibratedPlan.make` read the same one (the plan records it as ``phase_event``)."""
+        return self._phase_event
+
+    @functools.cached_property
+    def _phase_event(self) -> Optional[Callable[[float], Any]]:
         if not self.private:
             return None
         q, p = self.rates()
@@ -186,7 +214,7 @@ class PlanSettings:
     def calibrate(self, prior: Sequence = (), calibrate: Optional[Callable] = None) -> "CalibratedPlan":
         """The settings with σ: ``noise_multiplier``, else calibrated (PLD) so that ``prior`` (the
         ledger's earlier events) composed with :meth:`phase_event` gives ``target_epsilon`` at
-        ``delta`` (step/build.py ``resolve_sigma``). Pure: nothing live is built, nothing drawn.
+        ``target_delta`` (step/build.py ``resolve_sigma``). Pure: nothing live is built, nothing drawn.
 
         Args:
             calibrate: runs the calibration (DDP: rank 0, the answer broadcast); default: here.
@@ -200,8 +228,8 @@ class PlanSettings:
         sigma = None
         if self.private:
             sigma = resolve_sigma(noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon,
-                                  delta=self.delta, q=self.sampling_rate, steps=self.steps, n=self.n, prior=prior,
-                                  calibrate=calibrate, phase_event=self.phase_event())
+                                  delta=self.target_delta, q=self.sampling_rate, steps=self.steps, n=self.n,
+                                  prior=prior, calibrate=calibrate, phase_event=self.phase_event())
         return CalibratedPlan(self, sigma)
 
 
@@ -215,6 +243,11 @@ class CalibratedPlan:
     def to_dict(self) -> dict:
         """The settings' :meth:`~PlanSettings.to_dict` and ``sigma`` (JSON-serialisable)."""
         return {**self.settings.to_dict(), "sigma": self.sigma}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CalibratedPlan":
+        """The value :meth:`to_dict` wrote (report.json's ``dp.plan``, DPTrainer's ``dp_state.json`` ``plan``)."""
+        return cls(PlanSettings.from_dict({k: v for k, v in d.items() if k != "sigma"}), d["sigma"])
 
     def make(self, *, rng, parts: Callable[[Any], tuple[Any, Any]], optimizer=None,
              optimizer_factory: Optional[Callable[[dict], Any]] = None, sampler: Any = None,
@@ -262,37 +295,27 @@ class CalibratedPlan:
                            phase_event=s.phase_event(), private=s.private, calibrated=self)
 
 
-def _float(x: Optional[float]) -> Optional[float]:
-    return None if x is None else float(x)
-
-
-
-def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanism: Mechanism, rng,
-                       parts: Callable[[Any], tuple[Any, Any]], optimizer=None,
-                       optimizer_factory: Optional[Callable[[dict], Any]] = None,
-                       noise_multiplier: Optional[float] = None, target_epsilon: Optional[float] = None,
-                       delta: Optional[float] = None, prior: Sequence = (),
-                       calibrate: Optional[Callable] = None, sampler: Any = None, private: bool = True,
-                       hardened: bool = True, transforms: Sequence = (),
+def build_privacy_plan(*, n: int, steps: int, mechanism: Mechanism, rng, parts: Callable[[Any], tuple[Any, Any]],
+                       optimizer=None, optimizer_factory: Optional[Callable[[dict], Any]] = None, prior: Sequence = (),
+                       calibrate: Optional[Callable] = None, sampler: Any = None, transforms: Sequence = (),
                        head_mask: Optional[Callable[[list[str]], list[bool]]] = None,
                        hooks: Sequence[Callable[[Any], Any]] = (), rows: Any = None, padded: bool = False,
-                       phase: str = "train", on_sigma: Optional[Callable[[Optional[float]], None]] = None
-                       ) -> PrivacyPlan:
+                       on_sigma: Optional[Callable[[Optional[float]], None]] = None, **privacy) -> PrivacyPlan:
     """The privacy plan of one phase (see the module docstring for the order).
 
     Args:
-        n: N privacy units (rows, or users); expected_batch_size: B (units); steps: planned
-            logical steps (:func:`planned_steps`).
+        n: N privacy units (rows, or users); steps: planned logical steps (:func:`planned_steps`).
+        **privacy: the :class:`PrivacySettings` fields by name (a way in's ``privacy_settings()``):
+            ``expected_batch_size`` B (units); ``noise_multiplier`` σ (wins when a target is given
+            too), or ``target_epsilon`` + ``target_delta``, the (ε, δ) σ is calibrated to; ``phase``;
+            ``private`` (False: a phase with no mechanism, σ None); ``hardened``.
         mechanism: from :func:`~dpft.step.mechanisms.mechanism_of`.
         rng: the phase's secret randomness (``privacy/randomness.py``).
         parts: ``sampler -> (clip, engine)``, the front end's clip policy and per-example engine.
         optimizer: the step's optimizer (or a stand-in whose step the front end drives); or
             optimizer_factory: ``engine.params -> optimizer``.
-        noise_multiplier / target_epsilon + delta: σ (wins when both are given), or the (ε, δ)
-            target σ is calibrated to;
-            prior: the ledger's earlier events; calibrate: runs the calibration (DDP: rank 0).
-        sampler: the unit's own sampler (user level, a batch schedule) instead of the
-            mechanism's; private: False gives a phase with no mechanism (σ None).
+        prior: the ledger's earlier events; calibrate: runs the calibration (DDP: rank 0).
+        sampler: the unit's own sampler (user level, a batch schedule) instead of the mechanism's.
         hooks: ``spec -> spec`` (the methods' ``build``), applied before the mechanism's install.
         on_sigma: called with σ as soon as it is resolved, before ``parts`` and the hooks (a
             method's ``build`` reads ``run.sigma``: DP-Adam-AC's gradient and count noise).
@@ -303,10 +326,7 @@ def build_privacy_plan(*, n: int, expected_batch_size: int, steps: int, mechanis
         PlanError: the mechanism's sampler refuses (e.g. banded p > 1), its noise buffers are too
             large; CalibrationError: δ ≥ 1/N or the target cannot be met.
     """
-    settings = PlanSettings.of(mechanism, n=n, expected_batch_size=expected_batch_size, steps=steps,
-                               sampler=sampler, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-                               delta=delta, phase=phase, private=private, hardened=hardened)
-    calibrated = settings.calibrate(prior, calibrate)
+    calibrated = PlanSettings.of(mechanism, n=n, steps=steps, sampler=sampler, **privacy).calibrate(prior, calibrate)
     if on_sigma is not None:
         on_sigma(calibrated.sigma)
     return calibrated.make(rng=rng, parts=parts, optimizer=optimizer, optimizer_factory=optimizer_factory,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dpft.outputs.card import build_card
+from dpft.outputs.report import plan_section
 
 __all__ = ["trainer_report", "write_trainer_card"]
 
@@ -48,7 +49,7 @@ def trainer_report(tr) -> dict[str, Any]:
           "privacy_unit": pu, "n_units": tr.n,
           "randomness": ("reproducible seed (NOT for release)" if dp_args.reproducible_seed is not None
                          else "secret key from the OS CSPRNG, never written"),
-          "mechanism": tr.plan.info()}
+          "mechanism": tr.plan.info(), **plan_section(tr.plan)}
     who = "user (all of that user's rows)" if tr.user_level else "training example"
     coverage = {
         "statement": (f"For any one {who}, the probability of any outcome of this run — the saved model, every "

@@ -26,6 +26,7 @@ from dpft.integrations.hf.checks import refuse as _refuse
 from dpft.integrations.hf.fsdp import (full_model_state, full_optimizer_state, is_fsdp2_model, load_full_checkpoint,
                                        load_full_optimizer)
 from dpft.outputs.lock import RunLock
+from dpft.outputs.report import plan_section
 from dpft.session import PrivateSession
 from dpft.step.correlated import load_noise_state, write_noise_state
 
@@ -61,7 +62,8 @@ class PrivateState:
         return float(self.ledger.epsilon(self.dp_args.target_delta if delta is None else delta).epsilon)
 
     def dp_state(self) -> dict[str, Any]:
-        """The run's privacy settings and spend (``dp_state.json``; never the seed)."""
+        """The run's privacy settings and spend (``dp_state.json``; never the seed), with the privacy
+        plan as a value under ``plan`` (outputs/report.py ``plan_section``, as ``dpft train``'s report.json)."""
         dp = asdict(self.dp_args)
         dp["reproducible"] = dp.pop("reproducible_seed") is not None
         unit = "user" if self.user_level else "example"
@@ -69,7 +71,7 @@ class PrivateState:
                 "global_step": int(self.state.global_step), "ledger_steps": self.ledger.steps,
                 "epsilon": self.get_epsilon() if self.ledger.certified else None,
                 "accountant": f"PLD (dp-accounting), add/remove-one {unit}", "unit": unit,
-                "world_size": self.world.world_size, "dp_args": dp}
+                "world_size": self.world.world_size, "dp_args": dp, **plan_section(self.plan)}
 
     def _write_dp_files(self, directory: str) -> None:
         if not self.is_world_process_zero():
