@@ -152,3 +152,17 @@ def test_dpft_train_siamese_cache_on_equals_off(tiny_model_dir, tmp_path):
     assert rep_on["metrics"]["dev_accuracy"] == rep_off["metrics"]["dev_accuracy"]
     for n in p_on:
         torch.testing.assert_close(p_on[n], p_off[n], rtol=1e-4, atol=1e-6, msg=n)
+    # The released model reads pairs the same way through transformers' pipeline (a pair in, the trained
+    # head's label out; one text is refused by name).
+    from transformers import pipeline
+
+    clf = pipeline("text-classification", model=str(tmp_path / "off" / "model"))  # t: the last run, off
+    got = clf({"text": "is film 1 bad", "text_pair": "it was great indeed"})
+    assert got["label"] in set(clf.model.config.id2label.values())
+    tok, std = clf.tokenizer, clf.model
+    enc = tok("is film 1 bad", "it was great indeed", return_tensors="pt")
+    with torch.no_grad():
+        want = t.model.eval()(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.softmax(-1).max()
+    assert abs(got["score"] - float(want)) < 1e-4
+    with pytest.raises(ValueError, match="text_pair"):
+        clf("one text only")
