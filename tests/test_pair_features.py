@@ -118,6 +118,10 @@ def test_auto_scope_reads_pairs_siamese():
     r = load_recipe(None, {"model.pooling": "mean", "task.name": "qnli", "trainable.mode": "auto"})
     resolved, msg = resolve_scope(r, 4000)
     assert resolved.trainable.mode == "head" and resolved.model.pair == "siamese"
+    assert resolved.model.max_length == 128  # two texts: the arm measured (scope_evidence.py probe_pair)
+    kept, _ = resolve_scope(load_recipe(None, {"model.pooling": "mean", "task.name": "qnli", "trainable.mode": "auto",
+                                               "model.max_length": 48}), 4000)
+    assert kept.model.max_length == 48
     single, _ = resolve_scope(load_recipe(None, {"model.pooling": "mean", "trainable.mode": "auto"}), 4000)
     assert single.model.pair == "joint"
 

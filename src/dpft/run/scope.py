@@ -134,6 +134,8 @@ def resolve_scope(recipe, n: int) -> tuple[Any, str]:
     ov = scope_overrides(recipe, scope, n)
     if pair and scope == "head" and recipe.model.pooling == "mean":
         ov["model.pair"] = "siamese"
+        if recipe.model.max_length == _get(_baseline(), "model.max_length"):
+            ov["model.max_length"] = 128  # two texts in one encoding (scope_evidence.py's probe_pair arm)
     d = apply_overrides(recipe.model_dump(mode="json"), ov)
     kept = sorted(set(SCOPES[scope][0](n)) - set(ov))
     msg = f"trainable scope (auto): {scope} — {SCOPES[scope][1]}\n  why: {why}"
