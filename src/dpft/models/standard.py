@@ -72,12 +72,21 @@ class MeanPoolClassifier(nn.Module):
         """
         kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                                 ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
+        self.check_frozen_encoder()
+        pad = getattr(self.config, "pad_token_id", None) or 0
+        return pooled_features(self.encoder, self.pair, input_ids, pad_id=pad, **kw)
+
+    def check_frozen_encoder(self) -> None:
+        """Refuse ``pair="siamese"`` with a trainable encoder while gradients are on (dpft audit's
+        ``features_siamese_trainable_encoder`` plants its absence).
+
+        Raises:
+            ValueError: naming the fix (``trainable.mode: head`` or ``pair: joint``).
+        """
         if self.pair == "siamese" and torch.is_grad_enabled() and \
                 any(p.requires_grad for p in self.encoder.parameters()):
             raise ValueError("pair: siamese encodes each row's two sentences as two encoder rows, so only the head "
                              "may train (trainable.mode: head); freeze the encoder or use pair: joint")
-        pad = getattr(self.config, "pad_token_id", None) or 0
-        return pooled_features(self.encoder, self.pair, input_ids, pad_id=pad, **kw)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
                 inputs_embeds=None, **_ignored):
