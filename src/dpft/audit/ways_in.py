@@ -444,7 +444,7 @@ def api_checks(planted: Optional[str] = None) -> list[Check]:
     """Every check of make_private and DPTrainer, with ``planted`` (one of :data:`PLANTED`) re-opened.
 
     Returns:
-        Nine :class:`Check` rows (the session's three first); with no planted bug all pass, with one planted
+        Eight :class:`Check` rows (the session's two first); with no planted bug all pass, with one planted
         at least one fails.
 
     Raises:
