@@ -12,7 +12,7 @@ from dpft.step.plan import planned_steps  # noqa: E402
 
 
 def test_every_way_in_reaches_the_session_unchanged():
-    checks = ways_in.session_check()
+    checks = ways_in.session_check(ways_in.SESSION_WAYS)
     # each way in's plan is step/plan.py's for the settings (N, q, T, σ): the same plan for every way in
     assert [c.name for c in checks] == ["session: make_private reaches the session unchanged",
                                         "session: DPTrainer reaches the session unchanged"]
@@ -25,7 +25,7 @@ def test_a_session_with_its_own_steps_rule_is_caught():
     assert "session_steps_rule" in planted.ALL
     assert ("dpft.audit.ways_in", "api_checks", ways_in.PLANTED) in suite.OPTIONAL_CHECKS
     with ways_in.planted_bug("session_steps_rule"):
-        checks = ways_in.session_check()
+        checks = ways_in.session_check(ways_in.SESSION_WAYS)
     failed = {c.name: c.message for c in checks if not c.passed}
     assert "session: make_private reaches the session unchanged" in failed
     assert "T = 12, σ" in failed["session: make_private reaches the session unchanged"]

@@ -7,33 +7,26 @@ therefore gets the same plan); where the way in trained, its ledger holds that p
 those σ was calibrated on (:func:`reaches_session`). The session's own properties are then checked once
 (audit/ways_in.py and the check modules), not once per way in.
 
-:data:`SESSION_WAYS` holds ``make_private`` and ``DPTrainer`` (audit/ways_in.py ``api_checks``); the TRL trainers
-add theirs (audit/ways_in_trl.py), the mechanism settings theirs (audit/ways_in_mechanisms.py
-``reaches_session_check``). Planted ``session_steps_rule`` (audit/ways_in.py): the session counts steps by a
-rule of its own.
+The ways in: ``make_private`` and ``DPTrainer`` (audit/ways_in.py ``SESSION_WAYS``), the TRL trainers
+(audit/ways_in_trl.py), ``dpft train`` (:func:`train_check`, in ``dpft audit RECIPE``), and the mechanism
+settings through the Python ways in (audit/ways_in_mechanisms.py ``reaches_session_check``). Planted
+``session_steps_rule`` (audit/ways_in.py): the session counts steps by a rule of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import time
-import warnings
 from typing import Any, Iterator, Optional, Sequence
 
 import dp_accounting as dpa
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
-from dpft import PrivacyEngine
 from dpft.audit.planted import patched
-from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
-from dpft.integrations.hf import trainer as hf
+from dpft.audit.whitebox import Check
 from dpft.session import core as session_core
 from dpft.step.plan import PlanSettings, planned_steps
 
-__all__ = ["SESSION_SETTINGS", "SESSION_WAYS", "reaches_session", "session_check", "session_plans"]
+__all__ = ["SESSION_SETTINGS", "reaches_session", "session_check", "session_plans", "train_check"]
 
 #: The settings every way in is given (issue 46: epochs 1.1, N 100, B 10 is 11 steps by step/plan.py's rule).
 SESSION_SETTINGS = dict(n=100, batch=10, epochs=1.1, epsilon=3.0, delta=1e-3, c=1.0)
@@ -50,43 +43,6 @@ def session_plans() -> Iterator[list]:
 
     with patched((session_core.PrivateSession, "plan", plan)):
         yield seen
-
-
-def _session_make_private() -> Any:
-    st = SESSION_SETTINGS
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(st["n"], 4, generator=g), torch.randint(0, 2, (st["n"],), generator=g))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = PrivacyEngine()
-        _, opt, _, _ = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                        criterion=nn.CrossEntropyLoss(), dataset=data, expected_batch_size=st["batch"],
-                                        max_grad_norm=st["c"], epochs=st["epochs"], target_epsilon=st["epsilon"],
-                                        target_delta=st["delta"])
-    eng.detach()
-    return opt.dp_step
-
-
-def _session_dp_trainer() -> Any:
-    from transformers import TrainingArguments, default_data_collator
-
-    st = SESSION_SETTINGS
-    rows = tiny_rows(st["n"], 4)
-    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tr = hf.DPTrainer(model=tiny_classifier("bert", vocab=64, max_len=16), train_dataset=rows,
-                          args=TrainingArguments(output_dir=d, num_train_epochs=st["epochs"], report_to=[],
-                                                 use_cpu=True, label_names=["labels"]),
-                          data_collator=default_data_collator,
-                          dp_args=hf.DPArguments(target_epsilon=st["epsilon"], target_delta=st["delta"],
-                                                 expected_batch_size=st["batch"], max_grad_norm=st["c"]))
-    return tr.dp_step
-
-
-#: The ways in as the session check builds them: ``(name, build() -> the way in's DP step)``.
-SESSION_WAYS: tuple = (("make_private", _session_make_private), ("DPTrainer", _session_dp_trainer))
 
 
 def reaches_session(seen: list, spec: Any, asked: dict, want: Optional[tuple] = None,
@@ -118,17 +74,38 @@ def reaches_session(seen: list, spec: Any, asked: dict, want: Optional[tuple] = 
     return problems
 
 
-def session_check(ways: Sequence = SESSION_WAYS) -> list[Check]:
+def _plan_of(n: int, b: int, steps: Optional[int], epochs: Optional[float], epsilon: float, delta: float) -> tuple:
+    """step/plan.py's (N, q, T, σ) for these settings (the one steps rule, σ calibrated by ``PlanSettings``)."""
+    t = planned_steps(n, b, steps, epochs)
+    return n, b / n, t, PlanSettings(n=n, expected_batch_size=b, steps=t, target_epsilon=epsilon, delta=delta).calibrate().sigma
+
+
+def train_check(trainer, plan: dict, seen: list) -> list[Check]:
+    """``dpft train`` reaches the session unchanged (:func:`reaches_session`): ``seen``, the session plans built
+    while its Trainer was (:func:`session_plans`), is one plan with the recipe's settings, the Trainer's step runs
+    its parts, and its (N, q, T, σ) is step/plan.py's for the recipe's settings. Only where the two are
+    comparable (``plan``: audit/trainer_walk.py ``trainer_plan``): one phase, example level, plain Poisson, σ
+    calibrated, one process; otherwise no check (the walk's own checks still run)."""
+    r, p = trainer.recipe, trainer.recipe.privacy
+    if (plan.get("unit") != "example" or plan.get("prior_phases") or "bands" in plan or "max_batch_size" in plan
+            or p.noise_multiplier is not None or plan.get("world_size", 1) != 1):
+        return []
+    b, eps, delta = int(r.batch.expected_batch_size), float(p.target_epsilon), float(plan["delta"])
+    want = _plan_of(int(plan["n"]), b, r.schedule.steps or None, r.schedule.epochs, eps, delta)
+    problems = reaches_session(seen, trainer.dp_step.spec, {"C": plan["C"], "B": b, "ε": eps, "δ": delta}, want)
+    return [Check("session: dpft train reaches the session unchanged", not problems, "; ".join(problems) or
+                  f"one session plan with the recipe's settings: N = {want[0]}, q = {want[1]:.4g}, T = {want[2]}, "
+                  f"σ = {want[3]:.6g}, as step/plan.py plans them; the step runs its parts", {"steps": want[2]})]
+
+
+def session_check(ways: Sequence) -> list[Check]:
     """Each way in of ``ways``, given :data:`SESSION_SETTINGS`, reaches the session unchanged
     (:func:`reaches_session`): one plan with those settings (C, B, ε, δ; the length as epochs, which the session
     counts into steps), the step runs its parts, and the plan is step/plan.py's for those settings — the same
     (N, q, T, σ) for every way in. Planted ``session_steps_rule``: the session counts steps by a rule of its
     own."""
     st, out = SESSION_SETTINGS, []
-    t = planned_steps(st["n"], st["batch"], None, st["epochs"])
-    sigma = PlanSettings(n=st["n"], expected_batch_size=st["batch"], steps=t, target_epsilon=st["epsilon"],
-                         delta=st["delta"]).calibrate().sigma
-    want = (st["n"], st["batch"] / st["n"], t, sigma)
+    want = _plan_of(st["n"], st["batch"], None, st["epochs"], st["epsilon"], st["delta"])
     asked = {"C": st["c"], "B": st["batch"], "ε": st["epsilon"], "δ": st["delta"]}
     for name, build in ways:
         t0 = time.perf_counter()
@@ -137,6 +114,6 @@ def session_check(ways: Sequence = SESSION_WAYS) -> list[Check]:
         problems = reaches_session(seen, step.spec, asked, want)
         out.append(Check(f"session: {name} reaches the session unchanged", not problems,
                          "; ".join(problems) or f"one session plan with the given settings: N = {st['n']}, q = "
-                         f"{want[1]:g}, T = {t} (epochs {st['epochs']}), σ = {sigma:.6g}, as step/plan.py plans them; "
-                         "the step runs its parts", {"seconds": round(time.perf_counter() - t0, 2)}))
+                         f"{want[1]:g}, T = {want[2]} (epochs {st['epochs']}), σ = {want[3]:.6g}, as step/plan.py plans "
+                         "them; the step runs its parts", {"seconds": round(time.perf_counter() - t0, 2)}))
     return out
