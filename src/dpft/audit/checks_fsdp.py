@@ -16,16 +16,15 @@ White-box, in one process (no process group needed), on the real classes of dpft
   copy loses the truncation, so the ledger records a plain Poisson event for a truncated batch (ε
   understated).
 * **a placeholder micro-batch adds nothing** — a rank with fewer micro-batches than another runs a
-  dummy one to keep the collectives in step; :class:`~dpft.placement.fsdp.ReduceScatter` must send zeros for
-  it. Planted ``fsdp_dummy_counted``: the dummy's clipped sum is sent (an example counted twice:
-  sensitivity 2C).
+  dummy one to keep the collectives in step; it must reduce-scatter zeros, one check over the ways that open
+  one: FSDPStep's :class:`~dpft.placement.fsdp.ReduceScatter` (``dpft train``, DPTrainer) and make_private's
+  :class:`~dpft.api.sharded.ShardedDPOptimizer`. Planted ``fsdp_dummy_counted``: the dummy's clipped sum is
+  sent (an example counted twice: sensitivity 2C); ``fsdp_api_dummy_sent``: the optimizer opens a
+  placeholder as a real micro-batch (dataset row 0 added again on that rank — sensitivity above C).
 * **make_private under FSDP2** (api/sharded.py) — simulated ranks' :class:`~dpft.api.sharded.ShardedMicroBatches`
   yield the same number of micro-batches per logical step (the forwards are collectives), their real
-  rows are disjoint and cover the world's logical batch, short ranks fill up with placeholders; and a
-  placeholder opened by :class:`~dpft.api.sharded.ShardedDPOptimizer` reduce-scatters zeros. Planted
-  ``fsdp_api_no_placeholder`` (each rank counts only its own micro-batches) and
-  ``fsdp_api_dummy_sent`` (the optimizer opens a placeholder as a real micro-batch: dataset row 0 is
-  added again on that rank — sensitivity above C).
+  rows are disjoint and cover the world's logical batch, short ranks fill up with placeholders. Planted
+  ``fsdp_api_no_placeholder`` (each rank counts only its own micro-batches).
 * **the non-private FSDP step adds nothing for a placeholder** — :class:`~dpft.placement.fsdp_plain.PlainFSDPStep`
   on a short rank (one real micro-batch, the world's count two: a placeholder runs) updates the weights
   exactly as the unsharded ``--no-dp`` step (``DPStep`` with ``NonPrivateEngine``) on the real one, and
@@ -115,16 +114,34 @@ def _restart(real_load):
     return restart
 
 
-def _dummy_check() -> list[Check]:
+def _placeholder_check() -> list[Check]:
+    """A placeholder micro-batch reduce-scatters zeros, opened by FSDPStep (``dpft train``, DPTrainer: its
+    :class:`~dpft.placement.fsdp.ReduceScatter` started as a placeholder) and by make_private's
+    :class:`~dpft.api.sharded.ShardedDPOptimizer` (the placeholder its micro-batches queued)."""
 
-    p = torch.nn.Parameter(torch.ones(4, 3))
-    rs = fsdp.ReduceScatter({"p": p}, ["p"], World())
-    rs.start(dummy=True)
-    got = rs("p", torch.full((4, 3), 5.0))
-    ok = bool(torch.count_nonzero(got) == 0)
-    return [Check("fsdp: a placeholder micro-batch contributes zero", ok,
-                  "zeros reduce-scattered for a dummy micro-batch" if ok else
-                  "a dummy micro-batch's clipped sum was sent: its example is counted twice (sensitivity 2C)")]
+    def fsdp_step(p):
+        rs = fsdp.ReduceScatter({"p": p}, ["p"], World())
+        rs.start(dummy=True)
+        return rs
+
+    def make_private(p):
+        step = SimpleNamespace(spec=SimpleNamespace(mechanism=None, clip=SimpleNamespace(max_norm=1.0),
+                                                    engine=SimpleNamespace(params={"p": p})), params={"p": p},
+                               scatter=fsdp.ReduceScatter({"p": p}, ["p"], World()), _reshard=lambda: None)
+        mb = ShardedMicroBatches(PoissonSampler(40, 8, Randomness(5)), 6, 3, 6, world=World(1, 2))
+        opt = ShardedDPOptimizer(torch.optim.SGD([p], lr=0.1), step, 6, World(1, 2), mb)
+        mb.dummies.extend([True])
+        opt._begin_micro_batch(0, 1, True)
+        return step.scatter
+
+    out = []
+    for way, opened in (("FSDPStep", fsdp_step), ("make_private", make_private)):
+        p = torch.nn.Parameter(torch.ones(4, 3))
+        zero = bool(torch.count_nonzero(opened(p)("p", torch.full((4, 3), 5.0))) == 0)
+        out.append(Check(f"fsdp {way}: a placeholder micro-batch reduce-scatters zeros", zero,
+                         "its clipped sum replaced by zeros" if zero else "the placeholder's clipped sum was sent: "
+                         "its example (dataset row 0) counts again on that rank (sensitivity 2C)"))
+    return out
 
 
 def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list[Check]:
@@ -167,6 +184,7 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
 
 
 def _api_check() -> list[Check]:
+    """make_private's sharded micro-batches: the same count on every rank, real rows disjoint and covering."""
     sampler = PoissonSampler(40, 8, Randomness(5))
     runs = []
     for r in range(2):
@@ -184,25 +202,11 @@ def _api_check() -> list[Check]:
             real.append([i for e, rw, d in zip(entries, rows, dummies) if e.step == t and not d for i in rw])
             placeholders |= any(d for e, d in zip(entries, dummies) if e.step == t)
         cover &= not set(real[0]) & set(real[1]) and sorted(real[0] + real[1]) == idx
-    out = [Check("fsdp make_private: every rank runs the same number of micro-batches per step", equal and placeholders,
-                 f"micro-batches per step {counts[0]} on both ranks (placeholders fill the short rank)" if equal else
-                 f"rank 0 runs {counts[0]}, rank 1 {counts[1]}: FSDP's collectives would pair unlike calls"),
-           Check("fsdp make_private: the ranks' real rows are disjoint and cover the logical batch", cover,
-                 "shares of one Poisson batch" if cover else "a row on two ranks, or missing")]
-    p = torch.nn.Parameter(torch.ones(4, 3))
-    step = SimpleNamespace(spec=SimpleNamespace(mechanism=None, clip=SimpleNamespace(max_norm=1.0),
-                                                engine=SimpleNamespace(params={"p": p})), params={"p": p},
-                           scatter=fsdp.ReduceScatter({"p": p}, ["p"], World()), _reshard=lambda: None)
-    mb = ShardedMicroBatches(sampler, 6, 3, 6, world=World(1, 2))
-    opt = ShardedDPOptimizer(torch.optim.SGD([p], lr=0.1), step, 6, World(1, 2), mb)
-    mb.dummies.extend([True])
-    opt._begin_micro_batch(0, 1, True)
-    sent = step.scatter("p", torch.full((4, 3), 3.0))
-    zero = bool(torch.count_nonzero(sent) == 0)
-    out.append(Check("fsdp make_private: a placeholder micro-batch reduce-scatters zeros", zero,
-                     "its clipped sum replaced by zeros" if zero else
-                     "the placeholder's clipped sum (dataset row 0) was sent: that row counts again (sensitivity > C)"))
-    return out
+    return [Check("fsdp make_private: every rank runs the same number of micro-batches per step", equal and placeholders,
+                  f"micro-batches per step {counts[0]} on both ranks (placeholders fill the short rank)" if equal else
+                  f"rank 0 runs {counts[0]}, rank 1 {counts[1]}: FSDP's collectives would pair unlike calls"),
+            Check("fsdp make_private: the ranks' real rows are disjoint and cover the logical batch", cover,
+                  "shares of one Poisson batch" if cover else "a row on two ranks, or missing")]
 
 
 def _norm_check(c: float = 0.05) -> list[Check]:
@@ -270,7 +274,7 @@ def _plain_check() -> list[Check]:
 def _step_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (see the module docstring)."""
     # the norm check exercises no planted bug (it builds a model: skipped when planting)
-    return (_mechanism_check() + _dummy_check() + _api_check() + _plain_check()
+    return (_mechanism_check() + _placeholder_check() + _api_check() + _plain_check()
             + (_norm_check() if planted is None else []))
 
 
