@@ -77,7 +77,8 @@ def reaches_session(seen: list, spec: Any, asked: dict, want: Optional[tuple] = 
 def _plan_of(n: int, b: int, steps: Optional[int], epochs: Optional[float], epsilon: float, delta: float) -> tuple:
     """step/plan.py's (N, q, T, σ) for these settings (the one steps rule, σ calibrated by ``PlanSettings``)."""
     t = planned_steps(n, b, steps, epochs)
-    return n, b / n, t, PlanSettings(n=n, expected_batch_size=b, steps=t, target_epsilon=epsilon, delta=delta).calibrate().sigma
+    sigma = PlanSettings(n=n, expected_batch_size=b, steps=t, target_epsilon=epsilon, target_delta=delta).calibrate().sigma
+    return n, b / n, t, sigma
 
 
 def train_check(trainer, plan: dict, seen: list) -> list[Check]:
