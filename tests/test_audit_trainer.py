@@ -8,6 +8,7 @@ import torch
 
 from dpft.audit import planted
 from dpft.audit import trainer_walk as tw
+from dpft.audit.ways_in_session import session_plans, train_check
 from test_user_level import _recipe, _user_files
 
 
@@ -100,13 +101,16 @@ def test_cli_plant_row_level_user_recipe_fails_and_says_planted(user_recipe, tmp
 
 
 def test_dpft_train_plans_like_the_session(tiny_model_dir, tmp_path):
-    """issue 46: `dpft train` and the session make_private asks plan alike from epochs (1.1 · 60 / 6: T = 11), the
-    same q and σ (the session's planted steps rule: tests/test_audit_ways_in.py)."""
+    """issue 46: `dpft train` reaches the session unchanged, its plan step/plan.py's for its settings from epochs
+    (1.1 · 60 / 6: T = 11), as every way in's (the session's planted steps rule: tests/test_audit_ways_in.py)."""
     train, dev = _user_files(tmp_path)
-    t = tw.build_trainer(_recipe(tiny_model_dir, train, dev, **{
-        "task.user_column": None, "batch.expected_batch_size": 6, "schedule.steps": None, "schedule.epochs": 1.1}))
+    with session_plans() as seen:
+        t = tw.build_trainer(_recipe(tiny_model_dir, train, dev, **{
+            "task.user_column": None, "batch.expected_batch_size": 6, "schedule.steps": None, "schedule.epochs": 1.1}))
     plan = tw.trainer_plan(t)
-    (ok,) = tw.session_plan_check(t, plan)
-    assert ok.passed and plan["steps"] == ok.stats["session_steps"] == 11, ok.row()
-    assert ok.stats["sigma"] == ok.stats["session_sigma"]
-    assert tw.session_plan_check(tw.build_trainer(_recipe(tiny_model_dir, train, dev)), plan | {"unit": "user"}) == []
+    (ok,) = train_check(t, plan, seen)
+    assert ok.passed and plan["steps"] == ok.stats["steps"] == 11 and "T = 11" in ok.message, ok.row()
+    assert ok.name == "session: dpft train reaches the session unchanged"
+    (bad,) = train_check(t, plan, seen + seen)  # two plans for one loop: not the session's one plan
+    assert not bad.passed and "2 session plans" in bad.message
+    assert train_check(tw.build_trainer(_recipe(tiny_model_dir, train, dev)), plan | {"unit": "user"}, []) == []

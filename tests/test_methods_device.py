@@ -222,4 +222,5 @@ def test_audit_device_checks_pass_and_catch_the_planted_bug():
     bad = device_checks("shared_rank_ldp_noise")
     assert [c.passed for c in bad] == [False, True] and "SAME noise" in bad[0].message
     assert "shared_rank_ldp_noise" in planted.ALL
-    assert ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)) in suite.OPTIONAL_CHECKS
+    assert ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise", "ewft_fsdp_shared_stream")) in \
+        suite.OPTIONAL_CHECKS

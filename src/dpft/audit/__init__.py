@@ -12,7 +12,8 @@
   :func:`run_audit`; the check modules ``checks_randomness`` and ``ways_in`` join when installed.
 * :mod:`dpft.audit.ways_in` — the checks every way in passes, written once over the ways in's
   adapters (``make_private``, ``DPTrainer``; the TRL trainers in :mod:`dpft.audit.ways_in_trl`): each
-  reaches the private session unchanged (:mod:`dpft.audit.ways_in_session`), leave-one-unit-out, the loop variants; and
+  reaches the private session unchanged (:mod:`dpft.audit.ways_in_session`: one check, ``dpft train`` and the
+  mechanism settings included), leave-one-unit-out, the loop variants; and
   :func:`audit_make_private` / :func:`audit_dp_trainer` on your own model. The same table across
   processes (:mod:`dpft.audit.ways_in_ddp`), under FSDP (:mod:`dpft.audit.ways_in_fsdp`), for the
   plan's mechanisms and methods (:mod:`dpft.audit.ways_in_mechanisms`) and the secret state's save and

@@ -2,31 +2,29 @@
 
 White-box, in one process (no process group needed), on the real classes of dpft/placement/fsdp.py:
 
-* **sharded noise is one draw** — the :class:`~dpft.placement.fsdp.ShardedGaussianMechanism` of every
-  simulated rank (K = 2, 3; FSDP's dim-0 chunk layout, :func:`~dpft.placement.fsdp.chunk_range`) adds noise to
-  its shard; the shards put together must equal the noise one process draws for the whole tensor
-  (the streams are disjoint and cover each element once: together exactly one N(0, σ²C²I) draw,
-  whatever K), with standard deviation σC, and other tensors and other steps must get other noise.
-  Planted ``fsdp_same_shard_stream``: every rank numbers its noise blocks from its own shard's start
-  (the same streams on each rank: the shards' noise is correlated, the sum is not one Gaussian draw).
+* **every mechanism shards as one draw** (issues 26, 38) — one check over the mechanism family (the
+  Gaussian, truncated Poisson, banded MF) through :func:`~dpft.placement.fsdp.shard_mechanism`: every
+  simulated rank (K = 2, 3; FSDP's dim-0 chunk layout, :func:`~dpft.placement.fsdp.chunk_range`) adds noise
+  to its shard over several steps; the shards put together must equal the noise one process draws for the
+  whole tensors (the streams are disjoint and cover each element once: together exactly one N(0, σ²C²I)
+  draw, whatever K; banded: the correlated y_t from per-shard buffers), and each sharded mechanism records
+  its base mechanism's ledger event. The Gaussian's noise has standard deviation σC, and other tensors,
+  blocks and steps get other noise. Planted ``fsdp_same_shard_stream``: every rank numbers its noise blocks
+  from its own shard's start (the same streams on each rank: the shards' noise is correlated, the sum is
+  not one Gaussian draw); ``fsdp_banded_whole_stream``: the sharded mechanisms draw from the whole-tensor
+  stream, so every rank's shard gets the first elements of it; ``fsdp_truncation_dropped``: the sharded
+  copy loses the truncation, so the ledger records a plain Poisson event for a truncated batch (ε
+  understated).
 * **a placeholder micro-batch adds nothing** — a rank with fewer micro-batches than another runs a
-  dummy one to keep the collectives in step; :class:`~dpft.placement.fsdp.ReduceScatter` must send zeros for
-  it. Planted ``fsdp_dummy_counted``: the dummy's clipped sum is sent (an example counted twice:
-  sensitivity 2C).
-* **every mechanism shards as one draw** (issue 38) — truncated Poisson and banded MF through
-  :func:`~dpft.placement.fsdp.shard_mechanism`: K = 2, 3 simulated ranks' noise over several steps, put
-  together, equals one rank's (banded: the correlated y_t from per-shard buffers), and each sharded
-  mechanism records its base mechanism's ledger event. Planted ``fsdp_banded_whole_stream``: the
-  sharded mechanisms draw from the whole-tensor stream, so every rank's shard gets the first
-  elements of it (the same noise on each rank); ``fsdp_truncation_dropped``: the sharded copy loses
-  the truncation, so the ledger records a plain Poisson event for a truncated batch (ε understated).
+  dummy one to keep the collectives in step; it must reduce-scatter zeros, one check over the ways that open
+  one: FSDPStep's :class:`~dpft.placement.fsdp.ReduceScatter` (``dpft train``, DPTrainer) and make_private's
+  :class:`~dpft.api.sharded.ShardedDPOptimizer`. Planted ``fsdp_dummy_counted``: the dummy's clipped sum is
+  sent (an example counted twice: sensitivity 2C); ``fsdp_api_dummy_sent``: the optimizer opens a
+  placeholder as a real micro-batch (dataset row 0 added again on that rank — sensitivity above C).
 * **make_private under FSDP2** (api/sharded.py) — simulated ranks' :class:`~dpft.api.sharded.ShardedMicroBatches`
   yield the same number of micro-batches per logical step (the forwards are collectives), their real
-  rows are disjoint and cover the world's logical batch, short ranks fill up with placeholders; and a
-  placeholder opened by :class:`~dpft.api.sharded.ShardedDPOptimizer` reduce-scatters zeros. Planted
-  ``fsdp_api_no_placeholder`` (each rank counts only its own micro-batches) and
-  ``fsdp_api_dummy_sent`` (the optimizer opens a placeholder as a real micro-batch: dataset row 0 is
-  added again on that rank — sensitivity above C).
+  rows are disjoint and cover the world's logical batch, short ranks fill up with placeholders. Planted
+  ``fsdp_api_no_placeholder`` (each rank counts only its own micro-batches).
 * **the non-private FSDP step adds nothing for a placeholder** — :class:`~dpft.placement.fsdp_plain.PlainFSDPStep`
   on a short rank (one real micro-batch, the world's count two: a placeholder runs) updates the weights
   exactly as the unsharded ``--no-dp`` step (``DPStep`` with ``NonPrivateEngine``) on the real one, and
@@ -116,58 +114,34 @@ def _restart(real_load):
     return restart
 
 
-def _noise_check(sigma: float = 0.7, c: float = 2.0) -> list[Check]:
+def _placeholder_check() -> list[Check]:
+    """A placeholder micro-batch reduce-scatters zeros, opened by FSDPStep (``dpft train``, DPTrainer: its
+    :class:`~dpft.placement.fsdp.ReduceScatter` started as a placeholder) and by make_private's
+    :class:`~dpft.api.sharded.ShardedDPOptimizer` (the placeholder its micro-batches queued)."""
 
-    base = GaussianMechanism(sigma, c, Randomness(7))
-    shapes = {"w": (9, 5), "b": (3,), "big": (2 * fsdp.NOISE_BLOCK + 5,)}
+    def fsdp_step(p):
+        rs = fsdp.ReduceScatter({"p": p}, ["p"], World())
+        rs.start(dummy=True)
+        return rs
 
-    def world_noise(k: int, step: int = 3) -> dict[str, torch.Tensor]:
-        parts: dict[str, list[torch.Tensor]] = {n: [] for n in shapes}
-        for r in range(k):
-            layout, zeros = {}, {}
-            for n, shp in shapes.items():
-                off, cnt = fsdp.chunk_range(shp, r, k)
-                numel = int(torch.Size(shp).numel())
-                layout[n] = (numel, off, cnt)
-                zeros[n] = torch.zeros(cnt)
-            noisy = fsdp.ShardedGaussianMechanism(base, layout).add_noise(zeros, step)
-            for n in shapes:
-                parts[n].append(noisy[n].flatten())
-        return {n: torch.cat(v) for n, v in parts.items()}
+    def make_private(p):
+        step = SimpleNamespace(spec=SimpleNamespace(mechanism=None, clip=SimpleNamespace(max_norm=1.0),
+                                                    engine=SimpleNamespace(params={"p": p})), params={"p": p},
+                               scatter=fsdp.ReduceScatter({"p": p}, ["p"], World()), _reshard=lambda: None)
+        mb = ShardedMicroBatches(PoissonSampler(40, 8, Randomness(5)), 6, 3, 6, world=World(1, 2))
+        opt = ShardedDPOptimizer(torch.optim.SGD([p], lr=0.1), step, 6, World(1, 2), mb)
+        mb.dummies.extend([True])
+        opt._begin_micro_batch(0, 1, True)
+        return step.scatter
 
-    one = world_noise(1)
     out = []
-    for k in (2, 3):
-        got = world_noise(k)
-        same = all(torch.equal(got[n], one[n]) for n in shapes)
-        out.append(Check(f"fsdp noise: {k} shards together are the one-process draw", same,
-                         "each element's noise comes from one position of one disjoint stream, whatever the "
-                         "number of ranks" if same else
-                         f"the {k} ranks' shard noise differs from the single draw (streams shared or misplaced)"))
-    big = one["big"]
-    std = float(big.std())
-    ok = abs(std / (sigma * c) - 1) < 0.03 and abs(float(big.mean())) < 0.05 * sigma * c
-    out.append(Check("fsdp noise: standard deviation σC", ok, f"std {std:.4f} vs σC = {sigma * c:.4f}",
-                     {"std": std, "target": sigma * c}))
-    other_step = world_noise(2, step=4)
-    h = fsdp.NOISE_BLOCK
-    distinct = (not torch.equal(other_step["w"], one["w"]) and not torch.equal(one["big"][:h], one["big"][h:2 * h])
-                and not torch.equal(one["w"][:3], one["b"]))
-    out.append(Check("fsdp noise: other steps, blocks and tensors get other noise", distinct,
-                     "distinct streams" if distinct else "two releases or blocks share noise"))
+    for way, opened in (("FSDPStep", fsdp_step), ("make_private", make_private)):
+        p = torch.nn.Parameter(torch.ones(4, 3))
+        zero = bool(torch.count_nonzero(opened(p)("p", torch.full((4, 3), 5.0))) == 0)
+        out.append(Check(f"fsdp {way}: a placeholder micro-batch reduce-scatters zeros", zero,
+                         "its clipped sum replaced by zeros" if zero else "the placeholder's clipped sum was sent: "
+                         "its example (dataset row 0) counts again on that rank (sensitivity 2C)"))
     return out
-
-
-def _dummy_check() -> list[Check]:
-
-    p = torch.nn.Parameter(torch.ones(4, 3))
-    rs = fsdp.ReduceScatter({"p": p}, ["p"], World())
-    rs.start(dummy=True)
-    got = rs("p", torch.full((4, 3), 5.0))
-    ok = bool(torch.count_nonzero(got) == 0)
-    return [Check("fsdp: a placeholder micro-batch contributes zero", ok,
-                  "zeros reduce-scattered for a dummy micro-batch" if ok else
-                  "a dummy micro-batch's clipped sum was sent: its example is counted twice (sensitivity 2C)")]
 
 
 def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list[Check]:
@@ -175,12 +149,12 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
     def make(kind):
         if kind == "banded_mf":
             return BandedMFMechanism(sigma, c, Randomness(11), banded_coefficients(steps, 3), 0.25)
-        return GaussianMechanism(sigma, c, Randomness(11),
-                                 step_event=TruncatedPoissonSampler(200, 12, Randomness(12), 12).step_event)
+        trunc = TruncatedPoissonSampler(200, 12, Randomness(12), 12).step_event if kind == "truncated" else None
+        return GaussianMechanism(sigma, c, Randomness(11), step_event=trunc)
 
-    shapes = {"w": (7, 4), "b": (3,)}
+    shapes = {"w": (7, 4), "b": (3,), "big": (2 * fsdp.NOISE_BLOCK + 5,)}  # "big": several noise blocks
     out = []
-    for kind in ("truncated", "banded_mf"):
+    for kind in ("gaussian", "truncated", "banded_mf"):
         one, _ = _world_steps(_sharded_world(1, shapes, lambda: make(kind)), range(steps), c)
         same = True
         for k in (2, 3):
@@ -196,10 +170,21 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
         out.append(Check(f"fsdp {kind}: the sharded mechanism records the base mechanism's event", ok,
                          f"{type(want[0]).__name__} per step" if ok else
                          f"recorded {type(got[0]).__name__}, the mechanism is {type(want[0]).__name__}"))
+        if kind == "gaussian":
+            big, h = one[0]["big"], fsdp.NOISE_BLOCK
+            std = float(big.std())
+            ok = abs(std / (sigma * c) - 1) < 0.03 and abs(float(big.mean())) < 0.05 * sigma * c
+            out.append(Check("fsdp gaussian: standard deviation σC", ok, f"std {std:.4f} vs σC = {sigma * c:.4f}",
+                             {"std": std, "target": sigma * c}))
+            distinct = (not torch.equal(one[1]["w"], one[0]["w"]) and not torch.equal(big[:h], big[h:2 * h])
+                        and not torch.equal(one[0]["w"][:3], one[0]["b"]))
+            out.append(Check("fsdp gaussian: other steps, blocks and tensors get other noise", distinct,
+                             "distinct streams" if distinct else "two releases or blocks share noise"))
     return out
 
 
 def _api_check() -> list[Check]:
+    """make_private's sharded micro-batches: the same count on every rank, real rows disjoint and covering."""
     sampler = PoissonSampler(40, 8, Randomness(5))
     runs = []
     for r in range(2):
@@ -217,25 +202,11 @@ def _api_check() -> list[Check]:
             real.append([i for e, rw, d in zip(entries, rows, dummies) if e.step == t and not d for i in rw])
             placeholders |= any(d for e, d in zip(entries, dummies) if e.step == t)
         cover &= not set(real[0]) & set(real[1]) and sorted(real[0] + real[1]) == idx
-    out = [Check("fsdp make_private: every rank runs the same number of micro-batches per step", equal and placeholders,
-                 f"micro-batches per step {counts[0]} on both ranks (placeholders fill the short rank)" if equal else
-                 f"rank 0 runs {counts[0]}, rank 1 {counts[1]}: FSDP's collectives would pair unlike calls"),
-           Check("fsdp make_private: the ranks' real rows are disjoint and cover the logical batch", cover,
-                 "shares of one Poisson batch" if cover else "a row on two ranks, or missing")]
-    p = torch.nn.Parameter(torch.ones(4, 3))
-    step = SimpleNamespace(spec=SimpleNamespace(mechanism=None, clip=SimpleNamespace(max_norm=1.0),
-                                                engine=SimpleNamespace(params={"p": p})), params={"p": p},
-                           scatter=fsdp.ReduceScatter({"p": p}, ["p"], World()), _reshard=lambda: None)
-    mb = ShardedMicroBatches(sampler, 6, 3, 6, world=World(1, 2))
-    opt = ShardedDPOptimizer(torch.optim.SGD([p], lr=0.1), step, 6, World(1, 2), mb)
-    mb.dummies.extend([True])
-    opt._begin_micro_batch(0, 1, True)
-    sent = step.scatter("p", torch.full((4, 3), 3.0))
-    zero = bool(torch.count_nonzero(sent) == 0)
-    out.append(Check("fsdp make_private: a placeholder micro-batch reduce-scatters zeros", zero,
-                     "its clipped sum replaced by zeros" if zero else
-                     "the placeholder's clipped sum (dataset row 0) was sent: that row counts again (sensitivity > C)"))
-    return out
+    return [Check("fsdp make_private: every rank runs the same number of micro-batches per step", equal and placeholders,
+                  f"micro-batches per step {counts[0]} on both ranks (placeholders fill the short rank)" if equal else
+                  f"rank 0 runs {counts[0]}, rank 1 {counts[1]}: FSDP's collectives would pair unlike calls"),
+            Check("fsdp make_private: the ranks' real rows are disjoint and cover the logical batch", cover,
+                  "shares of one Poisson batch" if cover else "a row on two ranks, or missing")]
 
 
 def _norm_check(c: float = 0.05) -> list[Check]:
@@ -303,7 +274,7 @@ def _plain_check() -> list[Check]:
 def _step_checks(planted: Optional[str] = None) -> list[Check]:
     """The FSDP step's white-box checks (see the module docstring)."""
     # the norm check exercises no planted bug (it builds a model: skipped when planting)
-    return (_noise_check() + _dummy_check() + _mechanism_check() + _api_check() + _plain_check()
+    return (_mechanism_check() + _placeholder_check() + _api_check() + _plain_check()
             + (_norm_check() if planted is None else []))
 
 

@@ -13,12 +13,8 @@ records one event per step (methods/ewft/method.py). White-box, in one process (
   per-example cache must be off: methods/ewft/parts.py ``pre_cache_allowed``). Planted
   ``ewft_fsdp_pre_cache_kept``: the cache stays on under FSDP2 — rank 0 skips pre(·)'s units, so its
   all-gathers pair with other blocks' on rank 1 (a hang, or silently exchanged shards of equal shape).
-* **each rank's release noise is its own stream, as DDP's rank** — the noise the layer adds at step t on
-  rank r is exactly the draw of the secret stream (``ldp``, t, ``rank``, r) (what DDP's rank r draws,
-  checked against a DDP rank too), with std σ·2C, and rank 0's and rank 1's draws differ (independent
-  noise for different examples). Planted ``ewft_fsdp_shared_stream``: under FSDP2 the ranks name their
-  stream without the rank (as if the FSDP world drew one stream, like the sharded gradient noise): two
-  ranks add the same noise to different examples, and anyone who sees both releases subtracts it.
+* **each rank's release noise is its own stream, as DDP's rank** — one check under DDP and FSDP2:
+  audit/checks_device.py ``rank_stream_check`` (planted ``ewft_fsdp_shared_stream`` there);
 * **the test-file evaluation of the materialised copy uses the trained σ** — the driver evaluates the
   test file on a plain copy of the sharded model (dpft/placement/fsdp.py ``materialise``, made from a template
   taken at sharding time); the method must switch the copy's layer (the last epoch's σ, inference noise
@@ -58,7 +54,6 @@ from dpft.config.recipe import load_recipe
 from dpft.placement.fsdp import block_classes
 from dpft.placement.fsdp import chunk_range
 from dpft.methods.ewft import method as ewft
-from dpft.methods.ewft import parts as ewft_parts
 from dpft.methods.ewft import fsdp as ldp_fsdp
 from dpft.methods.ewft.method import ForwardLDP, LDPRun
 from dpft.methods.ewft.train_pre import TrainPreEngine, TrainPreMechanism
@@ -66,10 +61,10 @@ from dpft.privacy.randomness import Randomness
 from dpft.placement.shards import chunk_rows
 from dpft.step.clip import make_clip_policy
 
-__all__ = ["PLANTED", "fsdp_ewft_checks", "ldp_run", "rank_stream_check"]
+__all__ = ["PLANTED", "fsdp_ewft_checks", "ldp_run"]
 
 #: Planted bugs :func:`fsdp_ewft_checks` must catch.
-PLANTED = ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
+PLANTED = ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_eval_live_layer",
            "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")
 #: ``ldp.train_pre`` on (a uniform σ: its calibration is joint).
 TRAIN_PRE = {"ldp.train_pre.enabled": True, "ldp.train_pre.max_grad_norm": 0.5, "ldp.schedule": "uniform"}
@@ -79,8 +74,6 @@ _T, _VOCAB, _N = 8, 64, 40
 
 _planted = bug_planter(PLANTED, {
     "ewft_fsdp_pre_cache_kept": lambda p: p.set(ewft, "pre_cache_allowed", lambda run: True),
-    "ewft_fsdp_shared_stream": lambda p: p.set(ewft_parts, "rank_parts", lambda run, real=ewft_parts.rank_parts: (
-        () if ewft_parts.fsdp_world(run) else real(run))),
     "ewft_fsdp_eval_live_layer": lambda p: p.set(ForwardLDP, "_eval_layer", lambda self, run: self.ldp.layer),
     "ewft_fsdp_train_pre_noise_offset": lambda p: p.set(ldp_fsdp, "shard_slice", lambda full, layout, shape: (
         full.reshape(-1)[:layout[2]].reshape(shape))),
@@ -156,38 +149,6 @@ def _units_check() -> Check:
         why = (f"step {bad}: rank 0 entered {len(seqs[0][bad])} FSDP2 units, rank 1 {len(seqs[1][bad])} — their "
                f"all-gathers pair different blocks (pre(·)'s cache on under FSDP2: {cached})")
     return Check("ewft fsdp: every rank's forward enters the same FSDP2 units, whatever it released before", ok, why)
-
-
-def rank_stream_check(shardings: tuple = ("fsdp", "ddp"), name: str = "ewft fsdp: each rank's release noise is its "
-                      "own stream (ldp, t, rank), as DDP's rank") -> Check:
-    """The one check of forward LDP's release noise across processes (this module's FSDP2 ranks and
-    audit/checks_device.py's DDP ranks): through a real :class:`LDPRun`, rank r's noise at step t is exactly
-    the stream (ldp, t, rank, r), the same under every sharding of ``shardings``, with std σ·2C; ranks 0 and
-    1 draw independent noise (the same draw on two ranks lets anyone who sees both releases subtract it);
-    one process keeps the stream (ldp, t) (a 1-process run unchanged)."""
-    t, shape = 3, (3, _T, 4)
-    draws, why = {}, []
-    for sharding, rank, world in [(s, r, 2) for s in shardings for r in (0, 1)] + [(shardings[-1], 0, 1)]:
-        ldp, tr = ldp_run(rank, world, sharding=sharding)
-        ldp.before_step(t)
-        lay = ldp.layer
-        got = lay.noise_like(torch.zeros(shape))
-        parts = ("rank", rank) if world > 1 else ()
-        want = tr.rng.stream("ldp", t, *parts).normal(shape, dtype=torch.float32) * lay.sigma * lay.sensitivity
-        draws[sharding, rank, world] = got
-        if not torch.equal(got, want):
-            why.append(f"{sharding} rank {rank} of {world}: its noise is not the stream (ldp, {t}{', rank, ' * (world > 1)}"
-                       f"{rank if world > 1 else ''})")
-    first = shardings[0]
-    if not all(torch.equal(draws[s, r, 2], draws[first, r, 2]) for s in shardings for r in (0, 1)):
-        why.append(f"the ranks of {' and '.join(shardings)} draw other noise at the same rank number")
-    corr = float(torch.corrcoef(torch.stack([draws[first, 0, 2].flatten(), draws[first, 1, 2].flatten()]))[0, 1])
-    if torch.equal(draws[first, 0, 2], draws[first, 1, 2]) or abs(corr) > 0.3:
-        why.insert(0, f"ranks 0 and 1 added the SAME noise (correlation {corr:.3f}) to different examples: the "
-                      "difference of their releases is the difference of the clean inputs")
-    std = float(draws[first, 0, 2].std())
-    return Check(name, not why, "; ".join(why) or f"ranks' draws are the streams (ldp, t, rank, r) under "
-                 f"{' and '.join(shardings)}, independent (corr {corr:.3f}), std {std:.3f}; one process (ldp, t)")
 
 
 def _eval_copy_check() -> Check:
@@ -286,4 +247,4 @@ def fsdp_ewft_checks(planted: Optional[str] = None) -> list[Check]:
     """The white-box checks of EW-FT under FSDP2 (module docstring); ``planted``: one of :data:`PLANTED`
     (a check must then fail)."""
     with _planted(planted):
-        return [_units_check(), rank_stream_check(), _eval_copy_check(), _train_pre_noise_check(), _train_pre_copy_check()]
+        return [_units_check(), _eval_copy_check(), _train_pre_noise_check(), _train_pre_copy_check()]

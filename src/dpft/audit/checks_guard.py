@@ -30,13 +30,12 @@ import torch
 from torch import nn
 
 from dpft.audit.planted import bug_planter
-from dpft.audit.whitebox import Check, tiny_classifier
+from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
 from dpft import PrivacyEngine
 from dpft.integrations.hf import checks as hf_checks
 from dpft.integrations.hf import trainer as hf
 from dpft.integrations.hf.privatize import privatize_trainer
 from dpft.integrations.hf.trainer import DPArguments, DPTrainer
-from dpft.integrations.hf.trainer import DPTrainer
 from dpft.step.guard import ReleaseGuard
 from dpft.step.guard import UpdateWithoutReleaseError
 
@@ -92,14 +91,6 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {textwrap.shorten(str(exc), 180, placeholder='…')}"
 
 
-def _rows(n: int = 8):
-    import datasets
-
-    g = torch.Generator().manual_seed(0)
-    return datasets.Dataset.from_dict({"input_ids": torch.randint(3, 64, (n, 8), generator=g).tolist(),
-                                       "attention_mask": [[1] * 8] * n, "labels": [i % 2 for i in range(n)]})
-
-
 def _trainer(out: str, cls=None, steps: int = 3, optimizer: Optional[Callable] = None):
     from transformers import TrainingArguments, default_data_collator
 
@@ -115,7 +106,7 @@ def _trainer(out: str, cls=None, steps: int = 3, optimizer: Optional[Callable] =
     if optimizer is not None:
         opt = optimizer(model)
         kw["optimizers"] = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0))
-    return (cls or DPTrainer)(model=model, args=args, train_dataset=_rows(), dp_args=dp,
+    return (cls or DPTrainer)(model=model, args=args, train_dataset=tiny_rows(8, 8), dp_args=dp,
                               data_collator=default_data_collator, **kw)
 
 

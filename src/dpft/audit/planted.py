@@ -48,7 +48,8 @@ OPTIONAL_CHECKS = (
                                                "fsdp_api_no_placeholder", "fsdp_api_dummy_sent",
                                                "fsdp_api_banded_restart", "fsdp_api_banded_slice_saved",
                                                "fsdp_plain_dummy_counted")),
-    ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise",)),
+    # forward LDP's noise across ranks (DDP and FSDP2) and on the device
+    ("dpft.audit.checks_device", "device_checks", ("shared_rank_ldp_noise", "ewft_fsdp_shared_stream")),
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
                                                "profile_ratio_dropped", "uncovered_trial_hidden",
@@ -58,13 +59,13 @@ OPTIONAL_CHECKS = (
                                                "score_redrawn_on_resume", "trial_prints")),
     # issue 28: truncated Poisson and banded matrix factorization
     ("dpft.audit.checks_mechanisms", "mechanism_checks",
-     ("truncate_first_rows", "padding_contributes", "truncation_not_in_ledger", "banded_buffers_reset",
-      "banded_unnormalised")),
+     ("truncate_first_rows", "padding_contributes", "banded_buffers_reset", "banded_unnormalised")),
     ("dpft.audit.checks_seq2seq", "seq2seq_checks", ("seq2seq_targets_across_rows", "relative_table_batch_summed")),
     ("dpft.audit.checks_ewft", "ewft_checks", ("train_pre_without_noise", "train_pre_sampled_twice")),
     # issue 28: truncated Poisson and banded MF, once on the session's plan; each way in reaches them unchanged
     ("dpft.audit.ways_in_mechanisms", "mechanisms_api_checks",
-     ("api_banded_every_partition", "no_min_separation", "trainer_truncation_not_recorded")),
+     ("api_banded_every_partition", "no_min_separation", "trainer_truncation_not_recorded",
+      "truncation_not_in_ledger")),
     # issue 34: the one secret-state save/restore (kept secret; the review's two reproductions), every way in
     ("dpft.audit.checks_resume", "resume_checks", ("resume_rows_by_index", "api_stale_state_accepted",
                                                    "api_noise_state_in_optimizer")),
@@ -82,8 +83,8 @@ OPTIONAL_CHECKS = (
                                                                "fsdp_dpsft_rank_noise", "fsdp_dpsft_coords_rows_offset",
                                                                "fsdp_dpsft_coords_stale", "dpsft_stage1_rank_basis")),
     ("dpft.audit.checks_fsdp_ewft", "fsdp_ewft_checks",
-     ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_shared_stream", "ewft_fsdp_eval_live_layer",
-      "ewft_fsdp_train_pre_noise_offset", "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
+     ("ewft_fsdp_pre_cache_kept", "ewft_fsdp_eval_live_layer", "ewft_fsdp_train_pre_noise_offset",
+      "ewft_fsdp_train_pre_layer_unsynced")),  # issue 38: EW-FT
     # issue 38: DPDPOTrainer at user level (a user's pairs one unit; skipped where trl is absent)
     ("dpft.audit.ways_in_trl", "dpo_user_checks", ("dpo_user_pair_groups", "dpo_user_ledger_counts_pairs")),
     # issue 44 item 5: no data error quotes a label value (a planted label driven through every refusal)

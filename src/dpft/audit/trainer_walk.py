@@ -36,7 +36,6 @@ import numpy as np
 import torch
 from scipy import stats
 
-from dpft import PrivacyEngine
 from dpft.audit.whitebox import LEVEL, Check
 from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
 from dpft.accounting.ledger import PrivacyLedger
@@ -317,41 +316,9 @@ def trainer_sampling_check(trainer, plan: dict, steps: int = 100, level: float =
     return out
 
 
-def session_plan_check(trainer, plan: dict) -> list[Check]:
-    """``dpft train`` reaches the session unchanged: its plan (N, q, T, σ) is the one ``make_private`` — which
-    asks the private session — plans for the recipe's settings (T by step/plan.py's one rule, σ calibrated to
-    the recipe's ε, δ). Only where the two are comparable: one phase, example level, plain Poisson, σ
-    calibrated, one process; otherwise no check (the walk's own checks still run)."""
-    r, p = trainer.recipe, trainer.recipe.privacy
-    if (plan.get("unit") != "example" or plan.get("prior_phases") or "bands" in plan or "max_batch_size" in plan
-            or p.noise_multiplier is not None or plan.get("world_size", 1) != 1):
-        return []
-    n, b = int(plan["n"]), int(r.batch.expected_batch_size)
-    want = planned_steps(n, b, r.schedule.steps or None, r.schedule.epochs)  # step/plan.py's one rule
-    length = {"steps": int(r.schedule.steps)} if r.schedule.steps else {"epochs": float(r.schedule.epochs)}
-    model = torch.nn.Linear(2, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = PrivacyEngine()
-        _, opt, _, _ = eng.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), criterion=torch.nn.CrossEntropyLoss(),
-            expected_batch_size=b, max_grad_norm=plan["C"], target_epsilon=float(p.target_epsilon),
-            dataset=torch.utils.data.TensorDataset(torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)),
-            target_delta=float(plan["delta"]), **length)
-    sigma, t = float(eng.noise_multiplier), int(opt.planned_steps)
-    eng.detach()
-    ok = (plan["steps"] == t == want and abs(plan["q"] - b / n) <= 1e-12
-          and math.isclose(plan["sigma"], sigma, rel_tol=1e-9))
-    return [Check("Trainer plan = the session's plan (make_private, same settings)", ok,
-                  f"dpft train: N = {n}, q = {plan['q']:.4g}, T = {plan['steps']}, σ = {plan['sigma']:.6g}; the "
-                  f"session: q = {b / n:.4g}, T = {t}, σ = {sigma:.6g} (step/plan.py: T = {want})"
-                  + ("" if ok else " — the ways in plan apart"),
-                  {"steps": plan["steps"], "session_steps": t, "sigma": plan["sigma"], "session_sigma": sigma})]
-
-
 def trainer_checks(trainer, plan: dict, quick: bool = True, progress=None) -> list[Check]:
-    """Every check of this module through ``trainer``'s own step (in :func:`audit_mode`), then
-    :func:`session_plan_check`."""
+    """Every check of this module through ``trainer``'s own step (in :func:`audit_mode`). (That ``dpft train``
+    reaches the session unchanged is audit/ways_in_session.py's ``train_check``, one check for every way in.)"""
     out = []
     with audit_mode(trainer):
         out.append(trainer_sensitivity_check(trainer, plan, leave_out=3 if quick else 8))
@@ -361,4 +328,4 @@ def trainer_checks(trainer, plan: dict, quick: bool = True, progress=None) -> li
         out += trainer_sampling_check(trainer, plan, steps=100 if quick else 400)
         if progress is not None:
             progress.update(1)
-    return out + session_plan_check(trainer, plan)
+    return out

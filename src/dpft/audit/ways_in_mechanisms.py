@@ -19,7 +19,8 @@ the noise from the streams; :class:`Loop`: what it released and recorded):
 * **truncation** (``max_batch_size=B_max``) — every logical batch ≤ B_max and every step records
   ``TruncatedSubsampledGaussianDpEvent(N, q, B_max, σ)`` (planted ``trainer_truncation_not_recorded``: the
   truncated mechanism not installed, so the plain Poisson event is recorded, under-accounting the
-  replace-one branch).
+  replace-one branch; ``truncation_not_in_ledger``: the Gaussian release's event ignores the sampler's
+  truncated event).
 
 Then, thinly, per way in (:data:`LOOPS`: ``make_private``, ``DPTrainer``): its mechanism settings reach the
 session unchanged — one session plan per loop whose mechanism part is the one asked for, a step that runs
@@ -61,7 +62,7 @@ from torch.utils.data import TensorDataset
 from dpft import PrivacyEngine
 from dpft.audit.planted import bug_planter
 from dpft.audit.ways_in import WayIn, leave_one_out
-from dpft.audit.ways_in_session import session_plans
+from dpft.audit.ways_in_session import reaches_session, session_plans
 from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
 from dpft.integrations.hf import data as hf_data
 from dpft.integrations.hf import trainer as hf
@@ -69,7 +70,7 @@ from dpft.methods import dp_adam_ac
 from dpft.methods.dpsft import method as dpsft
 from dpft.privacy.randomness import Randomness
 from dpft.step import clip as clipmod
-from dpft.step import mechanisms
+from dpft.step import mechanisms, noise
 from dpft.step.correlated import CyclicPoissonSampler, banded_coefficients, banded_phase_event, strategy_matrix
 from dpft.step.mechanisms import TruncatedPoisson
 from dpft.step.truncated import truncated_event
@@ -78,7 +79,8 @@ from dpft.transforms.subspace import SubspaceBasis
 __all__ = ["PLANTED", "MECHANISMS_PLANTED", "METHODS_PLANTED", "mechanisms_api_checks", "methods_api_checks",
            "plan_parts_checks", "reaches_session_check", "run_loops", "planted_bug", "LOOPS"]
 
-MECHANISMS_PLANTED = ("api_banded_every_partition", "no_min_separation", "trainer_truncation_not_recorded")
+MECHANISMS_PLANTED = ("api_banded_every_partition", "no_min_separation", "trainer_truncation_not_recorded",
+                      "truncation_not_in_ledger")
 METHODS_PLANTED = ("api_adaptive_noise_unadjusted", "trainer_count_stream_reused", "api_subspace_unclipped")
 PLANTED = MECHANISMS_PLANTED + METHODS_PLANTED
 SEED = 5
@@ -113,6 +115,8 @@ planted_bug = bug_planter(PLANTED, {
     "api_banded_every_partition": lambda p: p.set(mechanisms, "CyclicPoissonSampler", _EveryPartition),
     "no_min_separation": lambda p: p.set(CyclicPoissonSampler, "indices", _EveryPartition.indices),
     "trainer_truncation_not_recorded": lambda p: p.set(TruncatedPoisson, "install", lambda self, spec, **kw: spec),
+    "truncation_not_in_ledger": lambda p: p.set(noise.GaussianMechanism, "event", lambda self, q: (
+        dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(self.accounted_sigma)))),
     "api_adaptive_noise_unadjusted": lambda p: p.set(dp_adam_ac, "effective_noise_multiplier",
                                                      lambda sigma, count_noise: float(sigma)),
     "trainer_count_stream_reused": lambda p: p.set(hf.DPTrainer, "get_train_dataloader",
@@ -270,27 +274,14 @@ def plan_parts_checks(runs: dict[str, Loop]) -> list[Check]:
 
 
 def reaches_session_check(name: str, runs: dict[str, Loop]) -> Check:
-    """One way in's mechanism settings reach the session unchanged: per setting of :data:`RUNS`, one session
-    plan whose mechanism part is the one asked for, the loop's step runs that plan's parts, and its ledger holds
-    the plan's T steps and the events the plan's σ was calibrated on."""
+    """One way in's mechanism settings reach the session unchanged (audit/ways_in_session.py ``reaches_session``):
+    per setting of :data:`RUNS`, one session plan whose mechanism part is the one asked for, the loop's step runs
+    that plan's parts, and its ledger holds the plan's T steps and the events the plan's σ was calibrated on."""
     problems = []
     for kind, run in runs.items():
         kw = dict(RUNS[kind][4])
         asked = mechanisms.mechanism_of(kw.pop("mechanism", "gaussian"), **kw).settings()
-        if len(run.plans) != 1:
-            problems.append(f"{kind}: {len(run.plans)} session plans (one expected)")
-            continue
-        s, plan = run.plans[0]
-        if s.mechanism.settings() != asked:
-            problems.append(f"{kind}: the session was asked for {s.mechanism.settings()}, not {asked}")
-        if run.spec is not plan.spec:
-            problems.append(f"{kind}: the loop's step does not run the session plan's parts")
-        rel, got = plan.spec.mechanism, _flat_events(run.ledger)  # the step's event at step t (banded: t's phase)
-        want = [rel.event_at(t) if hasattr(rel, "event_at") else rel.event(plan.q) for t in range(plan.steps)]
-        cal = plan.phase_event(plan.sigma)  # SelfComposed(event, count): what σ was calibrated on
-        if got != want or [e for e in got if not isinstance(e, dpa.NoOpDpEvent)] != [cal.event] * cal.count:
-            problems.append(f"{kind}: the ledger's {run.ledger.steps} steps are not the plan's {plan.steps} steps "
-                            "0…T−1 with the events its σ was calibrated on")
+        problems += [f"{kind}: {p}" for p in reaches_session(run.plans, run.spec, asked, ledger=run.ledger)]
     return Check(f"session: {name} reaches the session's mechanisms unchanged ({', '.join(runs)})", not problems,
                  "; ".join(problems) or "one session plan per setting, with the mechanism asked for; the step runs its "
                  "parts; the ledger holds its events of steps 0…T−1, as calibrated", {})

@@ -6,7 +6,7 @@ and runs one logical step (``q = 1``, SGD at learning rate 1; TRL's dataset prep
 default gradient checkpointing included). The properties are audit/ways_in.py's, over TRL's units:
 
 * **DPSFTTrainer reaches the session unchanged** (audit/ways_in_session.py ``session_check``: one session plan with
-  the given settings, the same N, q, T, σ as make_private's);
+  the given settings, step/plan.py's N, q, T, σ for them, as every way in's);
 * **DPSFTTrainer leave-one-conversation-out** (prompt/completion rows, completion-only loss on: a long
   completion, a one-token one);
 * **DPSFTTrainer LoRA via peft_config** — one row: ``‖S‖ ≤ C`` over every parameter that moved, only
@@ -45,7 +45,7 @@ from dpft.api import PackedBatchError
 from dpft.audit.planted import bug_planter
 from dpft.audit.ways_in import (C, WayIn, gc_frozen, hf_one_step, leave_one_out, one_clipped_per_row,
                                 one_step_args, one_unit_bounded, yours)
-from dpft.audit.ways_in_session import SESSION_SETTINGS, SESSION_WAYS, session_check
+from dpft.audit.ways_in_session import SESSION_SETTINGS, session_check
 from dpft.audit.whitebox import Check
 from dpft.grads import bookkeeping
 from dpft.grads.groups import GROUP_KEY
@@ -280,11 +280,11 @@ def _session_sft():
 
 def trl_checks(planted: Optional[str] = None) -> list[Check]:
     """Every DPSFTTrainer / DPDPOTrainer (row level) check, with ``planted`` (one of :data:`TRL_PLANTED`):
-    DPSFTTrainer reaches the session unchanged (its plan the same as make_private's), then the four checks
-    of the module docstring.
+    DPSFTTrainer reaches the session unchanged (its plan step/plan.py's, as every way in's), then the four
+    checks of the module docstring.
 
     Returns:
-        Seven :class:`Check` rows; with nothing planted all pass, with a planted bug one fails.
+        Five :class:`Check` rows; with nothing planted all pass, with a planted bug one fails.
 
     Raises:
         ValueError: an unknown planted bug.
@@ -292,7 +292,7 @@ def trl_checks(planted: Optional[str] = None) -> list[Check]:
     if planted is not None and planted not in TRL_PLANTED:
         raise ValueError(f"unknown planted bug {planted!r}; known: {', '.join(TRL_PLANTED)}")
     with planted_bug(planted):
-        return session_check((SESSION_WAYS[0], ("DPSFTTrainer", _session_sft))) + sft_checks() + dpo_checks()
+        return session_check((("DPSFTTrainer", _session_sft),)) + sft_checks() + dpo_checks()
 
 
 def ledger_check(model=None, tok=None) -> Check:
