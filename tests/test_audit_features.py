@@ -10,12 +10,13 @@ from dpft.audit.checks_features import PLANTED, features_checks
 
 def test_features_checks_pass():
     checks = features_checks()
-    assert len(checks) == 3 and all(c.passed for c in checks), [(c.name, c.message) for c in checks]
+    assert len(checks) == 4 and all(c.passed for c in checks), [(c.name, c.message) for c in checks]
 
 
 @pytest.mark.parametrize("planted,caught_by", [("features_prefix_train_mode", "cached path"),
                                                ("features_cache_in_run_dir", "private at rest"),
-                                               ("features_key_ignores_weights", "key follows")])
+                                               ("features_key_ignores_weights", "key follows"),
+                                               ("features_siamese_trainable_encoder", "siamese pairs")])
 def test_each_planted_bug_is_caught(planted, caught_by):
     assert planted in PLANTED
     checks = {c.name: c for c in features_checks(planted)}

@@ -10,11 +10,16 @@
   the run folder and kept) fails it.
 * **keyed** — a changed frozen weight gives another key (a changed model never reuses a cache);
   planted ``features_key_ignores_weights`` fails it.
+* **pairs per example** — with siamese pair features (``model.pair: siamese``: two encoder rows per
+  example) the engine's per-example norms are one per pair, each that pair's own gradient norm, and a
+  trainable encoder is refused (``MeanPoolClassifier.check_frozen_encoder``); planted
+  ``features_siamese_trainable_encoder`` (the refusal removed) fails it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import tempfile
 import types
 from pathlib import Path
@@ -22,6 +27,7 @@ from typing import Optional
 from unittest import mock
 
 import torch
+import transformers
 
 from dpft.audit.whitebox import Check
 from dpft.config.recipe import TrainableCfg
@@ -39,13 +45,11 @@ from dpft.step.clip import make_clip_policy
 
 __all__ = ["PLANTED", "features_checks"]
 
-PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_key_ignores_weights")
+PLANTED = ("features_prefix_train_mode", "features_cache_in_run_dir", "features_key_ignores_weights",
+           "features_siamese_trainable_encoder")
 
 
 def _model(mode: str, seed: int = 0):
-    import transformers
-
-
     torch.manual_seed(seed)
     cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                   intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.3,
@@ -107,6 +111,8 @@ def _plant(planted: Optional[str], run_dir: Path):
             stack.enter_context(mock.patch.object(fs.FeatureStore, "arm_removal", lambda self: None))
         elif planted == "features_key_ignores_weights":
             stack.enter_context(mock.patch.object(mf.FrozenPrefix, "fingerprint", lambda self: "constant"))
+        elif planted == "features_siamese_trainable_encoder":
+            stack.enter_context(mock.patch.object(MeanPoolClassifier, "check_frozen_encoder", lambda self: None))
         yield
 
 
@@ -160,8 +166,38 @@ def _keyed() -> tuple[bool, str]:
     return ok, "a changed frozen weight " + ("changes the key" if ok else "kept the key (a stale cache would be reused)")
 
 
+def _pairs() -> tuple[bool, str]:
+    """Siamese pair features (models/hf_mean_pool.py): the engine's per-example norms are one per example (each
+    equal to that example's own gradient norm, autograd alone), and a trainable encoder is refused."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32)
+    enc = transformers.BertModel(cfg, add_pooling_layer=False)
+    full = MeanPoolClassifier(copy.deepcopy(enc), 2, 0.0, pair="siamese")  # every parameter trains
+    # eval mode: the frozen encoder's dropout off, as in training (FrozenPrefix.eval_prefix)
+    m = select_trainable(MeanPoolClassifier(enc, 2, 0.0, pair="siamese"), TrainableCfg(mode="head")).eval()
+    rows = [[2, 5, 6, 3, 8, 9, 3, 0], [2, 10, 3, 11, 12, 13, 14, 3], [2, 15, 16, 3, 17, 3, 0, 0]]
+    ids = torch.tensor(rows)
+    batch = {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([0, 1, 1])}
+    got = BookKeepingEngine(m, classification_loss, make_clip_policy("flat", 1e6)).clipped_sum(batch).sq_norms.sum(1)
+    head = [p for p in m.parameters() if p.requires_grad]
+    alone = []
+    for i in range(len(rows)):
+        one = {k: v[i:i + 1] for k, v in batch.items()}
+        g = torch.autograd.grad(classification_loss(m, one).sum(), head)
+        alone.append(sum(float((x ** 2).sum()) for x in g))
+    per_example = got.shape[0] == len(rows) and torch.allclose(got, torch.tensor(alone), rtol=1e-4, atol=1e-8)
+    try:
+        full(**{k: batch[k] for k in ("input_ids", "attention_mask")})
+        refused = False
+    except ValueError:
+        refused = True
+    return per_example and refused, (f"{got.shape[0]} norms for {len(rows)} pairs, equal to each pair alone: "
+                                     f"{per_example}; a trainable encoder refused: {refused}")
+
+
 def features_checks(planted: Optional[str] = None) -> list[Check]:
-    """The three checks above; ``planted`` one of :data:`PLANTED` (or None)."""
+    """The four checks above; ``planted`` one of :data:`PLANTED` (or None)."""
     with tempfile.TemporaryDirectory() as d:
         run_dir = Path(d) / "run"
         run_dir.mkdir()
@@ -169,6 +205,8 @@ def features_checks(planted: Optional[str] = None) -> list[Check]:
             ok_x, msg_x, worst = _exact()
             ok_r, msg_r = _at_rest(run_dir)
             ok_k, msg_k = _keyed()
+            ok_p, msg_p = _pairs()
     return [Check("features: cached path = token path (norms, clipped sums)", ok_x, msg_x, {"max_abs_diff": worst}),
             Check("features: cache private at rest, outside the run folder, removed", ok_r, msg_r),
-            Check("features: key follows the frozen weights", ok_k, msg_k)]
+            Check("features: key follows the frozen weights", ok_k, msg_k),
+            Check("features: siamese pairs clipped per example (frozen encoder only)", ok_p, msg_p)]

@@ -96,7 +96,8 @@ OPTIONAL_CHECKS = (
                                                  "raw_update_accepted", "weights_moved_unreleased")),
     # issue 45: frozen features computed once (exact, private at rest, keyed to the frozen weights)
     ("dpft.audit.checks_features", "features_checks", ("features_prefix_train_mode", "features_cache_in_run_dir",
-                                                       "features_key_ignores_weights")),
+                                                       "features_key_ignores_weights",
+                                                       "features_siamese_trainable_encoder")),
 )
 
 RANDOMNESS_PLANTED = next(names for _, fn, names in OPTIONAL_CHECKS if fn == "randomness_checks")
