@@ -75,7 +75,7 @@ def resume_cap(ledger_events: Sequence[dpa.DpEvent], step_event: Callable[[int],
         ledger_events: every event the run's ledger holds now (all phases, the crashed
             attempt's releases past the checkpoint included).
         step_event: the ledger event of step ``s`` (0-based) of the run's phase, as the run
-            will record it (e.g. ``mechanism.event(q_at(s))``, or ``mechanism.event_at(s)``).
+            will record it (e.g. ``mechanism.event_at(s, q_at(s))``).
         start: the step the run resumes from; planned: the step it was planned to reach.
         delta: δ of the guarantee.
         target: the cap; None = the ε the plan reaches without a crash, i.e. ``other_events``
@@ -125,11 +125,10 @@ def resume_cap(ledger_events: Sequence[dpa.DpEvent], step_event: Callable[[int],
 def ledger_resume_cap(ledger, phase: str, mechanism, q_at: Callable[[int], float], start: int, planned: int,
                       delta: float, target: float | None = None) -> ResumeCap:
     """:func:`resume_cap` of a run's ``ledger``: the releases of ``phase`` it holds are ``held``,
-    the other phases' events compose before them, and step ``s`` records ``mechanism.event_at(s)``
-    (a mechanism whose event depends on the step, e.g. banded MF) or ``mechanism.event(q_at(s))``.
+    the other phases' events compose before them, and step ``s`` records ``mechanism.event_at(s, q_at(s))``
+    (step/noise.py: the step matters to banded MF, q to independent noise).
     Shared by ``dpft train --resume`` (run/checkpoint.py) and DPTrainer's resume."""
     held = sum(e.count for e in ledger.entries if e.phase == phase)
-    step_event = (mechanism.event_at if hasattr(mechanism, "event_at")
-                  else (lambda s: mechanism.event(q_at(s))))
+    step_event = lambda s: mechanism.event_at(s, q_at(s))  # noqa: E731  (the mechanism family's one interface)
     return resume_cap(ledger.events(), step_event, start, planned, delta, target, held,
                       [e.composed() for e in ledger.entries if e.phase != phase])

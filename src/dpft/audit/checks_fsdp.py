@@ -164,7 +164,7 @@ def _mechanism_check(sigma: float = 0.9, c: float = 1.5, steps: int = 4) -> list
                          "each shard draws its slice of the block layout (banded: y_t from per-shard buffers)"
                          if same else "the shards' noise is not the one draw (streams repeated across ranks)"))
         base = make(kind)
-        want = [base.event_at(t) if kind == "banded_mf" else base.event(0.06) for t in range(steps)]
+        want = [base.event_at(t, 0.06) for t in range(steps)]
         _, got = _world_steps(_sharded_world(2, shapes, lambda: make(kind)), range(steps), c)
         ok = got == want
         out.append(Check(f"fsdp {kind}: the sharded mechanism records the base mechanism's event", ok,

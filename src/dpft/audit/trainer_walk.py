@@ -39,6 +39,7 @@ from scipy import stats
 from dpft.audit.whitebox import LEVEL, Check
 from dpft.accounting.calibrate import calibrate_sigma, epsilon_for_sigma
 from dpft.accounting.ledger import PrivacyLedger
+from dpft.step.correlated import BandedMFMechanism
 from dpft.step.plan import planned_steps
 from dpft.step.truncated import TruncatedPoissonSampler
 
@@ -87,12 +88,14 @@ def trainer_plan(trainer) -> dict:
         raise ValueError("the recipe's run is not private: nothing to audit")
     led = PrivacyLedger(list(t.ledger.entries))
     extra = {}
-    if hasattr(mech, "event_at"):  # banded_mf (step/correlated.py): the event depends on the step
-        for s in range(t.total_steps):
-            led.record(t.phase, mech.event_at(s))
+    events = [mech.event_at(s, t.q) for s in range(t.total_steps)]
+    if all(e == events[0] for e in events):  # independent noise: one event T times (composed at once)
+        led.record(t.phase, events[0], count=t.total_steps)
+    else:  # banded_mf (step/correlated.py): the event depends on the step
+        for e in events:
+            led.record(t.phase, e)
+    if isinstance(mech, BandedMFMechanism):
         extra = {"bands": int(mech.bands), "partition_rate": float(mech.partition_rate)}
-    else:
-        led.record(t.phase, mech.event(t.q), count=t.total_steps)
     if isinstance(t.sampler, TruncatedPoissonSampler):  # truncated Poisson (step/truncated.py)
         extra = {"max_batch_size": int(t.sampler.truncation[1])}
     return {**extra, "unit": t.privacy_unit["unit"], "n": int(t.n), "q": float(t.q), "sigma": float(mech.accounted_sigma),

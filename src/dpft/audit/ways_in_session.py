@@ -66,7 +66,7 @@ def reaches_session(seen: list, spec: Any, asked: dict, want: Optional[tuple] = 
         problems.append("the way in's step does not run the session plan's parts")
     if ledger is not None:
         rel, got_ev = plan.spec.mechanism, [e.event for e in ledger.entries for _ in range(e.count)]
-        want_ev = [rel.event_at(t) if hasattr(rel, "event_at") else rel.event(plan.q) for t in range(plan.steps)]
+        want_ev = [rel.event_at(t, plan.q) for t in range(plan.steps)]
         cal = plan.phase_event(plan.sigma)  # SelfComposed(event, count): what σ was calibrated on
         if got_ev != want_ev or [e for e in got_ev if not isinstance(e, dpa.NoOpDpEvent)] != [cal.event] * cal.count:
             problems.append(f"the ledger's {ledger.steps} steps are not the plan's {plan.steps} steps 0…T−1 with the "

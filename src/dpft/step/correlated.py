@@ -278,7 +278,9 @@ class BandedMFMechanism(GaussianMechanism):
         self.sensitivity = float(sensitivity)
         return self.add_noise(grad_sum, step), self.event_at(step)
 
-    def event_at(self, step: int) -> dpa.DpEvent:
+    def event_at(self, step: int, q: Optional[float] = None) -> dpa.DpEvent:
+        """Step ``step``'s ledger event (``q`` unused: the cyclic sampler's rate p is the mechanism's):
+        ``PoissonSampled(p, Gaussian(σ))`` at t ≡ 0 (mod b), ``NoOpDpEvent`` otherwise."""
         if int(step) % self.bands == 0:
             return dpa.PoissonSampledDpEvent(self.partition_rate, dpa.GaussianDpEvent(self.accounted_sigma))
         return dpa.NoOpDpEvent()

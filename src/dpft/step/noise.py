@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import dp_accounting as dpa
 import torch
@@ -104,6 +104,19 @@ class GaussianMechanism:
         """
         self.sensitivity = float(sensitivity)
         return self.add_noise(grad_sum, step), self.event(q)
+
+    def event_at(self, step: int, q: float) -> dpa.DpEvent:
+        """The ledger event of logical step ``step`` at sampling rate ``q``: :meth:`event` (independent
+        noise: the same at every step). The one interface of the mechanism family — banded MF's
+        event depends on the step (:meth:`~dpft.step.correlated.BandedMFMechanism.event_at`)."""
+        return self.event(q)
+
+    def state(self) -> dict:
+        """Secret state beyond the key: none (``stateful`` False; banded MF's noise buffers)."""
+        return {}
+
+    def load_state(self, st: dict, device_of: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """Nothing to restore (:meth:`state` is empty)."""
 
     def event(self, q: float) -> dpa.DpEvent:
         """The ledger event of one step: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ_accounted))``,

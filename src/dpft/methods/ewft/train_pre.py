@@ -283,6 +283,11 @@ class TrainPreMechanism:
     def event(self, q: float) -> dpa.DpEvent:
         return step_event(q, self.sigma_rep, self.sigma_grad)
 
+    def event_at(self, step: int, q: float) -> dpa.DpEvent:
+        """Step ``step``'s event at rate ``q``: :meth:`event` (independent noise at every step; the
+        mechanism family's one interface, step/noise.py)."""
+        return self.event(q)
+
     def release(self, grad_sum: dict[str, torch.Tensor], sensitivity: float, q: float,
                 step: int) -> tuple[dict[str, torch.Tensor], dpa.DpEvent]:
         self.gauss.sensitivity = float(sensitivity)
