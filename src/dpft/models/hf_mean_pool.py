@@ -49,6 +49,7 @@ def masked_mean(h: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.T
     m = attention_mask.unsqueeze(-1).to(h.dtype)
     return (h * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
 
+
 def split_pair(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0):
     """A batch of joint pair encodings → the two sentences as if each were tokenized alone.
 
