@@ -163,7 +163,7 @@ def test_dpft_train_siamese_cache_on_equals_off(tiny_model_dir, tmp_path):
     clf = pipeline("text-classification", model=str(tmp_path / "off" / "model"))  # t: the last run, off
     got = clf({"text": "is film 1 bad", "text_pair": "it was great indeed"})
     assert got["label"] in set(clf.model.config.id2label.values())
-    tok, std = clf.tokenizer, clf.model
+    tok = clf.tokenizer
     enc = tok("is film 1 bad", "it was great indeed", return_tensors="pt")
     with torch.no_grad():
         want = t.model.eval()(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits.softmax(-1).max()
