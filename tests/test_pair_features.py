@@ -170,3 +170,32 @@ def test_dpft_train_siamese_cache_on_equals_off(tiny_model_dir, tmp_path):
     assert abs(got["score"] - float(want)) < 1e-4
     with pytest.raises(ValueError, match="text_pair"):
         clf("one text only")
+
+
+def test_a_head_candidate_of_a_search_reads_pairs_siamese():
+    """``tune.space`` with the scope in it: the head candidate on a pair task gets siamese features (and 128
+    tokens), the top-2-block candidate keeps the joint encoding it needs (run/scope.py ``scope_overrides``)."""
+    from dpft.run.scope import scope_overrides
+
+    r = load_recipe(None, {"model.pooling": "mean", "task.name": "qnli", "trainable.mode": "last_k"})
+    head = scope_overrides(r, "head", 4000, keep_length=False)
+    assert head["model.pair"] == "siamese" and head["model.max_length"] == 128
+    assert "model.pair" not in scope_overrides(r, "last_k", 4000, keep_length=False)
+    single = load_recipe(None, {"model.pooling": "mean", "trainable.mode": "last_k"})
+    assert "model.pair" not in scope_overrides(single, "head", 4000, keep_length=False)
+
+
+def test_search_trials_on_pairs_validate_for_both_scopes(tmp_path):
+    """A search over the scope on a pair task: the head trial reads pairs siamese from the two-text fit files,
+    the top-2-block trial keeps the joint encoding (run/tune.py ``_trial_recipe``); both recipes validate."""
+    from dpft.run import tune as T
+    from dpft.run.defaults import CLASSIFICATION
+
+    r = load_recipe(None, dict(CLASSIFICATION, **{
+        "task.name": "qnli", "trainable.mode": "last_k", "privacy.target_epsilon": 8.0, "schedule.steps": 40,
+        "tune": {"space": {"trainable.mode": {"choice": ["head", "last_k"]}}}}))
+    args = (1.0, tmp_path / "f.jsonl", tmp_path / "s.jsonl", True, ["entailment", "not_entailment"], 4000)
+    head = T._trial_recipe(r, {"trainable.mode": "head"}, *args)
+    assert (head.model.pair, head.model.max_length, head.task.text_pair_column) == ("siamese", 128, "text_pair")
+    blocks = T._trial_recipe(r, {"trainable.mode": "last_k"}, *args)
+    assert blocks.model.pair == "joint" and blocks.trainable.mode == "last_k"

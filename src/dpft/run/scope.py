@@ -122,22 +122,26 @@ def scope_overrides(recipe, scope: str, n: int, keep_length: bool = True) -> dic
                 out.pop(k, None)
             else:
                 out[k] = bundle[k]
+    if scope == "head" and _pairs(recipe) and recipe.model.pooling == "mean" and recipe.model.pair == "joint":
+        out["model.pair"] = "siamese"  # rows of two texts: each encoded alone (docs/features.md, +12 points on QNLI)
+        if recipe.model.max_length == _get(base, "model.max_length"):
+            out["model.max_length"] = 128  # two texts in one encoding (scope_evidence.py's probe_pair arm)
     return out
+
+
+def _pairs(recipe) -> bool:
+    """Rows of two texts: a text-pair column, or a registered pair task (QNLI)."""
+    return bool(recipe.task.text_pair_column) or recipe.task.name == "qnli"
 
 
 def resolve_scope(recipe, n: int) -> tuple[Any, str]:
     """``recipe`` with ``trainable.mode: auto`` resolved for N rows, and the lines to print."""
     eps = recipe.privacy.target_epsilon if recipe.privacy.enabled else None
-    pair = bool(recipe.task.text_pair_column) or recipe.task.name == "qnli"
     if recipe.model.pair == "siamese":
         scope, why = "head", "model.pair: siamese reads frozen features: only the head trains"
     else:
-        scope, why = choose_scope(n, eps, pair)
+        scope, why = choose_scope(n, eps, _pairs(recipe))
     ov = scope_overrides(recipe, scope, n)
-    if pair and scope == "head" and recipe.model.pooling == "mean":
-        ov["model.pair"] = "siamese"
-        if recipe.model.max_length == _get(_baseline(), "model.max_length"):
-            ov["model.max_length"] = 128  # two texts in one encoding (scope_evidence.py's probe_pair arm)
     d = apply_overrides(recipe.model_dump(mode="json"), ov)
     kept = sorted(set(SCOPES[scope][0](n)) - set(ov))
     msg = f"trainable scope (auto): {scope} — {SCOPES[scope][1]}\n  why: {why}"
