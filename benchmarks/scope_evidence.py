@@ -145,18 +145,19 @@ def _run_tune(task: str, arm: str, eps: float | None, seed: int, rows: int, out:
 
 
 def _held_out(task: str, seed: int, where: Path) -> str:
-    """The rows of a dev-only task (QNLI) that its seed's run did not train on (data/tasks.py splits the dev
-    file 4,000 / rest with the recipe's seed), written as a file of the dev file's format."""
-    import datasets
+    """The rows of a dev-only task (QNLI) that its seed's run did not train on — the dev split that
+    data/tasks.py's ``load_task`` makes with the recipe's seed — written in the dev file's columns and labels."""
     import pandas as pd
 
-    from dpft.data.tasks import REGISTRY, data_dir
+    from dpft.config.recipe import TaskCfg
+    from dpft.data.tasks import REGISTRY, load_task
 
-    path = data_dir() / REGISTRY[task].dev_file
-    rows = datasets.Dataset.from_pandas(pd.read_csv(path, sep="\t", quoting=3, dtype=str, keep_default_na=False))
-    held = rows.train_test_split(train_size=4000, seed=seed, shuffle=True)["test"]
+    spec, data = REGISTRY[task], load_task(TaskCfg(name=task), seed=seed)
+    dev = data.dev.to_pandas()
     out = where / f"{task}-held-out-{seed}.tsv"
-    held.to_pandas().to_csv(out, sep="\t", index=False, quoting=3)
+    pd.DataFrame({spec.text: dev["text"], spec.pair: dev["text_pair"],
+                  spec.label: [data.label_names[i] for i in dev["label"]]}).to_csv(out, sep="\t", index=False,
+                                                                                   quoting=3)
     return str(out)
 
 
