@@ -88,12 +88,18 @@ class FrozenPrefix:
     def describe(self) -> str:
         """``"embeddings + blocks 0–3"`` etc. (for the plan that ``dpft train`` prints)."""
         if self.kind == "pooled":
-            if getattr(_unwrap(self.model), "pair", "joint") == "siamese":
+            if self.pair == "siamese":
                 return f"encoder ({self.num_blocks} blocks) + mean pooling of each sentence (siamese pair features)"
             return f"encoder ({self.num_blocks} blocks) + mean pooling"
         if self.start == 0:
             return "the embeddings"
         return f"embeddings + blocks 0–{self.start - 1} of {self.num_blocks}"
+
+    @property
+    def pair(self) -> str:
+        """How the classifier reads a sentence pair (models/hf_mean_pool.py ``PAIR_MODES``; ``joint``
+        for any classifier that is not dpft's mean-pooling one)."""
+        return getattr(_unwrap(self.model), "pair", "joint")
 
     @property
     def width(self) -> int:
@@ -120,8 +126,8 @@ class FrozenPrefix:
         """SHA-256 of the split (kind, start, model class) and the frozen prefix's weights and
         buffers (bytes, names, shapes, dtypes): a changed model never reuses a cache."""
         h = hashlib.sha256()
-        pair = getattr(_unwrap(self.model), "pair", "joint")
-        h.update(f"{type(_unwrap(self.model)).__name__}|{self.kind}|{self.start}|{self.num_blocks}|{pair}".encode())
+        head = f"{type(_unwrap(self.model)).__name__}|{self.kind}|{self.start}|{self.num_blocks}|{self.pair}"
+        h.update(head.encode())
         for i, m in enumerate(self.prefix_modules()):
             for name, t in sorted(m.state_dict().items()):
                 h.update(f"{i}.{name}|{tuple(t.shape)}|{t.dtype}".encode())

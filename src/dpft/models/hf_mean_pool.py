@@ -104,11 +104,11 @@ def pair_width(pair: str) -> int:
     return 4 if pair == "siamese" else 1
 
 
-def pooled_features(encoder: nn.Module, pair: str, input_ids=None, attention_mask=None, pad_id: int = 0,
-                    **kw) -> torch.Tensor:
+def pooled_features(encoder: nn.Module, pair: str, input_ids=None, attention_mask=None, **kw) -> torch.Tensor:
     """What the head reads: ``(B, H)`` masked mean of ``encoder``'s last hidden states
     (``joint``), or ``(B, 4H)`` :func:`siamese_features` of the two sentences, encoded alone in
-    one ``(2B, T)`` batch (``siamese``: ``token_type_ids`` dropped, each sentence is segment 0)."""
+    one ``(2B, T)`` batch (``siamese``: ``token_type_ids`` dropped, each sentence is segment 0;
+    positions outside a sentence hold the encoder config's ``pad_token_id``, 0 when unset)."""
     if pair == "siamese" and input_ids is None:
         raise ValueError("pair: siamese splits the token ids of each pair: give input_ids, not inputs_embeds")
     if pair == "joint":
@@ -116,7 +116,8 @@ def pooled_features(encoder: nn.Module, pair: str, input_ids=None, attention_mas
                            attention_mask)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    ids_a, mask_a, ids_b, mask_b = split_pair(input_ids, attention_mask, pad_id)
+    ids_a, mask_a, ids_b, mask_b = split_pair(input_ids, attention_mask,
+                                              getattr(encoder.config, "pad_token_id", None) or 0)
     ids, mask = torch.cat([ids_a, ids_b]), torch.cat([mask_a, mask_b])
     h = masked_mean(encoder(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
     return siamese_features(*h.split(input_ids.shape[0]))
@@ -184,8 +185,7 @@ class DpftMeanPoolForSequenceClassification(PreTrainedModel):
                 inputs_embeds=None, labels=None, return_dict=None, **_ignored):
         kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                                 ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
-        pad = getattr(self.encoder.config, "pad_token_id", None) or 0
-        pooled = pooled_features(self.encoder, self.pair, input_ids, pad_id=pad, **kw)  # (B, H) or (B, 4H)
+        pooled = pooled_features(self.encoder, self.pair, input_ids, **kw)  # (B, H) or (B, 4H)
         logits = self.classifier(self.dropout(pooled))
         loss = None
         if labels is not None:

@@ -73,8 +73,7 @@ class MeanPoolClassifier(nn.Module):
         kw = {k: v for k, v in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
                                 ("position_ids", position_ids), ("inputs_embeds", inputs_embeds)) if v is not None}
         self.check_frozen_encoder()
-        pad = getattr(self.config, "pad_token_id", None) or 0
-        return pooled_features(self.encoder, self.pair, input_ids, pad_id=pad, **kw)
+        return pooled_features(self.encoder, self.pair, input_ids, **kw)
 
     def check_frozen_encoder(self) -> None:
         """Refuse ``pair="siamese"`` with a trainable encoder while gradients are on (dpft audit's
