@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, field_serializer, field_
 
 from dpft.config.base import EvalCfg, LogCfg, OutputCfg, PerfCfg, PluginConfig
 from dpft.config.refusals import refuse
+from dpft.config.tasks import is_pair_task
 from dpft.config.methods_hook import (NO_REGISTRY, MethodsSchema, handed_schema, methods_schema,  # noqa: F401
                                      set_methods_schema)  # public here: dpft.config.recipe.set_methods_schema
 from dpft.config.tune import Duration, TuneCfg, time_budget_steps
@@ -430,7 +431,7 @@ class Recipe(_Strict):
             fix.append("no model.adapter (adapters train inside the encoder)")
         if self.task.name == "files" and not self.task.text_pair_column:
             fix.append("task.text_pair_column (the second sentence's column)")
-        if self.task.name in ("sst2", "sst5", "imdb", "text", "instruct", "seq2seq"):
+        elif not is_pair_task(self.task.name, self.task.text_pair_column):
             fix.append(f"a sentence-pair task (task {self.task.name} has one text per row)")
         if fix:
             raise ValueError("model.pair: siamese needs " + "; ".join(fix) + ", or model.pair: joint")

@@ -18,6 +18,7 @@ from typing import Optional
 import datasets
 
 from dpft.config.recipe import TaskCfg
+from dpft.config.tasks import REGISTRY, TaskSpec
 
 datasets.disable_progress_bars()  # dpft's own bar is the one that matters
 
@@ -367,37 +368,6 @@ def _encode_labels(train, dev, train_where: str, dev_where: str, column: str = "
                             f"{'task' if label_names is not None else 'training split'}'s: negative or ≥ {k}); fix "
                             "those labels (integer labels must be 0..K-1; strings are also accepted)")
     return _with_labels(train, tr_ints), _with_labels(dev, dv_ints), names
-
-
-@dataclass
-class TaskSpec:
-    """A registered task: local files (relative to DPFT_DATA_DIR) and its hub equivalent."""
-
-    name: str
-    text: str
-    pair: Optional[str]
-    label: str
-    train_file: Optional[str]
-    dev_file: Optional[str]
-    hub: tuple[str, ...]
-    hub_dev_split: str
-    label_names: Optional[list[str]] = None
-    note: Optional[str] = None
-
-
-REGISTRY: dict[str, TaskSpec] = {
-    "sst2": TaskSpec("sst2", "sentence", None, "label", "sst2/train.tsv", "sst2/dev.tsv",
-                     ("glue", "sst2"), "validation", ["negative", "positive"]),
-    "sst5": TaskSpec("sst5", "sentence", None, "label", "sst5/train.tsv", "sst5/dev.tsv",
-                     ("SetFit/sst5",), "validation",
-                     ["very negative", "negative", "neutral", "positive", "very positive"]),
-    "imdb": TaskSpec("imdb", "text", None, "label", "imdb/train.jsonl.gz", "imdb/test.jsonl.gz",
-                     ("imdb",), "test", ["negative", "positive"],
-                     note="IMDB has no dev split; its test split is used as dev"),
-    "qnli": TaskSpec("qnli", "question", "sentence", "label", None, "qnli/dev.tsv",
-                     ("glue", "qnli"), "validation", ["entailment", "not_entailment"],
-                     note="offline QNLI has no train split: GLUE dev is split 4,000 train / 1,463 eval"),
-}
 
 
 def load_task(cfg: TaskCfg, seed: int = 0) -> TaskData:

@@ -14,11 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dpft.config.tasks import REGISTRY
 from dpft.outputs.report import audited_lines, epsilon_line, mechanism_lines, unit_line
 from dpft.methods.base import get_method, registered
-
-#: Registered tasks whose data is a Hugging Face dataset (for the card's ``datasets:``).
-_HUB_DATASETS = {"sst2": "glue", "qnli": "glue", "sst5": "SetFit/sst5", "imdb": "imdb"}
 
 
 def _headline(rep: dict[str, Any]) -> str:
@@ -171,7 +169,7 @@ def build_card(rep: dict[str, Any], model_dir: Path):
         pipeline_tag="text2text-generation" if s2s else "text-generation" if causal else "text-classification",
         tags=tags,
         base_model=hub_base,
-        datasets=[_HUB_DATASETS[t["name"]]] if t["name"] in _HUB_DATASETS else None,
+        datasets=[REGISTRY[t["name"]].hub[0]] if t["name"] in REGISTRY else None,
         # machine-readable guarantee (free-form keys are kept in the YAML header)
         dp_epsilon=round(p["epsilon"], 6) if p.get("guarantee") == "certified" else None,
         dp_delta=p.get("delta") if p.get("guarantee") == "certified" else None,

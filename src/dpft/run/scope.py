@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from dpft.config.recipe import apply_overrides, load_recipe
+from dpft.config.tasks import is_pair_task
 from dpft.models import embedded
 from dpft.run.defaults import CLASSIFICATION
 
@@ -130,8 +131,8 @@ def scope_overrides(recipe, scope: str, n: int, keep_length: bool = True) -> dic
 
 
 def _pairs(recipe) -> bool:
-    """Rows of two texts: a text-pair column, or a registered pair task (QNLI)."""
-    return bool(recipe.task.text_pair_column) or recipe.task.name == "qnli"
+    """Rows of two texts: a text-pair column, or a registered pair task (config/tasks.py: QNLI)."""
+    return is_pair_task(recipe.task.name, recipe.task.text_pair_column)
 
 
 def resolve_scope(recipe, n: int) -> tuple[Any, str]:
