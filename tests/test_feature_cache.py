@@ -117,6 +117,18 @@ def test_kept_cache_is_reused_and_key_follows_the_model(tiny_model_dir, sst_like
                  tmp_path / "c", progress=False)
     t4 = Trainer(_recipe(tiny_model_dir, sst_like_files, "last_k", "on", **keep), tmp_path / "d", progress=False)
     assert len({t1.plan.features.key, t3.plan.features.key, t4.plan.features.key}) == 3
+    # Changed feature code (the pooling / pair features): another key, so an old cache is never reused.
+    import dpft.models.hf_mean_pool as code
+
+    changed = tmp_path / "hf_mean_pool.py"
+    changed.write_text(Path(code.__file__).read_text() + "\n# changed\n")
+    orig = code.__file__
+    try:
+        code.__file__ = str(changed)
+        t5 = Trainer(_recipe(tiny_model_dir, sst_like_files, "head", "on", **keep), tmp_path / "f", progress=False)
+    finally:
+        code.__file__ = orig
+    assert t5.plan.features.key != t1.plan.features.key and not t5.plan.features.store.loaded
     # A kept cache inside the run folder is refused (private data at rest, outside the release set).
     from dpft.errors import TrainingError
 

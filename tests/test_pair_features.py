@@ -1,5 +1,5 @@
 """Siamese sentence-pair features (issue 45; models/hf_mean_pool.py): the joint pair encoding split back
-into its two sentences equals encoding each alone, the head reads ``[u, v, |u − v|, u ⊙ v]``, the saved
+into its two sentences equals encoding each alone, the head reads ``[u, v, |u − v|, √H · u ⊙ v]``, the saved
 model loads with the same outputs, and a trainable encoder is refused (tiny random BERT, built in-process)."""
 
 from __future__ import annotations
@@ -41,6 +41,21 @@ def _alone(enc, toks):
 PAIRS = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13, 14]), ([15, 16], [17])]
 
 
+def test_the_product_block_is_scaled_to_the_others():
+    """``[u, v, |u − v|, √H · u ⊙ v]`` of the normalised embeddings: unscaled, the product block's norm is
+    about 1/√H (a DP head, one clip and noise scale for all coordinates, barely learns from it); scaled, about 1."""
+    torch.manual_seed(0)
+    h = 384
+    u, v = torch.randn(64, h), torch.randn(64, h) + 2 * torch.randn(1, h)  # correlated, as paired sentences are
+    f = siamese_features(u, v)
+    un, vn = torch.nn.functional.normalize(u, dim=-1), torch.nn.functional.normalize(v, dim=-1)
+    torch.testing.assert_close(f, torch.cat([un, vn, (un - vn).abs(), un * vn * h ** 0.5], -1))
+    blocks = f.view(64, 4, h).norm(dim=-1).mean(0)
+    assert blocks[0] == pytest.approx(1.0) and 0.3 < blocks[3] < 3.0, blocks
+    assert (un * vn).norm(dim=-1).mean() < 0.15  # the unscaled block: an order of magnitude smaller
+    torch.testing.assert_close(f[:, 3 * h:].sum(-1) / h ** 0.5, torch.nn.functional.cosine_similarity(u, v))
+
+
 @pytest.mark.parametrize("sep_twice", [False, True])
 def test_split_pair_equals_each_sentence_encoded_alone(sep_twice):
     enc = _encoder()
@@ -73,7 +88,8 @@ def test_head_reads_the_four_pair_features_and_the_saved_model_agrees(tmp_path):
         v = torch.stack([_alone(m.encoder, b) for _, b in PAIRS])
         torch.testing.assert_close(feats, siamese_features(u, v), rtol=1e-5, atol=1e-6)
         nu = u / u.norm(dim=-1, keepdim=True)
-        torch.testing.assert_close(feats[:, 16 * 3:], nu * (v / v.norm(dim=-1, keepdim=True)), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(feats[:, 16 * 3:], nu * (v / v.norm(dim=-1, keepdim=True)) * 16 ** 0.5,
+                                       rtol=1e-5, atol=1e-6)
         logits = m(input_ids=ids, attention_mask=mask).logits
     m.save_pretrained(tmp_path, labels=["yes", "no"])
     back = DpftMeanPoolForSequenceClassification.from_pretrained(tmp_path).eval()

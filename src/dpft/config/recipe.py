@@ -68,7 +68,7 @@ class ModelCfg(_Strict):
     head_dropout: float = Field(0.1, ge=0, lt=1)
     #: How a sentence pair (``task.text_pair_column``, QNLI) reaches the head with ``pooling: mean``:
     #: ``joint`` = one encoding of the pair; ``siamese`` = each sentence encoded alone and the head on
-    #: ``[u, v, |u − v|, u ⊙ v]`` of the two normalised embeddings (Sentence-BERT's classification
+    #: ``[u, v, |u − v|, √H · u ⊙ v]`` of the two normalised embeddings (Sentence-BERT's classification
     #: features; models/hf_mean_pool.py). ``siamese`` needs a frozen encoder (``trainable.mode: head``).
     pair: Literal["joint", "siamese"] = "joint"
     #: Override every dropout probability of the model (``0`` disables dropout, which often

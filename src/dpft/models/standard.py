@@ -49,7 +49,7 @@ class MeanPoolClassifier(nn.Module):
 
     ``pair="siamese"`` (sentence pairs, hf_mean_pool.py :func:`pooled_features`): the two
     sentences of each row are encoded alone and the head, ``Linear(4H, L)``, reads
-    ``[u, v, |u − v|, u ⊙ v]``. The encoder then runs on ``2B`` rows, two per example, so it must
+    ``[u, v, |u − v|, √H · u ⊙ v]``. The encoder then runs on ``2B`` rows, two per example, so it must
     stay frozen (``trainable.mode: head``): a per-example gradient engine would count the two
     sentences as two examples.
     """

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from dpft.data.feature_store import FeatureStore, compute_split, load_split, private_folder
 from dpft.eval.dev import DevEvaluator
+from dpft.models import features as prefix_code, hf_mean_pool
 from dpft.models.features import FrozenPrefix, frozen_prefix
 from dpft.run.errors import TrainingError
 from dpft.data.tokenize import collate
@@ -120,12 +121,15 @@ def prefix_of(recipe, model, methods: list, causal: bool) -> Optional[FrozenPref
 
 
 def _key(split: FrozenPrefix, recipe, data, tokenizer, placement) -> str:
-    """SHA-256 of everything the features depend on: the frozen weights and split, the tokenised
-    rows (tokenizer, max length and data content), dtype, device type and library versions."""
+    """SHA-256 of everything the features depend on: the frozen weights and split, the code that
+    computes them (the prefix split and the pooling / pair features), the tokenised rows
+    (tokenizer, max length and data content), dtype, device type and library versions."""
     import transformers
 
     h = hashlib.sha256()
     h.update(split.fingerprint().encode())
+    for code in (prefix_code, hf_mean_pool):  # a changed feature function never reuses a cache
+        h.update(hashlib.sha256(Path(code.__file__).read_bytes()).digest())
     h.update(f"|{getattr(tokenizer, 'name_or_path', '')}|{type(tokenizer).__name__}|{len(tokenizer)}"
              f"|{recipe.model.max_length}|{placement.precision.dtype}|{placement.device.type}"
              f"|{torch.__version__}|{transformers.__version__}".encode())
