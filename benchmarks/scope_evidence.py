@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -110,6 +111,7 @@ def run_one(task: str, arm: str, eps: float | None, seed: int, rows: int, work: 
     t0 = time.time()
     if arm.startswith("tune"):
         return _run_tune(task, arm, eps, seed, rows, out, over, t0)
+    shutil.rmtree(out, ignore_errors=True)  # a run missing from the log is redone whole (an older or cut one)
     rep = dpft.train(str(ROOT / recipe), out, progress=False, overrides=over)
     return {"task": task, "arm": arm, "eps": eps, "seed": seed, "rows": rep.get("data", {}).get("n_train", rows),
             "dev_accuracy": rep["metrics"]["dev_accuracy"], "epsilon": rep["privacy"].get("epsilon"),
@@ -120,8 +122,6 @@ def _run_tune(task: str, arm: str, eps: float | None, seed: int, rows: int, out:
               t0: float) -> dict:
     """``dpft tune`` over the probe (every trial, its noisy score and the selection charged to ``eps``),
     the released model scored once on the task's dev file (benchmarks/tune_evidence.py's scorer)."""
-    import shutil
-
     import dpft
     from dpft.data.tasks import REGISTRY, data_dir
 
@@ -185,7 +185,8 @@ def table(runs: list[dict]) -> str:
              "`probe_mpnet`, `tune_mpnet`, `last_k_mpnet` = the same on all-mpnet-base-v2 (`--model mpnet`), the "
              "MiniLM recipe unchanged; `probe_pair` / `tune_pair` / `probe_pair_mpnet` = the probe and its search on "
              "siamese pair features (`model.pair: siamese`, 128 tokens: each text of a pair encoded alone, the head on "
-             "[u, v, |u − v|, u ⊙ v]; pair tasks); `full` = every block but the word embeddings, non-private only (470 steps of "
+             "[u, v, |u − v|, √H · u ⊙ v]; pair tasks; `*_unscaled`: the same before the product block was scaled by √H, "
+             "commit 00c7792); `full` = every block but the word embeddings, non-private only (470 steps of "
              "B = 32); `full_dp` = the same scope privately (q = 1/8, 40 steps, the demo's clipping and lrs), "
              "`full_dp_q2` / `full_dp_q1` at q = 1/2 / 1 for 20 steps; `lora_dp` / `lora_dp_hi` = LoRA r = 8 on "
              "every block's query/value at lr 1e-3 / 5e-3, `bias_dp` = BitFit at lr 3e-3, both at full_dp's "
