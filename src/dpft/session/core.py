@@ -100,7 +100,8 @@ class PrivateSession:
     n: Optional[int] = None
     planned: Optional[int] = None
     methods: Any = None
-    #: The unit's sampler (the way in's, or the user-level one); None: the mechanism's own (step/plan.py).
+    #: The unit's sampler (the way in's, or the user-level one); None: the plan builds the mechanism's own. The plan
+    #: value records the same for the mechanism's own sampler handed in (step/mechanisms.py ``Mechanism.owns``).
     unit_sampler: Any = None
     #: The settings :meth:`prepare` ran for, until the next :meth:`plan` (which prepares itself otherwise).
     prepared: Optional[SessionSettings] = field(default=None, repr=False)
