@@ -127,3 +127,24 @@ def test_dpft_train_plans_like_the_session(tiny_model_dir, tmp_path):
     (bad,) = train_check(t, plan, seen + seen)  # two plans for one loop: not the session's one plan
     assert not bad.passed and "2 session plans" in bad.message
     assert train_check(tw.build_trainer(_recipe(tiny_model_dir, train, dev)), plan | {"unit": "user"}, []) == []
+
+
+@pytest.mark.parametrize("plant", [None, STEPS_RULE])
+def test_dpft_audit_plants_the_session_steps_rule_on_dpft_trains_row(plant, tiny_model_dir, tmp_path, monkeypatch):
+    """`dpft audit RECIPE --plant session_steps_rule` builds dpft train's Trainer with the session's planted steps
+    rule (audit/suite.py ``audit_recipe``): its row fails (T = 12, step/plan.py's 11); honest, it passes. The
+    rest of the audit (``run_audit``: the Python ways in catch the same bug, tests/test_audit_ways_in.py) is
+    stubbed here."""
+    from dpft.audit import suite
+
+    monkeypatch.setattr(suite, "run_audit", lambda sigma, c, q, delta, **k: suite.AuditReport(sigma, c, q, delta,
+                                                                                              planted=k["planted"]))
+    train, dev = _user_files(tmp_path)
+    rec = _recipe(tiny_model_dir, train, dev, **{"task.user_column": None, "task.max_train_examples": 50,
+                                                 "batch.expected_batch_size": 5, "schedule.steps": None,
+                                                 "schedule.epochs": 1.1})
+    cal, rep = suite.audit_recipe(rec, quick=True, planted=plant)
+    (row,) = [c for c in rep.checks if c.name == "session: dpft train reaches the session unchanged"]
+    assert row.passed is (plant is None) and rep.planted == plant, row.row()
+    assert ("T = 12, σ" in row.message) is (plant is not None) and cal["steps"] == (11 if plant is None else 12)
+    assert session_core.planned_steps is planned_steps  # undone afterwards
