@@ -8,7 +8,9 @@ import torch
 
 from dpft.audit import planted
 from dpft.audit import trainer_walk as tw
-from dpft.audit.ways_in_session import session_plans, train_check
+from dpft.audit.ways_in_session import STEPS_RULE, planted_session, session_plans, train_check
+from dpft.session import core as session_core
+from dpft.step.plan import planned_steps
 from test_user_level import _recipe, _user_files
 
 
@@ -102,15 +104,47 @@ def test_cli_plant_row_level_user_recipe_fails_and_says_planted(user_recipe, tmp
 
 def test_dpft_train_plans_like_the_session(tiny_model_dir, tmp_path):
     """issue 46: `dpft train` reaches the session unchanged, its plan step/plan.py's for its settings from epochs
-    (1.1 · 60 / 6: T = 11), as every way in's (the session's planted steps rule: tests/test_audit_ways_in.py)."""
+    (1.1 · 50 / 5 = 11.000000000000002 in floating point: T = 11), as every way in's; its T is the session's count,
+    so the session's planted steps rule (12 steps) is caught on dpft train's row too, as `dpft audit RECIPE
+    --plant session_steps_rule` builds the Trainer (audit/suite.py; the Python ways in: tests/test_audit_ways_in.py)."""
     train, dev = _user_files(tmp_path)
+    rec = _recipe(tiny_model_dir, train, dev, **{"task.user_column": None, "task.max_train_examples": 50,
+                                                 "batch.expected_batch_size": 5, "schedule.steps": None,
+                                                 "schedule.epochs": 1.1})
     with session_plans() as seen:
-        t = tw.build_trainer(_recipe(tiny_model_dir, train, dev, **{
-            "task.user_column": None, "batch.expected_batch_size": 6, "schedule.steps": None, "schedule.epochs": 1.1}))
+        t = tw.build_trainer(rec)
     plan = tw.trainer_plan(t)
     (ok,) = train_check(t, plan, seen)
+    assert plan["n"] == 50 and 1.1 * 50 / 5 > 11, plan
     assert ok.passed and plan["steps"] == ok.stats["steps"] == 11 and "T = 11" in ok.message, ok.row()
+    with session_plans() as planted_seen, planted_session(STEPS_RULE):
+        bad_t = tw.build_trainer(rec)
+    (caught,) = train_check(bad_t, tw.trainer_plan(bad_t), planted_seen)
+    assert not caught.passed and bad_t.total_steps == 12, caught.row()
+    assert "T = 12, σ" in caught.message and "(step/plan.py: N = 50, q = 0.1, T = 11" in caught.message
+    assert session_core.planned_steps is planned_steps  # undone afterwards
     assert ok.name == "session: dpft train reaches the session unchanged"
     (bad,) = train_check(t, plan, seen + seen)  # two plans for one loop: not the session's one plan
     assert not bad.passed and "2 session plans" in bad.message
     assert train_check(tw.build_trainer(_recipe(tiny_model_dir, train, dev)), plan | {"unit": "user"}, []) == []
+
+
+@pytest.mark.parametrize("plant", [None, STEPS_RULE])
+def test_dpft_audit_plants_the_session_steps_rule_on_dpft_trains_row(plant, tiny_model_dir, tmp_path, monkeypatch):
+    """`dpft audit RECIPE --plant session_steps_rule` builds dpft train's Trainer with the session's planted steps
+    rule (audit/suite.py ``audit_recipe``): its row fails (T = 12, step/plan.py's 11); honest, it passes. The
+    rest of the audit (``run_audit``: the Python ways in catch the same bug, tests/test_audit_ways_in.py) is
+    stubbed here."""
+    from dpft.audit import suite
+
+    monkeypatch.setattr(suite, "run_audit", lambda sigma, c, q, delta, **k: suite.AuditReport(sigma, c, q, delta,
+                                                                                              planted=k["planted"]))
+    train, dev = _user_files(tmp_path)
+    rec = _recipe(tiny_model_dir, train, dev, **{"task.user_column": None, "task.max_train_examples": 50,
+                                                 "batch.expected_batch_size": 5, "schedule.steps": None,
+                                                 "schedule.epochs": 1.1})
+    cal, rep = suite.audit_recipe(rec, quick=True, planted=plant)
+    (row,) = [c for c in rep.checks if c.name == "session: dpft train reaches the session unchanged"]
+    assert row.passed is (plant is None) and rep.planted == plant, row.row()
+    assert ("T = 12, σ" in row.message) is (plant is not None) and cal["steps"] == (11 if plant is None else 12)
+    assert session_core.planned_steps is planned_steps  # undone afterwards

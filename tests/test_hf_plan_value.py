@@ -55,19 +55,14 @@ def test_dp_trainer_writes_the_plan_value_dpft_train_writes(mech, tiny_model_dir
     state = json.loads((tmp_path / "hf" / "dp_state.json").read_text())
     hf = state["plan"]
     assert hf == trainer_report(tr)["dp"]["plan"] == tr.plan.calibrated.to_dict()
-    # the same value but for how each way in spells its refusals (recipe keys, keywords), and q: dpft train
-    # hands the session its unit's sampler (run/unit.py: the mechanism's, at example level), whose rate the
-    # value records (q = B/N exactly); DPTrainer's session builds the mechanism's (q None: B/N)
-    # the same value but for how each way in spells its refusals (recipe keys, keywords), and the rates:
-    # dpft train hands the session its unit's sampler (run/unit.py: the mechanism's, at example level),
-    # whose rates the value records; DPTrainer's session builds the mechanism's (q, p None: B/N, b·B/N)
-    assert hf["q"] is None and hf["partition_rate"] is None and cli["q"] == B / cli["n"]
-    assert CalibratedPlan.from_dict(hf).settings.rates() == CalibratedPlan.from_dict(cli).settings.rates()
-    rates = {"names": None, "q": None, "partition_rate": None}
-    assert {**hf, **rates} == {**cli, **rates}
-    assert cli["names"] == RECIPE_NAMES and hf["names"] == {}  # {}: the keywords (KWARG_NAMES)
+    # the same value, every field: dpft train hands the session its unit's sampler (run/unit.py: the mechanism's,
+    # at example level), DPTrainer's session builds the mechanism's; one rule (step/mechanisms.py Mechanism.owns)
+    # records neither's rates (q, p None: B/N, b·B/N); each way in's spelling of refusals is wording, not value
+    assert hf == cli and hf["q"] is None and hf["partition_rate"] is None and "names" not in hf
+    assert run.plan.privacy.calibrated == tr.plan.calibrated
+    assert run.plan.privacy.calibrated.settings.names == tuple(RECIPE_NAMES.items())
+    assert tr.plan.calibrated.settings.names == ()  # keywords (KWARG_NAMES)
     assert hf["sigma"] == state["sigma"] == tr.sigma and hf["mechanism"] == mech.replace("truncated", "gaussian")
     # the value round-trips and rebuilds the σ every way in calibrated
-    for d in (hf, cli):
-        back = CalibratedPlan.from_dict(json.loads(json.dumps(d)))
-        assert back.to_dict() == d and back.settings.calibrate() == back
+    back = CalibratedPlan.from_dict(json.loads(json.dumps(hf)))
+    assert back.to_dict() == hf and back.settings.calibrate() == back

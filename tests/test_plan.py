@@ -461,20 +461,51 @@ def test_make_private_names_a_parameter_frozen_after_it(when):
     assert eng.ledger.steps == when  # nothing was released with the frozen parameter
 
 
-def test_epochs_1_1_over_100_rows_at_b_10_is_11_steps_in_every_way_in(tiny_model_dir, sst_like_files, tmp_path):
-    """Issue 46 item 3: one ``planned_steps`` (⌈epochs · N / B − 1e-9⌉) behind dpft train, dpft tune, the
-    auto choice, make_private and DPTrainer: 1.1 · 100 / 10 is 11.000000000000002 in floating point, which
-    the CLI's own ⌈·⌉ made 12 steps while make_private and DPTrainer planned 11 — the same settings
-    calibrating σ for different T."""
+def test_epochs_1_1_over_100_rows_at_b_10_is_11_steps_in_every_way_in(tiny_model_dir, tmp_path):
+    """Issue 46 item 3: one ``planned_steps`` (⌈epochs · N / B − 1e-9⌉), counted by the private session for
+    dpft train, make_private and DPTrainer (session/core.py ``PrivateSession.prepare``) and behind dpft tune and
+    the auto choice: 1.1 · 100 / 10 is 11.000000000000002 in floating point, which the CLI's own ⌈·⌉ made 12
+    steps while make_private and DPTrainer planned 11 — the same settings calibrating σ for different T."""
+    import pandas as pd
+    import transformers
+
     from dpft.config.recipe import load_recipe
+    from dpft.integrations.hf.trainer import DPArguments, DPTrainer
     from dpft.run.loop import Trainer
     from dpft.run.tune import _steps_and_q
 
     assert 1.1 * 100 / 10 > 11 and planned_steps(100, 10, epochs=1.1) == 11
     r = load_recipe(None, {"schedule.epochs": 1.1, "schedule.steps": None, "batch.expected_batch_size": 10})
     assert _steps_and_q(r, {}, 100)[1] == 11  # dpft tune's trials
-    # dpft train on 60 rows at B = 6 (1.1 · 60 / 6 = 11.000000000000002 as well)
-    r = files_recipe(tiny_model_dir, sst_like_files, **{"schedule.epochs": 1.1, "schedule.steps": None,
-                                                        "batch.expected_batch_size": 6,
-                                                        "task.dev_file": str(sst_like_files["csv"])})
-    assert Trainer(r, tmp_path / "run", progress=False).total_steps == 11
+    target = dict(target_epsilon=3.0, target_delta=1e-3, max_grad_norm=1.0, expected_batch_size=10)
+    # dpft train over 100 rows
+    words = ["good", "bad", "great", "awful"]
+    pd.DataFrame([{"text": f"a {words[i % 4]} film {i}", "label": i % 2} for i in range(100)]).to_csv(
+        tmp_path / "rows.csv", index=False)
+    files = {"csv": tmp_path / "rows.csv"}
+    r = files_recipe(tiny_model_dir, files, **{"schedule.epochs": 1.1, "schedule.steps": None,
+                                               "batch.expected_batch_size": 10, "task.dev_file": str(files["csv"]),
+                                               "privacy.target_epsilon": 3.0})
+    t = Trainer(r, tmp_path / "run", progress=False)
+    assert (t.n, t.total_steps, t.plan.session.planned, t.plan.privacy.steps) == (100, 11, 11, 11)
+    # make_private over 100 rows
+    model = nn.Sequential(nn.Linear(6, 3))
+    eng = PrivacyEngine(reproducible_seed=SEED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, opt, _, _ = eng.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                        criterion=nn.CrossEntropyLoss(), epochs=1.1, **target,
+                                        dataset=TensorDataset(torch.randn(100, 6), torch.randint(0, 3, (100,))))
+    assert opt.planned_steps == 11
+    # DPTrainer over 100 rows
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32, num_labels=2)
+    rows = [{"input_ids": [1 + i % 60] * 8, "attention_mask": [1] * 8, "labels": i % 2} for i in range(100)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), num_train_epochs=1.1, report_to=[],
+                                          use_cpu=True, per_device_train_batch_size=10)
+    with pytest.warns(UserWarning, match="reproducible_seed"):
+        tr = DPTrainer(model=transformers.BertForSequenceClassification(cfg), args=args, train_dataset=rows,
+                       dp_args=DPArguments(reproducible_seed=SEED, **target))
+    assert (tr.n, tr.total_steps) == (100, 11)
+    # one plan: the same σ for the same settings (the one count, the one calibration)
+    assert t.sigma == tr.sigma == opt.dp_step.spec.mechanism.sigma

@@ -86,8 +86,11 @@ def test_settings_round_trip_through_json():
         assert json.loads(json.dumps(CalibratedPlan(s, 0.77).to_dict())) == {**s.to_dict(), "sigma": 0.77}
     d = _settings(MECHS[2], noise_multiplier=1.0).to_dict()
     assert (d["mechanism"], d["bands"], d["max_batch_size"], d["n"], d["q"]) == ("banded_mf", 3, None, N, None)
-    assert PlanSettings.from_dict(PlanSettings.of(mech, n=N, expected_batch_size=B, steps=2).to_dict()) \
-        .mechanism_part().names == RECIPE_NAMES  # refusals keep the way in's spelling
+    # the live settings word refusals in the way in's spelling; the value leaves the spelling out (every way in
+    # writes the same value for the same settings)
+    spelled = PlanSettings.of(mech, n=N, expected_batch_size=B, steps=2)
+    assert spelled.mechanism_part().names == RECIPE_NAMES and "names" not in spelled.to_dict()
+    assert PlanSettings.from_dict(spelled.to_dict()) == spelled
 
 
 def _parts(model, opt):
@@ -182,6 +185,25 @@ def test_the_units_own_sampler_enters_as_its_rate():
                  sampler=UserPoissonSampler(users, 4, 2, Randomness(SEED)))
     plan = cal.make(rng=Randomness(SEED), parts=_parts(model, opt), optimizer=opt, sampler=own)
     assert plan.sampler is own and plan.q == 0.25 and plan.sigma == cal.sigma
+
+
+@pytest.mark.parametrize("m", MECHS, ids=["poisson", "truncated", "banded"])
+def test_one_rule_for_the_rates_the_value_records(m):
+    """The mechanism's own sampler handed in (dpft train's example-level unit) gives the value of none handed in
+    (make_private's, DPTrainer's): q, p None; any other sampler (user level, a schedule, other parameters) enters
+    as its rates (step/mechanisms.py ``Mechanism.owns``, the one rule)."""
+    mech, rng = _mech(m), Randomness(SEED)
+    priv = dict(expected_batch_size=B, target_epsilon=4.0, target_delta=1e-3)
+    plain = PlanSettings.of(mech, n=N, steps=STEPS, **priv)
+    assert PlanSettings.of(mech, n=N, steps=STEPS, sampler=mech.sampler(N, B, rng), **priv) == plain
+    assert plain.q is None and plain.partition_rate is None
+    others = [sample.ScheduledPoissonSampler(N, [(0, B)], rng), UserPoissonSampler(torch.arange(N), B, 2, rng),
+              mechanism_of("banded_mf", 2).sampler(N, B, rng), mechanism_of("gaussian", None, 12).sampler(N, B, rng),
+              mech.sampler(N, B + 1, rng)]
+    for other in others:
+        assert not mech.owns(other, N, B), type(other).__name__
+        if hasattr(other, "partition_rate") or mech.name != "banded_mf":  # banded MF draws with a cyclic sampler
+            assert PlanSettings.of(mech, n=N, steps=STEPS, sampler=other, **priv).q == other.q
 
 
 def test_make_private_saved_state_carries_the_plan_value(tmp_path):

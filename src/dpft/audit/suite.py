@@ -21,7 +21,7 @@ from typing import Optional
 
 from dpft.audit import planted as pl, trainer_walk as tw, whitebox as wb
 from dpft.audit.planted import OPTIONAL_CHECKS  # noqa: F401 - the one table, with the planted names
-from dpft.audit.ways_in_session import session_plans, train_check
+from dpft.audit.ways_in_session import planted_session, session_plans, train_check
 from dpft.audit.blackbox import CanarySetup, multi_step_game, one_run_audit, one_step_game
 from dpft.privacy.randomness import Randomness
 
@@ -141,7 +141,7 @@ def audit_recipe(recipe, quick: bool = True, planted: Optional[str] = None, prog
     family = "roberta" if "roberta" in name else "gpt2" if ("gpt" in name or r.task.name == "text") else "bert"
     p = r.privacy
     with pl.plant(planted) as extra:
-        with session_plans() as seen:
+        with session_plans() as seen, planted_session(planted):  # the session's steps rule: dpft train's row too
             trainer = tw.build_trainer(r, run_dir)
         plan = tw.row_level_plan(trainer) if planted == tw.ROW_LEVEL_USER_RECIPE else tw.trainer_plan(trainer)
         cal = {**plan, "style": p.clipping.style, "family": family, "reproducible": bool(p.reproducible),

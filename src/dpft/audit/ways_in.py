@@ -48,14 +48,13 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from dpft import PrivacyEngine, api
 from dpft.api import DoubleCaptureError, PackedBatchError, UnclippedParameterError
 from dpft.audit.planted import bug_planter
-from dpft.audit.ways_in_session import SESSION_SETTINGS, session_check
+from dpft.audit.ways_in_session import SESSION_SETTINGS, STEPS_RULE, plant_steps_rule, session_check
 from dpft.audit.whitebox import Check, tiny_classifier, tiny_rows
 from dpft.grads import live
 from dpft.integrations.hf import data as hf_data
 from dpft.integrations.hf import trainer as hf
-from dpft.session import core as session_core
 
-PLANTED = ("double_capture", "unfrozen_param", "packing_collator", "session_steps_rule")
+PLANTED = ("double_capture", "unfrozen_param", "packing_collator", STEPS_RULE)
 #: The clip norm of the built-in checks (small: every row of the tiny models is clipped).
 C = 0.05
 #: Relative slack on ``‖S‖ ≤ C`` (fp32 sums and the 1e-6 in the clip factor's denominator).
@@ -71,10 +70,7 @@ planted_bug = bug_planter(PLANTED, {
                                  p.set(hf.DPTrainer, "_check_unclipped_grads", _noop)),
     "packing_collator": lambda p: (p.set(hf_data, "check_unpacked_batch", _noop),
                                    p.set(api, "check_unpacked_batch", _noop)),
-    # the session plans with a steps rule of its own (⌈epochs·N/B⌉ without step/plan.py's float guard:
-    # epochs 1.1, N 100, B 10 gives 12 steps, not 11), as `dpft train` once did
-    "session_steps_rule": lambda p: p.set(session_core, "planned_steps",
-                                          lambda n, b, steps, epochs: steps or math.ceil(epochs * n / b)),
+    STEPS_RULE: plant_steps_rule,  # the session counts steps by a rule of its own (audit/ways_in_session.py)
 })
 
 

@@ -10,12 +10,14 @@ those σ was calibrated on (:func:`reaches_session`). The session's own properti
 The ways in: ``make_private`` and ``DPTrainer`` (audit/ways_in.py ``SESSION_WAYS``), the TRL trainers
 (audit/ways_in_trl.py), ``dpft train`` (:func:`train_check`, in ``dpft audit RECIPE``), and the mechanism
 settings through the Python ways in (audit/ways_in_mechanisms.py ``reaches_session_check``). Planted
-``session_steps_rule`` (audit/ways_in.py): the session counts steps by a rule of its own.
+``session_steps_rule`` (:func:`plant_steps_rule`; listed with audit/ways_in.py's, and planted around ``dpft
+train``'s Trainer by ``dpft audit RECIPE``: :func:`planted_session`): the session counts steps by a rule of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Iterator, Optional, Sequence
 
@@ -26,10 +28,31 @@ from dpft.audit.whitebox import Check
 from dpft.session import core as session_core
 from dpft.step.plan import PlanSettings, planned_steps
 
-__all__ = ["SESSION_SETTINGS", "reaches_session", "session_check", "session_plans", "train_check"]
+__all__ = ["SESSION_SETTINGS", "STEPS_RULE", "plant_steps_rule", "planted_session", "reaches_session",
+           "session_check", "session_plans", "train_check"]
 
 #: The settings every way in is given (issue 46: epochs 1.1, N 100, B 10 is 11 steps by step/plan.py's rule).
 SESSION_SETTINGS = dict(n=100, batch=10, epochs=1.1, epsilon=3.0, delta=1e-3, c=1.0)
+#: The planted bug of the session's one steps count.
+STEPS_RULE = "session_steps_rule"
+
+
+def plant_steps_rule(p: Any) -> None:
+    """Planted ``session_steps_rule``: the session counts steps by a rule of its own (⌈epochs·N/B⌉ without
+    step/plan.py's float guard: epochs 1.1, N 100, B 10 gives 12 steps, not 11), as ``dpft train`` once did;
+    every way in's T is the session's count (session/core.py ``PrivateSession.prepare``), so every way in's row
+    catches it where its settings tell the two rules apart. ``p``: the patches of audit/planted.py ``patched``."""
+    p.set(session_core, "planned_steps", lambda n, b, steps, epochs: steps or math.ceil(epochs * n / b))
+
+
+@contextlib.contextmanager
+def planted_session(name: Optional[str]) -> Iterator[None]:
+    """:func:`plant_steps_rule` for the duration when ``name`` is :data:`STEPS_RULE` (any other name: nothing
+    planted here; ``dpft audit RECIPE --plant`` builds ``dpft train``'s Trainer inside it)."""
+    with patched() as p:
+        if name == STEPS_RULE:
+            plant_steps_rule(p)
+        yield
 
 
 @contextlib.contextmanager

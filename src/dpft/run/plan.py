@@ -13,7 +13,7 @@ report). In order::
     data, model     run/load.py          load_run_data        rows (δ < 1/N), tokenizer, model, tokenised rows
     unit            run/unit.py          build_unit           privacy unit, its sampler, N, q
     settings, Run   run/session_args.py  recipe_settings, run_context   the session's settings; the methods' view
-    methods         session/core.py      PrivateSession.prepare  same on every rank; Method.prepare (ledger)
+    methods         session/core.py      PrivateSession.prepare  same on every rank; T; Method.prepare (ledger)
     step's model    run/step_model.py    StepModel.ready      rank 0's weights, FSDP2 shards, frozen features
     privacy plan    session/core.py      PrivateSession.plan  σ (calibrated on the ledger's events), clip and
                                                               engine (StepModel.parts), Method.build, install
@@ -151,12 +151,14 @@ def build_plan(recipe, run_dir: str | Path, *, resume: bool = False, transforms:
     settings = recipe_settings(r, mechanism, phase)
     step_model = StepModel(r, data, tokenizer, placement, world, methods, run_dir=run_dir, reuse=features,
                            cache=extra_rows is None, progress=progress)
-    ctx = run_context(r, session, data, tokenizer, model, unit, methods, total_steps=settings.planned(unit.n),
-                      run_dir=run_dir, resume=resume, progress=progress, live=live, train_phase=train_phase,
+    ctx = run_context(r, session, data, tokenizer, model, unit, methods, run_dir=run_dir, resume=resume,
+                      progress=progress, live=live, train_phase=train_phase,
                       evaluate_model=lambda m: step_model.evaluator(m))
-    # the same settings on every rank; DDP: only methods correct across ranks; earlier phases, wrapping
+    # the same settings on every rank; T counted by the session (the methods see it, may set it); DDP: only
+    # methods correct across ranks; earlier phases, wrapping
     session.prepare(settings, n_rows=len(data.train_tok), rng=session.rng, unit=unit, method_list=methods,
-                    method_registry=registered(), methods=lambda *_: RecipeMethods(methods, ctx))
+                    method_registry=registered(),
+                    methods=lambda *_: RecipeMethods(methods, ctx, session.planned))
     step_model.ready(ctx)  # rank 0's weights, FSDP2 shards, frozen features: before the engine sees them
     privacy = session.plan(  # DDP: rank 0 calibrates σ, every rank gets it
         settings, rows=ctx.train_tok, n_rows=len(data.train_tok), rng=session.rng, total_steps=ctx.total_steps,

@@ -45,19 +45,20 @@ def evaluate_with_methods(methods: list, ctx: Run, base: Callable[[], dict]) -> 
 
 
 def run_context(recipe, session: PrivateSession, data: TrainData, tokenizer, model, unit: PrivacyUnit, methods: list,
-                *, total_steps: int, run_dir: Path, resume: bool, progress: bool, live: Path,
+                *, run_dir: Path, resume: bool, progress: bool, live: Path,
                 train_phase: Optional[PhaseRunner], evaluate_model: Callable[[Any], dict]) -> Run:
     """The methods' view of one ``dpft train`` run (methods/base.py :class:`~dpft.methods.base.Run`):
-    the session's key and ledger, the rows, model and loss, the unit (N, q, sampler), the planned
-    steps; ``evaluate`` runs the methods' own evaluation or ``evaluate_model(model)``; an
-    optimizer factory over the recipe's optimizer; ``train_phase``: the driver's phase runner."""
+    the session's key and ledger, the rows, model and loss, the unit (N, q, sampler); the planned
+    steps: the session's count, set as the session prepares the methods (:class:`RecipeMethods`);
+    ``evaluate`` runs the methods' own evaluation or ``evaluate_model(model)``; an optimizer factory
+    over the recipe's optimizer; ``train_phase``: the driver's phase runner."""
     r, w = recipe, session.world
     ctx = Run(recipe=r, run_dir=run_dir, resume=resume, progress=progress, private=r.privacy.enabled,
               rng=session.rng, ledger=session.ledger, live_ledger_path=live, task=data.task, tokenizer=tokenizer,
               model=model, loss_fn=(seq2seq_lm_loss if data.seq2seq else causal_lm_loss if data.causal
                                     else classification_loss),
               train_tok=data.train_tok, dev_tok=data.dev_tok, n=unit.n, q=unit.q, sampler=unit.sampler,
-              total_steps=total_steps, evaluate=lambda: evaluate_with_methods(methods, ctx, lambda: evaluate_model(
+              total_steps=0, evaluate=lambda: evaluate_with_methods(methods, ctx, lambda: evaluate_model(
                   ctx.model)), make_optimizer=lambda params: build_optimizer(r.optimizer, params),
               train_phase=train_phase, is_main=w.is_main, rank=w.rank, world_size=w.world_size)
     return ctx
@@ -68,10 +69,12 @@ class RecipeMethods:
     ``methods``: :meth:`prepare` runs each one's ``prepare`` on the run (earlier private phases
     append to the ledger; it may wrap model, loss, rows or set the length), :attr:`hooks` are their
     ``build`` (each returns a changed copy of the step's spec), :meth:`on_sigma` sets ``Run.sigma``
-    before the hooks read it (0 for a non-private run)."""
+    before the hooks read it (0 for a non-private run). ``planned``: the session's count of the
+    run's steps (session/core.py ``PrivateSession.prepare``), the methods' ``Run.total_steps``."""
 
-    def __init__(self, methods: list, ctx: Run):
+    def __init__(self, methods: list, ctx: Run, planned: int):
         self.methods, self.ctx = list(methods), ctx
+        ctx.total_steps = planned
 
     def prepare(self) -> None:
         for m in self.methods:

@@ -87,8 +87,8 @@ class PrivateSession:
 
     Construct with :meth:`open`. Attributes set by :meth:`prepare` (which :meth:`plan` calls):
     ``unit`` (the way in's unit, or the user-level :class:`~dpft.step.unit.PrivacyUnit` built from
-    ``users``; None at example level), ``user_level``, ``n`` (N units), ``methods`` (what the way
-    in's factory returned, prepared); by :meth:`plan`: ``planned`` (logical steps, or None).
+    ``users``; None at example level), ``user_level``, ``n`` (N units), ``planned`` (logical steps,
+    or None: neither steps nor epochs), ``methods`` (what the way in's factory returned, prepared).
     """
 
     world: ddp.World
@@ -100,7 +100,8 @@ class PrivateSession:
     n: Optional[int] = None
     planned: Optional[int] = None
     methods: Any = None
-    #: The unit's sampler (the way in's, or the user-level one); None: the mechanism's own (step/plan.py).
+    #: The unit's sampler (the way in's, or the user-level one); None: the plan builds the mechanism's own. The plan
+    #: value records the same for the mechanism's own sampler handed in (step/mechanisms.py ``Mechanism.owns``).
     unit_sampler: Any = None
     #: The settings :meth:`prepare` ran for, until the next :meth:`plan` (which prepares itself otherwise).
     prepared: Optional[SessionSettings] = field(default=None, repr=False)
@@ -152,7 +153,9 @@ class PrivateSession:
                 methods: Optional[Callable[[int, Randomness, bool], Any]] = None,
                 method_list: Sequence = (), method_registry: Optional[dict] = None, same: Any = None) -> None:
         """Everything before the plan, in order: the privacy unit and N units; the same settings on
-        every rank (``same`` added to them); the methods run across ranks; the methods prepared.
+        every rank (``same`` added to them); the planned steps :attr:`planned` (``s.planned(N)``: the
+        one count of every way in, before the methods see it); the methods run across ranks; the
+        methods prepared.
 
         Args:
             n_rows: N rows; rng: this loop's randomness (a child of :attr:`rng`).
@@ -176,7 +179,7 @@ class PrivateSession:
             n = self.unit.n if self.unit is not None else n_rows
             self.user_level = self.unit_sampler is not None
         self.check_same((n_rows, n, *s.same_on_every_rank(), same))
-        self.n = n
+        self.n, self.planned = n, s.planned(n)
         ddp.check_methods(self.world, list(method_list), registry=method_registry)
         self.methods = methods(n, rng, self.user_level) if methods is not None else None
         if self.methods is not None:
@@ -195,7 +198,8 @@ class PrivateSession:
 
         In order: :meth:`prepare` (unless it ran for ``s``: then its unit and methods stand, and
         ``users``, ``unit``, ``methods``, ``method_list`` and ``same``
-        are its, not read here); the planned steps (``total_steps``, else ``s.planned(N)``); σ
+        are its, not read here); the planned steps (:attr:`planned`, counted by :meth:`prepare`;
+        ``total_steps``: the length the way in's methods set in their ``prepare``, ``dpft train``'s); σ
         calibrated by rank 0 on the events this loop records after those the ledger holds (the
         methods' ``on_sigma`` told); the methods' ``build`` hooks; the mechanism's install. The spec's
         clip is then the engine's (a method may swap it); user-level group clipping on an engine that
@@ -216,7 +220,8 @@ class PrivateSession:
             self.prepare(s, n_rows=n_rows, rng=rng, unit=unit, users=users, methods=methods,
                          method_list=method_list, same=same)
         self.prepared = None  # one preparation per plan: a later plan prepares anew
-        self.planned = total_steps if total_steps is not None else s.planned(self.n)
+        if total_steps is not None:
+            self.planned = total_steps
         w, m = self.world, self.methods
         plan = build_privacy_plan(
             n=self.n, steps=self.planned or 0, mechanism=s.mechanism, **s.privacy_settings(), rng=rng, parts=parts,

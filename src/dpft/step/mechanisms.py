@@ -49,6 +49,8 @@ class Mechanism:
 
     name = "gaussian"
     stateful = False
+    #: the class :meth:`sampler` builds (:meth:`owns`)
+    _sampler_class = PoissonSampler
 
     def __init__(self, names: Optional[dict] = None):
         self.names = dict(KWARG_NAMES if names is None else names)
@@ -74,6 +76,18 @@ class Mechanism:
         """The logical-batch sampler over N units (raises ValueError naming the fix)."""
         return PoissonSampler(n, expected_batch_size, rng)
 
+    def owns(self, sampler: Any, n: int, expected_batch_size: int) -> bool:
+        """``sampler`` is this mechanism's own batch selection over N units at B (what :meth:`sampler`
+        builds: its class and parameters), not a unit's own (user level, a batch schedule). The one
+        rule of what the plan value records of a sampler (step/plan.py ``PlanSettings.of``): no rates
+        for the mechanism's own (q = B/N, banded p = b·B/N follow from the settings), the rates of
+        any other — the same value for the same settings whichever way in handed the sampler."""
+        return (type(sampler) is self._sampler_class and sampler.n == n
+                and sampler.expected_batch_size == expected_batch_size and self._same_parameters(sampler))
+
+    def _same_parameters(self, sampler: Any) -> bool:
+        return True
+
     def event_of(self, n: int, q: float, steps: int, partition_rate: Optional[float] = None
                  ) -> Optional[Callable[[float], Any]]:
         """``σ -> DpEvent`` of ``steps`` steps at rate q over N units (``partition_rate``: p of
@@ -98,6 +112,8 @@ class Mechanism:
 class TruncatedPoisson(Mechanism):
     """Poisson sampling truncated to at most ``max_batch_size`` examples (a uniformly random
     subset when more are drawn); the ledger records ``TruncatedSubsampledGaussianDpEvent``."""
+
+    _sampler_class = TruncatedPoissonSampler
 
     def __init__(self, max_batch_size: int, names: Optional[dict] = None):
         super().__init__(names)
@@ -127,6 +143,9 @@ class TruncatedPoisson(Mechanism):
 
     def sampler(self, n, expected_batch_size, rng):
         return TruncatedPoissonSampler(n, expected_batch_size, rng, self.max_batch_size)
+
+    def _same_parameters(self, sampler):
+        return sampler.max_batch_size == self.max_batch_size
 
     def event_of(self, n, q, steps, partition_rate=None):
         b = self.max_batch_size
@@ -168,6 +187,7 @@ class BandedMF(Mechanism):
 
     name = "banded_mf"
     stateful = True
+    _sampler_class = CyclicPoissonSampler
 
     def __init__(self, bands: int, names: Optional[dict] = None):
         super().__init__(names)
@@ -208,6 +228,9 @@ class BandedMF(Mechanism):
     def sampler(self, n, expected_batch_size, rng):
         self.partition_rate(n, expected_batch_size)
         return CyclicPoissonSampler(n, expected_batch_size, rng, self.bands)
+
+    def _same_parameters(self, sampler):
+        return sampler.bands == self.bands
 
     def event_of(self, n, q, steps, partition_rate=None):
         p, b = partition_rate, self.bands

@@ -138,7 +138,8 @@ class PrivacySettings:
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings(PrivacySettings):
     """The privacy settings of one phase in simple types (JSON: :meth:`to_dict`), before σ: the
-    :class:`PrivacySettings` and N, T and the mechanism's.
+    :class:`PrivacySettings` and N, T and the mechanism's — the same value for the same settings
+    whichever way in built it.
 
     Attributes:
         n: N privacy units (rows, or users); steps: planned logical steps (:func:`planned_steps`).
@@ -147,7 +148,8 @@ class PlanSettings(PrivacySettings):
         q: the sampling rate of the unit's own sampler (user level, a batch schedule); None: B/N,
             the mechanism's sampler. partition_rate: p of the own cyclic sampler (banded MF);
             None: b·B/N.
-        names: ``(setting, spelling)`` pairs of the way in's refusals (() : keyword spellings).
+        names: ``(setting, spelling)`` pairs of the way in's refusals (() : keyword spellings);
+            wording only, not part of the value (left out of equality and of :meth:`to_dict`).
     """
 
     n: int
@@ -157,26 +159,31 @@ class PlanSettings(PrivacySettings):
     max_batch_size: Optional[int] = None
     q: Optional[float] = None
     partition_rate: Optional[float] = None
-    names: tuple = ()
+    names: tuple = dataclasses.field(default=(), compare=False)
 
     @classmethod
     def of(cls, mechanism: Mechanism, *, n: int, steps: int, sampler: Any = None, **privacy) -> "PlanSettings":
-        """The settings of a live ``mechanism`` (and of the unit's own ``sampler``, read as its
-        rates: q, and banded MF's p when private); ``privacy``: the :class:`PrivacySettings` fields
-        by name (``expected_batch_size`` required)."""
+        """The settings of a live ``mechanism`` and the ``sampler`` the plan draws with (None: the
+        mechanism's, built by :meth:`CalibratedPlan.make`); ``privacy``: the :class:`PrivacySettings`
+        fields by name (``expected_batch_size`` required). One rule for every way in
+        (:meth:`~dpft.step.mechanisms.Mechanism.owns`): the mechanism's own sampler adds nothing (q,
+        p None: B/N, b·B/N), a unit's own (user level, a batch schedule) enters as its rates (q,
+        and banded MF's p when private)."""
         part = mechanism.settings()
+        if sampler is not None and mechanism.owns(sampler, int(n), int(privacy["expected_batch_size"])):
+            sampler = None
         own_p = sampler is not None and privacy.get("private", True) and part["mechanism"] == "banded_mf"
         return cls(n=int(n), steps=int(steps), **part, **privacy, q=None if sampler is None else float(sampler.q),
                    partition_rate=sampler.partition_rate if own_p else None,
                    names=() if mechanism.names == KWARG_NAMES else tuple(mechanism.names.items()))
 
     def to_dict(self) -> dict:
-        """JSON-serialisable: simple values, ``names`` as a mapping (:meth:`from_dict` inverts)."""
-        return {**dataclasses.asdict(self), "names": dict(self.names)}
+        """JSON-serialisable: the simple values, without ``names`` (:meth:`from_dict` inverts)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "names"}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PlanSettings":
-        """The settings :meth:`to_dict` wrote."""
+        """The settings :meth:`to_dict` wrote (an older value's ``names`` mapping read as its spelling)."""
         return cls(**{**d, "names": tuple(dict(d.get("names") or {}).items())})
 
     def mechanism_part(self) -> Mechanism:
@@ -261,7 +268,7 @@ class CalibratedPlan:
             parts: ``sampler -> (clip, engine)``, the front end's clip policy and per-example engine.
             optimizer: the step's optimizer (or a stand-in whose step the front end drives); or
                 optimizer_factory: ``engine.params -> optimizer``.
-            sampler: the unit's own sampler (its rates must be the settings'); default: the mechanism's.
+            sampler: the sampler to draw with (its rates must be the settings'); default: the mechanism's.
             hooks: ``spec -> spec`` (the methods' ``build``), applied before the mechanism's install.
             rows: the training rows the sampler indexes (a stateful mechanism fingerprints them).
             padded: rows are padded to fixed shapes (truncated Poisson masks the padding).
@@ -315,7 +322,8 @@ def build_privacy_plan(*, n: int, steps: int, mechanism: Mechanism, rng, parts: 
         optimizer: the step's optimizer (or a stand-in whose step the front end drives); or
             optimizer_factory: ``engine.params -> optimizer``.
         prior: the ledger's earlier events; calibrate: runs the calibration (DDP: rank 0).
-        sampler: the unit's own sampler (user level, a batch schedule) instead of the mechanism's.
+        sampler: the sampler to draw with: a unit's own (user level, a batch schedule), or the
+            mechanism's (dpft train builds it with its unit; the value records it as none given).
         hooks: ``spec -> spec`` (the methods' ``build``), applied before the mechanism's install.
         on_sigma: called with σ as soon as it is resolved, before ``parts`` and the hooks (a
             method's ``build`` reads ``run.sigma``: DP-Adam-AC's gradient and count noise).
