@@ -59,12 +59,13 @@ def choose_scope(n: int, epsilon: Optional[float], pair: bool = False) -> tuple[
     """(scope, why) for N training rows at target ε (None: non-private); ``pair``: rows of two texts."""
     if pair and n <= HEAD_MAX_ROWS:
         return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}, rows of two texts: the probe on siamese pair features (each "
-                        "text encoded alone, the head on [u, v, |u - v|, u * v]; model.pair: siamese) is the best "
-                        "private arm measured (QNLI, 4,000 rows, ε = 8: 0.664 ± 0.009 over 3 seeds, against the "
-                        "jointly encoded probe's 0.542 ± 0.007 and the top 2 blocks' 0.514 in one 21-minute run; "
-                        "chance 0.50; benchmarks/results/scope_evidence.md); without DP the top 2 blocks reach "
-                        "0.734 and every block 0.810 on the same rows (one run each): expect well under what the "
-                        "data allows at this size — more rows, a larger ε or a stronger encoder")
+                        "text encoded alone, the head on [u, v, |u - v|, sqrt(H) * u * v]; model.pair: siamese) is "
+                        "the best private arm measured (QNLI, 4,000 rows, 3 seeds: 0.736 ± 0.012 at ε = 8, "
+                        "0.717 ± 0.009 at ε = 1, against the jointly encoded probe's 0.542 ± 0.007 and the top 2 "
+                        "blocks' 0.514 in one 21-minute run at ε = 8; chance 0.50; "
+                        "benchmarks/results/scope_evidence.md); without DP the top 2 blocks reach 0.734 and every "
+                        "block 0.810 on the same rows (one run each): expect about 7 points under what the data "
+                        "allows at this size — more rows or a larger ε move a fine-tune ahead")
     if n <= HEAD_MAX_ROWS:
         return "head", (f"N = {n} ≤ {HEAD_MAX_ROWS}: at this size a DP linear probe on the frozen features is at or "
                         "above fine-tuning the top blocks (5,000 rows, ε = 8, 3 seeds: SST-2 0.796 ± 0.002 against "
@@ -124,7 +125,7 @@ def scope_overrides(recipe, scope: str, n: int, keep_length: bool = True) -> dic
             else:
                 out[k] = bundle[k]
     if scope == "head" and _pairs(recipe) and recipe.model.pooling == "mean" and recipe.model.pair == "joint":
-        out["model.pair"] = "siamese"  # rows of two texts: each encoded alone (docs/features.md, +12 points on QNLI)
+        out["model.pair"] = "siamese"  # rows of two texts: each encoded alone (docs/features.md, +19 points on QNLI)
         if recipe.model.max_length == _get(base, "model.max_length"):
             out["model.max_length"] = 128  # two texts in one encoding (scope_evidence.py's probe_pair arm)
     return out
