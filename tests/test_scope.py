@@ -62,8 +62,26 @@ def test_the_scope_in_a_search_space_brings_its_batch_and_schedule(tmp_path):
                           tmp_path / "s.jsonl", False, ["neg", "pos"], 4000)
     assert rec.trainable.mode == "head" and rec.batch.expected_batch_size == 1000 and rec.schedule.epochs == 25
     assert rec.optimizer.lr == 0.05 and rec.privacy.clipping.style == "flat"  # the sampled lr over the bundle's
-    with pytest.raises(ValueError, match="choose among head, last_k"):
-        load_recipe(None, {"tune": {"space": {"trainable.mode": {"choice": ["full"]}}}})
+    with pytest.raises(ValueError, match="choose among head, last_k, full, lora"):
+        load_recipe(None, {"tune": {"space": {"trainable.mode": {"choice": ["bias"]}}}})
+
+
+def test_every_block_and_lora_are_scopes_a_search_may_choose(tmp_path):
+    """``full`` and ``lora`` in ``tune.space.trainable.mode`` (issue 45 item 4): q = 1/8 for 5 epochs each (the
+    measured full_dp / lora_dp arms), accounted as they run; LoRA at its own lr 1e-3, full at the recipe's."""
+    from dpft.run import tune as T
+
+    r = load_recipe(None, dict(CLASSIFICATION, **{
+        "trainable.mode": "last_k", "privacy.target_epsilon": 8.0, "schedule.steps": 40,
+        "tune": {"space": {"trainable.mode": {"choice": ["head", "last_k", "full", "lora"]}}}}))
+    plans = {c["trainable.mode"]: T._steps_and_q(r, c, 4000) for c in T.configurations(r)}
+    assert plans["full"] == plans["lora"] == (500 / 4000, 40)  # B = N/8, 5 epochs
+    assert plans["head"] == (1000 / 4000, 100) and plans["last_k"] == (256 / 4000, 40)
+    for scope, lr in (("full", 3e-4), ("lora", 1e-3)):
+        rec = T._trial_recipe(r, {"trainable.mode": scope}, 1.0, tmp_path / "f.jsonl", tmp_path / "s.jsonl", False,
+                              ["neg", "pos"], 4000)
+        assert rec.trainable.mode == scope and rec.batch.expected_batch_size == 500 and rec.schedule.epochs == 5
+        assert rec.optimizer.lr == lr and rec.privacy.clipping.style == "head_body"  # the recipe's clipping
 
 
 def test_scope_choices_of_the_schema_are_the_rules_scopes():

@@ -437,3 +437,32 @@ def test_a_head_search_computes_its_frozen_features_once(tiny_model_dir, sst_lik
     assert trials["n"] >= 2  # K = 2 under seed 7 (+ the released model's own evaluation, if any)
     assert calls["n"] == 2  # one pass over the train rows and one over the dev rows, for the whole search
     assert not list((tmp_path / "t").rglob("*.npy"))  # nothing of the cache in the run folder
+
+
+@pytest.mark.slow
+def test_a_search_over_the_full_and_lora_scopes_runs_each_as_its_bundle(tiny_model_dir, sst_like_files, tmp_path,
+                                                                         monkeypatch):
+    """``tune.space.trainable.mode: {choice: [full, lora]}`` (issue 45 item 4) end to end on the tiny model: every
+    trial runs the scope it drew with that scope's batch and schedule (q = 1/8, 5 epochs), and one model is
+    released with the search's ε."""
+    from dpft.run import tune as T
+    from dpft.run.loop import Trainer
+
+    seen = []
+    real_init = Trainer.__init__
+
+    def spy(self, recipe, *a, **kw):
+        seen.append((recipe.trainable.mode, recipe.batch.expected_batch_size, recipe.schedule.epochs))
+        return real_init(self, recipe, *a, **kw)
+
+    monkeypatch.setattr(Trainer, "__init__", spy)
+    rec = tune_recipe(tiny_model_dir, sst_like_files, **{
+        "model.pooling": "mean", "trainable.mode": "last_k", "trainable.last_k": 1,
+        "tune": {"trials": {"distribution": "truncated_negative_binomial", "mean": 2.0, "eta": 1.0},
+                 "score_fraction": 0.3, "space": {"trainable.mode": {"choice": ["full", "lora"]}}}})
+    rep = T.tune(rec, tmp_path / "t", progress=False)
+    modes = {m for m, _, _ in seen}
+    assert seen and modes <= {"full", "lora"}
+    assert all(e == 5.0 for m, _, e in seen if m in ("full", "lora"))
+    assert rep["epsilon"] <= 8.0 + 1e-6
+    assert sum(1 for p in (tmp_path / "t").rglob("config.json") if p.parent.name != "tune_private") >= 1

@@ -60,8 +60,10 @@ def time_budget_steps(cls, data: Any) -> Any:
 #: those must be ``choice`` (a finite set of configurations, each calibrated and bounded).
 PRIVACY_KEYS = ("batch.expected_batch_size", "schedule.steps", "schedule.epochs", "trainable.mode")
 #: The scopes a search may choose between (``trainable.mode`` in ``tune.space``; each brings its own batch and
-#: schedule for the fit rows, run/scope.py).
-SCOPE_CHOICES = ("head", "last_k")
+#: schedule for the fit rows, run/scope.py). LP-FT is not among them: it splits a target ε between two phases
+#: at two sampling rates, while a search's trial runs at the σ the search calibrates for one (q, T) per
+#: candidate (run/tune.py), so ``dpft tune`` refuses it up front (run/tune_space.py ``check_search_methods``).
+SCOPE_CHOICES = ("head", "last_k", "full", "lora")
 FREE_KEYS = ("optimizer.lr", "optimizer.head_lr", "optimizer.weight_decay", "privacy.clipping.max_norm",
              "trainable.last_k", "trainable.lora.r", "trainable.lora.alpha")
 
