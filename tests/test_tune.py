@@ -194,6 +194,9 @@ def test_audit_tune_planted_bugs_are_caught():
     assert C._noisy_score(None).passed and not C._noisy_score("score_without_noise").passed
     assert C._one_release(None).passed and not C._one_release("losing_models_released").passed
     assert C._uncovered_charged(None).passed and not C._uncovered_charged("uncovered_trial_hidden").passed
+    honest = C._scope_candidates(None)
+    assert honest.passed and "full" in honest.message and "lora" in honest.message, honest.message
+    assert not C._scope_candidates("scope_schedule_uncharged").passed  # issue 45: a scope's own (q, T)
     from dpft.audit import checks_tune_release as R  # issue 44
 
     for check, bug in ((R._silent_trials, "trial_publishes"), (R._lock_held, "search_skips_lock"),
@@ -207,7 +210,7 @@ def test_audit_tune_checks_pass():
     from dpft.audit.checks_tune import tune_checks
 
     checks = tune_checks()
-    assert len(checks) == 12 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
+    assert len(checks) == 13 and all(c.passed for c in checks), [c.row() for c in checks if not c.passed]
     # a profile bound computed in our favour (the R^{η+1} factor on δ dropped) is caught
     from dpft.audit.checks_tune import _selection_epsilon
 

@@ -27,6 +27,9 @@
   for that (B, T) and is within the target; the choice is the smallest σ/B among its candidates.
   Planted ``auto_single_run_sigma`` ((B, T) and σ chosen against ONE run's ε instead of the search's
   bound, an overspend) fails it.
+* **each scope a search may choose is charged as it runs** (issue 45) — ``tune.space.trainable.mode``'s
+  candidates (head, last_k, full, lora) are accounted at the (q, T) their trial recipes run; planted
+  ``scope_schedule_uncharged`` (a candidate accounted at the recipe's own batch and steps) fails it.
 * **what a search lets out, its folder** (audit/checks_tune_release.py, issue 44): silent trials, the
   run lock, one ledger entry per search, one score per trial across crashes.
 """
@@ -54,7 +57,10 @@ from dpft.audit.whitebox import Check
 from dpft.methods.base import registered
 from dpft.models.losses import classification_loss
 from dpft.step.build import build_clip, build_step_spec, make_engine
-from dpft.config.recipe import Recipe
+from dpft.config.recipe import Recipe, load_recipe
+from dpft.config.tune import SCOPE_CHOICES
+from dpft.run.defaults import CLASSIFICATION
+from dpft.step.plan import planned_steps
 from dpft.privacy.randomness import Randomness
 from dpft.run import tune as T
 from dpft.run import tune_space as TS
@@ -63,7 +69,7 @@ __all__ = ["PLANTED", "tune_checks"]
 
 #: Planted bugs :func:`tune_checks` must catch.
 PLANTED = ("k_fixed", "score_without_noise", "losing_models_released", "profile_ratio_dropped",
-           "uncovered_trial_hidden", "auto_single_run_sigma") + RELEASE_PLANTED
+           "uncovered_trial_hidden", "auto_single_run_sigma", "scope_schedule_uncharged") + RELEASE_PLANTED
 
 #: The options that switch each search-safe built-in method fully on (audited by :func:`_method_events`).
 METHOD_ON = {"rmt": {"method": "rmt", "kappa": 1.1},
@@ -262,6 +268,29 @@ def _method_events(planted=None) -> Check:
     return Check("tune: methods a search may vary keep the step's privacy events", ok, "; ".join(rows))
 
 
+def _scope_candidates(planted=None) -> Check:
+    """Each scope a search may choose (``tune.space.trainable.mode``, issue 45) is charged at the (q, T) its
+    trial runs: the candidate's accounted (q, T) (run/tune.py ``_steps_and_q``) equals the trial recipe's B / N
+    and its steps by step/plan.py's one rule, for every scope. Planted ``scope_schedule_uncharged`` (the
+    candidate accounted at the recipe's own batch and steps, not its scope's) fails it."""
+    r = load_recipe(None, dict(CLASSIFICATION, **{
+        "trainable.mode": "last_k", "privacy.target_epsilon": 8.0, "schedule.steps": 40,
+        "tune": {"space": {"trainable.mode": {"choice": list(SCOPE_CHOICES)}}}}))
+    n, rows, ok = 4000, [], True
+    patch = (mock.patch.object(T, "_with_scope", lambda r, combo, n: combo) if planted == "scope_schedule_uncharged"
+             else mock.patch.object(T, "_with_scope", T._with_scope))
+    with patch, tempfile.TemporaryDirectory() as d:
+        for combo in T.configurations(r):
+            q, steps = T._steps_and_q(r, combo, n)
+            rec = T._trial_recipe(r, combo, 1.0, Path(d) / "fit.jsonl", Path(d) / "score.jsonl", False, ["a", "b"], n)
+            b = int(rec.batch.expected_batch_size)
+            runs = (b / n, planned_steps(n, b, rec.schedule.steps, rec.schedule.epochs))
+            ok &= math.isclose(q, runs[0]) and steps == runs[1]
+            rows.append(f"{combo['trainable.mode']}: charged q = {q:.4g}, T = {steps}; runs q = {runs[0]:.4g}, "
+                        f"T = {runs[1]}")
+    return Check("tune: each scope a search may choose is charged at the (q, T) its trial runs", ok, "; ".join(rows))
+
+
 def _uncovered_charged(planted=None) -> Check:
     """A trial spending more than every candidate (a method adding a release) is composed on top."""
     with tempfile.TemporaryDirectory() as d:
@@ -340,5 +369,5 @@ def tune_checks(planted: str | None = None) -> list:
     if planted is not None and planted not in PLANTED:
         raise ValueError(f"unknown planted tune bug {planted!r}; known: {PLANTED}")
     return [_k_law(planted), _selection_epsilon(planted), _noisy_score(planted), _one_release(planted),
-            _method_events(planted), _uncovered_charged(planted), _auto_search(planted),
+            _method_events(planted), _uncovered_charged(planted), _auto_search(planted), _scope_candidates(planted),
             *release_checks(planted)]  # issue 44: silent trials, the lock, the ledger per search, one score

@@ -53,7 +53,7 @@ OPTIONAL_CHECKS = (
     # issue 35: private hyperparameter search (dpft tune)
     ("dpft.audit.checks_tune", "tune_checks", ("k_fixed", "score_without_noise", "losing_models_released",
                                                "profile_ratio_dropped", "uncovered_trial_hidden",
-                                               "auto_single_run_sigma",
+                                               "auto_single_run_sigma", "scope_schedule_uncharged",
                                                # issue 44 (audit/checks_tune_release.py)
                                                "trial_publishes", "search_skips_lock", "ledger_entry_replaced",
                                                "score_redrawn_on_resume", "trial_prints")),
